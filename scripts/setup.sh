@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent setup: a project venv in .venv with torch (CPU wheel when no torch is present) and this
+# project installed editable with its test extras. Safe to run on every invocation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  # Install torch before the project: a bare `torch` requirement with no torch present resolves to a
+  # CUDA build of several GB. 2.13.0 lies on this workplace's disk as a CPU wheel; elsewhere fall back
+  # to the official CPU index.
+  "$VPY" -m pip install -q torch==2.13.0 \
+    || "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+stamp=.venv/.dflash-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VPY" -m pip install -q -e '.[test]'
+  touch "$stamp"
+fi
