@@ -1,0 +1,266 @@
+"""Per-rank control endpoint: a Unix socket a live process answers `state` queries on.
+
+`dflash-profile snapshot --pid PID` finds the socket through the discovery file
+/tmp/dflash-$UID/PID.json and asks for the live state (open spans, last interval, memory).
+Protocol: one JSON line in ({"cmd": "state"} or {"cmd": "ping"}), one JSON line out
+({"ok": true, ...} or {"ok": false, "error": "..."}), then the server closes the connection.
+Only the owning user can connect: socket mode 0600, discovery dir 0700, and the peer's uid is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger("profiler")
+
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+MAX_REQUEST_BYTES = 64 * 1024
+CLIENT_TIMEOUT_S = 2.0
+ACCEPT_POLL_S = 0.2  # how quickly close() stops the server thread
+
+
+def default_discovery_dir() -> Path:
+    return Path("/tmp") / f"dflash-{os.getuid()}"
+
+
+def _private_dir(path: Path) -> Path:
+    """Create `path` (mode 0700) or check that an existing one is ours, then make it 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _socket_is_live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_REQUEST_BYTES and b"\n" not in data:
+            raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes without a newline")
+    return data.split(b"\n", 1)[0]
+
+
+class ControlServer:
+    """Unix-socket endpoint of one rank, served by a daemon thread, plus its discovery file."""
+
+    def __init__(self, run_dir, rank: int, role: str, state_fn, discovery_dir=None):
+        self.run_dir = Path(run_dir).resolve()
+        self.rank = int(rank)
+        self.role = str(role)
+        self._state_fn = state_fn
+        self.discovery_dir = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
+        self.pid = os.getpid()
+        self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
+        preferred = str(self.run_dir / "control" / f"rank{self.rank}.sock")
+        self.socket_fallback = len(os.fsencode(preferred)) > MAX_SOCKET_PATH_BYTES
+        self.socket_path = self._fallback_path() if self.socket_fallback else preferred
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._started_unix: float | None = None
+        self.error: str | None = None  # why start() failed, if it did
+
+    def _fallback_path(self) -> str:
+        return str(self.discovery_dir / f"rank{self.rank}-{self.pid}.sock")
+
+    def start(self) -> None:
+        """Bind, write the discovery file and serve. Telemetry never kills training: a failure
+        (unwritable dir, path too long even in /tmp) logs once and leaves the endpoint off, with
+        the reason in self.error."""
+        if self._thread is not None:
+            return
+        try:
+            self._start()
+        except Exception as exc:  # noqa: BLE001
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("control endpoint disabled: %s", self.error)
+            self.close()
+
+    def _start(self) -> None:
+        if self.socket_fallback:
+            _private_dir(self.discovery_dir)
+        else:
+            (self.run_dir / "control").mkdir(parents=True, exist_ok=True)
+            if os.path.exists(self.socket_path) and _socket_is_live(self.socket_path):
+                # Another live process (same run dir and rank) owns it: do not steal it.
+                logger.warning("control socket %s is in use by another process; using a /tmp path", self.socket_path)
+                _private_dir(self.discovery_dir)
+                self.socket_fallback = True
+                self.socket_path = self._fallback_path()
+        if os.path.lexists(self.socket_path):
+            os.unlink(self.socket_path)  # stale socket of a dead process (e.g. a resumed run)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.socket_path)
+            os.chmod(self.socket_path, 0o600)  # before listen(): nobody can connect before this
+            sock.listen(8)
+            sock.settimeout(ACCEPT_POLL_S)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._started_unix = time.time()
+        self._write_discovery()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, name="profiler-control", daemon=True)
+        self._thread.start()
+
+    def _write_discovery(self) -> None:
+        _private_dir(self.discovery_dir)
+        record = {
+            "pid": self.pid,
+            "rank": self.rank,
+            "role": self.role,
+            "run_dir": str(self.run_dir),
+            "socket_path": self.socket_path,
+            "socket_fallback": self.socket_fallback,
+            "start_time_unix": self._started_unix,
+        }
+        tmp = f"{self.discovery_path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.write("\n")
+        os.replace(tmp, self.discovery_path)  # readers never see a half-written file
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=ACCEPT_POLL_S + CLIENT_TIMEOUT_S + 1.0)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            # Only files this server created: the socket it bound and its own discovery file.
+            for path in (self.socket_path, self.discovery_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    # ---- server thread ------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("control endpoint accept failed: %s", exc)
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            try:
+                self._handle(conn)
+            except Exception as exc:  # noqa: BLE001 - a bad client never kills the server
+                logger.debug("control endpoint client error: %s", exc)
+            finally:
+                conn.close()
+
+    def _peer_uid(self, conn: socket.socket) -> int | None:
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except (AttributeError, OSError):
+            return None  # no SO_PEERCRED on this platform: the 0600 mode is the guard
+        return struct.unpack("3i", creds)[1]
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(CLIENT_TIMEOUT_S)
+        uid = self._peer_uid(conn)
+        if uid is not None and uid not in (os.getuid(), 0):
+            reply = {"ok": False, "error": f"uid {uid} may not query this process"}
+        else:
+            reply = self._reply(_read_line(conn))
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def _reply(self, line: bytes) -> dict:
+        try:
+            request = json.loads(line)
+        except ValueError as exc:
+            return {"ok": False, "error": f"request is not a JSON line: {exc}"}
+        cmd = request.get("cmd") if isinstance(request, dict) else None
+        if cmd == "ping":
+            return {"ok": True, "pid": self.pid, "rank": self.rank, "role": self.role}
+        if cmd != "state":
+            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected 'state' or 'ping')"}
+        try:
+            state = self._state_fn()
+            json.dumps(state)  # fail here, with the reason, rather than half-way through sending
+        except Exception as exc:  # noqa: BLE001 - a failing state_fn never kills the server
+            return {"ok": False, "error": f"state_fn failed: {type(exc).__name__}: {exc}"}
+        return {"ok": True, "state": state}
+
+
+class NullControlServer:
+    """Stands in for ControlServer when the endpoint is off."""
+
+    socket_path = None
+    discovery_path = None
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0) -> dict:
+    """Ask a live endpoint. Never raises for a dead or missing endpoint: returns ok=false with why."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(socket_path)
+        sock.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
+        line = _read_line(sock)
+    except (OSError, ValueError) as exc:
+        return {"ok": False, "error": f"control endpoint {socket_path}: {type(exc).__name__}: {exc}"}
+    finally:
+        sock.close()
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        return {"ok": False, "error": f"control endpoint {socket_path} sent a bad reply: {exc}"}
+
+
+def discover(pid: int, discovery_dir=None) -> dict | None:
+    """The discovery record of process `pid`, or None when it has none (no endpoint, or not ours)."""
+    directory = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
+    path = directory / f"{int(pid)}.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"discovery file {path} is not valid JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("pid") != int(pid):
+        raise ValueError(f"discovery file {path} does not describe pid {pid}")
+    return record

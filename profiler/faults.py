@@ -1,0 +1,160 @@
+"""Fault injection for tests: DFLASH_FAULT="KIND@SPAN[:step=N][:rank=R]", several separated by ';'.
+
+KIND is one of nan, oom, crash, hang, slow=SECONDS. The faults go through the real code paths the
+forensics watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's output, a stuck span),
+so tests exercise exactly what a real failure would. Examples:
+    DFLASH_FAULT="nan@drafter.fwd_bwd:step=3"
+    DFLASH_FAULT="slow=0.5@target.fwd:rank=0;crash@drafter.optim:step=10:rank=1"
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("profiler")
+
+ENV_VAR = "DFLASH_FAULT"
+KINDS = ("nan", "oom", "crash", "hang", "slow")
+_SPAN_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
+_EXPECTED = "expected KIND@SPAN[:step=N][:rank=R] with KIND one of nan, oom, crash, hang, slow=SECONDS"
+
+
+class InjectedFault(RuntimeError):
+    """An injected crash (DFLASH_FAULT=crash@SPAN)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    """One of nan, oom, crash, hang, slow."""
+    span: str
+    """The span name whose entry (or, for nan, whose corrupt() hook) fires the fault."""
+    step: int | None
+    """Fire only at this training step; None fires every time."""
+    rank: int | None
+    """Fire only on this rank; None fires on every rank."""
+    seconds: float | None
+    """How long a slow fault sleeps; None for every other kind."""
+
+
+def _parse_int(value: str, what: str, part: str) -> int:
+    if not re.fullmatch(r"[0-9]+", value):
+        raise ValueError(f"{ENV_VAR}: {what} must be a non-negative integer, got {value!r} in {part!r}")
+    return int(value)
+
+
+def parse_fault(part: str) -> Fault:
+    """One KIND@SPAN[:step=N][:rank=R] item; ValueError naming the bad part."""
+    if part.count("@") != 1:
+        raise ValueError(f"{ENV_VAR}: bad fault {part!r} ({_EXPECTED})")
+    kind_text, rest = part.split("@")
+    kind, seconds = kind_text, None
+    if kind_text.startswith("slow="):
+        kind = "slow"
+        seconds_text = kind_text[len("slow="):]
+        try:
+            seconds = float(seconds_text)
+        except ValueError:
+            seconds = None
+        if seconds is None or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"{ENV_VAR}: slow needs a non-negative number of seconds, got {seconds_text!r} in {part!r}"
+            )
+    elif kind == "slow":
+        raise ValueError(f"{ENV_VAR}: slow needs a number of seconds (slow=SECONDS) in {part!r}")
+    elif kind not in KINDS:
+        raise ValueError(
+            f"{ENV_VAR}: unknown fault kind {kind_text!r} in {part!r} (expected nan, oom, crash, hang, slow=SECONDS)"
+        )
+    span, *options = rest.split(":")
+    if not _SPAN_RE.match(span):
+        raise ValueError(f"{ENV_VAR}: bad span name {span!r} in {part!r} (expected e.g. drafter.fwd_bwd)")
+    found: dict[str, int] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in ("step", "rank"):
+            raise ValueError(f"{ENV_VAR}: unknown option {option!r} in {part!r} (expected step=N or rank=R)")
+        if key in found:
+            raise ValueError(f"{ENV_VAR}: {key} given twice in {part!r}")
+        found[key] = _parse_int(value, key, part)
+    return Fault(kind=kind, span=span, step=found.get("step"), rank=found.get("rank"), seconds=seconds)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Every ';'-separated item of a DFLASH_FAULT value (blank items are ignored)."""
+    return [parse_fault(part.strip()) for part in text.split(";") if part.strip()]
+
+
+class FaultPlan:
+    """The faults that apply to one rank, indexed by span for a one-lookup check on span entry."""
+
+    def __init__(self, faults: list[Fault], rank: int, sleep=time.sleep):
+        self.rank = int(rank)
+        self._sleep = sleep
+        mine = [f for f in faults if f.rank is None or f.rank == self.rank]
+        self.faults = tuple(mine)
+        by_span: dict[str, list[Fault]] = {}
+        nan_by_span: dict[str, list[Fault]] = {}
+        for fault in mine:
+            target = nan_by_span if fault.kind == "nan" else by_span
+            target.setdefault(fault.span, []).append(fault)
+        self._by_span = {span: tuple(fs) for span, fs in by_span.items()}
+        self._nan_by_span = {span: tuple(fs) for span, fs in nan_by_span.items()}
+        self._logged: set[Fault] = set()
+
+    @classmethod
+    def from_env(cls, rank: int, env=os.environ) -> FaultPlan:
+        return cls(parse_faults(env.get(ENV_VAR, "")), rank)
+
+    @property
+    def empty(self) -> bool:
+        return not self.faults
+
+    def _log_once(self, fault: Fault, message: str) -> None:
+        if fault not in self._logged:
+            self._logged.add(fault)
+            logger.warning("%s (%s)", message, ENV_VAR)
+
+    def on_enter(self, span: str, step: int) -> None:
+        """Fire the faults of `span` at `step`: raise, sleep or hang. One dict lookup otherwise."""
+        faults = self._by_span.get(span)
+        if faults is None:
+            return
+        for fault in faults:
+            if fault.step is not None and fault.step != step:
+                continue
+            where = f"at {span} step {step} rank {self.rank}"
+            if fault.kind == "crash":
+                self._log_once(fault, f"injected crash {where}")
+                raise InjectedFault(f"injected crash {where}")
+            if fault.kind == "oom":
+                self._log_once(fault, f"injected oom {where}")
+                raise torch.OutOfMemoryError(f"CUDA out of memory: injected oom {where}")
+            if fault.kind == "slow":
+                self._log_once(fault, f"injected slow={fault.seconds:g} {where} (logged once)")
+                self._sleep(fault.seconds)
+            elif fault.kind == "hang":
+                self._log_once(fault, f"injected hang {where}: blocking until the process is killed")
+                while True:
+                    self._sleep(1.0)
+
+    def corrupt(self, span: str, step: int, tensor):
+        """A NaN copy of `tensor` (same dtype and device, no sync) when a nan fault matches span and
+        step; the tensor itself otherwise."""
+        faults = self._nan_by_span.get(span)
+        if faults is None:
+            return tensor
+        for fault in faults:
+            if fault.step is None or fault.step == step:
+                if not tensor.is_floating_point():
+                    raise ValueError(f"{ENV_VAR}: nan@{span} needs a floating-point tensor, got {tensor.dtype}")
+                self._log_once(fault, f"injected nan at {span} step {step} rank {self.rank}")
+                return tensor * float("nan")
+        return tensor

@@ -1,0 +1,131 @@
+"""Bandwidth floors: what this machine's copies achieve at best, measured once at profiler start.
+
+A span that declares the bytes it moves (`span("d2h_copy", bytes=n)`) is reported as achieved
+bandwidth against the matching floor, so "this copy runs at 40% of what the link can do" is a number,
+not a guess. Everything here runs once, at start-up, in well under a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger("profiler")
+
+DEVICE_COPY_BYTES = 256 * 2**20  # large enough to defeat the L2 cache (50-60 MiB on H100/H200)
+PINNED_COPY_BYTES = 64 * 2**20  # pinned allocation costs ~0.7 s/GiB: keep it small
+HOST_COPY_BYTES = 64 * 2**20
+CUDA_REPS = 5
+HOST_MAX_REPS = 5
+
+
+def _host_copy_bytes_per_s(budget_s: float, clock=time.perf_counter) -> float:
+    """Best of a few CPU tensor copies, counting bytes read + written."""
+    src = torch.ones(HOST_COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of dst's pages costs page faults, not bandwidth
+    deadline = clock() + budget_s
+    best_s = float("inf")
+    for _ in range(HOST_MAX_REPS):
+        start = clock()
+        dst.copy_(src)
+        best_s = min(best_s, clock() - start)
+        if clock() > deadline:
+            break
+    return 2 * HOST_COPY_BYTES / best_s
+
+
+def _cuda_best_seconds(copy_fn, device) -> float:
+    """Best time of CUDA_REPS calls of copy_fn, each between its own pair of CUDA events."""
+    copy_fn()  # warm-up
+    pairs = []
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        for _ in range(CUDA_REPS):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            copy_fn()
+            end.record(stream)
+            pairs.append((start, end))
+        # Deliberate host-device sync, once at profiler start-up only: the floors are needed before
+        # the first interval and nothing else is running yet. Never done on the training path.
+        pairs[-1][1].synchronize()
+    return min(s.elapsed_time(e) for s, e in pairs) / 1000.0
+
+
+def _device_copy_bytes_per_s(device) -> float:
+    src = torch.ones(DEVICE_COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _cuda_best_seconds(lambda: dst.copy_(src), device)
+    return 2 * DEVICE_COPY_BYTES / seconds  # bytes read + bytes written
+
+
+def _pinned_bytes_per_s(device) -> tuple[float, float]:
+    """(d2h, h2d) bytes/s between one pinned host buffer and device memory (bytes transferred)."""
+    host = torch.empty(PINNED_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.ones(PINNED_COPY_BYTES, dtype=torch.uint8, device=device)
+    d2h_s = _cuda_best_seconds(lambda: host.copy_(dev, non_blocking=True), device)
+    h2d_s = _cuda_best_seconds(lambda: dev.copy_(host, non_blocking=True), device)
+    return PINNED_COPY_BYTES / d2h_s, PINNED_COPY_BYTES / h2d_s
+
+
+def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
+    """Bandwidth floors in bytes/s: "host_copy" always; on CUDA also "device_copy" (bytes read +
+    written), "pinned_d2h" and "pinned_h2d" (bytes transferred). A floor that fails to measure is
+    omitted and logged once; this never raises."""
+    floors: dict[str, float] = {}
+    is_cuda = device is not None and torch.device(device).type == "cuda"
+    host_budget_s = budget_s / 4 if is_cuda else budget_s / 2
+
+    def attempt(name: str, fn) -> None:
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+            logger.warning("bandwidth floor %s not measured (logged once): %s: %s", name, type(exc).__name__, exc)
+            return
+        if isinstance(value, dict):
+            floors.update(value)
+        else:
+            floors[name] = value
+
+    attempt("host_copy", lambda: _host_copy_bytes_per_s(host_budget_s))
+    if is_cuda:
+        device = torch.device(device)
+        attempt("device_copy", lambda: _device_copy_bytes_per_s(device))
+
+        def pinned() -> dict[str, float]:
+            d2h, h2d = _pinned_bytes_per_s(device)
+            return {"pinned_d2h": d2h, "pinned_h2d": h2d}
+
+        attempt("pinned_d2h/pinned_h2d", pinned)
+        # Give the ~0.4 GiB of scratch buffers back to the driver so they do not sit in the caching
+        # allocator's reserved pool for the whole run (nothing of the run is allocated yet).
+        # Reset the allocator peaks too, so the first interval's peak is the run's, not these buffers'
+        # (the profiler resets them at every interval close anyway).
+        try:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        except Exception:  # noqa: BLE001
+            pass
+    return floors
+
+
+def floor_for_span(name: str, floors: dict, is_cuda: bool) -> tuple[str, float] | None:
+    """(floor name, bytes/s) to compare a span's achieved bandwidth against, or None if unmeasured.
+
+    On CUDA: "d2h" in the name -> pinned_d2h, "h2d" -> pinned_h2d, anything else -> device_copy.
+    On CPU there is no device, so a "d2h"/"h2d" span is a host copy too: host_copy for every span.
+    """
+    if not is_cuda:
+        key = "host_copy"
+    elif "d2h" in name:
+        key = "pinned_d2h"
+    elif "h2d" in name:
+        key = "pinned_h2d"
+    else:
+        key = "device_copy"
+    value = floors.get(key)
+    return (key, value) if value is not None else None

@@ -1,0 +1,355 @@
+"""GPU memory telemetry: an NVML sampler thread and the caching allocator's per-interval stats.
+
+The sampler reads NVML at a fixed rate (default 2 Hz) so peaks between interval closes (a Triton
+autotune, a burst of activations) are seen, and keeps a short history of per-interval headroom low
+points for OOM forensics. It never uses NVML's process-list query (slow, and needs privileges on
+some hosts). Telemetry never kills training: a failing NVML call is counted and logged once.
+Reported numbers are only measured ones: a field that could not be measured is None, with a reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger("profiler")
+
+# How many closed-interval headroom low points the sampler remembers (for OOM forensics).
+HEADROOM_HISTORY_LEN = 32
+
+# NVML_TEMPERATURE_GPU in pynvml; used when a fake NVML module does not define it.
+_NVML_TEMPERATURE_GPU = 0
+
+
+class _GpuAggregate:
+    """Running aggregates of one GPU over the current interval (mutated under the sampler's lock)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.used_bytes_last: int | None = None
+        self.used_bytes_peak: int | None = None
+        self.util_sum = 0.0
+        self.util_n = 0
+        self.power_watts_sum = 0.0
+        self.power_n = 0
+        self.temperature_c_max: float | None = None
+
+
+class NvmlMemorySampler:
+    """A daemon thread reading NVML every period_s for each GPU given (NVML index, or UUID string).
+
+    Reads memory used/total, utilisation, power (mW -> W) and temperature; keeps per-interval
+    aggregates (peak used, mean util, mean power, max temperature, sample count) and the last
+    HEADROOM_HISTORY_LEN interval headroom low points. The caller (make_memory_sampler) has already
+    called nvmlInit; the sampler does not shut NVML down (nvmlInit is reference counted and the
+    process exit releases it).
+    """
+
+    def __init__(self, gpu_indices: list, nvml=None, period_s: float = 0.5, clock=time.monotonic):
+        if not gpu_indices:
+            raise ValueError("NvmlMemorySampler: gpu_indices is empty (give at least one GPU)")
+        if not period_s > 0:
+            raise ValueError(f"NvmlMemorySampler: period_s must be > 0, got {period_s!r}")
+        if nvml is None:
+            import pynvml as nvml  # noqa: PLC0415 - optional dependency, only needed on GPU hosts
+        self._nvml = nvml
+        self._period_s = float(period_s)
+        self._clock = clock
+        self._temperature_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", _NVML_TEMPERATURE_GPU)
+        self._gpus = []  # dicts: index, handle, name, total_bytes
+        for index in gpu_indices:
+            if isinstance(index, str):
+                handle = nvml.nvmlDeviceGetHandleByUUID(index)
+            else:
+                handle = nvml.nvmlDeviceGetHandleByIndex(int(index))
+            name = nvml.nvmlDeviceGetName(handle)
+            if isinstance(name, bytes):  # old pynvml versions return bytes
+                name = name.decode(errors="replace")
+            total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+            self._gpus.append({"index": index, "handle": handle, "name": name, "total_bytes": total_bytes})
+        self._lock = threading.Lock()
+        self._aggregates = [_GpuAggregate() for _ in self._gpus]
+        self._latest: list[dict | None] = [None for _ in self._gpus]
+        self._headroom_history: collections.deque = collections.deque(maxlen=HEADROOM_HISTORY_LEN)
+        self._errors = 0
+        self._error_reasons: dict[str, str] = {}  # query name -> last error text
+        self._logged_queries: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="profiler-nvml", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._period_s + 2.0)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+                self._record_error("sample", exc)
+            self._stop.wait(self._period_s)
+
+    # ---- sampling -----------------------------------------------------------------------------
+    def _record_error(self, query: str, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._errors += 1
+            self._error_reasons[query] = text
+            first = query not in self._logged_queries
+            self._logged_queries.add(query)
+        if first:
+            logger.warning("NVML %s failed (counted in sampler_errors, logged once): %s", query, text)
+
+    def _query(self, query: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one failing query must not lose the others
+            self._record_error(query, exc)
+            return None
+
+    def sample_once(self) -> None:
+        """Read every GPU once and fold the sample into the current interval (the thread's body)."""
+        nvml = self._nvml
+        now = self._clock()
+        for i, gpu in enumerate(self._gpus):
+            handle = gpu["handle"]
+            mem = self._query("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, handle)
+            util = self._query("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, handle)
+            power_mw = self._query("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, handle)
+            temp_c = self._query(
+                "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, handle, self._temperature_sensor
+            )
+            used_bytes = int(mem.used) if mem is not None else None
+            util_percent = float(util.gpu) if util is not None else None
+            power_watts = power_mw / 1000.0 if power_mw is not None else None
+            temperature_c = float(temp_c) if temp_c is not None else None
+            with self._lock:
+                agg = self._aggregates[i]
+                agg.samples += 1
+                if used_bytes is not None:
+                    agg.used_bytes_last = used_bytes
+                    if agg.used_bytes_peak is None or used_bytes > agg.used_bytes_peak:
+                        agg.used_bytes_peak = used_bytes
+                if util_percent is not None:
+                    agg.util_sum += util_percent
+                    agg.util_n += 1
+                if power_watts is not None:
+                    agg.power_watts_sum += power_watts
+                    agg.power_n += 1
+                if temperature_c is not None and (
+                    agg.temperature_c_max is None or temperature_c > agg.temperature_c_max
+                ):
+                    agg.temperature_c_max = temperature_c
+                self._latest[i] = {
+                    "time_s": now,
+                    "used_bytes": used_bytes,
+                    "util_percent": util_percent,
+                    "power_watts": power_watts,
+                    "temperature_c": temperature_c,
+                }
+
+    # ---- reading ------------------------------------------------------------------------------
+    def _reason(self, query: str, n_samples: int) -> str:
+        if n_samples == 0:
+            return "no NVML sample in this interval"
+        return self._error_reasons.get(query, "not measured")
+
+    def interval_summary(self, reset: bool = True) -> dict:
+        """Aggregates since the last reset. An interval with no sample yet takes one now, so every
+        reported number is a measured one."""
+        with self._lock:
+            need_sample = any(agg.samples == 0 for agg in self._aggregates)
+        if need_sample:
+            try:
+                self.sample_once()
+            except Exception as exc:  # noqa: BLE001
+                self._record_error("sample", exc)
+        now = self._clock()
+        gpus = []
+        with self._lock:
+            for gpu, agg in zip(self._gpus, self._aggregates):
+                total = gpu["total_bytes"]
+                entry = {
+                    "index": gpu["index"],
+                    "name": gpu["name"],
+                    "total_bytes": total,
+                    "used_bytes_last": agg.used_bytes_last,
+                    "used_bytes_peak": agg.used_bytes_peak,
+                    "headroom_bytes": total - agg.used_bytes_peak if agg.used_bytes_peak is not None else None,
+                    "util_percent_mean": agg.util_sum / agg.util_n if agg.util_n else None,
+                    "power_watts_mean": agg.power_watts_sum / agg.power_n if agg.power_n else None,
+                    "temperature_c_max": agg.temperature_c_max,
+                    "samples": agg.samples,
+                }
+                reasons = {}
+                if entry["used_bytes_peak"] is None:
+                    reason = self._reason("nvmlDeviceGetMemoryInfo", agg.samples)
+                    reasons.update(used_bytes_last=reason, used_bytes_peak=reason, headroom_bytes=reason)
+                if entry["util_percent_mean"] is None:
+                    reasons["util_percent_mean"] = self._reason("nvmlDeviceGetUtilizationRates", agg.samples)
+                if entry["power_watts_mean"] is None:
+                    reasons["power_watts_mean"] = self._reason("nvmlDeviceGetPowerUsage", agg.samples)
+                if entry["temperature_c_max"] is None:
+                    reasons["temperature_c_max"] = self._reason("nvmlDeviceGetTemperature", agg.samples)
+                if reasons:
+                    entry["reasons"] = reasons
+                gpus.append(entry)
+            if reset:
+                self._headroom_history.append(
+                    {"time_s": now, "gpus": [{"index": g["index"], "headroom_bytes_min": g["headroom_bytes"]}
+                                             for g in gpus]}
+                )
+                self._aggregates = [_GpuAggregate() for _ in self._gpus]
+            errors = self._errors
+        return {"available": True, "gpus": gpus, "sampler_errors": errors}
+
+    def latest(self) -> dict:
+        """The last sample per GPU (for the control endpoint), with its age in seconds."""
+        now = self._clock()
+        gpus = []
+        with self._lock:
+            for gpu, sample in zip(self._gpus, self._latest):
+                entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"]}
+                if sample is None:
+                    entry["reason"] = "no NVML sample yet"
+                else:
+                    used = sample["used_bytes"]
+                    entry.update(
+                        used_bytes=used,
+                        headroom_bytes=gpu["total_bytes"] - used if used is not None else None,
+                        util_percent=sample["util_percent"],
+                        power_watts=sample["power_watts"],
+                        temperature_c=sample["temperature_c"],
+                        age_seconds=now - sample["time_s"],
+                    )
+                gpus.append(entry)
+            errors = self._errors
+        return {"available": True, "gpus": gpus, "sampler_errors": errors}
+
+    def headroom_history(self) -> list[dict]:
+        """Headroom low points of the last closed intervals, oldest first (for OOM forensics)."""
+        with self._lock:
+            return [dict(h, gpus=[dict(g) for g in h["gpus"]]) for h in self._headroom_history]
+
+
+class UnavailableMemorySampler:
+    """Stands in for the NVML sampler where NVML cannot be used; reports why, never numbers."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def interval_summary(self, reset: bool = True) -> dict:
+        return {"available": False, "reason": self.reason}
+
+    def latest(self) -> dict:
+        return {"available": False, "reason": self.reason}
+
+    def headroom_history(self) -> list[dict]:
+        return []
+
+
+def nvml_device_for(torch_index: int, env=os.environ) -> int | str:
+    """The NVML index (int) or UUID (str) of torch's CUDA device `torch_index`, honouring
+    CUDA_VISIBLE_DEVICES (NVML ignores it and always sees every GPU of the host)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.strip() == "":
+        return torch_index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if torch_index >= len(entries):
+        raise ValueError(
+            f"CUDA device {torch_index} is not among CUDA_VISIBLE_DEVICES={visible!r} ({len(entries)} visible)"
+        )
+    entry = entries[torch_index]
+    try:
+        return int(entry)
+    except ValueError:
+        return entry  # a GPU-... or MIG-... UUID
+
+
+def make_memory_sampler(device, nvml=None, period_s: float = 0.5, env=os.environ):
+    """An NVML sampler for a CUDA device, or an UnavailableMemorySampler saying why not."""
+    if device is None or torch.device(device).type != "cuda":
+        return UnavailableMemorySampler("no CUDA device")
+    device = torch.device(device)
+    try:
+        if nvml is None:
+            import pynvml as nvml  # noqa: PLC0415
+        nvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+        reason = f"NVML unavailable: {type(exc).__name__}: {exc}"
+        logger.warning("memory sampler: %s", reason)
+        return UnavailableMemorySampler(reason)
+    try:
+        torch_index = device.index if device.index is not None else torch.cuda.current_device()
+        return NvmlMemorySampler([nvml_device_for(torch_index, env)], nvml=nvml, period_s=period_s)
+    except Exception as exc:  # noqa: BLE001
+        reason = f"NVML device lookup failed: {type(exc).__name__}: {exc}"
+        logger.warning("memory sampler: %s", reason)
+        return UnavailableMemorySampler(reason)
+
+
+_logged_allocator_error = False
+
+
+def allocator_summary(device, reset_peak: bool = True) -> dict:
+    """The caching allocator's stats for the interval, from ONE torch.cuda.memory_stats call
+    (~150 us: call it once per interval, never per span); resets the peaks when reset_peak."""
+    global _logged_allocator_error
+    if device is None or torch.device(device).type != "cuda":
+        return {"available": False, "reason": "allocator stats need a CUDA device"}
+    device = torch.device(device)
+    try:
+        stats = torch.cuda.memory_stats(device)
+        if not stats:  # memory_stats returns {} before CUDA is initialised in this process
+            return {"available": False, "reason": "CUDA is not initialised in this process yet"}
+        summary = {
+            "available": True,
+            "allocated_bytes": stats.get("allocated_bytes.all.current"),
+            "reserved_bytes": stats.get("reserved_bytes.all.current"),
+            "peak_allocated_bytes": stats.get("allocated_bytes.all.peak"),
+            "peak_reserved_bytes": stats.get("reserved_bytes.all.peak"),
+            "num_alloc_retries": stats.get("num_alloc_retries"),
+            "num_ooms": stats.get("num_ooms"),
+            "inactive_split_bytes": stats.get("inactive_split_bytes.all.current"),
+        }
+        backend = torch.cuda.get_allocator_backend()
+        if backend != "native":
+            # Under cudaMallocAsync these stats are not tracked and read as 0: report them unmeasured.
+            for key in ("num_alloc_retries", "inactive_split_bytes"):
+                summary[key] = None
+            summary["reasons"] = {"num_alloc_retries": f"not tracked by the {backend} allocator",
+                                  "inactive_split_bytes": f"not tracked by the {backend} allocator"}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        return summary
+    except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+        reason = f"{type(exc).__name__}: {exc}"
+        if not _logged_allocator_error:
+            _logged_allocator_error = True
+            logger.warning("allocator_summary failed (logged once): %s", reason)
+        return {"available": False, "reason": reason}

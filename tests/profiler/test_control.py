@@ -1,0 +1,137 @@
+"""Control endpoint over a real Unix socket: query, modes, discovery, errors, cleanup, fallback."""
+
+import json
+import os
+import socket
+import stat
+
+import pytest
+
+from profiler.control import ControlServer, NullControlServer, discover, query
+
+
+@pytest.fixture
+def disc_dir(tmp_path):
+    return tmp_path / "disc"
+
+
+def test_state_query_modes_and_discovery(tmp_path, disc_dir):
+    calls = []
+
+    def state_fn():
+        calls.append(1)
+        return {"step": 7, "open_spans": [{"name": "target.fwd", "open_seconds": 1.5}]}
+
+    server = ControlServer(tmp_path / "run", rank=1, role="drafter", state_fn=state_fn, discovery_dir=disc_dir)
+    server.start()
+    try:
+        assert server.socket_path == str((tmp_path / "run" / "control" / "rank1.sock").resolve())
+        assert stat.S_ISSOCK(os.stat(server.socket_path).st_mode)
+        assert stat.S_IMODE(os.stat(server.socket_path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(disc_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(server.discovery_path).st_mode) == 0o600
+
+        reply = query(server.socket_path)
+        assert reply == {"ok": True, "state": state_fn()}
+        assert query(server.socket_path, "ping") == {"ok": True, "pid": os.getpid(), "rank": 1, "role": "drafter"}
+        bad = query(server.socket_path, "launch_missiles")
+        assert bad["ok"] is False and "unknown cmd 'launch_missiles'" in bad["error"]
+
+        record = discover(os.getpid(), discovery_dir=disc_dir)
+        assert record["socket_path"] == server.socket_path
+        assert record["run_dir"] == str((tmp_path / "run").resolve())
+        assert (record["rank"], record["role"], record["pid"]) == (1, "drafter", os.getpid())
+        assert record["socket_fallback"] is False and record["start_time_unix"] > 0
+    finally:
+        server.close()
+    assert not os.path.exists(server.socket_path)
+    assert not os.path.exists(server.discovery_path)
+    assert discover(os.getpid(), discovery_dir=disc_dir) is None
+    assert query(server.socket_path)["ok"] is False  # gone: an error reply, not an exception
+
+
+def test_raising_state_fn_gives_error_and_server_survives(tmp_path, disc_dir):
+    fail = [True]
+
+    def state_fn():
+        if fail[0]:
+            raise KeyError("no interval yet")
+        return {"fine": True}
+
+    server = ControlServer(tmp_path, rank=0, role="target", state_fn=state_fn, discovery_dir=disc_dir)
+    server.start()
+    try:
+        reply = query(server.socket_path)
+        assert reply["ok"] is False and reply["error"] == "state_fn failed: KeyError: 'no interval yet'"
+        fail[0] = False
+        assert query(server.socket_path) == {"ok": True, "state": {"fine": True}}
+    finally:
+        server.close()
+
+
+def test_non_json_state_and_garbage_request(tmp_path, disc_dir):
+    server = ControlServer(tmp_path, rank=0, role="target", state_fn=lambda: {"x": object()}, discovery_dir=disc_dir)
+    server.start()
+    try:
+        reply = query(server.socket_path)
+        assert reply["ok"] is False and "not JSON serializable" in reply["error"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(server.socket_path)
+            s.sendall(b"not json\n")
+            answer = json.loads(s.makefile().readline())
+        assert answer["ok"] is False and "not a JSON line" in answer["error"]
+    finally:
+        server.close()
+
+
+def test_long_run_dir_falls_back_to_discovery_dir(tmp_path, disc_dir):
+    long_run_dir = tmp_path / ("r" * 120)
+    server = ControlServer(long_run_dir, rank=2, role="target", state_fn=lambda: {"ok": 1}, discovery_dir=disc_dir)
+    server.start()
+    try:
+        assert server.socket_path == str(disc_dir / f"rank2-{os.getpid()}.sock")
+        assert len(os.fsencode(server.socket_path)) <= 107
+        assert query(server.socket_path)["state"] == {"ok": 1}
+        record = discover(os.getpid(), discovery_dir=disc_dir)
+        assert record["socket_fallback"] is True and record["socket_path"] == server.socket_path
+    finally:
+        server.close()
+    assert not os.path.exists(server.socket_path)
+
+
+def test_stale_socket_is_replaced(tmp_path, disc_dir):
+    (tmp_path / "control").mkdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "control" / "rank0.sock"))
+    stale.close()  # a dead process's socket file: nobody listens
+    server = ControlServer(tmp_path, rank=0, role="target", state_fn=lambda: {}, discovery_dir=disc_dir)
+    server.start()
+    try:
+        assert server.socket_fallback is False
+        assert query(server.socket_path) == {"ok": True, "state": {}}
+    finally:
+        server.close()
+
+
+def test_start_failure_disables_endpoint_without_raising(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    server = ControlServer(blocker, rank=0, role="target", state_fn=dict, discovery_dir=tmp_path / "d")
+    server.start()  # run_dir is a file: cannot create control/ under it
+    assert server.error is not None and "file" in server.error
+    assert discover(os.getpid(), discovery_dir=tmp_path / "d") is None
+    server.close()
+
+
+def test_discover_rejects_corrupt_file(tmp_path):
+    (tmp_path / "123.json").write_text("{half")
+    with pytest.raises(ValueError, match=r"123\.json is not valid JSON"):
+        discover(123, discovery_dir=tmp_path)
+
+
+def test_null_control_server():
+    server = NullControlServer()
+    server.start()
+    server.close()
+    assert server.socket_path is None and server.discovery_path is None
