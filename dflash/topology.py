@@ -1,0 +1,57 @@
+"""Which rank does what: drafter ranks first (so rank 0, which prints progress, sees the loss), then
+target ranks; target rank t feeds drafter t mod D; each drafter's producers get fixed batch quotas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_targets: int
+    """Target ranks T."""
+    num_drafters: int
+    """Drafter ranks D; ranks 0..D-1."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_targets + self.num_drafters
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.num_drafters))
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.num_drafters, self.world_size))
+
+    def role(self, rank: int) -> str:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        return "drafter" if rank < self.num_drafters else "target"
+
+    def target_index(self, rank: int) -> int:
+        """0..T-1 for a target rank: its data shard."""
+        return rank - self.num_drafters
+
+    def drafter_of(self, target_rank: int) -> int:
+        return self.target_index(target_rank) % self.num_drafters
+
+    def producers_of(self, drafter_rank: int) -> list[int]:
+        return [t for t in self.target_ranks if self.drafter_of(t) == drafter_rank]
+
+    def quota(self, target_rank: int, drafter_steps: int) -> int:
+        """Batches this target sends in total: its drafter's steps split evenly among its producers."""
+        producers = self.producers_of(self.drafter_of(target_rank))
+        i = producers.index(target_rank)
+        base, extra = divmod(drafter_steps, len(producers))
+        return base + (1 if i < extra else 0)
+
+
+def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int | None) -> Topology:
+    """CPU (num_gpus == 0): one of each unless told. GPUs: drafters max(1, n // 3), targets the rest."""
+    if num_gpus <= 1:
+        return Topology(target_gpus or 1, drafter_gpus or 1)
+    d = drafter_gpus or max(1, num_gpus // 3)
+    t = target_gpus or max(1, num_gpus - d)
+    return Topology(t, d)

@@ -1,0 +1,287 @@
+"""Target -> drafter transfer over torch.distributed.
+
+A message is a small CPU header and CPU metadata (always over the gloo control group: they come from
+the CPU batch, so no device tensor is ever read on the host), plus one payload tensor, the packed
+hidden states: device-to-device over NCCL on GPUs, or host-staged through reused pinned buffers
+(`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path.
+
+Flow control: a target has at most `max_in_flight` messages queued or in transit. A sender thread
+("target.sender") sends them in order and releases a slot only when the send has completed, so the
+buffers it sends stay alive until then. The drafter's receiver thread ("drafter.receiver") receives
+from whichever of its producers is ready (any-source on the header) into a bounded queue.
+
+Shutdown: every target ends its stream with an END header; every drafter, when it stops, sends STOP
+to each producer and drains until all producers have ended. A target polls STOP between batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import profiler
+
+TAG_HEADER, TAG_META, TAG_PAYLOAD, TAG_STOP = 11, 12, 13, 14
+KIND_BATCH, KIND_END = 0, 1
+HEADER_LEN = 12
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Wait granularity when polling a completed-or-not NCCL work from a background thread.
+_POLL_SECONDS = 50e-6
+
+
+@dataclass
+class Message:
+    """One packed batch in transit."""
+    payload: torch.Tensor
+    """The packed hidden states ([N, K*H] or [K, N, H]); device or CPU."""
+    meta: torch.Tensor
+    """[rows, N] int64 CPU metadata (ids, positions, doc ids, loss mask)."""
+    ints: list[int] = field(default_factory=list)
+    """Small integers carried in the header (batch index, noise seed, flags)."""
+    src: int = -1
+    """Sender rank (set on receipt)."""
+    ready: object = None
+    """Host path: a CUDA event the sender waits on before reading the staged payload."""
+    release: object = None
+    """Called once the payload buffer may be reused (after the send completed)."""
+
+
+def _header(kind: int, msg: Message | None) -> torch.Tensor:
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0] = kind
+    if msg is not None:
+        p = msg.payload
+        h[1] = _DTYPES.index(p.dtype)
+        h[2] = p.dim()
+        h[3:3 + p.dim()] = torch.tensor(p.shape)
+        h[6], h[7] = msg.meta.shape
+        ints = list(msg.ints)
+        if len(ints) > HEADER_LEN - 8:
+            raise ValueError(f"at most {HEADER_LEN - 8} header ints, got {len(ints)}")
+        h[8:8 + len(ints)] = torch.tensor(ints, dtype=torch.int64) if ints else h[8:8]
+    return h
+
+
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    """Gloo moves bytes; view 16-bit floats as int16 so every dtype travels."""
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _wait(work) -> None:
+    """Block this (background) thread until a p2p work has completed.
+
+    Deliberate host wait: it runs on the sender/receiver thread, never on the forward's thread, and
+    is what lets us release a buffer only after its transfer has finished."""
+    if work is None:
+        return
+    work.wait()
+    while not work.is_completed():
+        time.sleep(_POLL_SECONDS)
+
+
+class PinnedPool:
+    """Reused pinned host buffers for the host-staged path. Allocating pinned memory costs ~0.7 s/GiB,
+    so buffers are made once (rounded up) and recycled, never allocated per batch."""
+
+    def __init__(self, count: int, round_bytes: int = 16 << 20):
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._count, self._round_bytes, self._made = count, round_bytes, 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            if self._free.empty() and self._made < self._count:
+                self._made += 1
+                return self._alloc(nbytes)
+        buf = self._free.get()
+        return buf if buf.numel() >= nbytes else self._alloc(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // self._round_bytes) * self._round_bytes
+        return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+def staged_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A view of a byte buffer with `like`'s dtype and shape."""
+    n = like.numel() * like.element_size()
+    return buf[:n].view(like.dtype).view(like.shape)
+
+
+class Sender:
+    """Target side. `acquire()` takes an in-flight slot (the caller wraps it in transfer.wait_slot);
+    `submit()` queues a message; the sender thread sends it under `transfer.send` and then frees the
+    slot. `close()` sends END after everything queued and waits for completion."""
+
+    def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool):
+        self.dst, self._ctrl, self._data = dst, ctrl_group, data_group
+        self._device_payload = device_payload
+        self._slots = threading.Semaphore(max_in_flight)
+        self._q: queue.Queue[Message | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, name="target.sender", daemon=True)
+        self._thread.start()
+
+    def acquire(self) -> None:
+        while not self._slots.acquire(timeout=0.5):
+            self._check()
+        self._check()
+
+    def submit(self, msg: Message) -> None:
+        self._check()
+        self._q.put(msg)
+
+    def close(self) -> None:
+        """Send END after all queued messages, and wait until the thread has sent everything."""
+        self._q.put(None)
+        while self._thread.is_alive():
+            self._thread.join(timeout=0.5)
+        self._check()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"target.sender thread failed: {self._error!r}") from self._error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                msg = self._q.get()
+                if msg is None:
+                    dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
+                    return
+                if msg.ready is not None:
+                    # Deliberate wait, on this thread only: the staged D2H copy must have landed
+                    # before gloo reads the pinned buffer.
+                    msg.ready.synchronize()
+                nbytes = msg.payload.numel() * msg.payload.element_size()
+                with profiler.span("transfer.send", bytes=nbytes):
+                    dist.send(_header(KIND_BATCH, msg), self.dst, group=self._ctrl, tag=TAG_HEADER)
+                    dist.send(msg.meta, self.dst, group=self._ctrl, tag=TAG_META)
+                    if self._device_payload:
+                        _wait(dist.isend(msg.payload, self.dst, group=self._data))
+                    else:
+                        dist.send(_as_wire(msg.payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
+                self.sent += 1
+                if msg.release is not None:
+                    msg.release()
+                del msg  # drop our reference before freeing the slot: the buffer may now be reused
+                self._slots.release()
+        except BaseException as e:  # surfaced on the main thread at its next acquire/submit/close
+            self._error = e
+            self._slots.release()
+
+
+class StopSignal:
+    """Target side: a posted receive for the drafter's STOP, waited on by a small thread, so that
+    `requested()` never blocks. (A gloo p2p work only completes inside wait(): is_completed() alone
+    would never turn true.)"""
+
+    def __init__(self, drafter: int, ctrl_group):
+        self._buf = torch.zeros(1, dtype=torch.int64)
+        self._work = dist.irecv(self._buf, drafter, group=ctrl_group, tag=TAG_STOP)
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._listen, name="target.stop_listener", daemon=True).start()
+
+    def _listen(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as e:  # a dead drafter: surfaced by wait()
+            self._error = e
+        self._event.set()
+
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise RuntimeError(f"waiting for the drafter's STOP failed: {self._error!r}") from self._error
+
+
+def send_stop(producers: list[int], ctrl_group) -> None:
+    for p in producers:
+        dist.send(torch.ones(1, dtype=torch.int64), p, group=ctrl_group, tag=TAG_STOP)
+
+
+class Receiver:
+    """Drafter side: a thread receiving from any producer into a bounded queue until all have ended.
+    `get()` returns the next Message, or None once every producer has sent END."""
+
+    def __init__(self, producers: list[int], ctrl_group, data_group, device: torch.device,
+                 device_payload: bool, pool: PinnedPool | None, queue_size: int = 2):
+        self.producers, self._ctrl, self._data = list(producers), ctrl_group, data_group
+        self._device, self._device_payload, self._pool = device, device_payload, pool
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.received = 0
+        self._thread = threading.Thread(target=self._run, name="drafter.receiver", daemon=True)
+        self._thread.start()
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+    def get(self) -> Message | None:
+        while True:
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("drafter.receiver thread exited without ending the stream")
+                continue
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
+            return item
+
+    def drain(self) -> int:
+        """Receive and drop everything until all producers have ended; returns how many were dropped."""
+        dropped = 0
+        while self.get() is not None:
+            dropped += 1
+        return dropped
+
+    def _recv_one(self, header: torch.Tensor, src: int) -> Message:
+        dtype = _DTYPES[int(header[1])]
+        shape = [int(s) for s in header[3:3 + int(header[2])]]
+        meta = torch.empty(int(header[6]), int(header[7]), dtype=torch.int64)
+        dist.recv(meta, src, group=self._ctrl, tag=TAG_META)
+        ints = [int(v) for v in header[8:]]
+        if self._device_payload:
+            payload = torch.empty(shape, dtype=dtype, device=self._device)
+            # NCCL recv orders the current stream after the receive: no host wait needed.
+            dist.recv(payload, src, group=self._data)
+            return Message(payload, meta, ints, src)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if self._pool is not None:
+            buf = self._pool.take(nbytes)
+            payload = staged_view(buf, torch.empty(shape, dtype=dtype, device="meta"))
+            release = lambda b=buf: self._pool.give(b)  # noqa: E731
+        else:
+            payload, release = torch.empty(shape, dtype=dtype), None
+        dist.recv(_as_wire(payload), src, group=self._ctrl, tag=TAG_PAYLOAD)
+        return Message(payload, meta, ints, src, release=release)
+
+    def _run(self) -> None:
+        try:
+            live = set(self.producers)
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            while live:
+                # Any source: a slow producer never stalls the others.
+                src = dist.recv(header, None, group=self._ctrl, tag=TAG_HEADER)
+                if src not in live:
+                    raise RuntimeError(f"header from rank {src}, which is not a live producer of this drafter")
+                if int(header[0]) == KIND_END:
+                    live.discard(src)
+                    continue
+                self._q.put(self._recv_one(header.clone(), src))
+                self.received += 1
+            self._q.put(None)
+        except BaseException as e:
+            self._q.put(e)
