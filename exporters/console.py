@@ -1,0 +1,138 @@
+"""Console text: the short per-interval summary and the end-of-run hotspot table.
+
+Both read run-log records only (profiler.runlog record dicts), so they work live and after the fact.
+Times shown for a span are GPU times when the span has them (what `share` uses), else CPU times;
+the `on` column says which.
+"""
+from __future__ import annotations
+
+GIB = 1024 ** 3
+
+
+def _ms(seconds) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if ms >= 0.1 else f"{ms:.4f}"   # sub-0.1 ms spans keep 4 decimals
+
+
+def _pct(ratio) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.1f}%"
+
+
+def _basis(entry: dict):
+    """(stats dict, "gpu"|"cpu") a span's times are shown on."""
+    if entry.get("gpu"):
+        return entry["gpu"], "gpu"
+    return entry.get("cpu") or {}, "cpu"
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v != v:
+        return "nan"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def format_memory(memory: dict | None) -> list[str]:
+    """One line per GPU with headroom, or "memory: n/a (reason)"; never a made-up number."""
+    if not memory or not memory.get("available"):
+        reason = (memory or {}).get("reason", "no memory data")
+        return [f"  memory: n/a ({reason})"]
+    lines = []
+    for g in memory.get("gpus", []):
+        total, peak, headroom = g.get("total_bytes"), g.get("used_bytes_peak"), g.get("headroom_bytes")
+        if headroom is None or total is None:
+            lines.append(f"  memory gpu{g.get('index')}: n/a (no samples this interval)")
+            continue
+        lines.append(f"  memory gpu{g.get('index')} {g.get('name', '')}: headroom {headroom / GIB:.2f} GiB "
+                     f"of {total / GIB:.1f} GiB (peak used {peak / GIB:.2f} GiB)")
+    alloc = memory.get("allocator") or {}
+    if alloc.get("available"):
+        lines.append(f"  allocator: allocated {alloc['allocated_bytes'] / GIB:.2f} GiB, reserved "
+                     f"{alloc['reserved_bytes'] / GIB:.2f} GiB, peak allocated "
+                     f"{alloc['peak_allocated_bytes'] / GIB:.2f} GiB")
+    return lines or ["  memory: n/a (no GPUs listed)"]
+
+
+def format_interval(record: dict) -> str:
+    """A short block for one interval record: spans by share, counters' rates, gauges, metrics, memory."""
+    head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
+            f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s")
+    lines = [head]
+    spans = record.get("spans") or {}
+    if spans:
+        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}  bandwidth")
+        for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
+            stats, basis = _basis(e)
+            line = (f"  {name:<24} {e.get('count', 0):>7} {basis:>3} {_ms(stats.get('mean_seconds')):>9} "
+                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}")
+            bw = e.get("bandwidth_bytes_per_s")
+            if bw is not None:
+                line += f"  {bw / 1e9:.2f} GB/s"
+                if e.get("floor_ratio") is not None:
+                    line += f" ({e['floor_ratio'] * 100:.0f}% of {e['floor']})"
+            lines.append(line)
+    else:
+        lines.append("  (no spans finished in this interval)")
+    for name, c in (record.get("counters") or {}).items():
+        rate = c.get("per_second")
+        lines.append(f"  {name}: {'-' if rate is None else f'{rate:.1f}'}/s (interval {_num(c.get('total'))}, "
+                     f"run {_num(c.get('run_total'))})")
+    for name, g in (record.get("gauges") or {}).items():
+        lines.append(f"  {name}: last {_num(g.get('last'))} mean {_num(g.get('mean'))} max {_num(g.get('max'))}")
+    metrics = record.get("metrics") or {}
+    if metrics:
+        lines.append("  " + "  ".join(f"{n} {_num(m.get('last'))}" for n, m in metrics.items()))
+    lines.extend(format_memory(record.get("memory")))
+    return "\n".join(lines)
+
+
+def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
+    """Aggregate run_end records over ranks: rows (role, span, total_s, share, mean_s, p95_s, count)
+    sorted by total time, and per-role {"wall_seconds", "ranks", "rates": {counter: per_second}}.
+    A role's wall time is the sum of its ranks' run durations; p95 is the worst rank's p95."""
+    roles: dict = {}
+    agg: dict = {}
+    for rec in run_end_records:
+        role = rec.get("role")
+        r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "rates": {}})
+        r["wall_seconds"] += rec.get("duration_seconds") or 0.0
+        r["ranks"].append(rec.get("rank"))
+        for cname, c in (rec.get("counters") or {}).items():
+            if c.get("per_second") is not None:
+                r["rates"][cname] = r["rates"].get(cname, 0.0) + c["per_second"]
+        for sname, e in (rec.get("spans") or {}).items():
+            stats, _ = _basis(e)
+            a = agg.setdefault((role, sname), {"total": 0.0, "count": 0, "p95": None})
+            a["total"] += stats.get("total_seconds") or 0.0
+            a["count"] += e.get("count") or 0
+            p95 = stats.get("p95_seconds")
+            if p95 is not None and (a["p95"] is None or p95 > a["p95"]):
+                a["p95"] = p95
+    rows = []
+    for (role, sname), a in agg.items():
+        wall = roles[role]["wall_seconds"]
+        rows.append((role, sname, a["total"], a["total"] / wall if wall > 0 else None,
+                     a["total"] / a["count"] if a["count"] else None, a["p95"], a["count"]))
+    rows.sort(key=lambda r: -r[2])
+    return rows, roles
+
+
+def format_hotspots(run_end_records: list, top: int | None = None) -> str:
+    """The end-of-run table: span, role, total s, share of the role's wall time, mean ms, p95 ms;
+    then tokens/s (and every other counter's rate) per role."""
+    rows, roles = hotspot_rows(run_end_records)
+    if top is not None:
+        rows = rows[:top]
+    lines = [f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
+    for role, sname, total, share, mean, p95, _ in rows:
+        lines.append(f"{sname:<24} {str(role):<10} {total:>9.3f} {_pct(share):>7} {_ms(mean):>9} {_ms(p95):>9}")
+    if not rows:
+        lines.append("(no spans recorded)")
+    for role, r in roles.items():
+        rates = ", ".join(f"{n} {v:.1f}/s" for n, v in sorted(r["rates"].items())) or "no counters"
+        lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "
+                     f"{r['wall_seconds']:.1f} s): {rates}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""The module-level instrumentation API: span, count, gauge, metric, set_step, event, corrupt.
+
+`span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `get` is
+the calling thread's name -> span-object cache), or the shared no-op dict when no profiler is
+active. A hit (the common case) is one dict lookup; a miss
+validates the name and fills the cache. So with no profiler `span("x")` returns the same no-op
+object every time, and a bad name raises ValueError whether or not a profiler is active.
+"""
+from __future__ import annotations
+
+from profiler.spans import NoopSpan, check_name
+
+_noop_spans: dict = {}
+_spans: dict = _noop_spans     # swapped by activate()/deactivate()
+_active = None                 # the active Profiler
+_recorder = None               # its SpanRecorder
+_checked_names: set = set()    # counter/gauge/metric names already validated
+
+
+def span(name, bytes=None):
+    """Context manager and decorator timing a named stage (see profiler_api.md)."""
+    if bytes is None:
+        try:
+            s = _spans.get(name)
+        except AttributeError:   # this thread's first span under the active profiler
+            s = None
+        if s is not None:
+            return s
+    return _make_span(name, bytes)
+
+
+def _make_span(name, nbytes):
+    rec = _recorder
+    if rec is not None:
+        return rec.make_span(name, nbytes)
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+    s = NoopSpan(check_name(name), nbytes)
+    if nbytes is None:
+        _noop_spans[name] = s
+    return s
+
+
+def active():
+    """The active Profiler, or None."""
+    return _active
+
+
+def _check(name, what):
+    if name not in _checked_names:
+        check_name(name, what)
+        _checked_names.add(name)
+
+
+def count(name: str, n=1) -> None:
+    """Add n (>= 0) to a monotonically increasing counter (e.g. "tokens")."""
+    _check(name, "counter")
+    rec = _recorder
+    if rec is not None:
+        if n < 0:
+            raise ValueError(f"counter {name!r}: increment must be >= 0, got {n!r}")
+        rec.count(name, n)
+
+
+def gauge(name: str, value) -> None:
+    """Set a gauge (e.g. "queue_depth"); intervals report last/mean/max."""
+    _check(name, "gauge")
+    rec = _recorder
+    if rec is not None:
+        rec.gauge(name, value)
+
+
+def metric(name: str, value) -> None:
+    """Record a training scalar; a 0-dim tensor is kept as is and converted at interval close."""
+    _check(name, "metric")
+    rec = _recorder
+    if rec is not None:
+        rec.metric(name, value)
+
+
+def set_step(step: int) -> None:
+    """Set the current training step (used in records, faults and forensics)."""
+    p = _active
+    if p is not None:
+        p.step = int(step)
+
+
+def event(kind: str, **fields) -> None:
+    """Write an {"type": "event", "kind": kind, ...} record now (flushed)."""
+    p = _active
+    if p is not None:
+        p.event(kind, **fields)
+
+
+def corrupt(span_name: str, tensor):
+    """Fault-injection hook for `nan@SPAN`: returns the tensor (possibly NaN-multiplied)."""
+    p = _active
+    if p is None:
+        return tensor
+    return p.corrupt(span_name, tensor)
+
+
+def activate(profiler, recorder) -> None:
+    """Make `profiler` the process's active profiler; RuntimeError if one already is."""
+    global _active, _recorder, _spans
+    if _active is not None:
+        raise RuntimeError(f"a profiler is already active in this process (rank {_active.rank}, "
+                           f"run dir {_active.run_dir}); close it before starting another")
+    _active, _recorder, _spans = profiler, recorder, recorder.local
+
+
+def deactivate(profiler) -> None:
+    """Clear the active profiler (only if it is `profiler`)."""
+    global _active, _recorder, _spans
+    if _active is profiler:
+        _spans, _recorder, _active = _noop_spans, None, None

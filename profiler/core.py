@@ -1,0 +1,284 @@
+"""The Profiler: ties spans, CUDA timing, intervals, memory, floors, control and the run log together."""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from profiler import api
+from profiler.control import ControlServer, NullControlServer
+from profiler.faults import FaultPlan
+from profiler.floors import floor_for_span, measure_floors as _measure_floors
+from profiler.intervals import IntervalAggregator, IntervalTimer
+from profiler.memory import allocator_summary, make_memory_sampler
+from profiler.runlog import RunLog
+from profiler.spans import SpanRecorder, check_name
+
+logger = logging.getLogger("profiler")
+
+ENV_INTERVAL = "DFLASH_PROFILE_INTERVAL"
+DEFAULT_INTERVAL_S = 60.0
+
+
+def resolve_interval_s(interval_s, env=os.environ) -> float:
+    """interval_s, else env DFLASH_PROFILE_INTERVAL, else 60; must be a positive number."""
+    where = "interval_s"
+    if interval_s is None:
+        raw = env.get(ENV_INTERVAL)
+        if raw is None or raw.strip() == "":
+            return DEFAULT_INTERVAL_S
+        where = f"env {ENV_INTERVAL}"
+        try:
+            interval_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{where}={raw!r} is not a number of seconds") from None
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
+        raise ValueError(f"{where} must be a positive number of seconds, got {interval_s!r}")
+    return float(interval_s)
+
+
+class Profiler:
+    """Per-process profiler; `with Profiler(...) as prof:` makes it the active one (see profiler_api.md).
+
+    Extra keyword-only knobs for tests and embedding: `wall_clock` (time_unix source), `poll_s`
+    (collector poll period), `background` (False: no collector thread; drive it with `tick()`),
+    `console_stream`, `fault_plan`, `event_pool` (CUDA event pool or a fake), `floors` (skip the
+    measurement and use these), `gpu_drain_timeout_s` (how long run end polls pending GPU pairs)."""
+
+    def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
+                 device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
+                 measure_floors: bool = True, control: bool = True, *, wall_clock=time.time,
+                 poll_s: float = 0.25, background: bool = True, console_stream=None, fault_plan=None,
+                 event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0):
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"Profiler: role must be a non-empty string, got {role!r}")
+        self.run_dir = Path(run_dir)
+        self.rank, self.world_size, self.role = rank, world_size, role
+        self.interval_s = resolve_interval_s(interval_s)
+        self.device = device
+        self.is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self.config = config
+        self.console = console
+        self.clock = clock or time.perf_counter
+        self.wall_clock = wall_clock
+        self.poll_s = poll_s
+        self.background = background
+        self.console_stream = console_stream
+        self._memory_sampler_arg, self._nvml = memory_sampler, nvml
+        self._measure_floors, self.floors = measure_floors, floors
+        self._control_enabled = control
+        self._fault_plan_arg, self._event_pool_arg = fault_plan, event_pool
+        self.log_path = self.run_dir / "profile" / f"rank{rank}.jsonl"
+        self.step = 0
+        self.last_interval = None
+        self.intervals_closed = 0
+        self.gpu_drain_timeout_s = gpu_drain_timeout_s
+        self._listeners: list = []
+        self._close_lock = threading.RLock()
+        self._started = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self):
+        if api.active() is not None:
+            raise RuntimeError(f"a profiler is already active in this process (rank {api.active().rank}); "
+                               f"close it before starting another")
+        self._cleanups = []
+        try:
+            self._start()
+        except BaseException:
+            self._run_cleanups()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.runlog = RunLog(self.log_path)
+        self._cleanups.append(self.runlog.close)
+        if self.floors is None:
+            self.floors = _measure_floors(self.device) if self._measure_floors else {}
+        self.fault_plan = self._fault_plan_arg or FaultPlan.from_env(self.rank)
+        pool = self._event_pool_arg
+        if pool is None and self.is_cuda:
+            from profiler.cuda_timing import EventPool
+            pool = EventPool()
+        self.event_pool = pool
+        self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
+        self.aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, pool)
+        self.sampler = self._memory_sampler_arg or make_memory_sampler(self.device, nvml=self._nvml)
+        self.sampler.start()
+        self._cleanups.append(self.sampler.stop)
+        self.start_s = self.interval_start_s = self.clock()
+        self.start_unix = self.wall_clock()
+        self._write(self._run_start_record())
+        api.activate(self, self.recorder)
+        self._cleanups.append(lambda: api.deactivate(self))
+        self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state) if self._control_enabled
+                        else NullControlServer())
+        self.control.start()
+        self._cleanups.append(self.control.close)
+        self.timer = IntervalTimer(self.interval_s, self.clock, self._poll, self._timer_close, self.poll_s)
+        if self.background:
+            self.timer.start()
+            self._cleanups.append(self.timer.stop)
+        self._started = True
+
+    def __exit__(self, et, ev, tb):
+        status = "ok" if et is None else et.__name__
+        try:
+            if self._started:
+                self.timer.stop()
+                api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
+                # Telemetry never kills training: a failure here is logged, and the with-block's own
+                # exception (if any) is what propagates.
+                for step in (lambda: self.close_interval(final=True),
+                             lambda: self._write(self._run_end_record(status))):
+                    try:
+                        step()
+                    except Exception:   # noqa: BLE001
+                        logger.exception("profiler: closing the run failed")
+        finally:
+            self._run_cleanups()
+            self._started = False
+        return False
+
+    def _run_cleanups(self) -> None:
+        """Undo what was started, newest first; each step runs even if an earlier one failed."""
+        while self._cleanups:
+            fn = self._cleanups.pop()
+            try:
+                fn()
+            except Exception:   # noqa: BLE001 - the rest must still be stopped
+                logger.exception("profiler: cleanup step failed")
+
+    # ---- collection ----------------------------------------------------------------------------
+    def _poll(self) -> None:
+        with self._close_lock:
+            self.aggregator.add_drained(self.recorder.drain())
+
+    def _timer_close(self) -> None:
+        self.close_interval(_reset_timer=False)
+
+    def tick(self) -> bool:
+        """One collector iteration in the caller's thread (for tests with background=False)."""
+        return self.timer.tick()
+
+    def close_interval(self, final: bool = False, _reset_timer: bool = True) -> dict:
+        """Close the current interval now: append its record (and print it when console=True)."""
+        if not self._started:
+            raise RuntimeError("close_interval(): the profiler is not running (use it inside `with`)")
+        with self._close_lock:
+            self.aggregator.add_drained(self.recorder.drain())
+            if final and self.aggregator.pending:
+                self._wait_pending()
+            end_s = self.clock()
+            duration_s = end_s - self.interval_start_s
+            parts = self.aggregator.close_parts(duration_s)
+            try:
+                memory = dict(self.sampler.interval_summary(reset=True))
+            except Exception as exc:   # noqa: BLE001 - telemetry never kills training
+                memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
+            try:
+                memory["allocator"] = allocator_summary(self.device, reset_peak=True)
+            except Exception as exc:   # noqa: BLE001 - telemetry never kills training
+                memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+            rec = {**self._header("interval"), "index": self.intervals_closed, "step": self.step,
+                   "start_s": self.interval_start_s, "end_s": end_s, "duration_seconds": duration_s,
+                   **parts, "memory": memory}
+            if final:
+                rec["final"] = True
+            self.interval_start_s = end_s
+            self.intervals_closed += 1
+            self.last_interval = rec
+            if _reset_timer and not final:
+                self.timer.reset_boundary()
+            self._write(rec)   # under the lock: interval records reach the log in index order
+        if self.console:
+            from exporters.console import format_interval
+            print(format_interval(rec), file=self.console_stream or sys.stdout, flush=True)
+        return rec
+
+    def _wait_pending(self) -> None:
+        """At run end, give queued GPU work a moment to complete by polling Event.query() (never a
+        synchronize); what is still pending after gpu_drain_timeout_s is reported CPU-only, counted
+        in the span's "gpu_unresolved"."""
+        deadline = time.monotonic() + self.gpu_drain_timeout_s
+        while self.aggregator.resolve_pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for thread_name, rec in self.aggregator.pending:
+            self.aggregator._add(thread_name, rec, None)
+        self.aggregator.pending = []
+
+    # ---- records -------------------------------------------------------------------------------
+    def _header(self, rtype: str) -> dict:
+        return {"type": rtype, "time_unix": self.wall_clock(), "rank": self.rank, "role": self.role}
+
+    def _write(self, rec: dict) -> None:
+        self.runlog.write(rec)
+        for fn in list(self._listeners):
+            try:
+                fn(rec)
+            except Exception:   # noqa: BLE001 - an exporter failing must not stop training
+                logger.exception("profiler: record listener %r failed; removed", fn)
+                self._listeners.remove(fn)
+
+    def add_listener(self, fn) -> None:
+        """Call fn(record) for every record written from now on (exporters use this)."""
+        self._listeners.append(fn)
+
+    def _run_start_record(self) -> dict:
+        try:
+            import torch
+            torch_version = torch.__version__
+            device_name = (torch.cuda.get_device_name(self.device) if self.is_cuda
+                           else platform.processor() or platform.machine() or "cpu")
+        except Exception as exc:   # noqa: BLE001
+            torch_version, device_name = None, f"unknown ({type(exc).__name__})"
+        return {**self._header("run_start"), "world_size": self.world_size, "pid": os.getpid(),
+                "hostname": socket.gethostname(), "python_version": platform.python_version(),
+                "torch_version": torch_version, "device": str(self.device) if self.device is not None else "cpu",
+                "device_name": device_name, "floors": self.floors, "interval_s": self.interval_s,
+                "config": self.config}
+
+    def _run_end_record(self, status: str) -> dict:
+        duration_s = self.clock() - self.start_s
+        return {**self._header("run_end"), "step": self.step, "status": status, "duration_seconds": duration_s,
+                "intervals": self.intervals_closed, **self.aggregator.run_parts(duration_s)}
+
+    def event(self, kind: str, **fields) -> dict:
+        """Write an {"type": "event", "kind": ...} record now; "step" defaults to the current step."""
+        check_name(kind, "event kind")
+        rec = {**self._header("event"), "kind": kind, "step": self.step, **fields}
+        self._write(rec)
+        return rec
+
+    def write_record(self, rtype: str, **fields) -> dict:
+        """Write a record of another type (e.g. "snapshot") with the common header."""
+        rec = {**self._header(rtype), **fields}
+        self._write(rec)
+        return rec
+
+    def corrupt(self, span_name: str, tensor):
+        return self.fault_plan.corrupt(span_name, self.step, tensor)
+
+    def state(self) -> dict:
+        """Live state for the control endpoint: open spans per thread with how long each has been
+        open (from the collector-side stacks, read under the drain lock: safe from any thread),
+        last interval record, step, pid, latest memory sample."""
+        try:
+            self._poll()   # replay the logs so the open-span stacks are current
+        except Exception:   # noqa: BLE001 - still report what we have
+            logger.exception("profiler: state(): collecting records failed")
+        try:
+            memory = self.sampler.latest()
+        except Exception as exc:   # noqa: BLE001
+            memory = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
+                "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
+                "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
+                "intervals_closed": self.intervals_closed, "memory": memory}

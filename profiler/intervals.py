@@ -1,0 +1,254 @@
+"""Interval aggregation (off the hot path) and the thread that drives interval boundaries.
+
+A span is counted in the interval in which it is *collected complete*: its CPU part has ended and,
+under CUDA, both its events have completed. CPU-only spans are collected at every poll, so a span
+straddling a boundary lands in the interval where it ended; CUDA pairs still unresolved when an
+interval closes are carried, whole, into the next one (so per-interval cpu and gpu counts agree).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from profiler.cuda_timing import resolve
+from profiler.stats import RunStats, summarize
+
+logger = logging.getLogger("profiler")
+
+
+class _SpanAcc:
+    """One span name's records in the current interval."""
+    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths")
+
+    def __init__(self):
+        self.count = 0
+        self.cpu: list = []       # seconds
+        self.gpu: list = []       # seconds (CUDA spans only)
+        self.threads: set = set()
+        self.bytes = 0            # bytes declared by spans that gave bytes=
+        self.bytes_n = 0          # how many spans gave bytes=
+        self.bytes_cpu = 0.0      # their CPU seconds
+        self.bytes_gpu = 0.0      # their GPU seconds
+        self.depths: set = set()
+
+
+class _RunSpan:
+    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu")
+
+    def __init__(self):
+        self.cpu, self.gpu = RunStats(), RunStats()
+        self.threads: set = set()
+        self.bytes, self.bytes_n, self.bytes_cpu, self.bytes_gpu = 0, 0, 0.0, 0.0
+
+
+class IntervalAggregator:
+    """Accumulates drained records; `close_parts()` returns the interval's spans/counters/gauges/
+    metrics sections and resets; `run_parts()` returns whole-run aggregates of the same shape."""
+
+    def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None):
+        self.floors = floors or {}
+        self.floor_fn = floor_fn
+        self.is_cuda = is_cuda
+        self.event_pool = event_pool
+        self.pending: list = []          # (thread_name, cuda record) awaiting completion
+        self._spans: dict = {}
+        self._run_spans: dict = {}
+        self._counters: dict = {}        # name -> interval total
+        self._run_counters: dict = {}    # name -> run total
+        self._gauges: dict = {}          # name -> [values]
+        self._metrics: dict = {}         # name -> [values (floats or 0-dim tensors)]
+
+    # ---- feeding -------------------------------------------------------------------------------
+    def add_drained(self, drained) -> None:
+        """Take the output of SpanRecorder.drain(), then resolve what CUDA pairs are complete."""
+        for thread_name, spans, misc in drained:
+            for rec in spans:
+                if len(rec) > 5:
+                    self.pending.append((thread_name, rec))
+                else:
+                    self._add(thread_name, rec, None)
+            for kind, name, value in misc:
+                if kind == 0:
+                    self._counters[name] = self._counters.get(name, 0) + value
+                    self._run_counters[name] = self._run_counters.get(name, 0) + value
+                elif kind == 1:
+                    self._gauges.setdefault(name, []).append(value)
+                else:
+                    self._metrics.setdefault(name, []).append(value)
+        if self.pending:
+            self.resolve_pending()
+
+    def resolve_pending(self) -> int:
+        """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
+        threads = {id(rec): t for t, rec in self.pending}
+        done, still = resolve([rec for _, rec in self.pending], self.event_pool)
+        for rec, gpu_s in done:
+            self._add(threads[id(rec)], rec, gpu_s)
+        self.pending = [(threads[id(rec)], rec) for rec in still]
+        return len(self.pending)
+
+    def _add(self, thread_name, rec, gpu_s) -> None:
+        name, t0, t1, depth, nbytes = rec[0], rec[1], rec[2], rec[3], rec[4]
+        acc = self._spans.get(name)
+        if acc is None:
+            acc = self._spans[name] = _SpanAcc()
+        cpu_s = (t1 - t0) / 1e9
+        acc.count += 1
+        acc.cpu.append(cpu_s)
+        acc.threads.add(thread_name)
+        acc.depths.add(depth)
+        if gpu_s is not None:
+            acc.gpu.append(gpu_s)
+        if nbytes is not None:
+            acc.bytes += nbytes
+            acc.bytes_n += 1
+            acc.bytes_cpu += cpu_s
+            acc.bytes_gpu += gpu_s or 0.0
+
+    # ---- output --------------------------------------------------------------------------------
+    def _span_entry(self, count, threads, cpu_stats, gpu_stats, nbytes, bytes_cpu, bytes_gpu, has_bytes,
+                    duration_s, name) -> dict:
+        cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
+        gpu = None
+        if gpu_stats is not None and gpu_stats["count"]:
+            gpu = {k: v for k, v in gpu_stats.items() if k != "count"}
+        own_total = (gpu or cpu_stats)["total_seconds"] or 0.0
+        entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu,
+                 "share": own_total / duration_s if duration_s > 0 else None}
+        if has_bytes:
+            t = bytes_gpu if gpu is not None else bytes_cpu
+            bw = nbytes / t if t > 0 else None
+            entry["bytes"] = nbytes
+            entry["bandwidth_bytes_per_s"] = bw
+            floor = self.floor_fn(name, self.floors, self.is_cuda) if self.floor_fn else None
+            if floor is not None:
+                entry["floor"], entry["floor_bytes_per_s"] = floor[0], floor[1]
+                entry["floor_ratio"] = bw / floor[1] if bw is not None and floor[1] > 0 else None
+        return entry
+
+    def close_parts(self, duration_s: float) -> dict:
+        """The interval's "spans", "counters", "gauges", "metrics"; resets the interval state."""
+        spans = {}
+        for name, acc in self._spans.items():
+            run = self._run_spans.get(name)
+            if run is None:
+                run = self._run_spans[name] = _RunSpan()
+            run.cpu.add(acc.cpu)
+            run.gpu.add(acc.gpu)
+            run.threads |= acc.threads
+            run.bytes += acc.bytes
+            run.bytes_n += acc.bytes_n
+            run.bytes_cpu += acc.bytes_cpu
+            run.bytes_gpu += acc.bytes_gpu
+            entry = self._span_entry(acc.count, acc.threads, summarize(acc.cpu),
+                                     summarize(acc.gpu) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
+                                     acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
+            if self.event_pool is not None and len(acc.gpu) < acc.count:
+                entry["gpu_unresolved"] = acc.count - len(acc.gpu)
+            spans[name] = entry
+        counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
+                           "run_total": self._run_counters[name]}
+                    for name, total in self._counters.items()}
+        gauges = {}
+        for name, values in self._gauges.items():
+            v = to_floats(values)
+            gauges[name] = {"last": v[-1], "mean": sum(v) / len(v), "max": max(v)}
+        metrics = {}
+        for name, values in self._metrics.items():
+            floats = to_floats(values)
+            metrics[name] = {"last": floats[-1], "mean": sum(floats) / len(floats)}
+        self._spans, self._counters, self._gauges, self._metrics = {}, {}, {}, {}
+        return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
+
+    def run_parts(self, duration_s: float) -> dict:
+        """Whole-run "spans" (same per-span shape) and "counters" (total, per_second over the run)."""
+        spans = {}
+        for name, run in self._run_spans.items():
+            cpu = run.cpu.summary()
+            spans[name] = self._span_entry(cpu["count"], run.threads, cpu,
+                                           run.gpu.summary() if run.gpu.count else None, run.bytes,
+                                           run.bytes_cpu, run.bytes_gpu, run.bytes_n > 0,
+                                           duration_s, name)
+        counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
+                    for name, total in self._run_counters.items()}
+        return {"spans": spans, "counters": counters}
+
+
+def to_floats(values) -> list:
+    """Python numbers stay; 0-dim tensors are converted here, at interval close, long after their
+    steps finished. Tensors are grouped by device and stacked, then ONE .tolist() per device: on a
+    CUDA device that is a deliberate device->host read which waits for the stacked copy (a tiny
+    kernel queued behind the current work on that stream), once per interval, never per step."""
+    out = [None] * len(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if hasattr(v, "detach") and hasattr(v, "device"):
+            by_device.setdefault(v.device, []).append(i)
+        else:
+            out[i] = float(v)
+    if by_device:
+        import torch
+        for idx in by_device.values():
+            stacked = torch.stack([values[i].detach().reshape(()).float() for i in idx])
+            for i, f in zip(idx, stacked.tolist()):   # the one deliberate sync per device (see above)
+                out[i] = f
+    return out
+
+
+class IntervalTimer:
+    """Background thread: every `poll_s` it calls `poll()` (drain + resolve), and when the injected
+    clock passes the next boundary it calls `close()`. `tick()` runs one such iteration in the
+    caller's thread, so tests drive boundaries with a fake clock and no sleeping. A failing poll or
+    close is logged once and the thread keeps going (telemetry never kills training)."""
+
+    def __init__(self, interval_s: float, clock, poll, close, poll_s: float = 0.25):
+        self.interval_s = interval_s
+        self.clock = clock
+        self._poll, self._close = poll, close
+        self.poll_s = poll_s
+        self.next_boundary_s = clock() + interval_s
+        self._stop = threading.Event()
+        self._thread = None
+        self._logged = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="profiler.collector", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            # Wake at the boundary itself when it comes before the next poll (accurate durations).
+            try:
+                wait_s = min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))
+            except Exception:   # noqa: BLE001 - a broken injected clock: fall back to polling
+                wait_s = self.poll_s
+            if self._stop.wait(wait_s):
+                return
+            self.tick()
+
+    def tick(self) -> bool:
+        """One iteration: poll, and close the interval if the boundary passed. True if it closed."""
+        try:
+            now = self.clock()
+            if now >= self.next_boundary_s:
+                self._close()
+                # Next boundary on the interval grid; skip any missed ones (a stalled thread).
+                while self.next_boundary_s <= now:
+                    self.next_boundary_s += self.interval_s
+                return True
+            self._poll()
+        except Exception:   # noqa: BLE001 - telemetry never kills training
+            if not self._logged:
+                self._logged = True
+                logger.exception("profiler: interval collection failed (logged once; continuing)")
+        return False
+
+    def reset_boundary(self) -> None:
+        """After a forced close: the next automatic close comes interval_s later."""
+        self.next_boundary_s = self.clock() + self.interval_s
