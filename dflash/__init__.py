@@ -1,0 +1,1 @@
+"""DFlash drafter trainer: data, frozen target capture, drafter model, loss, checkpoint, decoding."""

@@ -1,0 +1,204 @@
+"""Draft-block attention: which keys each block query sees, and two backends with the same math.
+
+Layout of one drafter forward (all draft blocks of a packed batch at once):
+
+    keys   = [context tokens (N, padded to Np) ; block tokens (M*B, padded to Mp*B)]
+    queries = block tokens only (Mp*B rows)
+
+Query row q belongs to block j = q // B. It sees context key c iff c is in the block's document,
+c < limit[j] (for training limit = the anchor's flat index, so positions < a), and, on sliding
+layers, (anchor_pos[j] + q % B) - pos[c] < window (the reference's key-index window at absolute
+positions). It sees the B keys of its own block (bidirectional; on sliding layers only those less
+than `window` positions away, as the reference's non-causal window) and nothing else. Padding anchors
+use document -2 and padding context tokens document -1, so padding never matches anything but a
+padding block's own keys: no query row is fully masked, so neither backend produces NaNs.
+
+`flex` runs torch.nn.attention.flex_attention with a BlockMask (compiled once per process, CUDA
+only); `dense` runs SDPA with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same
+mask_mod, so their semantics cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PAD_MULTIPLE = 128
+"""Row padding for context and query lengths: flex_attention's default tile is 128x128, and an
+aligned layout puts each 8-anchor query tile on exactly one tile of block keys."""
+
+BACKENDS = ("auto", "flex", "dense")
+
+
+@dataclass
+class BlockLayout:
+    """Device tensors describing one drafter forward's keys and queries (padded)."""
+
+    block_size: int
+    """Tokens per draft block (B)."""
+    num_ctx: int
+    """Real context tokens N (rows >= N are padding)."""
+    num_anchors: int
+    """Real draft blocks M (blocks >= M are padding)."""
+    kv_doc: torch.Tensor
+    """[Np + Mp*B] int32: document of each context key; -1 for padding and for block keys."""
+    kv_pos: torch.Tensor
+    """[Np + Mp*B] int64: absolute position of every key (context then block tokens), for RoPE."""
+    kv_block: torch.Tensor
+    """[Np + Mp*B] int64: block index of each block key; -1 for context keys."""
+    anchor_doc: torch.Tensor
+    """[Mp] int32: document of each block; -2 for padding blocks."""
+    anchor_limit: torch.Tensor
+    """[Mp] int64: context keys with flat index < limit are visible (same document only)."""
+    anchor_pos: torch.Tensor
+    """[Mp] int64: absolute position of each block's first token (token[a])."""
+
+    @property
+    def num_ctx_padded(self) -> int:
+        return self.kv_doc.shape[0] - self.anchor_doc.shape[0] * self.block_size
+
+    @property
+    def num_queries(self) -> int:
+        return self.anchor_doc.shape[0] * self.block_size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def build_layout(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, anchor_doc: torch.Tensor,
+                 anchor_limit: torch.Tensor, anchor_pos: torch.Tensor, block_size: int) -> BlockLayout:
+    """Pad the per-token and per-anchor tables; all inputs on the device the drafter runs on.
+
+    ctx_doc/ctx_pos: [N]; anchor_doc/anchor_limit/anchor_pos: [M]. No host-device sync: sizes
+    come from shapes, and everything else is device-side arithmetic.
+    """
+    device = ctx_doc.device
+    n, m = ctx_doc.shape[0], anchor_doc.shape[0]
+    # Anchor padding so that the query length Mp*B is a multiple of 128 for any block size: flex
+    # then never evaluates mask_mod on a query row outside the per-anchor tables.
+    np_ = _round_up(n, PAD_MULTIPLE)
+    mp = _round_up(m, PAD_MULTIPLE // math.gcd(PAD_MULTIPLE, block_size))
+    q = mp * block_size
+    i32, i64 = torch.int32, torch.int64
+    a_doc = torch.full((mp,), -2, dtype=i32, device=device)
+    a_doc[:m] = anchor_doc.to(i32)
+    a_lim = torch.zeros((mp,), dtype=i64, device=device)
+    a_lim[:m] = anchor_limit.to(i64)
+    a_pos = torch.zeros((mp,), dtype=i64, device=device)
+    a_pos[:m] = anchor_pos.to(i64)
+    offsets = torch.arange(block_size, device=device, dtype=i64)
+    q_pos = (a_pos[:, None] + offsets[None, :]).reshape(q)
+    kv_doc = torch.full((np_ + q,), -1, dtype=i32, device=device)
+    kv_doc[:n] = ctx_doc.to(i32)
+    kv_pos = torch.zeros((np_ + q,), dtype=i64, device=device)
+    kv_pos[:n] = ctx_pos.to(i64)
+    kv_pos[np_:] = q_pos
+    kv_block = torch.full((np_ + q,), -1, dtype=i64, device=device)
+    kv_block[np_:] = torch.arange(q, device=device, dtype=i64) // block_size
+    return BlockLayout(block_size, n, m, kv_doc, kv_pos, kv_block, a_doc, a_lim, a_pos)
+
+
+def make_mask_mod(layout: BlockLayout, sliding_window: int | None):
+    """The mask as a flex mask_mod; also evaluated with broadcasting for the dense backend."""
+    bs = layout.block_size
+    kv_doc, kv_pos, kv_block = layout.kv_doc, layout.kv_pos, layout.kv_block
+    a_doc, a_lim, a_pos = layout.anchor_doc, layout.anchor_limit, layout.anchor_pos
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // bs
+        ctx = (kv_doc[kv_idx] == a_doc[j]) & (kv_idx < a_lim[j])
+        own = kv_block[kv_idx] == j
+        if sliding_window is not None:
+            dist = a_pos[j] + q_idx % bs - kv_pos[kv_idx]
+            ctx = ctx & (dist < sliding_window)
+            own = own & (dist < sliding_window) & (-dist < sliding_window)
+        return ctx | own
+
+    return mask_mod
+
+
+def dense_mask(layout: BlockLayout, sliding_window: int | None) -> torch.Tensor:
+    """Boolean [Q, KV] mask (True = attend), built without [Q, KV] integer intermediates."""
+    bs, np_, mp = layout.block_size, layout.num_ctx_padded, layout.anchor_doc.shape[0]
+    q = mp * bs
+    device = layout.kv_doc.device
+    ctx_idx = torch.arange(np_, device=device)
+    # Per block (not per query row): same document and before the limit -> [Mp, Np].
+    ctx = (layout.kv_doc[None, :np_] == layout.anchor_doc[:, None]) & (
+        ctx_idx[None, :] < layout.anchor_limit[:, None])
+    ctx = ctx[:, None, :].expand(mp, bs, np_)
+    q_block = torch.arange(q, device=device) // bs
+    own = q_block[:, None] == layout.kv_block[None, np_:]
+    if sliding_window is not None:
+        q_pos = layout.kv_pos[np_:].view(mp, bs)
+        ctx = ctx & ((q_pos[:, :, None] - layout.kv_pos[None, None, :np_]) < sliding_window)
+        dist = q_pos.reshape(q, 1) - layout.kv_pos[None, np_:]
+        own = own & (dist.abs() < sliding_window)
+    return torch.cat([ctx.reshape(q, np_), own], dim=1)
+
+
+def flex_block_mask(layout: BlockLayout, sliding_window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, kv = layout.num_queries, layout.kv_doc.shape[0]
+    device = layout.kv_doc.device
+    # _compile=True evaluates the mask tile by tile instead of materialising [Q, KV] (CUDA only;
+    # on CPU the eager path is fine for the small shapes it sees).
+    return create_block_mask(make_mask_mod(layout, sliding_window), None, None, q, kv,
+                             device=device, _compile=device.type == "cuda")
+
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled once per process on CUDA; eager (reference math) on CPU."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        # Default dynamic=None: the first shape compiles static, the next change recompiles with
+        # dynamic sizes once; packed batches change N and M every step, and hitting the recompile
+        # limit would silently fall back to eager flex (full score matrices -> OOM).
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"attn_backend: {name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    return name
+
+
+class MaskSet:
+    """Per-forward masks, one per distinct sliding window, built once and shared by all layers."""
+
+    def __init__(self, layout: BlockLayout, backend: str, windows: set[int | None]):
+        self.backend = backend
+        build = flex_block_mask if backend == "flex" else dense_mask
+        self.masks = {w: build(layout, w) for w in windows}
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        """q: [1, Hq, Q, D]; k, v: [1, Hkv, KV, D] -> [1, Hq, Q, D]."""
+        mask = self.masks[sliding_window]
+        # Under autocast the q/k RMSNorms (float32 weights) return float32 while v is bf16; both
+        # kernels need one dtype, and v's is the one autocast chose.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if self.backend == "flex":
+            return _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            # Explicit repeat instead of enable_gqa: keeps SDPA on its masked memory-efficient
+            # kernel on every torch version we run.
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)

@@ -1,0 +1,105 @@
+"""Greedy decoding and lossless greedy draft-and-verify with a DFlash drafter (batch size 1).
+
+Speculative step, as the reference dflash_generate: the last known token sits at position `start`;
+the drafter gets the target's context features for positions < start and the block
+[token[start], MASK x (B-1)] at positions start..start+B-1 and proposes B-1 tokens; the target
+verifies the block in one forward; the longest prefix agreeing with the target's argmax is kept plus
+the target's own next token (the bonus). Every kept token is the target's greedy choice, so the
+output equals greedy_generate. Target forwards recompute the whole sequence (no KV cache): simple
+and exact, fine for the small targets evaluation decodes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.attention import build_layout
+
+
+@dataclass
+class DecodeStats:
+    acceptance_length: float
+    """Mean tokens produced per verify step (accepted drafts + the target's bonus token)."""
+    verify_steps: int
+    """Target verify forwards after the prefill."""
+    tokens_per_step: list[int]
+    """Tokens produced by each verify step."""
+
+
+def _check_input(input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids: expected shape [1, T>0], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def greedy_generate(target_model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """[1, T] -> [1, T + max_new_tokens], argmax of a full forward per token."""
+    _check_input(input_ids, max_new_tokens)
+    seq = input_ids.to(_device(target_model))
+    for _ in range(max_new_tokens):
+        logits = target_model(seq, use_cache=False).logits
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq
+
+
+def _features(out, layer_ids: list[int]) -> torch.Tensor:
+    """[L, K*H] context features: outputs of the given layers (HF hidden_states[i + 1])."""
+    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def draft_block(drafter, context: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """One draft block: context [n, K*H] for positions 0..n-1, last_token = token[n] (0-dim).
+    Returns the B-1 proposed tokens for positions n+1..n+B-1."""
+    n, device, bs = context.shape[0], context.device, drafter.block_size
+    layout = build_layout(torch.zeros(n, dtype=torch.int32, device=device),
+                          torch.arange(n, device=device),
+                          torch.zeros(1, dtype=torch.int32, device=device),
+                          torch.tensor([n], device=device), torch.tensor([n], device=device), bs)
+    block = torch.full((1, bs), drafter.mask_token_id, dtype=torch.int64, device=device)
+    block[0, 0] = last_token
+    hidden = drafter(context, block, layout)[1:bs]
+    return drafter.logits(hidden).argmax(-1)
+
+
+@torch.no_grad()
+def speculative_generate(target_model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
+                         layer_ids: list[int]) -> tuple[torch.Tensor, DecodeStats]:
+    _check_input(input_ids, max_new_tokens)
+    device = _device(target_model)
+    seq = input_ids.to(device)
+    num_input = seq.shape[1]
+    max_length = num_input + max_new_tokens
+    bs = drafter.block_size
+    # Prefill: the target's first token, and context features for the prompt.
+    out = target_model(seq, use_cache=False, output_hidden_states=True)
+    seq = torch.cat([seq, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    context = _features(out, layer_ids)
+    produced_per_step: list[int] = []
+    start = num_input  # index of the last known token; context covers positions < start
+    while start + 1 < max_length:
+        verify_size = min(bs, max_length - start)
+        proposal = draft_block(drafter, context.to(drafter.fc.weight.device), seq[0, start])
+        block = torch.cat([seq[0, start:start + 1], proposal[: verify_size - 1].to(device)])
+        out = target_model(torch.cat([seq[:, :start], block[None]], dim=1), use_cache=False,
+                           output_hidden_states=True)
+        posterior = out.logits[0, start:start + verify_size].argmax(-1)
+        # Host read of the accepted count: decoding branches on it (deliberate sync, eval only).
+        accepted = int((block[1:] == posterior[:-1]).to(torch.int64).cumprod(0).sum())
+        new = torch.cat([block[1:1 + accepted], posterior[accepted:accepted + 1]])
+        produced = min(accepted + 1, max_length - start - 1)
+        seq = torch.cat([seq, new[:produced][None]], dim=1)
+        start += produced
+        context = _features(out, layer_ids)[:start]
+        produced_per_step.append(produced)
+    steps = len(produced_per_step)
+    stats = DecodeStats(sum(produced_per_step) / steps if steps else 0.0, steps, produced_per_step)
+    return seq[:, :max_length], stats

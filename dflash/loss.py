@@ -1,0 +1,116 @@
+"""The DFlash training loss over all draft blocks of a packed batch.
+
+Everything data-dependent (anchors, which block positions have a valid target, the weight sum,
+per-position counts) is decided on the CPU from the PackedBatch's CPU metadata, then shipped to the
+device as index tensors: no device->host sync, and the LM head only runs on rows with a target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.attention import build_layout
+from dflash.pack import PackedBatch
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar, differentiable: weighted CE over valid block positions / sum of their weights."""
+    acc: torch.Tensor
+    """[B-1] accuracy of block position k = 1..B-1 (0 where no position k had a target)."""
+    tau: torch.Tensor
+    """Scalar simulated acceptance length 1 + sum_k prod_{i<=k} acc_i."""
+    num_anchors: int
+    """Draft blocks in this batch (known on the CPU)."""
+    num_targets: int
+    """Valid (anchor, k) targets the loss averaged over (known on the CPU)."""
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Sorted flat indices a with loss_mask[a] and loss_mask[a+1] in the same document, at most
+    num_anchors per document, drawn uniformly without replacement (CPU tensors, CPU generator)."""
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
+    lm = loss_mask.to(torch.bool)
+    ok = lm[:-1] & lm[1:] & (doc_ids[:-1] == doc_ids[1:])
+    cand = ok.nonzero().squeeze(1)
+    if cand.numel() == 0:
+        return cand
+    docs = doc_ids[cand].to(torch.int64)
+    keys = torch.rand(cand.shape[0], generator=generator, dtype=torch.float64)
+    # Sort by (document, random key): within each document the order is a random permutation.
+    order = torch.argsort(docs.to(torch.float64) * 2.0 + keys)
+    sorted_docs = docs[order]
+    starts = torch.ones_like(sorted_docs, dtype=torch.bool)
+    starts[1:] = sorted_docs[1:] != sorted_docs[:-1]
+    first = torch.cummax(torch.where(starts, torch.arange(len(order)), 0), 0).values
+    rank = torch.arange(len(order)) - first
+    return torch.sort(cand[order[rank < num_anchors]]).values
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for k = 1..B-1."""
+    if gamma <= 0:
+        raise ValueError(f"gamma: must be > 0, got {gamma}")
+    k = torch.arange(1, block_size, dtype=torch.float64)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_targets(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int):
+    """[M, B-1] target flat indices (clamped) and validity: a+k exists, same document, loss-masked."""
+    n = loss_mask.shape[0]
+    idx = anchors[:, None] + torch.arange(1, block_size)[None, :]
+    safe = idx.clamp(max=n - 1)
+    valid = (idx < n) & (doc_ids[safe] == doc_ids[anchors][:, None]) & loss_mask.to(torch.bool)[safe]
+    return safe, valid
+
+
+def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors: int, gamma: float,
+                 generator: torch.Generator) -> LossOutput:
+    meta = packed.meta()
+    bs = model.block_size
+    device = context.device
+    anchors = sample_anchors(meta["loss_mask"], meta["doc_ids"], num_anchors, generator)
+    m = int(anchors.shape[0])
+    if m == 0:
+        # Still a differentiable scalar touching every parameter (data-parallel peers all-reduce).
+        zero = sum(p.sum() for p in model.parameters()) * 0.0
+        return LossOutput(zero, torch.zeros(bs - 1, device=device), torch.ones((), device=device), 0, 0)
+
+    safe, valid = block_targets(anchors, meta["loss_mask"], meta["doc_ids"], bs)
+    w = position_weights(bs, gamma)
+    rows = valid.reshape(-1).nonzero().squeeze(1)              # valid (anchor, k) pairs
+    k_of_row = rows % (bs - 1)
+    row_weight = w[k_of_row]
+    total_weight = float(row_weight.sum())                     # CPU value, no sync
+    counts = torch.bincount(k_of_row, minlength=bs - 1).to(torch.float32)
+    # Hidden row of (anchor j, position k) in the padded [Mp*B, H] output: j*B + k.
+    hidden_rows = (rows // (bs - 1)) * bs + k_of_row + 1
+    host = torch.cat([anchors, safe.reshape(-1)[rows], hidden_rows, k_of_row])
+    dev = host.to(device, non_blocking=True)
+    r = rows.shape[0]
+    a_dev, tgt_idx, h_rows, k_dev = dev[:m], dev[m:m + r], dev[m + r:m + 2 * r], dev[m + 2 * r:]
+    a_meta = torch.stack([meta["doc_ids"][anchors].to(torch.int64), meta["position_ids"][anchors]])
+    a_meta = a_meta.to(device, non_blocking=True)
+    weights_dev = row_weight.to(torch.float32).to(device, non_blocking=True)
+    counts_dev = counts.to(device, non_blocking=True)
+
+    layout = build_layout(packed.doc_ids, packed.position_ids, a_meta[0], a_dev, a_meta[1], bs)
+    block = torch.full((m, bs), model.mask_token_id, dtype=torch.int64, device=device)
+    block[:, 0] = packed.input_ids[a_dev]
+    hidden = model(context, block, layout)
+    logits = model.logits(hidden.index_select(0, h_rows))
+    targets = packed.input_ids[tgt_idx]
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    loss = (ce * weights_dev).sum() / total_weight
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == targets).to(torch.float32)
+        hits = torch.zeros(bs - 1, device=device).index_add_(0, k_dev, correct)
+        acc = hits / counts_dev.clamp(min=1.0)
+        tau = 1.0 + torch.cumprod(acc, 0).sum()
+    return LossOutput(loss, acc, tau, m, r)

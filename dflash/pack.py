@@ -1,0 +1,156 @@
+"""pack_hidden: drop padding, lay the K captured layers out per token, carry positions/docs/loss mask.
+
+Each row of a Batch is one document (right-padded), so a packed token's document id is its row and
+its position is its index among the row's real tokens. Flat indices of real tokens are computed on
+the CPU from batch.attention_mask (boolean-mask indexing on the device would sync) and gathered with
+index_select written straight into the output: each hidden element is read once and written once,
+the device-memory floor. The metadata rides to the device in one small copy; CPU copies are kept
+(not part of tensors()) so the drafter can sample anchors without a device->host sync.
+
+Noise (--hidden-noise) is uniform in [-s, s], drawn in float32 by a generator on the hidden's
+device seeded with noise_seed, and added by _add_noise on whichever side owns the concatenated
+context: the target (concat) or the drafter (split). Same function, same op order, same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+META_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+
+
+def _add_noise(ctx: torch.Tensor, noise_scale: float, noise_seed: int) -> torch.Tensor:
+    """In place: ctx += U(-s, s) (float32 draw, rounded once into ctx's dtype)."""
+    if noise_scale == 0:
+        return ctx
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(noise_seed)
+    noise = torch.empty(ctx.shape, dtype=torch.float32, device=ctx.device)
+    noise.uniform_(-noise_scale, noise_scale, generator=gen)
+    return ctx.add_(noise)
+
+
+@dataclass
+class PackedBatch:
+    hidden: torch.Tensor
+    """concat: [N, K*H] with the noise already added; split: [K, N, H] without noise."""
+    input_ids: torch.Tensor
+    """[N] int64 token ids."""
+    position_ids: torch.Tensor
+    """[N] int64 position within the token's document."""
+    doc_ids: torch.Tensor
+    """[N] int32 document index, non-decreasing."""
+    loss_mask: torch.Tensor
+    """[N] bool, True where the token is trained on (assistant tokens)."""
+    noise_seed: int
+    """Seed of the hidden-state noise (drawn on the hidden's device)."""
+    split: bool
+    """True when the K layers travel separately and the drafter concatenates (and adds noise)."""
+    cpu: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    """CPU copies of input_ids/position_ids/doc_ids/loss_mask (not transferred with tensors())."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The device tensors a transfer moves (the CPU metadata, .cpu / meta(), goes separately)."""
+        return {"hidden": self.hidden, **{k: getattr(self, k) for k in META_FIELDS}}
+
+    @classmethod
+    def from_tensors(cls, d: dict[str, torch.Tensor], noise_seed: int, split: bool,
+                     cpu: dict[str, torch.Tensor] | None = None) -> "PackedBatch":
+        missing = [k for k in ("hidden", *META_FIELDS) if k not in d]
+        if missing:
+            raise ValueError(f"PackedBatch.from_tensors: missing {missing[0]!r}")
+        if cpu is None and d["doc_ids"].device.type == "cpu":
+            cpu = {k: d[k] for k in META_FIELDS}
+        return cls(d["hidden"], d["input_ids"], d["position_ids"], d["doc_ids"], d["loss_mask"],
+                   noise_seed, split, cpu)
+
+    @classmethod
+    def from_transfer(cls, hidden: torch.Tensor, meta: dict[str, torch.Tensor], noise_seed: int,
+                      split: bool, device) -> "PackedBatch":
+        """hidden as received (on `device`) + the CPU metadata rows (any integer dtype): the device
+        copies go up in one H2D copy, the CPU ones stay for anchor sampling."""
+        missing = [k for k in META_FIELDS if k not in meta]
+        if missing:
+            raise ValueError(f"PackedBatch.from_transfer: metadata misses {missing[0]!r}")
+        cpu = {"input_ids": meta["input_ids"].to(torch.int64), "position_ids": meta["position_ids"].to(torch.int64),
+               "doc_ids": meta["doc_ids"].to(torch.int32), "loss_mask": meta["loss_mask"].to(torch.bool)}
+        on_dev = torch.stack([cpu[k].to(torch.int64) for k in META_FIELDS]).to(device, non_blocking=True)
+        return cls(hidden, on_dev[0], on_dev[1], on_dev[2].to(torch.int32), on_dev[3].to(torch.bool),
+                   noise_seed, split, cpu)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """CPU metadata for anchor sampling. Carried from pack_hidden (or given to from_tensors /
+        from_transfer); without it this copies from the device, a deliberate host-device sync."""
+        if self.cpu is None:
+            self.cpu = {k: getattr(self, k).cpu() for k in META_FIELDS}  # sync: no CPU copy given
+        return self.cpu
+
+    def context(self, noise_scale: float) -> torch.Tensor:
+        """[N, K*H] drafter input. split: concatenate here and add the noise; concat: as shipped."""
+        if not self.split:
+            return self.hidden
+        k, n, h = self.hidden.shape
+        ctx = self.hidden.permute(1, 0, 2).reshape(n, k * h)
+        if ctx.data_ptr() == self.hidden.data_ptr():  # K == 1: reshape was a view; keep hidden intact
+            ctx = ctx.clone()
+        return _add_noise(ctx, noise_scale, self.noise_seed)
+
+
+def _flat_indices(attention_mask: torch.Tensor):
+    if attention_mask.device.type != "cpu":
+        raise ValueError("pack_hidden: batch.attention_mask must be the CPU tensor from the batcher")
+    mask = attention_mask.to(torch.bool)
+    rows, t = mask.shape
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    doc_ids = (flat // t).to(torch.int32)
+    position_ids = (mask.to(torch.int64).cumsum(1) - 1).reshape(-1)[flat]
+    return flat, doc_ids, position_ids
+
+
+def pack_hidden(layers: list[torch.Tensor], batch, noise_scale: float, noise_seed: int,
+                split: bool) -> PackedBatch:
+    """K x [B, T, H] captured layers + the CPU batch -> PackedBatch on the layers' device.
+
+    Runs on the current stream (the one that ran the forward), so it is ordered after it.
+    """
+    if not layers:
+        raise ValueError("pack_hidden: no layers given")
+    b, t, h = layers[0].shape
+    if tuple(batch.attention_mask.shape) != (b, t):
+        raise ValueError(f"pack_hidden: attention_mask {tuple(batch.attention_mask.shape)} does not "
+                         f"match hidden {(b, t, h)}")
+    if noise_scale < 0:
+        raise ValueError(f"pack_hidden: noise_scale must be >= 0, got {noise_scale}")
+    device, dtype, k = layers[0].device, layers[0].dtype, len(layers)
+    flat, doc_ids, position_ids = _flat_indices(batch.attention_mask)
+    n = flat.shape[0]
+    cpu_meta = {
+        "input_ids": batch.input_ids.reshape(-1)[flat].to(torch.int64),
+        "position_ids": position_ids,
+        "doc_ids": doc_ids,
+        "loss_mask": batch.loss_mask.reshape(-1)[flat].to(torch.bool),
+    }
+    # One H2D copy for the index and all metadata (pageable source: the async copy stages it
+    # immediately, no device sync).
+    stacked = torch.stack([flat, cpu_meta["input_ids"], position_ids, doc_ids.to(torch.int64),
+                           cpu_meta["loss_mask"].to(torch.int64)])
+    on_dev = stacked.to(device, non_blocking=True)
+    idx = on_dev[0]
+    if split:
+        hidden = torch.empty((k, n, h), dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            torch.index_select(layer.reshape(b * t, h), 0, idx, out=hidden[i])
+    else:
+        hidden = torch.empty((n, k * h), dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            # Strided out (a column slice): index_select writes through the view, no temporary.
+            torch.index_select(layer.reshape(b * t, h), 0, idx, out=hidden[:, i * h:(i + 1) * h])
+        _add_noise(hidden, noise_scale, noise_seed)
+    return PackedBatch(hidden, on_dev[1], on_dev[2], on_dev[3].to(torch.int32), on_dev[4].to(torch.bool),
+                       noise_seed, split, cpu=cpu_meta)
