@@ -1,0 +1,280 @@
+"""JSONL conversations -> tokenised samples with an assistant loss mask -> token-budget batches.
+
+Records are `{"messages": [...]}` or `{"conversations": [...]}`; turns are OpenAI style
+(`{"role": "system"|"user"|"assistant", "content": str}`) or ShareGPT style
+(`{"from": "system"|"human"|"gpt", "value": str}`). Tokenisation goes through the tokenizer's
+chat template; the loss mask is 1 exactly on each assistant turn's content and its end-of-turn
+token, found by rendering the conversation prefix by prefix and diffing token counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+ROLE_ALIASES = {"system": "system", "user": "user", "assistant": "assistant",
+                "human": "user", "gpt": "assistant"}
+MAX_EXAMPLES = 20
+
+
+@dataclass
+class Sample:
+    """One tokenised conversation."""
+    input_ids: list[int]
+    """Token ids of the whole templated conversation (truncated to max_length)."""
+    loss_mask: list[int]
+    """1 on assistant content and end-of-turn tokens, 0 elsewhere; same length as input_ids."""
+    source: str
+    """Where it came from, "FILE:LINE", for messages about it."""
+
+
+@dataclass
+class BadRecords:
+    """Records that were rejected while loading, with the first few reasons."""
+    count: int = 0
+    """Number of rejected records."""
+    examples: list[str] = field(default_factory=list)
+    """Up to MAX_EXAMPLES one-line reasons, "FILE:LINE: reason"."""
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(message)
+
+
+class _BadRecord(Exception):
+    """A record-level problem; the loader prefixes FILE:LINE."""
+
+
+def _normalise_turns(record) -> list[dict]:
+    """The record's turns as [{"role", "content"}] with OpenAI role names, or _BadRecord."""
+    if not isinstance(record, dict):
+        raise _BadRecord(f"record is a JSON {type(record).__name__}, not an object")
+    key = "messages" if "messages" in record else "conversations" if "conversations" in record else None
+    if key is None:
+        raise _BadRecord("no 'messages' or 'conversations' list")
+    turns = record[key]
+    if not isinstance(turns, list) or not turns:
+        raise _BadRecord(f"'{key}' is not a non-empty list")
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise _BadRecord(f"{where} is not an object")
+        role_key, text_key = ("role", "content") if "role" in turn or "content" in turn else ("from", "value")
+        if role_key not in turn:
+            raise _BadRecord(f"{where} has no '{role_key}'")
+        role = ROLE_ALIASES.get(turn[role_key]) if isinstance(turn[role_key], str) else None
+        if role is None:
+            raise _BadRecord(f"{where} has unknown role {turn[role_key]!r}")
+        if text_key not in turn:
+            raise _BadRecord(f"{where} has no '{text_key}'")
+        text = turn[text_key]
+        if not isinstance(text, str):
+            raise _BadRecord(f"{where} '{text_key}' is a {type(text).__name__}, not a string")
+        if not text.strip():
+            raise _BadRecord(f"{where} has empty content")
+        out.append({"role": role, "content": text})
+    if not any(t["role"] == "assistant" for t in out):
+        raise _BadRecord("no assistant turn")
+    return out
+
+
+class ChatTokenizer:
+    """Tokenises conversations through a chat template and marks the assistant tokens."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not self.chat_template:
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        special |= {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
+        self._special_ids = special
+
+    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=generation_prompt)
+        # The template already writes any BOS/special tokens as text.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask) of a conversation; _BadRecord if the template misbehaves."""
+        try:
+            full = self._ids(messages, generation_prompt=False)
+            mask = [0] * len(full)
+            for i, turn in enumerate(messages):
+                if turn["role"] != "assistant":
+                    continue
+                # Tokens before the turn's content: the prefix plus the assistant header.
+                start = self._ids(messages[:i], generation_prompt=True)
+                # Tokens through the end of the turn (content, end-of-turn, any separator).
+                end = self._ids(messages[:i + 1], generation_prompt=False)
+                for what, prefix in (("header", start), ("turn", end)):
+                    if full[:len(prefix)] != prefix:
+                        raise _BadRecord(f"chat template is not prefix-stable at the {what} of messages[{i}]")
+                stop = len(end)
+                # Keep the end-of-turn token but not what the template writes after it (Qwen's "\n").
+                for j in range(len(end) - 1, len(start) - 1, -1):
+                    if end[j] in self._special_ids:
+                        stop = j + 1
+                        break
+                for j in range(len(start), stop):
+                    mask[j] = 1
+        except _BadRecord:
+            raise
+        except Exception as exc:   # jinja errors ("roles must alternate ...") are record problems
+            raise _BadRecord(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        return full, mask
+
+
+def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "skip",
+                       chat_template: str | None = None) -> tuple[list[Sample], BadRecords]:
+    """Read and tokenise a JSONL file of conversations.
+
+    on_bad_record "skip" counts bad records (BadRecords) and keeps going; "fail" raises ValueError
+    with the first one's "FILE:LINE: reason". A missing file or one with no usable record raises
+    ValueError naming it.
+    """
+    if on_bad_record not in ("skip", "fail"):
+        raise ValueError(f"on_bad_record must be 'skip' or 'fail', got {on_bad_record!r}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data file not found: {path}")
+    chat = ChatTokenizer(tokenizer, chat_template)
+    samples: list[Sample] = []
+    bad = BadRecords()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            source = f"{path}:{line_no}"
+            try:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                input_ids, loss_mask = chat.encode(_normalise_turns(record))
+                input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+                if not any(loss_mask):
+                    raise _BadRecord(f"no assistant token within max_length={max_length}")
+            except _BadRecord as exc:
+                message = f"{source}: {exc}"
+                if on_bad_record == "fail":
+                    raise ValueError(message) from None
+                bad.add(message)
+                continue
+            samples.append(Sample(input_ids, loss_mask, source))
+    if not samples:
+        first = f"; first: {bad.examples[0]}" if bad.examples else ""
+        raise ValueError(f"{path}: no usable records ({bad.count} bad{first})")
+    return samples, bad
+
+
+@dataclass
+class Batch:
+    """A right-padded batch of samples."""
+    input_ids: torch.Tensor
+    """[B, T] int64, right-padded with pad_token_id."""
+    attention_mask: torch.Tensor
+    """[B, T] int64, 1 on real tokens, 0 on padding."""
+    loss_mask: torch.Tensor
+    """[B, T] int64, 1 on assistant tokens, 0 elsewhere and on padding."""
+    num_tokens: int
+    """Real (non-pad) tokens in the batch, computed on the CPU."""
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> Batch:
+    """Right-pad samples into a Batch."""
+    lengths = [len(s.input_ids) for s in samples]
+    width = max(lengths)
+    input_ids = torch.full((len(samples), width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
+    loss_mask = torch.zeros((len(samples), width), dtype=torch.int64)
+    for row, (sample, n) in enumerate(zip(samples, lengths)):
+        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.int64)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.int64)
+    return Batch(input_ids, attention_mask, loss_mask, num_tokens=sum(lengths))
+
+
+class TokenBatcher:
+    """Infinite iterator of Batches under a token budget, deterministic and resumable.
+
+    Each epoch draws a permutation of all samples from (seed, epoch); shard r of n takes every
+    n-th sample of it, so shards are disjoint and together cover the data every epoch. Samples
+    are taken in that order (no sorting) while batch_size * longest <= tokens_per_batch; a
+    sample longer than the budget alone makes a batch of one.
+    """
+
+    def __init__(self, samples: list[Sample], tokens_per_batch: int, pad_token_id: int, seed: int,
+                 shard: int = 0, num_shards: int = 1):
+        if tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise ValueError(f"shard must be in [0, num_shards), got shard={shard} num_shards={num_shards}")
+        if len(samples) < num_shards:
+            raise ValueError(f"{len(samples)} samples cannot be split into {num_shards} non-empty shards")
+        self.samples = samples
+        self.tokens_per_batch = tokens_per_batch
+        self.pad_token_id = pad_token_id
+        self.seed = seed
+        self.shard = shard
+        self.num_shards = num_shards
+        self.epoch = 0
+        self.batch_index = 0
+        self._plan: tuple[int, list[list[int]]] | None = None
+
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        """Sample indices of every batch this shard yields in `epoch`."""
+        if self._plan is not None and self._plan[0] == epoch:
+            return self._plan[1]
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for index in order[self.shard::self.num_shards].tolist():
+            n = len(self.samples[index].input_ids)
+            if current and (len(current) + 1) * max(longest, n) > self.tokens_per_batch:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(index)
+            longest = max(longest, n)
+        batches.append(current)
+        self._plan = (epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        plan = self.epoch_plan(self.epoch)
+        indices = plan[self.batch_index]
+        # Advance before returning, so state_dict() taken after a batch resumes at the next one.
+        self.batch_index += 1
+        if self.batch_index == len(plan):
+            self.epoch, self.batch_index = self.epoch + 1, 0
+        return collate([self.samples[i] for i in indices], self.pad_token_id)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
+                "shard": self.shard, "num_shards": self.num_shards,
+                "num_samples": len(self.samples), "tokens_per_batch": self.tokens_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "shard", "num_shards", "num_samples", "tokens_per_batch"):
+            mine = len(self.samples) if key == "num_samples" else getattr(self, key)
+            if state.get(key) != mine:
+                raise ValueError(f"batcher state has {key}={state.get(key)!r} but this batcher has {mine!r}")
+        batch_index = int(state["batch_index"])
+        if not 0 <= batch_index < len(self.epoch_plan(int(state["epoch"]))):
+            raise ValueError(f"batcher state batch_index={batch_index} is outside epoch {state['epoch']}")
+        self.epoch, self.batch_index = int(state["epoch"]), batch_index

@@ -1,0 +1,350 @@
+"""The built-in default: a tiny Qwen3 target and a synthetic corpus of its own greedy continuations.
+
+Needs no files and no network. `ensure_builtin(cache_dir)` builds (once) the target directory and
+a train / held-out eval JSONL pair that `dflash.data.load_conversations` reads. The assistant turns
+are the target's own greedy continuations (as DFlash training regenerates responses with the
+target), so simulated acceptance during training matches real draft-and-verify acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Bump when anything below changes what gets built, so stale cached builds are rebuilt.
+BUILD_VERSION = 2
+MARKER_NAME = ".dflash_tiny_target.json"
+
+PAD, EOS, IM_START, IM_END, MASK, UNK = (
+    "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<unk>")
+SPECIAL_TOKENS = [PAD, EOS, IM_START, IM_END, MASK, UNK]
+
+# ChatML as Qwen models use it (no default system prompt).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+NUMBERS = [str(i) for i in range(100)]
+LETTERS = list("abcdefghijklmnopqrstuvwxyz")
+COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple", "pink", "brown"]
+ANIMALS = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "bat", "rat",
+           "yak", "elk", "ant", "eel", "ape", "emu"]
+FRUITS = ["apple", "pear", "plum", "fig", "lime", "kiwi", "date", "grape"]
+WORDS = ["user", "assistant", "system", "you", "are", "a", "helpful", "tiny", "model", "count",
+         "from", "to", "down", "up", "by", "repeat", "times", "the", "phrase", "list", "spell",
+         "continue", "pattern", "add", "plus", "minus", "is", "what", "comes", "after", "before",
+         "next", "copy", "words", "numbers", "letters", "colors", "animals", "fruits", "sort",
+         "reverse", "and", "then", "please", "say", "of", "in", "step", "answer", "short",
+         "long", "story", "about", "big", "small", "quick", "slow", "jumps", "over", "lazy",
+         ".", ",", "?", "!", ":"]
+VOCAB_WORDS = WORDS + NUMBERS + LETTERS + COLORS + ANIMALS + FRUITS
+
+# Tokens the random target must never emit (their LM-head rows are zeroed: with a few hundred
+# Gaussian logits the max is positive, so a zero logit never wins): they would not round-trip
+# through the corpus text. <|im_end|> stays generable: it is the target's own end of turn.
+NON_GENERABLE = [PAD, EOS, IM_START, MASK, UNK]
+
+
+def build_tiny_tokenizer():
+    """A word-level PreTrainedTokenizerFast over the synthetic vocabulary, with a ChatML template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIAL_TOKENS + list(dict.fromkeys(VOCAB_WORDS))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Whitespace-only splitting: decode joins words with one space, so decode -> encode round-trips.
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    # <|im_start|>/<|im_end|> are special added tokens of the backend (not split, skipped by
+    # decode(skip_special_tokens=True)); no extra_special_tokens kwarg, whose form changed across
+    # transformers versions.
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token=UNK, pad_token=PAD, eos_token=EOS, mask_token=MASK)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _tiny_config(tokenizer):
+    from transformers import Qwen3Config
+
+    vocab_size = -(-len(tokenizer) // 8) * 8
+    stop_ids = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=INIT_STD,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids, bos_token_id=None)
+
+
+# Weight init scales, chosen by measurement (600 conversations, seed 0; drafter trained 60 steps):
+#   std 0.02: next token = f(previous token) 96% of the time, 216/600 distinct continuations;
+#   std 0.03: 94%, 350/600 distinct, a drafter reaches acc ~0.45 and tau ~1.9 in 60 CPU steps;
+#   std 0.05: 71%, acc ~0.25;  std 0.08: 36%, 596/600 distinct, but acc stays ~0.05 (chaotic).
+# 0.03 keeps context-dependent continuations while staying learnable in a CPU-minutes run.
+INIT_STD = 0.03
+# The LM head gets a larger scale: with 0.03 its logits have std ~0.3, a nearly uniform softmax no
+# trained model has, and a drafter sharing that frozen head cannot express confidence. Scaling the
+# head changes no argmax, so the target's greedy continuations are the same as without it.
+LM_HEAD_STD = 0.25
+EMBED_STD = 1.0
+
+
+def _init_weights(model, seed: int, tokenizer) -> None:
+    """Deterministic init from `seed`, independent of the transformers version's own init."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * EMBED_STD)
+            elif name.startswith("lm_head"):
+                param.copy_(torch.randn(param.shape, generator=gen) * LM_HEAD_STD)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+        banned = [tokenizer.convert_tokens_to_ids(t) for t in NON_GENERABLE]
+        banned += list(range(len(tokenizer), model.config.vocab_size))   # rounding padding rows
+        model.lm_head.weight[banned] = 0.0
+
+
+def make_tiny_model(seed: int = 0):
+    """(Qwen3ForCausalLM, tokenizer) of the tiny target, in memory, deterministic in `seed`."""
+    from transformers import Qwen3ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = _tiny_config(tokenizer)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    _init_weights(model, seed, tokenizer)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.do_sample = False
+    return model, tokenizer
+
+
+_OWN_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json",
+              MARKER_NAME}
+
+
+def build_tiny_target(out_dir, seed: int = 0) -> Path:
+    """Build (once) a randomly initialised Qwen3ForCausalLM + tokenizer in HF format at `out_dir`.
+
+    Idempotent: a marker file records seed and build version; a complete matching build is reused,
+    anything else of ours is rebuilt. Written to a temporary sibling and renamed into place.
+    """
+    out_dir = Path(out_dir)
+    expected = {"seed": seed, "version": BUILD_VERSION}
+    marker = out_dir / MARKER_NAME
+    complete = all((out_dir / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    if complete and marker.is_file() and json.loads(marker.read_text()) == expected:
+        return out_dir
+    if out_dir.exists():
+        foreign = [p.name for p in out_dir.iterdir() if p.name not in _OWN_FILES]
+        if not out_dir.is_dir() or foreign:
+            raise ValueError(f"{out_dir}: exists and is not a tiny-target build (has {foreign[:3]})")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, tokenizer = make_tiny_model(seed)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER_NAME).write_text(json.dumps(expected))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _make_prompt(rng: random.Random) -> list[dict]:
+    """One synthetic user request (optionally after a system turn) with regular structure."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        a = rng.randrange(0, 80)
+        text = f"count from {a} to {a + rng.randrange(3, 20)}"
+    elif kind == 1:
+        a = rng.randrange(20, 100)
+        text = f"count down from {a} to {a - rng.randrange(3, 20)}"
+    elif kind == 2:
+        phrase = " ".join(rng.choice(COLORS + ANIMALS + FRUITS) for _ in range(rng.randrange(1, 4)))
+        text = f"repeat the phrase {phrase} {rng.randrange(2, 6)} times"
+    elif kind == 3:
+        word = rng.choice(ANIMALS + FRUITS + COLORS)
+        text = f"spell {word} : " + " ".join(word[: rng.randrange(1, len(word) + 1)])
+    elif kind == 4:
+        unit = [rng.choice(LETTERS + COLORS) for _ in range(rng.randrange(2, 4))]
+        text = "continue the pattern " + " ".join((unit * 4)[: len(unit) * 2 + rng.randrange(len(unit))])
+    elif kind == 5:
+        text = f"what is {rng.randrange(50)} plus {rng.randrange(50)} ?"
+    else:
+        pool = rng.choice([COLORS, ANIMALS, FRUITS, NUMBERS])
+        text = "sort " + " ".join(rng.sample(pool, rng.randrange(3, 7)))
+    messages = [{"role": "user", "content": text}]
+    if rng.random() < 0.2:
+        messages.insert(0, {"role": "system", "content": "you are a helpful tiny model ."})
+    return messages
+
+
+MIN_NEW_TOKENS, MAX_NEW_TOKENS = 32, 96
+GENERATE_BATCH = 256
+
+
+def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int,
+                         exclude_from=None, num_threads: int = 1) -> Path:
+    """Write `num_conversations` JSONL conversations whose assistant turn is the target's greedy
+    continuation of the templated prompt (32-96 new tokens, ending early at <|im_end|>).
+
+    Prompts that occur in `exclude_from` (another corpus) are skipped, for a held-out split.
+    Generation is batched (left-padded, KV cache), chunked by budget so little compute is wasted.
+    It runs on `num_threads` intra-op threads: this model's ops are tiny, and with a second
+    thread on a shared CPU, OpenMP barriers spin while the other core is busy (measured: 1.2 s
+    vs 43 s for 48 conversations on a 2-core box with one core taken).
+    """
+    if num_conversations < 1:
+        raise ValueError(f"num_conversations must be >= 1, got {num_conversations}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return _build_corpus(target_dir, Path(out_path), num_conversations, seed, exclude_from)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+@torch.no_grad()
+def _build_corpus(target_dir, out_path: Path, num_conversations: int, seed: int, exclude_from) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    stop_ids = {tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id}
+    excluded = set()
+    if exclude_from is not None:
+        with open(exclude_from) as f:
+            excluded = {json.dumps(json.loads(line)["messages"][:-1]) for line in f if line.strip()}
+    rng = random.Random(seed)
+    records: list[dict] = []
+    while len(records) < num_conversations:
+        wanted = num_conversations - len(records)
+        prompts = []
+        while len(prompts) < wanted + wanted // 32 + 2:   # spares for empty continuations
+            messages = _make_prompt(rng)
+            if json.dumps(messages) not in excluded:
+                prompts.append((messages, rng.randint(MIN_NEW_TOKENS, MAX_NEW_TOKENS)))
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                 for m, _ in prompts]
+        # Chunks of similar budgets: generate runs every row until the chunk's largest budget.
+        by_budget = sorted(range(len(prompts)), key=lambda i: prompts[i][1])
+        generated = [None] * len(prompts)
+        for start in range(0, len(by_budget), GENERATE_BATCH):
+            chunk = by_budget[start:start + GENERATE_BATCH]
+            # Left padding, masked: the standard batched-generation layout. A row's continuation
+            # equals that of the prompt alone up to float rounding (test_tiny re-checks rows).
+            enc = tokenizer([texts[i] for i in chunk], add_special_tokens=False, padding=True,
+                            padding_side="left", return_tensors="pt")
+            # Greedy continuations are prefix-consistent, so one call with the chunk's largest
+            # budget, cut per row, equals a call per row with its own budget.
+            out = model.generate(
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                max_new_tokens=prompts[chunk[-1]][1], do_sample=False,
+                eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id)
+            width = enc["input_ids"].shape[1]
+            for i, row in zip(chunk, out[:, width:].tolist()):
+                generated[i] = _cut_continuation(row[:prompts[i][1]], stop_ids)
+        for (messages, _), new_ids in zip(prompts, generated):
+            if new_ids and len(records) < num_conversations:
+                reply = tokenizer.decode(new_ids, skip_special_tokens=False)
+                records.append({"messages": messages + [{"role": "assistant", "content": reply}]})
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def _cut_continuation(ids: list[int], stop_ids: set[int]) -> list[int]:
+    """Content tokens of a greedy continuation: up to (not incl.) the first stop token."""
+    for i, tok in enumerate(ids):
+        if tok in stop_ids:
+            return ids[:i]
+    return ids
+
+
+@dataclass
+class CorpusStats:
+    """How interesting the target's continuations are (a degenerate target makes a useless corpus)."""
+    num_conversations: int
+    """Conversations in the corpus."""
+    distinct_continuations: int
+    """Distinct assistant turns."""
+    mean_new_tokens: float
+    """Mean assistant-turn length in tokens."""
+    repeat_fraction: float
+    """Fraction of assistant tokens equal to the token before them."""
+    bigram_determinism: float
+    """Fraction of assistant tokens predicted by the most frequent successor of the previous token:
+    1.0 means the target is a bigram table and context does not matter."""
+    ended_fraction: float
+    """Fraction of assistant turns the target ended itself with <|im_end|> before its budget."""
+
+
+def corpus_stats(path, tokenizer) -> CorpusStats:
+    """Statistics of a built-in corpus's assistant turns (tokenised with `tokenizer`)."""
+    turns = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                messages = json.loads(line)["messages"]
+                turns.append(tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"])
+    successors: dict[int, Counter] = defaultdict(Counter)
+    repeats = pairs = 0
+    for ids in turns:
+        for prev, nxt in zip(ids, ids[1:]):
+            successors[prev][nxt] += 1
+            repeats += prev == nxt
+            pairs += 1
+    top = sum(c.most_common(1)[0][1] for c in successors.values())
+    return CorpusStats(
+        num_conversations=len(turns),
+        distinct_continuations=len({tuple(t) for t in turns}),
+        mean_new_tokens=sum(map(len, turns)) / max(len(turns), 1),
+        repeat_fraction=repeats / max(pairs, 1),
+        bigram_determinism=top / max(pairs, 1),
+        ended_fraction=sum(len(t) < MIN_NEW_TOKENS for t in turns) / max(len(turns), 1),
+    )
+
+
+@dataclass
+class BuiltinData:
+    """Paths of the built-in default: target model directory and train / held-out eval corpora."""
+    target_dir: Path
+    """HF directory of the tiny Qwen3 target (model + tokenizer)."""
+    train_path: Path
+    """JSONL training conversations."""
+    eval_path: Path
+    """JSONL held-out conversations (different seed, no prompt shared with train)."""
+
+
+def ensure_builtin(cache_dir, seed: int = 0, num_train: int = 1000, num_eval: int = 64) -> BuiltinData:
+    """Build (once) the tiny target and both corpora under `cache_dir`; reuse a matching build."""
+    cache_dir = Path(cache_dir)
+    target_dir = build_tiny_target(cache_dir / "tiny-target", seed=seed)
+    data = BuiltinData(target_dir, cache_dir / "train.jsonl", cache_dir / "eval.jsonl")
+    marker = cache_dir / ".dflash_builtin_corpus.json"
+    expected = {"seed": seed, "num_train": num_train, "num_eval": num_eval, "version": BUILD_VERSION}
+    if marker.is_file() and json.loads(marker.read_text()) == expected \
+            and data.train_path.is_file() and data.eval_path.is_file():
+        return data
+    build_builtin_corpus(target_dir, data.train_path, num_train, seed=seed)
+    build_builtin_corpus(target_dir, data.eval_path, num_eval, seed=seed + 1_000_003,
+                         exclude_from=data.train_path)
+    marker.write_text(json.dumps(expected))
+    return data
