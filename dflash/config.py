@@ -36,8 +36,9 @@ class TrainConfig:
     """Tokens per conversation after truncation."""
     tokens_per_batch: int = 2048
     """Token budget of one target batch (padded batch size times longest sequence)."""
-    num_anchors: int = 32
-    """Anchors (draft blocks) sampled per sequence per step."""
+    num_anchors: int = 8
+    """Anchors (draft blocks) sampled per sequence per step (real runs use hundreds; 8 keeps the
+    built-in CPU run to a couple of minutes)."""
     block_size: int = 16
     """Draft block size B: one anchor token plus B-1 masked positions."""
     gamma: float = 7.0
@@ -52,7 +53,7 @@ class TrainConfig:
     """Ship the K layers separately and concatenate (and add noise) on the drafter side. Env DFLASH_SPLIT_FC_LAYERS."""
     attn_backend: str = "auto"
     """Drafter attention: auto (flex on CUDA, dense on CPU), flex, or dense."""
-    lr: float = 1e-3
+    lr: float = 3e-3
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of lr."""
@@ -66,6 +67,8 @@ class TrainConfig:
     """Seed for data order, anchors, noise and initialisation."""
     profile_interval: float = 60.0
     """Seconds between profile intervals. Env DFLASH_PROFILE_INTERVAL."""
+    profile: bool = True
+    """Record spans, intervals and memory. False: every span is the no-op (for overhead A/B runs)."""
     target_gpus: int | None = None
     """Target ranks (processes). None: on CPU 1; on GPUs all but the drafter ranks."""
     drafter_gpus: int | None = None
@@ -86,7 +89,7 @@ class TrainConfig:
     """Held-out prompts decoded with real draft-and-verify at the end (0 = no evaluation)."""
     eval_new_tokens: int = 48
     """Tokens generated per evaluation prompt."""
-    builtin_conversations: int = 1200
+    builtin_conversations: int = 1000
     """Conversations in the built-in synthetic corpus."""
 
     def validate(self) -> "TrainConfig":
@@ -224,7 +227,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if str(f.type).startswith("bool"):
-            parser.add_argument(flag, action="store_const", const=True, default=None, help=docs.get(f.name))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=docs.get(f.name))
         else:
             parser.add_argument(flag, default=None, metavar=f.name.upper(), help=docs.get(f.name))
 

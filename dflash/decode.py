@@ -40,13 +40,18 @@ def _device(model) -> torch.device:
 
 
 @torch.no_grad()
-def greedy_generate(target_model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """[1, T] -> [1, T + max_new_tokens], argmax of a full forward per token."""
+def greedy_generate(target_model, input_ids: torch.Tensor, max_new_tokens: int,
+                    stop_token_ids=()) -> torch.Tensor:
+    """[1, T] -> [1, T + up to max_new_tokens], argmax of a full forward per token; stops after
+    emitting any of stop_token_ids (end of turn), as a serving stack would."""
     _check_input(input_ids, max_new_tokens)
     seq = input_ids.to(_device(target_model))
+    stops = set(int(t) for t in stop_token_ids)
     for _ in range(max_new_tokens):
         logits = target_model(seq, use_cache=False).logits
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if stops and int(seq[0, -1]) in stops:  # host read: eval-only decoding branches on it
+            break
     return seq
 
 
@@ -72,7 +77,7 @@ def draft_block(drafter, context: torch.Tensor, last_token: torch.Tensor) -> tor
 
 @torch.no_grad()
 def speculative_generate(target_model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
-                         layer_ids: list[int]) -> tuple[torch.Tensor, DecodeStats]:
+                         layer_ids: list[int], stop_token_ids=()) -> tuple[torch.Tensor, DecodeStats]:
     _check_input(input_ids, max_new_tokens)
     device = _device(target_model)
     seq = input_ids.to(device)
@@ -84,7 +89,10 @@ def speculative_generate(target_model, drafter, input_ids: torch.Tensor, max_new
     seq = torch.cat([seq, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     context = _features(out, layer_ids)
     produced_per_step: list[int] = []
+    stops = set(int(t) for t in stop_token_ids)
     start = num_input  # index of the last known token; context covers positions < start
+    if stops and int(seq[0, -1]) in stops:
+        start = max_length  # the first token already ended the turn
     while start + 1 < max_length:
         verify_size = min(bs, max_length - start)
         proposal = draft_block(drafter, context.to(drafter.fc.weight.device), seq[0, start])
@@ -96,10 +104,15 @@ def speculative_generate(target_model, drafter, input_ids: torch.Tensor, max_new
         accepted = int((block[1:] == posterior[:-1]).to(torch.int64).cumprod(0).sum())
         new = torch.cat([block[1:1 + accepted], posterior[accepted:accepted + 1]])
         produced = min(accepted + 1, max_length - start - 1)
+        ended = [i for i, t in enumerate(new[:produced].tolist()) if t in stops]
+        if ended:
+            produced = ended[0] + 1  # keep the end-of-turn token, drop anything after it
         seq = torch.cat([seq, new[:produced][None]], dim=1)
         start += produced
         context = _features(out, layer_ids)[:start]
         produced_per_step.append(produced)
+        if ended:
+            break
     steps = len(produced_per_step)
     stats = DecodeStats(sum(produced_per_step) / steps if steps else 0.0, steps, produced_per_step)
     return seq[:, :max_length], stats

@@ -28,6 +28,10 @@ class LossOutput:
     """Draft blocks in this batch (known on the CPU)."""
     num_targets: int
     """Valid (anchor, k) targets the loss averaged over (known on the CPU)."""
+    tau_prefix: torch.Tensor | None = None
+    """Scalar: 1 + mean over anchors of the leading run of correct predictions, i.e. what a
+    verify step would accept teacher-forced. Unlike `tau` it keeps the correlation between
+    positions (easy blocks are right all the way), so it is the one to compare with real decoding."""
 
 
 def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
@@ -80,7 +84,8 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
     if m == 0:
         # Still a differentiable scalar touching every parameter (data-parallel peers all-reduce).
         zero = sum(p.sum() for p in model.parameters()) * 0.0
-        return LossOutput(zero, torch.zeros(bs - 1, device=device), torch.ones((), device=device), 0, 0)
+        one = torch.ones((), device=device)
+        return LossOutput(zero, torch.zeros(bs - 1, device=device), one, 0, 0, one)
 
     safe, valid = block_targets(anchors, meta["loss_mask"], meta["doc_ids"], bs)
     w = position_weights(bs, gamma)
@@ -91,10 +96,11 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
     counts = torch.bincount(k_of_row, minlength=bs - 1).to(torch.float32)
     # Hidden row of (anchor j, position k) in the padded [Mp*B, H] output: j*B + k.
     hidden_rows = (rows // (bs - 1)) * bs + k_of_row + 1
-    host = torch.cat([anchors, safe.reshape(-1)[rows], hidden_rows, k_of_row])
+    host = torch.cat([anchors, safe.reshape(-1)[rows], hidden_rows, k_of_row, rows])
     dev = host.to(device, non_blocking=True)
     r = rows.shape[0]
-    a_dev, tgt_idx, h_rows, k_dev = dev[:m], dev[m:m + r], dev[m + r:m + 2 * r], dev[m + 2 * r:]
+    a_dev, tgt_idx, h_rows = dev[:m], dev[m:m + r], dev[m + r:m + 2 * r]
+    k_dev, rows_dev = dev[m + 2 * r:m + 3 * r], dev[m + 3 * r:]
     a_meta = torch.stack([meta["doc_ids"][anchors].to(torch.int64), meta["position_ids"][anchors]])
     a_meta = a_meta.to(device, non_blocking=True)
     weights_dev = row_weight.to(torch.float32).to(device, non_blocking=True)
@@ -113,4 +119,8 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
         hits = torch.zeros(bs - 1, device=device).index_add_(0, k_dev, correct)
         acc = hits / counts_dev.clamp(min=1.0)
         tau = 1.0 + torch.cumprod(acc, 0).sum()
-    return LossOutput(loss, acc, tau, m, r)
+        # Per-anchor accepted prefix: an invalid target (past the document's end) ends it too.
+        grid = torch.zeros(m * (bs - 1), device=device).index_copy_(0, rows_dev, correct)
+        tau_prefix = 1.0 + grid.view(m, bs - 1).cumprod(1).sum(1).mean()
+    return LossOutput(loss, acc, tau, m, r, tau_prefix)
+

@@ -84,6 +84,13 @@ def _wait(work) -> None:
         time.sleep(_POLL_SECONDS)
 
 
+def _bind_device(device: torch.device | None) -> None:
+    """The current CUDA device is per thread and new threads start on device 0: bind ours, so its
+    current stream (which NCCL orders against, and spans record on) is the rank's own."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class PinnedPool:
     """Reused pinned host buffers for the host-staged path. Allocating pinned memory costs ~0.7 s/GiB,
     so buffers are made once (rounded up) and recycled, never allocated per batch."""
@@ -120,8 +127,9 @@ class Sender:
     `submit()` queues a message; the sender thread sends it under `transfer.send` and then frees the
     slot. `close()` sends END after everything queued and waits for completion."""
 
-    def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool):
-        self.dst, self._ctrl, self._data = dst, ctrl_group, data_group
+    def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
+                 device: torch.device | None = None):
+        self.dst, self._ctrl, self._data, self._device = dst, ctrl_group, data_group, device
         self._device_payload = device_payload
         self._slots = threading.Semaphore(max_in_flight)
         self._q: queue.Queue[Message | None] = queue.Queue()
@@ -152,6 +160,7 @@ class Sender:
 
     def _run(self) -> None:
         try:
+            _bind_device(self._device)
             while True:
                 msg = self._q.get()
                 if msg is None:
@@ -270,6 +279,7 @@ class Receiver:
 
     def _run(self) -> None:
         try:
+            _bind_device(self._device)
             live = set(self.producers)
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
             while live:

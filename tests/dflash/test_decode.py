@@ -55,6 +55,24 @@ def test_oracle_drafter_accepts_whole_blocks(target, monkeypatch):
     assert stats.acceptance_length == pytest.approx(13 / 4)
 
 
+def test_stop_tokens_end_both_decoders_at_the_same_token(target, monkeypatch):
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(9))
+    full = decode.greedy_generate(target, prompt, 14)
+    stop = int(full[0, 4 + 6])  # the 7th generated token ends the turn (or an earlier copy of it)
+    greedy = decode.greedy_generate(target, prompt, 14, stop_token_ids=[stop])
+    cut = 4 + next(i for i, t in enumerate(full[0, 4:].tolist()) if t == stop) + 1
+    assert torch.equal(greedy, full[:, :cut])
+
+    def oracle(drafter, context, last_token):  # proposes the target's own continuation, past the stop
+        n = context.shape[0]
+        return full[0, n + 1:n + drafter.block_size]
+
+    monkeypatch.setattr(decode, "draft_block", oracle)
+    spec, stats = decode.speculative_generate(target, _drafter(target), prompt, 14, LAYERS, [stop])
+    assert torch.equal(spec, greedy)
+    assert sum(stats.tokens_per_step) == greedy.shape[1] - 5  # tokens after the prefill's, stop included
+
+
 def test_bad_arguments(target):
     with pytest.raises(ValueError, match="input_ids"):
         decode.greedy_generate(target, torch.zeros(2, 3, dtype=torch.long), 2)

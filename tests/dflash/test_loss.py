@@ -123,3 +123,56 @@ def test_autocast_mixed_precision_step():
         out = compute_loss(model, p, p.context(0.0), 4, 7.0, torch.Generator().manual_seed(0))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.fc.weight.grad.dtype == torch.float32
+
+
+def test_tau_prefix_counts_each_anchors_leading_run_of_correct_predictions():
+    """Two anchors: one right at every position, one wrong at the first. The independence formula
+    (tau) and the per-anchor prefix (tau_prefix) differ exactly as hand-computed."""
+    import torch.nn as nn
+
+    from dflash.loss import compute_loss
+    from dflash.pack import PackedBatch
+
+    bs, vocab = 4, 8
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5])
+    doc = torch.tensor([0] * 6 + [1] * 6, dtype=torch.int32)
+    pos = torch.cat([torch.arange(6), torch.arange(6)])
+    lm = torch.ones(12, dtype=torch.bool)
+    packed = PackedBatch(torch.zeros(12, 2), ids, pos, doc, lm, 0, False)
+
+    class Oracle(nn.Module):
+        """Predicts token[a+k] for anchor 0 and garbage at k=1 (then right) for the other anchor."""
+        block_size, mask_token_id = bs, 0
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(()))
+            self.calls = []
+
+        def forward(self, context, block, layout):
+            self.calls.append(block[:, 0].clone())
+            return torch.zeros(block.shape[0] * bs, 1) + self.w
+
+        def logits(self, hidden):
+            n = hidden.shape[0]
+            out = torch.zeros(n, vocab)
+            rows = torch.arange(n)
+            anchor_of = rows // (bs - 1)
+            k = rows % (bs - 1) + 1
+            first = self.calls[-1]
+            want = torch.stack([ids[(ids == first[j]).nonzero()[0, 0] + kk] for j, kk in zip(anchor_of, k)])
+            want = torch.where((anchor_of == 1) & (k == 1), (want + 1) % vocab, want)
+            out[rows, want] = 10.0
+            return out + self.w
+
+    import dflash.loss as L
+
+    orig = L.sample_anchors
+    L.sample_anchors = lambda *a, **k: torch.tensor([0, 6])
+    try:
+        out = compute_loss(Oracle(), packed, packed.hidden, 1, 7.0, torch.Generator().manual_seed(0))
+    finally:
+        L.sample_anchors = orig
+    assert out.acc.tolist() == [0.5, 1.0, 1.0]
+    assert float(out.tau) == pytest.approx(1 + 0.5 + 0.5 + 0.5)
+    assert float(out.tau_prefix) == pytest.approx(1 + (3 + 0) / 2)

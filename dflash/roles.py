@@ -1,0 +1,351 @@
+"""The two roles' loops. Each step function reads top to bottom like DESIGN.md's data-flow lines:
+
+    target rank:  target.fetch -> target.fwd -> target.pack_hidden -> [d2h_copy] -> transfer.send
+    drafter rank: drafter.recv -> [h2d_copy] -> drafter.fwd_bwd -> drafter.allreduce -> drafter.optim
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import profiler
+from dflash import transfer
+from dflash.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+from dflash.config import TrainConfig
+from dflash.data import TokenBatcher
+from dflash.loss import compute_loss
+from dflash.model import DFlashDraftModel, draft_config_for_target
+from dflash.optim import build_optimizer
+from dflash.pack import PackedBatch, pack_hidden
+from dflash.progress import LazyScalar, Progress
+from dflash.target import TargetCapture, default_layer_ids, load_target_head
+from dflash.topology import Topology
+
+_META_ROWS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+
+
+@dataclass
+class WorkerContext:
+    """Everything a role needs, built once by the worker."""
+    cfg: TrainConfig
+    topo: Topology
+    rank: int
+    device: torch.device
+    run_dir: Path
+    target_dir: Path
+    samples: list
+    """Training samples (held-out ones already removed)."""
+    pad_token_id: int
+    mask_token_id: int
+    ctrl_group: object
+    """gloo group over all ranks: headers, metadata, STOP, host-staged payloads."""
+    data_group: object
+    """Default group: NCCL between GPUs, gloo on CPU."""
+    drafter_group: object
+    """Drafter ranks only (gradient all-reduce)."""
+    drafter_ctrl_group: object
+    """Drafter ranks only, gloo (stop agreement)."""
+    stop_requested: callable
+    """True once SIGTERM/SIGINT arrived."""
+    resume_state: dict | None = None
+    """Loaded training state when resuming (step, consumed per producer, optimizer, scheduler)."""
+    device_payload: bool = False
+    """Payload over NCCL device-to-device (else host-staged / CPU)."""
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+    def noise_seed(self, target_index: int, batch_index: int) -> int:
+        return (self.cfg.seed * 1_000_003 + target_index * 100_003 + batch_index) % (2**62)
+
+
+# ----------------------------------------------------------------------------------------- target
+def run_target(ctx: WorkerContext) -> None:
+    cfg, rank, topo = ctx.cfg, ctx.rank, ctx.topo
+    target = TargetCapture.from_pretrained(ctx.target_dir, num_layers=cfg.num_target_layers,
+                                           device=ctx.device, dtype=ctx.dtype)
+    shard = topo.target_index(rank)
+    consumed = (ctx.resume_state or {}).get("consumed", {}).get(rank, 0)
+    batcher = TokenBatcher(ctx.samples, cfg.tokens_per_batch, ctx.pad_token_id, cfg.seed,
+                           shard=shard, num_shards=topo.num_targets)
+    batches = iter(batcher)
+    for _ in range(consumed):  # resume: replay the data order up to the first unconsumed batch
+        next(batches)
+    drafter = topo.drafter_of(rank)
+    stop = transfer.StopSignal(drafter, ctx.ctrl_group)
+    sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.max_in_flight, ctx.device_payload,
+                             ctx.device)
+    staging = _Staging(ctx, cfg.max_in_flight + 1)
+    for batch_index in range(consumed, topo.quota(rank, cfg.max_steps)):
+        if stop.requested() or ctx.stop_requested():
+            break
+        profiler.set_step(batch_index)
+        target_step(ctx, target, batches, sender, staging, shard, batch_index)
+    sender.close()   # END after everything queued; returns once all sends completed
+    stop.wait()      # the drafter always sends STOP when it is done with us
+
+
+def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
+                staging: "_Staging", shard: int, batch_index: int) -> None:
+    cfg = ctx.cfg
+    with profiler.span("target.fetch"):
+        batch = next(batches)
+        input_ids = batch.input_ids.to(ctx.device, non_blocking=True)
+        attention_mask = batch.attention_mask.to(ctx.device, non_blocking=True)
+    with profiler.span("target.fwd"):
+        layers = target(input_ids, attention_mask)
+    # Device-memory floor of the pack: the kept tokens' K layers read once and written once.
+    packed_bytes = batch.num_tokens * len(layers) * layers[0].shape[-1] * layers[0].element_size()
+    with profiler.span("target.pack_hidden", bytes=2 * packed_bytes):
+        packed = pack_hidden(layers, batch, cfg.hidden_noise, ctx.noise_seed(shard, batch_index),
+                             cfg.split_fc_layers)
+        del layers
+    with profiler.span("transfer.wait_slot"):
+        sender.acquire()
+    payload, ready, release = staging.stage(packed.hidden)
+    meta = torch.stack([packed.cpu[name].to(torch.int64) for name in _META_ROWS])
+    ints = [batch_index, packed.noise_seed, int(packed.split)]
+    sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release))
+    profiler.count("tokens", batch.num_tokens)
+    profiler.count("samples", int(batch.input_ids.shape[0]))
+
+
+class _Staging:
+    """Host-staged path on a GPU: `d2h_copy` into a reused pinned buffer on the forward's stream.
+    NCCL path and CPU: the payload goes as it is."""
+
+    def __init__(self, ctx: WorkerContext, count: int):
+        self._host_staged = ctx.device.type == "cuda" and not ctx.device_payload
+        self._pool = transfer.PinnedPool(count) if self._host_staged else None
+
+    def stage(self, hidden: torch.Tensor):
+        if not self._host_staged:
+            return hidden, None, None
+        nbytes = hidden.numel() * hidden.element_size()
+        with profiler.span("d2h_copy", bytes=nbytes):
+            buf = self._pool.take(nbytes)
+            view = transfer.staged_view(buf, hidden)
+            view.copy_(hidden, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return view, ready, (lambda b=buf: self._pool.give(b))
+
+
+# ---------------------------------------------------------------------------------------- drafter
+@dataclass
+class DrafterState:
+    model: DFlashDraftModel
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    step: int = 0
+    consumed: dict = field(default_factory=dict)
+    """Batches consumed per producer rank (resume replays data order from here)."""
+    tokens_total: int = 0
+
+
+def build_drafter(ctx: WorkerContext) -> DrafterState:
+    cfg = ctx.cfg
+    head = load_target_head(ctx.target_dir, ctx.device, ctx.dtype)
+    layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.num_target_layers)
+    torch.manual_seed(cfg.seed)  # identical initialisation on every drafter rank
+    dcfg = draft_config_for_target(head.config, num_layers=_num_draft_layers(ctx), block_size=cfg.block_size,
+                                   layer_ids=layer_ids, mask_token_id=ctx.mask_token_id,
+                                   attn_backend=cfg.attn_backend)
+    model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head).to(ctx.device)
+    opt, sched = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
+                                 cfg.max_steps, cfg.min_lr_ratio)
+    state = DrafterState(model, opt, sched)
+    if ctx.resume_state is not None:
+        model.load_state_dict(ctx.resume_state["model"], strict=False)
+        opt.load_state_dict(ctx.resume_state["optimizer"])
+        sched.load_state_dict(ctx.resume_state["scheduler"])
+        state.step = ctx.resume_state["step"]
+        state.consumed = dict(ctx.resume_state["consumed"])
+    return state
+
+
+def _num_draft_layers(ctx: WorkerContext) -> int:
+    if ctx.cfg.num_draft_layers is not None:
+        return ctx.cfg.num_draft_layers
+    return 2 if ctx.cfg.target_model is None else 5
+
+
+def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> None:
+    cfg, topo = ctx.cfg, ctx.topo
+    producers = topo.producers_of(ctx.rank)
+    rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.data_group, ctx.device, ctx.device_payload,
+                           transfer.PinnedPool(3) if ctx.device.type == "cuda" and not ctx.device_payload
+                           else None)
+    stopped_by = None
+    meter = _Throughput(ctx, warm_steps=min(5, cfg.max_steps // 4), start_step=state.step)
+    while state.step < cfg.max_steps:
+        profiler.set_step(state.step)
+        with profiler.span("drafter.recv"):
+            msg = rx.get()
+        profiler.gauge("queue_depth", rx.qsize())
+        if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
+            stopped_by = "stream ended" if msg is None else "signal"
+            break
+        loss, tau = drafter_step(ctx, state, msg)
+        progress.observe(LazyScalar(loss), LazyScalar(tau))
+        progress.update(state.step, state.tokens_total)
+        meter.after_step(state)
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
+            save_checkpoint(ctx, state)
+    meter.finish(state)
+    transfer.send_stop(producers, ctx.ctrl_group)
+    dropped = rx.drain()
+    if stopped_by is not None:
+        profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
+    save_checkpoint(ctx, state)
+
+
+class _Throughput:
+    """Steady-state drafter tokens/s, measured after a few warm-up steps (compilation, first
+    allocations) and written to RUN_DIR/throughput/rank{R}.json, with or without the profiler."""
+
+    def __init__(self, ctx: WorkerContext, warm_steps: int, start_step: int):
+        self.ctx, self.mark_step = ctx, start_step + warm_steps
+        self.t0 = None
+        self.tokens0 = 0
+
+    def _now(self) -> float:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)  # deliberate: twice per run, to time finished work
+        return time.perf_counter()
+
+    def after_step(self, state: DrafterState) -> None:
+        if state.step == self.mark_step:
+            self.t0, self.tokens0 = self._now(), state.tokens_total
+
+    def finish(self, state: DrafterState) -> None:
+        if self.t0 is None or state.step <= self.mark_step:
+            return
+        seconds = self._now() - self.t0
+        tokens = state.tokens_total - self.tokens0
+        out = self.ctx.run_dir / "throughput"
+        out.mkdir(exist_ok=True)
+        (out / f"rank{self.ctx.rank}.json").write_text(json.dumps({
+            "steps": state.step - self.mark_step, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "steps_per_s": (state.step - self.mark_step) / seconds}) + "\n")
+
+
+def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
+    cfg, model = ctx.cfg, state.model
+    hidden = msg.payload
+    if ctx.device.type == "cuda" and not ctx.device_payload:
+        with profiler.span("h2d_copy", bytes=hidden.numel() * hidden.element_size()):
+            hidden = hidden.to(ctx.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        # The pinned buffer goes back to the pool only after the copy reading it has run.
+        release = msg.release
+        msg.release = lambda: (copied.synchronize(), release())  # deliberate, in the receiver's pool path
+    packed = PackedBatch.from_transfer(hidden, {n: msg.meta[i] for i, n in enumerate(_META_ROWS)},
+                                       noise_seed=msg.ints[1], split=bool(msg.ints[2]), device=ctx.device)
+    generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.step * 131 + ctx.rank)
+    with profiler.span("drafter.fwd_bwd"):
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
+                    else contextlib.nullcontext())
+        with autocast:
+            context = packed.context(cfg.hidden_noise)
+            out = compute_loss(model, packed, context, cfg.num_anchors, cfg.gamma, generator)
+        loss = profiler.corrupt("drafter.fwd_bwd", out.loss)
+        loss.backward()
+    if msg.release is not None:
+        msg.release()
+    if ctx.topo.num_drafters > 1:
+        with profiler.span("drafter.allreduce"):
+            _allreduce_grads(model, ctx.drafter_group, ctx.topo.num_drafters)
+    with profiler.span("drafter.optim"):
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                     if cfg.grad_clip > 0 else None)
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
+    n_tokens = int(msg.meta.shape[1])
+    state.step += 1
+    state.tokens_total += n_tokens
+    state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
+    profiler.count("tokens", n_tokens)
+    profiler.count("steps", 1)
+    profiler.metric("loss", out.loss.detach())
+    profiler.metric("tau", out.tau.detach())
+    profiler.metric("tau_prefix", out.tau_prefix.detach())
+    profiler.metric("lr", state.scheduler.get_last_lr()[0])
+    for k in range(min(4, out.acc.numel())):
+        profiler.metric(f"acc_{k + 1}", out.acc[k].detach())
+    if grad_norm is not None:
+        profiler.metric("grad_norm", grad_norm.detach())
+    return out.loss.detach(), out.tau.detach()
+
+
+def _allreduce_grads(model: torch.nn.Module, group, world: int) -> None:
+    """One flat all-reduce over all gradients (averaged), instead of one call per tensor."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _agree_to_stop(ctx: WorkerContext, local: bool) -> bool:
+    """All drafters stop at the same step (the gradient all-reduce needs every one of them)."""
+    if ctx.topo.num_drafters == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.drafter_ctrl_group)
+    return bool(flag.item())  # CPU tensor over gloo: no device sync
+
+
+def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
+    """Every drafter contributes its producers' consumed counts; drafter rank 0 writes."""
+    consumed = dict(state.consumed)
+    if ctx.topo.num_drafters > 1:
+        parts: list = [None] * ctx.topo.num_drafters
+        dist.all_gather_object(parts, consumed, group=ctx.drafter_ctrl_group)
+        consumed = {k: v for p in parts for k, v in p.items()}
+    if ctx.rank != 0:
+        return
+    path = ctx.run_dir / "checkpoints" / f"step_{state.step:07d}"
+    if path.exists():
+        return
+    t0 = time.perf_counter()
+    with profiler.span("ckpt.save"):
+        extra = {"step": state.step, "consumed": consumed, "optimizer": state.optimizer.state_dict(),
+                 "scheduler": state.scheduler.state_dict(), "config": ctx.cfg.to_dict()}
+        save_draft_checkpoint(path, state.model, extra_state=extra)
+        latest = ctx.run_dir / "checkpoints" / "latest"
+        tmp = latest.with_name(f"latest.tmp-{__import__('os').getpid()}")
+        tmp.write_text(path.name + "\n")
+        tmp.replace(latest)
+    profiler.event("checkpoint", step=state.step, path=str(path),
+                   seconds=round(time.perf_counter() - t0, 3))
+
+
+def load_resume_state(run_dir: Path, device: torch.device) -> dict:
+    """The latest checkpoint's training state plus its model weights."""
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.is_file():
+        raise ValueError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+    path = run_dir / "checkpoints" / latest.read_text().strip()
+    state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+    from safetensors.torch import load_file
+
+    state["model"] = load_file(str(path / "model.safetensors"), device="cpu")
+    state["path"] = str(path)
+    return state

@@ -1,0 +1,235 @@
+"""One rank of a dflash-train run: process group, role, profiler, then the role's loop.
+
+Started by `dflash.launch` (one process per device on this host) or by torchrun; both set RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import profiler
+from dflash import builtin, evaluate, roles
+from dflash.config import ConfigError, TrainConfig
+from dflash.data import load_conversations
+from dflash.progress import NullProgress, Progress
+from dflash.topology import Topology, default_topology
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loops stop at the next step boundary. The handler only sets a flag:
+    writing the run log from a signal handler could deadlock on the log's lock."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
+def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
+    t, d = cfg.target_gpus, cfg.drafter_gpus
+    if t is not None and d is None:
+        d = world - t
+    elif d is not None and t is None:
+        t = world - d
+    topo = Topology(t, d) if t is not None else default_topology(num_gpus if num_gpus > 1 else 0, None, None)
+    if t is None and topo.world_size != world:
+        d = max(1, world // 3) if world > 2 else 1
+        topo = Topology(world - d, d)
+    if topo.world_size != world or topo.num_targets < 1 or topo.num_drafters < 1:
+        raise ConfigError(f"--target-gpus/--drafter-gpus: {t} + {d} ranks do not make a world of {world}")
+    if topo.num_drafters > topo.num_targets:
+        raise ConfigError(f"--drafter-gpus: {topo.num_drafters} drafters but only {topo.num_targets} "
+                          "targets; every drafter needs at least one target feeding it")
+    return topo
+
+
+def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def run(cfg: TrainConfig) -> int:
+    """Entry for one rank. Exit codes: 0 ok, 1 failure at run time, 2 bad input."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    stop = _StopFlag()
+    stop.install()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress line (rank 0's), not one per weight load
+    try:
+        device = pick_device(cfg, local_rank)
+        topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
+        if device.type == "cpu":
+            # Ranks share the host's cores: don't let each one spawn a thread per core.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    except ConfigError as e:
+        print(f"dflash-train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_rank(cfg, topo, rank, device, stop)
+    except ConfigError as e:
+        print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        print(f"dflash-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device, stop: _StopFlag) -> int:
+    # Group creation is collective: every rank makes the same groups in the same order.
+    ctrl = dist.new_group(backend="gloo")
+    drafter_group = dist.new_group(topo.drafter_ranks)
+    drafter_ctrl = dist.new_group(topo.drafter_ranks, backend="gloo")
+    run_dir = _agree_run_dir(cfg, rank, ctrl)
+    role = topo.role(rank)
+    paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
+    tokenizer = builtin.load_tokenizer(paths.target_dir)
+    resume_state = roles.load_resume_state(run_dir, device) if cfg.resume else None
+    samples: list = []
+    heldout: list = []
+    wants_eval = rank == 0 and cfg.eval_prompts > 0
+    if role == "target" or (wants_eval and paths.eval_data is None):
+        samples = _load_samples(paths.data, tokenizer, cfg, announce=rank in (0, topo.target_ranks[0]))
+        if paths.eval_data is None:
+            # No separate held-out file: every rank holds out the same last records.
+            samples, heldout = evaluate.split_heldout(samples, cfg.eval_prompts)
+        if not samples:
+            raise ConfigError(f"{paths.data}: no training records left after holding out {cfg.eval_prompts}")
+    if wants_eval and paths.eval_data is not None:
+        heldout = _load_samples(paths.eval_data, tokenizer, cfg, announce=True)[:cfg.eval_prompts]
+    device_payload = _device_payload(cfg, topo, device)
+    ctx = roles.WorkerContext(
+        cfg=cfg, topo=topo, rank=rank, device=device, run_dir=run_dir, target_dir=paths.target_dir,
+        samples=samples, pad_token_id=tokenizer.pad_token_id, mask_token_id=builtin.mask_token_id(tokenizer),
+        ctrl_group=ctrl, data_group=None, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
+        stop_requested=stop, resume_state=resume_state, device_payload=device_payload)
+    if rank == 0:
+        _write_resolved_config(cfg, topo, run_dir, device, device_payload)
+    threading_name(f"{role}.main")
+    prof = (profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
+                              interval_s=cfg.profile_interval, device=device, console=rank == 0,
+                              config=cfg.to_dict())
+            if cfg.profile else contextlib.nullcontext())
+    with prof:
+        for kind, fields in _PENDING_EVENTS:
+            profiler.event(kind, **fields)
+        if role == "target":
+            roles.run_target(ctx)
+        else:
+            state = roles.build_drafter(ctx)
+            progress = Progress(cfg.max_steps, state.step) if rank == 0 else NullProgress()
+            roles.run_drafter(ctx, state, progress)
+            progress.update(state.step, state.tokens_total, force=True)
+            if rank == 0 and heldout:
+                evaluate.run_eval(ctx, state.model, heldout, tokenizer)
+        if stop():
+            profiler.event("signal", signal=signal.Signals(stop.signum).name)
+    dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
+    if rank == 0:
+        _print_final(run_dir)
+    return 0
+
+
+# Events found before the profiler starts (data loading), written once it is active.
+_PENDING_EVENTS: list[tuple[str, dict]] = []
+
+
+def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> list:
+    try:
+        samples, bad = load_conversations(path, tokenizer, cfg.max_length, cfg.on_bad_record)
+    except ValueError as e:  # the loader's message names file:line
+        raise ConfigError(str(e)) from None
+    if bad.count:
+        _PENDING_EVENTS.append(("bad_records", {"path": str(path), "count": bad.count,
+                                                "examples": bad.examples[:5]}))
+        if announce:
+            print(f"dflash-train: skipped {bad.count} bad records in {path} (first: {bad.examples[0]})",
+                  file=sys.stderr)
+    return samples
+
+
+def threading_name(name: str) -> None:
+    import threading
+
+    threading.current_thread().name = name
+
+
+def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:
+    """NCCL device-to-device unless told otherwise or impossible (CPU, or two ranks on one GPU)."""
+    if device.type != "cuda":
+        if cfg.transfer == "nccl":
+            raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
+        return False
+    distinct = torch.cuda.device_count() >= topo.world_size
+    if cfg.transfer == "nccl" and not distinct:
+        raise ConfigError(f"--transfer nccl: {topo.world_size} ranks but only {torch.cuda.device_count()} GPUs; "
+                          "NCCL needs one GPU per rank")
+    return cfg.transfer == "nccl" or (cfg.transfer == "auto" and distinct)
+
+
+def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
+    box = [cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")]
+    dist.broadcast_object_list(box, src=0, group=ctrl)
+    path = Path(box[0]).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, device, device_payload) -> None:
+    resolved = dict(cfg.to_dict(), run_dir=str(run_dir),
+                    resolved={"target_ranks": topo.num_targets, "drafter_ranks": topo.num_drafters,
+                              "device": str(device.type), "transfer": "nccl" if device_payload else "host"})
+    tmp = run_dir / f"config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(resolved, indent=2) + "\n")
+    tmp.replace(run_dir / "config.json")
+
+
+def _print_final(run_dir: Path) -> None:
+    from exporters.console import format_hotspots
+
+    ends = []
+    for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
+        records, _ = profiler.runlog.read_records(path)
+        ends += [r for r in records if r.get("type") == "run_end"]
+    if ends:
+        print(format_hotspots(ends))
+    print(f"run directory: {run_dir}")
+
+
+def main() -> int:
+    cfg = TrainConfig(**json.loads(os.environ["DFLASH_CONFIG_JSON"])).validate()
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

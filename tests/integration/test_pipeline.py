@@ -1,0 +1,149 @@
+"""dflash-train end to end on CPU: real processes over gloo (the launcher's and torchrun's), the run
+log's spans on both ranks, resume equivalence, SIGTERM, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from profiler.runlog import read_records
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+# Small enough for ~20 s a run on 2 cores; still the real default code path.
+SMALL = ["--builtin-conversations", "48", "--eval-prompts", "2", "--eval-new-tokens", "12",
+         "--tokens-per-batch", "1024", "--max-length", "128", "--profile-interval", "2", "--device", "cpu"]
+TARGET_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.wait_slot", "transfer.send"}
+DRAFTER_SPANS = {"drafter.recv", "drafter.fwd_bwd", "drafter.optim", "ckpt.save", "eval.decode"}
+
+
+def train(args: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def records(run_dir: Path, rank: int) -> list[dict]:
+    recs, truncated = read_records(run_dir / "profile" / f"rank{rank}.jsonl")
+    assert truncated == 0
+    return recs
+
+
+def spans_seen(recs: list[dict]) -> set[str]:
+    return {name for r in recs if r["type"] == "interval" for name in r["spans"]}
+
+
+def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
+    run = tmp_path / "run"
+    r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"run directory: {run}" in r.stdout
+    assert "eval: acceptance length" in r.stdout and "lossless" in r.stdout
+    drafter, target = records(run, 0), records(run, 1)
+    assert {x["role"] for x in drafter} == {"drafter"} and {x["role"] for x in target} == {"target"}
+    assert [x["type"] for x in drafter][0] == "run_start" and drafter[-1]["type"] == "run_end"
+    assert TARGET_SPANS <= spans_seen(target)
+    assert DRAFTER_SPANS <= spans_seen(drafter)
+    assert target[-1]["spans"]["target.fwd"]["count"] == 8
+    assert drafter[-1]["spans"]["drafter.fwd_bwd"]["count"] == 8
+    assert drafter[-1]["counters"]["tokens"]["total"] == target[-1]["counters"]["tokens"]["total"]
+    # the host path's copies do not exist on CPU: no d2h/h2d spans pretending to measure something
+    assert not ({"d2h_copy", "h2d_copy"} & (spans_seen(target) | spans_seen(drafter)))
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 16
+    assert json.loads((run / "config.json").read_text())["resolved"]["transfer"] == "host"
+    assert (run / "builtin" / "tiny-target" / "config.json").is_file()  # the target travels with the run
+
+
+def test_torchrun_launch_runs_the_same_worker(tmp_path):
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", "0", "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "3",
+                        *SMALL], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert spans_seen(records(run, 0)) >= {"drafter.fwd_bwd"}
+    assert spans_seen(records(run, 1)) >= {"target.fwd"}
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    common = ["--max-steps", "8", "--checkpoint-every", "4", *SMALL, "--eval-prompts", "0"]
+    full = tmp_path / "full"
+    assert train(["--run-dir", str(full), *common]).returncode == 0
+    cut = tmp_path / "cut"
+    # Die mid-run after the step-4 checkpoint, through the real fault-injection path.
+    r = train(["--run-dir", str(cut), *common], env={"DFLASH_FAULT": "crash@drafter.fwd_bwd:step=5"})
+    assert r.returncode == 1 and "injected crash" in r.stderr
+    assert (cut / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    r = train(["--run-dir", str(cut), "--resume", *common])
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = load_file(str(full / "checkpoints" / "step_0000008" / "model.safetensors"))
+    b = load_file(str(cut / "checkpoints" / "step_0000008" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    # Same data order, anchors and noise after resume: on CPU the weights agree to float rounding.
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-5, worst
+    last = lambda run: [x for x in records(run, 0) if x["type"] == "run_end"][-1]["spans"]  # noqa: E731
+    assert last(cut)["drafter.fwd_bwd"]["count"] == 4  # the resumed process did only the remaining steps
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "10000",
+                          *SMALL, "--eval-prompts", "0"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    log = run / "profile" / "rank0.jsonl"
+    while time.monotonic() < deadline:  # wait until training is under way (an interval was written)
+        if log.is_file() and any(x["type"] == "interval" for x in read_records(log)[0]):
+            break
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    step = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 0 < step < 10000
+    kinds = [x.get("kind") for x in records(run, 0) if x["type"] == "event"]
+    assert "signal" in kinds and "checkpoint" in kinds
+    assert "run directory:" in out
+
+
+def test_bad_data_exits_2_naming_file_and_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    "{oops\n")
+    r = train(["--run-dir", str(tmp_path / "run"), "--data", str(data), "--on-bad-record", "fail", *SMALL])
+    assert r.returncode == 2
+    assert f"{data}:2:" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_default_run_learns_and_real_acceptance_matches_simulated(tmp_path):
+    """The README's main job, with only a run directory and a shorter interval: loss halves within the
+    first minute, and real draft-and-verify acceptance on held-out prompts is within 15% of the
+    teacher-forced simulation on the same conversations."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    r = train(["--run-dir", str(run), "--profile-interval", "5"], timeout=420)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 300  # the issue's budget for the default run on 2 cores
+    recs = records(run, 0)
+    start = recs[0]["time_unix"]
+    losses = [(x["time_unix"] - start, x["metrics"]["loss"]["mean"]) for x in recs
+              if x["type"] == "interval" and "loss" in x.get("metrics", {})]
+    first = losses[0][1]
+    assert any(t <= 60 and loss <= first / 2 for t, loss in losses[1:]), losses
+    ev = next(x for x in recs if x["type"] == "event" and x["kind"] == "eval")
+    assert ev["lossless"] and ev["prompts"] == 8
+    assert abs(ev["measured_tau"] - ev["simulated_tau"]) <= 0.15 * ev["simulated_tau"], ev
+    assert ev["measured_tau"] > 2.0  # it learned something worth drafting with
