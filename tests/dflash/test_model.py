@@ -10,7 +10,7 @@ from dflash.model import DFlashConfig, DFlashDraftModel, draft_config_for_target
 
 H, K, BS, V = 32, 3, 4, 64
 TARGET = Qwen3Config(hidden_size=H, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=8, vocab_size=V)
+                     num_key_value_heads=2, head_dim=16, vocab_size=V)
 # two documents: flat 0..19 (doc 0) and 20..49 (doc 1)
 DOC = torch.tensor([0] * 20 + [1] * 30, dtype=torch.int32)
 POS = torch.cat([torch.arange(20), torch.arange(30)])

@@ -35,6 +35,10 @@ def test_gpu_times_match_reference_events(tmp_path):
     cycles = [200_000, 2_000_000, 20_000_000]
     refs = []
     with make_prof(tmp_path) as prof:
+        # Keep the GPU busy while the spans are enqueued, so every event runs back to back on the
+        # GPU: otherwise the span's start event also times the CPU gap (~10 us per record) before
+        # the reference event that follows it.
+        torch.cuda._sleep(50_000_000)
         for i, c in enumerate(cycles):
             with profiler.span(f"k.sleep{i}"):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
