@@ -71,11 +71,27 @@ def gpu_or_cpu_total(s: dict) -> float:
     return ((s.get("gpu") or s.get("cpu") or {}).get("total_seconds")) or 0.0
 
 
-def busy_share(target_end: dict) -> float:
-    """Share of the target loop not spent waiting for a transfer slot (i.e. on the drafter)."""
-    busy = sum((span(target_end, n).get("cpu") or {}).get("total_seconds", 0.0)
-               for n in ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy"))
-    wait = (span(target_end, "transfer.wait_slot").get("cpu") or {}).get("total_seconds", 0.0)
+def steady_intervals(run_dir: Path, rank: int) -> list[dict]:
+    """Interval records after start-up: the target has run a few forwards and no wait in it lasted
+    long enough to be the drafter's first-step compilation."""
+    records, _ = read_records(run_dir / "profile" / f"rank{rank}.jsonl")
+    out = []
+    for r in records:
+        if r.get("type") != "interval" or r["spans"].get("target.fwd", {}).get("count", 0) < 3:
+            continue
+        if (r["spans"].get("transfer.wait_slot", {}).get("cpu") or {}).get("max_seconds", 0) > 2.0:
+            continue
+        out.append(r)
+    return out
+
+
+def busy_share(run_dir: Path, rank: int = 1) -> float:
+    """Share of the target loop's steady-state time not spent waiting for a transfer slot."""
+    busy = wait = 0.0
+    for r in steady_intervals(run_dir, rank):
+        busy += sum((r["spans"].get(n, {}).get("cpu") or {}).get("total_seconds", 0.0)
+                    for n in ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy"))
+        wait += (r["spans"].get("transfer.wait_slot", {}).get("cpu") or {}).get("total_seconds", 0.0)
     return busy / max(busy + wait, 1e-9)
 
 
@@ -85,6 +101,8 @@ def main() -> None:
     ap.add_argument("--target", default="/tmp/dflash-bench/qwen3-8b-random")
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=4096)
+    ap.add_argument("--runs", default="nccl,nccl_noprof,host", help="which runs to make (comma-separated)")
+    ap.add_argument("--profile-interval", default="5")
     a = ap.parse_args()
     root = Path("/tmp/dflash-bench")
     root.mkdir(parents=True, exist_ok=True)
@@ -96,25 +114,25 @@ def main() -> None:
     common = ["--target-model", a.target, "--data", str(data), "--max-steps", str(a.steps),
               "--max-length", str(a.max_length), "--tokens-per-batch", str(2 * a.max_length),
               "--num-anchors", str(a.anchors), "--eval-prompts", "0", "--target-gpus", "1",
-              "--drafter-gpus", "1", "--warmup-steps", "2"]
-    runs = {
-        "nccl": run_train("nccl", common + ["--transfer", "nccl"], root),
-        "nccl_noprof": run_train("nccl_noprof", common + ["--transfer", "nccl", "--no-profile"], root),
-        "host": run_train("host", common + ["--transfer", "host"], root),
-    }
-    ref = run_end(runs["nccl"], "target")
-    payload_bytes = int(span(ref, "transfer.send").get("bytes", 0) / max(1, span(ref, "transfer.send").get("count", 1)))
+              "--drafter-gpus", "1", "--warmup-steps", "2", "--profile-interval", a.profile_interval]
+    flags = {"nccl": ["--transfer", "nccl"], "nccl_noprof": ["--transfer", "nccl", "--no-profile"],
+             "host": ["--transfer", "host"]}
+    # The peer first: a bare NCCL send/recv of one packed batch's bytes (K layers x tokens x H x bf16).
+    payload_bytes = 5 * 2 * a.max_length * 4096 * 2
     peer = json.loads(subprocess.run([sys.executable, str(REPO / "bench/nccl_p2p.py"), "--bytes",
                                       str(payload_bytes)], capture_output=True, text=True, check=True,
                                      cwd=REPO).stdout.strip().splitlines()[-1])
+    print(f"peer: {json.dumps(peer)}", flush=True)
+    runs = {name: run_train(name, common + flags[name], root) for name in a.runs.split(",")}
     rows = []
-    for name in ("nccl", "host"):
+    for name in [n for n in ("nccl", "host") if n in runs]:
         t_end, d_end = run_end(runs[name], "target"), run_end(runs[name], "drafter")
         pack, send = span(t_end, "target.pack_hidden"), span(t_end, "transfer.send")
-        row = {"run": name, "tokens_per_s": throughput(runs[name]), "target_busy_share": busy_share(t_end),
+        row = {"run": name, "tokens_per_s": throughput(runs[name]), "target_busy_share": busy_share(runs[name]),
                "pack_ms": 1e3 * gpu_or_cpu_total(pack) / max(1, pack.get("count", 1)),
                "pack_floor_ratio": pack.get("floor_ratio"),
-               "send_ms": 1e3 * (send.get("cpu") or {}).get("mean_seconds", float("nan")),
+               "send_ms": 1e3 * (send.get("cpu") or {}).get("p50_seconds", float("nan")),
+               "send_gpu_ms": 1e3 * ((send.get("gpu") or {}).get("p50_seconds") or float("nan")),
                "send_bytes_per_s": send.get("bandwidth_bytes_per_s"),
                "drafter_fwd_bwd_ms": 1e3 * ((span(d_end, "drafter.fwd_bwd").get("gpu") or {})
                                             .get("mean_seconds") or float("nan"))}
@@ -123,7 +141,7 @@ def main() -> None:
             row["d2h_floor_ratio"] = d2h.get("floor_ratio")
             row["d2h_bytes_per_s"] = d2h.get("bandwidth_bytes_per_s")
         rows.append(row)
-    noprof = throughput(runs["nccl_noprof"])
+    noprof = throughput(runs["nccl_noprof"]) if "nccl_noprof" in runs else float("nan")
     summary = {"rows": rows, "nccl_peer": peer, "payload_bytes": payload_bytes,
                "tokens_per_s_profile_off": noprof,
                "profile_overhead": 1 - rows[0]["tokens_per_s"] / noprof}
@@ -134,7 +152,7 @@ def main() -> None:
               f"({r['pack_floor_ratio'] or float('nan'):.2f}) | {r['send_ms']:.2f} | "
               f"{(r['send_bytes_per_s'] or 0) / 1e9:.1f} ({peer['nccl_bytes_per_s'] / 1e9:.1f} nccl, "
               f"{peer['pinned_bytes_per_s'] / 1e9:.1f} pinned) | {r['drafter_fwd_bwd_ms']:.1f} |")
-    host = rows[1]
+    host = rows[-1]
     print(f"host d2h_copy: {(host.get('d2h_bytes_per_s') or 0) / 1e9:.1f} GB/s = "
           f"{host.get('d2h_floor_ratio') or float('nan'):.2f} of the measured pinned floor")
     print(f"profiling on vs off (nccl): {rows[0]['tokens_per_s']:,.0f} vs {noprof:,.0f} tokens/s "

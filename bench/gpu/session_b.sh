@@ -6,9 +6,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 step() { echo "=== $1"; shift; timeout "$@"; echo "=== exit $?"; }
 {
-step "check_flex" 120 python3 bench/gpu/check_flex.py
-step "cuda tests" 200 python3 -m pytest -q -rs -m cuda tests -p no:cacheprovider
-step "bench_pipeline" 420 python3 bench/bench_pipeline.py --steps ${STEPS:-30}
+[ -n "${SKIP_CHECKS:-}" ] || step "check_flex" 120 python3 bench/gpu/check_flex.py
+[ -n "${SKIP_CHECKS:-}" ] || step "cuda tests" 200 python3 -m pytest -q -rs -m cuda tests -p no:cacheprovider
+step "bench_pipeline" 540 python3 bench/bench_pipeline.py --steps ${STEPS:-30} --runs ${RUNS:-nccl,nccl_noprof,host}
 } 2>&1 | tee "$OUT/session_b.log"
 tar czf "$OUT/runs_b.tgz" -C /tmp/dflash-bench nccl/profile nccl/throughput host/profile host/throughput nccl_noprof/throughput 2>/dev/null
 echo done
