@@ -67,8 +67,8 @@ def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
 
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", "0", "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "3",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "3",
                         *SMALL], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert spans_seen(records(run, 0)) >= {"drafter.fwd_bwd"}
