@@ -58,7 +58,7 @@ def test_state_dict_names_follow_reference():
     sd = model.state_dict()
     assert set(sd) == expected
     assert sd["fc.weight"].shape == (H, K * H)
-    assert sd["layers.0.self_attn.k_proj.weight"].shape == (2 * 8, H)
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (2 * TARGET.head_dim, H)
     # the frozen head is used but neither trained nor saved
     assert all(p.requires_grad for p in model.parameters())
     assert not model.head.embed_tokens.weight.requires_grad

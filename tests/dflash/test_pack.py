@@ -1,21 +1,10 @@
 """dflash.pack: padding dropped, layout vs a naive reference, split == concat bitwise, noise."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
+from dflash.data import Batch
 from dflash.pack import PackedBatch, pack_hidden
-
-try:
-    from dflash.data import Batch
-except ImportError:  # helper 2b's module not there yet: same fields
-    @dataclass
-    class Batch:
-        input_ids: torch.Tensor
-        attention_mask: torch.Tensor
-        loss_mask: torch.Tensor
-        num_tokens: int
 
 
 def _batch(lengths, t=12, seed=0):
