@@ -51,6 +51,10 @@ class TrainConfig:
     """Half-width of the uniform noise added to the packed target features (0 = none)."""
     split_fc_layers: bool = False
     """Ship the K layers separately and concatenate (and add noise) on the drafter side. Env DFLASH_SPLIT_FC_LAYERS."""
+    target_dtype: str = "auto"
+    """Target (and shared embedding/LM head) dtype: auto (bfloat16 for a real target on CUDA, float32
+    for the built-in tiny target and on CPU), bfloat16 or float32. Evaluation uses the same dtype, so
+    the drafter is scored on the features it was trained on."""
     attn_backend: str = "auto"
     """Drafter attention: auto (flex on CUDA, dense on CPU), flex, or dense."""
     lr: float = 3e-3
@@ -106,6 +110,8 @@ class TrainConfig:
         need(self.num_draft_layers is None or self.num_draft_layers >= 1, "num_draft_layers", "must be >= 1")
         need(self.hidden_noise >= 0, "hidden_noise", "must be >= 0")
         need(self.attn_backend in ("auto", "flex", "dense"), "attn_backend", "must be auto, flex or dense")
+        need(self.target_dtype in ("auto", "bfloat16", "float32"), "target_dtype",
+             "must be auto, bfloat16 or float32")
         need(self.lr > 0, "lr", "must be > 0")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

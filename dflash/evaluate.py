@@ -45,10 +45,13 @@ def run_eval(ctx, model, heldout: list, tokenizer) -> dict:
 
     cfg, device = ctx.cfg, ctx.device
     model.eval()
-    with profiler.span("eval.decode"):
-        # float32: bf16 forwards of different lengths can flip near-tie argmaxes, which would make
-        # draft-and-verify differ from greedy decoding for reasons that are not the drafter's.
-        target = AutoModelForCausalLM.from_pretrained(str(ctx.target_dir), dtype=torch.float32).to(device).eval()
+    # A bf16 target feeds bf16 features to the float32 drafter, as in training: same autocast.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"
+                              and ctx.dtype == torch.bfloat16)
+    with profiler.span("eval.decode"), autocast:
+        # The training dtype: the drafter is scored on the features it learned from. (In bf16,
+        # forwards of different lengths can flip near-tie argmaxes, which shows up as mismatches.)
+        target = AutoModelForCausalLM.from_pretrained(str(ctx.target_dir), dtype=ctx.dtype).to(device).eval()
         layer_ids = list(model.config.target_layer_ids)
         stops = _stop_token_ids(tokenizer, target)
         taus, mismatches, produced = [], 0, 0
