@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 import profiler
 from dflash import transfer
-from dflash.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+from dflash.checkpoint import save_draft_checkpoint
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -52,13 +53,12 @@ class WorkerContext:
     """Drafter ranks only (gradient all-reduce)."""
     drafter_ctrl_group: object
     """Drafter ranks only, gloo (stop agreement)."""
-    stop_requested: callable
+    stop_requested: Callable[[], bool]
     """True once SIGTERM/SIGINT arrived."""
     resume_state: dict | None = None
     """Loaded training state when resuming (step, consumed per producer, optimizer, scheduler)."""
     device_payload: bool = False
     """Payload over NCCL device-to-device (else host-staged / CPU)."""
-    extras: dict = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:

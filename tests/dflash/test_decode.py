@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash.decode as decode

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from profiler.runlog import read_records
