@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from profiler.runlog import read_records
@@ -146,3 +147,17 @@ def test_default_run_learns_and_real_acceptance_matches_simulated(tmp_path):
     assert ev["lossless"] and ev["prompts"] == 8
     assert abs(ev["measured_tau"] - ev["simulated_tau"]) <= 0.15 * ev["simulated_tau"], ev
     assert ev["measured_tau"] > 2.0  # it learned something worth drafting with
+
+
+def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path):
+    """DFLASH_SPLIT_FC_LAYERS ships the K layers separately; the drafter concatenates and adds the same
+    seeded noise, so the whole run is the same computation: identical weights at the end."""
+    common = ["--max-steps", "3", "--hidden-noise", "0.05", *SMALL, "--eval-prompts", "0"]
+    runs = {}
+    for split in ("0", "1"):
+        run = tmp_path / f"split{split}"
+        r = train(["--run-dir", str(run), *common], env={"DFLASH_SPLIT_FC_LAYERS": split})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads((run / "config.json").read_text())["split_fc_layers"] is (split == "1")
+        runs[split] = load_file(str(run / "checkpoints" / "step_0000003" / "model.safetensors"))
+    assert all(torch.equal(runs["0"][k], runs["1"][k]) for k in runs["0"])
