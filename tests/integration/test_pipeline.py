@@ -161,3 +161,18 @@ def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path):
         assert json.loads((run / "config.json").read_text())["split_fc_layers"] is (split == "1")
         runs[split] = load_file(str(run / "checkpoints" / "step_0000003" / "model.safetensors"))
     assert all(torch.equal(runs["0"][k], runs["1"][k]) for k in runs["0"])
+
+
+def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(tmp_path):
+    """The seeds' hidden failure: an exception in a background thread. Injected in the sender thread
+    (transfer.send runs there), it must reach the main thread, fail the run with exit 1, keep the
+    thread's own traceback, and be recorded as the target's run_end status."""
+    run = tmp_path / "run"
+    r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL, "--eval-prompts", "0"],
+              env={"DFLASH_FAULT": "crash@transfer.send:step=2"})
+    assert r.returncode == 1
+    assert "target.sender thread failed" in r.stderr
+    assert "injected crash at transfer.send step 2 rank 1" in r.stderr
+    assert 'transfer.py", line' in r.stderr and "in _run" in r.stderr  # the sender thread's own frames
+    end = [x for x in records(run, 1) if x["type"] == "run_end"][-1]
+    assert end["status"] == "RuntimeError"
