@@ -1,6 +1,6 @@
 """Instrumentation core: spans, CUDA event timers, intervals, memory sampling, run log, control.
 
-Public API (see /work/briefs/profiler_api.md and docs/ARCHITECTURE.md):
+Public API (see README.md and docs/ARCHITECTURE.md):
     Profiler, active, span, count, gauge, metric, set_step, event, corrupt, read_records.
 This package never imports `dflash`; it works in any training loop.
 """
