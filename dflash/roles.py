@@ -91,7 +91,7 @@ def run_target(ctx: WorkerContext) -> None:
     stop = transfer.StopSignal(drafter, ctx.ctrl_group)
     sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.max_in_flight, ctx.device_payload,
                              ctx.device)
-    staging = _Staging(ctx, cfg.max_in_flight + 1)
+    staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.max_in_flight + 1)
     for batch_index in range(consumed, topo.quota(rank, cfg.max_steps)):
         if stop.requested() or ctx.stop_requested():
             break
@@ -102,7 +102,7 @@ def run_target(ctx: WorkerContext) -> None:
 
 
 def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
-                staging: "_Staging", shard: int, batch_index: int) -> None:
+                staging: transfer.Staging, shard: int, batch_index: int) -> None:
     cfg = ctx.cfg
     with profiler.span("target.fetch"):
         batch = next(batches)
@@ -124,27 +124,6 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release))
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
-
-
-class _Staging:
-    """Host-staged path on a GPU: `d2h_copy` into a reused pinned buffer on the forward's stream.
-    NCCL path and CPU: the payload goes as it is."""
-
-    def __init__(self, ctx: WorkerContext, count: int):
-        self._host_staged = ctx.device.type == "cuda" and not ctx.device_payload
-        self._pool = transfer.PinnedPool(count) if self._host_staged else None
-
-    def stage(self, hidden: torch.Tensor):
-        if not self._host_staged:
-            return hidden, None, None
-        nbytes = hidden.numel() * hidden.element_size()
-        with profiler.span("d2h_copy", bytes=nbytes):
-            buf = self._pool.take(nbytes)
-            view = transfer.staged_view(buf, hidden)
-            view.copy_(hidden, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return view, ready, (lambda b=buf: self._pool.give(b))
 
 
 # ---------------------------------------------------------------------------------------- drafter
@@ -190,7 +169,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     cfg, topo = ctx.cfg, ctx.topo
     producers = topo.producers_of(ctx.rank)
     rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.data_group, ctx.device, ctx.device_payload,
-                           transfer.PinnedPool(3) if ctx.device.type == "cuda" and not ctx.device_payload
+                           transfer.PinnedPool(2) if ctx.device.type == "cuda" and not ctx.device_payload
                            else None)
     stopped_by = None
     meter = _Throughput(ctx, warm_steps=min(5, cfg.max_steps // 4), start_step=state.step)
@@ -217,13 +196,19 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
 
 
 class _Throughput:
-    """Steady-state drafter tokens/s, measured after a few warm-up steps (compilation, first
-    allocations) and written to RUN_DIR/throughput/rank{R}.json, with or without the profiler."""
+    """Drafter tokens/s with or without the profiler, written to RUN_DIR/throughput/rank{R}.json.
+
+    `tokens_per_s`: from a few warm-up steps (compilation, first allocations) to the end, between
+    two device syncs. It also counts batches that queued up during warm-up, so when the target
+    bounds the run it reads high. `tail_tokens_per_s`: over the last half of those steps, from the
+    host's step-end times; by then the start-up backlog has drained and each step waits for its
+    batch, so it is the pipeline's steady rate whichever side bounds it."""
 
     def __init__(self, ctx: WorkerContext, warm_steps: int, start_step: int):
         self.ctx, self.mark_step = ctx, start_step + warm_steps
         self.t0 = None
         self.tokens0 = 0
+        self.stamps: list[tuple[float, int]] = []   # (step-end time, tokens so far) after warm-up
 
     def _now(self) -> float:
         if self.ctx.device.type == "cuda":
@@ -233,30 +218,28 @@ class _Throughput:
     def after_step(self, state: DrafterState) -> None:
         if state.step == self.mark_step:
             self.t0, self.tokens0 = self._now(), state.tokens_total
+        if self.t0 is not None:
+            self.stamps.append((time.perf_counter(), state.tokens_total))
 
     def finish(self, state: DrafterState) -> None:
         if self.t0 is None or state.step <= self.mark_step:
             return
         seconds = self._now() - self.t0
         tokens = state.tokens_total - self.tokens0
+        steps = state.step - self.mark_step
+        (t_a, n_a), (t_b, n_b) = self.stamps[len(self.stamps) // 2], self.stamps[-1]
         out = self.ctx.run_dir / "throughput"
         out.mkdir(exist_ok=True)
         (out / f"rank{self.ctx.rank}.json").write_text(json.dumps({
-            "steps": state.step - self.mark_step, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "steps_per_s": (state.step - self.mark_step) / seconds}) + "\n")
+            "steps": steps, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "steps_per_s": steps / seconds,
+            "tail_steps": len(self.stamps) - 1 - len(self.stamps) // 2,
+            "tail_tokens_per_s": (n_b - n_a) / (t_b - t_a) if t_b > t_a else None}) + "\n")
 
 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
     cfg, model = ctx.cfg, state.model
-    hidden = msg.payload
-    if ctx.device.type == "cuda" and not ctx.device_payload:
-        with profiler.span("h2d_copy", bytes=hidden.numel() * hidden.element_size()):
-            hidden = hidden.to(ctx.device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        # The pinned buffer goes back to the pool only after the copy reading it has run.
-        release = msg.release
-        msg.release = lambda: (copied.synchronize(), release())  # deliberate, in the receiver's pool path
+    hidden = transfer.wait_ready(msg)   # the receiver already ran h2d_copy on the host path
     packed = PackedBatch.from_transfer(hidden, {n: msg.meta[i] for i, n in enumerate(_META_ROWS)},
                                        noise_seed=msg.ints[1], split=bool(msg.ints[2]), device=ctx.device)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.step * 131 + ctx.rank)
@@ -268,8 +251,6 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
             out = compute_loss(model, packed, context, cfg.num_anchors, cfg.gamma, generator)
         loss = profiler.corrupt("drafter.fwd_bwd", out.loss)
         loss.backward()
-    if msg.release is not None:
-        msg.release()
     if ctx.topo.num_drafters > 1:
         with profiler.span("drafter.allreduce"):
             _allreduce_grads(model, ctx.drafter_group, ctx.topo.num_drafters)
