@@ -198,11 +198,30 @@ def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> b
 
 
 def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
-    box = [cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")]
+    """Rank 0 names and checks the run directory; every rank gets its answer (ConfigError on all
+    ranks alike, so all exit 2)."""
+    box = [None, None]
+    if rank == 0:
+        path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
+        box = [str(path), _run_dir_conflict(path, cfg.resume)]
     dist.broadcast_object_list(box, src=0, group=ctrl)
-    path = Path(box[0]).resolve()
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    path = Path(box[0])
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _run_dir_conflict(path: Path, resume: bool) -> str | None:
+    """A new run refuses a directory that already holds one: its run log would continue the old
+    one's, and checkpoints at steps the old run reached would be kept instead of the new ones."""
+    if resume:
+        return None
+    held = [name for name in ("checkpoints", "profile") if (path / name).is_dir() and any((path / name).iterdir())]
+    if not held:
+        return None
+    return (f"--run-dir {path}: already holds a run ({', '.join(held)}); pass --resume to continue it, "
+            "or choose another directory")
 
 
 def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, device, device_payload) -> None:

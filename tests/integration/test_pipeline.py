@@ -63,6 +63,10 @@ def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 16
     assert json.loads((run / "config.json").read_text())["resolved"]["transfer"] == "host"
     assert (run / "builtin" / "tiny-target" / "config.json").is_file()  # the target travels with the run
+    meter = json.loads((run / "throughput" / "rank0.json").read_text())
+    # 8 steps, 2 warm-up: the tail is steps 5..8, timed between its own step ends
+    assert meter["steps"] == 6 and meter["tail_steps"] == 3
+    assert 0 < meter["tail_tokens_per_s"] and 0 < meter["tokens_per_s"]
 
 
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
@@ -79,6 +83,11 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     common = ["--max-steps", "8", "--checkpoint-every", "4", *SMALL, "--eval-prompts", "0"]
     full = tmp_path / "full"
     assert train(["--run-dir", str(full), *common]).returncode == 0
+    # A new run (no --resume) into a directory holding one is refused before touching it.
+    before = (full / "profile" / "rank0.jsonl").read_bytes()
+    r = train(["--run-dir", str(full), *common])
+    assert r.returncode == 2 and "pass --resume" in r.stderr and "Traceback" not in r.stderr
+    assert (full / "profile" / "rank0.jsonl").read_bytes() == before
     cut = tmp_path / "cut"
     # Die mid-run after the step-4 checkpoint, through the real fault-injection path.
     r = train(["--run-dir", str(cut), *common], env={"DFLASH_FAULT": "crash@drafter.fwd_bwd:step=5"})
