@@ -2,7 +2,7 @@
 Qwen3-8B-shaped target: NCCL vs host-staged transfer, profiling on vs off, every figure next to its
 floor or peer measured in the same run.
 
-    python3 bench/bench_pipeline.py [--steps 40] [--target DIR]
+    python3 bench/bench_pipeline.py [--steps 60] [--runs nccl,host] [--ab-pairs 2] [--target DIR]
 Needs 2 GPUs. Writes the runs under /tmp/dflash-bench and a JSON summary under $OUT when set.
 """
 
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ def make_long_corpus(path: Path, n: int, words_per_turn: int, seed: int = 0) -> 
 
 def run_train(name: str, args: list[str], root: Path) -> Path:
     run_dir = root / name
+    shutil.rmtree(run_dir, ignore_errors=True)   # a fresh run each time (the trainer refuses a used dir)
     cmd = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *args]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
@@ -59,16 +61,8 @@ def run_end(run_dir: Path, role: str) -> dict:
     return {}
 
 
-def throughput(run_dir: Path) -> float:
-    return json.loads((run_dir / "throughput" / "rank0.json").read_text())["tokens_per_s"]
-
-
 def span(end: dict, name: str) -> dict:
     return end.get("spans", {}).get(name, {})
-
-
-def gpu_or_cpu_total(s: dict) -> float:
-    return ((s.get("gpu") or s.get("cpu") or {}).get("total_seconds")) or 0.0
 
 
 def steady_intervals(run_dir: Path, rank: int) -> list[dict]:
@@ -103,13 +97,40 @@ def busy_share(run_dir: Path, rank: int = 1) -> float:
     return busy / max(busy + wait, 1e-9)
 
 
+def steady_span(run_dir: Path, name: str, rank: int = 1) -> dict:
+    """One span over the steady intervals: count, bytes, CPU and GPU totals, median GPU p50."""
+    count = nbytes = cpu = gpu = 0.0
+    p50s = []
+    for r in steady_intervals(run_dir, rank):
+        s = r["spans"].get(name)
+        if not s:
+            continue
+        count += s["count"]
+        nbytes += s.get("bytes") or 0
+        cpu += (s.get("cpu") or {}).get("total_seconds") or 0.0
+        if s.get("gpu"):
+            gpu += s["gpu"]["total_seconds"] or 0.0
+            p50s.append(s["gpu"]["p50_seconds"])
+    p50s.sort()
+    return {"count": count, "bytes": nbytes, "cpu_s": cpu, "gpu_s": gpu,
+            "gpu_p50_s": p50s[len(p50s) // 2] if p50s else None,
+            "gpu_bytes_per_s": nbytes / gpu if gpu else None, "cpu_bytes_per_s": nbytes / cpu if cpu else None}
+
+
+def tail_rate(run_dir: Path) -> float:
+    """The drafter meter's steady rate (last half of the steps), measured with or without profiling."""
+    return json.loads((run_dir / "throughput" / "rank0.json").read_text())["tail_tokens_per_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--target", default="/tmp/dflash-bench/qwen3-8b-random")
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=4096)
-    ap.add_argument("--runs", default="nccl,nccl_noprof,host", help="which runs to make (comma-separated)")
+    ap.add_argument("--runs", default="nccl,host", help="paths to run with profiling on (comma-separated)")
+    ap.add_argument("--ab-pairs", type=int, default=0,
+                    help="profiling off/on pairs on the NCCL path, back to back in ABBA order")
     ap.add_argument("--profile-interval", default="5")
     a = ap.parse_args()
     root = Path("/tmp/dflash-bench")
@@ -123,52 +144,90 @@ def main() -> None:
               "--max-length", str(a.max_length), "--tokens-per-batch", str(2 * a.max_length),
               "--num-anchors", str(a.anchors), "--eval-prompts", "0", "--target-gpus", "1",
               "--drafter-gpus", "1", "--warmup-steps", "2", "--profile-interval", a.profile_interval]
-    flags = {"nccl": ["--transfer", "nccl"], "nccl_noprof": ["--transfer", "nccl", "--no-profile"],
-             "host": ["--transfer", "host"]}
-    # The peer first: a bare NCCL send/recv of one packed batch's bytes (K layers x tokens x H x bf16).
-    payload_bytes = 5 * 2 * a.max_length * 4096 * 2
-    peer = json.loads(subprocess.run([sys.executable, str(REPO / "bench/nccl_p2p.py"), "--bytes",
-                                      str(payload_bytes)], capture_output=True, text=True, check=True,
-                                     cwd=REPO).stdout.strip().splitlines()[-1])
-    print(f"peer: {json.dumps(peer)}", flush=True)
-    runs = {name: run_train(name, common + flags[name], root) for name in a.runs.split(",")}
-    rows = []
-    for name in [n for n in ("nccl", "host") if n in runs]:
-        t_end, d_end = run_end(runs[name], "target"), run_end(runs[name], "drafter")
-        pack, send = span(t_end, "target.pack_hidden"), span(t_end, "transfer.send")
-        row = {"run": name, "tokens_per_s": steady_tokens_per_s(runs[name]),
-               "drafter_meter_tokens_per_s": throughput(runs[name]), "target_busy_share": busy_share(runs[name]),
-               "pack_ms": 1e3 * gpu_or_cpu_total(pack) / max(1, pack.get("count", 1)),
-               "pack_floor_ratio": pack.get("floor_ratio"),
-               "send_ms": 1e3 * (send.get("cpu") or {}).get("p50_seconds", float("nan")),
-               "send_gpu_ms": 1e3 * ((send.get("gpu") or {}).get("p50_seconds") or float("nan")),
-               "send_bytes_per_s": send.get("bandwidth_bytes_per_s"),
-               "drafter_fwd_bwd_ms": 1e3 * ((span(d_end, "drafter.fwd_bwd").get("gpu") or {})
-                                            .get("mean_seconds") or float("nan"))}
-        if name == "host":
-            d2h = span(t_end, "d2h_copy")
-            row["d2h_floor_ratio"] = d2h.get("floor_ratio")
-            row["d2h_bytes_per_s"] = d2h.get("bandwidth_bytes_per_s")
-        rows.append(row)
-    noprof = throughput(runs["nccl_noprof"]) if "nccl_noprof" in runs else float("nan")
-    summary = {"rows": rows, "nccl_peer": peer, "payload_bytes": payload_bytes,
-               "tokens_per_s_profile_off": noprof,
-               "profile_overhead": 1 - rows[0]["drafter_meter_tokens_per_s"] / noprof}
-    print("\n| run | tokens/s | target busy | pack ms (floor ratio) | send ms | send GB/s (peer GB/s) | drafter fwd+bwd ms |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['tokens_per_s']:,.0f} | {r['target_busy_share']:.1%} | {r['pack_ms']:.2f} "
-              f"({r['pack_floor_ratio'] or float('nan'):.2f}) | {r['send_ms']:.2f} | "
-              f"{(r['send_bytes_per_s'] or 0) / 1e9:.1f} ({peer['nccl_bytes_per_s'] / 1e9:.1f} nccl, "
-              f"{peer['pinned_bytes_per_s'] / 1e9:.1f} pinned) | {r['drafter_fwd_bwd_ms']:.1f} |")
-    host = rows[-1]
-    print(f"host d2h_copy: {(host.get('d2h_bytes_per_s') or 0) / 1e9:.1f} GB/s = "
-          f"{host.get('d2h_floor_ratio') or float('nan'):.2f} of the measured pinned floor")
-    print(f"profiling on vs off (nccl, drafter meter): {rows[0]['drafter_meter_tokens_per_s']:,.0f} vs {noprof:,.0f} tokens/s "
-          f"({summary['profile_overhead']:+.2%})")
-    print(f"payload {payload_bytes / 1e6:.0f} MB; bare NCCL send/recv {peer['nccl_seconds'] * 1e3:.2f} ms")
+    flags = {"nccl": ["--transfer", "nccl"], "host": ["--transfer", "host"]}
+    summary: dict = {"command": sys.argv, "steps": a.steps}
+    if a.runs:
+        # The peer first: a bare NCCL send/recv of one packed batch's bytes (K layers x tokens x H x bf16).
+        payload_bytes = 5 * 2 * a.max_length * 4096 * 2
+        peer = json.loads(subprocess.run([sys.executable, str(REPO / "bench/nccl_p2p.py"), "--bytes",
+                                          str(payload_bytes)], capture_output=True, text=True, check=True,
+                                         cwd=REPO).stdout.strip().splitlines()[-1])
+        print(f"peer: {json.dumps(peer)}", flush=True)
+        summary["nccl_peer"] = peer
+        runs = {name: run_train(name, common + flags[name], root) for name in a.runs.split(",")}
+        summary["rows"] = rows = [path_row(name, run_dir) for name, run_dir in runs.items()]
+        print_paths(rows, peer)
+    if a.ab_pairs:
+        summary["ab"] = ab = profile_ab(a.ab_pairs, common + flags["nccl"], root)
+        print_ab(ab)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_pipeline.json").write_text(json.dumps(summary, indent=2))
+
+
+def path_row(name: str, run_dir: Path) -> dict:
+    t_end = run_end(run_dir, "target")
+    pack, send, d2h = (steady_span(run_dir, n) for n in ("target.pack_hidden", "transfer.send", "d2h_copy"))
+    fwd = steady_span(run_dir, "target.fwd")
+    ivs = steady_intervals(run_dir, 1)
+    return {"run": name, "steady_intervals": [r["index"] for r in ivs],
+            "tokens_per_s": steady_tokens_per_s(run_dir), "drafter_tail_tokens_per_s": tail_rate(run_dir),
+            "target_busy_share": busy_share(run_dir),
+            "fwd_gpu_ms": 1e3 * fwd["gpu_s"] / max(fwd["count"], 1),
+            "pack_gpu_ms": 1e3 * pack["gpu_s"] / max(pack["count"], 1),
+            "pack_floor_ratio": span(t_end, "target.pack_hidden").get("floor_ratio"),
+            "pack_floor_bytes_per_s": span(t_end, "target.pack_hidden").get("floor_bytes_per_s"),
+            "pack_bytes_per_s": pack["gpu_bytes_per_s"],
+            "send": send, "d2h": d2h,
+            "d2h_floor_bytes_per_s": span(t_end, "d2h_copy").get("floor_bytes_per_s"),
+            "drafter_fwd_bwd_gpu_ms": 1e3 * ((span(run_end(run_dir, "drafter"), "drafter.fwd_bwd").get("gpu") or {})
+                                             .get("p50_seconds") or float("nan"))}
+
+
+def print_paths(rows: list[dict], peer: dict) -> None:
+    print("\n| run | tokens/s (steady) | target busy | fwd GPU ms | pack GPU ms (x floor time) "
+          "| send GPU ms p50 | send GB/s (of peer) | d2h GB/s (of pinned floor) | drafter fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        pack_x = (r["pack_floor_bytes_per_s"] / r["pack_bytes_per_s"]) if r["pack_bytes_per_s"] else float("nan")
+        send_bw = r["send"]["gpu_bytes_per_s"] or r["send"]["cpu_bytes_per_s"] or 0
+        d2h_bw = r["d2h"]["gpu_bytes_per_s"]
+        d2h = (f"{d2h_bw / 1e9:.1f} ({d2h_bw / r['d2h_floor_bytes_per_s']:.2f})"
+               if d2h_bw and r["d2h_floor_bytes_per_s"] else "n/a")
+        print(f"| {r['run']} | {r['tokens_per_s']:,.0f} | {r['target_busy_share']:.1%} | {r['fwd_gpu_ms']:.1f} "
+              f"| {r['pack_gpu_ms']:.3f} ({pack_x:.2f}x) | {1e3 * (r['send']['gpu_p50_s'] or float('nan')):.2f} "
+              f"| {send_bw / 1e9:.1f} ({send_bw / peer['nccl_bytes_per_s']:.2f}) | {d2h} "
+              f"| {r['drafter_fwd_bwd_gpu_ms']:.1f} |")
+    print(f"peer: bare NCCL send/recv of {peer['bytes'] / 1e6:.0f} MB {peer['nccl_seconds'] * 1e3:.2f} ms = "
+          f"{peer['nccl_bytes_per_s'] / 1e9:.1f} GB/s; pinned D2H+H2D {peer['pinned_seconds'] * 1e3:.1f} ms", flush=True)
+
+
+def profile_ab(pairs: int, args: list[str], root: Path) -> list[dict]:
+    """Profiling off/on back to back, ABBA order so a drift over time cancels; each run's rate is
+    the drafter meter's steady tail, measured the same way with or without the profiler."""
+    out = []
+    for i in range(pairs):
+        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        for mode in order:
+            name = f"ab{i + 1}_{mode}"
+            run_dir = run_train(name, args + (["--no-profile"] if mode == "off" else []), root)
+            out.append({"pair": i + 1, "profile": mode, "tail_tokens_per_s": tail_rate(run_dir)})
+    return out
+
+
+def print_ab(ab: list[dict]) -> None:
+    print("\n| pair | profile off (tokens/s) | profile on (tokens/s) | on / off |")
+    print("|---|---|---|---|")
+    ons, offs = [], []
+    for p in sorted({r["pair"] for r in ab}):
+        on = next(r["tail_tokens_per_s"] for r in ab if r["pair"] == p and r["profile"] == "on")
+        off = next(r["tail_tokens_per_s"] for r in ab if r["pair"] == p and r["profile"] == "off")
+        ons.append(on)
+        offs.append(off)
+        print(f"| {p} | {off:,.0f} | {on:,.0f} | {on / off:.4f} |")
+    m_on, m_off = sum(ons) / len(ons), sum(offs) / len(offs)
+    spread = (max(offs) - min(offs)) / m_off
+    print(f"mean on {m_on:,.0f} vs off {m_off:,.0f} tokens/s: {m_on / m_off - 1:+.2%} "
+          f"(spread of the off runs {spread:.2%})", flush=True)
 
 
 if __name__ == "__main__":
