@@ -10,13 +10,15 @@ Flow control: a target has at most `max_in_flight` messages queued or in transit
 buffers it sends stay alive until then. The drafter's receiver thread ("drafter.receiver") receives
 from whichever of its producers is ready (any-source on the header) into a bounded queue.
 
-Streams (GPU): each transfer thread works on its own CUDA stream, so no transfer queues behind
-compute. The sender's stream waits (device-side) on the event the target recorded after packing,
-and times `transfer.send` there: the span's CUDA events bracket the NCCL transfer itself. The
-receiver posts
-NCCL receives, or the host path's `h2d_copy`, on its stream and hands the drafter a device tensor
-with a `ready` event; the drafter's stream waits on that event and `record_stream`s the tensor so
-the allocator cannot hand its memory to the next receive while the drafter still reads it.
+Streams (GPU): no transfer queues behind compute. On the NCCL path the target's main thread launches
+the send itself, right after the pack and so before the next forward's kernels, on a stream of the
+Sender's that waits (device-side) for the pack's event; `transfer.send` is timed there, so its CUDA
+events bracket the NCCL transfer. (Launched from the sender thread after its gloo handshake, the
+send's kernel landed wherever the thread got the GIL; on two H200s it took 1.17-1.20 ms against
+1.15-1.16 ms now, for 336 MB: bench/RESULTS.md.) The receiver posts NCCL receives, or the host
+path's `h2d_copy`, on its own stream and hands the drafter a device tensor with a `ready` event; the
+drafter's stream waits on that event and `record_stream`s the tensor so the allocator cannot hand
+its memory to the next receive while the drafter still reads it.
 
 Shutdown: every target ends its stream with an END header; every drafter, when it stops, sends STOP
 to each producer and drains until all producers have ended. A target polls STOP between batches.
@@ -58,6 +60,10 @@ class Message:
     path) or after the staged D2H copy (host path); on the drafter, after the receive (and H2D)."""
     release: object = None
     """Called once the payload buffer may be reused (after the send completed)."""
+    work: object = None
+    """NCCL path: the send's work handle, set by Sender.submit()."""
+    launched: object = None
+    """NCCL path: a threading.Event set once submit() has launched (or failed to launch) the send."""
 
 
 def _header(kind: int, msg: Message | None) -> torch.Tensor:
@@ -169,13 +175,18 @@ class Staging:
 
 class Sender:
     """Target side. `acquire()` takes an in-flight slot (the caller wraps it in transfer.wait_slot);
-    `submit()` queues a message; the sender thread sends it under `transfer.send` and then frees the
-    slot. `close()` sends END after everything queued and waits for completion."""
+    `submit()` queues a message (and on the NCCL path launches its payload's send); the sender thread
+    sends the header and metadata, waits for the payload's send to complete, and then frees the slot.
+    `close()` sends END after everything queued and waits for completion.
+
+    Every NCCL call on the data group comes from the submitting thread; the sender thread only polls
+    the works, so the two threads never race on one communicator."""
 
     def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
         self.dst, self._ctrl, self._data, self._device = dst, ctrl_group, data_group, device
         self._device_payload = device_payload
+        self._stream = torch.cuda.Stream(device) if device_payload and device is not None else None
         self._slots = threading.Semaphore(max_in_flight)
         self._q: queue.Queue[Message | None] = queue.Queue()
         self._error: BaseException | None = None
@@ -190,7 +201,32 @@ class Sender:
 
     def submit(self, msg: Message) -> None:
         self._check()
+        if not self._device_payload:
+            self._q.put(msg)
+            return
+        # Queue first: NCCL sets up its two-rank communicator lazily inside the first isend, which
+        # waits for the drafter's first receive, which waits for the sender thread's handshake.
+        msg.launched = threading.Event()
         self._q.put(msg)
+        try:
+            msg.work = self._launch(msg)
+        finally:
+            msg.launched.set()
+
+    def _launch(self, msg: Message):
+        """Enqueue the NCCL send on the producing thread, right after the pack, so its kernel is
+        launched before the next forward's (module docstring). The stream waits for the pack on the
+        device; the span's events on it bracket the transfer (work.wait() orders the stream after
+        NCCL's without blocking the host). The kernel starts once the pack is done: if the drafter
+        has not posted its receive yet (it is behind: `transfer.wait_slot` grows too), the wait for
+        it is inside the span's GPU time."""
+        if msg.ready is not None:
+            self._stream.wait_event(msg.ready)
+        with torch.cuda.stream(self._stream), \
+                profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
+            work = dist.isend(msg.payload, self.dst, group=self._data)
+            work.wait()
+        return work
 
     def close(self) -> None:
         """Send END after all queued messages, and wait until the thread has sent everything."""
@@ -211,16 +247,14 @@ class Sender:
         dist.send(_header(KIND_BATCH, msg), self.dst, group=self._ctrl, tag=TAG_HEADER)
         dist.send(msg.meta, self.dst, group=self._ctrl, tag=TAG_META)
 
-    def _send_device(self, msg: Message, stream) -> None:
-        """NCCL payload. The stream waits for the pack on the device, not here; the span's events,
-        on this stream, bracket the transfer (work.wait() orders the stream after NCCL's)."""
+    def _send_device(self, msg: Message) -> None:
+        """NCCL payload, launched by submit(): handshake, then hold the payload (and the slot)
+        until the transfer has completed."""
         self._handshake(msg)
-        if msg.ready is not None:
-            stream.wait_event(msg.ready)
-        with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
-            work = dist.isend(msg.payload, self.dst, group=self._data)
-            work.wait()   # device-side: this stream waits for NCCL's; the host does not block
-        _wait_completed(work)
+        msg.launched.wait()
+        if msg.work is None:
+            raise RuntimeError("the NCCL send was never launched (submit() failed)")
+        _wait_completed(msg.work)
 
     def _send_host(self, msg: Message) -> None:
         """gloo payload (host-staged on GPUs, plain on CPU); the span's CPU time is the send."""
@@ -234,14 +268,14 @@ class Sender:
 
     def _run(self) -> None:
         try:
-            stream = _bind_device(self._device)
+            _bind_device(self._device)
             while True:
                 msg = self._q.get()
                 if msg is None:
                     dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
                     return
                 if self._device_payload:
-                    self._send_device(msg, stream)
+                    self._send_device(msg)
                 else:
                     self._send_host(msg)
                 self.sent += 1
