@@ -1,7 +1,10 @@
 """Bare NCCL send/recv between GPU 0 and GPU 1 of the same bytes as a packed batch: the peer that
 `transfer.send` is compared with. Also the same bytes through pinned host memory (D2H + H2D).
 
-    python3 bench/nccl_p2p.py --bytes 839000000
+    python3 bench/nccl_p2p.py --bytes 839000000 [--reps 10] [--gap-seconds 0.25] [--barrier nccl|gloo]
+With --gap-seconds the GPUs idle that long before each send, as between a pipeline's batches: after
+a quarter of a second a send of 336 MB between two H200s takes about 1.16 ms, against about 0.95 ms
+back to back (bench/RESULTS.md).
 Prints one JSON line: {"bytes":..,"nccl_seconds":..,"nccl_bytes_per_s":..,"pinned_seconds":..}
 """
 
@@ -12,20 +15,23 @@ import json
 import os
 import socket
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, port: int, nbytes: int, reps: int, q) -> None:
+def _worker(rank: int, port: int, nbytes: int, reps: int, gap_s: float, barrier: str, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    cpu = dist.new_group(backend="gloo")
     buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     times = []
     for i in range(reps + 3):
-        dist.barrier()
+        time.sleep(gap_s)         # the GPUs and the link idle, as between a pipeline's batches
+        dist.barrier(group=cpu if barrier == "gloo" else None)   # "nccl": an all-reduce over the link
         torch.cuda.synchronize()  # benchmark: time each transfer alone
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -50,7 +56,6 @@ def pinned_roundtrip(nbytes: int, reps: int) -> float:
     for i in range(reps + 2):
         torch.cuda.synchronize("cuda:0")
         torch.cuda.synchronize("cuda:1")
-        import time
         t0 = time.perf_counter()
         host.copy_(src)
         dst.copy_(host)
@@ -64,13 +69,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", type=int, default=839_000_000)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--gap-seconds", type=float, default=0.0,
+                    help="idle time before each send")
+    ap.add_argument("--barrier", choices=("nccl", "gloo"), default="nccl",
+                    help="line the ranks up before each send over NCCL (which wakes the link) or gloo")
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, a.bytes, a.reps, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, a.bytes, a.reps, a.gap_seconds, a.barrier, q)) for r in range(2)]
     for p in procs:
         p.start()
     nccl_s = q.get(timeout=300)
