@@ -95,6 +95,13 @@ class TrainConfig:
     """Tokens generated per evaluation prompt."""
     builtin_conversations: int = 1000
     """Conversations in the built-in synthetic corpus."""
+    metrics_port: int | None = None
+    """Prometheus endpoint base port; each rank serves on base + local rank. None: 9464, falling back
+    to a free port (announced) when busy; 0: no endpoint; a port given here must be free (exit 2)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
+    profile_detail_steps: int = 3
+    """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
 
     def validate(self) -> "TrainConfig":
         def need(ok: bool, name: str, why: str) -> None:
@@ -127,6 +134,10 @@ class TrainConfig:
         need(self.eval_prompts >= 0, "eval_prompts", "must be >= 0")
         need(self.eval_new_tokens >= 1, "eval_new_tokens", "must be >= 1")
         need(self.builtin_conversations >= 16, "builtin_conversations", "must be >= 16")
+        need(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
+             "must be a TCP port in 0..65535 (0 = off)")
+        need(bool(self.metrics_host), "metrics_host", "must be an address to bind")
+        need(self.profile_detail_steps >= 0, "profile_detail_steps", "must be >= 0")
         if self.target_model is not None and not Path(self.target_model).is_dir():
             raise ConfigError(f"config field 'target_model': no such directory: {self.target_model}")
         if self.data is not None and not Path(self.data).is_file():

@@ -1,0 +1,119 @@
+"""Every metric family the exporters publish, and the one function that builds their names.
+
+Prometheus, OpenTelemetry and the Grafana dashboard all read this catalog, so a name is spelled in
+one place. Naming follows Prometheus' conventions: prefix `dflash_`, base unit in the name
+(`_seconds`, `_bytes`, `_ratio`, `_watts`, `_celsius`, `_hertz`), counters end in `_total`, info
+metrics in `_info`. Standard library only (the dashboard generator and reports import it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "dflash"
+COMMON_LABELS = ("rank", "role", "host")
+# Spans during which a role waits for the other side: their share of an interval is a wait share.
+WAIT_SPANS = {"transfer.wait_slot": "target", "drafter.recv": "drafter"}
+# Training scalars (profiler.metric names) -> (family key, extra labels).
+_TRAIN_METRICS = {"loss": "train_loss", "tau": "train_tau", "tau_prefix": "train_tau_prefix",
+                  "lr": "train_learning_rate", "grad_norm": "train_grad_norm"}
+# Event kinds that always exist as series (at 0), so dashboards and alerts see them before they happen.
+EVENT_KINDS = ("nonfinite", "oom", "thread_crash", "signal", "bad_records", "hang")
+
+
+def metric_name(base: str, unit: str | None = None, kind: str = "gauge") -> str:
+    """`dflash_<base>[_<unit>][_total|_info]`; dots become underscores. The only place names are made."""
+    name = f"{PREFIX}_{base.replace('.', '_')}"
+    if unit and not name.endswith("_" + unit):
+        name += "_" + unit
+    if kind == "counter":
+        name += "_total"
+    elif kind == "info":
+        name += "_info"
+    return name
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str
+    name: str
+    kind: str          # gauge | counter | histogram | info
+    help: str
+    labels: tuple = ()  # besides COMMON_LABELS
+
+
+def _f(key, base, unit, kind, help_, *labels) -> Family:
+    return Family(key, metric_name(base, unit, kind), kind, help_, tuple(labels))
+
+
+FAMILIES = {f.key: f for f in (
+    _f("span_seconds", "span", "seconds", "histogram",
+       "Span duration per profile interval, CPU wall or GPU event time.", "span", "clock"),
+    _f("span_share", "span_share", "ratio", "gauge",
+       "Share of the last interval spent in the span (GPU time when measured, else CPU).", "span"),
+    _f("span_bytes", "span_bytes", None, "counter", "Bytes moved by spans that declare bytes.", "span"),
+    _f("span_bandwidth", "span_bandwidth", "bytes_per_second", "gauge",
+       "Achieved bandwidth of the span in the last interval.", "span"),
+    _f("span_floor", "span_floor", "bytes_per_second", "gauge",
+       "Bandwidth floor measured at start for the span's kind of copy.", "span", "floor"),
+    _f("span_floor_ratio", "span_floor", "ratio", "gauge",
+       "Achieved bandwidth over its floor in the last interval.", "span"),
+    _f("wait_share", "wait", "ratio", "gauge",
+       "Share of the last interval a role spent waiting on the other side.", "span"),
+    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank."),
+    _f("samples", "samples", None, "counter", "Sequences processed by this rank."),
+    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank."),
+    _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval."),
+    _f("step", "step", None, "gauge", "The rank's current training step."),
+    _f("queue_depth", "queue_depth", None, "gauge",
+       "Received batches waiting for the drafter (last, mean and max of the interval).", "stat"),
+    _f("gpu_memory_used", "gpu_memory_used", "bytes", "gauge", "GPU memory used (NVML), last sample.", "gpu"),
+    _f("gpu_memory_peak", "gpu_memory_peak_used", "bytes", "gauge",
+       "Peak GPU memory used in the last interval (NVML samples).", "gpu"),
+    _f("gpu_memory_total", "gpu_memory_total", "bytes", "gauge", "GPU memory size (NVML).", "gpu"),
+    _f("gpu_headroom", "gpu_memory_headroom", "bytes", "gauge", "GPU memory free now (total minus used).", "gpu"),
+    _f("gpu_headroom_min", "gpu_memory_headroom_min", "bytes", "gauge",
+       "Lowest GPU memory headroom in the last interval (total minus its peak used).", "gpu"),
+    _f("gpu_headroom_ratio", "gpu_memory_headroom_min", "ratio", "gauge",
+       "Lowest headroom in the last interval as a share of the GPU's memory.", "gpu"),
+    _f("alloc_allocated", "allocator_allocated", "bytes", "gauge", "Caching allocator: allocated now.", "gpu"),
+    _f("alloc_reserved", "allocator_reserved", "bytes", "gauge", "Caching allocator: reserved now.", "gpu"),
+    _f("alloc_peak_allocated", "allocator_peak_allocated", "bytes", "gauge",
+       "Caching allocator: peak allocated in the last interval.", "gpu"),
+    _f("alloc_peak_reserved", "allocator_peak_reserved", "bytes", "gauge",
+       "Caching allocator: peak reserved in the last interval.", "gpu"),
+    _f("alloc_retries", "allocator_alloc_retries", None, "counter",
+       "cudaMalloc retries after freeing cached blocks (a sign of fragmentation).", "gpu"),
+    _f("alloc_ooms", "allocator_ooms", None, "counter", "Out-of-memory errors raised by the allocator.", "gpu"),
+    _f("gpu_utilization", "gpu_utilization", "ratio", "gauge", "GPU busy share (NVML), interval mean.", "gpu"),
+    _f("gpu_power", "gpu_power", "watts", "gauge", "GPU power draw (NVML), interval mean.", "gpu"),
+    _f("gpu_temperature", "gpu_temperature", "celsius", "gauge", "GPU temperature (NVML), interval max.", "gpu"),
+    _f("gpu_sm_clock", "gpu_sm_clock", "hertz", "gauge", "SM clock (NVML), last sample.", "gpu"),
+    _f("gpu_throttle", "gpu_throttle_reason_active", None, "gauge",
+       "1 while NVML reports the clock-event (throttle) reason active.", "gpu", "reason"),
+    _f("train_loss", "train_loss", None, "gauge", "Drafter loss, interval mean."),
+    _f("train_tau", "train_tau", None, "gauge",
+       "Simulated acceptance length (tokens per verify step), interval mean."),
+    _f("train_tau_prefix", "train_tau_prefix", None, "gauge",
+       "Teacher-forced accepted prefix length (tokens per verify step), interval mean."),
+    _f("train_accuracy", "train_accuracy", "ratio", "gauge",
+       "Drafter top-1 accuracy at block position k, interval mean.", "position"),
+    _f("train_learning_rate", "train_learning_rate", None, "gauge", "Learning rate, last of the interval."),
+    _f("train_grad_norm", "train_grad_norm", None, "gauge", "Gradient norm before clipping, interval mean."),
+    _f("events", "events", None, "counter", "Run-log events by kind (non-finite, oom, crash, signal, ...).",
+       "kind"),
+    _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record."),
+    _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed."),
+    _f("exporter_dropped", "exporter_dropped_records", None, "counter",
+       "Records an exporter dropped (queue full or export failed).", "exporter"),
+    _f("build_info", "build", None, "info", "Versions and device of the run (value 1).",
+       "version", "schema", "torch_version", "python_version", "device_name"),
+)}
+
+
+def train_metric_family(name: str) -> tuple[Family, dict] | None:
+    """The family and extra labels for a profiler.metric name, or None when it has none."""
+    if name in _TRAIN_METRICS:
+        return FAMILIES[_TRAIN_METRICS[name]], {}
+    if name.startswith("acc_") and name[4:].isdigit():
+        return FAMILIES["train_accuracy"], {"position": name[4:]}
+    return None
