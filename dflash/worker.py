@@ -238,7 +238,7 @@ def _print_final(run_dir: Path) -> None:
 
     ends = []
     for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
-        records, _ = profiler.runlog.read_records(path)
+        records, _ = profiler.read_records(path)
         ends += [r for r in records if r.get("type") == "run_end"]
     if ends:
         print(format_hotspots(ends))

@@ -1,12 +1,20 @@
 """Instrumentation core: spans, CUDA event timers, intervals, memory sampling, run log, control.
 
 Public API (see README.md and docs/ARCHITECTURE.md):
-    Profiler, active, span, count, gauge, metric, set_step, event, corrupt, read_records.
-This package never imports `dflash`; it works in any training loop.
+    Profiler, active, span, count, gauge, metric, set_step, event, corrupt, tag, read_records.
+This package never imports `dflash` or `exporters`; it works in any training loop. `Profiler`
+(which needs torch) is imported on first use, so `profiler.records` and `profiler.snapshot` load
+without torch.
 """
-from profiler.api import active, corrupt, count, event, gauge, metric, set_step, span
-from profiler.core import Profiler
-from profiler.runlog import read_records
+from profiler.api import active, corrupt, count, event, gauge, metric, set_step, span, tag
+from profiler.records import read_records
 
-__all__ = ["Profiler", "active", "span", "count", "gauge", "metric", "set_step", "event", "corrupt",
+__all__ = ["Profiler", "active", "span", "count", "gauge", "metric", "set_step", "event", "corrupt", "tag",
            "read_records"]
+
+
+def __getattr__(name):
+    if name == "Profiler":
+        from profiler.core import Profiler
+        return Profiler
+    raise AttributeError(f"module 'profiler' has no attribute {name!r}")

@@ -78,6 +78,14 @@ def metric(name: str, value) -> None:
         rec.metric(name, value)
 
 
+def tag(**attrs) -> None:
+    """Attach attributes to the calling thread's innermost open span (e.g. `tag(flow="1:7")`); they
+    reach the span's entry in `spans` records (the trace's flow arrows, OTel span attributes)."""
+    rec = _recorder
+    if rec is not None:
+        rec.tag(attrs)
+
+
 def set_step(step: int) -> None:
     """Set the current training step (used in records, faults and forensics)."""
     p = _active

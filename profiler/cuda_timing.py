@@ -41,7 +41,7 @@ def resolve(pending: list, pool: EventPool):
     pool); the rest are kept, in order, for a later call (carried into the next interval)."""
     resolved, still = [], []
     for rec in pending:
-        start, end = rec[5], rec[6]
+        start, end = rec[8], rec[9]
         # query() never blocks; elapsed_time() is only called once both events are done.
         if end.query() and start.query():
             resolved.append((rec, start.elapsed_time(end) / 1000.0))   # ms -> seconds

@@ -11,6 +11,7 @@ import logging
 import threading
 
 from profiler.cuda_timing import resolve
+from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, summarize
 
 logger = logging.getLogger("profiler")
@@ -63,7 +64,7 @@ class IntervalAggregator:
         """Take the output of SpanRecorder.drain(), then resolve what CUDA pairs are complete."""
         for thread_name, spans, misc in drained:
             for rec in spans:
-                if len(rec) > 5:
+                if len(rec) > CPU_RECORD_LEN:
                     self.pending.append((thread_name, rec))
                 else:
                     self._add(thread_name, rec, None)

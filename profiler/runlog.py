@@ -6,6 +6,8 @@ import os
 import threading
 from pathlib import Path
 
+from profiler.records import read_records  # noqa: F401 - the reader lives beside the writer
+
 
 class RunLog:
     """Appends records as whole lines from any thread: each is json.dumps(record) + "\\n" written
@@ -43,25 +45,3 @@ def _json_default(obj):
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     return str(obj)
-
-
-def read_records(path):
-    """Read a run log -> (records, n_truncated). A line that does not parse as a JSON object (a
-    truncated last line after a crash, or such a line glued to a later run's first record) is
-    dropped and counted rather than raised: the rest of the log is still good."""
-    records, bad = [], 0
-    with open(path, "rb") as f:
-        data = f.read()
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
-    return records, bad

@@ -10,8 +10,11 @@ Event-log items (all appended by the owning thread only):
   begin     `(tag, t0_ns)` / CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
   end       `t1_ns` (an int) / CUDA `(t1_ns, end_event)`
   cancel    `None`: the enter raised after logging its begin (fault injection)
-Finished records (what drain() returns): CPU `(name, t0_ns, t1_ns, depth, bytes)`; CUDA adds
-`(start_event, end_event)`. `depth` is 0 for an outermost span.
+  tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
+Finished records (what drain() returns): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`;
+CUDA adds `(start_event, end_event)`. `depth` is 0 for an outermost span; `id` numbers the recorder's
+spans in begin order, `parent` is the enclosing span's id on the same thread (or None), `attrs` the
+tags (or None).
 
 Hand-over without a lock: a worker only ever *appends* to its own log; the collector (one at a
 time, under the recorder's drain lock) takes `n = len(log)`, copies `log[:n]` and deletes
@@ -38,6 +41,14 @@ def check_name(name, what: str = "span") -> str:
     return name
 
 
+CPU_RECORD_LEN = 8    # a finished record longer than this carries a CUDA event pair at [8], [9]
+
+
+class SpanAttrs(dict):
+    """Attributes logged by `profiler.tag()` for the thread's innermost open span."""
+    __slots__ = ()
+
+
 class ThreadState:
     """One thread's event log, counter buffer, span objects and (collector side) open-span stack."""
     __slots__ = ("thread", "buf", "misc", "spans", "open")
@@ -47,7 +58,7 @@ class ThreadState:
         self.buf: list = []     # span event log, appended by the owning thread only
         self.misc: list = []    # (kind, name, value): 0 counter, 1 gauge, 2 metric; owner appends
         self.spans: dict = {}   # name -> this thread's span object (bytes=None)
-        self.open: list = []    # collector side: (name, t0_ns, bytes[, start_event]) of open spans
+        self.open: list = []    # collector side: [name, t0_ns, bytes, id, attrs(, start_event)] per open span
 
 
 def _decorate(name, nbytes, fn):
@@ -179,6 +190,8 @@ class SpanRecorder:
             self._span_cls = FaultCpuSpan if faulty else CpuSpan
         self._states: list = []
         self.unmatched = 0                 # ends with no open begin (a span object used across threads)
+        self.native_ids: dict = {}         # thread name -> OS thread id (py-spy's native id)
+        self._next_id = 0                  # collector side: ids in begin order
         self._reg_lock = threading.Lock()
         self.drain_lock = threading.Lock()
         # Per-thread view: `st` (the ThreadState) and `get` (its span cache's dict.get). While active,
@@ -218,6 +231,9 @@ class SpanRecorder:
     def metric(self, name: str, value) -> None:
         self.thread_state().misc.append((2, name, value))
 
+    def tag(self, attrs: dict) -> None:
+        self.thread_state().buf.append(SpanAttrs(attrs))
+
     def drain(self):
         """Take every logged item and replay it: returns [(thread_name, finished_records, misc)].
         Threads that ended with nothing open or left are dropped from the registry."""
@@ -230,6 +246,7 @@ class SpanRecorder:
                 events = _take(st.buf)
                 misc = _take(st.misc)
                 spans = self._replay(st.open, events) if events else []
+                self.native_ids[st.thread.name] = st.thread.native_id
                 if spans or misc:
                     out.append((st.thread.name, spans, misc))
                 if not st.thread.is_alive() and not st.buf and not st.misc and not st.open:
@@ -247,24 +264,29 @@ class SpanRecorder:
             if type(e) is int:                          # CPU end
                 if open_:
                     b = open_.pop()
-                    out.append((b[0], b[1], e, len(open_), b[2]))
+                    out.append((b[0], b[1], e, len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4]))
                 else:
                     self.unmatched += 1
             elif e is None:                             # cancelled begin (the enter raised)
                 if open_:
                     b = open_.pop()
-                    if len(b) > 3:
-                        self.event_pool.put(b[3])
+                    if len(b) > 5:
+                        self.event_pool.put(b[5])
+            elif type(e) is SpanAttrs:                  # profiler.tag(): for the innermost open span
+                if open_:
+                    open_[-1][4] = {**(open_[-1][4] or {}), **e}
             elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
                 if open_:
                     b = open_.pop()
-                    out.append((b[0], b[1], e[0], len(open_), b[2], b[3], e[1]))
+                    out.append((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
+                                b[5], e[1]))
                 else:
                     self.unmatched += 1
             else:                                       # begin: (tag, t0[, start_event])
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
-                open_.append((name, e[1], nbytes, *e[2:]))
+                open_.append([name, e[1], nbytes, self._next_id, None, *e[2:]])
+                self._next_id += 1
         return out
 
     def open_spans(self, now_ns=None):
@@ -277,7 +299,7 @@ class SpanRecorder:
                 states = list(self._states)
             for st in states:
                 if st.open:
-                    out.append({"thread": st.thread.name, "spans": [
+                    out.append({"thread": st.thread.name, "native_id": st.thread.native_id, "spans": [
                         {"name": e[0], "depth": i, "open_seconds": (now_ns - e[1]) / 1e9}
                         for i, e in enumerate(st.open)]})
         return out

@@ -201,7 +201,7 @@ def test_resolve_keeps_order():
         s.record()
         gpu.now_ms += 1
         e.record()
-        recs.append(("x", 0, 1, 0, None, s, e))
+        recs.append(("x", 0, 1, 0, None, i, None, None, s, e))
     gpu.done_ms = 2.0
     done, still = resolve(recs, pool)
     assert [r for r, _ in done] == recs[:2] and still == recs[2:]

@@ -33,7 +33,7 @@ def test_nesting_depths_and_thread_names_in_three_threads(tmp_path):
     for spans in by_thread.values():
         assert len(spans) == 3 * n
         depth = {}
-        for name, t0, t1, d, nbytes in spans:
+        for name, t0, t1, d, nbytes, *_ in spans:
             depth.setdefault(name, set()).add(d)
             assert t1 >= t0 and nbytes is None
         assert depth == {"t.outer": {0}, "t.mid": {1}, "t.inner": {2}}

@@ -1,0 +1,70 @@
+"""Reading run logs: record kinds, the schema version, and tolerant readers. Standard library only,
+so `dflash-report` and `dflash-profile` read run logs without importing torch (docs/RUNLOG.md)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+RUN_START, INTERVAL, SPANS, EVENT, SNAPSHOT, RUN_END = (
+    "run_start", "interval", "spans", "event", "snapshot", "run_end")
+RECORD_TYPES = (RUN_START, INTERVAL, SPANS, EVENT, SNAPSHOT, RUN_END)
+_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+
+
+def parse_lines(data: bytes) -> tuple[list, int]:
+    """Records from a run log's bytes -> (records, n_bad). A line that does not parse as a JSON
+    object (a truncated last line after a crash, or one glued to a later run's first record) is
+    dropped and counted, never raised: the rest of the log is still good."""
+    records, bad = [], 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            bad += 1
+    return records, bad
+
+
+def read_records(path) -> tuple[list, int]:
+    """Read one run log -> (records, n_bad)."""
+    with open(path, "rb") as f:
+        return parse_lines(f.read())
+
+
+def rank_logs(run_dir) -> dict:
+    """{rank: path} of RUN_DIR/profile/rank{R}.jsonl, in rank order (empty when there are none)."""
+    profile = Path(run_dir) / "profile"
+    found = {}
+    if profile.is_dir():
+        for p in profile.iterdir():
+            m = _RANK_FILE.match(p.name)
+            if m and p.is_file():
+                found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def read_run_dir(run_dir) -> dict:
+    """{rank: (records, n_bad)} for every rank log of a run directory."""
+    return {rank: read_records(path) for rank, path in rank_logs(run_dir).items()}
+
+
+def of_type(records: list, rtype: str) -> list:
+    return [r for r in records if r.get("type") == rtype]
+
+
+def check_schema(run_start: dict, where: str = "run log") -> int:
+    """The record's schema version; ValueError for a version newer than this reader knows.
+    Logs written before schema 1 carry none and read as 0."""
+    version = run_start.get("schema", 0)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"{where}: schema {version!r} is newer than this reader's {SCHEMA_VERSION}; "
+                         "upgrade dflash-observability")
+    return version
