@@ -102,6 +102,9 @@ class TrainConfig:
     """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
     profile_detail_steps: int = 3
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
+    stack_samples_per_interval: int = 0
+    """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
+    thread in the interval record); 0 = none."""
 
     def validate(self) -> "TrainConfig":
         def need(ok: bool, name: str, why: str) -> None:
@@ -138,6 +141,7 @@ class TrainConfig:
              "must be a TCP port in 0..65535 (0 = off)")
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")
         need(self.profile_detail_steps >= 0, "profile_detail_steps", "must be >= 0")
+        need(self.stack_samples_per_interval >= 0, "stack_samples_per_interval", "must be >= 0")
         if self.target_model is not None and not Path(self.target_model).is_dir():
             raise ConfigError(f"config field 'target_model': no such directory: {self.target_model}")
         if self.data is not None and not Path(self.data).is_file():
