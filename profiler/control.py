@@ -2,13 +2,19 @@
 
 `dflash-profile snapshot --pid PID` finds the socket through the discovery file
 /tmp/dflash-$UID/PID.json and asks for the live state (open spans, last interval, memory).
-Protocol: one JSON line in ({"cmd": "state"} or {"cmd": "ping"}), one JSON line out
-({"ok": true, ...} or {"ok": false, "error": "..."}), then the server closes the connection.
-Only the owning user can connect: socket mode 0600, discovery dir 0700, and the peer's uid is checked.
+Protocol: one JSON line in, one JSON line out ({"ok": true, ...} or {"ok": false, "error": "..."}),
+then the server closes the connection. Commands:
+  {"cmd": "ping"}                    -> pid, rank, role
+  {"cmd": "state"}                   -> {"state": state_fn()}
+  {"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log
+                                        (the process stays the log's single writer)
+Only the owning user (or root) can connect: socket mode 0600, discovery dir 0700, the peer's uid checked.
+A starting server removes the discovery files of dead endpoints of this uid (see clean_stale_discovery).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,7 +28,8 @@ logger = logging.getLogger("profiler")
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
-MAX_REQUEST_BYTES = 64 * 1024
+MAX_REQUEST_BYTES = 4 * 1024 * 1024   # a `record` request carries a snapshot (every thread's stack)
+MAX_REPLY_BYTES = 64 * 1024 * 1024    # a `state` reply carries the last interval record
 CLIENT_TIMEOUT_S = 2.0
 ACCEPT_POLL_S = 0.2  # how quickly close() stops the server thread
 
@@ -54,26 +61,88 @@ def _socket_is_live(path: str) -> bool:
         probe.close()
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\n" not in data:
+def _nobody_listens(path: str) -> bool:
+    """True only when connecting is refused or the socket file is gone: nobody will ever answer.
+    A timeout (a listener too busy to accept, e.g. a hung process) is not proof of death."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+        return False
+    except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ENOTSOCK
+    finally:
+        probe.close()
+
+
+def _pid_is_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
+    """Remove this uid's discovery files (and their /tmp fallback sockets) whose process is dead or
+    whose socket nobody listens on; returns the removed paths. Files of other uids, of live
+    endpoints, and of `own_pid` are left alone; a file that does not parse is removed only when the
+    pid in its name is dead."""
+    directory, removed = Path(directory), []
+    for path in sorted(directory.glob("*.json*")):
+        pid_text = path.name.split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == own_pid:
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            record = json.loads(path.read_text()) if path.name.endswith(".json") else None
+        except (OSError, ValueError):
+            record = None
+        socket_path = record.get("socket_path") if isinstance(record, dict) else None
+        dead = _pid_is_dead(int(pid_text)) or (isinstance(socket_path, str) and _nobody_listens(socket_path))
+        if not dead:
+            continue
+        stale = [path]
+        if isinstance(socket_path, str) and Path(socket_path).parent == directory:
+            stale.append(Path(socket_path))  # a fallback socket: it lives in the discovery dir
+        for item in stale:
+            try:
+                item.unlink()
+                removed.append(str(item))
+            except OSError:
+                pass
+    return removed
+
+
+def _read_line(conn: socket.socket, max_bytes: int = MAX_REQUEST_BYTES) -> bytes:
+    chunks, size = [], 0
+    while True:
         chunk = conn.recv(65536)
         if not chunk:
             break
-        data += chunk
-        if len(data) > MAX_REQUEST_BYTES and b"\n" not in data:
-            raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes without a newline")
-    return data.split(b"\n", 1)[0]
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk:
+            break
+        if size > max_bytes:
+            raise ValueError(f"message longer than {max_bytes} bytes without a newline")
+    return b"".join(chunks).split(b"\n", 1)[0]
 
 
 class ControlServer:
     """Unix-socket endpoint of one rank, served by a daemon thread, plus its discovery file."""
 
-    def __init__(self, run_dir, rank: int, role: str, state_fn, discovery_dir=None):
+    def __init__(self, run_dir, rank: int, role: str, state_fn, record_fn=None, discovery_dir=None):
         self.run_dir = Path(run_dir).resolve()
         self.rank = int(rank)
         self.role = str(role)
         self._state_fn = state_fn
+        self._record_fn = record_fn  # fields -> writes a record (the profiler: write_record("snapshot", ...))
         self.discovery_dir = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
@@ -133,6 +202,13 @@ class ControlServer:
 
     def _write_discovery(self) -> None:
         _private_dir(self.discovery_dir)
+        try:
+            removed = clean_stale_discovery(self.discovery_dir, own_pid=self.pid)
+        except OSError as exc:
+            logger.debug("control endpoint: cleaning stale discovery files failed: %s", exc)
+        else:
+            if removed:
+                logger.debug("control endpoint: removed %d stale discovery files", len(removed))
         record = {
             "pid": self.pid,
             "rank": self.rank,
@@ -208,14 +284,27 @@ class ControlServer:
         cmd = request.get("cmd") if isinstance(request, dict) else None
         if cmd == "ping":
             return {"ok": True, "pid": self.pid, "rank": self.rank, "role": self.role}
+        if cmd == "record":
+            return self._record(request.get("fields"))
         if cmd != "state":
-            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected 'state' or 'ping')"}
+            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected 'state', 'record' or 'ping')"}
         try:
             state = self._state_fn()
             json.dumps(state)  # fail here, with the reason, rather than half-way through sending
         except Exception as exc:  # noqa: BLE001 - a failing state_fn never kills the server
             return {"ok": False, "error": f"state_fn failed: {type(exc).__name__}: {exc}"}
         return {"ok": True, "state": state}
+
+    def _record(self, fields) -> dict:
+        if self._record_fn is None:
+            return {"ok": False, "error": "this process does not record through its endpoint (no record_fn)"}
+        if not isinstance(fields, dict):
+            return {"ok": False, "error": f"record needs a 'fields' object, got {type(fields).__name__}"}
+        try:
+            self._record_fn(fields)
+        except Exception as exc:  # noqa: BLE001 - a failing writer never kills the server
+            return {"ok": False, "error": f"record_fn failed: {type(exc).__name__}: {exc}"}
+        return {"ok": True}
 
 
 class NullControlServer:
@@ -231,14 +320,16 @@ class NullControlServer:
         pass
 
 
-def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0) -> dict:
-    """Ask a live endpoint. Never raises for a dead or missing endpoint: returns ok=false with why."""
+def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None) -> dict:
+    """Ask a live endpoint (`fields` go with cmd="record"). Never raises for a dead or missing
+    endpoint: returns ok=false with why."""
+    request = {"cmd": cmd} if fields is None else {"cmd": cmd, "fields": fields}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
         sock.connect(socket_path)
-        sock.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
-        line = _read_line(sock)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        line = _read_line(sock, MAX_REPLY_BYTES)
     except (OSError, ValueError) as exc:
         return {"ok": False, "error": f"control endpoint {socket_path}: {type(exc).__name__}: {exc}"}
     finally:

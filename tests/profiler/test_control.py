@@ -4,10 +4,13 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from profiler.control import ControlServer, NullControlServer, discover, query
+from profiler.control import ControlServer, NullControlServer, clean_stale_discovery, discover, query
 
 
 @pytest.fixture
@@ -135,3 +138,94 @@ def test_null_control_server():
     server.start()
     server.close()
     assert server.socket_path is None and server.discovery_path is None
+
+
+def test_record_command_calls_record_fn_and_reports_failures(tmp_path, disc_dir):
+    written = []
+    server = ControlServer(tmp_path, rank=0, role="target", state_fn=dict, record_fn=written.append,
+                           discovery_dir=disc_dir)
+    server.start()
+    try:
+        fields = {"threads": [{"name": "MainThread", "frames": ["f (a.py:1)"] * 2000}]}  # > the old 64 KiB
+        assert query(server.socket_path, "record", fields=fields) == {"ok": True}
+        assert written == [fields]
+        bad = query(server.socket_path, "record")
+        assert bad["ok"] is False and "needs a 'fields' object" in bad["error"]
+        assert len(written) == 1
+    finally:
+        server.close()
+    boom = ControlServer(tmp_path, rank=0, role="target", state_fn=dict,
+                         record_fn=lambda f: (_ for _ in ()).throw(OSError("disk full")), discovery_dir=disc_dir)
+    boom.start()
+    try:
+        reply = query(boom.socket_path, "record", fields={"x": 1})
+        assert reply == {"ok": False, "error": "record_fn failed: OSError: disk full"}
+        assert query(boom.socket_path, "ping")["ok"] is True  # the server survived
+    finally:
+        boom.close()
+
+
+def test_record_without_record_fn_says_so(tmp_path, disc_dir):
+    server = ControlServer(tmp_path, rank=0, role="target", state_fn=dict, discovery_dir=disc_dir)
+    server.start()
+    try:
+        reply = query(server.socket_path, "record", fields={"x": 1})
+        assert reply["ok"] is False and "no record_fn" in reply["error"]
+    finally:
+        server.close()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid  # reaped: no such process now (pid reuse within the test is vanishingly unlikely)
+
+
+def _discovery_file(directory, pid, socket_path):
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{pid}.json"
+    path.write_text(json.dumps({"pid": pid, "socket_path": str(socket_path)}))
+    return path
+
+
+def test_start_removes_discovery_files_of_dead_endpoints_only(tmp_path, disc_dir):
+    dead = _dead_pid()
+    dead_file = _discovery_file(disc_dir, dead, disc_dir / f"rank0-{dead}.sock")
+    dead_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead_sock.bind(str(disc_dir / f"rank0-{dead}.sock"))
+    dead_sock.close()  # the dead process's fallback socket file is left behind
+    half_written = disc_dir / f"{dead}.json.tmp"
+    half_written.write_text("{")
+    # A live endpoint (served from this process) announced under another live pid: kept.
+    live = ControlServer(tmp_path / "live", rank=1, role="drafter", state_fn=dict, discovery_dir=disc_dir)
+    live.start()
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        kept = _discovery_file(disc_dir, sleepers[0].pid, live.socket_path)
+        # A live pid whose socket nobody listens on (pid reused, or the endpoint is gone): removed.
+        unanswered = _discovery_file(disc_dir, sleepers[1].pid, tmp_path / "gone.sock")
+        server = ControlServer(tmp_path / "new", rank=0, role="target", state_fn=dict, discovery_dir=disc_dir)
+        server.start()
+        try:
+            assert not dead_file.exists() and not half_written.exists()
+            assert not (disc_dir / f"rank0-{dead}.sock").exists()
+            assert not unanswered.exists()
+            assert kept.exists() and Path(server.discovery_path).exists()
+            assert Path(live.discovery_path).exists()  # this process's own file is never touched
+            assert query(live.socket_path, "ping")["ok"] is True
+        finally:
+            server.close()
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+        live.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
+def test_clean_stale_discovery_keeps_other_uids_files(tmp_path):
+    directory = tmp_path / "d"
+    theirs = _discovery_file(directory, _dead_pid(), tmp_path / "x.sock")
+    os.chown(theirs, 12345, 12345)  # as root: a file of another uid, dead pid
+    assert clean_stale_discovery(directory) == []
+    assert theirs.exists()
