@@ -90,7 +90,7 @@ def set_step(step: int) -> None:
     """Set the current training step (used in records, faults and forensics)."""
     p = _active
     if p is not None:
-        p.step = int(step)
+        p.set_step(step)
 
 
 def event(kind: str, **fields) -> None:

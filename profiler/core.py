@@ -12,12 +12,16 @@ from pathlib import Path
 
 from profiler import api
 from profiler.control import ControlServer, NullControlServer
+from profiler.detail import DetailWindow, NullDetailWindow, StepMarks
+from profiler.export import CallableExporter, ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors as _measure_floors
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
+from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
+from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 logger = logging.getLogger("profiler")
 
@@ -48,13 +52,18 @@ class Profiler:
     Extra keyword-only knobs for tests and embedding: `wall_clock` (time_unix source), `poll_s`
     (collector poll period), `background` (False: no collector thread; drive it with `tick()`),
     `console_stream`, `fault_plan`, `event_pool` (CUDA event pool or a fake), `floors` (skip the
-    measurement and use these), `gpu_drain_timeout_s` (how long run end polls pending GPU pairs)."""
+    measurement and use these), `gpu_drain_timeout_s` (how long run end polls pending GPU pairs),
+    `exporters` (objects with name/export/close, fed on the exporter thread: profiler/export.py),
+    `detail_steps` (steps per interval kept as raw spans), `run_id` (default: the run dir's name),
+    `stack_sampler` (in-run py-spy sampling; profiler/stacks.py), `export_timeout_s` (close deadline)."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
                  device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
                  measure_floors: bool = True, control: bool = True, *, wall_clock=time.time,
                  poll_s: float = 0.25, background: bool = True, console_stream=None, fault_plan=None,
-                 event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0):
+                 event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0,
+                 exporters=(), detail_steps: int = 3, run_id: str | None = None, stack_sampler=None,
+                 export_timeout_s: float = 5.0):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
         if not isinstance(role, str) or not role:
@@ -80,7 +89,12 @@ class Profiler:
         self.last_interval = None
         self.intervals_closed = 0
         self.gpu_drain_timeout_s = gpu_drain_timeout_s
-        self._listeners: list = []
+        self.hub = ExportHub(exporters)
+        self.export_timeout_s = export_timeout_s
+        self.detail_steps = detail_steps
+        self.run_id = run_id or self.run_dir.resolve().name
+        self.stack_sampler = stack_sampler or _NoStackSampler()
+        self.marks = StepMarks()
         self._close_lock = threading.RLock()
         self._started = False
 
@@ -109,7 +123,12 @@ class Profiler:
             pool = EventPool()
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
-        self.aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, pool)
+        self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
+        detail = (DetailWindow(self.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
+                  if self.detail_steps > 0 else NullDetailWindow())
+        self.aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, pool, detail)
+        self.hub.start()
+        self._cleanups.append(lambda: self.hub.close(self.export_timeout_s))
         self.sampler = self._memory_sampler_arg or make_memory_sampler(self.device, nvml=self._nvml)
         self.sampler.start()
         self._cleanups.append(self.sampler.stop)
@@ -122,6 +141,8 @@ class Profiler:
                         else NullControlServer())
         self.control.start()
         self._cleanups.append(self.control.close)
+        self.stack_sampler.start()
+        self._cleanups.append(self.stack_sampler.stop)
         self.timer = IntervalTimer(self.interval_s, self.clock, self._poll, self._timer_close, self.poll_s)
         if self.background:
             self.timer.start()
@@ -169,7 +190,8 @@ class Profiler:
         return self.timer.tick()
 
     def close_interval(self, final: bool = False, _reset_timer: bool = True) -> dict:
-        """Close the current interval now: append its record (and print it when console=True)."""
+        """Close the current interval now: append its `spans` (detail window) and `interval`
+        records, and print the summary when console=True."""
         if not self._started:
             raise RuntimeError("close_interval(): the profiler is not running (use it inside `with`)")
         with self._close_lock:
@@ -178,30 +200,40 @@ class Profiler:
                 self._wait_pending()
             end_s = self.clock()
             duration_s = end_s - self.interval_start_s
-            parts = self.aggregator.close_parts(duration_s)
-            try:
-                memory = dict(self.sampler.interval_summary(reset=True))
-            except Exception as exc:   # noqa: BLE001 - telemetry never kills training
-                memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
-            try:
-                memory["allocator"] = allocator_summary(self.device, reset_peak=True)
-            except Exception as exc:   # noqa: BLE001 - telemetry never kills training
-                memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
             rec = {**self._header("interval"), "index": self.intervals_closed, "step": self.step,
                    "start_s": self.interval_start_s, "end_s": end_s, "duration_seconds": duration_s,
-                   **parts, "memory": memory}
+                   **self.aggregator.close_parts(duration_s), "memory": self._memory_summary(),
+                   "threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
+                   "exporters": self.hub.stats()}
+            stacks = self.stack_sampler.interval_summary(reset=True)
+            if stacks is not None:
+                rec["stack_samples"] = stacks
             if final:
                 rec["final"] = True
+            detail = self.aggregator.detail.take(time.perf_counter_ns())
+            if detail is not None:
+                self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
             self.interval_start_s = end_s
             self.intervals_closed += 1
-            self.last_interval = rec
             if _reset_timer and not final:
                 self.timer.reset_boundary()
-            self._write(rec)   # under the lock: interval records reach the log in index order
+            rec = self.last_interval = self._write(rec)   # under the lock: records keep index order
         if self.console:
             from exporters.console import format_interval
             print(format_interval(rec), file=self.console_stream or sys.stdout, flush=True)
         return rec
+
+    def _memory_summary(self) -> dict:
+        """NVML aggregates and allocator stats of the interval; telemetry never kills training."""
+        try:
+            memory = dict(self.sampler.interval_summary(reset=True))
+        except Exception as exc:   # noqa: BLE001
+            memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
+        try:
+            memory["allocator"] = allocator_summary(self.device, reset_peak=True)
+        except Exception as exc:   # noqa: BLE001
+            memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        return memory
 
     def _wait_pending(self) -> None:
         """At run end, give queued GPU work a moment to complete by polling Event.query() (never a
@@ -218,18 +250,26 @@ class Profiler:
     def _header(self, rtype: str) -> dict:
         return {"type": rtype, "time_unix": self.wall_clock(), "rank": self.rank, "role": self.role}
 
-    def _write(self, rec: dict) -> None:
-        self.runlog.write(rec)
-        for fn in list(self._listeners):
-            try:
-                fn(rec)
-            except Exception:   # noqa: BLE001 - an exporter failing must not stop training
-                logger.exception("profiler: record listener %r failed; removed", fn)
-                self._listeners.remove(fn)
+    def _write(self, rec: dict) -> dict:
+        """Append to the run log, then hand the record as written to the exporter thread (one
+        non-blocking put: exporters never run on this thread or under a profiler lock)."""
+        rec = self.runlog.write(rec)
+        self.hub.submit(rec)
+        return rec
 
     def add_listener(self, fn) -> None:
-        """Call fn(record) for every record written from now on (exporters use this)."""
-        self._listeners.append(fn)
+        """Call fn(record) on the exporter thread for every record written from now on."""
+        self.hub.add(CallableExporter(fn))
+        self.hub.start()
+
+    def set_step(self, step: int) -> None:
+        """The current training step; its change is marked in time for the detail window."""
+        self.step = int(step)
+        self.marks.mark(time.perf_counter_ns(), self.step)
+
+    def to_unix_ns(self, perf_ns: int) -> int:
+        """A span timestamp (perf_counter_ns) as Unix nanoseconds, through the run_start anchor."""
+        return perf_ns - self.anchor_perf_ns + self.anchor_unix_ns
 
     def _run_start_record(self) -> dict:
         try:
@@ -239,7 +279,10 @@ class Profiler:
                            else platform.processor() or platform.machine() or "cpu")
         except Exception as exc:   # noqa: BLE001
             torch_version, device_name = None, f"unknown ({type(exc).__name__})"
-        return {**self._header("run_start"), "world_size": self.world_size, "pid": os.getpid(),
+        return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
+                "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
+                "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.detail_steps,
+                "version": _package_version(), "world_size": self.world_size, "pid": os.getpid(),
                 "hostname": socket.gethostname(), "python_version": platform.python_version(),
                 "torch_version": torch_version, "device": str(self.device) if self.device is not None else "cpu",
                 "device_name": device_name, "floors": self.floors, "interval_s": self.interval_s,
@@ -248,7 +291,8 @@ class Profiler:
     def _run_end_record(self, status: str) -> dict:
         duration_s = self.clock() - self.start_s
         return {**self._header("run_end"), "step": self.step, "status": status, "duration_seconds": duration_s,
-                "intervals": self.intervals_closed, **self.aggregator.run_parts(duration_s)}
+                "intervals": self.intervals_closed, **self.aggregator.run_parts(duration_s),
+                "exporters": self.hub.stats()}
 
     def event(self, kind: str, **fields) -> dict:
         """Write an {"type": "event", "kind": ...} record now; "step" defaults to the current step."""
@@ -282,3 +326,24 @@ class Profiler:
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
                 "intervals_closed": self.intervals_closed, "memory": memory}
+
+
+def _package_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("dflash-observability")
+    except Exception:   # noqa: BLE001 - running from a source tree without installing
+        return None
+
+
+class _NoStackSampler:
+    """No in-run stack sampling (the default)."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def interval_summary(self, reset: bool = True) -> None:
+        return None

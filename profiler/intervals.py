@@ -11,6 +11,7 @@ import logging
 import threading
 
 from profiler.cuda_timing import resolve
+from profiler.detail import NullDetailWindow
 from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, summarize
 
@@ -46,8 +47,10 @@ class IntervalAggregator:
     """Accumulates drained records; `close_parts()` returns the interval's spans/counters/gauges/
     metrics sections and resets; `run_parts()` returns whole-run aggregates of the same shape."""
 
-    def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None):
+    def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
+                 detail=None):
         self.floors = floors or {}
+        self.detail = detail or NullDetailWindow()   # sees every finished span (the `spans` record)
         self.floor_fn = floor_fn
         self.is_cuda = is_cuda
         self.event_pool = event_pool
@@ -94,6 +97,7 @@ class IntervalAggregator:
         if acc is None:
             acc = self._spans[name] = _SpanAcc()
         cpu_s = (t1 - t0) / 1e9
+        self.detail.offer(thread_name, rec, gpu_s)
         acc.count += 1
         acc.cpu.append(cpu_s)
         acc.threads.add(thread_name)
@@ -141,8 +145,8 @@ class IntervalAggregator:
             run.bytes_n += acc.bytes_n
             run.bytes_cpu += acc.bytes_cpu
             run.bytes_gpu += acc.bytes_gpu
-            entry = self._span_entry(acc.count, acc.threads, summarize(acc.cpu),
-                                     summarize(acc.gpu) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
+            entry = self._span_entry(acc.count, acc.threads, summarize(acc.cpu, buckets=True),
+                                     summarize(acc.gpu, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
                                      acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
             if self.event_pool is not None and len(acc.gpu) < acc.count:
                 entry["gpu_unresolved"] = acc.count - len(acc.gpu)

@@ -22,8 +22,18 @@ logger = logging.getLogger("profiler")
 # How many closed-interval headroom low points the sampler remembers (for OOM forensics).
 HEADROOM_HISTORY_LEN = 32
 
-# NVML_TEMPERATURE_GPU in pynvml; used when a fake NVML module does not define it.
+# NVML_TEMPERATURE_GPU and NVML_CLOCK_SM in pynvml; used when a fake NVML module does not define them.
 _NVML_TEMPERATURE_GPU = 0
+_NVML_CLOCK_SM = 1
+# nvmlClocksEventReason* bits (formerly ClocksThrottleReason*), named as the dashboard shows them.
+THROTTLE_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                    0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                    0x100: "display_clocks"}
+
+
+def throttle_names(mask: int) -> list[str]:
+    """Names of the clock-event (throttle) reasons set in an NVML bitmask."""
+    return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
 
 
 class _GpuAggregate:
@@ -38,6 +48,8 @@ class _GpuAggregate:
         self.power_watts_sum = 0.0
         self.power_n = 0
         self.temperature_c_max: float | None = None
+        self.sm_clock_hz_last: float | None = None
+        self.throttle_reasons: list | None = None
 
 
 class NvmlMemorySampler:
@@ -138,6 +150,9 @@ class NvmlMemorySampler:
             temp_c = self._query(
                 "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, handle, self._temperature_sensor
             )
+            clock_mhz = self._query("nvmlDeviceGetClockInfo", nvml.nvmlDeviceGetClockInfo, handle,
+                                    getattr(nvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM))
+            reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", _clock_event_reasons(nvml), handle)
             used_bytes = int(mem.used) if mem is not None else None
             util_percent = float(util.gpu) if util is not None else None
             power_watts = power_mw / 1000.0 if power_mw is not None else None
@@ -159,6 +174,10 @@ class NvmlMemorySampler:
                     agg.temperature_c_max is None or temperature_c > agg.temperature_c_max
                 ):
                     agg.temperature_c_max = temperature_c
+                if clock_mhz is not None:
+                    agg.sm_clock_hz_last = float(clock_mhz) * 1e6
+                if reasons is not None:
+                    agg.throttle_reasons = throttle_names(int(reasons))
                 self._latest[i] = {
                     "time_s": now,
                     "used_bytes": used_bytes,
@@ -198,6 +217,8 @@ class NvmlMemorySampler:
                     "util_percent_mean": agg.util_sum / agg.util_n if agg.util_n else None,
                     "power_watts_mean": agg.power_watts_sum / agg.power_n if agg.power_n else None,
                     "temperature_c_max": agg.temperature_c_max,
+                    "sm_clock_hz_last": agg.sm_clock_hz_last,
+                    "throttle_reasons": agg.throttle_reasons,
                     "samples": agg.samples,
                 }
                 reasons = {}
@@ -210,6 +231,11 @@ class NvmlMemorySampler:
                     reasons["power_watts_mean"] = self._reason("nvmlDeviceGetPowerUsage", agg.samples)
                 if entry["temperature_c_max"] is None:
                     reasons["temperature_c_max"] = self._reason("nvmlDeviceGetTemperature", agg.samples)
+                if entry["sm_clock_hz_last"] is None:
+                    reasons["sm_clock_hz_last"] = self._reason("nvmlDeviceGetClockInfo", agg.samples)
+                if entry["throttle_reasons"] is None:
+                    reasons["throttle_reasons"] = self._reason("nvmlDeviceGetCurrentClocksEventReasons",
+                                                               agg.samples)
                 if reasons:
                     entry["reasons"] = reasons
                 gpus.append(entry)
@@ -249,6 +275,12 @@ class NvmlMemorySampler:
         """Headroom low points of the last closed intervals, oldest first (for OOM forensics)."""
         with self._lock:
             return [dict(h, gpus=[dict(g) for g in h["gpus"]]) for h in self._headroom_history]
+
+
+def _clock_event_reasons(nvml):
+    """nvmlDeviceGetCurrentClocksEventReasons, or its older name (ClocksThrottleReasons)."""
+    fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    return fn or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons")
 
 
 class UnavailableMemorySampler:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from pathlib import Path
@@ -20,19 +21,52 @@ class RunLog:
         # Unbuffered binary: the single write() below is a single os.write of the whole line.
         self._f = open(self.path, "ab", buffering=0)
 
-    def write(self, record: dict) -> None:
-        line = (json.dumps(record, default=_json_default) + "\n").encode()
+    def write(self, record: dict) -> dict:
+        """Append one record; returns the record as written (non-finite floats made null, see
+        finite_only), so every consumer sees what the log holds."""
+        try:
+            text = json.dumps(record, default=_json_default, allow_nan=False)
+        except ValueError:   # a NaN/Inf somewhere: never write bare NaN (not JSON)
+            record = finite_only(record)
+            text = json.dumps(record, default=_json_default, allow_nan=False)
+        line = (text + "\n").encode()
         with self._lock:
             if self._f is None:
                 raise ValueError(f"run log {self.path} is closed")
             self._f.write(line)
             self._f.flush()
+        return record
 
     def close(self) -> None:
         with self._lock:
             if self._f is not None:
                 self._f.close()
                 self._f = None
+
+
+def finite_only(obj):
+    """A copy of `obj` with every NaN/Inf float replaced by None; each dict that held one gains
+    `"reasons": {key: "non-finite: nan"}` (a list element is named `key[i]`)."""
+    if isinstance(obj, dict):
+        out, reasons = {}, {}
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k], reasons[k] = None, f"non-finite: {v}"
+            elif isinstance(v, list):
+                out[k] = [None if isinstance(x, float) and not math.isfinite(x) else finite_only(x) for x in v]
+                reasons.update({f"{k}[{i}]": f"non-finite: {x}" for i, x in enumerate(v)
+                                if isinstance(x, float) and not math.isfinite(x)})
+            else:
+                out[k] = finite_only(v)
+        if reasons:
+            out["reasons"] = {**(out.get("reasons") or {}), **reasons}
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [finite_only(x) for x in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0 and type(obj).__module__.startswith("numpy"):
+        v = obj.item()
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return obj
 
 
 def _json_default(obj):

@@ -69,6 +69,14 @@ class FakeNvml:
         self.reads += 1  # last query of a sample: advance the script
         return value
 
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        self._check("nvmlDeviceGetClockInfo")
+        return 1980  # MHz
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        self._check("nvmlDeviceGetCurrentClocksEventReasons")
+        return 0x4 | 0x20  # sw_power_cap, sw_thermal
+
 
 def five_sample_fake(**kw):
     return FakeNvml(
@@ -97,6 +105,7 @@ def test_aggregates_over_five_samples_and_reset():
     assert gpu["util_percent_mean"] == pytest.approx(30.0)
     assert gpu["power_watts_mean"] == pytest.approx(300.0)
     assert gpu["temperature_c_max"] == 70
+    assert gpu["sm_clock_hz_last"] == 1980e6 and gpu["throttle_reasons"] == ["sw_power_cap", "sw_thermal"]
     assert "reasons" not in gpu
     # The closed interval's low point is in the forensics history.
     assert sampler.headroom_history() == [

@@ -16,8 +16,10 @@ def test_round_trip_and_types(tmp_path):
     back, bad = read_records(path)
     assert bad == 0 and len(back) == 2
     assert back[0]["path"] == str(tmp_path) and back[0]["tags"] == ["a", "b"]
-    assert back[1]["loss"] != back[1]["loss"]          # NaN survives (Python's json)
-    assert path.read_bytes().endswith(b"\n")
+    # Non-finite numbers are never bare NaN (not JSON): null, with the reason beside it.
+    assert back[1]["loss"] is None and back[1]["reasons"] == {"loss": "non-finite: nan"}
+    assert b"NaN" not in path.read_bytes() and path.read_bytes().endswith(b"\n")
+    json.loads(path.read_bytes().splitlines()[1])   # strict JSON parsers accept every line
 
 
 def test_truncated_last_line_is_dropped_and_counted(tmp_path):

@@ -1,0 +1,141 @@
+"""The exporter contract: records reach exporters on ONE exporter thread through a bounded queue.
+
+Never on a training thread, never under a profiler lock. The profiler calls `submit(record)` after a
+record is in the run log; that is one `put_nowait`, so a slow exporter costs the caller nothing. A
+full queue drops the record for every exporter (counted). On the exporter thread each exporter's
+`export(record)` runs in turn; one that raises is logged once, marked failed, counts the record as
+dropped, and keeps receiving records (a transient failure may pass). `close(timeout_s)` lets the
+queue drain and closes each exporter within one shared deadline; an exporter still busy then is
+abandoned (the thread is a daemon) and reported.
+
+An exporter is any object with `name`, `export(record)`, `close(timeout_s)`; `stats()` (a dict with
+"exported", "dropped", "failed") is optional and merged into what the hub reports.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+logger = logging.getLogger("profiler")
+
+DEFAULT_QUEUE_RECORDS = 1024
+_STOP = object()
+
+
+class _Slot:
+    """Book-keeping for one exporter."""
+    __slots__ = ("exporter", "exported", "dropped", "failed", "logged")
+
+    def __init__(self, exporter):
+        self.exporter = exporter
+        self.exported = self.dropped = 0
+        self.failed = self.logged = False
+
+
+class ExportHub:
+    """Fans records out to exporters from one daemon thread `profiler.exporter`."""
+
+    def __init__(self, exporters=(), maxsize: int = DEFAULT_QUEUE_RECORDS):
+        self._slots = [_Slot(e) for e in exporters]
+        self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.queue_dropped = 0
+        self._thread = None
+
+    def __bool__(self) -> bool:
+        return bool(self._slots)
+
+    def add(self, exporter) -> None:
+        """Register an exporter before start() (or from the exporter thread itself)."""
+        self._slots.append(_Slot(exporter))
+
+    def start(self) -> None:
+        if self._slots and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="profiler.exporter", daemon=True)
+            self._thread.start()
+
+    def submit(self, record: dict) -> None:
+        """Queue a record for every exporter; never blocks (a full queue drops it, counted)."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.queue_dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            record = self._queue.get()
+            if record is _STOP:
+                return
+            for slot in self._slots:
+                self._export_one(slot, record)
+
+    def _export_one(self, slot: _Slot, record: dict) -> None:
+        try:
+            slot.exporter.export(record)
+            slot.exported += 1
+        except Exception as exc:   # noqa: BLE001 - an exporter failing must not stop the others
+            slot.dropped += 1
+            slot.failed = True
+            if not slot.logged:
+                slot.logged = True
+                logger.warning("exporter %s failed (logged once; its records are dropped and counted): %s: %s",
+                               _name(slot.exporter), type(exc).__name__, exc)
+
+    def close(self, timeout_s: float = 5.0) -> dict:
+        """Drain the queue and close every exporter within `timeout_s` overall; returns stats()."""
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            try:
+                self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                pass
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                logger.warning("exporters did not drain within %.1f s; %d records left behind",
+                               timeout_s, self._queue.qsize())
+        for slot in self._slots:
+            try:
+                slot.exporter.close(max(0.1, deadline - time.monotonic()))
+            except Exception as exc:   # noqa: BLE001
+                slot.failed = True
+                logger.warning("exporter %s failed to close: %s: %s", _name(slot.exporter), type(exc).__name__, exc)
+        self._thread = None
+        return self.stats()
+
+    def stats(self) -> dict:
+        """{exporter name: {"exported", "dropped", "failed"}}; queue drops count against every one."""
+        out = {}
+        for slot in self._slots:
+            own = {}
+            stats_fn = getattr(slot.exporter, "stats", None)
+            if stats_fn is not None:
+                try:
+                    own = dict(stats_fn())
+                except Exception:   # noqa: BLE001 - stats are telemetry too
+                    own = {}
+            out[_name(slot.exporter)] = {
+                "exported": slot.exported,
+                "dropped": slot.dropped + self.queue_dropped + int(own.get("dropped", 0) or 0),
+                "failed": slot.failed or bool(own.get("failed", False))}
+        return out
+
+
+def _name(exporter) -> str:
+    return getattr(exporter, "name", None) or type(exporter).__name__
+
+
+class CallableExporter:
+    """Adapts a plain `fn(record)` (Profiler.add_listener) to the exporter contract."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "listener")
+
+    def export(self, record: dict) -> None:
+        self.fn(record)
+
+    def close(self, timeout_s: float) -> None:
+        pass
