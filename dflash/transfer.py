@@ -185,6 +185,7 @@ class Sender:
     def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
         self.dst, self._ctrl, self._data, self._device = dst, ctrl_group, data_group, device
+        self._flow = f"{dist.get_rank()}:"   # + batch index: the trace's arrow to the drafter's recv
         self._device_payload = device_payload
         self._stream = torch.cuda.Stream(device) if device_payload and device is not None else None
         self._slots = threading.Semaphore(max_in_flight)
@@ -224,6 +225,7 @@ class Sender:
             self._stream.wait_event(msg.ready)
         with torch.cuda.stream(self._stream), \
                 profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
+            profiler.tag(flow=self._flow + str(msg.ints[0]))
             work = dist.isend(msg.payload, self.dst, group=self._data)
             work.wait()
         return work
@@ -264,6 +266,7 @@ class Sender:
             msg.ready.synchronize()
         self._handshake(msg)
         with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
+            profiler.tag(flow=self._flow + str(msg.ints[0]))
             dist.send(_as_wire(msg.payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
 
     def _run(self) -> None:
@@ -365,6 +368,9 @@ class Receiver:
                 continue
             if isinstance(item, BaseException):
                 raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
+            if item is not None and item.ints:
+                # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
+                profiler.tag(flow=f"{item.src}:{item.ints[0]}")
             return item
 
     def drain(self) -> int:

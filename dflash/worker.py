@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import builtin, evaluate, roles
+from dflash import builtin, evaluate, roles, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -136,11 +136,14 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if rank == 0:
         _write_resolved_config(cfg, topo, run_dir, device, device_payload)
     threading_name(f"{role}.main")
+    tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
+            if cfg.profile else telemetry.Telemetry())
     prof = (profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
                               interval_s=cfg.profile_interval, device=device, console=rank == 0,
-                              config=cfg.to_dict())
+                              config=cfg.to_dict(), exporters=tele.exporters,
+                              detail_steps=cfg.profile_detail_steps)
             if cfg.profile else contextlib.nullcontext())
-    with prof:
+    with contextlib.closing(tele), prof:
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":

@@ -1,0 +1,95 @@
+"""What a rank exports besides its run log: the Prometheus endpoint (with the run's file_sd targets),
+OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, and the Perfetto trace.
+
+`start()` builds the exporters the profiler feeds; `close()` at run end withdraws the run from the
+shared file_sd directory so a Prometheus stops scraping endpoints that are gone. Rank 0 writes the
+targets once every rank has bound its port (an all-gather over the gloo control group).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dflash.config import ConfigError, TrainConfig
+
+DEFAULT_METRICS_PORT = 9464
+SD_DIR_NAME = "prometheus-sd"   # beside the run directories: RUNS/prometheus-sd/<run>.json (file_sd glob)
+
+
+@dataclass
+class Telemetry:
+    exporters: list = field(default_factory=list)
+    sd_files: list = field(default_factory=list)
+    """file_sd copies to remove at run end (rank 0 only)."""
+
+    def close(self) -> None:
+        for path in self.sd_files:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str, ctrl_group) -> Telemetry:
+    """The rank's exporters; ConfigError (exit 2) when a metrics port the user asked for is taken."""
+    tele = Telemetry()
+    host = socket.gethostname()
+    labels = {"rank": rank, "role": role, "host": host}
+    endpoint = _prometheus(cfg, labels, rank, local_rank)
+    if endpoint is not None:
+        tele.exporters.append(endpoint)
+    _write_targets(cfg, run_dir, rank, endpoint, ctrl_group, tele)
+    from exporters import otel, trace
+
+    exporter = otel.from_env(rank=rank, role=role, host=host, run_id=run_dir.name)
+    if exporter is not None:
+        tele.exporters.append(exporter)
+    tele.exporters.append(trace.TraceExporter(run_dir, rank))
+    return tele
+
+
+def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
+    if cfg.metrics_port == 0:
+        return None
+    from exporters.prometheus import MetricsPortInUse, PrometheusExporter
+
+    port = (cfg.metrics_port if cfg.metrics_port is not None else DEFAULT_METRICS_PORT) + local_rank
+    strict = cfg.metrics_port is not None
+    try:
+        exporter = PrometheusExporter(labels, host=cfg.metrics_host, port=port, strict=strict)
+    except MetricsPortInUse:
+        raise ConfigError(f"--metrics-port {cfg.metrics_port}: port {port} on {cfg.metrics_host} (rank {rank} = "
+                          "base + local rank) is in use; choose another base port, or 0 for no endpoint") from None
+    except OSError as exc:
+        raise ConfigError(f"--metrics-host {cfg.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
+            from None
+    if exporter.port != port:
+        print(f"dflash-train: rank {rank}: metrics port {port} is busy; serving "
+              f"http://{cfg.metrics_host}:{exporter.port}/metrics instead", file=sys.stderr, flush=True)
+    return exporter
+
+
+def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_group, tele: Telemetry) -> None:
+    """RUN_DIR/prometheus/targets.json (and a copy in ../prometheus-sd/) listing every rank's endpoint."""
+    mine = None
+    if endpoint is not None:
+        addr = endpoint.host if endpoint.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        mine = f"{addr}:{endpoint.port}" if ":" not in addr else f"[{addr}]:{endpoint.port}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=ctrl_group)
+    targets = [t for t in everyone if t is not None]
+    if rank != 0 or not targets:
+        return
+    groups = [{"targets": targets, "labels": {"run": run_dir.name}}]
+    for path in (run_dir / "prometheus" / "targets.json", run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        tmp.replace(path)   # Prometheus re-reads file_sd files on change: never show it half a file
+    tele.sd_files.append(run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json")

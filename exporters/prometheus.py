@@ -1,0 +1,252 @@
+"""Prometheus: one HTTP endpoint per rank, fed from run-log records on the exporter thread.
+
+`export(record)` folds each record into plain values under a lock, once per interval (never per
+span); a scrape's `collect()` turns them into metric families. Span-time histograms are cumulative
+sums of the intervals' fixed bucket counts, so `histogram_quantile(0.95, sum by (le) (rate(...)))`
+aggregates across ranks. Families and names come from exporters.names. Every series carries `rank`,
+`role` and `host`; Prometheus adds `job` and `instance`, and the run's file_sd targets add `run`.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+
+from exporters.names import COMMON_LABELS, EVENT_KINDS, FAMILIES, WAIT_SPANS, Family, metric_name, \
+    train_metric_family
+
+logger = logging.getLogger("exporters")
+_THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
+                     "sw_thermal", "hw_thermal", "hw_power_brake", "display_clocks")
+
+
+class MetricsPortInUse(OSError):
+    """A port the user asked for is taken."""
+
+
+class MetricsState:
+    """Values of every family, folded from records. All access under `lock`."""
+
+    def __init__(self, labels: dict):
+        self.lock = threading.Lock()
+        self.base = tuple(str(labels[k]) for k in COMMON_LABELS)
+        self.values: dict = {}        # family key or dynamic Family -> {extra label values: value}
+        self.histograms: dict = {}    # (span, clock) -> [cumulative bucket counts, sum seconds]
+        self.bounds: list = []
+        self.info: dict | None = None
+        self.events = {kind: 0 for kind in EVENT_KINDS}
+        self.intervals = 0
+
+    def set(self, family, value, *extra) -> None:
+        if value is not None:
+            self.values.setdefault(family, {})[tuple(str(e) for e in extra)] = float(value)
+
+
+class PrometheusExporter:
+    """The exporter-contract object (name/export/close/stats) plus the HTTP endpoint it serves."""
+
+    name = "prometheus"
+
+    def __init__(self, labels: dict, host: str = "127.0.0.1", port: int = 0, strict: bool = True):
+        from prometheus_client import CollectorRegistry
+
+        self.state = MetricsState(labels)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self.state))
+        self.host, self.port = host, _bind(host, port, strict, self.registry, self)
+        self.requested_port = port
+
+    # ---- exporter contract -----------------------------------------------------------------------
+    def export(self, record: dict) -> None:
+        fold = _FOLDERS.get(record.get("type"))
+        with self.state.lock:
+            if fold is not None:
+                fold(self.state, record)
+            self.state.set("heartbeat", record.get("time_unix"))
+
+    def close(self, timeout_s: float) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _bind(host: str, port: int, strict: bool, registry, exporter) -> int:
+    """Start the endpoint on host:port; a busy port is MetricsPortInUse when strict, else a free
+    port is taken instead (the caller announces it). Returns the port actually bound."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        if strict:
+            raise MetricsPortInUse(exc.errno, f"port {port} on {host} is in use") from None
+        server, thread = start_http_server(0, addr=host, registry=registry)
+    thread.name = "metrics.http"
+    exporter._server = server
+    return server.server_port
+
+
+# ---- folding records into values (on the exporter thread) -------------------------------------------
+def _fold_run_start(st: MetricsState, rec: dict) -> None:
+    st.bounds = list(rec.get("histogram_buckets_seconds") or [])
+    st.info = {"version": rec.get("version") or "unknown", "schema": str(rec.get("schema", 0)),
+               "torch_version": rec.get("torch_version") or "unknown",
+               "python_version": rec.get("python_version") or "unknown",
+               "device_name": rec.get("device_name") or "unknown"}
+
+
+def _fold_interval(st: MetricsState, rec: dict) -> None:
+    st.intervals += 1
+    st.set("step", rec.get("step"))
+    _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
+    _fold_counters(st, rec.get("counters") or {})
+    for name, g in (rec.get("gauges") or {}).items():
+        fam = name if name in FAMILIES else Family(name, metric_name(name), "gauge", f"profiler gauge {name}",
+                                                   ("stat",))
+        for stat in ("last", "mean", "max"):
+            st.set(fam, g.get(stat), stat)
+    for name, m in (rec.get("metrics") or {}).items():
+        found = train_metric_family(name)
+        if found is not None:
+            fam, extra = found
+            st.set(fam.key, m.get("last") if name == "lr" else m.get("mean"), *extra.values())
+    _fold_memory(st, rec.get("memory") or {})
+    for exporter, s in (rec.get("exporters") or {}).items():
+        st.set("exporter_dropped", s.get("dropped", 0), exporter)
+
+
+def _fold_spans(st: MetricsState, spans: dict, role) -> None:
+    for fam in ("span_share",):
+        for key in st.values.get(fam, {}):
+            st.values[fam][key] = 0.0    # a span that finished nothing this interval had no share of it
+    for span, waiter in WAIT_SPANS.items():
+        if waiter == role:
+            st.set("wait_share", (spans.get(span) or {}).get("share") or 0.0, span)
+    for name, e in spans.items():
+        st.set("span_share", e.get("share"), name)
+        for clock in ("cpu", "gpu"):
+            stats = e.get(clock)
+            if stats and stats.get("buckets") and len(stats["buckets"]) == len(st.bounds) + 1:
+                h = st.histograms.setdefault((name, clock), [[0] * len(stats["buckets"]), 0.0])
+                h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]
+                h[1] += stats.get("total_seconds") or 0.0
+        if e.get("bytes") is not None:
+            prev = st.values.get("span_bytes", {}).get((name,), 0.0)
+            st.set("span_bytes", prev + e["bytes"], name)
+            st.set("span_bandwidth", e.get("bandwidth_bytes_per_s"), name)
+            st.set("span_floor", e.get("floor_bytes_per_s"), name, e.get("floor"))
+            st.set("span_floor_ratio", e.get("floor_ratio"), name)
+
+
+def _fold_counters(st: MetricsState, counters: dict) -> None:
+    for name, c in counters.items():
+        known = name in FAMILIES and FAMILIES[name].kind == "counter"
+        fam = name if known else Family(name, metric_name(name, kind="counter"), "counter",
+                                        f"profiler counter {name}")
+        st.set(fam, c.get("run_total"))
+    tokens = counters.get("tokens")
+    if tokens is not None:
+        st.set("tokens_rate", tokens.get("per_second"))
+
+
+def _fold_memory(st: MetricsState, memory: dict) -> None:
+    gpus = memory.get("gpus") or []
+    for g in gpus:
+        idx, total = g.get("index"), g.get("total_bytes")
+        st.set("gpu_memory_total", total, idx)
+        st.set("gpu_memory_used", g.get("used_bytes_last"), idx)
+        st.set("gpu_memory_peak", g.get("used_bytes_peak"), idx)
+        if total is not None and g.get("used_bytes_last") is not None:
+            st.set("gpu_headroom", total - g["used_bytes_last"], idx)
+        st.set("gpu_headroom_min", g.get("headroom_bytes"), idx)
+        if total and g.get("headroom_bytes") is not None:
+            st.set("gpu_headroom_ratio", g["headroom_bytes"] / total, idx)
+        util = g.get("util_percent_mean")
+        st.set("gpu_utilization", util / 100.0 if util is not None else None, idx)
+        st.set("gpu_power", g.get("power_watts_mean"), idx)
+        st.set("gpu_temperature", g.get("temperature_c_max"), idx)
+        st.set("gpu_sm_clock", g.get("sm_clock_hz_last"), idx)
+        if g.get("throttle_reasons") is not None:
+            for reason in _THROTTLE_REASONS:
+                st.set("gpu_throttle", float(reason in g["throttle_reasons"]), idx, reason)
+    alloc = memory.get("allocator") or {}
+    if alloc.get("available"):
+        idx = gpus[0].get("index") if gpus else 0
+        for key, field in (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
+                           ("alloc_peak_allocated", "peak_allocated_bytes"),
+                           ("alloc_peak_reserved", "peak_reserved_bytes"), ("alloc_retries", "num_alloc_retries"),
+                           ("alloc_ooms", "num_ooms")):
+            st.set(key, alloc.get(field), idx)
+
+
+def _fold_event(st: MetricsState, rec: dict) -> None:
+    kind = str(rec.get("kind"))
+    st.events[kind] = st.events.get(kind, 0) + 1
+
+
+_FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event}
+
+
+class _Collector:
+    """prometheus_client collector: builds the families from MetricsState at scrape time."""
+
+    def __init__(self, state: MetricsState):
+        self.state = state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        with self.state.lock:
+            return list(_families(self.state))
+
+
+def _families(st: MetricsState):
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                        InfoMetricFamily)
+
+    base_names = list(COMMON_LABELS)
+    for key, series in st.values.items():
+        fam = FAMILIES[key] if isinstance(key, str) else key
+        cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
+        mf = cls(fam.name, fam.help, labels=base_names + list(fam.labels))
+        for extra, value in series.items():
+            mf.add_metric(list(st.base + extra), value)
+        yield mf
+    hist = FAMILIES["span_seconds"]
+    mf = HistogramMetricFamily(hist.name, hist.help, labels=base_names + list(hist.labels))
+    les = [_le(b) for b in st.bounds] + ["+Inf"]
+    for (span, clock), (counts, total) in st.histograms.items():
+        cumulative, run = [], 0
+        for le, n in zip(les, counts):
+            run += n
+            cumulative.append((le, run))
+        mf.add_metric(list(st.base) + [span, clock], cumulative, total)
+    yield mf
+    events = FAMILIES["events"]
+    mf = CounterMetricFamily(events.name, events.help, labels=base_names + ["kind"])
+    for kind, n in st.events.items():
+        mf.add_metric(list(st.base) + [kind], n)
+    yield mf
+    intervals = FAMILIES["intervals"]
+    yield _one(CounterMetricFamily, intervals, base_names, st.base, st.intervals)
+    if st.info is not None:
+        info = FAMILIES["build_info"]
+        mf = InfoMetricFamily(info.name[:-len("_info")], info.help, labels=base_names)
+        mf.add_metric(list(st.base), st.info)
+        yield mf
+
+
+def _one(cls, fam: Family, label_names: list, label_values: tuple, value: float):
+    mf = cls(fam.name, fam.help, labels=label_names)
+    mf.add_metric(list(label_values), value)
+    return mf
+
+
+def _le(bound: float) -> str:
+    """Prometheus' float formatting of a bucket bound (1 -> "1.0")."""
+    return repr(float(bound))
