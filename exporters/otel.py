@@ -1,0 +1,501 @@
+"""OpenTelemetry exporter: run-log records in, OTel spans and metrics out over OTLP/HTTP.
+
+`OtelExporter` follows the exporter contract (`name`, `export(record)`, `close(timeout_s)`, `stats()`):
+the profiler calls `export()` on its exporter thread for every run-log record (docs/RUNLOG.md, schema 1)
+and `close()` once at run end. Nothing here touches the network on the caller's thread: spans go to the
+SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader, each with its own thread, and the
+OTLP/HTTP exporters use a short request timeout. `from_env()` builds one only when an OTLP endpoint is set.
+
+Traces: one trace per `spans` record (a detail window). Its root is a synthetic `profile.window` span from
+the window's first start to its last end; each raw span becomes a child of its `parent` when that span is
+in the record, else of the root. Real start/end times (`start_unix_ns`/`end_unix_ns`). Attributes:
+`thread.name`, `thread.id` (semantic conventions), `dflash.span_id`, `dflash.cpu_seconds`,
+`dflash.gpu_seconds`, `dflash.bytes`, `dflash.step_first`/`dflash.step_last` (the window), and each
+`attrs` entry as `dflash.<key>` (`dflash.flow` links a target's send to the drafter's receive).
+
+Metrics use the catalog's names (exporters/names.py). Every point carries `rank`, `role` and `host`
+(the catalog's common labels) besides the resource, so dashboards work after an OTLP -> Prometheus hop.
+Mapping from the catalog:
+  - counters drop the catalog's `_total` (OTel convention; Prometheus translation adds it back) and are
+    fed the interval's `total`, or the delta of a cumulative value (allocator retries/OOMs, exporter drops);
+  - the `dflash_span_seconds` histogram becomes two counters, `dflash_span_seconds_sum` (seconds) and
+    `dflash_span_seconds_count` (spans), labelled `span` and `clock` (cpu|gpu): the run log carries
+    per-interval bucket counts, not the durations an OTel histogram needs;
+  - gauges keep their names (last value): span share/bandwidth/floor, wait share, tokens/s, step, queue
+    depth, GPU and allocator memory (headroom per GPU), utilisation, power, temperature, SM clock, throttle
+    reasons, loss/tau/tau_prefix/grad_norm (interval mean), learning rate (last), acc_k (`position` label),
+    heartbeat (each record's `time_unix`); a non-finite training scalar is set to NaN;
+  - `dflash_events` counts `event` records by `kind` (the catalog's EVENT_KINDS start at 0),
+    `dflash_profile_intervals` counts intervals. `dflash_build_info` is not exported (the resource
+    describes the process).
+
+Failures: export results are counted by wrapping the SDK exporters. `stats()` counts items, i.e. spans
+plus metric data points: `exported` were acknowledged by the collector, `dropped` were not (a failed
+export, or spans still unconfirmed when `close()` ends). The first failure logs one warning on the
+"exporters" logger, naming the SDK's reason; while the exporter is open the SDK's own export loggers are
+gated (their warnings are held back, the first one becomes that reason), so an unreachable collector gives
+one line, not one per batch. The gate covers those SDK loggers process-wide, for as long as it is open.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import Mapping
+
+from exporters.names import EVENT_KINDS, FAMILIES, WAIT_SPANS, train_metric_family
+
+log = logging.getLogger("exporters")
+
+SERVICE_NAME = "dflash-train"
+ROOT_SPAN_NAME = "profile.window"
+SPAN_QUEUE_SIZE = 32768          # a spans record holds up to profiler.detail.MAX_DETAIL_SPANS (20000)
+# SDK loggers that report each failed export (and retries): held back while an exporter is open.
+SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
+               "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+               "opentelemetry.exporter.otlp.common.http",
+               "opentelemetry.sdk._shared_internal",
+               "opentelemetry.sdk.trace.export",
+               "opentelemetry.sdk.metrics._internal.export")
+_UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("_ratio", "1"),
+          ("_watts", "W"), ("_celsius", "Cel"), ("_hertz", "Hz"), ("_per_second", "1/s"))
+_LAST_VALUE_METRICS = {"lr"}     # training scalars exported as the interval's last value, not its mean
+# (family key, field of a memory.gpus[] entry)
+_GPU_FIELDS = (("gpu_memory_used", "used_bytes_last"), ("gpu_memory_peak", "used_bytes_peak"),
+               ("gpu_memory_total", "total_bytes"), ("gpu_headroom_min", "headroom_bytes"),
+               ("gpu_power", "power_watts_mean"), ("gpu_temperature", "temperature_c_max"),
+               ("gpu_sm_clock", "sm_clock_hz_last"))
+_ALLOC_GAUGES = (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
+                 ("alloc_peak_allocated", "peak_allocated_bytes"),
+                 ("alloc_peak_reserved", "peak_reserved_bytes"))
+_ALLOC_COUNTERS = (("alloc_retries", "num_alloc_retries"), ("alloc_ooms", "num_ooms"))
+
+
+def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
+    """An OtelExporter when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (and
+    OTEL_SDK_DISABLED is not "true"), else None. kwargs go to OtelExporter (rank, role, run_id, host, ...).
+    Signal-specific endpoints are full URLs; OTEL_METRIC_EXPORT_INTERVAL (ms) sets the metric period.
+    Headers, certificates and compression are read from os.environ by the SDK's OTLP exporters."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    base, traces = env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not (base or traces):
+        return None
+    if env.get("OTEL_METRIC_EXPORT_INTERVAL") and "metric_interval_s" not in kwargs:
+        kwargs["metric_interval_s"] = float(env["OTEL_METRIC_EXPORT_INTERVAL"]) / 1e3
+    return OtelExporter(base or None, traces_endpoint=traces or None,
+                        metrics_endpoint=env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or None, **kwargs)
+
+
+def _signal_url(endpoint, specific, path) -> str | None:
+    """A signal's URL: its specific endpoint as given, else the base endpoint plus /v1/<signal>, else None
+    (the SDK then resolves it from the environment, default http://localhost:4318)."""
+    if specific:
+        return specific
+    return f"{endpoint.rstrip('/')}/{path}" if endpoint else None
+
+
+class _SdkLogGate(logging.Filter):
+    """Holds back the SDK's warnings and errors on its export loggers; keeps the first one not yet
+    taken, so the exporter's single warning can say why. Records with a traceback pass: the exporters
+    here never raise, so one means a bug to see."""
+
+    def __init__(self):
+        super().__init__("dflash-otel-gate")
+        self._lock = threading.Lock()
+        self._held: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or record.exc_info:
+            return True
+        with self._lock:
+            if self._held is None:
+                message = record.getMessage()
+                self._held = message if len(message) <= 300 else message[:300] + "..."
+        return False
+
+    def take(self) -> str | None:
+        with self._lock:
+            held, self._held = self._held, None
+        return held
+
+    def install(self) -> None:
+        for name in SDK_LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def remove(self) -> None:
+        for name in SDK_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _counting_span_exporter(inner, on_result):
+    """A SpanExporter that delegates to `inner` and reports ("traces", spans, ok) for each batch."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class CountingSpanExporter(SpanExporter):
+        def export(self, spans):
+            try:
+                result = inner.export(spans)
+            except Exception:   # noqa: BLE001 - a backend error is a failed batch, never a crash
+                result = SpanExportResult.FAILURE
+            on_result("traces", len(spans), result is SpanExportResult.SUCCESS)
+            return result
+
+        def shutdown(self):
+            inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return inner.force_flush(timeout_millis)
+
+    return CountingSpanExporter()
+
+
+def _counting_metric_exporter(inner, on_result):
+    """A MetricExporter that delegates to `inner` and reports ("metrics", data points, ok) per export."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class CountingMetricExporter(MetricExporter):
+        def __init__(self):
+            # The reader takes temporality/aggregation from its exporter: keep the inner one's choice.
+            super().__init__(preferred_temporality=inner._preferred_temporality,
+                             preferred_aggregation=inner._preferred_aggregation)
+
+        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+            try:
+                result = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+            except Exception:   # noqa: BLE001 - a backend error is a failed export, never a crash
+                result = MetricExportResult.FAILURE
+            points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics
+                         for sm in rm.scope_metrics for m in sm.metrics)
+            on_result("metrics", points, result is MetricExportResult.SUCCESS)
+            return result
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return inner.force_flush(timeout_millis=timeout_millis)
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+            inner.shutdown(timeout_millis=timeout_millis)
+
+    return CountingMetricExporter()
+
+
+def _unit(name: str) -> str:
+    for suffix, unit in _UNITS:
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def _attr(value):
+    """An OTel attribute value: primitives and lists of them as they are, anything else as text."""
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, bool, int, float)) for v in value):
+        return list(value)
+    return str(value)
+
+
+def _attributes(pairs: dict) -> dict:
+    return {k: _attr(v) for k, v in pairs.items() if v is not None}
+
+
+class OtelExporter:
+    """Run-log records -> OTel spans and metrics over OTLP/HTTP (see the module docstring)."""
+
+    name = "otel"
+
+    def __init__(self, endpoint: str | None = None, *, rank: int, role: str, run_id: str | None = None,
+                 host: str | None = None, resource_attributes: dict | None = None,
+                 traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
+                 timeout_s: float = 2.0, metric_interval_s: float = 15.0,
+                 span_exporter=None, metric_exporter=None):
+        """endpoint: OTLP/HTTP base URL (http://collector:4318); traces_endpoint/metrics_endpoint: full
+        per-signal URLs that override it; None everywhere lets the SDK resolve them from os.environ.
+        rank/role/run_id/host/resource_attributes: the resource (host defaults to this host's name).
+        timeout_s: per OTLP request. metric_interval_s: metric export period. span_exporter and
+        metric_exporter replace the OTLP/HTTP exporters (any SDK SpanExporter / MetricExporter)."""
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        self._lock = threading.Lock()
+        self._counts = {"spans_ok": 0, "spans_failed": 0, "points_ok": 0, "points_failed": 0}
+        self._spans_made = self._spans_lost = 0
+        self._failed = self._warned = self._closed = self._frozen = False
+        self._gate = _SdkLogGate()
+        self._role, self._host = role, host or socket.gethostname()
+        self.endpoints = {"traces": _signal_url(endpoint, traces_endpoint, "v1/traces"),
+                          "metrics": _signal_url(endpoint, metrics_endpoint, "v1/metrics")}
+        span_exporter = span_exporter or OTLPSpanExporter(endpoint=self.endpoints["traces"], timeout=timeout_s)
+        metric_exporter = metric_exporter or OTLPMetricExporter(endpoint=self.endpoints["metrics"],
+                                                                timeout=timeout_s)
+        resource = {"service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role,
+                    "host.name": self._host, "dflash.run_id": run_id,
+                    "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}
+        resource.update(resource_attributes or {})
+        self._build_providers(_attributes(resource), span_exporter, metric_exporter, timeout_s,
+                              metric_interval_s)
+        self._labels = {"rank": str(rank), "role": role, "host": self._host}
+        self._instruments: dict = {}
+        self._cumulative: dict = {}      # (key, labels) -> last cumulative value seen
+        self._throttled: dict = {}       # gpu -> throttle reasons set to 1 last interval
+        self._alloc_gpu: str | None = None
+        for kind in EVENT_KINDS:
+            self._record("events", 0, kind=kind)
+        self._gate.install()
+
+    def _build_providers(self, resource_attrs, span_exporter, metric_exporter, timeout_s, interval_s):
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        resource = Resource.create(resource_attrs)
+        self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        self._tracer_provider.add_span_processor(BatchSpanProcessor(
+            _counting_span_exporter(span_exporter, self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
+        self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
+        reader = PeriodicExportingMetricReader(
+            _counting_metric_exporter(metric_exporter, self._on_result),
+            export_interval_millis=interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader],
+                                             shutdown_on_exit=False)
+        self._meter = self._meter_provider.get_meter("dflash.profiler")
+
+    # ---- failure accounting ----
+
+    def _on_result(self, signal: str, items: int, ok: bool) -> None:
+        """Called by the SDK's export threads after every batch (spans) or collection (metrics)."""
+        with self._lock:
+            if self._frozen:
+                return
+            key = ("spans_" if signal == "traces" else "points_") + ("ok" if ok else "failed")
+            self._counts[key] += items
+            if not ok:
+                self._failed = True
+        if not ok:
+            self._warn_once(f"export of {signal} to {self.endpoints[signal] or 'the SDK default endpoint'} "
+                            f"failed ({self._gate.take() or 'no reason given'})")
+        else:
+            self._gate.take()   # a held message belonged to a retry that then succeeded
+
+    def _warn_once(self, what: str) -> None:
+        with self._lock:
+            first, self._warned = not self._warned, True
+        if first:
+            log.warning("otel: %s; the run goes on, undelivered spans and metrics are counted as dropped "
+                        "in stats(), no further warnings", what)
+
+    def stats(self) -> dict:
+        """{"exported", "dropped", "failed"}: items are spans plus metric data points; `failed` stays
+        True once any export has failed."""
+        with self._lock:
+            c = self._counts
+            return {"exported": c["spans_ok"] + c["points_ok"],
+                    "dropped": c["spans_failed"] + c["points_failed"] + self._spans_lost,
+                    "failed": self._failed}
+
+    # ---- records ----
+
+    def export(self, record: dict) -> None:
+        """Turn one run-log record into spans and metric updates; never blocks on the network."""
+        if self._closed:
+            return
+        self._record("heartbeat", record.get("time_unix"))
+        kind = record.get("type")
+        if kind == "run_start":
+            device = str(record.get("device") or "")
+            self._alloc_gpu = device.split(":", 1)[1] if device.startswith("cuda:") else None
+        elif kind == "spans":
+            self._export_spans(record)
+        elif kind == "interval":
+            self._export_interval(record)
+        elif kind == "event":
+            self._record("events", 1, kind=str(record.get("kind")))
+
+    def _export_spans(self, record: dict) -> None:
+        """One trace per spans record: a root window span, each raw span under its parent (or the root)."""
+        from opentelemetry import trace
+        from opentelemetry.context import Context
+
+        entries = sorted((s for s in record.get("spans") or ()
+                          if s.get("start_unix_ns") is not None and s.get("end_unix_ns") is not None),
+                         key=lambda s: (s["start_unix_ns"], s.get("depth") or 0))
+        if not entries:
+            return
+        first, last = (list(record.get("steps") or ()) + [None, None])[:2]
+        window = {"dflash.step_first": first, "dflash.step_last": last}
+        root = self._tracer.start_span(
+            ROOT_SPAN_NAME, context=Context(), start_time=entries[0]["start_unix_ns"],
+            attributes=_attributes({**window, "dflash.interval": record.get("index"),
+                                    "dflash.spans_dropped": record.get("dropped")}))
+        root_context = trace.set_span_in_context(root)
+        contexts: dict = {}
+        for s in entries:
+            span = self._tracer.start_span(
+                s["name"], context=contexts.get(s.get("parent"), root_context),
+                start_time=s["start_unix_ns"], attributes=self._span_attributes(s, window))
+            span.end(end_time=s["end_unix_ns"])
+            if s.get("id") is not None:
+                contexts[s["id"]] = trace.set_span_in_context(span)
+        root.end(end_time=max(s["end_unix_ns"] for s in entries))
+        with self._lock:
+            self._spans_made += len(entries) + 1
+
+    @staticmethod
+    def _span_attributes(s: dict, window: dict) -> dict:
+        attrs = {"thread.name": s.get("thread"), "thread.id": s.get("tid"), "dflash.span_id": s.get("id"),
+                 "dflash.cpu_seconds": s.get("cpu_seconds"), "dflash.gpu_seconds": s.get("gpu_seconds"),
+                 "dflash.bytes": s.get("bytes"), **window}
+        attrs.update({f"dflash.{k}": v for k, v in (s.get("attrs") or {}).items()})
+        return _attributes(attrs)
+
+    # ---- metrics ----
+
+    def _instrument(self, key: str, suffix: str = ""):
+        """The instrument for a catalog family (histograms as `_sum`/`_count` counters), made once."""
+        inst = self._instruments.get((key, suffix))
+        if inst is None:
+            family = FAMILIES[key]
+            if family.kind == "histogram":
+                name, unit = family.name + suffix, (_unit(family.name) if suffix == "_sum" else "{span}")
+                inst = self._meter.create_counter(name, unit=unit, description=family.help)
+            elif family.kind == "counter":
+                name = family.name.removesuffix("_total")
+                inst = self._meter.create_counter(name, unit=_unit(name), description=family.help)
+            else:
+                inst = self._meter.create_gauge(family.name, unit=_unit(family.name), description=family.help)
+            self._instruments[(key, suffix)] = inst
+        return inst
+
+    def _record(self, key: str, value, suffix: str = "", **labels) -> None:
+        """Add to a counter or set a gauge, with the common labels; None is skipped."""
+        if value is None:
+            return
+        inst = self._instrument(key, suffix)
+        attrs = {**self._labels, **labels}
+        if FAMILIES[key].kind == "gauge":
+            inst.set(value, attrs)
+        else:
+            inst.add(value, attrs)
+
+    def _record_cumulative(self, key: str, value, **labels) -> None:
+        """Feed a counter from a value that is already a running total (adds the increase)."""
+        if value is None:
+            return
+        ident = (key, tuple(sorted(labels.items())))
+        last = self._cumulative.get(ident, 0)
+        self._cumulative[ident] = value
+        self._record(key, value - last if value >= last else value, **labels)
+
+    def _export_interval(self, record: dict) -> None:
+        self._record("intervals", 1)
+        self._record("step", record.get("step"))
+        for name, entry in (record.get("spans") or {}).items():
+            self._span_metrics(name, entry)
+        for name, c in (record.get("counters") or {}).items():
+            if name in FAMILIES and FAMILIES[name].kind == "counter":
+                self._record(name, c.get("total"))
+            if f"{name}_rate" in FAMILIES:
+                self._record(f"{name}_rate", c.get("per_second"))
+        for stat, value in ((record.get("gauges") or {}).get("queue_depth") or {}).items():
+            self._record("queue_depth", value, stat=stat)
+        for name, m in (record.get("metrics") or {}).items():
+            found = train_metric_family(name)
+            if found:
+                value = m.get("last" if name in _LAST_VALUE_METRICS else "mean")
+                self._record(found[0].key, math.nan if value is None else value, **found[1])
+        for name, s in (record.get("exporters") or {}).items():
+            self._record_cumulative("exporter_dropped", s.get("dropped"), exporter=name)
+        memory = record.get("memory") or {}
+        if memory.get("available"):
+            self._memory_metrics(memory)
+
+    def _span_metrics(self, name: str, e: dict) -> None:
+        for clock in ("cpu", "gpu"):
+            stats = e.get(clock)
+            if stats:
+                count = (e.get("count") or 0) - ((e.get("gpu_unresolved") or 0) if clock == "gpu" else 0)
+                self._record("span_seconds", stats.get("total_seconds"), "_sum", span=name, clock=clock)
+                self._record("span_seconds", count, "_count", span=name, clock=clock)
+        self._record("span_share", e.get("share"), span=name)
+        self._record("span_bytes", e.get("bytes"), span=name)
+        self._record("span_bandwidth", e.get("bandwidth_bytes_per_s"), span=name)
+        self._record("span_floor_ratio", e.get("floor_ratio"), span=name)
+        if e.get("floor"):
+            self._record("span_floor", e.get("floor_bytes_per_s"), span=name, floor=e["floor"])
+        if WAIT_SPANS.get(name) == self._role:
+            self._record("wait_share", e.get("share"), span=name)
+
+    def _memory_metrics(self, memory: dict) -> None:
+        for g in memory.get("gpus") or ():
+            gpu = str(g.get("index"))
+            for key, field in _GPU_FIELDS:
+                self._record(key, g.get(field), gpu=gpu)
+            total, used, headroom = g.get("total_bytes"), g.get("used_bytes_last"), g.get("headroom_bytes")
+            if total and used is not None:
+                self._record("gpu_headroom", total - used, gpu=gpu)
+            if total and headroom is not None:
+                self._record("gpu_headroom_ratio", headroom / total, gpu=gpu)
+            if g.get("util_percent_mean") is not None:
+                self._record("gpu_utilization", g["util_percent_mean"] / 100.0, gpu=gpu)
+            active = set(g.get("throttle_reasons") or ())
+            for reason in active | self._throttled.get(gpu, set()):
+                self._record("gpu_throttle", int(reason in active), gpu=gpu, reason=reason)
+            self._throttled[gpu] = active
+        alloc = memory.get("allocator") or {}
+        if alloc.get("available", True) and alloc:
+            labels = {"gpu": self._alloc_gpu} if self._alloc_gpu is not None else {}
+            for key, field in _ALLOC_GAUGES:
+                self._record(key, alloc.get(field), **labels)
+            for key, field in _ALLOC_COUNTERS:
+                self._record_cumulative(key, alloc.get(field), **labels)
+
+    # ---- close ----
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush and shut down both providers within timeout_s (half of it at most for spans), then
+        freeze stats(): spans not acknowledged by then count as dropped. Later export() calls are ignored."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_s
+
+        def close_spans():
+            # BatchSpanProcessor ignores force_flush's timeout and shutdown takes none: a helper thread
+            # waited on for a bounded time keeps the deadline.
+            self._tracer_provider.force_flush(int(timeout_s * 500))
+            self._tracer_provider.shutdown()
+
+        def close_metrics():
+            # The periodic reader's shutdown makes one last collection and export (the flush), within
+            # its timeout; a separate force_flush would export the same cumulative points twice.
+            self._meter_provider.shutdown(timeout_millis=max(0.0, deadline - time.monotonic()) * 1e3)
+
+        spans_done = self._run_bounded(close_spans, timeout_s / 2)
+        metrics_done = self._run_bounded(close_metrics, deadline - time.monotonic())
+        with self._lock:
+            c = self._counts
+            self._spans_lost = max(0, self._spans_made - c["spans_ok"] - c["spans_failed"])
+            self._frozen = True
+        if self._spans_lost or not (spans_done and metrics_done):
+            self._warn_once(f"close did not finish within {timeout_s:.1f} s "
+                            f"({self._spans_lost} spans unconfirmed)")
+        if spans_done and metrics_done:
+            self._gate.remove()   # else an SDK thread is still exporting: keep its lines held back
+
+    def _run_bounded(self, fn, timeout_s: float) -> bool:
+        """Run fn on a daemon thread, wait up to timeout_s; True when it finished in time."""
+        def run():
+            try:
+                fn()
+            except Exception as exc:   # noqa: BLE001 - a failing shutdown must not fail the run
+                self._warn_once(f"shutdown failed ({exc!r})")
+
+        thread = threading.Thread(target=run, name="dflash-otel-close", daemon=True)
+        thread.start()
+        thread.join(max(0.0, timeout_s))
+        return not thread.is_alive()
