@@ -1,0 +1,83 @@
+"""`dflash-report`: parse, build, run, print. The analyses live in exporters.report (docs/REPORT.md).
+
+    dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
+    dflash-report trace RUN_DIR [ARGS...]      (exporters.trace's `merge`: a Perfetto trace of the run)
+
+Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback).
+Never imports torch: it reads the run logs with the standard library.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-report", description="Answers from a dflash-train run's logs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hotspots", help="where the time goes, what bounds the pipeline, memory, findings")
+    h.add_argument("run_dir", metavar="RUN_DIR")
+    h.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/REPORT.md)")
+    h.add_argument("--top", type=_positive_int, metavar="N", help="show the N spans with the most time")
+    h.add_argument("--compare", metavar="BASELINE_DIR", help="A/B table: BASELINE_DIR is A, RUN_DIR is B")
+    h.add_argument("--plot", metavar="FILE", help="write a PNG of span time, tokens/s and headroom over time")
+    h.add_argument("--gpus", type=_positive_int, metavar="N", help="GPU count for the split advice (default: the run's)")
+    t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
+    t.add_argument("run_dir", metavar="RUN_DIR")
+    t.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to exporters.trace merge")
+    return p
+
+
+def _hotspots(args) -> int:
+    from exporters import report
+
+    rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus)
+    table = report.compare(args.compare, args.run_dir) if args.compare else None
+    if args.plot:
+        try:
+            report.plot(args.run_dir, args.plot)
+        except ImportError as e:
+            raise report.ReportError(f"--plot needs matplotlib ({e})") from None
+    if args.json:
+        print(json.dumps({**rep, "compare": table} if table else rep, indent=1, allow_nan=False))
+    else:
+        print(report.format_hotspots(rep))
+        if table:
+            print("\n" + report.format_compare(table))
+    if args.plot:
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _trace(args) -> int:
+    try:
+        from exporters import trace
+    except ImportError as e:
+        print(f"dflash-report: error: trace export is not available ({e})", file=sys.stderr)
+        return 2
+    return trace.main(["merge", args.run_dir, *args.rest])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "trace":
+        return _trace(args)
+    from exporters.runs import ReportError
+
+    try:
+        return _hotspots(args)
+    except ReportError as e:
+        print(f"dflash-report: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Two answers from the measured rates and peaks: the target:drafter GPU split that balances the
+pipeline, and the largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
+
+The split. Each rank's capacity is its steady tokens/s over its busy share (1 - wait share, WAIT_SPANS):
+the rate it would reach if it never waited on the other side. A role's capacity per GPU is the mean over
+its ranks. dflash-train feeds drafter d from targets t with t mod D == d, splits each drafter's batches
+evenly among its producers, and steps the drafters in lock-step (allreduce), so with T targets and D
+drafters every drafter goes at the pace of the one with the fewest producers, floor(T/D):
+    tokens/s(T, D) = D * min(floor(T/D) * target capacity, drafter capacity),  1 <= D <= T.
+Assumes capacity per GPU does not change with the split (the drafters' allreduce grows with D: not modelled).
+
+The memory margin. Per rank with NVML and allocator stats: the bytes that come and go with a batch are
+the allocator's peak allocated minus its lowest allocated at an interval close (what stays between
+batches: weights, optimizer state); the rest of the NVML peak used is fixed (that, the CUDA context and
+the allocator's cache). Assumes the per-batch bytes grow linearly with tokens per batch:
+    max tokens per batch = tokens_per_batch * (0.95 * total - fixed) / per_batch.
+Standard library only.
+"""
+from __future__ import annotations
+
+import statistics
+
+from exporters.analysis import rank_table
+from exporters.runs import Run
+
+HEADROOM_SHARE = 0.05
+
+
+def _predicted(t: int, d: int, cap_t: float, cap_d: float) -> float:
+    return d * min((t // d) * cap_t, cap_d)
+
+
+def role_capacity(ranks: list) -> dict:
+    """{role: {"capacity_tokens_per_s_per_gpu", "ranks", "tokens_per_s"}} from rank_table rows."""
+    out = {}
+    for role in sorted({r["role"] for r in ranks}):
+        rows = [r for r in ranks if r["role"] == role]
+        caps = [r["tokens_per_s"] / r["busy_share"] for r in rows if r["tokens_per_s"] and r["busy_share"]]
+        out[role] = {"ranks": len(rows), "tokens_per_s": sum(r["tokens_per_s"] or 0.0 for r in rows),
+                     "busy_share_mean": statistics.fmean(r["busy_share"] for r in rows if r["busy_share"] is not None)
+                     if any(r["busy_share"] is not None for r in rows) else None,
+                     "capacity_tokens_per_s_per_gpu": statistics.fmean(caps) if caps else None}
+    return out
+
+
+def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dict:
+    """The target:drafter split of n_gpus (default: the run's) with the highest predicted tokens/s,
+    every valid split's prediction, and the run's own split predicted and measured. `ranks`: the
+    rows of rank_table(run), when already computed."""
+    caps = role_capacity(ranks if ranks is not None else rank_table(run)["ranks"])
+    t_now, d_now = (caps.get("target") or {}).get("ranks", 0), (caps.get("drafter") or {}).get("ranks", 0)
+    n = n_gpus or t_now + d_now
+    cap_t = (caps.get("target") or {}).get("capacity_tokens_per_s_per_gpu")
+    cap_d = (caps.get("drafter") or {}).get("capacity_tokens_per_s_per_gpu")
+    out = {"n_gpus": n, "roles": caps, "best": None, "splits": [], "current": None, "reason": None,
+           "model": "tokens/s = D * min(floor(T/D) * target capacity, drafter capacity), 1 <= D <= T"}
+    if not cap_t or not cap_d:
+        out["reason"] = "needs the steady tokens/s and busy share of both a target and a drafter rank"
+        return out
+    if n < 2:
+        out["reason"] = f"a split needs at least 2 GPUs, got {n}"
+        return out
+    out["targets_per_drafter_to_balance"] = cap_d / cap_t
+    out["splits"] = [{"target_gpus": t, "drafter_gpus": n - t, "predicted_tokens_per_s": _predicted(t, n - t, cap_t, cap_d)}
+                     for t in range(1, n) if n - t <= t]
+    out["best"] = max(out["splits"], key=lambda s: (s["predicted_tokens_per_s"], -s["target_gpus"]))
+    if t_now and d_now:
+        out["current"] = {"target_gpus": t_now, "drafter_gpus": d_now,
+                          "predicted_tokens_per_s": _predicted(t_now, d_now, cap_t, cap_d),
+                          "measured_tokens_per_s": caps["drafter"]["tokens_per_s"]}
+    return out
+
+
+def _rank_memory(log) -> dict | None:
+    """Per-batch and fixed bytes of one rank's GPU (None without NVML and allocator stats)."""
+    used_peak = total = alloc_floor = alloc_peak = None
+    for rec in log.intervals:
+        mem = rec.get("memory") or {}
+        if not mem.get("available"):
+            continue
+        for g in mem.get("gpus") or []:
+            if g.get("used_bytes_peak") is not None and g.get("total_bytes"):
+                used_peak, total = max(used_peak or 0, g["used_bytes_peak"]), g["total_bytes"]
+        a = mem.get("allocator") or {}
+        if a.get("available") and a.get("allocated_bytes") is not None and a.get("peak_allocated_bytes") is not None:
+            alloc_floor = a["allocated_bytes"] if alloc_floor is None else min(alloc_floor, a["allocated_bytes"])
+            alloc_peak = max(alloc_peak or 0, a["peak_allocated_bytes"])
+    if used_peak is None or alloc_peak is None:
+        return None
+    per_batch = alloc_peak - alloc_floor
+    return {"rank": log.rank, "role": log.role, "total_bytes": total, "used_bytes_peak": used_peak,
+            "per_batch_bytes": per_batch, "fixed_bytes": used_peak - per_batch}
+
+
+def memory_margin(run: Run, headroom_share: float = HEADROOM_SHARE) -> dict:
+    """{"max_tokens_per_batch": the largest tokens per batch keeping headroom_share free on every GPU,
+    "ranks": each rank's model, "reason" when it cannot be said}. Linear model: see the module doc."""
+    tpb = run.config.get("tokens_per_batch")
+    out = {"headroom_share": headroom_share, "tokens_per_batch": tpb, "max_tokens_per_batch": None,
+           "limited_by": None, "ranks": [], "reason": None}
+    models = [m for log in run.ranks.values() if (m := _rank_memory(log))]
+    if not models:
+        out["reason"] = "no GPU memory measured (needs NVML and allocator stats)"
+        return out
+    if not tpb:
+        out["reason"] = "run_start.config has no tokens_per_batch"
+        return out
+    for m in models:
+        limit = (1.0 - headroom_share) * m["total_bytes"]
+        m["max_tokens_per_batch"] = (int(tpb * (limit - m["fixed_bytes"]) / m["per_batch_bytes"])
+                                     if m["per_batch_bytes"] > 0 else None)
+    out["ranks"] = models
+    fitted = [m for m in models if m["max_tokens_per_batch"] is not None]
+    if not fitted:
+        out["reason"] = "no rank's allocated bytes varied between intervals: nothing to extrapolate from"
+        return out
+    worst = min(fitted, key=lambda m: m["max_tokens_per_batch"])
+    out["max_tokens_per_batch"] = max(0, worst["max_tokens_per_batch"])
+    out["limited_by"] = {"rank": worst["rank"], "role": worst["role"]}
+    return out

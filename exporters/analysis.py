@@ -1,0 +1,280 @@
+"""The report's analyses of one run: records in, answers out (JSON-able dicts, no formatting).
+
+One function per analysis, each taking an `exporters.runs.Run`:
+    span_ranking   spans ranked by total time: share of their role's time, CPU and GPU time, p50/p95
+    role_shares    per role, the share of time spent waiting on the other side (WAIT_SPANS) and busy
+    verdict        target-, drafter- or transfer-bound (or balanced), with the evidence
+    bandwidth      achieved bandwidth of spans that declare bytes, against the floors measured at start
+    rank_table     per-rank rates and busy shares, and the straggler among a role's ranks
+Memory, events and stacks are in exporters.memory_events; advice (findings, split, memory margin) in
+exporters.advice. Standard library only.
+"""
+from __future__ import annotations
+
+import statistics
+
+from exporters.names import WAIT_SPANS
+from exporters.runs import Run, basis, basis_seconds, counter_total, steady_intervals, wall_seconds
+
+WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
+BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
+STRAGGLER_GAP = 0.2        # a rank this much below its peers' median capacity is a straggler
+COLLECTIVE_SPANS = ("drafter.allreduce",)   # lock-step waits on peers, left out of a rank's own work
+
+
+# ---- span ranking ----------------------------------------------------------------------------
+
+def _histogram_quantile(bounds: list, counts: list, q: float, max_seconds: float) -> float | None:
+    """Prometheus-style: linear inside the bucket holding the q-th observation; +Inf ends at the max seen."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0.0
+    for i, c in enumerate(counts):
+        if c and seen + c >= rank:
+            lower = bounds[i - 1] if i > 0 else 0.0
+            upper = bounds[i] if i < len(bounds) else max(max_seconds, lower)
+            return min(lower + (upper - lower) * (rank - seen) / c, max_seconds)
+        seen += c
+    return max_seconds
+
+
+def _weighted_quantile(pairs: list, q: float) -> float | None:
+    """q-quantile of per-interval values weighted by their span counts (logs without buckets)."""
+    pairs = sorted((v, w) for v, w in pairs if v is not None and w)
+    total = sum(w for _, w in pairs)
+    seen = 0.0
+    for v, w in pairs:
+        seen += w
+        if seen >= q * total:
+            return v
+    return None
+
+
+def _clamp(estimate: float | None, pairs: list) -> float | None:
+    """A run's q-quantile lies between the smallest and largest of its intervals' q-quantiles: clamp
+    the bucket interpolation (coarse inside a wide bucket) to that range."""
+    values = [v for v, w in pairs if v is not None and w]
+    if estimate is None or not values:
+        return estimate
+    return min(max(estimate, min(values)), max(values))
+
+
+def _add_span(acc: dict, entry: dict, rank: int) -> None:
+    stats, on = basis(entry)
+    count = entry.get("count") or 0
+    acc["count"] += count
+    acc["intervals"] += 1
+    acc["cpu_seconds"] += (entry.get("cpu") or {}).get("total_seconds") or 0.0
+    if entry.get("gpu"):
+        acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0)
+    acc["total_seconds"] += stats.get("total_seconds") or 0.0
+    acc["on"].add(on)
+    acc["ranks"].add(rank)
+    acc["max_seconds"] = max(acc["max_seconds"], stats.get("max_seconds") or 0.0)
+    acc["p50s"].append((stats.get("p50_seconds"), count))
+    acc["p95s"].append((stats.get("p95_seconds"), count))
+    buckets = stats.get("buckets")
+    if buckets is None or (acc["buckets"] is not None and len(buckets) != len(acc["buckets"])):
+        acc["buckets_complete"] = False
+    elif acc["buckets"] is None:
+        acc["buckets"] = list(buckets)
+    else:
+        acc["buckets"] = [a + b for a, b in zip(acc["buckets"], buckets)]
+
+
+def _new_acc() -> dict:
+    return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "total_seconds": 0.0, "on": set(),
+            "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [], "buckets": None,
+            "buckets_complete": True}
+
+
+def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
+    # one interval's own percentiles are exact; across intervals, interpolate in the summed histogram
+    from_histogram = a["intervals"] > 1 and bool(bounds) and a["buckets_complete"] \
+        and a["buckets"] is not None and len(a["buckets"]) == len(bounds) + 1
+    if from_histogram:
+        p50 = _clamp(_histogram_quantile(bounds, a["buckets"], 0.50, a["max_seconds"]), a["p50s"])
+        p95 = _clamp(_histogram_quantile(bounds, a["buckets"], 0.95, a["max_seconds"]), a["p95s"])
+    else:
+        p50, p95 = _weighted_quantile(a["p50s"], 0.50), _weighted_quantile(a["p95s"], 0.95)
+    return {"role": role, "span": name, "count": a["count"], "on": "gpu" if "gpu" in a["on"] else "cpu",
+            "total_seconds": a["total_seconds"], "cpu_seconds": a["cpu_seconds"], "gpu_seconds": a["gpu_seconds"],
+            "share": a["total_seconds"] / role_wall if role_wall > 0 else None,
+            "mean_seconds": a["total_seconds"] / a["count"] if a["count"] else None,
+            "p50_seconds": p50, "p95_seconds": p95, "max_seconds": a["max_seconds"],
+            "quantiles_from": "histogram" if from_histogram else "interval percentiles",
+            "intervals": a["intervals"],
+            "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"])}
+
+
+def span_ranking(run: Run, top: int | None = None) -> dict:
+    """Spans of every interval of every rank, per role, ranked by total time (GPU time when measured).
+    share = the span's time over its role's time (the role's ranks' interval lengths summed)."""
+    bounds = run.histogram_bounds_seconds()
+    roles, agg = {}, {}
+    for role, logs in run.by_role().items():
+        roles[role] = {"ranks": [log.rank for log in logs],
+                       "wall_seconds": sum(wall_seconds(log.intervals) for log in logs)}
+        for log in logs:
+            for rec in log.intervals:
+                for name, entry in (rec.get("spans") or {}).items():
+                    _add_span(agg.setdefault((role, name), _new_acc()), entry, log.rank)
+    rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds) for (role, name), a in agg.items()]
+    rows.sort(key=lambda r: -r["total_seconds"])
+    return {"rows": rows[:top] if top else rows, "spans_total": len(rows), "roles": roles}
+
+
+# ---- verdict ---------------------------------------------------------------------------------
+
+def _span_seconds(intervals: list, names) -> float:
+    return sum(basis_seconds(e) for r in intervals for n, e in (r.get("spans") or {}).items() if n in names)
+
+
+def role_shares(run: Run) -> dict:
+    """{role: {wait_span, wait_share, busy_share, wall_seconds, steady}} over the steady intervals of
+    every rank of the role; busy = 1 - wait (the wait spans of WAIT_SPANS)."""
+    out = {}
+    for role, logs in run.by_role().items():
+        waits = {n for n, r in WAIT_SPANS.items() if r == role}
+        steady = [r for log in logs for r in steady_intervals(log)]
+        wall = wall_seconds(steady)
+        wait = _span_seconds(steady, waits) / wall if wall > 0 else None
+        out[role] = {"wait_span": ", ".join(sorted(waits)) or None, "wait_share": wait,
+                     "busy_share": None if wait is None else max(0.0, 1.0 - wait), "wall_seconds": wall,
+                     "steady": any(r.get("index") != 0 and not r.get("final") for r in steady)}
+    return out
+
+
+def _queue_depth_mean(run: Run) -> float | None:
+    values = [g["mean"] for log in run.ranks.values() for r in steady_intervals(log)
+              if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
+    return statistics.fmean(values) if values else None
+
+
+def verdict(run: Run) -> dict:
+    """Which side bounds the pipeline, from the wait shares: the drafter starving on drafter.recv means
+    target-bound, the target blocked on transfer.wait_slot drafter-bound, both waiting transfer-bound."""
+    shares = role_shares(run)
+    wt = (shares.get("target") or {}).get("wait_share")
+    wd = (shares.get("drafter") or {}).get("wait_share")
+    out = {"verdict": None, "roles": shares, "queue_depth_mean": _queue_depth_mean(run), "evidence": []}
+    if wt is None or wd is None:
+        out["evidence"].append("needs the steady intervals of both a target and a drafter rank")
+        return out
+    said = f"target waits {wt:.0%} on transfer.wait_slot, drafter waits {wd:.0%} on drafter.recv"
+    if wt >= WAIT_BOUND_SHARE and wd >= WAIT_BOUND_SHARE:
+        out["verdict"] = "transfer-bound"
+        out["evidence"].append(f"{said}: both sides wait, so batches are slow in between")
+    elif max(wt, wd) < BALANCED_SHARE:
+        out["verdict"] = "balanced"
+        out["evidence"].append(f"{said}: neither side waits {BALANCED_SHARE:.0%} of its time")
+    elif wd > wt:
+        out["verdict"] = "target-bound"
+        out["evidence"].append(f"{said}: the drafter starves")
+    else:
+        out["verdict"] = "drafter-bound"
+        out["evidence"].append(f"{said}: the target is held back by transfer slots the drafter frees")
+    if out["queue_depth_mean"] is not None:
+        out["evidence"].append(f"received batches waiting for the drafter: {out['queue_depth_mean']:.2f} on average")
+    if not all(s["steady"] for s in shares.values()):
+        out["evidence"].append("short run: start-up and final intervals included")
+    return out
+
+
+# ---- bandwidth -------------------------------------------------------------------------------
+
+def bandwidth(run: Run) -> list:
+    """Per (role, span) that declares bytes: bytes moved, seconds, achieved bytes/s, its floor and the
+    ratio, and the seconds it would have taken at the floor. Sorted by the seconds lost to the floor."""
+    agg: dict = {}
+    for log in run.ranks.values():
+        floors = next((s.get("floors") or {} for s in log.run_starts if s.get("floors")), {})
+        for rec in log.intervals:
+            for name, e in (rec.get("spans") or {}).items():
+                if not e.get("bytes"):
+                    continue
+                a = agg.setdefault((log.role, name), {"bytes": 0, "seconds": 0.0, "floor": None, "floor_bps": None})
+                a["bytes"] += e["bytes"]
+                a["seconds"] += basis_seconds(e)
+                a["floor"] = e.get("floor") or a["floor"]
+                a["floor_bps"] = e.get("floor_bytes_per_s") or floors.get(a["floor"]) or a["floor_bps"]
+    rows = []
+    for (role, name), a in agg.items():
+        achieved = a["bytes"] / a["seconds"] if a["seconds"] > 0 else None
+        at_floor = a["bytes"] / a["floor_bps"] if a["floor_bps"] else None
+        rows.append({"role": role, "span": name, "bytes": a["bytes"], "seconds": a["seconds"],
+                     "bandwidth_bytes_per_s": achieved, "floor": a["floor"], "floor_bytes_per_s": a["floor_bps"],
+                     "floor_ratio": achieved / a["floor_bps"] if achieved and a["floor_bps"] else None,
+                     "seconds_at_floor": at_floor,
+                     "seconds_over_floor": a["seconds"] - at_floor if at_floor is not None else None})
+    rows.sort(key=lambda r: -(r["seconds_over_floor"] or 0.0))
+    return rows
+
+
+# ---- ranks and the straggler -----------------------------------------------------------------
+
+def _rank_row(log) -> dict:
+    steady = steady_intervals(log)
+    wall = wall_seconds(steady)
+    waits = {n for n, r in WAIT_SPANS.items() if r == log.role}
+    wait = _span_seconds(steady, waits) / wall if wall > 0 else None
+    collective = _span_seconds(steady, COLLECTIVE_SPANS) / wall if wall > 0 else None
+    tokens = counter_total(steady, "tokens")
+    rate = tokens / wall if wall > 0 else None
+    work = None if wait is None else max(0.0, 1.0 - wait - collective)
+    ends = log.run_ends
+    return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
+            "steady_seconds": wall, "tokens_per_s": rate, "wait_share": wait, "collective_share": collective,
+            "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
+            "capacity_tokens_per_s": rate / work if rate and work else None,
+            "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
+            "status": ends[-1].get("status") if ends else "no run_end", "bad_lines": log.bad_lines,
+            "span_seconds_per_token": _span_seconds_per_token(steady, tokens)}
+
+
+def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
+    out: dict = {}
+    for r in intervals:
+        for n, e in (r.get("spans") or {}).items():
+            out[n] = out.get(n, 0.0) + basis_seconds(e)
+    return {n: s / tokens for n, s in out.items()} if tokens else {}
+
+
+def _straggler(rows: list) -> dict | None:
+    """The rank whose capacity (tokens/s over its own work share, collectives and waits left out) is
+    more than STRAGGLER_GAP below the median of its role's other ranks, with the span that costs it most."""
+    worst = None
+    for row in rows:
+        peers = [p["capacity_tokens_per_s"] for p in rows if p["role"] == row["role"] and p is not row
+                 and p["capacity_tokens_per_s"]]
+        if not peers or not row["capacity_tokens_per_s"]:
+            continue
+        median = statistics.median(peers)
+        slowdown = row["capacity_tokens_per_s"] / median
+        if slowdown < 1.0 - STRAGGLER_GAP and (worst is None or slowdown < worst["capacity_ratio"]):
+            worst = {"rank": row["rank"], "role": row["role"], "capacity_tokens_per_s": row["capacity_tokens_per_s"],
+                     "peers_median_tokens_per_s": median, "capacity_ratio": slowdown, **_costliest_span(row, rows)}
+    return worst
+
+
+def _costliest_span(row: dict, rows: list) -> dict:
+    mine = row["span_seconds_per_token"]
+    best, excess_best = None, 0.0
+    for name, spt in mine.items():
+        if name in WAIT_SPANS or name in COLLECTIVE_SPANS:
+            continue
+        peers = [p["span_seconds_per_token"].get(name, 0.0) for p in rows if p["role"] == row["role"] and p is not row]
+        excess = spt - statistics.median(peers)
+        if excess > excess_best:
+            best, excess_best = {"span": name, "span_seconds_per_token": spt,
+                                 "peers_span_seconds_per_token": statistics.median(peers)}, excess
+    return best or {"span": None}
+
+
+def rank_table(run: Run) -> dict:
+    """{"ranks": per-rank rows over steady intervals, "straggler": the slow rank or None, "reason"}."""
+    rows = [_rank_row(log) for log in run.ranks.values()]
+    multi = any(sum(1 for r in rows if r["role"] == role) >= 2 for role in {r["role"] for r in rows})
+    return {"ranks": rows, "straggler": _straggler(rows),
+            "reason": None if multi else "no role has two ranks to compare"}

@@ -1,0 +1,102 @@
+"""A/B comparison of two runs: spans, tokens/s and GPU memory, run A the baseline. Records in, answers out.
+
+Each quantity is sampled once per steady interval of every rank (a span's mean time per call, a rank's
+tokens/s, a GPU's peak used bytes). Its spread in a run is the 10th-to-90th percentile range of those
+samples (about the range for a handful of intervals). A change is called a regression (or an
+improvement) only when the difference of the means exceeds the larger of the two runs' spreads;
+otherwise it is within spread. Wait spans (WAIT_SPANS) follow the other side's speed: they are shown
+as waits, never called regressions. Standard library only.
+"""
+from __future__ import annotations
+
+import statistics
+
+from exporters.names import WAIT_SPANS
+from exporters.runs import Run, basis, steady_intervals
+
+MIN_SAMPLES = 2
+
+
+def _quantile(sorted_values: list, q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _summary(samples: list) -> dict:
+    values = sorted(samples)
+    return {"mean": statistics.fmean(values) if values else None, "intervals": len(values),
+            "spread": _quantile(values, 0.9) - _quantile(values, 0.1) if values else None}
+
+
+def classify(a: list, b: list, higher_is_worse: bool = True) -> dict:
+    """{"a", "b" (mean, intervals, spread), "change_ratio", "verdict"} for two runs' per-interval samples."""
+    sa, sb = _summary(a), _summary(b)
+    out = {"a": sa, "b": sb, "change_ratio": None, "verdict": "within spread"}
+    if not a or not b:
+        out["verdict"] = "only in B" if b else "only in A"
+        return out
+    if sa["mean"]:
+        out["change_ratio"] = sb["mean"] / sa["mean"] - 1.0
+    if sa["intervals"] < MIN_SAMPLES or sb["intervals"] < MIN_SAMPLES:
+        out["verdict"] = "too few intervals"
+        return out
+    delta = sb["mean"] - sa["mean"]
+    if abs(delta) > max(sa["spread"], sb["spread"]):
+        out["verdict"] = "regression" if (delta > 0) == higher_is_worse else "improvement"
+    return out
+
+
+def _span_samples(run: Run) -> dict:
+    out: dict = {}
+    for log in run.ranks.values():
+        for rec in steady_intervals(log):
+            for name, e in (rec.get("spans") or {}).items():
+                stats, _ = basis(e)
+                if e.get("count") and stats.get("total_seconds") is not None:
+                    out.setdefault((log.role, name), []).append(stats["total_seconds"] / e["count"])
+    return out
+
+
+def _rate_samples(run: Run) -> dict:
+    """{role: per-interval tokens/s of the role}: a rank's per-interval rate times the role's rank count."""
+    out: dict = {}
+    for role, logs in run.by_role().items():
+        for log in logs:
+            for rec in steady_intervals(log):
+                rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
+                if rate is not None:
+                    out.setdefault(role, []).append(rate * len(logs))
+    return out
+
+
+def _memory_samples(run: Run) -> dict:
+    out: dict = {}
+    for log in run.ranks.values():
+        for rec in log.intervals:
+            mem = rec.get("memory") or {}
+            for g in (mem.get("gpus") or []) if mem.get("available") else []:
+                if g.get("used_bytes_peak") is not None:
+                    out.setdefault(f"{log.hostname or '?'}:{g.get('index')}", []).append(g["used_bytes_peak"])
+    return out
+
+
+def compare(run_a: Run, run_b: Run) -> dict:
+    """{"spans": rows by |change|, "tokens_per_s": per role, "memory": per GPU peak used, "regressions":
+    the span names called regressions, "memory_reason" when neither run measured GPU memory}."""
+    sa, sb = _span_samples(run_a), _span_samples(run_b)
+    spans = []
+    for role, name in sorted(set(sa) | set(sb)):
+        row = {"role": role, "span": name, **classify(sa.get((role, name), []), sb.get((role, name), []))}
+        if WAIT_SPANS.get(name) == role and row["verdict"] in ("regression", "improvement"):
+            row["verdict"] = "wait " + ("longer" if row["verdict"] == "regression" else "shorter")
+        spans.append(row)
+    spans.sort(key=lambda r: -abs(r["change_ratio"] or 0.0))
+    ra, rb = _rate_samples(run_a), _rate_samples(run_b)
+    rates = {role: classify(ra.get(role, []), rb.get(role, []), higher_is_worse=False) for role in sorted(set(ra) | set(rb))}
+    ma, mb = _memory_samples(run_a), _memory_samples(run_b)
+    memory = {gpu: classify(ma.get(gpu, []), mb.get(gpu, [])) for gpu in sorted(set(ma) | set(mb))}
+    return {"a": run_a.run_dir, "b": run_b.run_dir, "spans": spans, "tokens_per_s": rates, "memory": memory,
+            "memory_reason": None if memory else "no GPU memory measured in either run",
+            "regressions": [f"{r['role']}/{r['span']}" for r in spans if r["verdict"] == "regression"]}

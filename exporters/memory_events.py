@@ -1,0 +1,171 @@
+"""The report's analyses of memory, events and stacks: records in, answers out.
+
+    headroom     per GPU: its headroom low point, when, and the interval's dominant span; allocator trends
+    events       non-finite, OOM, crashes, signals, bad records, unreadable lines, runs without a run_end
+    hot_frames   per thread: the hottest frames of the stack samples, and what the snapshots caught
+Standard library only.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from exporters.runs import Run, basis_seconds
+
+# Event kinds that mean something went wrong, shown first and with examples.
+PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
+EXAMPLES_PER_KIND = 3
+FRAMES_PER_THREAD = 5
+_TEXT_LIMIT = 300
+
+
+def _dominant_span(rec: dict) -> tuple[str | None, float | None]:
+    """The span with the largest share of an interval: where the interval's time went, not an exact
+    attribution of its memory peak (the sampler's peak has no span)."""
+    spans = rec.get("spans") or {}
+    if not spans:
+        return None, None
+    name = max(spans, key=lambda n: spans[n].get("share") or 0.0)
+    return name, spans[name].get("share")
+
+
+def _low_point(log, rec: dict, g: dict, t0: float | None) -> dict:
+    name, share = _dominant_span(rec)
+    t = rec.get("time_unix")
+    return {"headroom_bytes": g["headroom_bytes"], "headroom_ratio": g["headroom_bytes"] / g["total_bytes"],
+            "used_bytes_peak": g.get("used_bytes_peak"), "time_unix": t,
+            "seconds_since_start": t - t0 if t is not None and t0 is not None else None,
+            "rank": log.rank, "interval": rec.get("index"), "step": rec.get("step"),
+            "dominant_span": name, "dominant_span_share": share}
+
+
+def _allocator_trend(log) -> dict | None:
+    allocs = [a for r in log.intervals if (a := (r.get("memory") or {}).get("allocator") or {}).get("available")]
+    if not allocs:
+        return None
+    first, last = allocs[0], allocs[-1]
+    return {"rank": log.rank, "role": log.role, "intervals": len(allocs),
+            "alloc_retries_first": first.get("num_alloc_retries"), "alloc_retries_last": last.get("num_alloc_retries"),
+            "ooms_last": last.get("num_ooms"),
+            "reserved_bytes_first": first.get("reserved_bytes"), "reserved_bytes_last": last.get("reserved_bytes"),
+            "reserved_bytes_peak": max((a.get("peak_reserved_bytes") or a.get("reserved_bytes") or 0) for a in allocs),
+            "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs]}
+
+
+def headroom(run: Run) -> dict:
+    """{"measured", "reason", "gpus": [per GPU (host:index): total, low point, last headroom, intervals
+    per NVML throttle reason], "allocator": [per rank trend]}. Headroom = total minus the interval's
+    NVML peak used."""
+    gpus: dict = {}
+    reasons = set()
+    for log in run.ranks.values():
+        t0 = next((s.get("time_unix") for s in log.run_starts), None)
+        for rec in log.intervals:
+            mem = rec.get("memory") or {}
+            if not mem.get("available"):
+                reasons.add(mem.get("reason") or "no memory record")
+                continue
+            for g in mem.get("gpus") or []:
+                if g.get("headroom_bytes") is None or not g.get("total_bytes"):
+                    continue
+                key = f"{log.hostname or '?'}:{g.get('index')}"
+                acc = gpus.setdefault(key, {"gpu": key, "host": log.hostname, "index": g.get("index"),
+                                            "name": g.get("name"), "total_bytes": g["total_bytes"], "ranks": [],
+                                            "intervals": 0, "low_point": None, "used_bytes_peak": 0,
+                                            "throttle_intervals": {}})
+                acc["intervals"] += 1
+                for reason in g.get("throttle_reasons") or []:
+                    acc["throttle_intervals"][reason] = acc["throttle_intervals"].get(reason, 0) + 1
+                acc["ranks"] = sorted(set(acc["ranks"]) | {log.rank})
+                acc["used_bytes_peak"] = max(acc["used_bytes_peak"], g.get("used_bytes_peak") or 0)
+                acc["last_headroom_bytes"] = g["headroom_bytes"]
+                if acc["low_point"] is None or g["headroom_bytes"] < acc["low_point"]["headroom_bytes"]:
+                    acc["low_point"] = _low_point(log, rec, g, t0)
+    allocator = [t for log in run.ranks.values() if (t := _allocator_trend(log))]
+    measured = bool(gpus)
+    reason = None if measured else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
+    return {"measured": measured, "reason": reason, "gpus": list(gpus.values()), "allocator": allocator}
+
+
+def _example(rec: dict) -> dict:
+    out = {}
+    for k, v in rec.items():
+        if k in ("type", "time_unix", "role"):
+            continue
+        out[k] = v[:_TEXT_LIMIT] + "..." if isinstance(v, str) and len(v) > _TEXT_LIMIT else v
+    out["time_unix"] = rec.get("time_unix")
+    return out
+
+
+def events(run: Run) -> dict:
+    """{"kinds": {kind: {"count", "ranks", "examples"}}, "problems": kinds that mean trouble, in
+    PROBLEM_KINDS order}. Unparsable lines count as `bad_lines`, a failed segment as `run_failed`,
+    a log without run_end as `no_run_end` (crashed, killed, or still running)."""
+    kinds: dict = {}
+
+    def add(kind: str, rank: int, example: dict, count: int = 1) -> None:
+        k = kinds.setdefault(kind, {"count": 0, "ranks": [], "examples": []})
+        k["count"] += count
+        k["ranks"] = sorted(set(k["ranks"]) | {rank})
+        if len(k["examples"]) < EXAMPLES_PER_KIND:
+            k["examples"].append(example)
+
+    for log in run.ranks.values():
+        for ev in log.events:
+            add(str(ev.get("kind")), log.rank, _example(ev))
+        if log.bad_lines:
+            add("bad_lines", log.rank, {"rank": log.rank, "lines": log.bad_lines}, count=log.bad_lines)
+        for end in log.run_ends:
+            if end.get("status") not in (None, "ok"):
+                add("run_failed", log.rank, {"rank": log.rank, "status": end.get("status"), "step": end.get("step")})
+        if len(log.run_ends) < len(log.run_starts):
+            add("no_run_end", log.rank, {"rank": log.rank, "last_step": max(
+                (r.get("step") or 0 for r in log.intervals), default=None)})
+    order = (*PROBLEM_KINDS, "run_failed", "no_run_end", "bad_lines")
+    problems = [k for k in order if k in kinds]
+    return {"kinds": kinds, "problems": problems}
+
+
+def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
+    key = (rank, t.get("name"))
+    return threads.setdefault(key, {"rank": rank, "thread": t.get("name"), "native_id": t.get("native_id"),
+                                    "stack_samples": 0, "frames": Counter(), "snapshots": 0, "stuck_snapshots": 0,
+                                    "snapshot_frames": Counter(), "open_spans": []})
+
+
+def hot_frames(run: Run) -> dict:
+    """Per thread: frames by sample count over every interval's stack_samples (share = count over the
+    thread's samples), and from snapshots the innermost frames, how often it was stuck and its open spans."""
+    threads: dict = {}
+    for log in run.ranks.values():
+        for rec in log.intervals:
+            samples = rec.get("stack_samples") or {}
+            for t in samples.get("threads") or []:
+                acc = _thread_acc(threads, log.rank, t)
+                acc["stack_samples"] += samples.get("samples") or 0
+                for f in t.get("top_frames") or []:
+                    acc["frames"][f.get("frame")] += f.get("count") or 0
+        for snap in log.snapshots:
+            for t in snap.get("threads") or []:
+                acc = _thread_acc(threads, log.rank, t)
+                acc["snapshots"] += 1
+                acc["stuck_snapshots"] += bool(t.get("stuck"))
+                if t.get("frames"):
+                    acc["snapshot_frames"][t["frames"][0]] += 1
+                acc["open_spans"] = t.get("open_spans") or acc["open_spans"]
+    out = []
+    for acc in threads.values():
+        n = acc["stack_samples"]
+        acc["top_frames"] = [{"frame": f, "count": c, "share": c / n if n else None}
+                             for f, c in acc.pop("frames").most_common(FRAMES_PER_THREAD)]
+        acc["snapshot_frames"] = [{"frame": f, "count": c}
+                                  for f, c in acc["snapshot_frames"].most_common(FRAMES_PER_THREAD)]
+        out.append(acc)
+    out.sort(key=lambda a: (-a["stack_samples"], -a["snapshots"], a["rank"]))
+    reason = None if out else ("no stack samples or snapshots in the logs (set stack_samples_per_interval, "
+                               "or take one with dflash-profile snapshot)")
+    return {"threads": out, "reason": reason}
+
+
+def interval_span_seconds(rec: dict) -> dict:
+    """{span: seconds} of one interval, on the span's measured basis (GPU when measured)."""
+    return {n: basis_seconds(e) for n, e in (rec.get("spans") or {}).items()}

@@ -1,0 +1,111 @@
+"""`dflash-report hotspots --plot FILE`: a PNG of a run over time. One row per role of span time per
+interval stacked by span, then tokens/s per role, then the headroom of every GPU.
+
+`timeline` (standard library) puts every rank's intervals on one clock: bins of the profile interval
+counted from the first run_start, the ranks of a role summed per bin. matplotlib is imported inside
+`plot_run` only, so the rest of the report never loads it.
+"""
+from __future__ import annotations
+
+from exporters.runs import Run, basis_seconds
+
+TOP_SPANS = 7   # per role; the rest are drawn as "other"
+GIB = 1024 ** 3
+
+
+def timeline(run: Run) -> dict:
+    """{"interval_s", "roles": {role: {"ranks", "minutes", "spans": {name: [seconds]}, "tokens_per_s"}},
+    "gpus": {gpu: {"minutes", "headroom_bytes", "total_bytes"}}} with minutes since the run started."""
+    starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
+    t0 = min((s["time_unix"] for s in starts), default=None)
+    if t0 is None:
+        t0 = min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
+    step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
+    roles: dict = {}
+    gpus: dict = {}
+    for log in run.ranks.values():
+        acc = roles.setdefault(log.role, {"ranks": 0, "bins": {}})
+        acc["ranks"] += 1
+        rank_t0 = next((s["time_unix"] for s in log.run_starts if s.get("time_unix")), t0)
+        for rec in log.intervals:
+            # binned on the rank's own clock, so ranks that started a little apart still line up
+            b = acc["bins"].setdefault(round((rec["time_unix"] - rank_t0) / step),
+                                       {"spans": {}, "tokens_per_s": 0.0, "minutes": []})
+            b["minutes"].append((rec["time_unix"] - t0) / 60.0)
+            for name, e in (rec.get("spans") or {}).items():
+                b["spans"][name] = b["spans"].get(name, 0.0) + basis_seconds(e)
+            b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
+            mem = rec.get("memory") or {}
+            for g in (mem.get("gpus") or []) if mem.get("available") else []:
+                if g.get("headroom_bytes") is not None:
+                    s = gpus.setdefault(f"{log.hostname or '?'}:{g.get('index')}",
+                                        {"minutes": [], "headroom_bytes": [], "total_bytes": g.get("total_bytes")})
+                    s["minutes"].append((rec["time_unix"] - t0) / 60.0)
+                    s["headroom_bytes"].append(g["headroom_bytes"])
+    return {"interval_s": step, "roles": {role: _series(acc) for role, acc in sorted(roles.items())},
+            "gpus": gpus}
+
+
+def _series(acc: dict) -> dict:
+    keys = sorted(acc["bins"])
+    names = sorted({n for b in acc["bins"].values() for n in b["spans"]})
+    return {"ranks": acc["ranks"], "minutes": [sum(acc["bins"][k]["minutes"]) / len(acc["bins"][k]["minutes"])
+                                               for k in keys],
+            "spans": {n: [acc["bins"][k]["spans"].get(n, 0.0) for k in keys] for n in names},
+            "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys]}
+
+
+def _top_spans(spans: dict) -> list:
+    """(label, values) for the TOP_SPANS largest spans and one "other" for the rest."""
+    ranked = sorted(spans.items(), key=lambda kv: -sum(kv[1]))
+    layers = list(ranked[:TOP_SPANS])
+    rest = ranked[TOP_SPANS:]
+    if rest:
+        layers.append(("other", [sum(v) for v in zip(*(vals for _, vals in rest))]))
+    return layers
+
+
+def plot_run(run: Run, png_path) -> str:
+    """Write the PNG; returns its path. Needs matplotlib (the `test` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = timeline(run)
+    roles = tl["roles"]
+    fig, axes = plt.subplots(len(roles) + 2, 1, figsize=(11, 3.2 * (len(roles) + 2)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, (role, s) in zip(axes, roles.items()):
+        layers = _top_spans(s["spans"])
+        if layers:
+            ax.stackplot(s["minutes"], *[v for _, v in layers], labels=[n for n, _ in layers], step="pre")
+            ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.7)
+        ax.set_ylabel("span seconds\nper interval")
+        ax.set_title(f"{role}: span time per {tl['interval_s']:g} s interval, stacked by span "
+                     f"(sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9)
+    ax = axes[len(roles)]
+    for role, s in roles.items():
+        ax.plot(s["minutes"], s["tokens_per_s"], marker=".", label=role)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("tokens/s per role (sum over its ranks)", fontsize=9)
+    ax.legend(loc="upper left", fontsize=7)
+    _plot_headroom(axes[-1], tl["gpus"])
+    axes[-1].set_xlabel("minutes since the run started")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return str(png_path)
+
+
+def _plot_headroom(ax, gpus: dict) -> None:
+    ax.set_title("GPU memory headroom per interval (total minus the interval's peak used)", fontsize=9)
+    ax.set_ylabel("headroom GiB")
+    if not gpus:
+        ax.text(0.5, 0.5, "no GPU memory measured", ha="center", va="center", transform=ax.transAxes)
+        return
+    for gpu, s in sorted(gpus.items()):
+        ax.plot(s["minutes"], [h / GIB for h in s["headroom_bytes"]], marker=".", label=f"gpu {gpu}")
+        if s["total_bytes"]:
+            ax.axhline(0.05 * s["total_bytes"] / GIB, color="red", linewidth=0.6, linestyle="--")
+    ax.legend(loc="upper left", fontsize=7, ncol=4)

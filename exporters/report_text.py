@@ -1,0 +1,207 @@
+"""The human text of `dflash-report`: one formatter per section of a report dict (exporters.report).
+Never computes an answer, only prints the ones it is given; a missing number prints as "-".
+Standard library only.
+"""
+from __future__ import annotations
+
+GIB = 1024 ** 3
+
+
+def _ms(seconds) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if ms >= 0.1 else f"{ms:.4f}"
+
+
+def _pct(ratio) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.1f}%"
+
+
+def _g(v, fmt: str = ".4g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _spans(rep: dict) -> list:
+    s = rep["spans"]
+    lines = ["Spans by total time (share of the role's time; GPU time where measured, else CPU)",
+             f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'share':>6} {'cpu s':>9} "
+             f"{'gpu s':>9} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"]
+    for r in s["rows"]:
+        lines.append(f"  {r['span']:<22} {r['role']:<8} {r['count']:>7} {r['on']:>3} {r['total_seconds']:>9.3f} "
+                     f"{_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_seconds'], '.3f'):>9} "
+                     f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}"
+                     + ("  (wait)" if r["wait"] else ""))
+    if not s["rows"]:
+        lines.append("  (no spans recorded)")
+    if s["spans_total"] > len(s["rows"]):
+        lines.append(f"  ... {s['spans_total'] - len(s['rows'])} more (--top)")
+    for role, r in s["roles"].items():
+        lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals")
+    return lines
+
+
+def _verdict(rep: dict) -> list:
+    v = rep["verdict"]
+    return [f"Verdict: {v['verdict'] or 'none'}", *(f"  {e}" for e in v["evidence"])]
+
+
+def _bandwidth(rep: dict) -> list:
+    rows = rep["bandwidth"]
+    if not rows:
+        return ["Bandwidth: no span declares bytes"]
+    lines = ["Bandwidth of spans that declare bytes (against the floors measured at start)",
+             f"  {'span':<22} {'role':<8} {'GB':>9} {'GB/s':>9} {'floor':<12} {'floor GB/s':>10} {'ratio':>7} "
+             f"{'s over floor':>12}"]
+    for b in rows:
+        fl = b["floor_bytes_per_s"]
+        lines.append(f"  {b['span']:<22} {b['role']:<8} {b['bytes'] / 1e9:>9.3g} "
+                     f"{_g(b['bandwidth_bytes_per_s'] and b['bandwidth_bytes_per_s'] / 1e9, '.3g'):>9} "
+                     f"{str(b['floor'] or '-'):<12} {_g(fl and fl / 1e9, '.3g'):>10} {_pct(b['floor_ratio']):>7} "
+                     f"{_g(b['seconds_over_floor'], '.3g'):>12}")
+    return lines
+
+
+def _memory(rep: dict) -> list:
+    m = rep["memory"]
+    if not m["measured"]:
+        return [f"Memory headroom: {m['reason']}"]
+    lines = ["Memory headroom per GPU (low point = total minus the interval's peak used)"]
+    for g in m["gpus"]:
+        low = g["low_point"]
+        when = f" at +{low['seconds_since_start']:.0f} s" if low["seconds_since_start"] is not None else ""
+        lines.append(f"  gpu {g['gpu']} {g['name'] or ''}: low {low['headroom_bytes'] / GIB:.2f} GiB "
+                     f"({_pct(low['headroom_ratio'])} of {g['total_bytes'] / GIB:.1f} GiB){when}, rank {low['rank']} "
+                     f"interval {low['interval']} step {low['step']}, during {low['dominant_span']} (the interval's "
+                     f"dominant span, {_pct(low['dominant_span_share'])}); last {g['last_headroom_bytes'] / GIB:.2f} GiB")
+    for a in m["allocator"]:
+        lines.append(f"  allocator rank {a['rank']} ({a['role']}): retries {a['alloc_retries_first']} -> "
+                     f"{a['alloc_retries_last']}, reserved {_g(a['reserved_bytes_first'] and a['reserved_bytes_first'] / GIB, '.2f')}"
+                     f" -> {_g(a['reserved_bytes_last'] and a['reserved_bytes_last'] / GIB, '.2f')} GiB")
+    return lines
+
+
+def _events(rep: dict) -> list:
+    ev = rep["events"]
+    if not ev["kinds"]:
+        return ["Events: none"]
+    lines = ["Events"]
+    for kind in ev["problems"]:
+        k = ev["kinds"][kind]
+        first = k["examples"][0] if k["examples"] else {}
+        detail = ", ".join(f"{key} {val}" for key, val in first.items() if key != "time_unix" and not isinstance(val, (dict, list)))
+        lines.append(f"  {kind}: {k['count']} on rank(s) {', '.join(map(str, k['ranks']))}; first: {detail}")
+    others = [f"{kind} {k['count']}" for kind, k in ev["kinds"].items() if kind not in ev["problems"]]
+    if others:
+        lines.append("  other: " + ", ".join(others))
+    return lines
+
+
+def _frames(rep: dict) -> list:
+    hf = rep["hot_frames"]
+    if not hf["threads"]:
+        return [f"Hot frames: {hf['reason']}"]
+    lines = ["Hot frames per thread"]
+    for t in hf["threads"]:
+        head = f"  rank {t['rank']} {t['thread']} (tid {t['native_id']}): {t['stack_samples']} samples"
+        if t["snapshots"]:
+            head += f", {t['snapshots']} snapshots ({t['stuck_snapshots']} stuck)"
+        lines.append(head)
+        lines.extend(f"    {_pct(f['share'])} {f['frame']}" for f in t["top_frames"])
+        lines.extend(f"    snapshot x{f['count']}: {f['frame']}" for f in t["snapshot_frames"] if not t["top_frames"])
+        if t["open_spans"]:
+            lines.append("    open spans: " + ", ".join(f"{s.get('name')} {_g(s.get('open_seconds'), '.1f')} s"
+                                                      for s in t["open_spans"]))
+    return lines
+
+
+def _ranks(rep: dict) -> list:
+    rt = rep["ranks"]
+    lines = ["Ranks (steady intervals)",
+             f"  {'rank':>4} {'role':<8} {'host':<12} {'tokens/s':>9} {'busy':>6} {'capacity':>9} {'steps':>6}  status"]
+    for r in rt["ranks"]:
+        lines.append(f"  {r['rank']:>4} {r['role']:<8} {str(r['host'] or '-'):<12} {_g(r['tokens_per_s'], '.1f'):>9} "
+                     f"{_pct(r['busy_share']):>6} {_g(r['capacity_tokens_per_s'], '.1f'):>9} {_g(r['steps'], 'd'):>6}  "
+                     f"{r['status']}" + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else ""))
+    s = rt["straggler"]
+    if s:
+        lines.append(f"  straggler: rank {s['rank']} ({s['role']}) at {_pct(s['capacity_ratio'])} of its peers' "
+                     f"median capacity" + (f"; most excess in {s['span']}" if s.get("span") else ""))
+    else:
+        lines.append(f"  straggler: none ({rt['reason'] or 'every rank within 20% of its peers'})")
+    return lines
+
+
+def _split(rep: dict) -> list:
+    s = rep["split"]
+    if not s["best"]:
+        return [f"Split: {s['reason']}"]
+    t, d = s["roles"]["target"], s["roles"]["drafter"]
+    lines = [f"Split of {s['n_gpus']} GPUs (capacity = steady tokens/s over busy share, per GPU)",
+             f"  capacity per GPU: target {t['capacity_tokens_per_s_per_gpu']:.4g}, drafter "
+             f"{d['capacity_tokens_per_s_per_gpu']:.4g} tokens/s: {s['targets_per_drafter_to_balance']:.2f} targets "
+             f"per drafter balance them",
+             f"  best: {s['best']['target_gpus']}:{s['best']['drafter_gpus']} (target:drafter), predicted "
+             f"{s['best']['predicted_tokens_per_s']:.4g} tokens/s"]
+    if s["current"]:
+        c = s["current"]
+        lines.append(f"  this run: {c['target_gpus']}:{c['drafter_gpus']}, predicted {c['predicted_tokens_per_s']:.4g}, "
+                     f"measured {_g(c['measured_tokens_per_s'])} tokens/s")
+    lines.append("  every split: " + ", ".join(f"{x['target_gpus']}:{x['drafter_gpus']} {x['predicted_tokens_per_s']:.4g}"
+                                              for x in s["splits"]))
+    return lines
+
+
+def _margin(rep: dict) -> list:
+    m = rep["memory_margin"]
+    if m["max_tokens_per_batch"] is None:
+        return [f"Memory margin: {m['reason']}"]
+    lim = m["limited_by"]
+    return [f"Memory margin: at most {m['max_tokens_per_batch']} tokens per batch keep {_pct(m['headroom_share'])} "
+            f"headroom on every GPU (now {m['tokens_per_batch']}; limited by rank {lim['rank']}, {lim['role']}; "
+            "per-batch bytes assumed linear in tokens)"]
+
+
+def _findings(rep: dict) -> list:
+    if not rep["findings"]:
+        return ["Findings: none"]
+    lines = ["Findings"]
+    for i, f in enumerate(rep["findings"], 1):
+        lines += [f"  {i}. {f['summary']}", f"     evidence: {f['evidence']}", f"     next: {f['next']}"]
+    return lines
+
+
+def format_hotspots(rep: dict) -> str:
+    """The whole report as text, findings last (where the eye lands)."""
+    roles = ", ".join(f"{len(r['ranks'])} {role}" for role, r in rep["spans"]["roles"].items())
+    head = [f"dflash-report hotspots {rep['run_dir']}" + (f"  (run {rep['run_id']})" if rep["run_id"] else ""),
+            f"  ranks: {roles}; segments: {rep['segments']}"]
+    sections = [head, _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep), _frames(rep),
+                _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
+    return "\n\n".join("\n".join(s) for s in sections)
+
+
+def _cmp_row(label: str, c: dict, scale: float, unit: str) -> str:
+    a, b = c["a"], c["b"]
+
+    def v(x):
+        return "-" if x is None else f"{x * scale:.4g}"
+    return (f"  {label:<32} {v(a['mean']):>10} {v(b['mean']):>10} {_pct(c['change_ratio']):>8} "
+            f"{v(a['spread']):>9} {v(b['spread']):>9} {unit:<9} {c['verdict']}")
+
+
+def format_compare(table: dict) -> str:
+    """The A/B table: spans (mean per call), tokens/s per role, peak GPU memory; then the regressions."""
+    head = f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'unit':<9} verdict"
+    lines = [f"dflash-report compare  A {table['a']}  B {table['b']}",
+             "(a change is called only when it exceeds both runs' interval-to-interval spread)", "", "Spans", head]
+    lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
+    lines += ["", "Tokens/s", head]
+    lines += [_cmp_row(role, c, 1.0, "tokens/s") for role, c in table["tokens_per_s"].items()]
+    lines += ["", "GPU memory (peak used)"]
+    if table["memory"]:
+        lines += [head] + [_cmp_row(f"gpu {gpu}", c, 1 / GIB, "GiB") for gpu, c in table["memory"].items()]
+    else:
+        lines.append(f"  {table['memory_reason']}")
+    lines += ["", "Regressions: " + (", ".join(table["regressions"]) or "none")]
+    return "\n".join(lines)

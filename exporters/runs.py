@@ -1,0 +1,121 @@
+"""A run directory's logs loaded once for the report: every rank's records split by kind, and the
+few helpers every analysis shares (which time a span is measured on, which intervals are steady).
+
+Standard library only: `dflash-report` reads run logs without importing torch (docs/RUNLOG.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from profiler import records as rl
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot read: missing, empty, foreign or too new. One line."""
+
+
+@dataclass
+class RankLog:
+    """One rank's records by kind, in file order (a resumed run holds several segments)."""
+    rank: int
+    role: str
+    hostname: str | None
+    run_starts: list = field(default_factory=list)
+    intervals: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    snapshots: list = field(default_factory=list)
+    run_ends: list = field(default_factory=list)
+    bad_lines: int = 0
+
+    @property
+    def config(self) -> dict:
+        return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
+
+
+@dataclass
+class Run:
+    run_dir: str
+    ranks: dict  # {rank: RankLog}
+
+    def by_role(self) -> dict:
+        """{role: [RankLog, ...]} in rank order."""
+        out: dict = {}
+        for log in self.ranks.values():
+            out.setdefault(log.role, []).append(log)
+        return out
+
+    @property
+    def config(self) -> dict:
+        return next((log.config for log in self.ranks.values() if log.config), {})
+
+    def histogram_bounds_seconds(self) -> list | None:
+        for log in self.ranks.values():
+            for start in log.run_starts:
+                if start.get("histogram_buckets_seconds"):
+                    return start["histogram_buckets_seconds"]
+        return None
+
+
+_KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
+               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends"}
+
+
+def _rank_log(rank: int, path: Path) -> RankLog:
+    recs, bad = rl.read_records(path)
+    role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
+    log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad)
+    for rec in recs:
+        name = _KIND_LISTS.get(rec.get("type"))
+        if name is not None:
+            getattr(log, name).append(rec)
+    for start in log.run_starts:
+        rl.check_schema(start, where=str(path))
+        log.hostname = log.hostname or start.get("hostname")
+    return log
+
+
+def load_run(run_dir) -> Run:
+    """Every rank's log of RUN_DIR; ReportError (one line) for a directory the report cannot read."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ReportError(f"{run_dir}: no such directory")
+    if not path.is_dir():
+        raise ReportError(f"{run_dir}: not a directory")
+    logs = rl.rank_logs(path)
+    if not logs:
+        raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
+    try:
+        ranks = {rank: _rank_log(rank, p) for rank, p in logs.items()}
+    except ValueError as e:   # a schema newer than this reader
+        raise ReportError(str(e)) from None
+    if not any(log.run_starts or log.intervals for log in ranks.values()):
+        raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
+                          "empty, or not written by dflash-train")
+    return Run(run_dir=str(path), ranks=ranks)
+
+
+def basis(entry: dict) -> tuple[dict, str]:
+    """(stats, "gpu"|"cpu"): a span's times are GPU times when measured (what `share` uses), else CPU."""
+    if entry.get("gpu"):
+        return entry["gpu"], "gpu"
+    return entry.get("cpu") or {}, "cpu"
+
+
+def basis_seconds(entry: dict) -> float:
+    return basis(entry)[0].get("total_seconds") or 0.0
+
+
+def steady_intervals(log: RankLog) -> list:
+    """The rank's intervals without each segment's first (start-up, compilation) and the final one
+    (evaluation, checkpoint, a partial length); all of them when that would leave none."""
+    steady = [r for r in log.intervals if r.get("index") != 0 and not r.get("final")]
+    return steady or list(log.intervals)
+
+
+def wall_seconds(intervals: list) -> float:
+    return sum(r.get("duration_seconds") or 0.0 for r in intervals)
+
+
+def counter_total(intervals: list, name: str) -> float:
+    return sum(((r.get("counters") or {}).get(name) or {}).get("total") or 0.0 for r in intervals)
