@@ -1,0 +1,472 @@
+"""The Grafana dashboard for DFlash training, generated from code.
+
+`python -m exporters.dashboard` writes `grafana/dflash.json`; `--check` exits 1 when the committed file
+differs from what this module generates (the committed JSON must equal the generator's output).
+
+Panels are plain data (`Panel`, `Query`) grouped in rows; `build_dashboard()` turns them into Grafana's
+JSON model with grafana-foundation-sdk, imported there only, so `panel_queries` and
+`substitute_variables` (used by the integration test that evaluates every query against a real
+Prometheus) need nothing beyond the standard library. Metric names come from `exporters.names`.
+
+Every query follows grafana/dashboard-linter's rules: the templated `${datasource}`, `job=~"$job"` and
+`instance=~"$instance"` in every selector (plus run, role, rank, and gpu or clock where the family has
+them), `$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporters.names import COMMON_LABELS, FAMILIES, WAIT_SPANS
+
+TITLE = "DFlash training"
+DASHBOARD_UID = "dflash-training"
+# The provisioned Prometheus data source (grafana/provisioning/datasources/prometheus.yml).
+DATASOURCE_UID = "dflash-prometheus"
+DATASOURCE_NAME = "Prometheus (dflash)"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "grafana" / "dflash.json"
+# Label variables every selector filters on (dashboard-linter requires job and instance).
+FILTER_VARIABLES = ("job", "run", "instance", "role", "rank")
+ROLES = ("target", "drafter")
+VARIABLE_LABELS = {"job": "Job", "instance": "Instance", "run": "Run", "role": "Role", "rank": "Rank",
+                   "gpu": "GPU"}
+RATE = "$__rate_interval"
+PANEL_HEIGHT = 8
+
+
+@dataclass(frozen=True)
+class Query:
+    """One Prometheus target of a panel."""
+    expr: str
+    legend: str = ""
+    instant: bool = False   # an instant query (a table's or bar gauge's), else a range query
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: what it shows and how; `kind` is timeseries, stat, bargauge or table."""
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    width: int = 8
+    kind: str = "timeseries"
+    stack: bool = False
+    bars: bool = False
+    max: float | None = None
+    # (value, color) steps above a base colour; a timeseries draws them as lines.
+    thresholds: tuple[tuple[float, str], ...] = ()
+    base_color: str = "green"
+    height: int = PANEL_HEIGHT
+
+
+def sel(key: str, suffix: str = "", **fixed: str) -> str:
+    """`name{...}` for a catalog family: the dashboard's variable matchers plus fixed `label="value"` ones.
+
+    Per-GPU families also filter on `$gpu`, span-time histograms on `$clock`. A fixed label the family
+    does not carry is a ValueError, so a typo fails when the dashboard is built.
+    """
+    family = FAMILIES[key]
+    labels = COMMON_LABELS + family.labels
+    matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES]
+    matchers += [f'{var}=~"${var}"' for var in ("gpu", "clock") if var in family.labels]
+    for label, value in fixed.items():
+        if label not in labels:
+            raise ValueError(f"{family.name} has no label {label!r} (labels: {', '.join(labels)})")
+        matchers.append(f'{label}="{value}"')
+    return f"{family.name}{suffix}{{{', '.join(matchers)}}}"
+
+
+def _other_role(role: str) -> str:
+    """The role on the other side of the pipeline."""
+    return ROLES[1 - ROLES.index(role)]
+
+
+def _overview() -> list[Panel]:
+    """Throughput, step time and which side of the pipeline waits on the other."""
+    step_time = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
+                 f" / increase({sel('steps', role='drafter')}[{RATE}]))"
+                 f" / ({sel('tokens_rate', role='drafter')} > 0)")
+    bound = tuple(Query(f"avg({sel('wait_share', role=role, span=span)})",
+                        f"{role}s wait: {_other_role(role)}-bound")
+                  for span, role in WAIT_SPANS.items())
+    return [
+        Panel("Tokens per second by role",
+              "Tokens per second over the last profile interval, summed over the role's ranks. Both roles "
+              "handle the same tokens, so in a steady run the two lines meet; the lower one sets the pace.",
+              "short", (Query(f"sum by (role) ({sel('tokens_rate')})", "{{role}}"),), width=8),
+        Panel("Drafter step time",
+              "Seconds per drafter optimiser step: tokens per step (tokens and steps counters over the rate "
+              "window) divided by tokens per second. Gaps mean the window held no profile interval boundary.",
+              "s", (Query(step_time, "rank {{rank}}"),), width=6),
+        Panel("Which role bounds the run",
+              "Mean wait share of each role over its ranks. Targets waiting for a transfer slot means the "
+              "drafters are the bottleneck; drafters waiting to receive means the targets are. Both high: "
+              "the transfer itself bounds the run.",
+              "percentunit", bound, width=6, kind="stat", max=1.0,
+              thresholds=((0.1, "yellow"), (0.3, "red"))),
+        Panel("Drafter step", "The drafters' current training step (highest over drafter ranks).",
+              "none", (Query(f"max({sel('step', role='drafter')})", "step"),), width=4, kind="stat"),
+    ]
+
+
+def _step_breakdown() -> list[Panel]:
+    """Where each role's time goes, per span, on the clock picked by `$clock`."""
+    def share(role: str) -> Panel:
+        expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]))"
+        return Panel(f"{role.capitalize()} time share by span ($clock clock)",
+                     f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
+                     "stacked. Nested spans also count inside their parent, so the stack can pass 100%.",
+                     "percentunit", (Query(expr, "{{span}}"),), stack=True)
+
+    p95 = (f"histogram_quantile(0.95, sum by (le, role, span) "
+           f"(rate({sel('span_seconds', '_bucket')}[{RATE}])))")
+    mean = (f"sum by (role, span) (rate({sel('span_seconds', '_sum')}[{RATE}]))"
+            f" / sum by (role, span) (rate({sel('span_seconds', '_count')}[{RATE}]))")
+    busiest = f"sort_desc(max by (role, span) ({sel('span_share')}))"
+    return [
+        share("target"),
+        share("drafter"),
+        Panel("Span share of the last interval (busiest rank)",
+              "Share of the last profile interval spent in each span on its busiest rank (GPU time when "
+              "the span has it, else CPU): the hotspot table at a glance.", "percentunit",
+              (Query(busiest, "{{role}} {{span}}", instant=True),), kind="bargauge", max=1.0),
+        Panel("p95 span time ($clock clock)",
+              "95th percentile of span duration over all selected ranks of a role, from the span-time "
+              "histogram (aggregated over ranks with sum by le).",
+              "s", (Query(p95, "{{role}} {{span}}"),), width=12),
+        Panel("Mean span time ($clock clock)", "Mean span duration per role: histogram sum over count.",
+              "s", (Query(mean, "{{role}} {{span}}"),), width=12),
+    ]
+
+
+def _pipeline_flow() -> list[Panel]:
+    """Queue, waits and transfers between target and drafter ranks."""
+    bandwidth = (Query(sel("span_bandwidth"), "{{role}} {{rank}} {{span}}"),
+                 Query(f"max by (span, floor) ({sel('span_floor')})", "floor {{floor}} ({{span}})"))
+    return [
+        Panel("Queue depth (drafters)",
+              "Received batches waiting for each drafter: last, mean and max of the interval. Near zero "
+              "means the drafter starves (target-bound); at its bound means the targets wait.",
+              "short", (Query(sel("queue_depth", role="drafter"), "rank {{rank}} {{stat}}"),)),
+        Panel("Wait shares",
+              "Share of the interval each rank spent waiting on the other side: transfer.wait_slot on "
+              "targets (waiting for the drafter), drafter.recv on drafters (waiting for data).",
+              "percentunit", (Query(sel("wait_share"), "{{role}} {{rank}} {{span}}"),), max=1.0),
+        Panel("Sequences per second by role",
+              "Sequences processed per second, summed over each role's ranks.",
+              "short", (Query(f"sum by (role) (rate({sel('samples')}[{RATE}]))", "{{role}}"),)),
+        Panel("Bytes moved per second by span", "Bytes moved by spans that declare bytes, per second.",
+              "Bps", (Query(f"sum by (role, span) (rate({sel('span_bytes')}[{RATE}]))",
+                            "{{role}} {{span}}"),)),
+        Panel("Transfer bandwidth against its floor",
+              "Achieved bandwidth of each byte-moving span in the last interval, and the floor measured at "
+              "start for its kind of copy.", "Bps", bandwidth),
+        Panel("Bandwidth as a share of its floor",
+              "Achieved bandwidth over its floor: well below 100% means the copy is slower than this "
+              "machine can do.", "percentunit",
+              (Query(sel("span_floor_ratio"), "{{role}} {{rank}} {{span}}"),)),
+    ]
+
+
+def _memory() -> list[Panel]:
+    """Headroom per GPU with its low point, NVML and allocator memory, retries and OOMs."""
+    gpu = "{{role}} {{rank}} gpu {{gpu}}"
+    return [
+        Panel("GPU memory headroom and its low point",
+              "Free GPU memory now, and its lowest point in the interval (total minus the interval's peak "
+              "used, which the 2 Hz sampler catches between intervals too).", "bytes",
+              (Query(sel("gpu_headroom"), f"{gpu} now"), Query(sel("gpu_headroom_min"), f"{gpu} low point")),
+              width=12),
+        Panel("Lowest headroom share", "The lowest headroom of any selected GPU in its last interval, as "
+              "a share of its memory. Red below 5%.", "percentunit",
+              (Query(f"min({sel('gpu_headroom_ratio')})", "lowest"),), width=4, kind="stat", max=1.0,
+              base_color="red", thresholds=((0.05, "yellow"), (0.1, "green"))),
+        Panel("GPU memory used, peak and size", "NVML memory: used now, the interval's peak, and the total.",
+              "bytes", (Query(sel("gpu_memory_used"), f"{gpu} used"),
+                        Query(sel("gpu_memory_peak"), f"{gpu} peak"),
+                        Query(sel("gpu_memory_total"), f"{gpu} total"))),
+        Panel("Caching allocator", "PyTorch caching allocator: allocated and reserved now, and their peaks "
+              "in the interval. Reserved far above allocated points at fragmentation.", "bytes",
+              tuple(Query(sel(key), f"{gpu} {what}") for key, what in (
+                  ("alloc_allocated", "allocated"), ("alloc_reserved", "reserved"),
+                  ("alloc_peak_allocated", "peak allocated"), ("alloc_peak_reserved", "peak reserved"))),
+              width=12),
+        Panel("Allocator retries and OOMs", "cudaMalloc retries after freeing cached blocks (fragmentation) "
+              "and out-of-memory errors, per rate window.", "short",
+              (Query(f"increase({sel('alloc_retries')}[{RATE}])", f"{gpu} retries"),
+               Query(f"increase({sel('alloc_ooms')}[{RATE}])", f"{gpu} OOMs")), width=12, bars=True),
+    ]
+
+
+def _gpu() -> list[Panel]:
+    """NVML utilisation, power, temperature, SM clock and throttle reasons."""
+    gpu = "{{role}} {{rank}} gpu {{gpu}}"
+    return [
+        Panel("GPU utilisation", "Share of time the GPU was busy (NVML), interval mean.", "percentunit",
+              (Query(sel("gpu_utilization"), gpu),), max=1.0),
+        Panel("GPU power", "Power draw (NVML), interval mean.", "watt", (Query(sel("gpu_power"), gpu),)),
+        Panel("GPU temperature", "Temperature (NVML), interval max.", "celsius",
+              (Query(sel("gpu_temperature"), gpu),)),
+        Panel("SM clock", "SM clock (NVML), last sample. A drop under load usually comes with a throttle "
+              "reason.", "hertz", (Query(sel("gpu_sm_clock"), gpu),), width=12),
+        Panel("Throttle reasons", "Number of selected GPUs with each NVML clock-event (throttle) reason "
+              "active.", "short",
+              (Query(f"sum by (reason) ({sel('gpu_throttle')})", "{{reason}}"),), width=12),
+    ]
+
+
+def _training() -> list[Panel]:
+    """Drafter loss, per-position accuracy, acceptance length, learning rate and grad norm."""
+    tau = (Query(f"avg({sel('train_tau')})", "tau (simulated acceptance)"),
+           Query(f"avg({sel('train_tau_prefix')})", "tau_prefix (teacher-forced prefix)"))
+    return [
+        Panel("Loss", "Drafter loss per drafter rank, interval mean.", "none",
+              (Query(sel("train_loss"), "rank {{rank}}"),)),
+        Panel("Accuracy by block position (acc_k)", "Drafter top-1 accuracy at block position k, interval "
+              "mean, averaged over drafter ranks.", "percentunit",
+              (Query(f"avg by (position) ({sel('train_accuracy')})", "acc_{{position}}"),), max=1.0),
+        Panel("Acceptance length (tau)", "Tokens produced per verify step: tau simulated from acc_k, and "
+              "tau_prefix from teacher-forced accepted prefixes; means over drafter ranks.", "none", tau),
+        Panel("Learning rate", "Learning rate, last of the interval (highest over drafter ranks).", "sci",
+              (Query(f"max({sel('train_learning_rate')})", "lr"),), width=12),
+        Panel("Gradient norm", "Gradient norm before clipping per drafter rank, interval mean.", "none",
+              (Query(sel("train_grad_norm"), "rank {{rank}}"),), width=12),
+    ]
+
+
+def _health() -> list[Panel]:
+    """Liveness, events, exporter drops and versions."""
+    return [
+        Panel("Heartbeat age", "Seconds since each rank's last run-log record. Rising means the rank has "
+              "stopped writing (hung); a line that ends means its endpoint is gone.", "s",
+              (Query(f"time() - {sel('heartbeat')}", "{{role}} {{rank}}"),), width=6,
+              thresholds=((180.0, "red"),)),
+        Panel("Profile intervals closed", "Intervals each rank closed per rate window: a rank at 0 has "
+              "stopped closing intervals.", "short",
+              (Query(f"increase({sel('intervals')}[{RATE}])", "{{role}} {{rank}}"),), width=6, bars=True),
+        Panel("Events by kind", "Run-log events per rate window by kind (nonfinite, oom, thread_crash, "
+              "signal, bad_records, hang, ...).", "short",
+              (Query(f"sum by (kind) (increase({sel('events')}[{RATE}]))", "{{kind}}"),), width=6, bars=True),
+        Panel("Exporter dropped records", "Records an exporter dropped (queue full or export failed), per "
+              "rate window.", "short",
+              (Query(f"sum by (role, rank, exporter) (increase({sel('exporter_dropped')}[{RATE}]))",
+                     "{{role}} {{rank}} {{exporter}}"),), width=6, bars=True),
+        Panel("Build info", "Versions and device of each rank.", "none",
+              (Query(sel("build_info"), instant=True),), width=24, kind="table", height=6),
+    ]
+
+
+def rows() -> list[tuple[str, list[Panel]]]:
+    """The dashboard's rows, top to bottom, each with its panels."""
+    return [("Overview", _overview()), ("Step breakdown", _step_breakdown()),
+            ("Pipeline flow", _pipeline_flow()), ("Memory", _memory()), ("GPU", _gpu()),
+            ("Training", _training()), ("Health", _health())]
+
+
+def _datasource_ref():
+    """The templated data source every panel, target and variable uses (dashboard-linter's rule)."""
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+    return DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def _variables() -> list:
+    """Template variables: the data source, label filters chained left to right, and the span clock."""
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    out = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+           .current(dm.VariableOption(text=DATASOURCE_NAME, value=DATASOURCE_UID))]
+    info = FAMILIES["build_info"].name
+    labels = FILTER_VARIABLES + ("gpu",)
+    for i, label in enumerate(labels):
+        metric = FAMILIES["gpu_memory_total"].name if label == "gpu" else info
+        upstream = ", ".join(f'{v}=~"${v}"' for v in labels[:i])
+        selector = f"{metric}{{{upstream}}}" if upstream else metric
+        out.append(db.QueryVariable(label).label(VARIABLE_LABELS[label]).datasource(_datasource_ref())
+                   .query(f"label_values({selector}, {label})")
+                   .multi(True).include_all(True).all_value(".+")
+                   .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
+    clocks = [dm.VariableOption(text=c, value=c, selected=c == "gpu") for c in ("gpu", "cpu")]
+    out.append(db.CustomVariable("clock").label("Span clock").values("gpu,cpu")
+               .description("Span times on GPU events or CPU wall clock (CPU-only runs have only cpu).")
+               .current(dm.VariableOption(text="gpu", value="gpu")).options(clocks))
+    return out
+
+
+def _thresholds(panel: Panel):
+    """Absolute threshold steps: the base colour, then the panel's (value, color) steps."""
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    steps = [dm.Threshold(value=None, color=panel.base_color)]
+    steps += [dm.Threshold(value=value, color=color) for value, color in panel.thresholds]
+    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)
+
+
+def _target(query: Query, ref_id: str, table: bool):
+    """The SDK builder for one Prometheus target."""
+    from grafana_foundation_sdk.builders import prometheus
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+    target = prometheus.Dataquery().expr(query.expr).ref_id(ref_id).datasource(_datasource_ref())
+    if query.legend:
+        target = target.legend_format(query.legend)
+    if query.instant:
+        target = target.instant()
+    if table:
+        target = target.format(PromQueryFormat.TABLE)
+    return target
+
+
+def _timeseries_options(builder, panel: Panel):
+    """Stacking, bars and threshold lines of a timeseries panel."""
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.models import common as cm
+
+    builder = builder.legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
+                             .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+    if panel.stack:
+        builder = builder.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(40)
+    if panel.bars:
+        builder = builder.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(60)
+    if panel.thresholds:
+        builder = builder.thresholds_style(
+            cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED))
+    return builder
+
+
+def _panel(panel: Panel, panel_id: int):
+    """The SDK builder for one panel."""
+    from grafana_foundation_sdk.builders import bargauge, common as cb, stat, table, timeseries
+    from grafana_foundation_sdk.models import common as cm, dashboard as dm
+
+    kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel,
+             "table": table.Panel}
+    builder = kinds[panel.kind]()
+    builder = (builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
+               .datasource(_datasource_ref()).height(panel.height).span(panel.width)
+               .thresholds(_thresholds(panel)))
+    for i, query in enumerate(panel.queries):
+        builder = builder.with_target(_target(query, chr(ord("A") + i), panel.kind == "table"))
+    if panel.max is not None:
+        builder = builder.min(0).max(panel.max)
+    if panel.kind == "timeseries":
+        builder = _timeseries_options(builder, panel)
+    elif panel.kind == "stat":
+        builder = builder.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]))
+    elif panel.kind == "bargauge":
+        builder = (builder.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]))
+                   .orientation(cm.VizOrientation.HORIZONTAL).display_mode(cm.BarGaugeDisplayMode.GRADIENT))
+    else:
+        hidden = {"Time": True, "Value": True, "__name__": True}
+        builder = builder.show_header(True).with_transformation(dm.DataTransformerConfig(
+            id_val="organize", options={"excludeByName": hidden}))
+    return builder
+
+
+def events_annotation_expr() -> str:
+    """Run-log events as annotations on every time series: one mark per kind and rate window."""
+    return f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"
+
+
+def _events_annotation():
+    """The dashboard annotation that marks run events on every time series."""
+    from grafana_foundation_sdk.builders import dashboard as db
+
+    return (db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
+            .icon_color("red").expr(events_annotation_expr()))
+
+
+def build_dashboard() -> dict:
+    """The dashboard's JSON model (what `grafana/dflash.json` holds)."""
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    builder = (db.Dashboard(TITLE).uid(DASHBOARD_UID).tags(["dflash", "training"]).readonly()
+               .description("DFlash drafter training: throughput, step breakdown, pipeline flow, memory, "
+                            "GPUs, training metrics and health, from the dflash_* Prometheus metrics.")
+               .tooltip(dm.DashboardCursorSync.CROSSHAIR).refresh("1m").time("now-1h", "now")
+               .timezone("browser"))
+    for variable in _variables():
+        builder = builder.with_variable(variable)
+    builder = builder.annotation(_events_annotation())
+    ids = itertools.count(1)
+    for title, panels in rows():
+        builder = builder.with_row(db.Row(title).id(next(ids)))
+        for panel in panels:
+            builder = builder.with_panel(_panel(panel, next(ids)))
+    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+
+
+def iter_panels(dashboard: dict):
+    """Every panel of the dashboard, rows included, and the panels a collapsed row holds."""
+    for panel in dashboard.get("panels", []):
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) for every target of every panel."""
+    return [(panel.get("title", ""), target.get("refId", ""), target["expr"])
+            for panel in iter_panels(dashboard) for target in panel.get("targets", [])]
+
+
+# $var, ${var} (or ${var:format}) and [[var]], the three syntaxes Grafana interpolates.
+_VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]+)\}|\[\[([^\[\]]+)\]\]")
+
+
+def substitute_variables(expr: str, values: dict) -> str:
+    """`expr` with Grafana's variables replaced by `values`.
+
+    Keys are variable names; Grafana's globals go without their underscores (`rate_interval` for
+    `$__rate_interval`, also `interval`, `range`), or with them. A `${var:format}` takes the value as
+    given. A variable with no value is a KeyError.
+    """
+    def replace(match: re.Match) -> str:
+        token = next(group for group in match.groups() if group is not None)
+        name = token.split(":", 1)[0]
+        for key in (name, name.lstrip("_")):
+            if key in values:
+                return str(values[key])
+        raise KeyError(f"no value for {match.group(0)} in {expr!r}")
+
+    return _VARIABLE.sub(replace, expr)
+
+
+def render(dashboard: dict) -> str:
+    """The committed file's text: two-space indented JSON and a final newline."""
+    return json.dumps(dashboard, indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the dashboard JSON, or with --check report whether the file on disk is current."""
+    parser = argparse.ArgumentParser(prog="python -m exporters.dashboard", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="dashboard JSON path (default: %(default)s)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when --out differs from the generated dashboard")
+    args = parser.parse_args(argv)
+    text = render(build_dashboard())
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else None
+        if current != text:
+            print(f"{args.out} is out of date: run python -m exporters.dashboard --out {args.out}",
+                  file=sys.stderr)
+            return 1
+        print(f"{args.out} is up to date")
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
