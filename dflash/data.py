@@ -5,6 +5,10 @@ Records are `{"messages": [...]}` or `{"conversations": [...]}`; turns are OpenA
 (`{"from": "system"|"human"|"gpt", "value": str}`). Tokenisation goes through the tokenizer's
 chat template; the loss mask is 1 exactly on each assistant turn's content and its end-of-turn
 token, found by rendering the conversation prefix by prefix and diffing token counts.
+
+Bounded work per record: a line longer than MAX_LINE_BYTES is a bad record (read past, never held
+whole), and only the part of a conversation that can reach the first `max_length` tokens is
+rendered and tokenised. Bytes that are not UTF-8 make the line a bad record, never replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import torch
 ROLE_ALIASES = {"system": "system", "user": "user", "assistant": "assistant",
                 "human": "user", "gpt": "assistant"}
 MAX_EXAMPLES = 20
+# One JSONL line at most (newline excluded). 16 MiB of text is millions of tokens, far past any
+# max_length; a longer line is a malformed file (a missing newline, an embedded blob).
+MAX_LINE_BYTES = 16 * 1024 * 1024
+_SKIP_CHUNK_BYTES = 1024 * 1024   # how an over-long line is read past
 
 
 @dataclass
@@ -96,6 +104,9 @@ class ChatTokenizer:
         special = set(getattr(tokenizer, "all_special_ids", []))
         special |= {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
         self._special_ids = special
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=64)
+        """The longest token's text: no token covers more characters (unknown words aside)."""
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -104,8 +115,30 @@ class ChatTokenizer:
         # The template already writes any BOS/special tokens as text.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """(input_ids, loss_mask) of a conversation; _BadRecord if the template misbehaves."""
+    def encode(self, messages: list[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask) of a conversation, cut to max_length; _BadRecord if the template
+        misbehaves. Only the turns and characters that can reach the first max_length tokens are
+        rendered: each turn renders at least one token (its content is not empty), and no token
+        covers more than max_token_chars characters, so twice that bound per token is left intact
+        (a safety margin for the word the cut splits)."""
+        if max_length is None:
+            return self._encode(messages, None)
+        budget_chars = 2 * (max_length + 1) * self.max_token_chars
+        kept, cut = [], len(messages) > max_length
+        for turn in messages[:max_length]:
+            if budget_chars <= 0:
+                cut = True
+                break
+            content = turn["content"][:budget_chars]
+            cut = cut or len(content) < len(turn["content"])
+            budget_chars -= len(content)
+            kept.append({**turn, "content": content})
+        ids, mask = self._encode(kept, max_length)
+        if cut and len(ids) < max_length:   # a token longer than the bound (an unknown word): redo whole
+            ids, mask = self._encode(messages, max_length)
+        return ids[:max_length], mask[:max_length]
+
+    def _encode(self, messages: list[dict], max_length: int | None) -> tuple[list[int], list[int]]:
         try:
             full = self._ids(messages, generation_prompt=False)
             mask = [0] * len(full)
@@ -114,6 +147,8 @@ class ChatTokenizer:
                     continue
                 # Tokens before the turn's content: the prefix plus the assistant header.
                 start = self._ids(messages[:i], generation_prompt=True)
+                if max_length is not None and len(start) >= max_length:
+                    break   # this turn and every later one start past the cut
                 # Tokens through the end of the turn (content, end-of-turn, any separator).
                 end = self._ids(messages[:i + 1], generation_prompt=False)
                 for what, prefix in (("header", start), ("turn", end)):
@@ -134,6 +169,61 @@ class ChatTokenizer:
         return full, mask
 
 
+def _read_lines(f) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) for each line of a binary file; None for a line over MAX_LINE_BYTES,
+    which is read past in chunks, never held whole."""
+    line_no = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > MAX_LINE_BYTES and raw[MAX_LINE_BYTES:] != b"\n":
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(_SKIP_CHUNK_BYTES)
+            yield line_no, None
+        else:
+            yield line_no, raw
+
+
+def _parse_line(raw: bytes | None, line_no: int, source: str, chat: ChatTokenizer,
+                max_length: int) -> Sample | None:
+    """One line -> a Sample, None for a blank line, or _BadRecord."""
+    if raw is None:
+        raise _BadRecord(f"line longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _BadRecord(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+    if line_no == 1:
+        text = text.removeprefix("\ufeff")   # a byte-order mark some editors write
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    input_ids, loss_mask = chat.encode(_normalise_turns(record), max_length)
+    if not any(loss_mask):
+        raise _BadRecord(f"no assistant token within max_length={max_length}")
+    return Sample(input_ids, loss_mask, source)
+
+
+def iter_records(path: Path, chat: ChatTokenizer, max_length: int) -> Iterator[tuple[str, Sample | str]]:
+    """("FILE:LINE", Sample) for each usable record and ("FILE:LINE", reason) for each bad one, in
+    file order; blank lines are skipped. OSError if the file cannot be read."""
+    with open(path, "rb") as f:
+        for line_no, raw in _read_lines(f):
+            source = f"{path}:{line_no}"
+            try:
+                sample = _parse_line(raw, line_no, source, chat, max_length)
+            except _BadRecord as exc:
+                yield source, str(exc)
+                continue
+            if sample is not None:
+                yield source, sample
+
+
 def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "skip",
                        chat_template: str | None = None) -> tuple[list[Sample], BadRecords]:
     """Read and tokenise a JSONL file of conversations.
@@ -152,31 +242,37 @@ def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "s
     chat = ChatTokenizer(tokenizer, chat_template)
     samples: list[Sample] = []
     bad = BadRecords()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            source = f"{path}:{line_no}"
-            try:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-                input_ids, loss_mask = chat.encode(_normalise_turns(record))
-                input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-                if not any(loss_mask):
-                    raise _BadRecord(f"no assistant token within max_length={max_length}")
-            except _BadRecord as exc:
-                message = f"{source}: {exc}"
-                if on_bad_record == "fail":
-                    raise ValueError(message) from None
-                bad.add(message)
-                continue
-            samples.append(Sample(input_ids, loss_mask, source))
+    for source, item in iter_records(path, chat, max_length):
+        if isinstance(item, Sample):
+            samples.append(item)
+            continue
+        message = f"{source}: {item}"
+        if on_bad_record == "fail":
+            raise ValueError(message)
+        bad.add(message)
     if not samples:
-        first = f"; first: {bad.examples[0]}" if bad.examples else ""
-        raise ValueError(f"{path}: no usable records ({bad.count} bad{first})")
+        raise _no_usable_records(path, bad)
     return samples, bad
+
+
+def first_usable_record(path, tokenizer, max_length: int, on_bad_record: str = "skip") -> Sample:
+    """Read only up to the first usable record (a launch's preflight): with "fail", a bad record
+    before it raises ValueError("FILE:LINE: reason"); no usable record at all raises too."""
+    path = Path(path)
+    chat = ChatTokenizer(tokenizer)
+    bad = BadRecords()
+    for source, item in iter_records(path, chat, max_length):
+        if isinstance(item, Sample):
+            return item
+        if on_bad_record == "fail":
+            raise ValueError(f"{source}: {item}")
+        bad.add(f"{source}: {item}")
+    raise _no_usable_records(path, bad)
+
+
+def _no_usable_records(path: Path, bad: BadRecords) -> ValueError:
+    first = f"; first: {bad.examples[0]}" if bad.examples else ""
+    return ValueError(f"{path}: no usable records ({bad.count} bad{first})")
 
 
 @dataclass

@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from dflash.data import Sample, TokenBatcher, collate, load_conversations
+import dflash.data as data_mod
+from dflash.data import ChatTokenizer, Sample, TokenBatcher, collate, first_usable_record, load_conversations
 
 # The no-tools part of Qwen2.5-Instruct's chat template: a default system prompt when none is
 # given, ChatML turns, and a "\n" after every <|im_end|> (which must stay out of the loss mask).
@@ -184,6 +185,104 @@ def test_template_failure_is_a_bad_record(tmp_path, tiny_tokenizer):
     samples, bad = load_conversations(path, tiny_tokenizer, max_length=64, chat_template=strict)
     assert len(samples) == 1
     assert bad.examples[0].startswith(f"{path}:1: chat template failed:") and "no system" in bad.examples[0]
+
+
+# ----------------------------------------------------------------------------- hostile input
+GOOD = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}
+
+
+def test_non_utf8_bytes_are_a_counted_bad_record_never_replaced(tmp_path, tiny_tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    bad_line = json.dumps(GOOD).replace("world", "w\u00f6rld").encode("latin-1")
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + bad_line + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    samples, bad = load_conversations(path, tiny_tokenizer, max_length=64)
+    column = bad_line.index(b"\xf6") + 1
+    assert [s.source for s in samples] == [f"{path}:1", f"{path}:3"]
+    assert bad.count == 1 and bad.examples == [f"{path}:2: not valid UTF-8 (byte 0xf6 at column {column})"]
+    with pytest.raises(ValueError, match=f"^{path}:2: not valid UTF-8"):
+        load_conversations(path, tiny_tokenizer, max_length=64, on_bad_record="fail")
+
+
+def test_a_line_over_the_bound_is_a_bad_record_and_the_next_line_still_reads(tmp_path, tiny_tokenizer,
+                                                                              monkeypatch):
+    monkeypatch.setattr(data_mod, "MAX_LINE_BYTES", 2048)
+    monkeypatch.setattr(data_mod, "_SKIP_CHUNK_BYTES", 100)   # read past it in many chunks
+    huge = {"messages": [{"role": "user", "content": "hello " * 1000}, {"role": "assistant", "content": "x"}]}
+    exact = json.dumps(GOOD)
+    exact = exact[:-1] + " " * (2048 - len(exact)) + "}"   # exactly at the bound: still a record
+    path = write_jsonl(tmp_path / "big.jsonl", [huge, GOOD, exact])
+    samples, bad = load_conversations(path, tiny_tokenizer, max_length=64)
+    assert bad.examples == [f"{path}:1: line longer than 2048 bytes"]
+    assert [s.source for s in samples] == [f"{path}:2", f"{path}:3"]
+
+
+def test_bom_on_the_first_line_is_not_a_bad_record(tmp_path, tiny_tokenizer):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
+    samples, bad = load_conversations(path, tiny_tokenizer, max_length=64)
+    assert len(samples) == 1 and bad.count == 0
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records the longest text it was asked to tokenise."""
+
+    def __init__(self, inner):
+        self.inner, self.longest_chars = inner, 0
+
+    def __call__(self, text, **kw):
+        self.longest_chars = max(self.longest_chars, len(text))
+        return self.inner(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_huge_record_is_tokenised_only_as_far_as_max_length_can_use(tmp_path):
+    tok = CountingTokenizer(byte_level_tokenizer())
+    chat = ChatTokenizer(tok)
+    long_answer = "abc def " * 250_000   # 2 MB of assistant text
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": long_answer}]
+    ids, mask = chat.encode(conv, max_length=100)
+    bound = 2 * 101 * chat.max_token_chars
+    assert tok.longest_chars < bound + 500   # the bound plus the template's own text
+    assert len(ids) == len(mask) == 100
+    full_ids, full_mask = ChatTokenizer(byte_level_tokenizer()).encode(conv)
+    assert (ids, mask) == (full_ids[:100], full_mask[:100])
+    many = [t for _ in range(5000) for t in ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})]
+    tok.longest_chars = 0
+    ids, mask = chat.encode(many, max_length=64)
+    assert len(ids) == 64 and tok.longest_chars < 64 * 40   # 64 turns at most, not 10000
+
+
+@pytest.mark.parametrize("max_length", [5, 13, 16, 31, 64])
+def test_bounded_encoding_equals_full_encoding_cut(data_dir, tiny_tokenizer, max_length):
+    chat = ChatTokenizer(tiny_tokenizer)
+    for line in (data_dir / "openai.jsonl").read_text().splitlines():
+        if line.strip():
+            turns = data_mod._normalise_turns(json.loads(line))
+            full_ids, full_mask = chat.encode(turns)
+            assert chat.encode(turns, max_length) == (full_ids[:max_length], full_mask[:max_length])
+
+
+def test_unknown_long_words_fall_back_to_the_whole_record(tiny_tokenizer):
+    """A word-level tokenizer maps an unknown word of any length to one token, beyond the bound."""
+    chat = ChatTokenizer(tiny_tokenizer)
+    words = " ".join("x" * 500 for _ in range(40))
+    conv = [{"role": "user", "content": words}, {"role": "assistant", "content": "cat"}]
+    assert len(words) > 2 * 49 * chat.max_token_chars   # the bound cuts this record
+    full_ids, full_mask = chat.encode(conv)
+    assert chat.encode(conv, max_length=48) == (full_ids[:48], full_mask[:48])
+    assert any(chat.encode(conv, max_length=48)[1])
+
+
+def test_first_usable_record_reads_only_that_far(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ["{oops", GOOD, "{never read"])
+    assert first_usable_record(path, tiny_tokenizer, 64).source == f"{path}:2"
+    with pytest.raises(ValueError, match=f"^{path}:1: not valid JSON"):
+        first_usable_record(path, tiny_tokenizer, 64, on_bad_record="fail")
+    only_bad = write_jsonl(tmp_path / "b.jsonl", ["{oops", {"messages": []}])
+    with pytest.raises(ValueError, match=r"b.jsonl: no usable records \(2 bad; first: .*b.jsonl:1: not valid JSON"):
+        first_usable_record(only_bad, tiny_tokenizer, 64)
 
 
 # ----------------------------------------------------------------------------- batching
