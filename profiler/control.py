@@ -355,3 +355,17 @@ def discover(pid: int, discovery_dir=None) -> dict | None:
     if not isinstance(record, dict) or record.get("pid") != int(pid):
         raise ValueError(f"discovery file {path} does not describe pid {pid}")
     return record
+
+
+def discover_all(discovery_dir=None) -> list[dict]:
+    """Every readable discovery record in the directory (any state: callers check liveness)."""
+    directory = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # removed or rewritten under us, or not ours to read
+        if isinstance(record, dict) and isinstance(record.get("pid"), int):
+            records.append(record)
+    return records

@@ -1,0 +1,384 @@
+"""`dflash-profile snapshot`: a live process's own state (control endpoint) merged with its py-spy stacks.
+
+Standard library only, so the CLI starts without torch. For one pid: find the control endpoint
+through the discovery file, ask it for `state` (rank, role, step, open spans per thread with their
+age, last interval, memory), run `py-spy dump --json` on the same pid, and join the two per thread
+on the OS thread id (py-spy's `os_thread_id`, the profiler's `native_id`). A Python process without
+an endpoint still gets its stacks, with a note saying so. For a run directory: every live rank at
+once, side by side, plus who waits on whom.
+
+Stuck rule: an open span is stuck when it has been open longer than
+max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S), i.e. max(10 x p95, 5 s). Its recent p95 is the larger
+of its CPU and GPU p95 in the most recent closed interval in which it finished: the live
+last_interval first, else the rank's run log (a span that hangs stops finishing, so the intervals
+after it no longer carry it). Without such an interval (none closed yet, or the span never finished)
+the span is not judged (`stuck` false) and `stuck_basis` says why: no guessing.
+
+What is kept (keep_snapshot): the snapshot as JSON in RUN_DIR/snapshots/, and a `snapshot` record in
+the rank's own run log, written by the process itself through the endpoint's `record` command (the
+process stays its log's single writer). Record fields: pid, step, native, file, stuck, stuck_rule,
+note, threads: [{name, native_id, open_spans: [{name, open_seconds, p95_seconds, limit_seconds,
+stuck}], stuck, stuck_span, stuck_frame, frames (innermost first)}].
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from profiler.control import default_discovery_dir, discover, discover_all, query
+from profiler.records import INTERVAL, read_records
+from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
+
+STUCK_FACTOR = 10.0
+STUCK_FLOOR_S = 5.0
+STUCK_RULE = f"open longer than max({STUCK_FACTOR:g} x recent p95, {STUCK_FLOOR_S:g} s)"
+# Span contract (DESIGN.md): the spans in which a rank waits on ranks of another role.
+WAITS_FOR_ROLE = {"drafter.recv": "target", "transfer.wait_slot": "drafter", "transfer.send": "drafter",
+                  "drafter.allreduce": "drafter"}
+NO_LIVE_RANK = "no_live_rank"
+
+
+class SnapshotError(StackError):
+    """A snapshot that cannot be taken at all (one-line message; the CLI exits 2)."""
+
+
+# ---- one process -----------------------------------------------------------------------------
+def check_pid(pid: int) -> None:
+    if not isinstance(pid, int) or pid <= 0:
+        raise SnapshotError(NO_SUCH_PID, f"no such pid {pid!r} (a pid is a positive integer)")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise SnapshotError(NO_SUCH_PID, f"no such pid {pid}") from None
+    except PermissionError:
+        pass  # it exists; py-spy says whether we may trace it
+
+
+def live_state(pid: int, discovery_dir=None, query_fn=query, timeout_s: float = 2.0):
+    """(discovery record or None, state or None, note or None) of a process."""
+    directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
+    try:
+        record = discover(pid, directory)
+    except ValueError as exc:
+        return None, None, f"no control endpoint ({exc}); stacks only"
+    if record is None:
+        return None, None, (f"no control endpoint: pid {pid} has no discovery file in {directory} (not a "
+                            "profiled dflash process, or its endpoint is off); stacks only")
+    reply = query_fn(record["socket_path"], "state", timeout_s=timeout_s)
+    if not reply.get("ok"):
+        return record, None, f"control endpoint did not answer ({reply.get('error')}); stacks only"
+    return record, reply["state"], None
+
+
+def interval_p95_seconds(interval: dict, name: str) -> float | None:
+    """The larger of a span's CPU and GPU p95 in one interval record (None when it did not finish)."""
+    entry = (interval.get("spans") or {}).get(name)
+    if not isinstance(entry, dict):
+        return None
+    values = [entry[k]["p95_seconds"] for k in ("cpu", "gpu")
+              if isinstance(entry.get(k), dict) and entry[k].get("p95_seconds") is not None]
+    return max(values) if values else None
+
+
+class RecentP95:
+    """name -> (recent p95 or None, why not): the live last interval first, then the run log."""
+
+    def __init__(self, last_interval: dict | None, log_path: Path | None):
+        self.last_interval, self.log_path = last_interval, log_path
+        self._logged: list | None = None
+
+    def _log_intervals(self) -> list:
+        if self._logged is None:
+            try:
+                self._logged = [r for r in read_records(self.log_path)[0] if r.get("type") == INTERVAL][::-1]
+            except (OSError, TypeError):
+                self._logged = []
+        return self._logged
+
+    def __call__(self, name: str):
+        if self.last_interval is None:
+            return None, "no interval closed yet: no recent p95 to judge against"
+        p95_s = interval_p95_seconds(self.last_interval, name)
+        for interval in self._log_intervals() if p95_s is None else ():
+            p95_s = interval_p95_seconds(interval, name)
+            if p95_s is not None:
+                break
+        if p95_s is None:
+            return None, f"{name} has not finished in any closed interval: no recent p95 to judge against"
+        return p95_s, None
+
+
+def judge_span(name: str, open_s: float, p95_lookup) -> dict:
+    p95_s, why_not = p95_lookup(name)
+    if p95_s is None:
+        return {"name": name, "open_seconds": open_s, "p95_seconds": None, "limit_seconds": None,
+                "stuck": False, "stuck_basis": why_not}
+    limit_s = max(STUCK_FACTOR * p95_s, STUCK_FLOOR_S)
+    return {"name": name, "open_seconds": open_s, "p95_seconds": p95_s, "limit_seconds": limit_s,
+            "stuck": open_s > limit_s}
+
+
+def thread_view(name: str, native_id, role, spans_entry: dict | None, stack: dict | None, p95_lookup) -> dict:
+    spans = [judge_span(s["name"], s["open_seconds"], p95_lookup) for s in (spans_entry or {}).get("spans", [])]
+    stuck = next((s for s in reversed(spans) if s["stuck"]), None)  # the innermost stuck span
+    frames = stack["frames"] if stack else []
+    view = {"name": name, "native_id": native_id, "role": role,
+            "active": stack["active"] if stack else None, "owns_gil": stack["owns_gil"] if stack else None,
+            "open_spans": spans, "stuck": stuck is not None, "stuck_span": stuck["name"] if stuck else None,
+            "stuck_frame": frames[0] if stuck and frames else None, "frames": frames}
+    if stack is None:
+        view["note"] = "not in the py-spy dump (the thread ended between the two views?)"
+    return view
+
+
+def merge_threads(stacks: list, active_spans: list, role, p95_lookup) -> list:
+    """py-spy threads joined with the profiler's open spans on the OS thread id; stuck threads
+    first, then threads with open spans, then the rest (py-spy's order within each group)."""
+    by_id = {entry.get("native_id"): entry for entry in active_spans}
+    views = [thread_view(t["name"], t["native_id"], role, by_id.pop(t["native_id"], None), t, p95_lookup)
+             for t in stacks]
+    views += [thread_view(e["thread"], e.get("native_id"), role, e, None, p95_lookup) for e in by_id.values()]
+    return sorted(views, key=lambda v: (not v["stuck"], not v["open_spans"]))
+
+
+def summarize_interval(rec: dict | None, top_spans: int = 6) -> dict | None:
+    if not rec:
+        return None
+    ranked = sorted((rec.get("spans") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0.0))
+    return {"index": rec.get("index"), "step": rec.get("step"), "duration_seconds": rec.get("duration_seconds"),
+            "final": bool(rec.get("final")),
+            "spans": [{"name": name, "count": e.get("count"), "share": e.get("share"),
+                       "p95_seconds": interval_p95_seconds(rec, name)} for name, e in ranked[:top_spans]],
+            "per_second": {k: c.get("per_second") for k, c in (rec.get("counters") or {}).items()}}
+
+
+def memory_now(state: dict) -> dict:
+    """NVML now (the sampler's latest), and the allocator now when the state carries it, else the
+    allocator as of the last interval's close (marked so)."""
+    nvml = dict(state.get("memory") or {})
+    allocator = nvml.pop("allocator", None) or state.get("allocator")
+    if allocator is None and state.get("last_interval"):
+        closed = (state["last_interval"].get("memory") or {}).get("allocator")
+        allocator = dict(closed, as_of="last interval close") if isinstance(closed, dict) else None
+    return {"nvml": nvml or None, "allocator": allocator}
+
+
+def rank_log_path(run_dir, rank) -> Path | None:
+    return Path(run_dir) / "profile" / f"rank{rank}.jsonl" if run_dir is not None and rank is not None else None
+
+
+def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
+                     clock=time.time) -> dict:
+    """One process: its live state merged with its stacks. Raises StackError (one line) when the
+    pid does not exist or its stacks cannot be taken."""
+    check_pid(pid)
+    record, state, note = live_state(pid, discovery_dir, query_fn)
+    runner = runner or PySpy()
+    start_s = time.perf_counter()
+    stacks = read_threads(runner(pid, native=native))
+    pyspy_s = time.perf_counter() - start_s
+    state, record = state or {}, record or {}
+    rank, role = state.get("rank", record.get("rank")), state.get("role", record.get("role"))
+    run_dir = state.get("run_dir") or record.get("run_dir")
+    last = state.get("last_interval")
+    p95 = RecentP95(last, rank_log_path(run_dir, rank))
+    threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
+    basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
+    return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
+            "run_dir": run_dir, "endpoint": record.get("socket_path") if state else None, "note": note,
+            "native": native, "pyspy_seconds": pyspy_s, "stuck_rule": STUCK_RULE, "stuck_basis": basis,
+            "stuck": any(t["stuck"] for t in threads), "intervals_closed": state.get("intervals_closed"),
+            "last_interval": summarize_interval(last), "memory": memory_now(state) if state else None,
+            "threads": threads}
+
+
+# ---- a whole run -----------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
+    """Discovery records of the run's live processes, in rank order."""
+    wanted = str(Path(run_dir).resolve())
+    found = [r for r in discover_all(discovery_dir) if r.get("run_dir") == wanted and _alive(r["pid"])]
+    return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
+
+
+def _snapshot_or_error(record: dict, **kwargs) -> dict:
+    try:
+        return snapshot_process(record["pid"], **kwargs)
+    except StackError as exc:
+        return {"pid": record["pid"], "rank": record.get("rank"), "role": record.get("role"),
+                "error": str(exc), "error_kind": exc.kind, "threads": []}
+
+
+def snapshot_run(run_dir, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
+                 clock=time.time) -> dict:
+    """Every live rank of a run at once (one thread each, so the views are simultaneous)."""
+    ranks = live_ranks(run_dir, discovery_dir)
+    if not ranks:
+        directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
+        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names "
+                                          "it (the run ended, has not started, or runs with its endpoint off)")
+    kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))
+    return {"run_dir": str(Path(run_dir).resolve()), "time_unix": clock(), "ranks": snaps,
+            "waits": explain_waits(snaps)}
+
+
+def explain_waits(snaps: list) -> list[dict]:
+    """Each thread stuck in a waiting span (WAITS_FOR_ROLE), with the ranks of the role it waits
+    on that are stuck in a span of their own (the likely cause)."""
+    culprits = [(s, t) for s in snaps for t in s["threads"] if t["stuck"] and t["stuck_span"] not in WAITS_FOR_ROLE]
+    waits = []
+    for snap in snaps:
+        for t in snap["threads"]:
+            if not t["stuck"] or t["stuck_span"] not in WAITS_FOR_ROLE:
+                continue
+            want = WAITS_FOR_ROLE[t["stuck_span"]]
+            span = next(s for s in t["open_spans"] if s["name"] == t["stuck_span"])
+            waits.append({"rank": snap["rank"], "role": snap["role"], "thread": t["name"], "span": span["name"],
+                          "open_seconds": span["open_seconds"], "waits_for_role": want,
+                          "stuck_ranks": [{"rank": s["rank"], "thread": c["name"], "span": c["stuck_span"],
+                                           "frame": c["stuck_frame"]} for s, c in culprits if s["role"] == want]})
+    return waits
+
+
+# ---- keeping a snapshot ----------------------------------------------------------------------
+def record_fields(snap: dict, file_path: str) -> dict:
+    keys = ("name", "native_id", "open_spans", "stuck", "stuck_span", "stuck_frame", "frames")
+    return {"pid": snap["pid"], "step": snap["step"], "native": snap["native"], "file": file_path,
+            "stuck": snap["stuck"], "stuck_rule": snap["stuck_rule"], "note": snap["note"],
+            "threads": [{k: t[k] for k in keys} for t in snap["threads"]]}
+
+
+def keep_snapshot(snap: dict, query_fn=query) -> dict:
+    """Write the snapshot under RUN_DIR/snapshots/ and have the process record it in its run log;
+    returns (and sets as snap["kept"]) {"file", "recorded", "reason"}."""
+    if not snap.get("run_dir") or "error" in snap:
+        kept = {"file": None, "recorded": False, "reason": snap.get("error") or "no run directory (no endpoint)"}
+        snap["kept"] = kept
+        return kept
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap["time_unix"])) + f"{snap['time_unix'] % 1:.3f}"[1:]
+    path = Path(snap["run_dir"]) / "snapshots" / f"{stamp}Z-rank{snap['rank']}-pid{snap['pid']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(snap, indent=1) + "\n")
+    os.replace(tmp, path)
+    reply = {"ok": False, "error": "no control endpoint answered"}
+    if snap.get("endpoint"):
+        reply = query_fn(snap["endpoint"], "record", fields=record_fields(snap, str(path)))
+    kept = {"file": str(path), "recorded": bool(reply.get("ok")), "reason": reply.get("error")}
+    snap["kept"] = kept
+    return kept
+
+
+# ---- human output ----------------------------------------------------------------------------
+FRAMES_SHOWN = 5
+
+
+def _gib(n) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _memory_line(memory: dict) -> str:
+    nvml, allocator, parts = memory.get("nvml") or {}, memory.get("allocator"), []
+    if nvml.get("available") is False:
+        parts.append(f"NVML: {nvml.get('reason')}")
+    for g in nvml.get("gpus") or []:
+        parts.append(f"gpu{g['index']}: {g.get('reason')}" if "used_bytes" not in g else
+                     f"gpu{g['index']} {_gib(g['used_bytes'])} used of {_gib(g['total_bytes'])} "
+                     f"({_gib(g.get('headroom_bytes'))} headroom)")
+    if isinstance(allocator, dict):
+        as_of = f" (as of the {allocator['as_of']})" if allocator.get("as_of") else ""
+        parts.append(f"allocator: {allocator.get('reason')}{as_of}" if allocator.get("available") is False else
+                     f"allocator {_gib(allocator.get('allocated_bytes'))} allocated, "
+                     f"{_gib(allocator.get('reserved_bytes'))} reserved{as_of}")
+    return "memory: " + ("; ".join(parts) or "not reported")
+
+
+def _interval_line(last: dict) -> str:
+    spans = ", ".join(f"{s['name']} {100 * (s['share'] or 0):.0f}%" +
+                      (f" (p95 {s['p95_seconds']:.3f} s)" if s["p95_seconds"] is not None else "")
+                      for s in last["spans"]) or "no span finished"
+    rates = ", ".join(f"{k} {v:.0f}/s" for k, v in last["per_second"].items() if v is not None)
+    return (f"last interval #{last['index']} ({last['duration_seconds']:.1f} s, to step {last['step']}): "
+            f"{spans}" + (f"; {rates}" if rates else ""))
+
+
+def _thread_lines(t: dict) -> list[str]:
+    state = "running" if t["active"] else "waiting" if t["active"] is False else "not in the dump"
+    head = f"  {t['name']} (native id {t['native_id']}, {state})"
+    if t["stuck"]:
+        span = next(s for s in t["open_spans"] if s["name"] == t["stuck_span"])
+        head += (f"  STUCK in {span['name']}: open {span['open_seconds']:.1f} s > {span['limit_seconds']:.1f} s "
+                 f"(recent p95 {span['p95_seconds']:.3f} s) at {t['stuck_frame']}")
+    lines = [head]
+    if t["open_spans"]:
+        lines.append("      open spans: " + " > ".join(f"{s['name']} {s['open_seconds']:.2f} s" for s in t["open_spans"]))
+    lines += [f"      {'at' if i == 0 else '  '} {f}" for i, f in enumerate(t["frames"][:FRAMES_SHOWN])]
+    if len(t["frames"]) > FRAMES_SHOWN:
+        more = len(t["frames"]) - FRAMES_SHOWN
+        lines.append(f"         ... {more} outer frame{'s' * (more > 1)} (--json for all)")
+    return lines
+
+
+def format_process(snap: dict) -> str:
+    """A human-readable snapshot of one process."""
+    if "error" in snap:
+        return f"pid {snap['pid']}  rank {snap['rank']}  role {snap['role']}: {snap['error']}"
+    who = f"pid {snap['pid']}" + (f"  rank {snap['rank']}  role {snap['role']}  step {snap['step']}"
+                                  if snap["endpoint"] else "")
+    lines = [who + (f"  (endpoint {snap['endpoint']})" if snap["endpoint"] else "")]
+    lines += [f"note: {snap['note']}"] if snap["note"] else []
+    if snap["endpoint"]:
+        lines.append(_interval_line(snap["last_interval"]) if snap["last_interval"] else
+                     f"last interval: none closed yet ({snap['stuck_basis']})")
+        lines.append(_memory_line(snap["memory"]))
+        lines.append(f"stuck rule: a span {STUCK_RULE}")
+    lines.append(f"py-spy dump{' --native' if snap['native'] else ''}: {1000 * snap['pyspy_seconds']:.0f} ms, "
+                 f"{len(snap['threads'])} threads (innermost frame first)")
+    for t in snap["threads"]:
+        lines += _thread_lines(t)
+    kept = snap.get("kept")
+    if kept and kept["file"]:
+        lines.append(f"kept: {kept['file']}" + ("; recorded in the run log" if kept["recorded"] else
+                                                f"; not recorded in the run log ({kept['reason']})"))
+    return "\n".join(lines)
+
+
+def _rank_state(snap: dict) -> str:
+    if "error" in snap:
+        return f"error: {snap['error']}"
+    stuck = [t for t in snap["threads"] if t["stuck"]]
+    if stuck:
+        t = stuck[0]
+        span = next(s for s in t["open_spans"] if s["name"] == t["stuck_span"])
+        verb = "waits (stuck) in" if t["stuck_span"] in WAITS_FOR_ROLE else "STUCK in"
+        return f"{verb} {span['name']} {span['open_seconds']:.1f} s on {t['name']} at {t['stuck_frame']}"
+    busy = [(t["name"], t["open_spans"][-1]) for t in snap["threads"] if t["open_spans"]]
+    return "; ".join(f"{name}: {s['name']} {s['open_seconds']:.2f} s" for name, s in busy) or "no open span"
+
+
+def format_run(run: dict) -> str:
+    """Every rank side by side (one line each), who waits on whom, then each rank in full."""
+    lines = [f"run {run['run_dir']}: {len(run['ranks'])} live ranks", "  rank  role      pid      step  state"]
+    for s in run["ranks"]:
+        lines.append(f"  {s['rank']!s:<5} {s['role']!s:<9} {s['pid']:<8} {s.get('step')!s:<5} {_rank_state(s)}")
+    for w in run["waits"]:
+        cause = "; ".join(f"rank {c['rank']} is stuck in {c['span']} at {c['frame']}" for c in w["stuck_ranks"])
+        lines.append(f"rank {w['rank']} ({w['role']}) waits in {w['span']} for {w['open_seconds']:.1f} s on the "
+                     f"{w['waits_for_role']} ranks: " + (cause or f"no {w['waits_for_role']} rank is stuck in a span of its own"))
+    for s in run["ranks"]:
+        lines += ["", format_process(s)]
+    return "\n".join(lines)
