@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import textwrap
 from dataclasses import dataclass, fields
@@ -87,6 +88,9 @@ class TrainConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: bool = False
     """Continue from the run directory's latest checkpoint."""
+    rendezvous_timeout_s: float = 300.0
+    """Seconds the ranks wait for each other to join before giving up (exit 1); after a few seconds
+    of waiting, each says what it waits for."""
     on_bad_record: str = "skip"
     """What a bad data record does: skip (counted and reported) or fail."""
     eval_prompts: int = 8
@@ -128,6 +132,10 @@ class TrainConfig:
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         need(self.profile_interval > 0, "profile_interval", "must be > 0")
+        for f in fields(self):
+            if str(f.type).startswith("float") and getattr(self, f.name) is not None:
+                need(math.isfinite(getattr(self, f.name)), f.name, "must be a finite number")
+        need(self.rendezvous_timeout_s > 0, "rendezvous_timeout_s", "must be > 0")
         need(self.target_gpus is None or self.target_gpus >= 1, "target_gpus", "must be >= 1")
         need(self.drafter_gpus is None or self.drafter_gpus >= 1, "drafter_gpus", "must be >= 1")
         need(self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu")
@@ -233,10 +241,11 @@ def resolve_config(file_values: Mapping[str, Any] | None = None, env: Mapping[st
             raise ConfigError(f"{file_name}: unknown config field '{key}'")
         values[key] = _coerce(key, value, file_name)
     env = os.environ if env is None else env
+    flag_values = flag_values or {}
     for var, key in _ENV.items():
-        if var in env and env[var] != "":
+        if var in env and env[var] != "" and flag_values.get(key) is None:  # a flag overrides, bad or not
             values[key] = _coerce(key, env[var], f"env {var}")
-    for key, value in (flag_values or {}).items():
+    for key, value in flag_values.items():
         if value is not None:
             values[key] = _coerce(key, value, "--" + key.replace("_", "-"))
     return TrainConfig(**values).validate()

@@ -21,6 +21,15 @@ def test_precedence_flags_over_env_over_file():
     assert resolve_config({}, {}, {}).profile_interval == 60.0
 
 
+def test_a_flag_overrides_an_invalid_env_value():
+    """The flag wins, so the env var it overrides is never read; without the flag it is still an error."""
+    env = {"DFLASH_PROFILE_INTERVAL": "abc", "DFLASH_SPLIT_FC_LAYERS": "maybe"}
+    cfg = resolve_config({}, env, {"profile_interval": "5", "split_fc_layers": False})
+    assert cfg.profile_interval == 5.0 and cfg.split_fc_layers is False
+    with pytest.raises(ConfigError, match="env DFLASH_PROFILE_INTERVAL"):
+        resolve_config({}, {"DFLASH_PROFILE_INTERVAL": "abc"}, {})
+
+
 def test_every_field_has_a_docstring():
     import dataclasses
 
@@ -38,6 +47,11 @@ def test_every_field_has_a_docstring():
     ({}, {}, {"transfer": "carrier-pigeon"}, "config field 'transfer': must be auto, nccl or host"),
     ({}, {}, {"data": "/nonexistent.jsonl"}, "config field 'data': no such file"),
     ({"lr": True}, {}, {}, "field 'lr' expects float"),
+    ({}, {}, {"profile_interval": "inf"}, "config field 'profile_interval': must be a finite number (got inf)"),
+    ({"lr": "nan"}, {}, {}, "config field 'lr': must be > 0"),
+    ({}, {}, {"gamma": "-inf"}, "config field 'gamma': must be > 0"),
+    ({}, {}, {"hidden_noise": "1e999"}, "config field 'hidden_noise': must be a finite number"),
+    ({}, {}, {"rendezvous_timeout_s": "0"}, "config field 'rendezvous_timeout_s': must be > 0"),
 ])
 def test_bad_values_name_the_field(file, env, flags, needle):
     with pytest.raises(ConfigError) as e:
