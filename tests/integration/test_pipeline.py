@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,8 +45,15 @@ def spans_seen(recs: list[dict]) -> set[str]:
 
 def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
     run = tmp_path / "run"
-    r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL])
+    with socket.socket() as s:   # an OTLP collector that is not there: training must not notice
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL],
+              env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}"})
     assert r.returncode == 0, r.stderr[-3000:]
+    # ...and says so once per rank, not once per batch of spans.
+    assert r.stderr.count("otel: export of traces") == 2, r.stderr[-3000:]   # one line per rank
+    assert "Traceback" not in r.stderr
     assert f"run directory: {run}" in r.stdout
     assert "eval: acceptance length" in r.stdout and "lossless" in r.stdout
     drafter, target = records(run, 0), records(run, 1)
