@@ -113,7 +113,7 @@ def main() -> None:
         recs = [spans_record(i, time.time_ns()) for i in range(20)]
         rows.append(("trace export() CPU per spans record (54 spans)", cpu_per_export(trace, recs)))
         trace.close(5.0)
-    print(f"scrape body: {len(text) / 1024:.1f} KiB, {text.count(b'\\n')} lines")
+    print(f"scrape body: {len(text) / 1024:.1f} KiB, {len(text.splitlines())} lines")
     print(f"{'what':<48} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
     for name, xs in rows:
         xs = sorted(xs)

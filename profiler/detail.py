@@ -5,6 +5,10 @@ parent). Keeping every span of a long run would be unbounded, so each interval k
 *begin* during its first `steps` steps (a step begins at `profiler.set_step`), on any thread, up to
 `max_spans`; the rest are counted in `dropped`. All of it runs on the collector side: the hot path
 only pays for `set_step` appending one `(t_ns, step)` mark.
+
+Windows start on a step that is a multiple of `align` when the previous interval ran at least
+2 x align steps, so ranks whose steps count the same batches (a target and the drafter it feeds, which
+runs a few batches behind) keep the same batches: the trace can draw a batch from send to receive.
 """
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ class DetailWindow:
     fields and opens the next window at the given time."""
 
     def __init__(self, steps: int, marks: StepMarks, to_unix_ns, native_ids: dict,
-                 max_spans: int = MAX_DETAIL_SPANS):
+                 max_spans: int = MAX_DETAIL_SPANS, align: int = 8):
         self.steps, self.marks, self.to_unix_ns = steps, marks, to_unix_ns
-        self.native_ids, self.max_spans = native_ids, max_spans
+        self.native_ids, self.max_spans, self.align = native_ids, max_spans, align
+        self._step_of = 1
         self._open(0)
 
     def _open(self, start_ns: int) -> None:
@@ -53,7 +58,7 @@ class DetailWindow:
         marks = self.marks.marks
         if self.lo is None:
             for i, (t, step) in enumerate(marks):
-                if t >= self.start_ns:
+                if t >= self.start_ns and step % self._step_of == 0:
                     self.lo, self._lo_index = (t, step), i
                     break
         if self.lo is not None and self.hi is None and len(marks) > self._lo_index + self.steps:
@@ -84,6 +89,8 @@ class DetailWindow:
             last = self.hi[1] - 1 if self.hi is not None else self.marks.last_step
             self.spans.sort(key=lambda s: s["start_unix_ns"])
             out = {"steps": [self.lo[1] if self.lo else None, last], "spans": self.spans, "dropped": self.dropped}
+        ran = sum(1 for t, _ in self.marks.marks if self.start_ns <= t < next_start_ns)
+        self._step_of = self.align if ran >= 2 * self.align else 1
         self.marks.trim_before(next_start_ns)
         self._open(next_start_ns)
         return out
