@@ -325,7 +325,8 @@ def _thread_lines(t: dict) -> list[str]:
                  f"(recent p95 {span['p95_seconds']:.3f} s) at {t['stuck_frame']}")
     lines = [head]
     if t["open_spans"]:
-        lines.append("      open spans: " + " > ".join(f"{s['name']} {s['open_seconds']:.2f} s" for s in t["open_spans"]))
+        nested = " > ".join(f"{s['name']} {s['open_seconds']:.2f} s" for s in t["open_spans"])
+        lines.append(f"      open spans: {nested}")
     lines += [f"      {'at' if i == 0 else '  '} {f}" for i, f in enumerate(t["frames"][:FRAMES_SHOWN])]
     if len(t["frames"]) > FRAMES_SHOWN:
         more = len(t["frames"]) - FRAMES_SHOWN
@@ -377,8 +378,9 @@ def format_run(run: dict) -> str:
         lines.append(f"  {s['rank']!s:<5} {s['role']!s:<9} {s['pid']:<8} {s.get('step')!s:<5} {_rank_state(s)}")
     for w in run["waits"]:
         cause = "; ".join(f"rank {c['rank']} is stuck in {c['span']} at {c['frame']}" for c in w["stuck_ranks"])
+        cause = cause or f"no {w['waits_for_role']} rank is stuck in a span of its own"
         lines.append(f"rank {w['rank']} ({w['role']}) waits in {w['span']} for {w['open_seconds']:.1f} s on the "
-                     f"{w['waits_for_role']} ranks: " + (cause or f"no {w['waits_for_role']} rank is stuck in a span of its own"))
+                     f"{w['waits_for_role']} ranks: {cause}")
     for s in run["ranks"]:
         lines += ["", format_process(s)]
     return "\n".join(lines)

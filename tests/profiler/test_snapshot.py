@@ -198,7 +198,8 @@ def test_run_dir_snapshots_every_live_rank_and_says_who_waits_for_whom(tmp_path)
                              "stuck_ranks": [{"rank": 1, "thread": "target.main", "span": "target.fwd",
                                               "frame": "FaultPlan.on_enter (profiler/faults.py:146)"}]}]
     text = format_run(run)
-    assert "rank 0 (drafter) waits in drafter.recv for 30.0 s on the target ranks: rank 1 is stuck in target.fwd" in text
+    assert ("rank 0 (drafter) waits in drafter.recv for 30.0 s on the target ranks: "
+            "rank 1 is stuck in target.fwd") in text
     assert "waits (stuck) in drafter.recv 30.0 s" in text and "STUCK in target.fwd 31.0 s on target.main" in text
     with pytest.raises(SnapshotError, match="no live rank of") as err:
         snapshot_run(run_dir, discovery_dir=disc)  # both pids are dead now
@@ -252,7 +253,8 @@ def test_sampler_counts_hot_frames_of_running_threads_only(caplog):
         [pyspy_thread("w", 5, [("spin", "a.py", 1), ("run", "a.py", 9)], active=True),
          pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
         StackError("failed", "py-spy dump of pid 1 failed: boom"),
-        [pyspy_thread("w", 5, [("spin", "a.py", 1)], active=True), pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
+        [pyspy_thread("w", 5, [("spin", "a.py", 1)], active=True),
+         pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
         [pyspy_thread("w", 5, [("other", "a.py", 4)], active=True)],
         RuntimeError("not even JSON"),
     ])

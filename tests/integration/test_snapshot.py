@@ -1,0 +1,153 @@
+"""`dflash-profile snapshot` against real processes with the real py-spy: a dflash-train run whose target
+hangs in target.fwd (DFLASH_FAULT=hang@...), a plain Python process, a missing pid, a non-Python one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from profiler.control import clean_stale_discovery, default_discovery_dir
+from profiler.records import read_records
+from profiler.snapshot import live_ranks, snapshot_run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+# tests/integration/test_pipeline.py's SMALL run, without evaluation: ~20 s on 2 cores to the hang.
+SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",
+         "--max-length", "128", "--profile-interval", "1", "--device", "cpu"]
+HANG = "hang@target.fwd:step=4"
+
+
+def profile(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.profile_cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _wait_until_stuck(run: Path, train: subprocess.Popen, deadline_s: float = 240) -> dict:
+    """Poll the run (library call, real py-spy) until the target rank's main thread is stuck."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert train.poll() is None, f"dflash-train exited early ({train.returncode}); see {run.parent}/train.log"
+        if len(live_ranks(run)) == 2:
+            snap = snapshot_run(run)
+            ranks = {s["role"]: s for s in snap["ranks"]}
+            if ranks.get("target", {}).get("stuck") and ranks.get("drafter", {}).get("stuck"):
+                return {role: s["pid"] for role, s in ranks.items()}
+        time.sleep(1.0)
+    raise AssertionError(f"the run never got stuck in {deadline_s} s")
+
+
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory):
+    """One real two-rank run whose target hangs in target.fwd at step 4 (the drafter then waits in
+    drafter.recv); yields (run_dir, {role: pid}) once both are past the stuck limit."""
+    run = tmp_path_factory.mktemp("snapshot") / "run"
+    out = open(run.parent / "train.log", "w")
+    train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "1000", *SMALL],
+                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=HANG),
+                             start_new_session=True)
+    try:
+        yield run, _wait_until_stuck(run, train)
+    finally:
+        try:
+            os.killpg(train.pid, signal.SIGKILL)  # its own session: the launcher and its two ranks
+        except ProcessLookupError:
+            pass  # it ended on its own (the assertion above says why)
+        train.wait()
+        out.close()
+        time.sleep(0.5)
+        clean_stale_discovery(default_discovery_dir())  # the killed ranks could not remove theirs
+
+
+def test_snapshot_of_a_running_train_rank_shows_threads_roles_and_the_stuck_span(hung_run, tmp_path):
+    run, pids = hung_run
+    r = profile("snapshot", "--pid", str(pids["target"]), "--out", str(tmp_path / "snap.json"))
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert f"pid {pids['target']}  rank 1  role target" in text
+    for thread in ("target.main", "target.sender", "profiler-control", "profiler.collector"):
+        assert f"  {thread} (native id " in text
+    assert "open spans: target.fwd" in text and "STUCK in target.fwd: open " in text
+    assert "at FaultPlan.on_enter (profiler/faults.py:" in text  # the frame it is stuck in
+    snap = json.loads((tmp_path / "snap.json").read_text())
+    main = next(t for t in snap["threads"] if t["name"] == "target.main")
+    assert main["native_id"] == pids["target"] and main["role"] == "target" and main["stuck"] is True
+    fwd = main["open_spans"][-1]
+    assert fwd["name"] == "target.fwd" and fwd["open_seconds"] > fwd["limit_seconds"] >= 5.0
+    assert 0 < fwd["p95_seconds"] < 1.0 and main["stuck_frame"].startswith("FaultPlan.on_enter")
+    sender = next(t for t in snap["threads"] if t["name"] == "target.sender")
+    assert sender["stuck"] is False and sender["frames"]
+    kept = Path(snap["kept"]["file"])
+    assert kept.parent == run.resolve() / "snapshots" and json.loads(kept.read_text())["pid"] == pids["target"]
+
+
+def test_the_snapshot_is_recorded_in_the_ranks_run_log(hung_run):
+    run, pids = hung_run
+    r = profile("snapshot", "--pid", str(pids["drafter"]), "--json")
+    assert r.returncode == 0, r.stderr
+    kept = json.loads(r.stdout)["kept"]
+    if not kept["recorded"] and "no record_fn" in (kept["reason"] or ""):
+        pytest.skip("profiler/core.py does not pass record_fn to its ControlServer yet")
+    assert kept["recorded"] is True, kept
+    recs = [x for x in read_records(run / "profile" / "rank0.jsonl")[0] if x["type"] == "snapshot"]
+    assert recs and recs[-1]["file"] == kept["file"] and recs[-1]["role"] == "drafter"
+    main = next(t for t in recs[-1]["threads"] if t["name"] == "drafter.main")
+    assert main["stuck"] is True and main["open_spans"][-1]["name"] == "drafter.recv" and main["frames"]
+
+
+def test_run_dir_snapshot_puts_ranks_side_by_side_and_names_the_stuck_one(hung_run):
+    run, pids = hung_run
+    r = profile("snapshot", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"run {run.resolve()}: 2 live ranks"
+    assert lines[2].startswith(f"  0     drafter   {pids['drafter']:<8}")
+    assert "waits (stuck) in drafter.recv" in lines[2]
+    assert lines[3].startswith(f"  1     target    {pids['target']:<8}") and "STUCK in target.fwd" in lines[3]
+    assert lines[4].startswith("rank 0 (drafter) waits in drafter.recv for ")
+    assert "on the target ranks: rank 1 is stuck in target.fwd at FaultPlan.on_enter (profiler/faults.py:" in lines[4]
+    r = profile("snapshot", "--run-dir", str(run), "--json")
+    both = json.loads(r.stdout)
+    assert [s["rank"] for s in both["ranks"]] == [0, 1] and all(s["kept"]["file"] for s in both["ranks"])
+    assert both["waits"][0]["stuck_ranks"][0]["rank"] == 1
+
+
+def test_plain_python_process_gets_its_stacks_and_a_note(tmp_path):
+    code = ("import threading, time\ndef parked():\n    time.sleep(60)\n"
+            "threading.Thread(target=parked, name='parker').start()\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.5)
+        r = profile("snapshot", "--pid", str(proc.pid))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.returncode == 0, r.stderr
+    assert f"note: no control endpoint: pid {proc.pid} has no discovery file" in r.stdout and "stacks only" in r.stdout
+    assert "  parker (native id " in r.stdout and "at parked (<string>:3)" in r.stdout
+    assert "  MainThread (native id " in r.stdout
+
+
+def test_missing_pid_and_non_python_process_are_one_line_errors(tmp_path):
+    gone = subprocess.Popen(["sleep", "60"])
+    try:
+        r = profile("snapshot", "--pid", str(gone.pid))
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr == (f"dflash-profile: error: pid {gone.pid} is not a Python process "
+                            "(py-spy found no interpreter in it)\n")
+    finally:
+        gone.kill()
+        gone.wait()
+    r = profile("snapshot", "--pid", str(gone.pid))
+    assert (r.returncode, r.stderr) == (2, f"dflash-profile: error: no such pid {gone.pid}\n")
+    r = profile("snapshot", "--run-dir", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.startswith(f"dflash-profile: error: no live rank of {tmp_path}")
+    assert r.stderr.count("\n") == 1
