@@ -1,0 +1,128 @@
+"""`dflash-profile snapshot` wall time against a live, training dflash-train run on this machine (CPU).
+
+    python3 bench/bench_snapshot.py [--repeats 20] [--native-repeats 3]
+
+Starts a two-rank CPU run (the integration tests' small config, many steps), waits until it has
+closed an interval, then times whole CLI invocations (interpreter start, imports, endpoint query,
+py-spy, merge, keeping the snapshot, printing) for --pid of the target rank, --run-dir of the run and
+--pid --native, plus the bare `py-spy dump` inside each (the snapshot's own `pyspy_seconds`) and a
+bare `py-spy dump --nonblocking` (what the in-run sampler pays per sample). Goal: --pid without
+--native under 1 s. Prints a Markdown table; writes JSON to $OUT/bench_snapshot.json when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from profiler.records import read_records  # noqa: E402
+from profiler.stacks import PySpy, StackError  # noqa: E402
+
+SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",
+         "--max-length", "128", "--profile-interval", "2", "--device", "cpu"]
+
+
+def start_run(run: Path) -> subprocess.Popen:
+    log = open(run.parent / "train.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "100000",
+                             *SMALL], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_training(run: Path, train: subprocess.Popen, deadline_s: float = 240) -> int:
+    """The target rank's pid, once both ranks have closed an interval (training under way)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if train.poll() is not None:
+            raise SystemExit(f"dflash-train exited ({train.returncode}); see {run.parent}/train.log")
+        logs = [run / "profile" / f"rank{r}.jsonl" for r in (0, 1)]
+        if all(p.is_file() for p in logs):
+            recs = [read_records(p)[0] for p in logs]
+            if all(any(x["type"] == "interval" for x in r) for r in recs):
+                return next(x["pid"] for x in recs[1] if x["type"] == "run_start")
+        time.sleep(0.5)
+    raise SystemExit("the run did not start training in time")
+
+
+def time_cli(args: list[str], repeats: int) -> dict:
+    """Wall seconds of whole `dflash-profile snapshot ... --json` runs, and py-spy's share of each."""
+    wall, pyspy = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "dflash.profile_cli", "snapshot", *args, "--json"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        wall.append(time.perf_counter() - start)
+        if done.returncode != 0:
+            raise SystemExit(f"dflash-profile {' '.join(args)} failed: {done.stderr.strip()}")
+        out = json.loads(done.stdout)
+        pyspy += [s["pyspy_seconds"] for s in out.get("ranks", [out])]
+    return {"wall_seconds": wall, "pyspy_seconds": pyspy}
+
+
+def time_sampler_dump(pid: int, repeats: int) -> tuple[list, list]:
+    """Seconds of each successful non-blocking dump, and the failures: reading a running process's
+    memory can catch it mid-update ("Failed to get stack traces"); the sampler counts those."""
+    runner, seconds, failures = PySpy(), [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        try:
+            runner(pid, nonblocking=True)
+        except StackError as exc:
+            failures.append(str(exc))
+            continue
+        seconds.append(time.perf_counter() - start)
+    return seconds, failures
+
+
+def row(name: str, values: list) -> str:
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return (f"| {name} | {len(values)} | {1000 * statistics.median(values):.0f} | {1000 * p90:.0f} | "
+            f"{1000 * ordered[-1]:.0f} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--native-repeats", type=int, default=3)
+    args = p.parse_args()
+    load_before = os.getloadavg()[0]
+    run = Path(tempfile.mkdtemp(prefix="dflash-bench-snapshot-")) / "run"
+    train = start_run(run)
+    try:
+        pid = wait_for_training(run, train)
+        results = {"pid": time_cli(["--pid", str(pid)], args.repeats),
+                   "run_dir": time_cli(["--run-dir", str(run)], max(1, args.repeats // 2)),
+                   "native": time_cli(["--pid", str(pid), "--native"], args.native_repeats),
+                   "sampler_dump_seconds": time_sampler_dump(pid, args.repeats)}
+    finally:
+        os.killpg(train.pid, signal.SIGKILL)
+        train.wait()
+    print("| case | n | median ms | p90 ms | max ms |\n| --- | --- | --- | --- | --- |")
+    for key, name in (("pid", "`snapshot --pid` (whole CLI)"), ("run_dir", "`snapshot --run-dir`, 2 ranks"),
+                      ("native", "`snapshot --pid --native`")):
+        print(row(name, results[key]["wall_seconds"]))
+        print(row(f"... its py-spy dump{' --native' if key == 'native' else ''}", results[key]["pyspy_seconds"]))
+    seconds, failures = results["sampler_dump_seconds"]
+    print(row(f"`py-spy dump --nonblocking` (one in-run sample; {len(failures)} of {args.repeats} failed)", seconds))
+    print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+          f"on {os.cpu_count()} CPUs (the run's two ranks included)")
+    goal = statistics.median(results["pid"]["wall_seconds"]) < 1.0 and max(results["pid"]["wall_seconds"]) < 1.0
+    print(f"goal (--pid without --native under 1 s, every run): {'met' if goal else 'MISSED'}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_snapshot.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
