@@ -142,7 +142,7 @@ def role_shares(run: Run) -> dict:
         wait = _span_seconds(steady, waits) / wall if wall > 0 else None
         out[role] = {"wait_span": ", ".join(sorted(waits)) or None, "wait_share": wait,
                      "busy_share": None if wait is None else max(0.0, 1.0 - wait), "wall_seconds": wall,
-                     "steady": any(r.get("index") != 0 and not r.get("final") for r in steady)}
+                     "steady": all(log.intervals and len(steady_intervals(log)) < len(log.intervals) for log in logs)}
     return out
 
 

@@ -4,7 +4,8 @@ Each quantity is sampled once per steady interval of every rank (a span's mean t
 tokens/s, a GPU's peak used bytes). Its spread in a run is the 10th-to-90th percentile range of those
 samples (about the range for a handful of intervals). A change is called a regression (or an
 improvement) only when the difference of the means exceeds the larger of the two runs' spreads;
-otherwise it is within spread. Wait spans (WAIT_SPANS) follow the other side's speed: they are shown
+otherwise it is within spread. A span's change that exceeds the spread but costs under MIN_EFFECT_SHARE
+of its role's time (the change per call times the calls per second) is negligible. Wait spans (WAIT_SPANS) follow the other side's speed: they are shown
 as waits, never called regressions. Standard library only.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from exporters.names import WAIT_SPANS
 from exporters.runs import Run, basis, steady_intervals
 
 MIN_SAMPLES = 2
+MIN_EFFECT_SHARE = 0.01
 
 
 def _quantile(sorted_values: list, q: float) -> float:
@@ -30,8 +32,9 @@ def _summary(samples: list) -> dict:
             "spread": _quantile(values, 0.9) - _quantile(values, 0.1) if values else None}
 
 
-def classify(a: list, b: list, higher_is_worse: bool = True) -> dict:
-    """{"a", "b" (mean, intervals, spread), "change_ratio", "verdict"} for two runs' per-interval samples."""
+def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 0.0) -> dict:
+    """{"a", "b" (mean, intervals, spread), "change_ratio", "verdict"} for two runs' per-interval samples;
+    a change beyond the spread but under min_delta is "negligible"."""
     sa, sb = _summary(a), _summary(b)
     out = {"a": sa, "b": sb, "change_ratio": None, "verdict": "within spread"}
     if not a or not b:
@@ -44,19 +47,25 @@ def classify(a: list, b: list, higher_is_worse: bool = True) -> dict:
         return out
     delta = sb["mean"] - sa["mean"]
     if abs(delta) > max(sa["spread"], sb["spread"]):
-        out["verdict"] = "regression" if (delta > 0) == higher_is_worse else "improvement"
+        out["verdict"] = ("negligible" if abs(delta) < min_delta
+                          else "regression" if (delta > 0) == higher_is_worse else "improvement")
     return out
 
 
-def _span_samples(run: Run) -> dict:
+def _span_samples(run: Run) -> tuple[dict, dict]:
+    """({(role, span): per-interval mean seconds per call}, {(role, span): calls per second of role time})."""
     out: dict = {}
+    calls: dict = {}
+    walls: dict = {}
     for log in run.ranks.values():
         for rec in steady_intervals(log):
+            walls[log.role] = walls.get(log.role, 0.0) + (rec.get("duration_seconds") or 0.0)
             for name, e in (rec.get("spans") or {}).items():
                 stats, _ = basis(e)
                 if e.get("count") and stats.get("total_seconds") is not None:
                     out.setdefault((log.role, name), []).append(stats["total_seconds"] / e["count"])
-    return out
+                    calls[(log.role, name)] = calls.get((log.role, name), 0) + e["count"]
+    return out, {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
 
 
 def _rate_samples(run: Run) -> dict:
@@ -85,10 +94,13 @@ def _memory_samples(run: Run) -> dict:
 def compare(run_a: Run, run_b: Run) -> dict:
     """{"spans": rows by |change|, "tokens_per_s": per role, "memory": per GPU peak used, "regressions":
     the span names called regressions, "memory_reason" when neither run measured GPU memory}."""
-    sa, sb = _span_samples(run_a), _span_samples(run_b)
+    (sa, ca), (sb, cb) = _span_samples(run_a), _span_samples(run_b)
     spans = []
-    for role, name in sorted(set(sa) | set(sb)):
-        row = {"role": role, "span": name, **classify(sa.get((role, name), []), sb.get((role, name), []))}
+    for key in sorted(set(sa) | set(sb)):
+        calls_per_s = max(ca.get(key, 0.0), cb.get(key, 0.0))
+        min_delta = MIN_EFFECT_SHARE / calls_per_s if calls_per_s else 0.0
+        role, name = key
+        row = {"role": role, "span": name, **classify(sa.get(key, []), sb.get(key, []), min_delta=min_delta)}
         if WAIT_SPANS.get(name) == role and row["verdict"] in ("regression", "improvement"):
             row["verdict"] = "wait " + ("longer" if row["verdict"] == "regression" else "shorter")
         spans.append(row)

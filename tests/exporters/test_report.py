@@ -1,0 +1,286 @@
+"""dflash-report hotspots: on real CPU run logs (ranking, verdict, no GPU memory, a truncated log,
+--compare against a run slowed by DFLASH_FAULT, --plot, the CLI's errors and its torch-free start),
+and on run logs written as docs/RUNLOG.md says for what a CPU run cannot produce (GPU memory,
+several ranks of a role, stack samples and snapshots)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporters import report
+from exporters.advice import memory_margin, split
+from exporters.analysis import _histogram_quantile
+from exporters.memory_events import hot_frames
+from exporters.runs import ReportError, load_run
+
+REPO = Path(__file__).resolve().parents[2]
+# As tests/integration/test_pipeline.py's SMALL, with 1 s intervals: 30 steps give several steady ones.
+SMALL = ["--builtin-conversations", "48", "--eval-prompts", "2", "--eval-new-tokens", "12",
+         "--tokens-per-batch", "1024", "--max-length", "128", "--profile-interval", "1", "--device", "cpu",
+         "--max-steps", "30"]
+SLOW_FETCH_SECONDS = 0.5   # per target step: makes the target the slow side (~0.03 s a step without, the drafter ~0.15)
+TARGET_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.wait_slot", "transfer.send"}
+DRAFTER_SPANS = {"drafter.recv", "drafter.fwd_bwd", "drafter.optim"}
+
+
+def _train(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *SMALL], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Two real 2-process CPU runs: a baseline, and one with every target.fetch slowed. They run side by
+    side, so whatever else loads the machine loads both (the A/B test compares their span times)."""
+    base = tmp_path_factory.mktemp("report") / "base"
+    slow = base.parent / "slow"
+    procs = [_train(base), _train(slow, {"DFLASH_FAULT": f"slow={SLOW_FETCH_SECONDS}@target.fetch"})]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    return {"base": base, "slow": slow}
+
+
+def _report_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "dflash.report_cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+# ---- real runs -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ranking_matches_the_run_end_totals(runs):
+    rep = report.hotspots(runs["base"])
+    rows = rep["spans"]["rows"]
+    assert [r["total_seconds"] for r in rows] == sorted((r["total_seconds"] for r in rows), reverse=True)
+    assert rows[0]["span"] == "drafter.fwd_bwd"       # ~135 ms a step against the target's ~30 ms
+    by_key = {(r["role"], r["span"]): r for r in rows}
+    assert {s for r, s in by_key if r == "target"} >= TARGET_SPANS
+    assert {s for r, s in by_key if r == "drafter"} >= DRAFTER_SPANS
+    for rank, rtype in ((0, "drafter"), (1, "target")):
+        end = [json.loads(line) for line in (runs["base"] / "profile" / f"rank{rank}.jsonl").open()][-1]
+        for name, e in end["spans"].items():
+            row = by_key[(rtype, name)]
+            assert row["count"] == e["count"]
+            assert row["cpu_seconds"] == pytest.approx(e["cpu"]["total_seconds"], rel=1e-6)
+            assert row["gpu_seconds"] is None and row["on"] == "cpu"
+    for r in rows:
+        assert 0 < r["share"] <= 1 and r["p50_seconds"] <= r["p95_seconds"] <= r["max_seconds"] + 1e-12
+
+
+@pytest.mark.slow
+def test_verdict_names_the_slow_side(runs):
+    base = report.hotspots(runs["base"])["verdict"]
+    assert base["verdict"] == "drafter-bound", base
+    assert base["roles"]["target"]["wait_share"] > 0.3 > base["roles"]["drafter"]["wait_share"]
+    slow = report.hotspots(runs["slow"])["verdict"]
+    assert slow["verdict"] == "target-bound", slow
+    assert slow["roles"]["drafter"]["wait_share"] > 0.3 > slow["roles"]["target"]["wait_share"]
+    assert "drafter waits" in slow["evidence"][0]
+
+
+@pytest.mark.slow
+def test_cpu_run_says_no_gpu_memory_and_gives_no_margin(runs):
+    rep = report.hotspots(runs["base"])
+    assert rep["memory"]["measured"] is False and rep["memory"]["gpus"] == []
+    assert rep["memory"]["reason"].startswith("no GPU memory measured")
+    assert rep["memory_margin"]["max_tokens_per_batch"] is None
+    text = report.format_hotspots(rep)
+    assert "Memory headroom: no GPU memory measured" in text and "Memory margin: no GPU memory measured" in text
+
+
+@pytest.mark.slow
+def test_split_predicts_its_own_run(runs):
+    s = report.hotspots(runs["slow"], n_gpus=3)["split"]
+    assert (s["current"]["target_gpus"], s["current"]["drafter_gpus"]) == (1, 1)
+    assert s["current"]["predicted_tokens_per_s"] == pytest.approx(s["current"]["measured_tokens_per_s"], rel=0.2)
+    assert (s["best"]["target_gpus"], s["best"]["drafter_gpus"]) == (2, 1)   # the only split of 3 with D <= T
+    assert s["targets_per_drafter_to_balance"] > 1.5                       # the target is the slow side
+
+
+@pytest.mark.slow
+def test_truncated_log_still_reports(runs, tmp_path):
+    run = tmp_path / "crashed"
+    shutil.copytree(runs["base"], run)
+    log = run / "profile" / "rank1.jsonl"
+    data = log.read_bytes()
+    log.write_bytes(data[:len(data) - 200])     # the run_end line cut mid-record, as a crash leaves it
+    rep = report.hotspots(run)
+    assert rep["events"]["kinds"]["bad_lines"]["count"] == 1
+    assert rep["events"]["kinds"]["no_run_end"]["ranks"] == [1]
+    assert {"bad_lines", "no_run_end"} <= set(rep["events"]["problems"])
+    assert {r["span"] for r in rep["spans"]["rows"] if r["role"] == "target"} >= TARGET_SPANS
+    assert rep["ranks"]["ranks"][1]["status"] == "no run_end"
+    assert any(f["kind"] == "no_run_end" for f in rep["findings"])
+
+
+@pytest.mark.slow
+def test_compare_flags_the_slowed_span_and_only_it(runs):
+    table = report.compare(runs["base"], runs["slow"])
+    assert table["regressions"] == ["target/target.fetch"], report.format_compare(table)
+    fetch = next(r for r in table["spans"] if r["span"] == "target.fetch")
+    assert fetch["b"]["mean"] == pytest.approx(SLOW_FETCH_SECONDS, rel=0.2)
+    # the wait spans moved with the change but are never called regressions
+    assert {r["verdict"] for r in table["spans"] if r["span"] in ("transfer.wait_slot", "drafter.recv")} <= \
+        {"wait longer", "wait shorter", "within spread", "too few intervals"}
+    assert table["tokens_per_s"]["drafter"]["change_ratio"] < -0.2
+
+
+@pytest.mark.slow
+def test_cli_json_compare_and_plot_without_torch(runs, tmp_path):
+    png = tmp_path / "run.png"
+    r = _report_cli("hotspots", str(runs["slow"]), "--json", "--top", "3", "--compare", str(runs["base"]),
+                    "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "matplotlib" in imported   # matplotlib by --plot only
+    rep = json.loads(r.stdout)
+    assert rep["report_schema"] == report.REPORT_SCHEMA and len(rep["spans"]["rows"]) == 3
+    assert rep["compare"]["regressions"] == ["target/target.fetch"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    text = _report_cli("hotspots", str(runs["base"]))
+    assert text.returncode == 0 and "Verdict: drafter-bound" in text.stdout
+    assert "matplotlib" not in {ln.split("|")[-1].strip() for ln in text.stderr.splitlines()}
+
+
+def test_bad_directories_are_one_line_errors_and_exit_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    foreign = tmp_path / "foreign" / "profile"
+    foreign.mkdir(parents=True)
+    (foreign / "rank0.jsonl").write_text('{"hello": "world"}\nnot json\n')
+    for run_dir, says in ((tmp_path / "missing", "no such directory"), (tmp_path / "empty", "no run logs"),
+                          (tmp_path / "foreign", "not written by dflash-train")):
+        with pytest.raises(ReportError, match=says):
+            load_run(run_dir)
+        r = subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stdout == ""
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("dflash-report: error: ") and says in r.stderr
+
+
+# ---- run logs written as docs/RUNLOG.md says: what a CPU run cannot produce ------------------------
+
+GIB = 1024 ** 3
+T0 = 1_700_000_000.0
+
+
+def _stats(seconds: float, count: int) -> dict:
+    return {"total_seconds": seconds * count, "mean_seconds": seconds, "p50_seconds": seconds,
+            "p95_seconds": seconds, "p99_seconds": seconds, "max_seconds": seconds}
+
+
+def _interval(rank: int, role: int, index: int, spans: dict, tokens: int, memory: dict | None = None, **extra) -> dict:
+    """A 60 s interval whose spans are {name: (seconds per call, calls)}, on GPU time."""
+    return {"type": "interval", "time_unix": T0 + 60 * (index + 1), "rank": rank, "role": role, "index": index,
+            "step": 10 * (index + 1), "duration_seconds": 60.0, "start_s": 60.0 * index, "end_s": 60.0 * (index + 1),
+            "spans": {n: {"count": c, "threads": [f"{role}.main"], "cpu": _stats(s / 10, c), "gpu": _stats(s, c),
+                          "share": s * c / 60.0} for n, (s, c) in spans.items()},
+            "counters": {"tokens": {"total": tokens, "per_second": tokens / 60.0, "run_total": tokens * (index + 1)}},
+            "memory": memory or {"available": False, "reason": "no CUDA device"}, **extra}
+
+
+def _gpu_memory(used_peak_gib: float, allocated_gib: float, peak_allocated_gib: float, retries: int = 0) -> dict:
+    total = 80 * GIB
+    return {"available": True,
+            "gpus": [{"index": 0, "name": "NVIDIA H200", "total_bytes": total, "used_bytes_last": used_peak_gib * GIB,
+                      "used_bytes_peak": used_peak_gib * GIB, "headroom_bytes": total - used_peak_gib * GIB}],
+            "allocator": {"available": True, "allocated_bytes": allocated_gib * GIB, "reserved_bytes": 40 * GIB,
+                          "peak_allocated_bytes": peak_allocated_gib * GIB, "peak_reserved_bytes": 40 * GIB,
+                          "num_alloc_retries": retries, "num_ooms": 0}}
+
+
+def _write_run(run_dir: Path, logs: dict) -> Path:
+    (run_dir / "profile").mkdir(parents=True)
+    for rank, recs in logs.items():
+        role = recs[0]["role"]
+        start = {"type": "run_start", "time_unix": T0, "rank": rank, "role": role, "schema": 1, "run_id": run_dir.name,
+                 "hostname": f"host{rank}", "interval_s": 60.0, "config": {"tokens_per_batch": 16384}}
+        lines = [json.dumps(r) for r in (start, *recs)]
+        (run_dir / "profile" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_headroom_low_point_names_its_interval_and_the_margin_follows_the_linear_model(tmp_path):
+    spans = {"drafter.fwd_bwd": (0.2, 100), "drafter.recv": (0.01, 100), "drafter.optim": (0.05, 100)}
+    recs = [_interval(0, "drafter", i, {**spans, **({"drafter.compile": (25.0, 1)} if i == 2 else {})}, 10_000,
+                      _gpu_memory(*m)) for i, m in enumerate([(60, 20, 50), (62, 21, 52), (77, 20, 51, 3), (61, 20, 50, 3)])]
+    rep = report.hotspots(_write_run(tmp_path / "gpu", {0: recs}))
+    gpu = rep["memory"]["gpus"][0]
+    low = gpu["low_point"]
+    assert (gpu["gpu"], low["interval"], low["step"], low["dominant_span"]) == ("host0:0", 2, 30, "drafter.compile")
+    assert low["headroom_bytes"] == 3 * GIB and low["seconds_since_start"] == 180.0
+    assert {f["kind"] for f in rep["findings"]} >= {"low_headroom", "alloc_retries"}
+    # per batch: peak allocated 52 GiB - lowest allocated 20 GiB = 32 GiB; fixed: NVML peak 77 - 32 = 45 GiB
+    margin = rep["memory_margin"]
+    assert margin["ranks"][0]["per_batch_bytes"] == 32 * GIB and margin["ranks"][0]["fixed_bytes"] == 45 * GIB
+    assert margin["max_tokens_per_batch"] == int(16384 * (0.95 * 80 - 45) / 32)
+    assert memory_margin(load_run(tmp_path / "gpu"))["limited_by"] == {"rank": 0, "role": "drafter"}
+
+
+def _pipeline(target_step_s: float, drafter_steps_s: list, tokens: int = 60_000) -> dict:
+    """One target rank per drafter rank, three intervals each; drafters wait what their targets don't fill."""
+    logs, d = {}, len(drafter_steps_s)
+    for i, step_s in enumerate(drafter_steps_s):
+        work = step_s * 100
+        logs[i] = [_interval(i, "drafter", k, {"drafter.fwd_bwd": (step_s, 100), "drafter.allreduce": (0.001, 100),
+                                                "drafter.recv": ((60 - work) / 100, 100)}, tokens) for k in range(3)]
+    for t in range(d):
+        logs[d + t] = [_interval(d + t, "target", k, {"target.fwd": (target_step_s, 100),
+                                                       "transfer.wait_slot": ((60 - target_step_s * 100) / 100, 100)},
+                                 tokens) for k in range(3)]
+    return logs
+
+
+def test_straggler_is_named_with_its_costly_span(tmp_path):
+    run = load_run(_write_run(tmp_path / "four", _pipeline(0.1, [0.3, 0.3, 0.3, 0.5])))
+    rep = report.hotspots_of(run)
+    s = rep["ranks"]["straggler"]
+    assert (s["rank"], s["role"], s["span"]) == (3, "drafter", "drafter.fwd_bwd")
+    assert s["capacity_ratio"] == pytest.approx(0.3 / 0.5, rel=0.01)
+    assert any(f["kind"] == "straggler" for f in rep["findings"])
+    assert load_run(_write_run(tmp_path / "even", _pipeline(0.1, [0.3, 0.3]))).ranks   # and none among equals
+    assert report.hotspots(tmp_path / "even")["ranks"]["straggler"] is None
+
+
+def test_split_model_balances_measured_capacities(tmp_path):
+    # target: 1000 tokens/s at 10% busy -> 10000 capacity; drafter: 1000 tokens/s at 100% busy -> 1000
+    logs = {0: [_interval(0, "drafter", k, {"drafter.fwd_bwd": (0.6, 100)}, 60_000) for k in range(3)],
+            1: [_interval(1, "target", k, {"target.fwd": (0.06, 100), "transfer.wait_slot": (0.54, 100)}, 60_000)
+                for k in range(3)]}
+    s = split(load_run(_write_run(tmp_path / "r", logs)), n_gpus=8)
+    assert s["roles"]["target"]["capacity_tokens_per_s_per_gpu"] == pytest.approx(10_000)
+    assert s["roles"]["drafter"]["capacity_tokens_per_s_per_gpu"] == pytest.approx(1_000)
+    predicted = {(x["target_gpus"], x["drafter_gpus"]): x["predicted_tokens_per_s"] for x in s["splits"]}
+    assert predicted[(4, 4)] == pytest.approx(4_000) and predicted[(5, 3)] == pytest.approx(3_000)
+    assert (s["best"]["target_gpus"], s["best"]["drafter_gpus"]) == (4, 4)
+
+
+def test_hot_frames_from_stack_samples_and_snapshots(tmp_path):
+    stacks = {"samples": 10, "threads": [{"name": "target.main", "native_id": 11, "top_frames": [
+        {"frame": "forward (target.py:80)", "count": 7}, {"frame": "pack (pack.py:12)", "count": 3}]}]}
+    snap = {"type": "snapshot", "time_unix": T0 + 200, "rank": 1, "role": "target", "threads": [
+        {"name": "target.sender", "native_id": 12, "stuck": True, "open_spans": [{"name": "transfer.send",
+                                                                                 "open_seconds": 95.0}],
+         "frames": ["wait (transfer.py:40)", "send (transfer.py:30)"]}]}
+    recs = [_interval(1, "target", k, {"target.fwd": (0.1, 10)}, 1000, stack_samples=stacks) for k in range(2)]
+    hf = hot_frames(load_run(_write_run(tmp_path / "s", {1: [*recs, snap]})))
+    main, sender = hf["threads"]
+    assert (main["thread"], main["stack_samples"], main["top_frames"][0]) == (
+        "target.main", 20, {"frame": "forward (target.py:80)", "count": 14, "share": 0.7})
+    assert (sender["thread"], sender["stuck_snapshots"], sender["snapshot_frames"][0]["frame"]) == (
+        "target.sender", 1, "wait (transfer.py:40)")
+    assert "open spans: transfer.send 95.0 s" in report.format_hotspots(report.hotspots(tmp_path / "s"))
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket():
+    bounds = [0.1, 0.2, 0.4]
+    assert _histogram_quantile(bounds, [0, 10, 0, 0], 0.5, 0.2) == pytest.approx(0.15)
+    assert _histogram_quantile(bounds, [0, 0, 0, 4], 0.5, 0.9) == pytest.approx(0.65)   # +Inf ends at the max
+    assert _histogram_quantile(bounds, [0, 0, 0, 0], 0.5, 0.0) is None
