@@ -1,25 +1,46 @@
 """Drafter checkpoints a DFlash inference stack loads: config.json + model.safetensors (+ training state).
 
-Written into PATH.tmp-PID, every file fsynced, then renamed into place; a failure at any point
+Writing: into PATH.tmp-PID, every file fsynced, then renamed into place; a failure at any point
 removes the temporary directory, so PATH is either the previous checkpoint or the new one, never
 half-written. Replacing an existing PATH moves the old one aside first and deletes it afterwards.
+A run's checkpoints live in RUN_DIR/checkpoints/step_N, and the file `latest` names the newest.
+
+Reading: the one loader of training state. `training_state.pt` is loaded with
+`torch.load(weights_only=True)`: tensors, numbers, strings and containers only, so a crafted file
+cannot run code; it is refused with a one-line CheckpointError (the CLI exits 2).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.config import ConfigError
 from dflash.model import DFlashConfig, DFlashDraftModel
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "training_state.pt"
+LATEST_NAME = "latest"
+# What a writer leaves behind when it dies mid-save: PATH.tmp-PID (new, incomplete), PATH.old-PID
+# (the previous checkpoint moved aside), latest.tmp-PID (the pointer being replaced).
+_PARTIAL = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded, or must not be: one line that names the file."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written; the message says why and which one is kept."""
 
 
 def _fsync_file(path: Path) -> None:
@@ -51,7 +72,10 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         names = [CONFIG_NAME, WEIGHTS_NAME]
         if extra_state is not None:
-            torch.save(extra_state, tmp / STATE_NAME)
+            # Through a Python file: a failed write then keeps its OSError (as __context__); with a
+            # path, torch reports a full disk only as "unexpected pos".
+            with open(tmp / STATE_NAME, "wb") as f:
+                torch.save(extra_state, f)
             names.append(STATE_NAME)
         for name in names:
             _fsync_file(tmp / name)
@@ -69,6 +93,125 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
     return path
 
 
+def save_run_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, extra_state: dict) -> Path:
+    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A failure of the
+    file system (a full disk, a read-only mount, a quota) becomes a CheckpointWriteError that says
+    so and which checkpoint is still latest; anything else keeps its traceback."""
+    path = ckpt_dir / f"step_{step:07d}"
+    latest = ckpt_dir / LATEST_NAME
+    tmp = latest.with_name(f"{LATEST_NAME}.tmp-{os.getpid()}")
+    try:
+        save_draft_checkpoint(path, model, extra_state=extra_state)
+        tmp.write_text(path.name + "\n")
+        tmp.replace(latest)
+    except Exception as e:
+        code = _errno_of(e)
+        if code is None:
+            raise
+        tmp.unlink(missing_ok=True)
+        kept = latest_checkpoint(ckpt_dir)
+        raise CheckpointWriteError(
+            f"checkpoint {path} not written: {os.strerror(code).lower()} ({errno.errorcode.get(code, code)}); "
+            f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'} as latest") from None
+    return path
+
+
+def _errno_of(exc: BaseException | None) -> int | None:
+    """The OS error behind an exception: an OSError in its chain, or the "(os error N)" that
+    safetensors writes into its own exception's message."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        found = re.search(r"os error (\d+)", str(exc))
+        if found:
+            return int(found.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The checkpoint `latest` names, or None when there is none (or it names a missing one)."""
+    pointer = Path(ckpt_dir) / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    path = Path(ckpt_dir) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(ckpt_dir: Path) -> list[str]:
+    """Clean what writers that died mid-save left in `ckpt_dir` (names ending .tmp-PID or
+    .old-PID, PID not alive on this host): a partial new checkpoint is deleted; a previous one moved
+    aside whose replacement never arrived is put back. Returns the names handled."""
+    handled = []
+    if not Path(ckpt_dir).is_dir():
+        return handled
+    for entry in sorted(Path(ckpt_dir).iterdir()):
+        m = _PARTIAL.match(entry.name)
+        if m is None or _pid_alive(int(m["pid"])):
+            continue
+        target = entry.with_name(m["name"])
+        if m["kind"] == "old" and not target.exists():
+            os.replace(entry, target)
+        elif entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        handled.append(entry.name)
+    return handled
+
+
+def load_training_state(ckpt_path: Path, mmap: bool = False) -> dict:
+    """training_state.pt of a checkpoint as plain data (weights_only=True; `mmap` maps tensors
+    instead of reading them, for a cheap check). CheckpointError when unsafe or unreadable."""
+    path = Path(ckpt_path) / STATE_NAME
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        if found:
+            raise CheckpointError(f"{path}: refused: it references {found.group(1)}, which loading could "
+                                  "execute; only tensors and plain data are loaded") from None
+        why = [line for line in str(e).split("WeightsUnpickler error:")[-1].splitlines() if line.strip()]
+        raise CheckpointError(f"{path}: unreadable: not a torch.save file of plain data"
+                              f"{' (' + why[0].strip() + ')' if why else ''}") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint has no training state to resume)") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: unreadable: {first}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a training state (a {type(state).__name__}, not a dict)")
+    return state
+
+
+def load_resume_state(run_dir: Path, mmap: bool = False) -> dict:
+    """The latest checkpoint's training state plus its model weights ("model") and path ("path")."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
+    state = load_training_state(path, mmap=mmap)
+    missing = [k for k in ("step", "consumed", "optimizer", "scheduler") if k not in state]
+    if missing:
+        raise CheckpointError(f"{path / STATE_NAME}: not a training state (no {', '.join(missing)})")
+    try:
+        state["model"] = load_file(str(path / WEIGHTS_NAME), device="cpu")
+    except Exception as e:  # safetensors parses a header and maps tensors: no code runs
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: unreadable: {str(e).splitlines()[0]}") from None
+    state["path"] = str(path)
+    return state
+
+
 def load_draft_checkpoint(path, head, device, attn_backend: str = "auto"):
     """-> (drafter on `device` in the saved dtype, training state or None). `head` is a TargetHead."""
     path = Path(path)
@@ -84,7 +227,5 @@ def load_draft_checkpoint(path, head, device, attn_backend: str = "auto"):
     if missing or unexpected:
         raise ValueError(f"{w_path}: missing {sorted(missing)[:3]} unexpected {sorted(unexpected)[:3]}")
     model.to(device)
-    extra = None
-    if (path / STATE_NAME).exists():
-        extra = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+    extra = load_training_state(path) if (path / STATE_NAME).exists() else None
     return model, extra

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import transfer
-from dflash.checkpoint import save_draft_checkpoint
+from dflash import checkpoint, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -27,6 +25,7 @@ from dflash.optim import build_optimizer
 from dflash.pack import PackedBatch, pack_hidden
 from dflash.progress import LazyScalar, Progress
 from dflash.target import TargetCapture, default_layer_ids, load_target_head
+from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
 
 _META_ROWS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
@@ -172,7 +171,10 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
                            transfer.PinnedPool(2) if ctx.device.type == "cuda" and not ctx.device_payload
                            else None)
     stopped_by = None
-    meter = _Throughput(ctx, warm_steps=min(5, cfg.max_steps // 4), start_step=state.step)
+    if ctx.rank == 0:
+        _remove_stale_partials(ctx.run_dir / "checkpoints")
+    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, warm_steps=min(5, cfg.max_steps // 4),
+                            start_step=state.step)
     while state.step < cfg.max_steps:
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
@@ -184,57 +186,15 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         loss, tau = drafter_step(ctx, state, msg)
         progress.observe(LazyScalar(loss), LazyScalar(tau))
         progress.update(state.step, state.tokens_total)
-        meter.after_step(state)
+        meter.after_step(state.step, state.tokens_total)
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
             save_checkpoint(ctx, state)
-    meter.finish(state)
+    meter.finish(state.step, state.tokens_total)
     transfer.send_stop(producers, ctx.ctrl_group)
     dropped = rx.drain()
     if stopped_by is not None:
         profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
     save_checkpoint(ctx, state)
-
-
-class _Throughput:
-    """Drafter tokens/s with or without the profiler, written to RUN_DIR/throughput/rank{R}.json.
-
-    `tokens_per_s`: from a few warm-up steps (compilation, first allocations) to the end, between
-    two device syncs. It also counts batches that queued up during warm-up, so when the target
-    bounds the run it reads high. `tail_tokens_per_s`: over the last half of those steps, from the
-    host's step-end times; by then the start-up backlog has drained and each step waits for its
-    batch, so it is the pipeline's steady rate whichever side bounds it."""
-
-    def __init__(self, ctx: WorkerContext, warm_steps: int, start_step: int):
-        self.ctx, self.mark_step = ctx, start_step + warm_steps
-        self.t0 = None
-        self.tokens0 = 0
-        self.stamps: list[tuple[float, int]] = []   # (step-end time, tokens so far) after warm-up
-
-    def _now(self) -> float:
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)  # deliberate: twice per run, to time finished work
-        return time.perf_counter()
-
-    def after_step(self, state: DrafterState) -> None:
-        if state.step == self.mark_step:
-            self.t0, self.tokens0 = self._now(), state.tokens_total
-        if self.t0 is not None:
-            self.stamps.append((time.perf_counter(), state.tokens_total))
-
-    def finish(self, state: DrafterState) -> None:
-        if self.t0 is None or state.step <= self.mark_step:
-            return
-        seconds = self._now() - self.t0
-        tokens = state.tokens_total - self.tokens0
-        steps = state.step - self.mark_step
-        (t_a, n_a), (t_b, n_b) = self.stamps[len(self.stamps) // 2], self.stamps[-1]
-        out = self.ctx.run_dir / "throughput"
-        out.mkdir(exist_ok=True)
-        (out / f"rank{self.ctx.rank}.json").write_text(json.dumps({
-            "steps": steps, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "steps_per_s": steps / seconds,
-            "tail_steps": len(self.stamps) - 1 - len(self.stamps) // 2,
-            "tail_tokens_per_s": (n_b - n_a) / (t_b - t_a) if t_b > t_a else None}) + "\n")
 
 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
@@ -307,33 +267,20 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
         parts: list = [None] * ctx.topo.num_drafters
         dist.all_gather_object(parts, consumed, group=ctx.drafter_ctrl_group)
         consumed = {k: v for p in parts for k, v in p.items()}
-    if ctx.rank != 0:
-        return
-    path = ctx.run_dir / "checkpoints" / f"step_{state.step:07d}"
-    if path.exists():
+    ckpt_dir = ctx.run_dir / "checkpoints"
+    if ctx.rank != 0 or (ckpt_dir / f"step_{state.step:07d}").exists():
         return
     t0 = time.perf_counter()
     with profiler.span("ckpt.save"):
         extra = {"step": state.step, "consumed": consumed, "optimizer": state.optimizer.state_dict(),
                  "scheduler": state.scheduler.state_dict(), "config": ctx.cfg.to_dict()}
-        save_draft_checkpoint(path, state.model, extra_state=extra)
-        latest = ctx.run_dir / "checkpoints" / "latest"
-        tmp = latest.with_name(f"latest.tmp-{__import__('os').getpid()}")
-        tmp.write_text(path.name + "\n")
-        tmp.replace(latest)
+        path = checkpoint.save_run_checkpoint(ckpt_dir, state.step, state.model, extra)
     profiler.event("checkpoint", step=state.step, path=str(path),
                    seconds=round(time.perf_counter() - t0, 3))
 
 
-def load_resume_state(run_dir: Path, device: torch.device) -> dict:
-    """The latest checkpoint's training state plus its model weights."""
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        raise ValueError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-    path = run_dir / "checkpoints" / latest.read_text().strip()
-    state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
-    from safetensors.torch import load_file
-
-    state["model"] = load_file(str(path / "model.safetensors"), device="cpu")
-    state["path"] = str(path)
-    return state
+def _remove_stale_partials(ckpt_dir: Path) -> None:
+    """What a writer that died mid-save left behind, cleaned at the next start (and recorded)."""
+    handled = checkpoint.remove_stale_partials(ckpt_dir)
+    if handled:
+        profiler.event("stale_checkpoint_partials", names=handled)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import builtin, evaluate, roles, telemetry
+from dflash import builtin, checkpoint, evaluate, roles, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -97,6 +97,9 @@ def run(cfg: TrainConfig) -> int:
     except ConfigError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointWriteError as e:
+        print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
+        return 1
     except Exception:
         print(f"dflash-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         return 1
@@ -114,7 +117,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     role = topo.role(rank)
     paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
     tokenizer = builtin.load_tokenizer(paths.target_dir)
-    resume_state = roles.load_resume_state(run_dir, device) if cfg.resume else None
+    resume_state = checkpoint.load_resume_state(run_dir) if cfg.resume else None
     samples: list = []
     heldout: list = []
     wants_eval = rank == 0 and cfg.eval_prompts > 0

@@ -103,3 +103,110 @@ def test_load_rejects_non_checkpoint(tmp_path, target_dir):
     _, head = _drafter(target_dir)
     with pytest.raises(ValueError, match="not a drafter checkpoint"):
         ckpt.load_draft_checkpoint(tmp_path, head, "cpu")
+
+
+# ----------------------------------------------------------------------------- run checkpoints
+class _RunsCode:
+    """Unpickling this runs a shell command: what a crafted training_state.pt would hold."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _run_checkpoint(run_dir, target_dir, step=4, extra=None):
+    model, _ = _drafter(target_dir)
+    extra = extra or {"step": step, "consumed": {1: step}, "optimizer": {"state": {}, "param_groups": []},
+                      "scheduler": {"last_epoch": step}, "config": {"seed": 0}}
+    return ckpt.save_run_checkpoint(run_dir / "checkpoints", step, model, extra)
+
+
+def test_resume_state_round_trip_through_the_one_loader(tmp_path, target_dir):
+    path = _run_checkpoint(tmp_path, target_dir, step=4)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000004\n"
+    state = ckpt.load_resume_state(tmp_path)
+    assert state["step"] == 4 and state["consumed"] == {1: 4} and state["path"] == str(path)
+    assert "fc.weight" in state["model"]
+
+
+def test_a_training_state_that_would_run_code_is_refused(tmp_path, target_dir):
+    path = _run_checkpoint(tmp_path, target_dir)
+    marker = tmp_path / "pwned"
+    torch.save({"step": 4, "consumed": {}, "optimizer": {}, "scheduler": _RunsCode(marker)},
+               path / "training_state.pt")
+    for mmap in (False, True):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.load_resume_state(tmp_path, mmap=mmap)
+        assert str(e.value).startswith(f"{path / 'training_state.pt'}: refused: it references ")
+        assert "system" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ckpt.CheckpointError, match="refused"):
+        ckpt.load_draft_checkpoint(path, load_target_head(target_dir, "cpu", torch.float32), "cpu")
+    assert not marker.exists()
+
+
+def test_garbage_and_missing_training_state_are_one_line_errors(tmp_path, target_dir):
+    path = _run_checkpoint(tmp_path, target_dir)
+    (path / "training_state.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ckpt.CheckpointError, match=r"training_state.pt: unreadable: "):
+        ckpt.load_resume_state(tmp_path)
+    (path / "training_state.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="training_state.pt: missing"):
+        ckpt.load_resume_state(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="--resume: no checkpoint in"):
+        ckpt.load_resume_state(tmp_path / "elsewhere")
+
+
+def test_a_failed_write_says_why_and_keeps_the_previous_latest(tmp_path, target_dir, monkeypatch):
+    import errno
+
+    first = _run_checkpoint(tmp_path, target_dir, step=4)
+
+    def full(*a, **k):   # what safetensors raises on a full disk
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_file", full)
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        _run_checkpoint(tmp_path, target_dir, step=8)
+    assert str(e.value) == (f"checkpoint {tmp_path / 'checkpoints' / 'step_0000008'} not written: no space "
+                            f"left on device (ENOSPC); kept {first} as latest")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000004"]
+
+    def torch_full(obj, f):   # torch.save through a file: the OSError is the RuntimeError's context
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(ckpt.torch, "save", torch_full)
+    with pytest.raises(ckpt.CheckpointWriteError, match="no space left on device"):
+        _run_checkpoint(tmp_path, target_dir, step=8)
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):   # not the file system: keeps its traceback
+        _run_checkpoint(tmp_path, target_dir, step=8)
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == first
+
+
+def test_stale_partials_of_dead_writers_are_cleaned(tmp_path, target_dir):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()   # a PID that has exited
+    d = tmp_path / "checkpoints"
+    _run_checkpoint(tmp_path, target_dir, step=4)
+    (d / f"step_0000008.tmp-{dead}").mkdir()
+    (d / f"latest.tmp-{dead}").write_text("step_0000008\n")
+    (d / f"step_0000006.old-{dead}").mkdir()           # moved aside, replacement never arrived
+    (d / f"step_0000006.old-{dead}" / "config.json").write_text("{}")
+    (d / f"step_0000009.tmp-{os.getpid()}").mkdir()     # a live writer's: left alone
+    handled = ckpt.remove_stale_partials(d)
+    assert sorted(handled) == sorted([f"step_0000008.tmp-{dead}", f"latest.tmp-{dead}", f"step_0000006.old-{dead}"])
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_0000004", "step_0000006",
+                                                   f"step_0000009.tmp-{os.getpid()}"]
+    assert (d / "step_0000006" / "config.json").is_file()
