@@ -13,7 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train a DFlash drafter against a frozen target, instrumented end to end. With no "
-                    "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.")
+                    "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",
+        epilog="Of an on/off pair given twice (--resume --no-resume), the last one wins. Bad input exits 2 "
+               "with one line, before any rank starts.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file of config fields (flags > env > file)")
     add_config_flags(p)
     return p
@@ -23,13 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-            from dflash import worker
-
-            return worker.run(cfg)
         from dflash import launch
 
-        return launch.launch(cfg)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+            from dflash import preflight, worker
+
+            world = int(os.environ["WORLD_SIZE"])
+            preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            os.umask(launch.RUN_UMASK)  # what this rank writes is private to this user
+            return worker.run(cfg)
+        return launch.launch(cfg)  # preflight first, then one process per rank
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2

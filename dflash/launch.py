@@ -1,5 +1,14 @@
 """Launch one worker process per rank on this host (what torchrun would do, minus the elasticity),
-forward SIGINT/SIGTERM to them, and stop everyone as soon as one rank fails."""
+forward SIGINT/SIGTERM to them, and stop everyone as soon as one rank fails. Also the ranks'
+rendezvous: the store every rank joins before its process groups exist.
+
+Exposure: a single-host launch listens on loopback only. TCPStore's own server binds every
+interface, so the launcher binds the store's socket to 127.0.0.1 itself and hands it to rank 0; and
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default to `lo`, so the connections gloo and NCCL open
+between ranks bind loopback too. Ranks started by hand on several hosts (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set) serve the store on MASTER_ADDR only; under torchrun the store is
+torchrun's (README, "Security: what a run exposes").
+"""
 
 from __future__ import annotations
 
@@ -9,58 +18,60 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
+from datetime import timedelta
 
 import torch
 
+from dflash import preflight
 from dflash.config import ConfigError, TrainConfig
-from dflash.worker import resolve_topology
 
 # After a rank fails, how long the others get to exit on SIGTERM before SIGKILL.
 _GRACE_SECONDS = 10.0
+# A rank that has waited this long at the rendezvous says what it waits for (never before half
+# the timeout). Long enough that ranks importing torch side by side on a busy host stay quiet.
+_ANNOUNCE_AFTER_S = 15.0
+# The listening socket the launcher bound for rank 0's store: its file descriptor in rank 0.
+ENV_STORE_FD = "DFLASH_STORE_FD"
+# Files a run writes are readable by this user only (README, "Security: what a run exposes").
+RUN_UMASK = 0o077
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RendezvousError(RuntimeError):
+    """The ranks did not all join in time: one line saying where, and how many came."""
 
 
 def plan_world(cfg: TrainConfig) -> int:
     """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.target_gpus is not None and cfg.drafter_gpus is not None:
-        world = cfg.target_gpus + cfg.drafter_gpus
-    elif use_cuda:
-        world = max(2, torch.cuda.device_count())
-    else:
-        world = (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
-    resolve_topology(cfg, world, torch.cuda.device_count() if use_cuda else 0)  # validates the split
-    return world
+        return cfg.target_gpus + cfg.drafter_gpus
+    if use_cuda:
+        return max(2, torch.cuda.device_count())
+    return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
 
 
 def launch(cfg: TrainConfig) -> int:
-    if cfg.resume and cfg.run_dir is None:
-        raise ConfigError("--resume: needs --run-dir naming the run to continue")
-    if cfg.resume and not (Path(cfg.run_dir) / "checkpoints" / "latest").is_file():
-        raise ConfigError(f"--resume: no checkpoint in {Path(cfg.run_dir) / 'checkpoints'}")
     world = plan_world(cfg)
+    preflight.check(cfg, world, world)  # bad input: one line, exit 2, before any rank starts
     if cfg.run_dir is None:
         cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), DFLASH_CONFIG_JSON=json.dumps(cfg.to_dict()),
+    store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DFLASH_CONFIG_JSON=json.dumps(cfg.to_dict()),
                PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "dflash.worker"],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-             for r in range(world)]
-    forwarded: list[int] = []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.setdefault(var, "lo")  # unless the user named an interface
+    try:
+        procs = [_spawn(env, rank, store_socket if rank == 0 else None) for rank in range(world)]
+    finally:
+        store_socket.close()  # rank 0 holds its own copy
 
     def forward(signum, frame):
-        forwarded.append(signum)
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signum)  # the signal received, so the run records which one it was
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -68,6 +79,15 @@ def launch(cfg: TrainConfig) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _spawn(env: dict, rank: int, store_socket: socket.socket | None) -> subprocess.Popen:
+    env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    fds: tuple = ()
+    if store_socket is not None:
+        fds = (store_socket.fileno(),)
+        env[ENV_STORE_FD] = str(store_socket.fileno())
+    return subprocess.Popen([sys.executable, "-m", "dflash.worker"], env=env, pass_fds=fds, umask=RUN_UMASK)
 
 
 def _supervise(procs: list[subprocess.Popen]) -> int:
@@ -78,8 +98,9 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
         if failed:
             rank, code = failed[0]
             _stop_all(procs)
-            print(f"dflash-train: rank {rank} exited with code {code}; stopped the other ranks",
-                  file=sys.stderr)
+            if code not in (1, 2):  # 1 and 2: the rank has said why itself
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                print(f"dflash-train: rank {rank} {how}; stopped the other ranks", file=sys.stderr)
             return 2 if code == 2 else 1
         if all(c == 0 for c in codes):
             return 0
@@ -97,3 +118,71 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+# --------------------------------------------------------------------------------- rendezvous
+def rendezvous_store(rank: int, world: int, timeout_s: float):
+    """The store a rank passes to init_process_group, once all `world` ranks have joined it; None
+    under torchrun (its agent's store, through env://). RendezvousError after `timeout_s`; a rank
+    still waiting after _ANNOUNCE_AFTER_S (or half the timeout) says what it waits for."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr, port = _master_address()
+    where = f"{addr}:{port}"
+    waits_for = (f"all {world} ranks (WORLD_SIZE) to join at {where}" if rank == 0
+                 else f"rank 0's rendezvous store at {where} (MASTER_ADDR:MASTER_PORT)")
+    announce = threading.Timer(min(_ANNOUNCE_AFTER_S, timeout_s / 2), lambda: print(
+        f"dflash-train: rank {rank}: waiting up to {timeout_s:g} s for {waits_for}", file=sys.stderr, flush=True))
+    announce.daemon = True
+    announce.start()
+    try:
+        store = (_serve_store(addr, port, world, timeout_s) if rank == 0
+                 else _join_store(addr, port, world, timeout_s))
+    finally:
+        announce.cancel()
+    # From here on the store serves process-group set-up, which may wait on a slow rank's model
+    # load (a lazily created NCCL communicator): torch's default timeout, not the rendezvous one.
+    store.set_timeout(timedelta(minutes=30))
+    return store
+
+
+def _master_address() -> tuple[str, int]:
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"MASTER_ADDR={addr!r} MASTER_PORT={port!r}: ranks started by hand (RANK and "
+                          "WORLD_SIZE set) need rank 0's address and a TCP port")
+    return addr, int(port)
+
+
+def _serve_store(addr: str, port: int, world: int, timeout_s: float):
+    """Rank 0: the store's server on the launcher's loopback socket, else on MASTER_ADDR alone."""
+    fd = os.environ.get(ENV_STORE_FD)
+    try:
+        listener = socket.socket(fileno=int(fd)) if fd else socket.create_server((addr, port), backlog=128)
+    except OSError as e:
+        raise ConfigError(f"MASTER_ADDR:MASTER_PORT {addr}:{port}: cannot listen there ({e.strerror})") from None
+    try:
+        return torch.distributed.TCPStore(addr, port, world, True, timeout=timedelta(seconds=timeout_s),
+                                          wait_for_workers=True, master_listen_fd=listener.detach())
+    except torch.distributed.DistError as e:  # "... 1/2 clients joined."
+        raise RendezvousError(f"rendezvous at {addr}:{port}: {str(e).splitlines()[0]} "
+                              f"(WORLD_SIZE={world}, --rendezvous-timeout-s {timeout_s:g})") from None
+
+
+def _join_store(addr: str, port: int, world: int, timeout_s: float):
+    """Other ranks: wait (quietly, in Python) until rank 0 listens, then join its store."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"rendezvous at {addr}:{port}: nothing listened there within "
+                                      f"{timeout_s:g} s (--rendezvous-timeout-s)") from None
+            time.sleep(0.5)
+    left_s = max(1.0, deadline - time.monotonic())
+    try:
+        return torch.distributed.TCPStore(addr, port, world, False, timeout=timedelta(seconds=left_s))
+    except torch.distributed.DistError as e:
+        raise RendezvousError(f"rendezvous at {addr}:{port}: {str(e).splitlines()[0]}") from None

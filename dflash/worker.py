@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import builtin, checkpoint, evaluate, roles, telemetry
+from dflash import builtin, checkpoint, evaluate, preflight, roles, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -38,7 +38,8 @@ class _StopFlag:
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        if self.signum is None:  # the first signal is the one recorded (Ctrl-C reaches us twice)
+            self.signum = signum
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -88,10 +89,16 @@ def run(cfg: TrainConfig) -> int:
             # Ranks share the host's cores: don't let each one spawn a thread per core.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        from dflash.launch import RendezvousError, rendezvous_store
+
+        store = rendezvous_store(rank, world, cfg.rendezvous_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, store=store)
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2
+    except RendezvousError as e:
+        print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
+        return 1
     try:
         return _run_rank(cfg, topo, rank, device, stop)
     except ConfigError as e:
@@ -100,7 +107,11 @@ def run(cfg: TrainConfig) -> int:
     except checkpoint.CheckpointWriteError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
-    except Exception:
+    except Exception as e:
+        if _peer_lost(e):  # a consequence: the rank that failed first says why
+            print(f"dflash-train: rank {rank}: stopped, another rank is gone ({str(e).splitlines()[0][-120:]})",
+                  file=sys.stderr)
+            return 1
         print(f"dflash-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         return 1
     finally:
@@ -122,10 +133,12 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     heldout: list = []
     wants_eval = rank == 0 and cfg.eval_prompts > 0
     if role == "target" or (wants_eval and paths.eval_data is None):
-        samples = _load_samples(paths.data, tokenizer, cfg, announce=rank in (0, topo.target_ranks[0]))
+        samples = _load_samples(paths.data, tokenizer, cfg, announce=rank == topo.target_ranks[0])
         if paths.eval_data is None:
             # No separate held-out file: every rank holds out the same last records.
             samples, heldout = evaluate.split_heldout(samples, cfg.eval_prompts)
+            if wants_eval and not heldout:
+                _note_eval_skipped(paths.data, len(samples), cfg.eval_prompts)
         if not samples:
             raise ConfigError(f"{paths.data}: no training records left after holding out {cfg.eval_prompts}")
     if wants_eval and paths.eval_data is not None:
@@ -171,8 +184,11 @@ _PENDING_EVENTS: list[tuple[str, dict]] = []
 
 
 def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> list:
+    """`announce`: this rank reports bad records, and fails on them with --on-bad-record fail; the
+    other ranks that read the same file only count them (one line, not one per rank)."""
     try:
-        samples, bad = load_conversations(path, tokenizer, cfg.max_length, cfg.on_bad_record)
+        samples, bad = load_conversations(path, tokenizer, cfg.max_length,
+                                          cfg.on_bad_record if announce else "skip")
     except ValueError as e:  # the loader's message names file:line
         raise ConfigError(str(e)) from None
     if bad.count:
@@ -182,6 +198,19 @@ def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> li
             print(f"dflash-train: skipped {bad.count} bad records in {path} (first: {bad.examples[0]})",
                   file=sys.stderr)
     return samples
+
+
+def _note_eval_skipped(data: Path, records: int, eval_prompts: int) -> None:
+    why = f"{data} has {records} usable records, too few to hold out --eval-prompts {eval_prompts} and train on the rest"
+    print(f"dflash-train: evaluation skipped: {why}", file=sys.stderr)
+    _PENDING_EVENTS.append(("eval_skipped", {"reason": why}))
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """A collective or transfer that failed because another rank's process ended."""
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistError)) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 def threading_name(name: str) -> None:
@@ -209,25 +238,13 @@ def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
     box = [None, None]
     if rank == 0:
         path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
-        box = [str(path), _run_dir_conflict(path, cfg.resume)]
+        box = [str(path), preflight.run_dir_conflict(path, cfg.resume)]
     dist.broadcast_object_list(box, src=0, group=ctrl)
     if box[1] is not None:
         raise ConfigError(box[1])
     path = Path(box[0])
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _run_dir_conflict(path: Path, resume: bool) -> str | None:
-    """A new run refuses a directory that already holds one: its run log would continue the old
-    one's, and checkpoints at steps the old run reached would be kept instead of the new ones."""
-    if resume:
-        return None
-    held = [name for name in ("checkpoints", "profile") if (path / name).is_dir() and any((path / name).iterdir())]
-    if not held:
-        return None
-    return (f"--run-dir {path}: already holds a run ({', '.join(held)}); pass --resume to continue it, "
-            "or choose another directory")
 
 
 def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, device, device_payload) -> None:

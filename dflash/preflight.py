@@ -1,0 +1,175 @@
+"""Everything a launch can check before any rank starts. Each problem is one ConfigError line (the
+CLI exits 2) that names the field or FILE:LINE. It reads and never writes: no run directory is
+created, so a corrected retry starts clean.
+
+Checked, cheapest first: the device, transfer and attention choices are possible on this machine,
+and the rank split works; the run directory can be written, holds no other run unless --resume, and
+on --resume has a checkpoint whose training state loads as plain data; a --target-model directory
+has a config transformers knows as a causal LM, a tokenizer with a chat template, and safetensors
+weights; the --data file reads and parses up to its first usable record. The built-in target is
+never built here: it has nothing to check beyond the device choices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dflash import checkpoint
+from dflash.config import ConfigError, TrainConfig
+
+# Run-directory entries that show a run already lives there.
+RUN_MARKERS = ("checkpoints", "profile")
+
+
+def check(cfg: TrainConfig, world: int, local_world: int) -> None:
+    """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host."""
+    _check_devices(cfg, world, local_world)
+    _check_run_dir(cfg)
+    tokenizer = _check_target(cfg)
+    if cfg.data is not None:
+        _check_data(cfg, tokenizer)
+
+
+def _check_devices(cfg: TrainConfig, world: int, local_world: int) -> None:
+    import torch
+
+    from dflash.worker import resolve_topology
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    resolve_topology(cfg, world, gpus)
+    if cfg.transfer == "nccl" and not use_cuda:
+        raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
+    if cfg.transfer == "nccl" and gpus < local_world:
+        raise ConfigError(f"--transfer nccl: {local_world} ranks on this host but only {gpus} GPUs; "
+                          "NCCL needs one GPU per rank")
+    if cfg.attn_backend == "flex" and not use_cuda:
+        raise ConfigError("--attn-backend flex: FlexAttention has no backward pass on the CPU; "
+                          "use dense (auto picks it there)")
+
+
+def run_dir_conflict(path: Path, resume: bool) -> str | None:
+    """A new run refuses a directory that already holds one: its run log would continue the old
+    one's, and checkpoints at steps the old run reached would be kept instead of the new ones."""
+    if resume:
+        return None
+    held = [name for name in RUN_MARKERS if (path / name).is_dir() and any((path / name).iterdir())]
+    if not held:
+        return None
+    return (f"--run-dir {path}: already holds a run ({', '.join(held)}); pass --resume to continue it, "
+            "or choose another directory")
+
+
+def _check_run_dir(cfg: TrainConfig) -> None:
+    if cfg.resume and cfg.run_dir is None:
+        raise ConfigError("--resume: needs --run-dir naming the run to continue")
+    path = Path(cfg.run_dir or "runs").resolve()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--run-dir {path}: exists and is not a directory")
+    _check_writable(path)
+    for name in ("checkpoints", "profile"):
+        if (path / name).is_dir():
+            _check_writable(path / name)
+    if cfg.run_dir is None:
+        return
+    conflict = run_dir_conflict(path, cfg.resume)
+    if conflict:
+        raise ConfigError(conflict)
+    if cfg.resume:
+        ckpt = checkpoint.latest_checkpoint(path / "checkpoints")
+        if ckpt is None:
+            raise ConfigError(f"--resume: no checkpoint in {path / 'checkpoints'}")
+        checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
+        if not (ckpt / checkpoint.WEIGHTS_NAME).is_file():
+            raise ConfigError(f"--resume: {ckpt} has no {checkpoint.WEIGHTS_NAME}")
+
+
+def _check_writable(path: Path) -> None:
+    """`path`, or the nearest ancestor that exists when it does not yet, accepts new entries."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if os.access(existing, os.W_OK | os.X_OK):
+        return
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+    why = "read-only file system" if read_only else "permission denied"
+    where = "" if existing == path else f" (nearest existing directory {existing})"
+    raise ConfigError(f"--run-dir {path}: not writable: {why}{where}")
+
+
+def _check_target(cfg: TrainConfig):
+    """The tokenizer the data check needs (None when there is nothing to check)."""
+    if cfg.target_model is None:
+        if cfg.data is None:
+            return None
+        from dflash.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    if cfg.data is None:
+        raise ConfigError("--data: required with --target-model (the built-in corpus is generated by the "
+                          "built-in target)")
+    target = Path(cfg.target_model)
+    _check_target_config(target)
+    _check_weights(target)
+    from dflash import builtin
+
+    tokenizer = builtin.load_tokenizer(target)
+    builtin.mask_token_id(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"--target-model {target}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def _check_target_config(target: Path) -> None:
+    """config.json parses, names a model_type transformers knows, and that type is a causal LM.
+    Never trust_remote_code: nothing from the directory runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = target / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--target-model {target}: no config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable: {e}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{path}: unknown model_type {model_type!r} (this transformers has no such architecture)")
+    try:
+        config = AutoConfig.from_pretrained(str(target))
+    except Exception as e:  # transformers' own message, first line
+        raise ConfigError(f"{path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not a causal language model in transformers")
+
+
+def _check_weights(target: Path) -> None:
+    index = target / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        missing = sorted(f for f in files if not (target / f).is_file())
+        if missing:
+            raise ConfigError(f"{index}: names {missing[0]}, which does not exist"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    elif not (target / "model.safetensors").is_file():
+        raise ConfigError(f"--target-model {target}: no model.safetensors or model.safetensors.index.json "
+                          "(weights load from safetensors only)")
+
+
+def _check_data(cfg: TrainConfig, tokenizer) -> None:
+    from dflash.data import first_usable_record
+
+    try:
+        first_usable_record(cfg.data, tokenizer, cfg.max_length, cfg.on_bad_record)
+    except OSError as e:
+        raise ConfigError(f"--data {cfg.data}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:  # names FILE:LINE
+        raise ConfigError(str(e)) from None
