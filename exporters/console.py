@@ -92,17 +92,19 @@ def format_interval(record: dict) -> str:
 def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     """Aggregate run_end records over ranks: rows (role, span, total_s, share, mean_s, p95_s, count)
     sorted by total time, and per-role {"wall_seconds", "ranks", "rates": {counter: per_second}}.
-    A role's wall time is the sum of its ranks' run durations; p95 is the worst rank's p95."""
+    A resumed run has one run_end per rank and segment: a rank's segments are summed (its wall time,
+    its counters), its rate is its total over its wall time, and a role's rate is the sum of its
+    ranks' rates. A role's wall time is the sum of its ranks'; p95 is the worst segment's p95."""
     roles: dict = {}
+    per_rank: dict = {}
     agg: dict = {}
     for rec in run_end_records:
         role = rec.get("role")
-        r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "rates": {}})
-        r["wall_seconds"] += rec.get("duration_seconds") or 0.0
-        r["ranks"].append(rec.get("rank"))
+        rank = per_rank.setdefault((role, rec.get("rank")), {"wall_seconds": 0.0, "totals": {}})
+        rank["wall_seconds"] += rec.get("duration_seconds") or 0.0
         for cname, c in (rec.get("counters") or {}).items():
-            if c.get("per_second") is not None:
-                r["rates"][cname] = r["rates"].get(cname, 0.0) + c["per_second"]
+            if c.get("total") is not None:
+                rank["totals"][cname] = rank["totals"].get(cname, 0.0) + c["total"]
         for sname, e in (rec.get("spans") or {}).items():
             stats, _ = _basis(e)
             a = agg.setdefault((role, sname), {"total": 0.0, "count": 0, "p95": None})
@@ -111,6 +113,13 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
             p95 = stats.get("p95_seconds")
             if p95 is not None and (a["p95"] is None or p95 > a["p95"]):
                 a["p95"] = p95
+    for (role, rank_id), rank in per_rank.items():
+        r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "rates": {}})
+        r["wall_seconds"] += rank["wall_seconds"]
+        r["ranks"].append(rank_id)
+        for cname, total in rank["totals"].items():
+            if rank["wall_seconds"] > 0:
+                r["rates"][cname] = r["rates"].get(cname, 0.0) + total / rank["wall_seconds"]
     rows = []
     for (role, sname), a in agg.items():
         wall = roles[role]["wall_seconds"]
