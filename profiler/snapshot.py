@@ -255,33 +255,44 @@ def explain_waits(snaps: list) -> list[dict]:
 
 
 # ---- keeping a snapshot ----------------------------------------------------------------------
-def record_fields(snap: dict, file_path: str) -> dict:
+def record_fields(snap: dict, file_path: str | None) -> dict:
     keys = ("name", "native_id", "open_spans", "stuck", "stuck_span", "stuck_frame", "frames")
     return {"pid": snap["pid"], "step": snap["step"], "native": snap["native"], "file": file_path,
             "stuck": snap["stuck"], "stuck_rule": snap["stuck_rule"], "note": snap["note"],
             "threads": [{k: t[k] for k in keys} for t in snap["threads"]]}
 
 
-def keep_snapshot(snap: dict, query_fn=query) -> dict:
-    """Write the snapshot under RUN_DIR/snapshots/ and have the process record it in its run log;
-    returns (and sets as snap["kept"]) {"file", "recorded", "reason"}."""
-    if not snap.get("run_dir") or "error" in snap:
-        kept = {"file": None, "recorded": False, "reason": snap.get("error") or "no run directory (no endpoint)"}
-        snap["kept"] = kept
-        return kept
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap["time_unix"])) + f"{snap['time_unix'] % 1:.3f}"[1:]
-    path = Path(snap["run_dir"]) / "snapshots" / f"{stamp}Z-rank{snap['rank']}-pid{snap['pid']}.json"
+def _write_json(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(snap, indent=1) + "\n")
-    os.replace(tmp, path)
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written snapshot
+
+
+def keep_snapshot(snap: dict, query_fn=query) -> dict:
+    """Write the snapshot under RUN_DIR/snapshots/ and have the process record it in its run log;
+    returns (and sets as snap["kept"]) {"file", "recorded", "reason"}. Never raises: a run
+    directory we cannot write to still gets the run-log record, and the reason says why no file."""
+    if not snap.get("run_dir") or "error" in snap:
+        why = snap.get("error") or "no run directory (no endpoint)"
+        snap["kept"] = {"file": None, "recorded": False, "reason": why}
+        return snap["kept"]
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap["time_unix"])) + f"{snap['time_unix'] % 1:.3f}"[1:]
+    path = Path(snap["run_dir"]) / "snapshots" / f"{stamp}Z-rank{snap['rank']}-pid{snap['pid']}.json"
+    reasons = []
+    try:
+        _write_json(path, snap)
+    except OSError as exc:
+        reasons.append(f"no file: {exc.strerror or exc}: {exc.filename or path}")
+        path = None
     reply = {"ok": False, "error": "no control endpoint answered"}
     if snap.get("endpoint"):
-        reply = query_fn(snap["endpoint"], "record", fields=record_fields(snap, str(path)))
-    kept = {"file": str(path), "recorded": bool(reply.get("ok")), "reason": reply.get("error")}
-    snap["kept"] = kept
-    return kept
-
+        reply = query_fn(snap["endpoint"], "record", fields=record_fields(snap, str(path) if path else None))
+    if not reply.get("ok"):
+        reasons.append(reply.get("error"))
+    snap["kept"] = {"file": str(path) if path else None, "recorded": bool(reply.get("ok")),
+                    "reason": "; ".join(reasons) or None}
+    return snap["kept"]
 
 # ---- human output ----------------------------------------------------------------------------
 FRAMES_SHOWN = 5
@@ -352,9 +363,10 @@ def format_process(snap: dict) -> str:
     for t in snap["threads"]:
         lines += _thread_lines(t)
     kept = snap.get("kept")
-    if kept and kept["file"]:
-        lines.append(f"kept: {kept['file']}" + ("; recorded in the run log" if kept["recorded"] else
-                                                f"; not recorded in the run log ({kept['reason']})"))
+    if kept and snap["endpoint"]:
+        lines.append(f"kept: {kept['file'] or 'no file'}; " + ("recorded in the run log" if kept["recorded"] else
+                                                              "not recorded in the run log")
+                     + (f" ({kept['reason']})" if kept["reason"] else ""))
     return "\n".join(lines)
 
 

@@ -151,6 +151,18 @@ def test_keep_writes_the_file_and_the_process_records_it(served):
     assert "recorded in the run log" in format_process(snap)
 
 
+def test_an_unwritable_run_dir_still_gets_the_run_log_record(served):
+    holder, disc, written = served
+    holder["state"] = state_with(holder["run_dir"], [], interval({}))
+    (Path(holder["run_dir"]) / "snapshots").write_text("a file where the directory should be")
+    runner = lambda pid, native=False, nonblocking=False: [pyspy_thread("target.main", 101, MAIN_FRAMES)]  # noqa: E731
+    snap = snapshot_process(os.getpid(), runner=runner, discovery_dir=disc)
+    kept = keep_snapshot(snap)
+    assert kept["file"] is None and kept["recorded"] is True and kept["reason"].startswith("no file: ")
+    assert written[0]["file"] is None and written[0]["threads"][0]["name"] == "target.main"
+    assert "kept: no file; recorded in the run log (no file: " in format_process(snap)
+
+
 def test_a_process_without_an_endpoint_gets_stacks_and_a_note(tmp_path):
     runner = lambda pid, native=False, nonblocking=False: [pyspy_thread("MainThread", pid, MAIN_FRAMES)]  # noqa: E731
     snap = snapshot_process(os.getpid(), runner=runner, discovery_dir=tmp_path)
