@@ -23,6 +23,7 @@ from dflash import builtin, checkpoint, evaluate, preflight, roles, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
+from profiler.stacks import make_stack_sampler
 from dflash.topology import Topology, default_topology
 
 
@@ -157,7 +158,9 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     prof = (profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
                               interval_s=cfg.profile_interval, device=device, console=rank == 0,
                               config=cfg.to_dict(), exporters=tele.exporters,
-                              detail_steps=cfg.profile_detail_steps)
+                              detail_steps=cfg.profile_detail_steps,
+                              stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
+                                                               cfg.profile_interval))
             if cfg.profile else contextlib.nullcontext())
     with contextlib.closing(tele), prof:
         for kind, fields in _PENDING_EVENTS:

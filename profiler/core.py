@@ -21,6 +21,7 @@ from profiler.memory import allocator_summary, make_memory_sampler
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
+from profiler.stacks import NullStackSampler
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 logger = logging.getLogger("profiler")
@@ -93,7 +94,7 @@ class Profiler:
         self.export_timeout_s = export_timeout_s
         self.detail_steps = detail_steps
         self.run_id = run_id or self.run_dir.resolve().name
-        self.stack_sampler = stack_sampler or _NoStackSampler()
+        self.stack_sampler = stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self._close_lock = threading.RLock()
         self._started = False
@@ -137,8 +138,9 @@ class Profiler:
         self._write(self._run_start_record())
         api.activate(self, self.recorder)
         self._cleanups.append(lambda: api.deactivate(self))
-        self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state) if self._control_enabled
-                        else NullControlServer())
+        self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state,
+                                      record_fn=lambda fields: self.write_record("snapshot", **fields))
+                        if self._control_enabled else NullControlServer())
         self.control.start()
         self._cleanups.append(self.control.close)
         self.stack_sampler.start()
@@ -319,9 +321,13 @@ class Profiler:
         except Exception:   # noqa: BLE001 - still report what we have
             logger.exception("profiler: state(): collecting records failed")
         try:
-            memory = self.sampler.latest()
+            memory = dict(self.sampler.latest())
         except Exception as exc:   # noqa: BLE001
             memory = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        try:   # ~150 us, only when someone asks for a snapshot; the peaks stay for the interval
+            memory["allocator"] = allocator_summary(self.device, reset_peak=False)
+        except Exception as exc:   # noqa: BLE001
+            memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
         return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
@@ -333,17 +339,4 @@ def _package_version() -> str | None:
         from importlib.metadata import version
         return version("dflash-observability")
     except Exception:   # noqa: BLE001 - running from a source tree without installing
-        return None
-
-
-class _NoStackSampler:
-    """No in-run stack sampling (the default)."""
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def interval_summary(self, reset: bool = True) -> None:
         return None
