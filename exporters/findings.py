@@ -43,24 +43,32 @@ def _bandwidth(report: dict) -> list:
     return out
 
 
+def _ranks_text(items: list) -> str:
+    return ", ".join(f"rank {a['rank']} ({a['role']})" for a in items)
+
+
 def _allocator(report: dict) -> list:
+    """One finding for every rank whose allocator retried, one for every rank whose reserved memory grew."""
+    allocs = report["memory"]["allocator"]
+    retried = [a for a in allocs if (a["alloc_retries_last"] or 0) > 0]
+    grew = [a for a in allocs if a["reserved_bytes_first"] and a["reserved_bytes_last"]
+            and a["reserved_bytes_last"] > (1 + RESERVED_GROWTH) * a["reserved_bytes_first"]
+            and a["reserved_bytes_last"] >= max(x or 0 for x in a["reserved_series_bytes"])]
     out = []
-    for a in report["memory"]["allocator"]:
-        first, last = a["alloc_retries_first"] or 0, a["alloc_retries_last"] or 0
-        if last > 0:
-            out.append(_finding(
-                "alloc_retries", f"rank {a['rank']} ({a['role']}): the allocator retried cudaMalloc {last} times",
-                f"num_alloc_retries {first} at the first interval, {last} at the last: it freed its cache to fit",
-                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower --tokens-per-batch toward the "
-                "memory margin"))
-        r0, r1 = a["reserved_bytes_first"], a["reserved_bytes_last"]
-        if r0 and r1 and r1 > (1 + RESERVED_GROWTH) * r0 and r1 >= max(x or 0 for x in a["reserved_series_bytes"]):
-            out.append(_finding(
-                "reserved_growing", f"rank {a['rank']} ({a['role']}): reserved memory grew {r1 / r0 - 1:.0%} and "
-                "was still at its high at the end",
-                f"reserved {r0 / GIB:.2f} GiB at the first interval, {r1 / GIB:.2f} GiB at the last",
-                "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); "
-                "take an allocator history snapshot over a few intervals"))
+    if retried:
+        out.append(_finding(
+            "alloc_retries", f"the allocator retried cudaMalloc on {len(retried)} rank(s)",
+            "; ".join(f"rank {a['rank']} ({a['role']}): num_alloc_retries {a['alloc_retries_first'] or 0} at the first "
+                      f"interval, {a['alloc_retries_last']} at the last" for a in retried) + ": it freed its cache to fit",
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower --tokens-per-batch toward the memory margin"))
+    if grew:
+        out.append(_finding(
+            "reserved_growing", f"reserved memory grew over {RESERVED_GROWTH:.0%} and was at its high at the end on "
+                                f"{_ranks_text(grew)}",
+            "; ".join(f"rank {a['rank']}: {a['reserved_bytes_first'] / GIB:.2f} -> {a['reserved_bytes_last'] / GIB:.2f} GiB"
+                      for a in grew),
+            "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); "
+            "take an allocator history snapshot over a few intervals"))
     return out
 
 
@@ -137,7 +145,8 @@ _NEXT_FOR_EVENT = {
 
 
 def _where(example: dict) -> str:
-    keys = ("rank", "span", "step", "status", "signal", "reason", "path", "count", "lines", "message", "error")
+    keys = ("rank", "span", "step", "last_step", "status", "signal", "reason", "path", "count", "lines", "message",
+            "error")
     return ", ".join(f"{k} {example[k]}" for k in keys if example.get(k) is not None)
 
 

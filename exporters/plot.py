@@ -14,8 +14,8 @@ GIB = 1024 ** 3
 
 
 def timeline(run: Run) -> dict:
-    """{"interval_s", "roles": {role: {"ranks", "minutes", "spans": {name: [seconds]}, "tokens_per_s"}},
-    "gpus": {gpu: {"minutes", "headroom_bytes", "total_bytes"}}} with minutes since the run started."""
+    """{"interval_s", "roles": {role: {"ranks", "seconds", "spans": {name: [seconds]}, "tokens_per_s"}},
+    "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run started."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
     t0 = min((s["time_unix"] for s in starts), default=None)
     if t0 is None:
@@ -30,8 +30,8 @@ def timeline(run: Run) -> dict:
         for rec in log.intervals:
             # binned on the rank's own clock, so ranks that started a little apart still line up
             b = acc["bins"].setdefault(round((rec["time_unix"] - rank_t0) / step),
-                                       {"spans": {}, "tokens_per_s": 0.0, "minutes": []})
-            b["minutes"].append((rec["time_unix"] - t0) / 60.0)
+                                       {"spans": {}, "tokens_per_s": 0.0, "seconds": []})
+            b["seconds"].append(rec["time_unix"] - t0)
             for name, e in (rec.get("spans") or {}).items():
                 b["spans"][name] = b["spans"].get(name, 0.0) + basis_seconds(e)
             b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
@@ -39,8 +39,8 @@ def timeline(run: Run) -> dict:
             for g in (mem.get("gpus") or []) if mem.get("available") else []:
                 if g.get("headroom_bytes") is not None:
                     s = gpus.setdefault(f"{log.hostname or '?'}:{g.get('index')}",
-                                        {"minutes": [], "headroom_bytes": [], "total_bytes": g.get("total_bytes")})
-                    s["minutes"].append((rec["time_unix"] - t0) / 60.0)
+                                        {"seconds": [], "headroom_bytes": [], "total_bytes": g.get("total_bytes")})
+                    s["seconds"].append(rec["time_unix"] - t0)
                     s["headroom_bytes"].append(g["headroom_bytes"])
     return {"interval_s": step, "roles": {role: _series(acc) for role, acc in sorted(roles.items())},
             "gpus": gpus}
@@ -49,7 +49,7 @@ def timeline(run: Run) -> dict:
 def _series(acc: dict) -> dict:
     keys = sorted(acc["bins"])
     names = sorted({n for b in acc["bins"].values() for n in b["spans"]})
-    return {"ranks": acc["ranks"], "minutes": [sum(acc["bins"][k]["minutes"]) / len(acc["bins"][k]["minutes"])
+    return {"ranks": acc["ranks"], "seconds": [sum(acc["bins"][k]["seconds"]) / len(acc["bins"][k]["seconds"])
                                                for k in keys],
             "spans": {n: [acc["bins"][k]["spans"].get(n, 0.0) for k in keys] for n in names},
             "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys]}
@@ -65,6 +65,27 @@ def _top_spans(spans: dict) -> list:
     return layers
 
 
+def _time_unit(tl: dict) -> tuple[str, float]:
+    """(unit name, seconds per unit) that keeps the run's length readable."""
+    last = max((x for s in [*tl["roles"].values(), *tl["gpus"].values()] for x in s["seconds"]), default=0.0)
+    return ("seconds", 1.0) if last < 600 else ("minutes", 60.0) if last < 5 * 3600 else ("hours", 3600.0)
+
+
+def _line_style(n_points: int) -> dict:
+    return {"marker": ".", "markersize": 4} if n_points <= 120 else {"linewidth": 0.8}
+
+
+def _plot_role(ax, role: str, s: dict, x: list, colors: dict, interval_s: float) -> None:
+    layers = _top_spans(s["spans"])
+    if layers:
+        ax.stackplot(x, *[v for _, v in layers], labels=[n for n, _ in layers], step="pre",
+                     colors=[colors.get(n, "0.6") for n, _ in layers])
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    ax.set_ylabel("span seconds\nper interval")
+    ax.set_title(f"{role}: span time per {interval_s:g} s interval, stacked by span (GPU time where measured; "
+                 f"sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9, loc="left")
+
+
 def plot_run(run: Run, png_path) -> str:
     """Write the PNG; returns its path. Needs matplotlib (the `test` extra)."""
     import matplotlib
@@ -74,38 +95,40 @@ def plot_run(run: Run, png_path) -> str:
 
     tl = timeline(run)
     roles = tl["roles"]
-    fig, axes = plt.subplots(len(roles) + 2, 1, figsize=(11, 3.2 * (len(roles) + 2)), sharex=True, squeeze=False)
+    unit, per = _time_unit(tl)
+    names = sorted({n for s in roles.values() for n in s["spans"]})
+    palette = plt.get_cmap("tab20").colors
+    colors = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+    fig, axes = plt.subplots(len(roles) + 2, 1, figsize=(12, 3.0 * (len(roles) + 2)), sharex=True, squeeze=False)
     axes = axes[:, 0]
     for ax, (role, s) in zip(axes, roles.items()):
-        layers = _top_spans(s["spans"])
-        if layers:
-            ax.stackplot(s["minutes"], *[v for _, v in layers], labels=[n for n, _ in layers], step="pre")
-            ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.7)
-        ax.set_ylabel("span seconds\nper interval")
-        ax.set_title(f"{role}: span time per {tl['interval_s']:g} s interval, stacked by span "
-                     f"(sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9)
+        _plot_role(ax, role, s, [t / per for t in s["seconds"]], colors, tl["interval_s"])
     ax = axes[len(roles)]
     for role, s in roles.items():
-        ax.plot(s["minutes"], s["tokens_per_s"], marker=".", label=role)
+        ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))
     ax.set_ylabel("tokens/s")
-    ax.set_title("tokens/s per role (sum over its ranks)", fontsize=9)
-    ax.legend(loc="upper left", fontsize=7)
-    _plot_headroom(axes[-1], tl["gpus"])
-    axes[-1].set_xlabel("minutes since the run started")
+    ax.set_ylim(bottom=0)
+    ax.set_title("tokens/s per role (sum over its ranks)", fontsize=9, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    _plot_headroom(axes[-1], tl["gpus"], per)
+    axes[-1].set_xlabel(f"{unit} since the run started")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return str(png_path)
 
 
-def _plot_headroom(ax, gpus: dict) -> None:
-    ax.set_title("GPU memory headroom per interval (total minus the interval's peak used)", fontsize=9)
+def _plot_headroom(ax, gpus: dict, per: float) -> None:
+    ax.set_title("GPU memory headroom per interval (total minus the interval's peak used; dashed: 5% of the GPU)",
+                 fontsize=9, loc="left")
     ax.set_ylabel("headroom GiB")
     if not gpus:
         ax.text(0.5, 0.5, "no GPU memory measured", ha="center", va="center", transform=ax.transAxes)
         return
     for gpu, s in sorted(gpus.items()):
-        ax.plot(s["minutes"], [h / GIB for h in s["headroom_bytes"]], marker=".", label=f"gpu {gpu}")
+        line, = ax.plot([t / per for t in s["seconds"]], [h / GIB for h in s["headroom_bytes"]], label=f"gpu {gpu}",
+                        **_line_style(len(s["seconds"])))
         if s["total_bytes"]:
-            ax.axhline(0.05 * s["total_bytes"] / GIB, color="red", linewidth=0.6, linestyle="--")
-    ax.legend(loc="upper left", fontsize=7, ncol=4)
+            ax.axhline(0.05 * s["total_bytes"] / GIB, color=line.get_color(), linewidth=0.6, linestyle="--")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)

@@ -1,0 +1,197 @@
+"""dflash-report hotspots on a long run: generates the run logs of a 24-hour, 8-rank run at a 60 s
+profile interval (5 target ranks feeding 3 drafter ranks, as the seeds ran it) in the schema-1 shape of
+docs/RUNLOG.md: every interval with CPU and GPU stats and histogram buckets per span, NVML and allocator
+memory, threads, a detail-window `spans` record before it, stack samples every 10th interval, hourly
+checkpoints. Then times the report: in-process (load + every analysis + the text) and end to end
+through the CLI (`python -m dflash.report_cli hotspots DIR --json`, what a user waits for).
+
+    python bench/bench_report.py [--hours 24] [--ranks 8] [--targets 5] [--interval 60] [--dir DIR] [--repeat 3]
+
+The numbers inside the generated logs are synthetic (a seeded random walk around GPU-like step times);
+what is measured is the report's time on a log of the real size and shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+BOUNDS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+          10.0, 30.0, 60.0, 120.0, 300.0]
+GIB = 1024 ** 3
+# role -> [(span, seconds per call, bytes per call or None, thread)]; one call per step
+SPANS = {
+    "target": [("target.fetch", 0.002, None, "target.main"), ("target.fwd", 1.10, None, "target.main"),
+               ("target.pack_hidden", 0.12, 2_600_000_000, "target.main"),
+               ("transfer.wait_slot", 0.05, None, "target.main"),
+               ("transfer.send", 0.35, 1_300_000_000, "target.sender")],
+    "drafter": [("drafter.recv", 0.05, None, "drafter.main"), ("h2d_copy", 0.04, 1_300_000_000, "drafter.main"),
+                ("drafter.fwd_bwd", 0.75, None, "drafter.main"), ("drafter.allreduce", 0.04, None, "drafter.main"),
+                ("drafter.optim", 0.02, None, "drafter.main")],
+}
+
+
+def _stats(rng: random.Random, mean_s: float, count: int) -> dict:
+    samples = sorted(max(1e-6, rng.gauss(mean_s, mean_s * 0.08)) for _ in range(min(count, 16)))
+    buckets = [0] * (len(BOUNDS) + 1)
+    for s in samples:
+        buckets[next((i for i, b in enumerate(BOUNDS) if s <= b), len(BOUNDS))] += count / len(samples)
+    q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]  # noqa: E731
+    return {"total_seconds": mean_s * count, "mean_seconds": mean_s, "p50_seconds": q(0.5), "p95_seconds": q(0.95),
+            "p99_seconds": q(0.99), "max_seconds": samples[-1], "buckets": [round(b) for b in buckets]}
+
+
+def _span_entries(rng: random.Random, role: str, steps: int, slow: float) -> dict:
+    out = {}
+    for name, mean_s, nbytes, thread in SPANS[role]:
+        m = mean_s * slow * rng.uniform(0.95, 1.05)
+        e = {"count": steps, "threads": [thread], "cpu": _stats(rng, m * 0.2, steps), "gpu": _stats(rng, m, steps),
+             "share": m * steps / 60.0}
+        if nbytes:
+            e.update(bytes=nbytes * steps, bandwidth_bytes_per_s=nbytes / m, floor="device_copy",
+                     floor_bytes_per_s=2.0e12, floor_ratio=nbytes / m / 2.0e12)
+        out[name] = e
+    return out
+
+
+def _memory(rng: random.Random, k: int, role: str, gpu: int) -> dict:
+    total = 141 * GIB
+    base = (96 if role == "target" else 70) * GIB
+    peak = base + rng.uniform(0, 25) * GIB + (k / 1440) * 8 * GIB
+    return {"available": True, "sampler_errors": 0,
+            "gpus": [{"index": gpu, "name": "NVIDIA H200", "total_bytes": total, "used_bytes_last": int(peak - GIB),
+                      "used_bytes_peak": int(peak), "headroom_bytes": int(total - peak), "util_percent_mean": 92.0,
+                      "power_watts_mean": 610.0, "temperature_c_max": 71.0, "sm_clock_hz_last": 1_980_000_000,
+                      "throttle_reasons": [], "samples": 120}],
+            "allocator": {"available": True, "allocated_bytes": int(base - 30 * GIB), "reserved_bytes": int(peak - 2 * GIB),
+                          "peak_allocated_bytes": int(peak - 4 * GIB), "peak_reserved_bytes": int(peak - GIB),
+                          "num_alloc_retries": k // 500, "num_ooms": 0, "inactive_split_bytes": 300_000_000}}
+
+
+def _detail(rng: random.Random, role: str, t_ns: int, steps: int = 3) -> list:
+    """The raw spans of a 3-step detail window."""
+    out, sid = [], 0
+    for _ in range(steps):
+        for name, mean_s, nbytes, thread in SPANS[role]:
+            d_ns = int(mean_s * rng.uniform(0.9, 1.1) * 1e9)
+            out.append({"id": sid, "parent": None, "name": name, "thread": thread, "tid": 4000 + len(thread),
+                        "depth": 0, "start_unix_ns": t_ns, "end_unix_ns": t_ns + d_ns, "cpu_seconds": d_ns / 5e9,
+                        "gpu_seconds": d_ns / 1e9, "bytes": nbytes})
+            sid, t_ns = sid + 1, t_ns + d_ns
+    return out
+
+
+def _stacks(role: str) -> dict:
+    return {"samples": 20, "threads": [{"name": f"{role}.main", "native_id": 4011, "top_frames": [
+        {"frame": f"forward ({role}.py:120)", "count": 12}, {"frame": "_conv_forward (conv.py:456)", "count": 5}]}]}
+
+
+def _rank_records(rank: int, role: str, hours: float, interval_s: float, t0: float, slow: float) -> list:
+    rng = random.Random(rank)
+    step_s = sum(m for _, m, _, t in SPANS[role] if t.endswith("main")) * slow
+    steps = max(1, int(interval_s / step_s))
+    recs = [{"type": "run_start", "time_unix": t0, "rank": rank, "role": role, "schema": 1, "run_id": "bench-24h",
+             "clock": {"perf_counter_ns": 0, "unix_ns": int(t0 * 1e9)}, "histogram_buckets_seconds": BOUNDS,
+             "detail_steps": 3, "world_size": 8, "pid": 1000 + rank, "hostname": "node0", "device": "cuda",
+             "device_name": "NVIDIA H200", "floors": {"device_copy": 2.0e12, "pinned_d2h": 5.0e10,
+                                                       "pinned_h2d": 5.0e10}, "interval_s": interval_s,
+             "config": {"tokens_per_batch": 65536, "max_in_flight": 2, "target_gpus": 5, "drafter_gpus": 3}}]
+    for k in range(int(hours * 3600 / interval_s)):
+        t = t0 + (k + 1) * interval_s
+        recs.append({"type": "spans", "time_unix": t, "rank": rank, "role": role, "index": k,
+                     "steps": [k * steps, k * steps + 2], "spans": _detail(rng, role, int((t - interval_s) * 1e9)),
+                     "dropped": 0})
+        rec = {"type": "interval", "time_unix": t, "rank": rank, "role": role, "index": k, "step": (k + 1) * steps,
+               "start_s": k * interval_s, "end_s": (k + 1) * interval_s, "duration_seconds": interval_s,
+               "spans": _span_entries(rng, role, steps, slow),
+               "counters": {"tokens": {"total": 65536 * steps, "per_second": 65536 * steps / interval_s,
+                                       "run_total": 65536 * steps * (k + 1)}},
+               "gauges": {"queue_depth": {"last": 1.0, "mean": 0.8, "max": 2.0}} if role == "drafter" else {},
+               "metrics": {"loss": {"last": 2.0, "mean": 2.1}, "tau": {"last": 3.1, "mean": 3.0}},
+               "memory": _memory(rng, k, role, rank), "threads": [{"name": f"{role}.main", "native_id": 4011}],
+               "exporters": {"prometheus": {"exported": k, "dropped": 0, "failed": 0}}}
+        if k % 10 == 0:
+            rec["stack_samples"] = _stacks(role)
+        recs.append(rec)
+        if role == "drafter" and k % 60 == 59:
+            recs.append({"type": "event", "time_unix": t, "rank": rank, "role": role, "kind": "checkpoint",
+                         "step": (k + 1) * steps, "path": f"checkpoints/step_{(k + 1) * steps}", "seconds": 4.2})
+    n = int(hours * 3600 / interval_s)
+    recs.append({"type": "run_end", "time_unix": t0 + n * interval_s, "rank": rank, "role": role, "step": n * steps,
+                 "status": "ok", "duration_seconds": n * interval_s, "intervals": n,
+                 "spans": _span_entries(rng, role, n * steps, slow),
+                 "counters": {"tokens": {"total": 65536 * steps * n, "per_second": 65536 * steps / interval_s}}})
+    return recs
+
+
+def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: float) -> int:
+    """Write RUN_DIR/profile/rank{R}.jsonl; drafters are ranks 0..D-1. Rank 3 is 30% slower (a straggler).
+    Returns the bytes written."""
+    (run_dir / "profile").mkdir(parents=True, exist_ok=True)
+    t0, size = 1_700_000_000.0, 0
+    for rank in range(ranks):
+        role = "drafter" if rank < ranks - targets else "target"
+        recs = _rank_records(rank, role, hours, interval_s, t0, slow=1.3 if rank == 3 else 1.0)
+        data = "".join(json.dumps(r) + "\n" for r in recs)
+        (run_dir / "profile" / f"rank{rank}.jsonl").write_text(data)
+        size += len(data)
+    return size
+
+
+def time_in_process(run_dir: Path, repeat: int) -> list:
+    from exporters import report
+
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        report.format_hotspots(report.hotspots(run_dir))
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def time_cli(run_dir: Path, repeat: int) -> list:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir), "--json"], cwd=REPO,
+                       check=True, stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hours", type=float, default=24.0)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--targets", type=int, default=5)
+    p.add_argument("--interval", type=float, default=60.0)
+    p.add_argument("--dir", help="where to write the run (default: a temporary directory, removed after)")
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(args.dir or tmp) / "bench-24h"
+        t = time.perf_counter()
+        size = generate(run_dir, args.hours, args.ranks, args.targets, args.interval)
+        print(f"generated {args.hours:g} h x {args.ranks} ranks at {args.interval:g} s: "
+              f"{size / 1e6:.0f} MB in {time.perf_counter() - t:.1f} s ({run_dir})")
+        inproc, cli = time_in_process(run_dir, args.repeat), time_cli(run_dir, args.repeat)
+        print(f"report in-process (load + analyses + text): median {statistics.median(inproc):.2f} s, "
+              f"all {', '.join(f'{x:.2f}' for x in inproc)}")
+        print(f"report CLI --json end to end:               median {statistics.median(cli):.2f} s, "
+              f"all {', '.join(f'{x:.2f}' for x in cli)}")
+        print(f"cpu: {os.cpu_count()} cores; python {sys.version.split()[0]}")
+        return 0 if statistics.median(cli) < 3.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
