@@ -101,7 +101,8 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
             if code not in (1, 2):  # 1 and 2: the rank has said why itself
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 print(f"dflash-train: rank {rank} {how}; stopped the other ranks", file=sys.stderr)
-            return 2 if code == 2 else 1
+            # Bad input found by any rank decides, even when a rank that lost it as a peer exited first.
+            return 2 if 2 in [p.returncode for p in procs] else 1
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -43,6 +44,13 @@ class _StopFlag:
             self.signum = signum
 
     def __call__(self) -> bool:
+        return self.signum is not None
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once a signal has arrived, polling for up to timeout_s (no lock a handler could need)."""
+        deadline = time.monotonic() + timeout_s
+        while self.signum is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self.signum is not None
 
 
@@ -109,9 +117,12 @@ def run(cfg: TrainConfig) -> int:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        if _peer_lost(e):  # a consequence: the rank that failed first says why
-            print(f"dflash-train: rank {rank}: stopped, another rank is gone ({str(e).splitlines()[0][-120:]})",
-                  file=sys.stderr)
+        lost = _peer_lost(e)
+        if lost:
+            # A consequence of another rank's end. The launcher (or torchrun) stops us at once and that
+            # rank has said why; only if no stop comes is there something to add.
+            if not stop.wait(timeout_s=3.0):
+                print(f"dflash-train: rank {rank}: stopped, another rank is gone ({lost})", file=sys.stderr)
             return 1
         print(f"dflash-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
         return 1
@@ -138,8 +149,6 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         if paths.eval_data is None:
             # No separate held-out file: every rank holds out the same last records.
             samples, heldout = evaluate.split_heldout(samples, cfg.eval_prompts)
-            if wants_eval and not heldout:
-                _note_eval_skipped(paths.data, len(samples), cfg.eval_prompts)
         if not samples:
             raise ConfigError(f"{paths.data}: no training records left after holding out {cfg.eval_prompts}")
     if wants_eval and paths.eval_data is not None:
@@ -172,8 +181,8 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             progress = Progress(cfg.max_steps, state.step) if rank == 0 else NullProgress()
             roles.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
-            if rank == 0 and heldout:
-                evaluate.run_eval(ctx, state.model, heldout, tokenizer)
+            if rank == 0 and cfg.eval_prompts > 0:
+                _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
         if stop():
             profiler.event("signal", signal=signal.Signals(stop.signum).name)
     dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
@@ -203,17 +212,21 @@ def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> li
     return samples
 
 
-def _note_eval_skipped(data: Path, records: int, eval_prompts: int) -> None:
-    why = f"{data} has {records} usable records, too few to hold out --eval-prompts {eval_prompts} and train on the rest"
+def _evaluate(ctx: roles.WorkerContext, model, heldout: list, tokenizer, data: Path, records: int) -> None:
+    """The end-of-run evaluation, or, where its result would be, why there is none."""
+    if heldout:
+        evaluate.run_eval(ctx, model, heldout, tokenizer)
+        return
+    why = (f"{data} has {records} usable records, too few to hold out --eval-prompts {ctx.cfg.eval_prompts} "
+           "and train on the rest")
     print(f"dflash-train: evaluation skipped: {why}", file=sys.stderr)
-    _PENDING_EVENTS.append(("eval_skipped", {"reason": why}))
+    profiler.event("eval_skipped", reason=why)
 
 
-def _peer_lost(exc: BaseException) -> bool:
-    """A collective or transfer that failed because another rank's process ended."""
-    text = str(exc)
-    return isinstance(exc, (RuntimeError, dist.DistError)) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+def _peer_lost(exc: BaseException) -> str | None:
+    """How a collective or transfer failed, when it failed because another rank's process ended."""
+    found = re.search(r"Connection (closed|reset) by peer( \[[^\]]*\]:\d+)?|Broken pipe", str(exc))
+    return found.group(0) if found and isinstance(exc, RuntimeError) else None
 
 
 def threading_name(name: str) -> None:
