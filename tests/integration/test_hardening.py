@@ -258,7 +258,8 @@ def test_a_rendezvous_missing_a_rank_says_what_it_waits_for_and_times_out(tmp_pa
     assert seen == [("127.0.0.1", port)]   # MASTER_ADDR, not every interface
     assert p.returncode == 1
     waiting, error = err.strip().splitlines()
-    assert waiting == f"dflash-train: rank 0: waiting up to 6 s for all 2 ranks (WORLD_SIZE) to join at 127.0.0.1:{port}"
+    assert waiting == ("dflash-train: rank 0: waiting up to 6 s for all 2 ranks (WORLD_SIZE) to join at "
+                       f"127.0.0.1:{port}")
     assert error.startswith(f"dflash-train: error: rank 0: rendezvous at 127.0.0.1:{port}: Timed out after ")
     assert error.endswith("1/2 clients joined. (WORLD_SIZE=2, --rendezvous-timeout-s 6)")
     assert not (tmp_path / "run").exists()
