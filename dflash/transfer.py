@@ -363,9 +363,12 @@ class Receiver:
             try:
                 item = self._q.get(timeout=0.5)
             except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("drafter.receiver thread exited without ending the stream")
-                continue
+                if self._thread.is_alive():
+                    continue
+                try:   # it may have queued its last item between our timeout and its exit
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    raise RuntimeError("drafter.receiver thread exited without ending the stream") from None
             if isinstance(item, BaseException):
                 raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
             if item is not None and item.ints:
