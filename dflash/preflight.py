@@ -3,7 +3,7 @@ CLI exits 2) that names the field or FILE:LINE. It reads and never writes: no ru
 created, so a corrected retry starts clean.
 
 Checked, cheapest first: the device, transfer and attention choices are possible on this machine,
-and the rank split works; the run directory can be written, holds no other run unless --resume, and
+and the rank split works; a --metrics-port given is free for every local rank; the run directory can be written, holds no other run unless --resume, and
 on --resume has a checkpoint whose training state loads as plain data; a --target-model directory
 has a config transformers knows as a causal LM, a tokenizer with a chat template, and safetensors
 weights; the --data file reads and parses up to its first usable record. The built-in target is
@@ -12,8 +12,10 @@ never built here: it has nothing to check beyond the device choices.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 from pathlib import Path
 
 from dflash import checkpoint
@@ -26,6 +28,7 @@ RUN_MARKERS = ("checkpoints", "profile")
 def check(cfg: TrainConfig, world: int, local_world: int) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host."""
     _check_devices(cfg, world, local_world)
+    _check_metrics_ports(cfg, local_world)
     _check_run_dir(cfg)
     tokenizer = _check_target(cfg)
     if cfg.data is not None:
@@ -50,6 +53,22 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int) -> None:
     if cfg.attn_backend == "flex" and not use_cuda:
         raise ConfigError("--attn-backend flex: FlexAttention has no backward pass on the CPU; "
                           "use dense (auto picks it there)")
+
+
+def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
+    """A --metrics-port the user gave must be free for every local rank (base + local rank). The
+    default port is not checked: a busy one falls back to a free port at start-up."""
+    if not cfg.metrics_port or not cfg.profile:
+        return
+    for local_rank in range(local_world):
+        port = cfg.metrics_port + local_rank
+        try:
+            with socket.create_server((cfg.metrics_host, port)):
+                pass
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise ConfigError(f"--metrics-port {cfg.metrics_port}: port {port} on {cfg.metrics_host} (base + local "
+                              f"rank {local_rank}) {why}; choose another base port, or 0 for no endpoint") from None
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:

@@ -269,3 +269,17 @@ def test_trace_files_and_merged_trace_hold_every_span_and_matched_flows(live, tm
     starts = {e["id"] for e in events if e.get("ph") == "s"}
     ends = {e["id"] for e in events if e.get("ph") == "f"}
     assert starts and starts == ends
+
+
+def test_a_requested_metrics_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(tmp_path / "run"), "--metrics-port",
+                            str(port), *SMALL], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and time.monotonic() - t0 < 30
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"--metrics-port {port}: port {port} on 127.0.0.1" in lines[0] and "in use" in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,100 @@
+"""The Prometheus exporter on its own: what a scrape says after given records (histograms cumulative
+across intervals, shares of absent spans back to 0, counters from run totals, event kinds present at
+0), promtool's verdict on it, and the port rules (loopback by default, a busy requested port refused,
+a busy default port falling back)."""
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from exporters.prometheus import MetricsPortInUse, PrometheusExporter
+
+BOUNDS = [0.01, 0.1, 1.0]
+
+
+def interval(spans, tokens_run_total, role="drafter", **extra):
+    return {"type": "interval", "time_unix": time.time(), "role": role, "step": 5, "spans": spans,
+            "counters": {"tokens": {"total": 10, "per_second": 5.0, "run_total": tokens_run_total}}, **extra}
+
+
+def span(share, buckets, total):
+    return {"share": share, "cpu": {"total_seconds": total, "buckets": buckets}, "gpu": None}
+
+
+@pytest.fixture
+def exporter():
+    e = PrometheusExporter({"rank": 3, "role": "drafter", "host": "h1"}, port=0)
+    e.export({"type": "run_start", "time_unix": time.time(), "histogram_buckets_seconds": BOUNDS, "schema": 1})
+    yield e
+    e.close(1.0)
+
+
+def scrape(e) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5).read().decode()
+
+
+def samples(text: str) -> dict:
+    """{(sample name, frozenset of labels without rank/role/host): value}, via prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            assert {smp.labels[k] for k in ("rank", "role", "host")} == {"3", "drafter", "h1"}
+            labels = {k: v for k, v in smp.labels.items() if k not in ("rank", "role", "host")}
+            out[(smp.name, frozenset(labels.items()))] = smp.value
+    return out
+
+
+def test_histograms_accumulate_and_absent_spans_lose_their_share(exporter):
+    exporter.export(interval({"drafter.recv": span(0.5, [1, 2, 0, 0], 0.2),
+                              "drafter.fwd_bwd": span(0.4, [0, 0, 3, 1], 3.0)}, 100))
+    exporter.export(interval({"drafter.fwd_bwd": span(0.9, [0, 1, 1, 0], 0.5)}, 250))
+    got = samples(scrape(exporter))
+    fwd = {"clock": "cpu", "span": "drafter.fwd_bwd"}
+    for le, cumulative in (("0.01", 0), ("0.1", 1), ("1.0", 5), ("+Inf", 6)):
+        assert got[("dflash_span_seconds_bucket", frozenset({**fwd, "le": le}.items()))] == cumulative
+    assert got[("dflash_span_seconds_count", frozenset(fwd.items()))] == 6
+    assert got[("dflash_span_seconds_sum", frozenset(fwd.items()))] == pytest.approx(3.5)
+    share = lambda name: got[("dflash_span_share_ratio", frozenset({"span": name}.items()))]   # noqa: E731
+    assert share("drafter.recv") == 0.0 and share("drafter.fwd_bwd") == 0.9   # recv finished nothing
+    assert got[("dflash_wait_ratio", frozenset({"span": "drafter.recv"}.items()))] == 0.0
+    assert got[("dflash_tokens_total", frozenset())] == 250
+    assert got[("dflash_events_total", frozenset({"kind": "oom"}.items()))] == 0
+
+
+def test_live_scrape_passes_promtool(exporter):
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed (scripts/test.sh installs Debian's prometheus package)")
+    exporter.export(interval({"transfer.send": {**span(0.1, [1, 0, 0, 0], 0.001), "bytes": 10,
+                                                "bandwidth_bytes_per_s": 1e4, "floor": "host_copy",
+                                                "floor_bytes_per_s": 1e9, "floor_ratio": 1e-5}}, 5, role="target",
+                             memory={"available": True, "gpus": [{"index": 0, "total_bytes": 100, "used_bytes_last": 40,
+                                                                  "used_bytes_peak": 60, "headroom_bytes": 40,
+                                                                  "throttle_reasons": ["sw_power_cap"]}]}))
+    exporter.export({"type": "event", "kind": "nonfinite", "time_unix": time.time()})
+    r = subprocess.run(["promtool", "check", "metrics"], input=scrape(exporter), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_endpoint_binds_loopback_only(exporter):
+    with socket.socket() as s:
+        s.connect(("127.0.0.1", exporter.port))
+    assert exporter._server.server_address[0] == "127.0.0.1"
+
+
+def test_busy_port_refused_when_requested_and_replaced_when_default():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(MetricsPortInUse, match=f"port {port} on 127.0.0.1 is in use"):
+            PrometheusExporter({"rank": 0, "role": "r", "host": "h"}, port=port, strict=True)
+        e = PrometheusExporter({"rank": 0, "role": "r", "host": "h"}, port=port, strict=False)
+        try:
+            assert e.port != port and "dflash_events_total" in scrape(e)
+        finally:
+            e.close(1.0)
