@@ -6,17 +6,13 @@ import io
 import logging
 import os
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter  # noqa: E402
 
@@ -26,48 +22,9 @@ T0 = 1_700_000_000_000_000_000          # Unix ns of the detail window's first s
 MS = 1_000_000
 
 
-class Receiver:
-    """An OTLP/HTTP collector stand-in: decodes POST /v1/traces and /v1/metrics and answers 200."""
-
-    def __init__(self):
-        self.traces, self.metrics = [], []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path == "/v1/traces":
-                    receiver.traces.append(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
-                    reply = trace_service_pb2.ExportTraceServiceResponse()
-                elif self.path == "/v1/metrics":
-                    receiver.metrics.append(metrics_service_pb2.ExportMetricsServiceRequest.FromString(body))
-                    reply = metrics_service_pb2.ExportMetricsServiceResponse()
-                else:
-                    self.send_error(404)
-                    return
-                data = reply.SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def receiver():
-    r = Receiver()
+def receiver(otlp_receiver_cls):
+    r = otlp_receiver_cls()
     yield r
     r.close()
 

@@ -15,11 +15,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -59,40 +57,6 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-class OtlpReceiver:
-    """A real OTLP/HTTP endpoint: decodes ExportTraceServiceRequest bodies into (resource, span) pairs."""
-
-    def __init__(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                              ExportTraceServiceResponse)
-        receiver = self
-        self.spans: list = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path == "/v1/traces":
-                    req = ExportTraceServiceRequest.FromString(body)
-                    for rs in req.resource_spans:
-                        attrs = {a.key: a.value for a in rs.resource.attributes}
-                        receiver.spans += [(attrs, s) for ss in rs.scope_spans for s in ss.spans]
-                    out = ExportTraceServiceResponse().SerializeToString()
-                else:
-                    out = b""
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-
 def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
     config = tmp / "prometheus.yml"
     config.write_text(
@@ -127,13 +91,13 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 30) -> None
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, otlp_receiver_cls):
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.skip("prometheus/promtool not installed (scripts/test.sh installs Debian's package as root)")
     tmp = tmp_path_factory.mktemp("exporters")
     runs = tmp / "runs"
     prom, base = start_prometheus(tmp, runs / "prometheus-sd" / "*.json")
-    receiver = OtlpReceiver()
+    receiver = otlp_receiver_cls()
     port = free_port_pair()
     run = runs / "run"
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
@@ -150,7 +114,7 @@ def live(tmp_path_factory):
     finally:
         prom.terminate()
         prom.wait(timeout=30)
-        receiver.server.shutdown()
+        receiver.close()
 
 
 def scrape_while_running(train: subprocess.Popen, port: int) -> dict:
@@ -244,7 +208,7 @@ def test_every_template_variable_finds_values(live):
 
 
 def test_otlp_receiver_gets_catalog_spans_with_parents_and_resource(live):
-    spans = live["receiver"].spans
+    spans = live["receiver"].spans()
     names = {s.name for _, s in spans}
     assert CATALOG_SPANS <= names, CATALOG_SPANS - names
     ids = {s.span_id for _, s in spans}
