@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ CATALOG_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.w
 # with DFLASH_E2E_DEVICE=cuda (the H200 run in bench/RESULTS.md) they must return data too.
 GPU_FAMILIES = {f.name for f in FAMILIES.values() if "gpu" in f.labels} if DEVICE == "cpu" else set()
 RATE_INTERVAL = "20s"
+SCRAPED_S = 12.0   # seconds of both ranks scraped before the run is stopped
 
 
 def free_port() -> int:
@@ -103,10 +105,15 @@ def live(tmp_path_factory, otlp_receiver_cls):
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
     try:
         wait_ready(base, prom)
-        train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "24",
+        # Long enough to outlast any scheduling delay; stopped by SIGTERM (a graceful stop, exit 0)
+        # once Prometheus has scraped both ranks training for SCRAPED_S.
+        train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "5000",
                                   "--profile-interval", "1", "--metrics-port", str(port), *SMALL],
                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        scrapes = scrape_while_running(train, port)
+        try:
+            scrapes = scrape_while_running(train, port, base)
+        finally:
+            train.send_signal(signal.SIGTERM)
         out, err = train.communicate(timeout=300)
         assert train.returncode == 0, err[-3000:]
         yield {"base": base, "run": run, "receiver": receiver, "scrapes": scrapes, "stdout": out,
@@ -117,11 +124,14 @@ def live(tmp_path_factory, otlp_receiver_cls):
         receiver.close()
 
 
-def scrape_while_running(train: subprocess.Popen, port: int) -> dict:
-    """Fetch each rank's /metrics once its training intervals carry tokens (a live scrape)."""
+def scrape_while_running(train: subprocess.Popen, port: int, base: str) -> dict:
+    """Fetch each rank's /metrics once its intervals carry tokens (a live scrape, for promtool), and
+    return once Prometheus has seen both ranks with tokens for SCRAPED_S (rate windows have data)."""
     scrapes: dict = {}
+    both_since = None
     deadline = time.monotonic() + 240
-    while train.poll() is None and time.monotonic() < deadline and len(scrapes) < 2:
+    while time.monotonic() < deadline:
+        assert train.poll() is None, "the run ended before Prometheus had scraped it: " + train.stderr.read()[-3000:]
         for rank in (0, 1):
             try:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=2).read().decode()
@@ -129,8 +139,13 @@ def scrape_while_running(train: subprocess.Popen, port: int) -> dict:
                 continue
             if "dflash_tokens_total{" in text and "dflash_span_seconds_bucket{" in text:
                 scrapes[rank] = text
+        seen = prom_get(base, "/api/v1/query", query='count(dflash_tokens_total{job="dflash"} > 0)')["result"]
+        if seen and float(seen[0]["value"][1]) == 2:
+            both_since = both_since or time.monotonic()
+            if len(scrapes) == 2 and time.monotonic() - both_since >= SCRAPED_S:
+                return scrapes
         time.sleep(0.5)
-    return scrapes
+    raise TimeoutError(f"Prometheus did not see both ranks training for {SCRAPED_S} s within 240 s")
 
 
 def shipped_dashboard() -> dict:
