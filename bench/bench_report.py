@@ -169,8 +169,96 @@ def time_cli(run_dir: Path, repeat: int) -> list:
     return times
 
 
+# ---- the split advice against real runs of the splits it predicts ---------------------------------
+
+SPLIT_ARGS = ["--builtin-conversations", "96", "--eval-prompts", "0", "--tokens-per-batch", "1024",
+              "--max-length", "128", "--profile-interval", "2", "--device", "cpu"]
+
+
+def _train(run_dir: Path, targets: int, drafters: int, steps: int, fault: str) -> None:
+    """One CPU run; dflash-train gives each of its processes one torch thread on 2 cores (2 // world)."""
+    subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), "--max-steps", str(steps),
+                    "--target-gpus", str(targets), "--drafter-gpus", str(drafters), *SPLIT_ARGS], cwd=REPO,
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=dict(os.environ, DFLASH_FAULT=fault))
+
+
+def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
+    """Calibrate on a 1:1 run, predict every split in `splits` with exporters.advice.split, run each, and
+    return rows (split, predicted, measured, error) with the calibration's capacities."""
+    from exporters.advice import split
+    from exporters.runs import load_run
+
+    _train(work / "1x1", 1, 1, steps, fault)
+    calib = load_run(work / "1x1")
+    rows = []
+    for t, d in splits:
+        advice = split(calib, n_gpus=t + d)
+        predicted = next(x["predicted_tokens_per_s"] for x in advice["splits"] if (x["target_gpus"], x["drafter_gpus"]) == (t, d))
+        run = work / f"{t}x{d}"
+        _train(run, t, d, steps * max(1, t // d), fault)
+        measured = split(load_run(run))["current"]["measured_tokens_per_s"]
+        rows.append({"split": f"{t}:{d}", "best_for_n": f"{advice['best']['target_gpus']}:{advice['best']['drafter_gpus']}",
+                     "predicted": predicted, "measured": measured, "error": measured / predicted - 1,
+                     "capacity": {r: c["capacity_tokens_per_s_per_gpu"] for r, c in advice["roles"].items()}})
+    return rows
+
+
+def main_split(args) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.dir or tmp) / "split"
+        splits = [tuple(int(x) for x in s.split(":")) for s in args.splits.split(",")]
+        rows = split_check(work, args.fault, splits, args.steps)
+    print(f"calibration 1:1 with DFLASH_FAULT={args.fault}: capacity per GPU "
+          + ", ".join(f"{r} {c:.0f} tokens/s" for r, c in rows[0]["capacity"].items()))
+    print(f"{'split':>6} {'best for N':>10} {'predicted':>10} {'measured':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['split']:>6} {r['best_for_n']:>10} {r['predicted']:>10.0f} {r['measured']:>10.0f} {r['error']:>+7.1%}")
+    return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
+
+
+# ---- the memory model against runs at other tokens per batch -------------------------------------
+
+def memory_check(run_dirs: list) -> list:
+    """From each run's memory model (exporters.advice), predict the NVML peak used of every later run
+    (another tokens per batch, same config otherwise) with linear and with quadratic growth in the mean
+    tokens a batch held."""
+    from exporters.advice import memory_margin
+    from exporters.runs import load_run
+
+    models = [(Path(d).name, memory_margin(load_run(d))) for d in run_dirs]
+    rows = []
+    for i, (src, a) in enumerate(models):
+        ga = a["gpus"][0]
+        for dst, b in models[i + 1:]:
+            gb = b["gpus"][0]
+            ratio = b["mean_tokens_per_batch"] / a["mean_tokens_per_batch"]
+            for k in (1, 2):
+                predicted = ga["fixed_bytes"] + ga["per_batch_bytes"] * ratio ** k
+                rows.append({"from": f"{src} ({a['mean_tokens_per_batch']:.0f})",
+                             "to": f"{dst} ({b['mean_tokens_per_batch']:.0f})",
+                             "growth": "linear" if k == 1 else "quadratic", "predicted_gib": predicted / GIB,
+                             "measured_gib": gb["used_bytes_peak"] / GIB, "error": predicted / gb["used_bytes_peak"] - 1})
+    return rows
+
+
+def main_memory(run_dirs: list) -> int:
+    print(f"{'from (tokens/batch)':<22} {'to (tokens/batch)':<22} {'growth':<10} {'predicted GiB':>13} "
+          f"{'measured GiB':>12} {'error':>7}")
+    for r in memory_check(run_dirs):
+        print(f"{r['from']:<22} {r['to']:<22} {r['growth']:<10} {r['predicted_gib']:>13.2f} {r['measured_gib']:>12.2f} "
+              f"{r['error']:>+7.1%}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--split-check", action="store_true", help="check the split advice against real CPU runs instead")
+    p.add_argument("--memory-check", nargs="+", metavar="RUN_DIR",
+                   help="check the memory model across runs at growing tokens per batch instead")
+    p.add_argument("--fault", default="slow=0.4@target.fwd", help="DFLASH_FAULT of every split-check run")
+    p.add_argument("--splits", default="2:1", help="T:D splits to run, comma-separated (split check)")
+    p.add_argument("--steps", type=int, default=40, help="drafter steps of the 1:1 run (split check)")
     p.add_argument("--hours", type=float, default=24.0)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--targets", type=int, default=5)
@@ -178,6 +266,10 @@ def main() -> int:
     p.add_argument("--dir", help="where to write the run (default: a temporary directory, removed after)")
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
+    if args.split_check:
+        return main_split(args)
+    if args.memory_check:
+        return main_memory(args.memory_check)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.dir or tmp) / "bench-24h"
         t = time.perf_counter()

@@ -9,11 +9,14 @@ drafters every drafter goes at the pace of the one with the fewest producers, fl
     tokens/s(T, D) = D * min(floor(T/D) * target capacity, drafter capacity),  1 <= D <= T.
 Assumes capacity per GPU does not change with the split (the drafters' allreduce grows with D: not modelled).
 
-The memory margin. Per rank with NVML and allocator stats: the bytes that come and go with a batch are
-the allocator's peak allocated minus its lowest allocated at an interval close (what stays between
-batches: weights, optimizer state); the rest of the NVML peak used is fixed (that, the CUDA context and
-the allocator's cache). Assumes the per-batch bytes grow linearly with tokens per batch:
-    max tokens per batch = tokens_per_batch * (0.95 * total - fixed) / per_batch.
+The memory margin. Per GPU with NVML and allocator stats: the bytes that come and go with a batch are,
+summed over the ranks on it, each allocator's peak reserved minus its lowest allocated at an interval
+close (what stays between batches: weights, optimizer state; the cache a batch's peak leaves reserved
+counts as the batch's); the rest of the GPU's NVML peak used is fixed (CUDA contexts, weights, optimizer
+state). The per-batch bytes are assumed to grow linearly with tokens per batch, or with its square under
+dense attention (config attn_backend "dense"; measured on an H200, bench/RESULTS.md):
+    max tokens per batch = mean tokens per batch * ((0.95 * total - fixed) / per_batch) ** (1 / exponent),
+in tokens a batch holds (the drafters' tokens per step, measured; config tokens_per_batch without counters).
 Standard library only.
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import statistics
 
 from exporters.analysis import rank_table
-from exporters.runs import Run
+from exporters.runs import Run, counter_total
 
 HEADROOM_SHARE = 0.05
 
@@ -72,8 +75,10 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
 
 
 def _rank_memory(log) -> dict | None:
-    """Per-batch and fixed bytes of one rank's GPU (None without NVML and allocator stats)."""
-    used_peak = total = alloc_floor = alloc_peak = None
+    """One rank's GPU (host:index), its NVML peak used and total, and its per-batch bytes: the allocator's
+    peak reserved (the cache a batch's peak leaves behind) minus its lowest allocated. None without NVML
+    and allocator stats."""
+    gpu = used_peak = total = alloc_floor = alloc_peak = None
     for rec in log.intervals:
         mem = rec.get("memory") or {}
         if not mem.get("available"):
@@ -81,40 +86,78 @@ def _rank_memory(log) -> dict | None:
         for g in mem.get("gpus") or []:
             if g.get("used_bytes_peak") is not None and g.get("total_bytes"):
                 used_peak, total = max(used_peak or 0, g["used_bytes_peak"]), g["total_bytes"]
+                gpu = f"{log.hostname or '?'}:{g.get('index')}"
         a = mem.get("allocator") or {}
-        if a.get("available") and a.get("allocated_bytes") is not None and a.get("peak_allocated_bytes") is not None:
+        peak = a.get("peak_reserved_bytes") or a.get("peak_allocated_bytes")
+        if a.get("available") and a.get("allocated_bytes") is not None and peak is not None:
             alloc_floor = a["allocated_bytes"] if alloc_floor is None else min(alloc_floor, a["allocated_bytes"])
-            alloc_peak = max(alloc_peak or 0, a["peak_allocated_bytes"])
+            alloc_peak = max(alloc_peak or 0, peak)
     if used_peak is None or alloc_peak is None:
         return None
-    per_batch = alloc_peak - alloc_floor
-    return {"rank": log.rank, "role": log.role, "total_bytes": total, "used_bytes_peak": used_peak,
-            "per_batch_bytes": per_batch, "fixed_bytes": used_peak - per_batch}
+    return {"gpu": gpu, "rank": log.rank, "role": log.role, "total_bytes": total, "used_bytes_peak": used_peak,
+            "per_batch_bytes": alloc_peak - alloc_floor}
+
+
+def _gpu_memory(models: list) -> list:
+    """Per GPU: the ranks on it, its NVML peak used, the sum of their per-batch bytes, and the rest: fixed."""
+    gpus: dict = {}
+    for m in models:
+        g = gpus.setdefault(m["gpu"], {"gpu": m["gpu"], "ranks": [], "roles": [], "total_bytes": m["total_bytes"],
+                                       "used_bytes_peak": 0, "per_batch_bytes": 0})
+        g["ranks"].append(m["rank"])
+        g["roles"] = sorted(set(g["roles"]) | {m["role"]})
+        g["used_bytes_peak"] = max(g["used_bytes_peak"], m["used_bytes_peak"])
+        g["per_batch_bytes"] += m["per_batch_bytes"]
+    for g in gpus.values():
+        g["fixed_bytes"] = g["used_bytes_peak"] - g["per_batch_bytes"]
+    return list(gpus.values())
+
+
+def growth(config: dict) -> tuple[int, str]:
+    """How per-batch bytes grow with tokens per batch: (exponent, why)."""
+    if config.get("attn_backend") == "dense":
+        return 2, "quadratic: dense attention's scores and mask grow with the square of the tokens per batch"
+    return 1, "linear: activations grow with the tokens per batch"
+
+
+def mean_tokens_per_batch(run: Run) -> float | None:
+    """Tokens the drafters trained on per step, from the counters of every interval (None without them).
+    A batch holds up to tokens_per_batch; short data fills it less, and memory follows what it holds."""
+    tokens = steps = 0.0
+    for log in run.by_role().get("drafter", []):
+        tokens += counter_total(log.intervals, "tokens")
+        steps += counter_total(log.intervals, "steps")
+    return tokens / steps if tokens and steps else None
 
 
 def memory_margin(run: Run, headroom_share: float = HEADROOM_SHARE) -> dict:
     """{"max_tokens_per_batch": the largest tokens per batch keeping headroom_share free on every GPU,
-    "ranks": each rank's model, "reason" when it cannot be said}. Linear model: see the module doc."""
-    tpb = run.config.get("tokens_per_batch")
-    out = {"headroom_share": headroom_share, "tokens_per_batch": tpb, "max_tokens_per_batch": None,
-           "limited_by": None, "ranks": [], "reason": None}
+    "gpus": each GPU's model, "limited_by", "reason" when it cannot be said}. Linear model: see the
+    module doc; ranks that share a GPU add their per-batch bytes."""
+    mean = mean_tokens_per_batch(run)
+    tpb = mean or run.config.get("tokens_per_batch")
+    exponent, why = growth(run.config)
+    out = {"headroom_share": headroom_share, "tokens_per_batch": run.config.get("tokens_per_batch"),
+           "mean_tokens_per_batch": mean, "max_tokens_per_batch": None, "growth_exponent": exponent,
+           "growth": why, "limited_by": None, "gpus": [], "reason": None}
     models = [m for log in run.ranks.values() if (m := _rank_memory(log))]
     if not models:
         out["reason"] = "no GPU memory measured (needs NVML and allocator stats)"
         return out
     if not tpb:
-        out["reason"] = "run_start.config has no tokens_per_batch"
+        out["reason"] = "neither token and step counters nor run_start.config's tokens_per_batch"
         return out
-    for m in models:
-        limit = (1.0 - headroom_share) * m["total_bytes"]
-        m["max_tokens_per_batch"] = (int(tpb * (limit - m["fixed_bytes"]) / m["per_batch_bytes"])
-                                     if m["per_batch_bytes"] > 0 else None)
-    out["ranks"] = models
-    fitted = [m for m in models if m["max_tokens_per_batch"] is not None]
+    out["gpus"] = _gpu_memory(models)
+    for g in out["gpus"]:
+        limit = (1.0 - headroom_share) * g["total_bytes"]
+        room = max(0.0, limit - g["fixed_bytes"])
+        g["max_tokens_per_batch"] = (int(tpb * (room / g["per_batch_bytes"]) ** (1.0 / exponent))
+                                     if g["per_batch_bytes"] > 0 else None)
+    fitted = [g for g in out["gpus"] if g["max_tokens_per_batch"] is not None]
     if not fitted:
         out["reason"] = "no rank's allocated bytes varied between intervals: nothing to extrapolate from"
         return out
-    worst = min(fitted, key=lambda m: m["max_tokens_per_batch"])
+    worst = min(fitted, key=lambda g: g["max_tokens_per_batch"])
     out["max_tokens_per_batch"] = max(0, worst["max_tokens_per_batch"])
-    out["limited_by"] = {"rank": worst["rank"], "role": worst["role"]}
+    out["limited_by"] = {"gpu": worst["gpu"], "ranks": worst["ranks"], "roles": worst["roles"]}
     return out

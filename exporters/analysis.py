@@ -132,7 +132,7 @@ def _span_seconds(intervals: list, names) -> float:
 
 
 def role_shares(run: Run) -> dict:
-    """{role: {wait_span, wait_share, busy_share, wall_seconds, steady}} over the steady intervals of
+    """{role: {wait_span, wait_share, busy_share, wall_seconds, tokens, steady}} over the steady intervals of
     every rank of the role; busy = 1 - wait (the wait spans of WAIT_SPANS)."""
     out = {}
     for role, logs in run.by_role().items():
@@ -142,6 +142,7 @@ def role_shares(run: Run) -> dict:
         wait = _span_seconds(steady, waits) / wall if wall > 0 else None
         out[role] = {"wait_span": ", ".join(sorted(waits)) or None, "wait_share": wait,
                      "busy_share": None if wait is None else max(0.0, 1.0 - wait), "wall_seconds": wall,
+                     "tokens": counter_total(steady, "tokens"),
                      "steady": all(log.intervals and len(steady_intervals(log)) < len(log.intervals) for log in logs)}
     return out
 
@@ -161,6 +162,11 @@ def verdict(run: Run) -> dict:
     out = {"verdict": None, "roles": shares, "queue_depth_mean": _queue_depth_mean(run), "evidence": []}
     if wt is None or wd is None:
         out["evidence"].append("needs the steady intervals of both a target and a drafter rank")
+        return out
+    idle = [role for role, s in shares.items() if not s["tokens"]]
+    if idle:
+        out["evidence"].append(f"no tokens processed by the {' and '.join(idle)} in the steady intervals: "
+                               "stalled, or still starting (finished spans cannot tell which side bounds it)")
         return out
     said = f"target waits {wt:.0%} on transfer.wait_slot, drafter waits {wd:.0%} on drafter.recv"
     if wt >= WAIT_BOUND_SHARE and wd >= WAIT_BOUND_SHARE:
@@ -224,13 +230,25 @@ def _rank_row(log) -> dict:
     rate = tokens / wall if wall > 0 else None
     work = None if wait is None else max(0.0, 1.0 - wait - collective)
     ends = log.run_ends
+    stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
+            "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
             "steady_seconds": wall, "tokens_per_s": rate, "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": rate / work if rate and work else None,
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
             "status": ends[-1].get("status") if ends else "no run_end", "bad_lines": log.bad_lines,
             "span_seconds_per_token": _span_seconds_per_token(steady, tokens)}
+
+
+def _trailing_idle(intervals: list) -> list:
+    """The rank's last intervals in which no span finished: a stall, if the run did not end there."""
+    idle = []
+    for rec in reversed(intervals):
+        if rec.get("spans") or rec.get("final"):
+            break
+        idle.append(rec)
+    return idle
 
 
 def _span_seconds_per_token(intervals: list, tokens: float) -> dict:

@@ -93,6 +93,21 @@ def _waits(report: dict) -> list:
                      "; ".join(v["evidence"]), nxt)]
 
 
+STALL_INTERVALS = 3            # a rank's last intervals with no finished span: a stall
+
+
+def _stalls(report: dict) -> list:
+    stalled = [r for r in report["ranks"]["ranks"] if r["stalled_intervals"] >= STALL_INTERVALS]
+    if not stalled:
+        return []
+    return [_finding("stalled", "no span finished on " + ", ".join(f"rank {r['rank']} ({r['role']})" for r in stalled)
+                     + " at the end of the log",
+                     "; ".join(f"rank {r['rank']}: its last {r['stalled_intervals']} intervals "
+                               f"({r['stalled_seconds']:.0f} s) at step {r['steps']}" for r in stalled),
+                     "while it stalls, dflash-profile snapshot --run-dir shows the span each thread holds open and "
+                     "its stack; a first call that compiles shows as drafter.compile or triton.autotune")]
+
+
 def _straggler(report: dict) -> list:
     s = report["ranks"]["straggler"]
     if not s:
@@ -180,5 +195,5 @@ def _split(report: dict) -> list:
 
 def findings(report: dict) -> list:
     """Every finding of an assembled report (exporters.report.hotspots), problems first."""
-    return [*_events(report), *_headroom(report), *_allocator(report), *_straggler(report), *_waits(report),
+    return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report), *_waits(report),
             *_split(report), *_bandwidth(report)]

@@ -157,9 +157,14 @@ def _margin(rep: dict) -> list:
     if m["max_tokens_per_batch"] is None:
         return [f"Memory margin: {m['reason']}"]
     lim = m["limited_by"]
-    return [f"Memory margin: at most {m['max_tokens_per_batch']} tokens per batch keep {_pct(m['headroom_share'])} "
-            f"headroom on every GPU (now {m['tokens_per_batch']}; limited by rank {lim['rank']}, {lim['role']}; "
-            "per-batch bytes assumed linear in tokens)"]
+    g = next(x for x in m["gpus"] if x["gpu"] == lim["gpu"])
+    held = (f"batches held {m['mean_tokens_per_batch']:.0f} tokens on average at --tokens-per-batch "
+            f"{m['tokens_per_batch']}" if m["mean_tokens_per_batch"] else f"--tokens-per-batch {m['tokens_per_batch']}")
+    return [f"Memory margin: batches of at most {m['max_tokens_per_batch']} tokens keep {_pct(m['headroom_share'])} "
+            f"headroom on every GPU ({held})",
+            f"  limited by gpu {lim['gpu']} ({', '.join(lim['roles'])}, rank {', '.join(map(str, lim['ranks']))}): "
+            f"{g['fixed_bytes'] / GIB:.2f} GiB fixed + {g['per_batch_bytes'] / GIB:.2f} GiB per batch, of "
+            f"{g['total_bytes'] / GIB:.1f} GiB; per-batch bytes assumed {m['growth']}"]
 
 
 def _findings(rep: dict) -> list:

@@ -192,16 +192,17 @@ def _gpu_memory(used_peak_gib: float, allocated_gib: float, peak_allocated_gib: 
             "gpus": [{"index": 0, "name": "NVIDIA H200", "total_bytes": total, "used_bytes_last": used_peak_gib * GIB,
                       "used_bytes_peak": used_peak_gib * GIB, "headroom_bytes": total - used_peak_gib * GIB}],
             "allocator": {"available": True, "allocated_bytes": allocated_gib * GIB, "reserved_bytes": 40 * GIB,
-                          "peak_allocated_bytes": peak_allocated_gib * GIB, "peak_reserved_bytes": 40 * GIB,
+                          "peak_allocated_bytes": peak_allocated_gib * GIB,
+                          "peak_reserved_bytes": (peak_allocated_gib + 2) * GIB,
                           "num_alloc_retries": retries, "num_ooms": 0}}
 
 
-def _write_run(run_dir: Path, logs: dict) -> Path:
+def _write_run(run_dir: Path, logs: dict, **config) -> Path:
     (run_dir / "profile").mkdir(parents=True)
     for rank, recs in logs.items():
         role = recs[0]["role"]
         start = {"type": "run_start", "time_unix": T0, "rank": rank, "role": role, "schema": 1, "run_id": run_dir.name,
-                 "hostname": f"host{rank}", "interval_s": 60.0, "config": {"tokens_per_batch": 16384}}
+                 "hostname": f"host{rank}", "interval_s": 60.0, "config": {"tokens_per_batch": 16384, **config}}
         lines = [json.dumps(r) for r in (start, *recs)]
         (run_dir / "profile" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
@@ -217,11 +218,16 @@ def test_headroom_low_point_names_its_interval_and_the_margin_follows_the_linear
     assert (gpu["gpu"], low["interval"], low["step"], low["dominant_span"]) == ("host0:0", 2, 30, "drafter.compile")
     assert low["headroom_bytes"] == 3 * GIB and low["seconds_since_start"] == 180.0
     assert {f["kind"] for f in rep["findings"]} >= {"low_headroom", "alloc_retries"}
-    # per batch: peak allocated 52 GiB - lowest allocated 20 GiB = 32 GiB; fixed: NVML peak 77 - 32 = 45 GiB
+    # per batch: peak reserved 54 GiB - lowest allocated 20 GiB = 34 GiB; fixed: NVML peak 77 - 34 = 43 GiB
     margin = rep["memory_margin"]
-    assert margin["ranks"][0]["per_batch_bytes"] == 32 * GIB and margin["ranks"][0]["fixed_bytes"] == 45 * GIB
-    assert margin["max_tokens_per_batch"] == int(16384 * (0.95 * 80 - 45) / 32)
-    assert memory_margin(load_run(tmp_path / "gpu"))["limited_by"] == {"rank": 0, "role": "drafter"}
+    assert margin["gpus"][0]["per_batch_bytes"] == 34 * GIB and margin["gpus"][0]["fixed_bytes"] == 43 * GIB
+    assert margin["growth_exponent"] == 1
+    assert margin["max_tokens_per_batch"] == int(16384 * (0.95 * 80 - 43) / 34)
+    assert memory_margin(load_run(tmp_path / "gpu"))["limited_by"] == {"gpu": "host0:0", "ranks": [0],
+                                                                       "roles": ["drafter"]}
+    dense = memory_margin(load_run(_write_run(tmp_path / "dense", {0: recs}, attn_backend="dense")))
+    assert dense["growth_exponent"] == 2
+    assert dense["max_tokens_per_batch"] == int(16384 * ((0.95 * 80 - 43) / 34) ** 0.5)
 
 
 def _pipeline(target_step_s: float, drafter_steps_s: list, tokens: int = 60_000) -> dict:
