@@ -9,7 +9,6 @@ Never imports torch: it reads the run logs with the standard library.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 
@@ -73,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         return _trace(args)
     from exporters.runs import ReportError
 
-    # A short-lived process whose run-log objects all stay live until it exits: the cyclic collector
-    # would only rescan them (about 40% of the time on a 24-hour, 8-rank log; bench/bench_report.py).
-    gc.disable()
     try:
         return _hotspots(args)
     except ReportError as e:

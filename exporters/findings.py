@@ -35,7 +35,8 @@ def _bandwidth(report: dict) -> list:
         if b["floor_ratio"] is None or b["floor_ratio"] >= FLOOR_RATIO_LOW or not wall or lost < FLOOR_LOSS_SHARE * wall:
             continue
         out.append(_finding(
-            "below_floor", f"{b['span']} ({b['role']}) moves its bytes at {b['floor_ratio']:.1%} of the {b['floor']} floor",
+            "below_floor", f"{b['span']} ({b['role']}) moves its bytes at {b['floor_ratio'] * 100:.2g}% of the "
+                           f"{b['floor']} floor",
             f"{b['bytes'] / 1e9:.3g} GB in {b['seconds']:.3g} s = {b['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s vs "
             f"{b['floor_bytes_per_s'] / 1e9:.3g} GB/s measured at start; {lost:.3g} s over the floor "
             f"({lost / wall:.1%} of the {b['role']}'s time)",

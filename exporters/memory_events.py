@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from exporters.runs import Run, basis_seconds
+from exporters.runs import Run
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
@@ -165,7 +165,3 @@ def hot_frames(run: Run) -> dict:
                                "or take one with dflash-profile snapshot)")
     return {"threads": out, "reason": reason}
 
-
-def interval_span_seconds(rec: dict) -> dict:
-    """{span: seconds} of one interval, on the span's measured basis (GPU when measured)."""
-    return {n: basis_seconds(e) for n, e in (rec.get("spans") or {}).items()}

@@ -17,7 +17,7 @@ from exporters.findings import findings
 from exporters.memory_events import events, headroom, hot_frames
 from exporters.plot import plot_run
 from exporters.report_text import format_compare, format_hotspots
-from exporters.runs import ReportError, Run, load_run
+from exporters.runs import ReportError, Run, load_run, paused_gc
 
 REPORT_SCHEMA = 1
 
@@ -44,11 +44,13 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> 
 
 
 def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> dict:
-    return hotspots_of(load_run(run_dir), top, n_gpus)
+    with paused_gc():
+        return hotspots_of(load_run(run_dir), top, n_gpus)
 
 
 def compare(run_dir_a, run_dir_b) -> dict:
-    return _compare.compare(load_run(run_dir_a), load_run(run_dir_b))
+    with paused_gc():
+        return _compare.compare(load_run(run_dir_a), load_run(run_dir_b))
 
 
 def plot(run_dir, png_path) -> str:

@@ -15,7 +15,9 @@ def _ms(seconds) -> str:
 
 
 def _pct(ratio) -> str:
-    return "-" if ratio is None else f"{ratio * 100:.1f}%"
+    if ratio is None:
+        return "-"
+    return f"{ratio * 100:.2g}%" if 0 < abs(ratio) < 0.001 else f"{ratio * 100:.1f}%"
 
 
 def _g(v, fmt: str = ".4g") -> str:

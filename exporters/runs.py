@@ -6,6 +6,7 @@ Standard library only: `dflash-report` reads run logs without importing torch (d
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,19 @@ def _rank_log(rank: int, path: Path) -> RankLog:
     return log
 
 
+@contextmanager
+def paused_gc():
+    """The cyclic collector off for the block, then as it was. A run log is millions of small objects,
+    all kept: the collector would only rescan them (half the report's time on a 24-hour log)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def load_run(run_dir) -> Run:
     """Every rank's log of RUN_DIR; ReportError (one line) for a directory the report cannot read."""
     path = Path(run_dir)
@@ -100,17 +114,11 @@ def load_run(run_dir) -> Run:
     logs = rl.rank_logs(path)
     if not logs:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
-    # Millions of small objects, all kept: the cyclic collector would only rescan them (half the load
-    # time of a 24-hour log). Paused while reading, never left off.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        ranks = {rank: _rank_log(rank, p) for rank, p in logs.items()}
-    except ValueError as e:   # a schema newer than this reader
-        raise ReportError(str(e)) from None
-    finally:
-        if collecting:
-            gc.enable()
+    with paused_gc():
+        try:
+            ranks = {rank: _rank_log(rank, p) for rank, p in logs.items()}
+        except ValueError as e:   # a schema newer than this reader
+            raise ReportError(str(e)) from None
     if not any(log.run_starts or log.intervals for log in ranks.values()):
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
