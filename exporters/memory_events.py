@@ -133,8 +133,9 @@ def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
 
 
 def hot_frames(run: Run) -> dict:
-    """Per thread: frames by sample count over every interval's stack_samples (share = count over the
-    thread's samples), and from snapshots the innermost frames, how often it was stuck and its open spans."""
+    """Per thread, hottest first: frames by sample count over every interval's stack_samples (share =
+    count over the thread's samples), and from snapshots the innermost frames, how often it was stuck
+    and its open spans."""
     threads: dict = {}
     for log in run.ranks.values():
         for rec in log.intervals:
@@ -160,7 +161,8 @@ def hot_frames(run: Run) -> dict:
         acc["snapshot_frames"] = [{"frame": f, "count": c}
                                   for f, c in acc["snapshot_frames"].most_common(FRAMES_PER_THREAD)]
         out.append(acc)
-    out.sort(key=lambda a: (-a["stack_samples"], -a["snapshots"], a["rank"]))
+    out.sort(key=lambda a: (-sum(f["count"] for f in a["top_frames"]), -a["stuck_snapshots"], -a["snapshots"],
+                            a["rank"]))
     reason = None if out else ("no stack samples or snapshots in the logs (set stack_samples_per_interval, "
                                "or take one with dflash-profile snapshot)")
     return {"threads": out, "reason": reason}

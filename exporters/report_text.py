@@ -104,16 +104,18 @@ def _frames(rep: dict) -> list:
     if not hf["threads"]:
         return [f"Hot frames: {hf['reason']}"]
     lines = ["Hot frames per thread"]
-    for t in hf["threads"]:
-        head = f"  rank {t['rank']} {t['thread']} (tid {t['native_id']}): {t['stack_samples']} samples"
-        if t["snapshots"]:
-            head += f", {t['snapshots']} snapshots ({t['stuck_snapshots']} stuck)"
-        lines.append(head)
+    idle = [t for t in hf["threads"] if not t["top_frames"] and not t["snapshot_frames"] and not t["open_spans"]]
+    for t in (t for t in hf["threads"] if t not in idle):
+        seen = ([f"{t['stack_samples']} samples"] if t["stack_samples"] else []) + (
+            [f"{t['snapshots']} snapshot(s), {t['stuck_snapshots']} stuck"] if t["snapshots"] else [])
+        lines.append(f"  rank {t['rank']} {t['thread']} (tid {t['native_id']}): {', '.join(seen)}")
         lines.extend(f"    {_pct(f['share'])} {f['frame']}" for f in t["top_frames"])
         lines.extend(f"    snapshot x{f['count']}: {f['frame']}" for f in t["snapshot_frames"] if not t["top_frames"])
         if t["open_spans"]:
             lines.append("    open spans: " + ", ".join(f"{s.get('name')} {_g(s.get('open_seconds'), '.1f')} s"
                                                       for s in t["open_spans"]))
+    if idle:
+        lines.append("  no hot frame: " + ", ".join(f"rank {t['rank']} {t['thread']}" for t in idle))
     return lines
 
 
