@@ -46,6 +46,8 @@ def _hotspots(args) -> int:
             report.plot(args.run_dir, args.plot)
         except ImportError as e:
             raise report.ReportError(f"--plot needs matplotlib ({e})") from None
+        except OSError as e:
+            raise report.ReportError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps({**rep, "compare": table} if table else rep, indent=1, allow_nan=False))
     else:
