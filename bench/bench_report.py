@@ -73,7 +73,8 @@ def _memory(rng: random.Random, k: int, role: str, gpu: int) -> dict:
                       "used_bytes_peak": int(peak), "headroom_bytes": int(total - peak), "util_percent_mean": 92.0,
                       "power_watts_mean": 610.0, "temperature_c_max": 71.0, "sm_clock_hz_last": 1_980_000_000,
                       "throttle_reasons": [], "samples": 120}],
-            "allocator": {"available": True, "allocated_bytes": int(base - 30 * GIB), "reserved_bytes": int(peak - 2 * GIB),
+            "allocator": {"available": True, "allocated_bytes": int(base - 30 * GIB),
+                          "reserved_bytes": int(peak - 2 * GIB),
                           "peak_allocated_bytes": int(peak - 4 * GIB), "peak_reserved_bytes": int(peak - GIB),
                           "num_alloc_retries": k // 500, "num_ooms": 0, "inactive_split_bytes": 300_000_000}}
 
@@ -194,11 +195,13 @@ def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
     rows = []
     for t, d in splits:
         advice = split(calib, n_gpus=t + d)
-        predicted = next(x["predicted_tokens_per_s"] for x in advice["splits"] if (x["target_gpus"], x["drafter_gpus"]) == (t, d))
+        predicted = next(x["predicted_tokens_per_s"] for x in advice["splits"]
+                         if (x["target_gpus"], x["drafter_gpus"]) == (t, d))
         run = work / f"{t}x{d}"
         _train(run, t, d, steps * max(1, t // d), fault)
         measured = split(load_run(run))["current"]["measured_tokens_per_s"]
-        rows.append({"split": f"{t}:{d}", "best_for_n": f"{advice['best']['target_gpus']}:{advice['best']['drafter_gpus']}",
+        best = advice["best"]
+        rows.append({"split": f"{t}:{d}", "best_for_n": f"{best['target_gpus']}:{best['drafter_gpus']}",
                      "predicted": predicted, "measured": measured, "error": measured / predicted - 1,
                      "capacity": {r: c["capacity_tokens_per_s_per_gpu"] for r, c in advice["roles"].items()}})
     return rows
@@ -213,7 +216,8 @@ def main_split(args) -> int:
           + ", ".join(f"{r} {c:.0f} tokens/s" for r, c in rows[0]["capacity"].items()))
     print(f"{'split':>6} {'best for N':>10} {'predicted':>10} {'measured':>10} {'error':>7}")
     for r in rows:
-        print(f"{r['split']:>6} {r['best_for_n']:>10} {r['predicted']:>10.0f} {r['measured']:>10.0f} {r['error']:>+7.1%}")
+        print(f"{r['split']:>6} {r['best_for_n']:>10} {r['predicted']:>10.0f} {r['measured']:>10.0f} "
+              f"{r['error']:>+7.1%}")
     return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
 
 
@@ -238,7 +242,8 @@ def memory_check(run_dirs: list) -> list:
                 rows.append({"from": f"{src} ({a['mean_tokens_per_batch']:.0f})",
                              "to": f"{dst} ({b['mean_tokens_per_batch']:.0f})",
                              "growth": "linear" if k == 1 else "quadratic", "predicted_gib": predicted / GIB,
-                             "measured_gib": gb["used_bytes_peak"] / GIB, "error": predicted / gb["used_bytes_peak"] - 1})
+                             "measured_gib": gb["used_bytes_peak"] / GIB,
+                             "error": predicted / gb["used_bytes_peak"] - 1})
     return rows
 
 

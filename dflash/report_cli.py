@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--top", type=_positive_int, metavar="N", help="show the N spans with the most time")
     h.add_argument("--compare", metavar="BASELINE_DIR", help="A/B table: BASELINE_DIR is A, RUN_DIR is B")
     h.add_argument("--plot", metavar="FILE", help="write a PNG of span time, tokens/s and headroom over time")
-    h.add_argument("--gpus", type=_positive_int, metavar="N", help="GPU count for the split advice (default: the run's)")
+    h.add_argument("--gpus", type=_positive_int, metavar="N",
+                   help="GPU count for the split advice (default: the run's)")
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
     t.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to exporters.trace merge")

@@ -64,8 +64,8 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
         out["reason"] = f"a split needs at least 2 GPUs, got {n}"
         return out
     out["targets_per_drafter_to_balance"] = cap_d / cap_t
-    out["splits"] = [{"target_gpus": t, "drafter_gpus": n - t, "predicted_tokens_per_s": _predicted(t, n - t, cap_t, cap_d)}
-                     for t in range(1, n) if n - t <= t]
+    out["splits"] = [{"target_gpus": t, "drafter_gpus": n - t,
+                      "predicted_tokens_per_s": _predicted(t, n - t, cap_t, cap_d)} for t in range(1, n) if n - t <= t]
     out["best"] = max(out["splits"], key=lambda s: (s["predicted_tokens_per_s"], -s["target_gpus"]))
     if t_now and d_now:
         out["current"] = {"target_gpus": t_now, "drafter_gpus": d_now,

@@ -5,8 +5,8 @@ tokens/s, a GPU's peak used bytes). Its spread in a run is the 10th-to-90th perc
 samples (about the range for a handful of intervals). A change is called a regression (or an
 improvement) only when the difference of the means exceeds the larger of the two runs' spreads;
 otherwise it is within spread. A span's change that exceeds the spread but costs under MIN_EFFECT_SHARE
-of its role's time (the change per call times the calls per second) is negligible. Wait spans (WAIT_SPANS) follow the other side's speed: they are shown
-as waits, never called regressions. Standard library only.
+of its role's time (the change per call times the calls per second) is negligible. Wait spans
+(WAIT_SPANS) follow the other side's speed: they are shown as waits, never called regressions. Standard library only.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _rate_samples(run: Run) -> dict:
 def _memory_samples(run: Run) -> dict:
     out: dict = {}
     for log in run.ranks.values():
-        for rec in log.intervals:
+        for rec in steady_intervals(log):
             mem = rec.get("memory") or {}
             for g in (mem.get("gpus") or []) if mem.get("available") else []:
                 if g.get("used_bytes_peak") is not None:
@@ -106,7 +106,8 @@ def compare(run_a: Run, run_b: Run) -> dict:
         spans.append(row)
     spans.sort(key=lambda r: -abs(r["change_ratio"] or 0.0))
     ra, rb = _rate_samples(run_a), _rate_samples(run_b)
-    rates = {role: classify(ra.get(role, []), rb.get(role, []), higher_is_worse=False) for role in sorted(set(ra) | set(rb))}
+    rates = {role: classify(ra.get(role, []), rb.get(role, []), higher_is_worse=False)
+             for role in sorted(set(ra) | set(rb))}
     ma, mb = _memory_samples(run_a), _memory_samples(run_b)
     memory = {gpu: classify(ma.get(gpu, []), mb.get(gpu, [])) for gpu in sorted(set(ma) | set(mb))}
     return {"a": run_a.run_dir, "b": run_b.run_dir, "spans": spans, "tokens_per_s": rates, "memory": memory,

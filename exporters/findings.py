@@ -32,7 +32,8 @@ def _bandwidth(report: dict) -> list:
     for b in report["bandwidth"]:
         wall = walls.get(b["role"]) or 0.0
         lost = b["seconds_over_floor"]
-        if b["floor_ratio"] is None or b["floor_ratio"] >= FLOOR_RATIO_LOW or not wall or lost < FLOOR_LOSS_SHARE * wall:
+        if b["floor_ratio"] is None or b["floor_ratio"] >= FLOOR_RATIO_LOW or not wall \
+                or lost < FLOOR_LOSS_SHARE * wall:
             continue
         out.append(_finding(
             "below_floor", f"{b['span']} ({b['role']}) moves its bytes at {b['floor_ratio'] * 100:.2g}% of the "
@@ -59,15 +60,17 @@ def _allocator(report: dict) -> list:
     if retried:
         out.append(_finding(
             "alloc_retries", f"the allocator retried cudaMalloc on {len(retried)} rank(s)",
-            "; ".join(f"rank {a['rank']} ({a['role']}): num_alloc_retries {a['alloc_retries_first'] or 0} at the first "
-                      f"interval, {a['alloc_retries_last']} at the last" for a in retried) + ": it freed its cache to fit",
-            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower --tokens-per-batch toward the memory margin"))
+            "; ".join(f"rank {a['rank']} ({a['role']}): num_alloc_retries {a['alloc_retries_first'] or 0} at the "
+                      f"first interval, {a['alloc_retries_last']} at the last" for a in retried)
+            + ": it freed its cache to fit",
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower --tokens-per-batch toward the "
+            "memory margin"))
     if grew:
         out.append(_finding(
             "reserved_growing", f"reserved memory grew over {RESERVED_GROWTH:.0%} and was at its high at the end on "
                                 f"{_ranks_text(grew)}",
-            "; ".join(f"rank {a['rank']}: {a['reserved_bytes_first'] / GIB:.2f} -> {a['reserved_bytes_last'] / GIB:.2f} GiB"
-                      for a in grew),
+            "; ".join(f"rank {a['rank']}: {a['reserved_bytes_first'] / GIB:.2f} -> "
+                      f"{a['reserved_bytes_last'] / GIB:.2f} GiB" for a in grew),
             "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); "
             "take an allocator history snapshot over a few intervals"))
     return out
@@ -115,7 +118,8 @@ def _straggler(report: dict) -> list:
         return []
     where = (f"; its {s['span']} costs {s['span_seconds_per_token'] * 1e6:.1f} us/token vs "
              f"{s['peers_span_seconds_per_token'] * 1e6:.1f} us/token on its peers" if s.get("span") else "")
-    return [_finding("straggler", f"rank {s['rank']} ({s['role']}) is {1 - s['capacity_ratio']:.0%} slower than its peers",
+    return [_finding("straggler",
+                     f"rank {s['rank']} ({s['role']}) is {1 - s['capacity_ratio']:.0%} slower than its peers",
                      f"capacity {s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
                      f"{s['peers_median_tokens_per_s']:.4g}{where}",
                      "compare its GPU's clocks and throttle reasons, then swap its GPU with a peer's "
@@ -155,7 +159,8 @@ _NEXT_FOR_EVENT = {
     "signal": "nothing to fix if the stop was intended: resume with --resume",
     "bad_records": "fix or drop the data lines the event names (--on-bad-record)",
     "run_failed": "read the rank's stderr and its last event; rerun with the failing step's DFLASH_FAULT to reproduce",
-    "no_run_end": "the rank died without closing its log: check the host's OOM killer (dmesg) and the launcher's output",
+    "no_run_end": "the rank died without closing its log: check the host's OOM killer (dmesg) and the launcher's "
+                  "output",
     "bad_lines": "a truncated last line is a crash's signature: see run_failed / no_run_end",
 }
 
@@ -196,5 +201,5 @@ def _split(report: dict) -> list:
 
 def findings(report: dict) -> list:
     """Every finding of an assembled report (exporters.report.hotspots), problems first."""
-    return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report), *_waits(report),
-            *_split(report), *_bandwidth(report)]
+    return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report),
+            *_waits(report), *_split(report), *_bandwidth(report)]

@@ -163,7 +163,7 @@ def hot_frames(run: Run) -> dict:
         out.append(acc)
     out.sort(key=lambda a: (-sum(f["count"] for f in a["top_frames"]), -a["stuck_snapshots"], -a["snapshots"],
                             a["rank"]))
-    reason = None if out else ("no stack samples or snapshots in the logs (set stack_samples_per_interval, "
+    reason = None if out else ("no stack samples or snapshots in the logs (run with --stack-samples-per-interval N, "
                                "or take one with dflash-profile snapshot)")
     return {"threads": out, "reason": reason}
 

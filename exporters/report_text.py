@@ -75,11 +75,13 @@ def _memory(rep: dict) -> list:
         lines.append(f"  gpu {g['gpu']} {g['name'] or ''}: low {low['headroom_bytes'] / GIB:.2f} GiB "
                      f"({_pct(low['headroom_ratio'])} of {g['total_bytes'] / GIB:.1f} GiB){when}, rank {low['rank']} "
                      f"interval {low['interval']} step {low['step']}, during {low['dominant_span']} (the interval's "
-                     f"dominant span, {_pct(low['dominant_span_share'])}); last {g['last_headroom_bytes'] / GIB:.2f} GiB")
+                     f"dominant span, {_pct(low['dominant_span_share'])}); "
+                     f"last {g['last_headroom_bytes'] / GIB:.2f} GiB")
     for a in m["allocator"]:
+        first, last = a["reserved_bytes_first"], a["reserved_bytes_last"]
         lines.append(f"  allocator rank {a['rank']} ({a['role']}): retries {a['alloc_retries_first']} -> "
-                     f"{a['alloc_retries_last']}, reserved {_g(a['reserved_bytes_first'] and a['reserved_bytes_first'] / GIB, '.2f')}"
-                     f" -> {_g(a['reserved_bytes_last'] and a['reserved_bytes_last'] / GIB, '.2f')} GiB")
+                     f"{a['alloc_retries_last']}, reserved {_g(first and first / GIB, '.2f')} -> "
+                     f"{_g(last and last / GIB, '.2f')} GiB")
     return lines
 
 
@@ -91,7 +93,8 @@ def _events(rep: dict) -> list:
     for kind in ev["problems"]:
         k = ev["kinds"][kind]
         first = k["examples"][0] if k["examples"] else {}
-        detail = ", ".join(f"{key} {val}" for key, val in first.items() if key != "time_unix" and not isinstance(val, (dict, list)))
+        detail = ", ".join(f"{key} {val}" for key, val in first.items()
+                           if key != "time_unix" and not isinstance(val, (dict, list)))
         lines.append(f"  {kind}: {k['count']} on rank(s) {', '.join(map(str, k['ranks']))}; first: {detail}")
     others = [f"{kind} {k['count']}" for kind, k in ev["kinds"].items() if kind not in ev["problems"]]
     if others:
@@ -149,10 +152,10 @@ def _split(rep: dict) -> list:
              f"{s['best']['predicted_tokens_per_s']:.4g} tokens/s"]
     if s["current"]:
         c = s["current"]
-        lines.append(f"  this run: {c['target_gpus']}:{c['drafter_gpus']}, predicted {c['predicted_tokens_per_s']:.4g}, "
-                     f"measured {_g(c['measured_tokens_per_s'])} tokens/s")
-    lines.append("  every split: " + ", ".join(f"{x['target_gpus']}:{x['drafter_gpus']} {x['predicted_tokens_per_s']:.4g}"
-                                              for x in s["splits"]))
+        lines.append(f"  this run: {c['target_gpus']}:{c['drafter_gpus']}, predicted "
+                     f"{c['predicted_tokens_per_s']:.4g}, measured {_g(c['measured_tokens_per_s'])} tokens/s")
+    lines.append("  every split: " + ", ".join(
+        f"{x['target_gpus']}:{x['drafter_gpus']} {x['predicted_tokens_per_s']:.4g}" for x in s["splits"]))
     return lines
 
 

@@ -210,8 +210,9 @@ def _write_run(run_dir: Path, logs: dict, **config) -> Path:
 
 def test_headroom_low_point_names_its_interval_and_the_margin_follows_the_linear_model(tmp_path):
     spans = {"drafter.fwd_bwd": (0.2, 100), "drafter.recv": (0.01, 100), "drafter.optim": (0.05, 100)}
+    memory = [(60, 20, 50), (62, 21, 52), (77, 20, 51, 3), (61, 20, 50, 3)]  # GiB: NVML peak, allocated, peak
     recs = [_interval(0, "drafter", i, {**spans, **({"drafter.compile": (25.0, 1)} if i == 2 else {})}, 10_000,
-                      _gpu_memory(*m)) for i, m in enumerate([(60, 20, 50), (62, 21, 52), (77, 20, 51, 3), (61, 20, 50, 3)])]
+                      _gpu_memory(*m)) for i, m in enumerate(memory)]
     rep = report.hotspots(_write_run(tmp_path / "gpu", {0: recs}))
     gpu = rep["memory"]["gpus"][0]
     low = gpu["low_point"]
