@@ -1,8 +1,8 @@
 """`dflash-report hotspots --plot FILE`: a PNG of a run over time. One row per role of span time per
 interval stacked by span, then tokens/s per role, then the headroom of every GPU.
 
-`timeline` (standard library) puts every rank's intervals on one clock: bins of the profile interval
-counted from the first run_start, the ranks of a role summed per bin. matplotlib is imported inside
+`timeline` (standard library) puts every rank's intervals on one clock, seconds from the first run_start:
+the k-th intervals of a role's ranks are summed into one point at their mean time. matplotlib is imported inside
 `plot_run` only, so the rest of the report never loads it.
 """
 from __future__ import annotations
@@ -26,11 +26,10 @@ def timeline(run: Run) -> dict:
     for log in run.ranks.values():
         acc = roles.setdefault(log.role, {"ranks": 0, "bins": {}})
         acc["ranks"] += 1
-        rank_t0 = next((s["time_unix"] for s in log.run_starts if s.get("time_unix")), t0)
-        for rec in log.intervals:
-            # binned on the rank's own clock, so ranks that started a little apart still line up
-            b = acc["bins"].setdefault(round((rec["time_unix"] - rank_t0) / step),
-                                       {"spans": {}, "tokens_per_s": 0.0, "seconds": []})
+        for k, rec in enumerate(log.intervals):
+            # the k-th interval of every rank of a role in one bin: ranks start a little apart, and a
+            # final, partial interval must not fold into the one before it
+            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": []})
             b["seconds"].append(rec["time_unix"] - t0)
             for name, e in (rec.get("spans") or {}).items():
                 b["spans"][name] = b["spans"].get(name, 0.0) + basis_seconds(e)
