@@ -87,9 +87,16 @@ def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_gr
     if rank != 0 or not targets:
         return
     groups = [{"targets": targets, "labels": {"run": run_dir.name}}]
-    for path in (run_dir / "prometheus" / "targets.json", run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    shared = run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"
+    for path, dir_mode, file_mode in ((run_dir / "prometheus" / "targets.json", 0o700, 0o600),
+                                      (shared, 0o755, 0o644)):
+        # The shared copy holds only endpoint addresses and the run's name, and is made readable on
+        # purpose: a Prometheus (a container, a service user) runs as another user. The run's own stays private.
+        path.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        os.chmod(tmp, file_mode)
         tmp.replace(path)   # Prometheus re-reads file_sd files on change: never show it half a file
-    tele.sd_files.append(run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json")
+    if shared.parent.stat().st_uid == os.getuid():
+        os.chmod(shared.parent, 0o755)
+    tele.sd_files.append(shared)

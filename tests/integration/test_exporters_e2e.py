@@ -262,3 +262,9 @@ def test_a_requested_metrics_port_in_use_is_one_line_and_exit_2_before_any_rank(
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and f"--metrics-port {port}: port {port} on 127.0.0.1" in lines[0] and "in use" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_shared_targets_directory_is_readable_by_another_user_and_the_run_stays_private(live):
+    sd_dir = live["sd_file"].parent
+    assert sd_dir.stat().st_mode & 0o777 == 0o755
+    assert (live["run"] / "prometheus" / "targets.json").stat().st_mode & 0o777 == 0o600
