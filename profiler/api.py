@@ -1,4 +1,5 @@
-"""The module-level instrumentation API: span, count, gauge, metric, set_step, event, corrupt.
+"""The module-level instrumentation API: span, count, gauge, metric, set_step, event, corrupt, and the
+forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, forensics.
 
 `span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `get` is
 the calling thread's name -> span-object cache), or the shared no-op dict when no profiler is
@@ -100,12 +101,48 @@ def event(kind: str, **fields) -> None:
         p.event(kind, **fields)
 
 
-def corrupt(span_name: str, tensor):
-    """Fault-injection hook for `nan@SPAN`: returns the tensor (possibly NaN-multiplied)."""
+def corrupt(span_name: str, tensor, step=None):
+    """Fault-injection hook for `nan@SPAN`: returns the tensor (possibly NaN-multiplied). `step`
+    (default: the current step) is the step the fault's `:step=N` is matched against."""
     p = _active
     if p is None:
         return tensor
-    return p.corrupt(span_name, tensor)
+    return p.corrupt(span_name, tensor, step)
+
+
+def check_finite(span_name: str, tensors: dict, step=None, **fields) -> None:
+    """Flag NaN/Inf in `tensors` ({name: tensor}) on the device, read back without a sync; the first
+    one found is written as a `nonfinite` event naming span, step, rank and tensor."""
+    p = _active
+    if p is not None:
+        p.check_finite(span_name, tensors, step, **fields)
+
+
+def check_flags(span_name: str, names: list, flags, step=None, **fields) -> None:
+    """Like check_finite, for bool flags already computed on the device (true = bad), one per name."""
+    p = _active
+    if p is not None:
+        p.nonfinite.check_flags(span_name, p.step if step is None else step, names, flags, **fields)
+
+
+def nonfinite_found():
+    """The first non-finite finding read back so far ({"span", "step", "rank", "tensor", ...}), or None.
+    A plain attribute read: the collector thread fills it."""
+    p = _active
+    return None if p is None else p.nonfinite.first
+
+
+def register_forensics(name: str, fn) -> None:
+    """Register fn() -> JSON-able state that the active profiler's forensics dumps include as `name`."""
+    p = _active
+    if p is not None:
+        p.register_forensics(name, fn)
+
+
+def forensics() -> dict:
+    """Every registered forensics source's state now ({} with no active profiler)."""
+    p = _active
+    return {} if p is None else p.forensics()
 
 
 def activate(profiler, recorder) -> None:

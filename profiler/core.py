@@ -18,6 +18,7 @@ from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors as _measure_floors
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
+from profiler.nonfinite import NonfiniteMonitor
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
@@ -98,6 +99,7 @@ class Profiler:
         self.marks = StepMarks()
         self._close_lock = threading.RLock()
         self._started = False
+        self._forensics: dict = {}   # name -> fn() giving state for forensics dumps
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def __enter__(self):
@@ -124,6 +126,7 @@ class Profiler:
             pool = EventPool()
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
+        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda)
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         detail = (DetailWindow(self.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
                   if self.detail_steps > 0 else NullDetailWindow())
@@ -159,7 +162,7 @@ class Profiler:
                 api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
                 # Telemetry never kills training: a failure here is logged, and the with-block's own
                 # exception (if any) is what propagates.
-                for step in (lambda: self.close_interval(final=True),
+                for step in (self._drain_nonfinite, lambda: self.close_interval(final=True),
                              lambda: self._write(self._run_end_record(status))):
                     try:
                         step()
@@ -181,6 +184,7 @@ class Profiler:
 
     # ---- collection ----------------------------------------------------------------------------
     def _poll(self) -> None:
+        self.nonfinite.poll()   # Event.query() only: on the collector thread, never a wait
         with self._close_lock:
             self.aggregator.add_drained(self.recorder.drain())
 
@@ -309,8 +313,41 @@ class Profiler:
         self._write(rec)
         return rec
 
-    def corrupt(self, span_name: str, tensor):
-        return self.fault_plan.corrupt(span_name, self.step, tensor)
+    def corrupt(self, span_name: str, tensor, step=None):
+        return self.fault_plan.corrupt(span_name, self.step if step is None else step, tensor)
+
+    # ---- forensics -----------------------------------------------------------------------------
+    def check_finite(self, span_name: str, tensors: dict, step=None, **fields) -> None:
+        """Flag NaN/Inf in `tensors` on the device; read back off this thread (profiler/nonfinite.py)."""
+        self.nonfinite.check(span_name, self.step if step is None else step, tensors, **fields)
+
+    def _on_nonfinite(self, finding: dict) -> None:
+        """On the collector thread: the `nonfinite` event (docs/RUNLOG.md) and its counters."""
+        self.event("nonfinite", **finding, count=self.nonfinite.found)
+        self.recorder.count("nonfinite", 1)
+        if finding.get("action") == "skipped_step":
+            self.recorder.count("nonfinite_skipped_steps", 1)
+
+    def _drain_nonfinite(self) -> None:
+        """At run end, read the checks still in flight (Event.query() polling, never a wait)."""
+        deadline = time.monotonic() + self.gpu_drain_timeout_s
+        while self.nonfinite.pending() and time.monotonic() < deadline:
+            self.nonfinite.poll()
+            time.sleep(0.005)
+
+    def register_forensics(self, name: str, fn) -> None:
+        """fn() -> JSON-able state that forensics dumps include under `name` (a hang, a crash)."""
+        self._forensics[check_name(name, "forensics")] = fn
+
+    def forensics(self) -> dict:
+        """Every registered forensics source's state now; a failing source gives its error instead."""
+        out = {}
+        for name, fn in list(self._forensics.items()):
+            try:
+                out[name] = fn()
+            except Exception as exc:   # noqa: BLE001 - a dump must still come out
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
 
     def state(self) -> dict:
         """Live state for the control endpoint: open spans per thread with how long each has been

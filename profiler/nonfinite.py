@@ -1,0 +1,130 @@
+"""Non-finite checks without a host sync, and the packed-batch fingerprint.
+
+A span hands tensors to `NonfiniteMonitor.check(span, step, {name: tensor})`. On the device, each
+tensor is reduced to one flag (`not isfinite(t).all()`), the flags are stacked into a small buffer and
+copied non-blocking into pinned host memory, and an event is recorded after the copy. Nothing waits:
+the collector thread calls `poll()`, which asks each pending check's event `query()` in order and
+reads the host flags only once the event says the copy has landed. The first non-finite flag found
+becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which writes the `nonfinite`
+event; later ones are counted and handed on too.
+
+How far behind: a check's flags are on the host once the device has run the work queued before it
+(on a GPU the training thread runs ahead by the queued kernels, a step or two at most), and the
+collector polls every `poll_s` (0.25 s by default). A training loop that acts on `first` at its step
+boundaries therefore acts one to two steps after the bad one (plus a poll period); exact guards (the
+checkpoint's) must check for themselves.
+
+On the CPU there is no device: the flags are computed where they are, and `poll()` reads them.
+`fingerprint()` is the cheap summary of a packed batch the target sends with it: (finite count, sum
+of the finite values) in float64, computed on the batch's device, compared after receipt.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import torch
+
+logger = logging.getLogger("profiler")
+
+
+class Finding(dict):
+    """One non-finite check that fired: span, step, rank, tensor (the first flagged), tensors (all)."""
+
+
+class NonfiniteMonitor:
+    """Device-side checks read back asynchronously. `on_found(finding)` is called on the polling
+    thread for every check that flagged something; `first` keeps the first one."""
+
+    def __init__(self, rank: int, on_found, is_cuda: bool):
+        self.rank = rank
+        self._on_found = on_found
+        self._is_cuda = is_cuda
+        self._pending: collections.deque = collections.deque()
+        self._poll_lock = threading.Lock()
+        self.first: Finding | None = None
+        self.found = 0
+        self.checks = 0
+
+    def check(self, span: str, step: int, tensors: dict, **fields) -> None:
+        """Flag each tensor that holds a NaN or Inf; never waits for the device."""
+        flags = torch.stack([~torch.isfinite(t).all() for t in tensors.values()])
+        self.check_flags(span, step, list(tensors), flags, **fields)
+
+    def check_flags(self, span: str, step: int, names: list, flags: torch.Tensor, **fields) -> None:
+        """Queue already computed bool flags (one per name, true = bad) for reading back."""
+        self.checks += 1
+        if self._is_cuda and flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()   # after the copy on the current stream; queried later, never waited on
+        else:
+            host, ready = flags, None
+        self._pending.append((span, step, names, host, ready, fields))
+
+    def pending(self) -> int:
+        """Checks not read back yet."""
+        return len(self._pending)
+
+    def poll(self) -> int:
+        """Read back every check whose copy has landed (in order; stops at the first still pending).
+        Returns how many were read. Called off the training thread (the profiler's collector)."""
+        read = 0
+        with self._poll_lock:
+            while self._pending:
+                span, step, names, host, ready, fields = self._pending[0]
+                if ready is not None and not ready.query():
+                    break
+                self._pending.popleft()
+                read += 1
+                bad = [n for n, flag in zip(names, host.tolist()) if flag]
+                if bad:
+                    self._found(Finding(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad,
+                                        **fields))
+        return read
+
+    def _found(self, finding: Finding) -> None:
+        self.found += 1
+        if self.first is None:
+            self.first = finding
+        try:
+            self._on_found(finding)
+        except Exception:   # noqa: BLE001 - telemetry never kills training; `first` still holds it
+            logger.exception("profiler: reporting a non-finite value failed")
+
+
+class NullNonfiniteMonitor:
+    """What a loop without a profiler gets: checks cost nothing and never find anything."""
+    first = None
+    found = checks = 0
+
+    def check(self, span, step, tensors, **fields) -> None:
+        pass
+
+    def check_flags(self, span, step, names, flags, **fields) -> None:
+        pass
+
+    def pending(self) -> int:
+        return 0
+
+    def poll(self) -> int:
+        return 0
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[finite count, sum of the finite values], float64, on t's device; no host read."""
+    finite = torch.isfinite(t)
+    total = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(dtype=torch.float64)
+    return torch.stack([finite.sum().to(torch.float64), total])
+
+
+def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) -> torch.Tensor:
+    """Bool flags [pack, transfer] on the device: the sender's fingerprint counts non-finite values
+    (the pack made them), or the receiver's differs from the sender's (the copy or the wire changed
+    the payload). Sums agree to float64 rounding for the same bytes: 1e-9 relative."""
+    sent = sent.to(received.device, non_blocking=True)
+    pack_bad = sent[0] != numel
+    moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6)
+    return torch.stack([pack_bad, moved & ~pack_bad])

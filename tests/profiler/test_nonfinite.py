@@ -1,0 +1,112 @@
+"""Non-finite checks read back off the training thread, the packed-batch fingerprint, the forensics
+registry. The CUDA test (skipped without a GPU) runs under set_sync_debug_mode("error")."""
+import pytest
+import torch
+
+import profiler
+from profiler.nonfinite import NonfiniteMonitor, NullNonfiniteMonitor, fingerprint, fingerprint_flags
+
+
+def make_prof(tmp_path, **kw):
+    kw.setdefault("interval_s", 3600.0)
+    return profiler.Profiler(tmp_path, console=False, control=False, measure_floors=False, background=False,
+                             **kw)
+
+
+def test_monitor_names_the_first_bad_tensor_and_keeps_the_first_finding():
+    found = []
+    mon = NonfiniteMonitor(rank=3, on_found=found.append, is_cuda=False)
+    mon.check("target.pack_hidden", 1, {"hidden": torch.ones(4)})
+    mon.check("drafter.fwd_bwd", 2, {"loss": torch.tensor(1.0), "grad_norm": torch.tensor(float("inf"))})
+    mon.check("drafter.fwd_bwd", 5, {"loss": torch.tensor(float("nan"))}, action="skipped_step")
+    assert found == [] and mon.pending() == 3          # nothing is read before a poll
+    assert mon.poll() == 3 and mon.pending() == 0
+    assert found == [{"span": "drafter.fwd_bwd", "step": 2, "rank": 3, "tensor": "grad_norm",
+                      "tensors": ["grad_norm"]},
+                     {"span": "drafter.fwd_bwd", "step": 5, "rank": 3, "tensor": "loss", "tensors": ["loss"],
+                      "action": "skipped_step"}]
+    assert mon.first == found[0] and mon.found == 2 and mon.checks == 3
+
+
+def test_a_failing_reporter_never_reaches_the_caller():
+    def boom(finding):
+        raise OSError("disk gone")
+    mon = NonfiniteMonitor(rank=0, on_found=boom, is_cuda=False)
+    mon.check("x.y", 0, {"t": torch.tensor([1.0, float("nan")])})
+    assert mon.poll() == 1 and mon.first["tensor"] == "t"
+
+
+def test_null_monitor_finds_nothing():
+    mon = NullNonfiniteMonitor()
+    mon.check("x.y", 0, {"t": torch.tensor(float("nan"))})
+    assert mon.poll() == 0 and mon.first is None and mon.pending() == 0
+
+
+def test_profiler_writes_the_nonfinite_event_and_counts_it(tmp_path):
+    with make_prof(tmp_path, rank=1, role="drafter") as prof:
+        profiler.set_step(7)
+        profiler.check_finite("drafter.fwd_bwd", {"loss": torch.tensor(float("nan"))}, action="skipped_step")
+        assert profiler.nonfinite_found() is None      # not read back yet: no sync on this thread
+        prof.tick()
+        assert profiler.nonfinite_found()["step"] == 7
+        profiler.check_finite("drafter.fwd_bwd", {"loss": torch.tensor(1.0)})   # still pending at exit
+    recs, _ = profiler.read_records(tmp_path / "profile" / "rank1.jsonl")
+    events = [r for r in recs if r["type"] == "event" and r["kind"] == "nonfinite"]
+    assert len(events) == 1
+    ev = events[0]
+    assert (ev["span"], ev["step"], ev["rank"], ev["tensor"], ev["action"], ev["count"]) == (
+        "drafter.fwd_bwd", 7, 1, "loss", "skipped_step", 1)
+    end = recs[-1]
+    assert end["counters"]["nonfinite"]["total"] == 1 and end["counters"]["nonfinite_skipped_steps"]["total"] == 1
+    assert profiler.nonfinite_found() is None          # no active profiler: nothing
+
+
+def test_fingerprint_attributes_pack_or_transfer():
+    h = torch.randn(64, 8, dtype=torch.bfloat16)
+    sent = fingerprint(h)
+    assert sent[0].item() == h.numel()
+    assert fingerprint_flags(sent, fingerprint(h.clone()), h.numel()).tolist() == [False, False]
+    changed = h.clone()
+    changed[3, 1] += 1
+    assert fingerprint_flags(sent, fingerprint(changed), h.numel()).tolist() == [False, True]
+    assert fingerprint_flags(sent, fingerprint(h * float("nan")), h.numel()).tolist() == [False, True]
+    packed_bad = h.clone()
+    packed_bad[0, 0] = float("inf")
+    bad_fp = fingerprint(packed_bad)
+    assert bad_fp[0].item() == h.numel() - 1
+    assert fingerprint_flags(bad_fp, fingerprint(packed_bad.clone()), h.numel()).tolist() == [True, False]
+
+
+def test_forensics_registry_reports_each_source_and_survives_a_failing_one(tmp_path):
+    assert profiler.api.forensics() == {}
+    with make_prof(tmp_path):
+        profiler.api.register_forensics("transfer_ring", lambda: [{"kind": "send"}])
+        profiler.api.register_forensics("broken", lambda: 1 / 0)
+        dump = profiler.api.forensics()
+        with pytest.raises(ValueError, match="bad forensics name"):
+            profiler.api.register_forensics("Bad Name", list)
+    assert dump == {"transfer_ring": [{"kind": "send"}],
+                    "broken": {"error": "ZeroDivisionError: division by zero"}}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_checks_never_sync_and_come_back_through_the_collector(tmp_path):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.ones(1 << 20, device=dev)
+    torch.cuda.synchronize()                  # the test's own sync, before the checked region
+    with make_prof(tmp_path, device=dev, floors={}) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.cuda._sleep(50_000_000)     # the device is busy: the flag cannot be back yet
+            profiler.check_finite("drafter.fwd_bwd", {"loss": x.sum() * float("nan"), "ok": x})
+            prof.tick()
+            assert profiler.nonfinite_found() is None
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for _ in range(2000):
+            prof.tick()
+            if profiler.nonfinite_found() is not None:
+                break
+            torch.cuda._sleep(1000)
+        assert profiler.nonfinite_found()["tensors"] == ["loss"]
