@@ -92,6 +92,19 @@ def parse_faults(text: str) -> list[Fault]:
     return [parse_fault(part.strip()) for part in text.split(";") if part.strip()]
 
 
+def check_injection_points(faults: list[Fault], spans, nan_spans) -> None:
+    """ValueError (one line) for a fault that could never fire in this program: a span it never
+    enters (`spans`), or a nan fault on a span without a corrupt() hook (`nan_spans`). The program
+    passes its own lists; call it at start-up, before any work."""
+    for fault in faults:
+        points = nan_spans if fault.kind == "nan" else spans
+        if fault.span in points:
+            continue
+        why = "has no nan injection point" if fault.span in spans else "is not a span of this program"
+        raise ValueError(f"{ENV_VAR}: {fault.kind}@{fault.span}: {fault.span} {why} "
+                         f"({fault.kind} fires at: {', '.join(sorted(points))})")
+
+
 class FaultPlan:
     """The faults that apply to one rank, indexed by span for a one-lookup check on span entry."""
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from profiler.faults import Fault, FaultPlan, InjectedFault, parse_faults
+from profiler.faults import Fault, FaultPlan, InjectedFault, check_injection_points, parse_faults
 
 
 def test_parse_good_strings():
@@ -125,3 +125,17 @@ def test_empty_plan_is_cheap():
         plan.on_enter("target.fwd", 1)
     per_call_s = (time.perf_counter() - start) / n
     assert per_call_s < 2e-6, per_call_s  # one dict lookup, well under a microsecond normally
+
+
+def test_a_fault_that_could_never_fire_is_refused_in_one_line():
+    spans, nan_spans = ("target.fwd", "target.pack_hidden", "drafter.fwd_bwd"), ("target.pack_hidden",)
+    check_injection_points(parse_faults("nan@target.pack_hidden;crash@target.fwd;slow=1@drafter.fwd_bwd"),
+                           spans, nan_spans)
+    with pytest.raises(ValueError) as e:
+        check_injection_points(parse_faults("crash@target.fwd;nan@target.fwd"), spans, nan_spans)
+    assert str(e.value) == ("DFLASH_FAULT: nan@target.fwd: target.fwd has no nan injection point "
+                            "(nan fires at: target.pack_hidden)")
+    with pytest.raises(ValueError) as e:
+        check_injection_points(parse_faults("hang@drafter.fwdbwd"), spans, nan_spans)
+    assert str(e.value) == ("DFLASH_FAULT: hang@drafter.fwdbwd: drafter.fwdbwd is not a span of this program "
+                            "(hang fires at: drafter.fwd_bwd, target.fwd, target.pack_hidden)")
