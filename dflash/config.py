@@ -93,6 +93,10 @@ class TrainConfig:
     of waiting, each says what it waits for."""
     on_bad_record: str = "skip"
     """What a bad data record does: skip (counted and reported) or fail."""
+    on_nonfinite: str = "stop"
+    """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (a
+    `nonfinite` event names span, step, rank and tensor first): stop (exit 1, no checkpoint of that
+    step), skip-step (that batch's optimizer step is skipped, training goes on) or warn (go on)."""
     eval_prompts: int = 8
     """Held-out prompts decoded with real draft-and-verify at the end (0 = no evaluation)."""
     eval_new_tokens: int = 48
@@ -142,6 +146,7 @@ class TrainConfig:
         need(self.transfer in ("auto", "nccl", "host"), "transfer", "must be auto, nccl or host")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         need(self.on_bad_record in ("skip", "fail"), "on_bad_record", "must be skip or fail")
+        need(self.on_nonfinite in ("stop", "skip-step", "warn"), "on_nonfinite", "must be stop, skip-step or warn")
         need(self.eval_prompts >= 0, "eval_prompts", "must be >= 0")
         need(self.eval_new_tokens >= 1, "eval_new_tokens", "must be >= 1")
         need(self.builtin_conversations >= 16, "builtin_conversations", "must be >= 16")
