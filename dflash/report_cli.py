@@ -61,12 +61,9 @@ def _hotspots(args) -> int:
 
 
 def _trace(args) -> int:
-    try:
-        from exporters import trace
-    except ImportError as e:
-        print(f"dflash-report: error: trace export is not available ({e})", file=sys.stderr)
-        return 2
-    return trace.main(["merge", args.run_dir, *args.rest])
+    from exporters import trace
+
+    return trace.main(["merge", args.run_dir, *args.rest], prog="dflash-report trace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -499,9 +499,11 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def main(argv=None) -> int:
-    """`merge RUN_DIR [-o FILE]`: 0 written, 1 cannot write, 2 bad usage or no run logs (one line)."""
-    parser = _Parser(prog=PROG, description="Perfetto/Chrome traces of a dflash run's detail windows.")
+def main(argv=None, prog: str = None) -> int:
+    """`merge RUN_DIR [-o FILE]`: 0 written, 1 cannot write, 2 bad usage or no run logs (one line).
+    `prog` names the command in messages (dflash-report passes its own)."""
+    prog = prog or PROG
+    parser = _Parser(prog=prog, description="Perfetto/Chrome traces of a dflash run's detail windows.")
     sub = parser.add_subparsers(dest="command", required=True)
     merge = sub.add_parser("merge", help="one trace for every rank, from the run logs")
     merge.add_argument("run_dir", help="the run directory (holds profile/rank*.jsonl)")
@@ -512,16 +514,16 @@ def main(argv=None) -> int:
     except SystemExit as exc:              # --help
         return exc.code if isinstance(exc.code, int) else 0
     except (_UsageError, TraceInputError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"{PROG}: error: cannot write the trace: {exc}", file=sys.stderr)
+        print(f"{prog}: error: cannot write the trace: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {s['out']}: {len(s['ranks'])} ranks, {s['spans']} spans, {s['events']} events, "
           f"flows {s['flows_matched']} matched / {s['flows_unmatched']} unmatched"
           + (f", {s['bad_lines']} unreadable run-log lines skipped" if s["bad_lines"] else ""))
     if not s["spans"]:
-        print(f"{PROG}: note: no spans records (a detail window is written at each interval's close)",
+        print(f"{prog}: note: no spans records (a detail window is written at each interval's close)",
               file=sys.stderr)
     return 0
 
