@@ -56,10 +56,17 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int) -> None:
 
 
 def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
-    """A --metrics-port the user gave must be free for every local rank (base + local rank). The
-    default port is not checked: a busy one falls back to a free port at start-up."""
-    if not cfg.metrics_port or not cfg.profile:
+    """A --metrics-port the user gave must be free for every local rank (base + local rank); with the
+    default port (a busy one falls back to a free port at start-up) the address must be bindable."""
+    if cfg.metrics_port == 0 or not cfg.profile:
         return
+    if cfg.metrics_port is None:   # the default port may fall back, but the address must be bindable
+        try:
+            with socket.create_server((cfg.metrics_host, 0)):
+                return
+        except OSError as exc:
+            raise ConfigError(f"--metrics-host {cfg.metrics_host}: cannot serve metrics there "
+                              f"({exc.strerror or exc})") from None
     for local_rank in range(local_world):
         port = cfg.metrics_port + local_rank
         try:

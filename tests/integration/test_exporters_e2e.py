@@ -268,3 +268,11 @@ def test_shared_targets_directory_is_readable_by_another_user_and_the_run_stays_
     sd_dir = live["sd_file"].parent
     assert sd_dir.stat().st_mode & 0o777 == 0o755
     assert (live["run"] / "prometheus" / "targets.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_metrics_host_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(tmp_path / "run"), "--metrics-host",
+                        "192.0.2.1", *SMALL], cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--metrics-host 192.0.2.1: cannot serve metrics there" in lines[0]
+    assert not (tmp_path / "run").exists()
