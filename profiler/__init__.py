@@ -2,17 +2,19 @@
 
 Public API (see README.md and docs/ARCHITECTURE.md):
     Profiler, active, span, count, gauge, metric, set_step, event, corrupt, tag, read_records, and the
-    forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, forensics.
+    forensics hooks check_finite, check_flags, nonfinite_found, settle_nonfinite, register_forensics,
+    forensics.
 This package never imports `dflash` or `exporters`; it works in any training loop. `Profiler`
 (which needs torch) is imported on first use, so `profiler.records` and `profiler.snapshot` load
 without torch.
 """
 from profiler.api import (active, check_finite, check_flags, corrupt, count, event, forensics, gauge, metric,
-                          nonfinite_found, register_forensics, set_step, span, tag)
+                          nonfinite_found, register_forensics, set_step, settle_nonfinite, span, tag)
 from profiler.records import read_records
 
 __all__ = ["Profiler", "active", "span", "count", "gauge", "metric", "set_step", "event", "corrupt", "tag",
-           "read_records", "check_finite", "check_flags", "nonfinite_found", "register_forensics", "forensics"]
+           "read_records", "check_finite", "check_flags", "nonfinite_found", "settle_nonfinite",
+           "register_forensics", "forensics"]
 
 
 def __getattr__(name):

@@ -132,6 +132,13 @@ def nonfinite_found():
     return None if p is None else p.nonfinite.first
 
 
+def settle_nonfinite(timeout_s: float = 5.0):
+    """Wait (polling Event.query(), up to timeout_s) until every check issued so far is read back, and
+    return the first finding or None. A deliberate wait: call it only where a sync is fine (a save)."""
+    p = _active
+    return None if p is None else p.nonfinite.settle(timeout_s)
+
+
 def register_forensics(name: str, fn) -> None:
     """Register fn() -> JSON-able state that the active profiler's forensics dumps include as `name`."""
     p = _active

@@ -330,10 +330,7 @@ class Profiler:
 
     def _drain_nonfinite(self) -> None:
         """At run end, read the checks still in flight (Event.query() polling, never a wait)."""
-        deadline = time.monotonic() + self.gpu_drain_timeout_s
-        while self.nonfinite.pending() and time.monotonic() < deadline:
-            self.nonfinite.poll()
-            time.sleep(0.005)
+        self.nonfinite.settle(self.gpu_drain_timeout_s)
 
     def register_forensics(self, name: str, fn) -> None:
         """fn() -> JSON-able state that forensics dumps include under `name` (a hang, a crash)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import torch
 
@@ -85,6 +86,16 @@ class NonfiniteMonitor:
                                         **fields))
         return read
 
+    def settle(self, timeout_s: float, sleep=time.sleep) -> Finding | None:
+        """Read back every check issued so far, polling Event.query() for up to timeout_s; returns
+        `first`. A deliberate wait for the device: for rare points only (a checkpoint, run end)."""
+        deadline = time.monotonic() + timeout_s
+        self.poll()
+        while self._pending and time.monotonic() < deadline:
+            sleep(0.002)
+            self.poll()
+        return self.first
+
     def _found(self, finding: Finding) -> None:
         self.found += 1
         if self.first is None:
@@ -112,12 +123,15 @@ class NullNonfiniteMonitor:
     def poll(self) -> int:
         return 0
 
+    def settle(self, timeout_s: float, sleep=None) -> None:
+        return None
+
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """[finite count, sum of the finite values], float64, on t's device; no host read."""
-    finite = torch.isfinite(t)
-    total = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(dtype=torch.float64)
-    return torch.stack([finite.sum().to(torch.float64), total])
+    """[finite count, sum], float64, on t's device; no host read. One read of t for the sum (NaN when
+    t holds one: the count tells) and one for the count (a one-byte-per-element temporary)."""
+    count = torch.count_nonzero(torch.isfinite(t)).to(torch.float64)
+    return torch.stack([count, t.sum(dtype=torch.float64)])
 
 
 def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) -> torch.Tensor:
@@ -126,5 +140,20 @@ def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) ->
     the payload). Sums agree to float64 rounding for the same bytes: 1e-9 relative."""
     sent = sent.to(received.device, non_blocking=True)
     pack_bad = sent[0] != numel
-    moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6)
+    moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6, equal_nan=True)
     return torch.stack([pack_bad, moved & ~pack_bad])
+
+
+def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """optimizer.step(), skipped where the 0-dim flag `bad` is true. A fused optimizer (AdamW/Adam
+    fused=True, the trainer's on GPUs) skips on the device through its `found_inf` input, as under
+    GradScaler: no host read. Otherwise the host reads the flag: on the CPU that is a memory read;
+    a non-fused optimizer on a GPU pays one deliberate sync per step here."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = bad.to(torch.float32).reshape(())
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not bool(bad):   # CPU: no device to wait for; GPU + non-fused: the deliberate sync above
+        optimizer.step()

@@ -110,3 +110,24 @@ def test_cuda_checks_never_sync_and_come_back_through_the_collector(tmp_path):
                 break
             torch.cuda._sleep(1000)
         assert profiler.nonfinite_found()["tensors"] == ["loss"]
+
+
+def test_settle_reads_back_everything_issued_so_far():
+    mon = NonfiniteMonitor(rank=0, on_found=lambda f: None, is_cuda=False)
+    mon.check("drafter.fwd_bwd", 4, {"loss": torch.tensor(float("inf"))})
+    assert mon.settle(timeout_s=1.0)["step"] == 4 and mon.pending() == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_unless_skips_the_update_and_its_step_count(fused):
+    from profiler.nonfinite import step_unless
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=fused)
+    w.grad = torch.full((3,), float("nan"))
+    step_unless(opt, ~torch.isfinite(w.grad).all())
+    assert torch.equal(w.detach(), torch.ones(3))                  # skipped: still the old weights
+    assert not opt.state or opt.state[w]["step"].item() == 0       # and the step was not counted
+    w.grad = torch.full((3,), 0.5)
+    step_unless(opt, ~torch.isfinite(w.grad).all())
+    assert (w.detach() < 1).all() and opt.state[w]["step"].item() == 1
+    assert not hasattr(opt, "found_inf")
