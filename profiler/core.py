@@ -1,6 +1,7 @@
 """The Profiler: ties spans, CUDA timing, intervals, memory, floors, control and the run log together."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -16,6 +17,7 @@ from profiler.detail import DetailWindow, NullDetailWindow, StepMarks
 from profiler.export import CallableExporter, ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors as _measure_floors
+from profiler.forensics import Forensics, format_open_spans, install_autotune_spans, make_memory_history
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
 from profiler.nonfinite import NonfiniteMonitor
@@ -24,6 +26,7 @@ from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
 from profiler.stacks import NullStackSampler
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
+from profiler.watchdog import NullWatchdog, Watchdog
 
 logger = logging.getLogger("profiler")
 
@@ -57,7 +60,9 @@ class Profiler:
     measurement and use these), `gpu_drain_timeout_s` (how long run end polls pending GPU pairs),
     `exporters` (objects with name/export/close, fed on the exporter thread: profiler/export.py),
     `detail_steps` (steps per interval kept as raw spans), `run_id` (default: the run dir's name),
-    `stack_sampler` (in-run py-spy sampling; profiler/stacks.py), `export_timeout_s` (close deadline)."""
+    `stack_sampler` (in-run py-spy sampling; profiler/stacks.py), `export_timeout_s` (close deadline),
+    `hang_timeout_s` (> 0: the hang watchdog, profiler/watchdog.py), `memory_history` (CUDA allocator
+    history entries kept for an OOM snapshot; 0 = off), `exit_fn` (how forensics leave a stuck rank)."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
                  device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
@@ -65,7 +70,8 @@ class Profiler:
                  poll_s: float = 0.25, background: bool = True, console_stream=None, fault_plan=None,
                  event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0,
                  exporters=(), detail_steps: int = 3, run_id: str | None = None, stack_sampler=None,
-                 export_timeout_s: float = 5.0):
+                 export_timeout_s: float = 5.0, hang_timeout_s: float = 0.0, memory_history: int = 0,
+                 exit_fn=os._exit):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
         if not isinstance(role, str) or not role:
@@ -99,6 +105,10 @@ class Profiler:
         self.marks = StepMarks()
         self._close_lock = threading.RLock()
         self._started = False
+        self.hang_timeout_s, self._memory_history_entries, self._exit_fn = hang_timeout_s, memory_history, exit_fn
+        self.spans_finished = 0          # progress for the hang watchdog: spans drained so far...
+        self._first_step = None          # ...and the step, once it changed from the first one set
+        self._step_changed = False
         self._forensics: dict = {}   # name -> fn() giving state for forensics dumps
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -139,6 +149,7 @@ class Profiler:
         self.start_s = self.interval_start_s = self.clock()
         self.start_unix = self.wall_clock()
         self._write(self._run_start_record())
+        self._start_forensics()
         api.activate(self, self.recorder)
         self._cleanups.append(lambda: api.deactivate(self))
         self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state,
@@ -153,6 +164,20 @@ class Profiler:
             self.timer.start()
             self._cleanups.append(self.timer.stop)
         self._started = True
+
+    def _start_forensics(self) -> None:
+        """Memory history, the dumper, threading.excepthook and the hang watchdog (profiler/forensics.py)."""
+        self.memory_history = make_memory_history(self._memory_history_entries, self.is_cuda)
+        self.memory_history.start()
+        if self.is_cuda:
+            install_autotune_spans()   # triton's autotune windows become `triton.autotune` spans
+        self.dumper = Forensics(self, self.memory_history, exit_fn=self._exit_fn, wall_clock=self.wall_clock)
+        previous_hook, threading.excepthook = threading.excepthook, self.dumper.excepthook
+        self._cleanups.append(lambda: setattr(threading, "excepthook", previous_hook))
+        self.watchdog = (Watchdog(self.hang_timeout_s, self.progress, self._on_hang) if self.hang_timeout_s > 0
+                         else NullWatchdog())
+        self.watchdog.start()
+        self._cleanups.append(self.watchdog.stop)
 
     def __exit__(self, et, ev, tb):
         status = "ok" if et is None else et.__name__
@@ -186,7 +211,12 @@ class Profiler:
     def _poll(self) -> None:
         self.nonfinite.poll()   # Event.query() only: on the collector thread, never a wait
         with self._close_lock:
-            self.aggregator.add_drained(self.recorder.drain())
+            self._add_drained()
+
+    def _add_drained(self) -> None:
+        drained = self.recorder.drain()
+        self.spans_finished += sum(len(spans) for _, spans, _ in drained)
+        self.aggregator.add_drained(drained)
 
     def _timer_close(self) -> None:
         self.close_interval(_reset_timer=False)
@@ -201,7 +231,7 @@ class Profiler:
         if not self._started:
             raise RuntimeError("close_interval(): the profiler is not running (use it inside `with`)")
         with self._close_lock:
-            self.aggregator.add_drained(self.recorder.drain())
+            self._add_drained()
             if final and self.aggregator.pending:
                 self._wait_pending()
             end_s = self.clock()
@@ -210,7 +240,7 @@ class Profiler:
                    "start_s": self.interval_start_s, "end_s": end_s, "duration_seconds": duration_s,
                    **self.aggregator.close_parts(duration_s), "memory": self._memory_summary(),
                    "threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
-                   "exporters": self.hub.stats()}
+                   "exporters": self.hub.stats(), "open_spans": self.recorder.open_spans()}
             stacks = self.stack_sampler.interval_summary(reset=True)
             if stacks is not None:
                 rec["stack_samples"] = stacks
@@ -227,6 +257,9 @@ class Profiler:
         if self.console:
             from exporters.console import format_interval
             print(format_interval(rec), file=self.console_stream or sys.stdout, flush=True)
+            stuck = format_open_spans(rec["open_spans"], min_seconds=rec["duration_seconds"])
+            if stuck:
+                print(stuck, file=self.console_stream or sys.stdout, flush=True)
         return rec
 
     def _memory_summary(self) -> dict:
@@ -271,7 +304,40 @@ class Profiler:
     def set_step(self, step: int) -> None:
         """The current training step; its change is marked in time for the detail window."""
         self.step = int(step)
+        if self._first_step is None:
+            self._first_step = self.step
+        elif self.step != self._first_step:
+            self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
         self.marks.mark(time.perf_counter_ns(), self.step)
+
+    def progress(self) -> tuple:
+        """(armed, token) for the hang watchdog: armed once the step changed; the token changes
+        whenever a span finished (as drained by the collector) or the step changed."""
+        return self._step_changed, (self.step, self.spans_finished)
+
+    def _on_hang(self, stalled_s: float) -> None:
+        """On the watchdog's thread: say it, dump, write run_end and leave (profiler/forensics.py)."""
+        print(f"profiler: rank {self.rank}: no progress for {stalled_s:.1f} s (hang timeout "
+              f"{self.hang_timeout_s:g} s); stopping with a dump in {self.run_dir / 'forensics'}",
+              file=sys.stderr, flush=True)
+        self.dumper.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=self.hang_timeout_s)
+
+    def finish_now(self, status: str) -> None:
+        """The run's end from any thread, for a rank about to leave without unwinding (forensics):
+        the final interval and run_end; the with-block's exit then writes nothing more."""
+        if not self._started:
+            return
+        with contextlib.suppress(RuntimeError):   # RuntimeError: called on the collector thread
+            self.timer.stop()
+        if self._close_lock.acquire(timeout=2.0):   # never wait forever on a stuck holder
+            try:
+                self.close_interval(final=True)
+            except Exception:   # noqa: BLE001 - run_end must still be written
+                logger.exception("profiler: final interval failed")
+            finally:
+                self._close_lock.release()
+        self._write(self._run_end_record(status))
+        self._started = False
 
     def to_unix_ns(self, perf_ns: int) -> int:
         """A span timestamp (perf_counter_ns) as Unix nanoseconds, through the run_start anchor."""

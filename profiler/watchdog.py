@@ -1,0 +1,147 @@
+"""Two watchers that get a stuck rank out: the hang watchdog and the signal watch.
+
+Watchdog: progress is "some span finished or the step changed" (a token the profiler's collector
+keeps current). It arms at the first step change, so start-up and the first step's compile/build
+never trip it; after `timeout_s` without progress it calls `on_hang(stalled_s)` once.
+
+SignalWatch: SIGTERM/SIGINT reach the process's C-level handler even while the main thread is
+blocked in a collective, where a Python handler would never run. signal.set_wakeup_fd hands every
+signal to this watch's thread, which notes it, waits `grace_s` for the rank to reach a step
+boundary (`observed()` turns true), and otherwise calls `on_blocked(signame, why)`. A second signal at
+least `repeat_after_s` after the first (Ctrl-C delivers one to the launcher's process group and
+the launcher forwards another) calls `on_blocked` at once.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+
+class NullWatchdog:
+    """hang_timeout_s = 0: no thread, no checks."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class Watchdog:
+    """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress.
+    progress_fn() -> (armed, token): token changes whenever the rank made progress."""
+
+    def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float = 0.5):
+        if not timeout_s > 0:
+            raise ValueError(f"Watchdog: timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s, self.poll_s = float(timeout_s), poll_s
+        self._progress_fn, self._on_hang, self._clock = progress_fn, on_hang, clock
+        self._token = object()
+        self._since_s = clock()
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = None
+
+    def check(self) -> bool:
+        """One look: True when this call declared a hang (and ran on_hang)."""
+        armed, token = self._progress_fn()
+        now = self._clock()
+        if not armed or token != self._token:
+            self._token, self._since_s = token, now
+            return False
+        stalled_s = now - self._since_s
+        if self.fired or stalled_s < self.timeout_s:
+            return False
+        self.fired = True
+        self._on_hang(stalled_s)
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="profiler.watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.check():
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+
+class SignalWatch:
+    """See the module doc. `on_signal(signum)` runs on the watch's thread for every signal (so a
+    stop flag is set even when the main thread cannot run its Python handler); `observed()` says
+    the rank reached a step boundary after the signal; `on_blocked(signame, why)` gets it out."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, on_signal, observed, on_blocked, grace_s: float = 2.0, repeat_after_s: float = 1.0,
+                 clock=time.monotonic, poll_s: float = 0.05):
+        self._on_signal, self._observed, self._on_blocked = on_signal, observed, on_blocked
+        self.grace_s, self.repeat_after_s, self.poll_s, self._clock = grace_s, repeat_after_s, poll_s, clock
+        self._first_s: float | None = None
+        self._first_name = ""
+        self._lock = threading.Lock()
+        self._rsock = self._wsock = None
+        self._old_fd = None
+        self._closed = False
+
+    def install(self) -> None:
+        """From the main thread, after the Python handlers are installed (the wakeup fd needs them)."""
+        self._rsock, self._wsock = socket.socketpair()
+        self._wsock.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._read, name="profiler.signal_watch", daemon=True).start()
+
+    def close(self) -> None:
+        """From the main thread: restore the previous wakeup fd and end the reader; a grace period
+        still running ends without acting (the rank is past the code that could block)."""
+        self._closed = True
+        if self._wsock is not None:
+            signal.set_wakeup_fd(self._old_fd if self._old_fd is not None else -1)
+            self._wsock.close()
+            self._rsock.close()
+            self._wsock = None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._rsock.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self.SIGNALS:
+                    self.deliver(signum)
+
+    def deliver(self, signum: int) -> None:
+        """One signal: note it; the first starts the grace clock, a later distinct one escalates."""
+        self._on_signal(signum)
+        if self._closed:
+            return
+        now = self._clock()
+        with self._lock:
+            first = self._first_s is None
+            if first:
+                self._first_s, self._first_name = now, signal.Signals(signum).name
+            repeat = not first and now - self._first_s >= self.repeat_after_s
+        if first:
+            threading.Thread(target=self._grace, name="profiler.signal_grace", daemon=True).start()
+        elif repeat:
+            self._on_blocked(signal.Signals(signum).name, "a second signal")
+
+    def _grace(self) -> None:
+        deadline = self._first_s + self.grace_s
+        while self._clock() < deadline:
+            if self._observed() or self._closed:
+                return
+            time.sleep(self.poll_s)
+        if not self._observed() and not self._closed:
+            self._on_blocked(self._first_name, f"blocked: no step boundary within {self.grace_s:g} s")
