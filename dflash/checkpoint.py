@@ -43,6 +43,22 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint that could not be written; the message says why and which one is kept."""
 
 
+class NonfiniteCheckpointError(CheckpointWriteError):
+    """A checkpoint refused because a parameter holds a NaN or Inf (never written, never `latest`)."""
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter holding a NaN or Inf, or None. One isfinite reduction per
+    parameter on its device, then one deliberate sync (reading the flags): a save is rare, and the
+    guard must be exact, not a step or two late like the training-time checks."""
+    named = list(model.named_parameters())
+    if not named:
+        return None
+    flags = torch.stack([~torch.isfinite(p.detach()).all() for _, p in named])
+    bad = flags.nonzero().flatten().tolist()   # the deliberate sync
+    return named[bad[0]][0] if bad else None
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -94,12 +110,19 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
 
 
 def save_run_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, extra_state: dict) -> Path:
-    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A failure of the
+    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A model with a
+    non-finite parameter is refused first (NonfiniteCheckpointError: nothing written). A failure of the
     file system (a full disk, a read-only mount, a quota) becomes a CheckpointWriteError that says
     so and which checkpoint is still latest; anything else keeps its traceback."""
     path = ckpt_dir / f"step_{step:07d}"
     latest = ckpt_dir / LATEST_NAME
     tmp = latest.with_name(f"{LATEST_NAME}.tmp-{os.getpid()}")
+    bad = nonfinite_parameter(model)
+    if bad is not None:
+        kept = latest_checkpoint(ckpt_dir)
+        raise NonfiniteCheckpointError(
+            f"checkpoint {path} not written: parameter {bad} holds NaN/Inf; "
+            f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'} as latest")
     try:
         save_draft_checkpoint(path, model, extra_state=extra_state)
         tmp.write_text(path.name + "\n")

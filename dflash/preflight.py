@@ -2,7 +2,7 @@
 CLI exits 2) that names the field or FILE:LINE. It reads and never writes: no run directory is
 created, so a corrected retry starts clean.
 
-Checked, cheapest first: the device, transfer and attention choices are possible on this machine,
+Checked, cheapest first: a DFLASH_FAULT names only faults that can fire; the device, transfer and attention choices are possible on this machine,
 and the rank split works; a --metrics-port given is free for every local rank; the run directory can be written, holds no other run unless --resume, and
 on --resume has a checkpoint whose training state loads as plain data; a --target-model directory
 has a config transformers knows as a causal LM, a tokenizer with a chat template, and safetensors
@@ -27,12 +27,27 @@ RUN_MARKERS = ("checkpoints", "profile")
 
 def check(cfg: TrainConfig, world: int, local_world: int) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host."""
+    _check_faults(os.environ)
     _check_devices(cfg, world, local_world)
     _check_metrics_ports(cfg, local_world)
     _check_run_dir(cfg)
     tokenizer = _check_target(cfg)
     if cfg.data is not None:
         _check_data(cfg, tokenizer)
+
+
+def _check_faults(env) -> None:
+    """DFLASH_FAULT parses, and each fault names a span where it can fire in this pipeline."""
+    from profiler.faults import ENV_VAR, check_injection_points, parse_faults
+
+    if not env.get(ENV_VAR, "").strip():
+        return
+    from dflash.roles import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
+
+    try:
+        check_injection_points(parse_faults(env[ENV_VAR]), FAULT_SPANS, NAN_FAULT_SPANS)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_devices(cfg: TrainConfig, world: int, local_world: int) -> None:

@@ -27,8 +27,28 @@ from dflash.progress import LazyScalar, Progress
 from dflash.target import TargetCapture, default_layer_ids, load_target_head
 from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
+from profiler import nonfinite
 
 _META_ROWS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+# Where DFLASH_FAULT can fire (checked at start-up: profiler.faults.check_injection_points): every
+# span the pipeline enters, and for nan the spans that hand a tensor to profiler.corrupt().
+FAULT_SPANS = ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "transfer.wait_slot",
+               "transfer.send", "drafter.recv", "h2d_copy", "drafter.fwd_bwd", "drafter.allreduce",
+               "drafter.optim", "ckpt.save", "eval.decode")
+NAN_FAULT_SPANS = ("target.pack_hidden", "transfer.send", "drafter.fwd_bwd")
+
+
+class NonfiniteStop(RuntimeError):
+    """--on-nonfinite stop: a NaN/Inf was found (its `nonfinite` event is written); the rank exits 1."""
+
+
+def stop_if_nonfinite(cfg: TrainConfig) -> None:
+    """At a step boundary, under --on-nonfinite stop: the first finding read back so far. The checks
+    come back asynchronously (profiler/nonfinite.py), so this stops a step or two after the bad one."""
+    found = profiler.nonfinite_found()
+    if found is not None and cfg.on_nonfinite == "stop":
+        raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "
+                            f"{found['rank']}; stopped (--on-nonfinite stop)")
 
 
 @dataclass
@@ -94,6 +114,7 @@ def run_target(ctx: WorkerContext) -> None:
     for batch_index in range(consumed, topo.quota(rank, cfg.max_steps)):
         if stop.requested() or ctx.stop_requested():
             break
+        stop_if_nonfinite(cfg)
         profiler.set_step(batch_index)
         target_step(ctx, target, batches, sender, staging, shard, batch_index)
     sender.close()   # END after everything queued; returns once all sends completed
@@ -115,12 +136,16 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
         packed = pack_hidden(layers, batch, cfg.hidden_noise, ctx.noise_seed(shard, batch_index),
                              cfg.split_fc_layers)
         del layers
+        packed.hidden = profiler.corrupt("target.pack_hidden", packed.hidden)   # nan@target.pack_hidden
+        fingerprint = nonfinite.fingerprint(packed.hidden)   # on the device; the drafter compares it
+        profiler.check_flags("target.pack_hidden", ["packed.hidden"], fingerprint[:1] != packed.hidden.numel(),
+                             policy=cfg.on_nonfinite)
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
     meta = torch.stack([packed.cpu[name].to(torch.int64) for name in _META_ROWS])
     ints = [batch_index, packed.noise_seed, int(packed.split)]
-    sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release))
+    sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release, fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
 
@@ -176,6 +201,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, warm_steps=min(5, cfg.max_steps // 4),
                             start_step=state.step)
     while state.step < cfg.max_steps:
+        stop_if_nonfinite(cfg)
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
             msg = rx.get()
@@ -200,6 +226,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
     cfg, model = ctx.cfg, state.model
     hidden = transfer.wait_ready(msg)   # the receiver already ran h2d_copy on the host path
+    _check_payload(ctx, msg, hidden, state.step)
     packed = PackedBatch.from_transfer(hidden, {n: msg.meta[i] for i, n in enumerate(_META_ROWS)},
                                        noise_seed=msg.ints[1], split=bool(msg.ints[2]), device=ctx.device)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.step * 131 + ctx.rank)
@@ -217,7 +244,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     with profiler.span("drafter.optim"):
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                      if cfg.grad_clip > 0 else None)
-        state.optimizer.step()
+        _optimizer_step(ctx, state, loss, grad_norm)
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
     n_tokens = int(msg.meta.shape[1])
@@ -235,6 +262,32 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     if grad_norm is not None:
         profiler.metric("grad_norm", grad_norm.detach())
     return out.loss.detach(), out.tau.detach()
+
+
+def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int) -> None:
+    """Compare the received payload's fingerprint with the target's, on the device: flags
+    `payload.packed` (the pack made NaN/Inf) or `payload.transfer` (d2h_copy, transfer.send or h2d_copy
+    changed it); read back off this thread like every check."""
+    if msg.fingerprint is None:
+        return
+    flags = nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(hidden), hidden.numel())
+    profiler.check_flags("drafter.recv", ["payload.packed", "payload.transfer"], flags, step=step, src=msg.src,
+                         batch=msg.ints[0], policy=ctx.cfg.on_nonfinite)
+
+
+def _optimizer_step(ctx: WorkerContext, state: DrafterState, loss: torch.Tensor, grad_norm) -> None:
+    """The update. The loss and the gradient norm are checked on the device; under stop and skip-step
+    a non-finite one skips this update on the device too (nonfinite.step_unless), so the weights stay
+    finite; under warn it is applied."""
+    watched = {"loss": loss.detach()} if grad_norm is None else {"loss": loss.detach(), "grad_norm": grad_norm}
+    flags = torch.stack([~torch.isfinite(t).all() for t in watched.values()])
+    gate = ctx.cfg.on_nonfinite != "warn"
+    profiler.check_flags("drafter.fwd_bwd", list(watched), flags, step=state.step, policy=ctx.cfg.on_nonfinite,
+                         action="skipped_step" if gate else "applied")
+    if gate:
+        nonfinite.step_unless(state.optimizer, flags.any())
+    else:
+        state.optimizer.step()
 
 
 def _allreduce_grads(model: torch.nn.Module, group, world: int) -> None:
@@ -268,6 +321,9 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
         dist.all_gather_object(parts, consumed, group=ctx.drafter_ctrl_group)
         consumed = {k: v for p in parts for k, v in p.items()}
     ckpt_dir = ctx.run_dir / "checkpoints"
+    if ctx.cfg.on_nonfinite == "stop":
+        profiler.settle_nonfinite()   # deliberate wait: every check so far read back before a save
+        stop_if_nonfinite(ctx.cfg)
     if ctx.rank != 0 or (ckpt_dir / f"step_{state.step:07d}").exists():
         return
     t0 = time.perf_counter()

@@ -22,10 +22,18 @@ its memory to the next receive while the drafter still reads it.
 
 Shutdown: every target ends its stream with an END header; every drafter, when it stops, sends STOP
 to each producer and drains until all producers have ended. A target polls STOP between batches.
+
+Integrity: a message may carry its payload's fingerprint (profiler.nonfinite.fingerprint: finite
+count and sum, float64, computed by the target right after the pack); the header says so, and the
+fingerprint follows the payload on the payload's path, so the drafter can compare it with the
+payload it received. Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
+steps (headers, slot and queue states, event states); `dump_flight_recorder()` returns it, and the
+Sender and Receiver register it as the profiler's `transfer_ring` forensics source.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -36,9 +44,12 @@ import torch.distributed as dist
 
 import profiler
 
-TAG_HEADER, TAG_META, TAG_PAYLOAD, TAG_STOP = 11, 12, 13, 14
+TAG_HEADER, TAG_META, TAG_PAYLOAD, TAG_STOP, TAG_FINGERPRINT = 11, 12, 13, 14, 15
 KIND_BATCH, KIND_END = 0, 1
-HEADER_LEN = 12
+HEADER_LEN = 13
+_INTS = slice(8, 12)      # header slots of Message.ints
+_HAS_FINGERPRINT = 12     # header slot: 1 when a fingerprint follows the payload
+RING_ENTRIES = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Wait granularity when polling a completed-or-not NCCL work from a background thread.
 _POLL_SECONDS = 50e-6
@@ -64,6 +75,30 @@ class Message:
     """NCCL path: the send's work handle, set by Sender.submit()."""
     launched: object = None
     """NCCL path: a threading.Event set once submit() has launched (or failed to launch) the send."""
+    fingerprint: object = None
+    """[finite count, sum] float64 of the payload as packed (profiler.nonfinite.fingerprint), or None:
+    on the payload's device when sent, where the payload arrived when received."""
+
+
+_RING: collections.deque = collections.deque(maxlen=RING_ENTRIES)
+
+
+def _ring(kind: str, **fields) -> None:
+    """One flight-recorder entry (a deque append: thread-safe, bounded, no lock)."""
+    _RING.append({"time_unix": time.time(), "kind": kind, "thread": threading.current_thread().name, **fields})
+
+
+def dump_flight_recorder() -> list:
+    """This rank's last RING_ENTRIES protocol steps, oldest first (the `transfer_ring` forensics source)."""
+    return list(_RING)
+
+
+flight_recorder = dump_flight_recorder
+
+
+def _event_state(ev) -> str | None:
+    """"done"/"pending" for a CUDA event (Event.query(): never waits), None without one."""
+    return None if ev is None else ("done" if ev.query() else "pending")
 
 
 def _header(kind: int, msg: Message | None) -> torch.Tensor:
@@ -76,9 +111,10 @@ def _header(kind: int, msg: Message | None) -> torch.Tensor:
         h[3:3 + p.dim()] = torch.tensor(p.shape)
         h[6], h[7] = msg.meta.shape
         ints = list(msg.ints)
-        if len(ints) > HEADER_LEN - 8:
-            raise ValueError(f"at most {HEADER_LEN - 8} header ints, got {len(ints)}")
+        if len(ints) > _INTS.stop - _INTS.start:
+            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(ints)}")
         h[8:8 + len(ints)] = torch.tensor(ints, dtype=torch.int64) if ints else h[8:8]
+        h[_HAS_FINGERPRINT] = int(msg.fingerprint is not None)
     return h
 
 
@@ -192,16 +228,21 @@ class Sender:
         self._q: queue.Queue[Message | None] = queue.Queue()
         self._error: BaseException | None = None
         self.sent = 0
+        self.in_flight = 0   # slots taken (for the flight recorder; read without a lock)
+        profiler.register_forensics("transfer_ring", dump_flight_recorder)
         self._thread = threading.Thread(target=self._run, name="target.sender", daemon=True)
         self._thread.start()
 
     def acquire(self) -> None:
         while not self._slots.acquire(timeout=0.5):
             self._check()
+        self.in_flight += 1
+        _ring("slot_acquired", dst=self.dst, in_flight=self.in_flight, sent=self.sent)
         self._check()
 
     def submit(self, msg: Message) -> None:
         self._check()
+        _ring("submit", dst=self.dst, batch=_batch(msg), ready=_event_state(msg.ready), queued=self._q.qsize())
         if not self._device_payload:
             self._q.put(msg)
             return
@@ -226,9 +267,14 @@ class Sender:
         with torch.cuda.stream(self._stream), \
                 profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
             profiler.tag(flow=self._flow + str(msg.ints[0]))
-            work = dist.isend(msg.payload, self.dst, group=self._data)
-            work.wait()
-        return work
+            # nan@transfer.send: the corrupted copy is made on this stream and kept by msg until sent.
+            msg.payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))
+            works = [dist.isend(msg.payload, self.dst, group=self._data)]
+            if msg.fingerprint is not None:
+                works.append(dist.isend(msg.fingerprint, self.dst, group=self._data))
+            for work in works:
+                work.wait()
+        return works
 
     def close(self) -> None:
         """Send END after all queued messages, and wait until the thread has sent everything."""
@@ -248,6 +294,7 @@ class Sender:
         after the metadata."""
         dist.send(_header(KIND_BATCH, msg), self.dst, group=self._ctrl, tag=TAG_HEADER)
         dist.send(msg.meta, self.dst, group=self._ctrl, tag=TAG_META)
+        _ring("header_sent", dst=self.dst, batch=_batch(msg), shape=list(msg.payload.shape))
 
     def _send_device(self, msg: Message) -> None:
         """NCCL payload, launched by submit(): handshake, then hold the payload (and the slot)
@@ -256,7 +303,8 @@ class Sender:
         msg.launched.wait()
         if msg.work is None:
             raise RuntimeError("the NCCL send was never launched (submit() failed)")
-        _wait_completed(msg.work)
+        for work in msg.work:
+            _wait_completed(work)
 
     def _send_host(self, msg: Message) -> None:
         """gloo payload (host-staged on GPUs, plain on CPU); the span's CPU time is the send."""
@@ -267,7 +315,12 @@ class Sender:
         self._handshake(msg)
         with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
             profiler.tag(flow=self._flow + str(msg.ints[0]))
-            dist.send(_as_wire(msg.payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
+            payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))   # nan@transfer.send
+            dist.send(_as_wire(payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
+        if msg.fingerprint is not None:
+            # Deliberate wait, on this thread only (a no-op on the CPU): 16 bytes to the host; the pack
+            # that computed them is done, since msg.ready (the staged copy) came after it.
+            dist.send(msg.fingerprint.cpu(), self.dst, group=self._ctrl, tag=TAG_FINGERPRINT)
 
     def _run(self) -> None:
         try:
@@ -276,6 +329,7 @@ class Sender:
                 msg = self._q.get()
                 if msg is None:
                     dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
+                    _ring("end_sent", dst=self.dst, sent=self.sent)
                     return
                 if self._device_payload:
                     self._send_device(msg)
@@ -284,9 +338,12 @@ class Sender:
                 self.sent += 1
                 if msg.release is not None:
                     msg.release()
+                _ring("completed", dst=self.dst, batch=_batch(msg), in_flight=self.in_flight - 1)
                 del msg  # drop our reference before freeing the slot: the buffer may now be reused
+                self.in_flight -= 1
                 self._slots.release()
         except BaseException as e:  # surfaced on the main thread at its next acquire/submit/close
+            _ring("sender_failed", dst=self.dst, error=repr(e)[:200])
             self._error = e
             self._slots.release()
 
@@ -306,6 +363,7 @@ class StopSignal:
     def _listen(self) -> None:
         try:
             self._work.wait()
+            _ring("stop_received")
         except BaseException as e:  # a dead drafter: surfaced by wait()
             self._error = e
         self._event.set()
@@ -340,6 +398,12 @@ def wait_ready(msg: Message) -> torch.Tensor:
 def send_stop(producers: list[int], ctrl_group) -> None:
     for p in producers:
         dist.send(torch.ones(1, dtype=torch.int64), p, group=ctrl_group, tag=TAG_STOP)
+        _ring("stop_sent", dst=p)
+
+
+def _batch(msg: Message) -> int | None:
+    """The batch index a message carries (its first header int), for faults and the flight recorder."""
+    return msg.ints[0] if msg.ints else None
 
 
 class Receiver:
@@ -352,6 +416,7 @@ class Receiver:
         self._device, self._device_payload, self._pool = device, device_payload, pool
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self.received = 0
+        profiler.register_forensics("transfer_ring", dump_flight_recorder)
         self._thread = threading.Thread(target=self._run, name="drafter.receiver", daemon=True)
         self._thread.start()
 
@@ -388,30 +453,45 @@ class Receiver:
         shape = [int(s) for s in header[3:3 + int(header[2])]]
         meta = torch.empty(int(header[6]), int(header[7]), dtype=torch.int64)
         dist.recv(meta, src, group=self._ctrl, tag=TAG_META)
-        ints = [int(v) for v in header[8:]]
+        ints = [int(v) for v in header[_INTS]]
+        has_fp = bool(header[_HAS_FINGERPRINT])
         if self._device_payload:
             # Allocated on, and received into on, this thread's stream; NCCL's wait() orders the
             # stream after the receive without blocking the host.
             payload = torch.empty(shape, dtype=dtype, device=self._device)
             dist.recv(payload, src, group=self._data)
-            return Message(payload, meta, ints, src, ready=_record_event())
+            fp = torch.empty(2, dtype=torch.float64, device=self._device) if has_fp else None
+            if fp is not None:
+                dist.recv(fp, src, group=self._data)
+            return Message(payload, meta, ints, src, ready=_record_event(), fingerprint=fp)
         if self._pool is None:      # CPU: gloo straight into the tensor the drafter uses
             payload = torch.empty(shape, dtype=dtype)
             dist.recv(_as_wire(payload), src, group=self._ctrl, tag=TAG_PAYLOAD)
-            return Message(payload, meta, ints, src)
+            return Message(payload, meta, ints, src, fingerprint=self._recv_fingerprint(src, has_fp))
         # Host-staged on a GPU: gloo into a reused pinned buffer, then h2d_copy on this stream.
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         buf = self._pool.take(nbytes)
         staged = staged_view(buf, torch.empty(shape, dtype=dtype, device="meta"))
         dist.recv(_as_wire(staged), src, group=self._ctrl, tag=TAG_PAYLOAD)
+        fp = self._recv_fingerprint(src, has_fp)
         with profiler.span("h2d_copy", bytes=nbytes):
             payload = staged.to(self._device, non_blocking=True)
+            # 16 pageable bytes: this thread waits for them to be staged, the drafter never does.
+            fp = fp.to(self._device) if fp is not None else None
             ready = _record_event()
         # Deliberate wait, on this thread only: the pinned buffer goes back to the pool only after
         # the copy reading it has run (at pinned bandwidth, about 6 ms for 336 MB on an H200; the drafter never waits here).
         ready.synchronize()
         self._pool.give(buf)
-        return Message(payload, meta, ints, src, ready=ready)
+        return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)
+
+    def _recv_fingerprint(self, src: int, has_fp: bool) -> torch.Tensor | None:
+        """The host paths' fingerprint (gloo, after the payload), or None when none was sent."""
+        if not has_fp:
+            return None
+        fp = torch.empty(2, dtype=torch.float64)
+        dist.recv(fp, src, group=self._ctrl, tag=TAG_FINGERPRINT)
+        return fp
 
     def _run(self) -> None:
         try:
@@ -421,13 +501,18 @@ class Receiver:
             while live:
                 # Any source: a slow producer never stalls the others.
                 src = dist.recv(header, None, group=self._ctrl, tag=TAG_HEADER)
+                _ring("header_received", src=src, end=int(header[0]) == KIND_END, batch=int(header[8]))
                 if src not in live:
                     raise RuntimeError(f"header from rank {src}, which is not a live producer of this drafter")
                 if int(header[0]) == KIND_END:
                     live.discard(src)
                     continue
-                self._q.put(self._recv_one(header.clone(), src))
+                msg = self._recv_one(header.clone(), src)
+                _ring("received", src=src, batch=_batch(msg), ready=_event_state(msg.ready),
+                      queued=self._q.qsize())
+                self._q.put(msg)
                 self.received += 1
             self._q.put(None)
         except BaseException as e:
+            _ring("receiver_failed", error=repr(e)[:200])
             self._q.put(e)

@@ -113,7 +113,7 @@ def run(cfg: TrainConfig) -> int:
     except ConfigError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
-    except checkpoint.CheckpointWriteError as e:
+    except (checkpoint.CheckpointWriteError, roles.NonfiniteStop) as e:   # said in one line, exit 1
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
