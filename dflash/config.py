@@ -91,6 +91,13 @@ class TrainConfig:
     rendezvous_timeout_s: float = 300.0
     """Seconds the ranks wait for each other to join before giving up (exit 1); after a few seconds
     of waiting, each says what it waits for."""
+    hang_timeout_s: float = 300.0
+    """Seconds without progress (no span finished, step unchanged) after which a rank dumps every
+    thread's stack and its open spans to RUN_DIR/forensics/ and stops the run (exit 1). Armed at the
+    first step change, so start-up and the first step's compile never count; 0 = off."""
+    memory_history: int = 0
+    """CUDA allocator events kept (torch.cuda.memory._record_memory_history max_entries) for a
+    snapshot saved under RUN_DIR/forensics/ at an out-of-memory error; 0 = off (CPU: ignored)."""
     on_bad_record: str = "skip"
     """What a bad data record does: skip (counted and reported) or fail."""
     on_nonfinite: str = "stop"
@@ -140,6 +147,8 @@ class TrainConfig:
             if str(f.type).startswith("float") and getattr(self, f.name) is not None:
                 need(math.isfinite(getattr(self, f.name)), f.name, "must be a finite number")
         need(self.rendezvous_timeout_s > 0, "rendezvous_timeout_s", "must be > 0")
+        need(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0 seconds (0 = off)")
+        need(self.memory_history >= 0, "memory_history", "must be >= 0 entries (0 = off)")
         need(self.target_gpus is None or self.target_gpus >= 1, "target_gpus", "must be >= 1")
         need(self.drafter_gpus is None or self.drafter_gpus >= 1, "drafter_gpus", "must be >= 1")
         need(self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu")

@@ -27,8 +27,10 @@ import torch
 from dflash import preflight
 from dflash.config import ConfigError, TrainConfig
 
-# After a rank fails, how long the others get to exit on SIGTERM before SIGKILL.
-_GRACE_SECONDS = 10.0
+# After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
+# blocked in a collective or a transfer writes its run_end and exits 2 s after SIGTERM by itself
+# (dflash.worker._forensics), so the whole job stops within about 5 s of the first failure.
+_GRACE_SECONDS = 3.0
 # A rank that has waited this long at the rendezvous says what it waits for (never before half
 # the timeout). Long enough that ranks importing torch side by side on a busy host stay quiet.
 _ANNOUNCE_AFTER_S = 15.0
@@ -68,14 +70,10 @@ def launch(cfg: TrainConfig) -> int:
     finally:
         store_socket.close()  # rank 0 holds its own copy
 
-    def forward(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)  # the signal received, so the run records which one it was
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = Supervisor(procs)
+    old = {s: signal.signal(s, supervisor.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(procs)
+        return supervisor.run()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -90,35 +88,60 @@ def _spawn(env: dict, rank: int, store_socket: socket.socket | None) -> subproce
     return subprocess.Popen([sys.executable, "-m", "dflash.worker"], env=env, pass_fds=fds, umask=RUN_UMASK)
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
-    """Wait for all ranks; the first non-zero exit stops the rest and decides the exit code."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            _stop_all(procs)
-            if code not in (1, 2):  # 1 and 2: the rank has said why itself
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                print(f"dflash-train: rank {rank} {how}; stopped the other ranks", file=sys.stderr)
-            # Bad input found by any rank decides, even when a rank that lost it as a peer exited first.
-            return 2 if 2 in [p.returncode for p in procs] else 1
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.2)
+class Supervisor:
+    """Waits for all ranks. The first non-zero exit stops the rest (SIGTERM, then SIGKILL after
+    `grace_s`) and decides the exit code. SIGINT/SIGTERM are forwarded to every live rank; a second
+    one escalates: forwarded again (a rank stops at once on its second signal) and SIGKILL for any
+    rank still alive `grace_s` later. `clock` and `poll_s` are injected for tests."""
 
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float = _GRACE_SECONDS, clock=time.monotonic,
+                 poll_s: float = 0.1, stderr=None):
+        self.procs, self.grace_s, self.clock, self.poll_s = procs, grace_s, clock, poll_s
+        self.stderr = stderr
+        self.signals = 0
+        self.kill_at_s: float | None = None
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_SECONDS
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    def forward(self, signum, frame=None) -> None:
+        self.signals += 1
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)  # the signal received, so the run records which one it was
+        if self.signals >= 2 and self.kill_at_s is None:
+            self.kill_at_s = self.clock() + self.grace_s
+
+    def run(self) -> int:
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                self.stop_all()
+                if code not in (1, 2):  # 1 and 2: the rank has said why itself
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    print(f"dflash-train: rank {rank} {how}; stopped the other ranks", file=self.stderr or sys.stderr)
+                # Bad input found by any rank decides, even when a rank that lost it as a peer exited first.
+                return 2 if 2 in [p.returncode for p in self.procs] else 1
+            if all(c == 0 for c in codes):
+                return 0
+            if self.kill_at_s is not None and self.clock() >= self.kill_at_s:
+                self._kill_live()
+            time.sleep(self.poll_s)
+
+    def stop_all(self) -> None:
+        """SIGTERM every live rank; SIGKILL those still alive after grace_s."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = self.clock() + self.grace_s
+        while any(p.poll() is None for p in self.procs) and self.clock() < deadline:
+            time.sleep(self.poll_s / 2)
+        self._kill_live()
+
+    def _kill_live(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 # --------------------------------------------------------------------------------- rendezvous

@@ -25,6 +25,7 @@ from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.stacks import make_stack_sampler
+from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, default_topology
 
 
@@ -34,16 +35,24 @@ class _StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
+        self.observed = False
+        """True once a loop saw the signal (it is at a step boundary and stopping by itself)."""
 
     def install(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        self.note(signum)
+
+    def note(self, signum: int) -> None:
+        """Also called by the signal watch's thread, for a main thread blocked where no handler runs."""
         if self.signum is None:  # the first signal is the one recorded (Ctrl-C reaches us twice)
             self.signum = signum
 
     def __call__(self) -> bool:
+        if self.signum is not None:
+            self.observed = True
         return self.signum is not None
 
     def wait(self, timeout_s: float) -> bool:
@@ -169,9 +178,10 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
                               config=cfg.to_dict(), exporters=tele.exporters,
                               detail_steps=cfg.profile_detail_steps,
                               stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
-                                                               cfg.profile_interval))
+                                                               cfg.profile_interval),
+                              hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history)
             if cfg.profile else contextlib.nullcontext())
-    with contextlib.closing(tele), prof:
+    with contextlib.closing(tele), prof, _forensics(stop, rank):
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":
@@ -189,6 +199,34 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if rank == 0:
         _print_final(run_dir)
     return 0
+
+
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)
+
+
+@contextlib.contextmanager
+def _forensics(stop: _StopFlag, rank: int):
+    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`, not
+    a lost peer's consequence); a SIGTERM/SIGINT that no loop sees within 2 s (the rank is blocked
+    in a collective or a transfer), or a second one, stops the rank with a dump and run_end
+    "killed: SIGNAL" (profiler/watchdog.py SignalWatch)."""
+    prof = profiler.active()
+    if prof is None:   # --no-profile: nothing to record into
+        yield
+        return
+
+    def blocked(signame: str, why: str) -> None:
+        print(f"dflash-train: rank {rank}: {signame}: {why}; stopping now", file=sys.stderr, flush=True)
+        prof.dumper.abort("signal", f"killed: {signame}", signal=signame, reason=why, forced=True)
+
+    watch = SignalWatch(on_signal=stop.note, observed=lambda: stop.observed, on_blocked=blocked)
+    watch.install()
+    try:
+        # Said in one line by run() (bad input, a full disk) or a lost peer's consequence: no crash record.
+        with prof.dumper.guard(ignore=lambda e: _peer_lost(e) or isinstance(e, _SAID_IN_ONE_LINE)):
+            yield
+    finally:
+        watch.close()
 
 
 # Events found before the profiler starts (data loading), written once it is active.
