@@ -190,6 +190,7 @@ class Forensics:
             return
         self._safely(record or (lambda: self.dump(kind, **fields)))
         self._safely(lambda: self.prof.finish_now(status))
+        self._safely(self.prof.control.close)   # its socket and discovery file: nothing left behind
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

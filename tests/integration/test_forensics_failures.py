@@ -77,6 +77,7 @@ def test_a_hang_is_dumped_on_every_rank_and_stops_the_job_within_the_timeout_plu
     names = forensics_files(run)
     assert any(n.startswith("rank1-hang-") for n in names) and any(n.startswith("rank0-") for n in names)
     assert "rank 1: no progress for" in r.stderr
+    assert list((run / "control").glob("*.sock")) == []   # os._exit left no endpoint behind
 
 
 @pytest.mark.slow
