@@ -207,8 +207,8 @@ _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.Nonfini
 @contextlib.contextmanager
 def _forensics(stop: _StopFlag, rank: int):
     """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`, not
-    a lost peer's consequence); a SIGTERM/SIGINT that no loop sees within 2 s (the rank is blocked
-    in a collective or a transfer), or a second one, stops the rank with a dump and run_end
+    a lost peer's consequence); a SIGTERM/SIGINT that no loop sees while nothing progresses for 2 s
+    (the rank is blocked in a collective or a transfer), or a second one, stops the rank with a dump and run_end
     "killed: SIGNAL" (profiler/watchdog.py SignalWatch)."""
     prof = profiler.active()
     if prof is None:   # --no-profile: nothing to record into
@@ -219,7 +219,8 @@ def _forensics(stop: _StopFlag, rank: int):
         print(f"dflash-train: rank {rank}: {signame}: {why}; stopping now", file=sys.stderr, flush=True)
         prof.dumper.abort("signal", f"killed: {signame}", signal=signame, reason=why, forced=True)
 
-    watch = SignalWatch(on_signal=stop.note, observed=lambda: stop.observed, on_blocked=blocked)
+    watch = SignalWatch(on_signal=stop.note, observed=lambda: stop.observed, on_blocked=blocked,
+                        progress=lambda: prof.progress()[1])
     watch.install()
     try:
         # Said in one line by run() (bad input, a full disk) or a lost peer's consequence: no crash record.

@@ -6,8 +6,10 @@ never trip it; after `timeout_s` without progress it calls `on_hang(stalled_s)` 
 
 SignalWatch: SIGTERM/SIGINT reach the process's C-level handler even while the main thread is
 blocked in a collective, where a Python handler would never run. signal.set_wakeup_fd hands every
-signal to this watch's thread, which notes it, waits `grace_s` for the rank to reach a step
-boundary (`observed()` turns true), and otherwise calls `on_blocked(signame, why)`. A second signal at
+signal to this watch's thread, which notes it and waits for the rank to reach a step boundary
+(`observed()` turns true); a rank that makes no progress (`progress()` unchanged) for `grace_s`
+meanwhile is blocked: `on_blocked(signame, why)`. A rank still working (evaluating, say) is left to
+finish. A second signal at
 least `repeat_after_s` after the first (Ctrl-C delivers one to the launcher's process group and
 the launcher forwards another) calls `on_blocked` at once.
 """
@@ -82,8 +84,9 @@ class SignalWatch:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, on_signal, observed, on_blocked, grace_s: float = 2.0, repeat_after_s: float = 1.0,
-                 clock=time.monotonic, poll_s: float = 0.05):
+                 clock=time.monotonic, poll_s: float = 0.05, progress=lambda: None):
         self._on_signal, self._observed, self._on_blocked = on_signal, observed, on_blocked
+        self._progress = progress
         self.grace_s, self.repeat_after_s, self.poll_s, self._clock = grace_s, repeat_after_s, poll_s, clock
         self._first_s: float | None = None
         self._first_name = ""
@@ -138,10 +141,12 @@ class SignalWatch:
             self._on_blocked(signal.Signals(signum).name, "a second signal")
 
     def _grace(self) -> None:
-        deadline = self._first_s + self.grace_s
+        deadline, token = self._first_s + self.grace_s, self._progress()
         while self._clock() < deadline:
             if self._observed() or self._closed:
                 return
+            if self._progress() != token:   # still working: the grace starts over
+                deadline, token = self._clock() + self.grace_s, self._progress()
             time.sleep(self.poll_s)
         if not self._observed() and not self._closed:
-            self._on_blocked(self._first_name, f"blocked: no step boundary within {self.grace_s:g} s")
+            self._on_blocked(self._first_name, f"blocked: no step boundary nor progress within {self.grace_s:g} s")

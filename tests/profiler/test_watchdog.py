@@ -117,10 +117,10 @@ def test_intervals_and_the_console_show_spans_still_open(tmp_path):
 
 
 # ------------------------------------------------------------------------------ signal watch
-def make_watch(clock, observed=lambda: False, grace_s=2.0):
+def make_watch(clock, observed=lambda: False, grace_s=2.0, progress=lambda: 0):
     calls = {"noted": [], "blocked": []}
     watch = SignalWatch(calls["noted"].append, observed, lambda *a: calls["blocked"].append(a),
-                        grace_s=grace_s, repeat_after_s=1.0, clock=clock, poll_s=0.01)
+                        grace_s=grace_s, repeat_after_s=1.0, clock=clock, poll_s=0.01, progress=progress)
     return watch, calls
 
 
@@ -140,7 +140,20 @@ def test_a_signal_not_seen_at_a_step_boundary_within_the_grace_stops_the_rank():
     assert calls["blocked"] == []
     clock.now += 2.0
     assert wait_for(lambda: calls["blocked"])
-    assert calls["blocked"] == [("SIGTERM", "blocked: no step boundary within 2 s")]
+    assert calls["blocked"] == [("SIGTERM", "blocked: no step boundary nor progress within 2 s")]
+
+
+def test_a_rank_still_making_progress_after_a_signal_is_left_to_finish():
+    clock, token = FakeClock(), [0]
+    watch, calls = make_watch(clock, progress=lambda: token[0])
+    watch.deliver(signal.SIGTERM)
+    for _ in range(5):              # 5 grace periods, a span finishing in each
+        clock.now += 1.5
+        token[0] += 1
+        time.sleep(0.05)
+    assert calls["blocked"] == []
+    clock.now += 2.0                # then nothing more: blocked
+    assert wait_for(lambda: calls["blocked"])
 
 
 def test_a_signal_seen_at_a_step_boundary_lets_the_rank_stop_by_itself():
