@@ -106,6 +106,7 @@ class Profiler:
         self._close_lock = threading.RLock()
         self._started = False
         self.hang_timeout_s, self._memory_history_entries, self._exit_fn = hang_timeout_s, memory_history, exit_fn
+        self.last_finished: dict = {}    # thread name -> (span name, end perf_counter_ns)
         self.spans_finished = 0          # progress for the hang watchdog: spans drained so far...
         self._first_step = None          # ...and the step, once it changed from the first one set
         self._step_changed = False
@@ -215,8 +216,20 @@ class Profiler:
 
     def _add_drained(self) -> None:
         drained = self.recorder.drain()
-        self.spans_finished += sum(len(spans) for _, spans, _ in drained)
+        for thread_name, spans, _ in drained:
+            if spans:   # finished in end order: the last one ended last (an OOM's span, unwinding)
+                self.spans_finished += len(spans)
+                self.last_finished[thread_name] = (spans[-1][0], spans[-1][2])
         self.aggregator.add_drained(drained)
+
+    def last_finished_span(self, thread_name: str) -> dict | None:
+        """The span that ended last on a thread, and how long ago (forensics: the span an
+        exception unwound through, once the collector has drained it)."""
+        self._poll()
+        found = self.last_finished.get(thread_name)
+        if found is None:
+            return None
+        return {"name": found[0], "ended_seconds_ago": (time.perf_counter_ns() - found[1]) / 1e9}
 
     def _timer_close(self) -> None:
         self.close_interval(_reset_timer=False)

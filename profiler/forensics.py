@@ -135,6 +135,8 @@ class Forensics:
         out-of-memory error, a `thread_crash` record otherwise; both carry the traceback."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         fields = {"thread": thread_name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+        with contextlib.suppress(Exception):
+            fields["last_finished_span"] = self.prof.last_finished_span(thread_name)
         if not is_oom(exc):
             return self.dump("thread_crash", **fields)
         return self.dump("oom", **fields, span=getattr(exc, "dflash_span", None),

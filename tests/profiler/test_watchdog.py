@@ -246,11 +246,16 @@ def test_an_oom_in_a_thread_is_an_oom_record_with_memory_state(tmp_path):
 def test_the_guard_records_an_oom_leaving_the_main_loop_and_lets_it_propagate(tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         with make_prof(tmp_path) as prof, prof.dumper.guard(ignore=lambda e: "peer" in str(e)):
-            raise torch.OutOfMemoryError("CUDA out of memory")
+            with profiler.span("drafter.recv"):
+                pass
+            with profiler.span("drafter.fwd_bwd"):
+                raise torch.OutOfMemoryError("CUDA out of memory")
     with pytest.raises(RuntimeError):
         with make_prof(tmp_path / "b") as prof, prof.dumper.guard(ignore=lambda e: "peer" in str(e)):
             raise RuntimeError("Connection closed by peer")
-    assert [r["kind"] for r in log(tmp_path) if r["type"] == "event"] == ["oom"]
+    (oom,) = [r for r in log(tmp_path) if r["type"] == "event"]
+    assert oom["kind"] == "oom" and oom["last_finished_span"]["name"] == "drafter.fwd_bwd"   # the span it unwound
+    assert 0 <= oom["last_finished_span"]["ended_seconds_ago"] < 5
     assert [r for r in log(tmp_path / "b") if r["type"] == "event"] == []
     assert is_oom(RuntimeError("wrapped")) is False
 
