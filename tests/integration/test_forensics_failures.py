@@ -117,6 +117,26 @@ def test_a_crash_on_a_target_rank_stops_the_job_within_5s_and_every_rank_writes_
     assert r.stderr[first:].startswith("dflash-train: rank 1 failed"), r.stderr[-3000:]
 
 
+def test_a_crashed_worker_thread_stops_its_process_with_exit_1_while_the_main_thread_is_stuck(tmp_path):
+    """threading.excepthook in a real process: the real os._exit path, the main thread never returning."""
+    code = ("import threading, time, profiler\n"
+            f"with profiler.Profiler({str(tmp_path)!r}, console=False, control=False, measure_floors=False):\n"
+            "    def work():\n"
+            "        raise KeyError('lost batch')\n"
+            "    with profiler.span('train.wait'):\n"
+            "        threading.Thread(target=work, name='loader').start()\n"
+            "        time.sleep(60)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    assert "thread loader crashed" in r.stderr and "KeyError: 'lost batch'" in r.stderr
+    recs, _ = read_records(tmp_path / "profile" / "rank0.jsonl")
+    (crash,) = events(recs, "thread_crash")
+    assert crash["thread"] == "loader" and crash["open_spans"][0]["spans"][0]["name"] == "train.wait"
+    assert recs[-1]["type"] == "run_end" and recs[-1]["status"] == "thread_crash: KeyError"
+    assert (tmp_path / "forensics").is_dir()
+
+
 # -------------------------------------------------------------------- supervision, real processes
 def sleeper(ignore_sigterm: bool) -> subprocess.Popen:
     code = ("import signal, sys, time\n"
