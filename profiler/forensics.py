@@ -178,7 +178,7 @@ class Forensics:
             return
         name = args.thread.name if args.thread is not None else "unknown"
         stderr = self._stderr or sys.stderr
-        print(f"dflash-train: rank {self.prof.rank}: thread {name} crashed:\n"
+        print(f"profiler: rank {self.prof.rank}: thread {name} crashed:\n"
               + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)),
               file=stderr, flush=True)
         exc = args.exc_value if args.exc_value is not None else args.exc_type()
