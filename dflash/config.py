@@ -94,7 +94,8 @@ class TrainConfig:
     hang_timeout_s: float = 300.0
     """Seconds without progress (no span finished, step unchanged) after which a rank dumps every
     thread's stack and its open spans to RUN_DIR/forensics/ and stops the run (exit 1). Armed at the
-    first step change, so start-up and the first step's compile never count; 0 = off."""
+    first step change, so a rank's own start-up and first-step compile never count (a target that
+    waits on its drafter's first-step compile does count that wait: keep it above it); 0 = off."""
     memory_history: int = 0
     """CUDA allocator events kept (torch.cuda.memory._record_memory_history max_entries) for a
     snapshot saved under RUN_DIR/forensics/ at an out-of-memory error; 0 = off (CPU: ignored)."""
