@@ -99,7 +99,6 @@ class Forensics:
         self._stderr = stderr
         self.dir = Path(prof.run_dir) / "forensics"
         self._abort_lock = threading.Lock()
-        self.dumps: list[str] = []
 
     def dump(self, kind: str, **fields) -> dict:
         """One `event` record of `kind` with threads' stacks, open spans and extras, plus its file."""
@@ -113,7 +112,6 @@ class Forensics:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             path.write_text(format_dump(dict(rec, threads=threads)))
-            self.dumps.append(str(path))
         except OSError as exc:   # the record above is what counts; a full disk must not hide it
             logger.error("forensics: %s not written: %s", path, exc)
         return rec
