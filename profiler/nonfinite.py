@@ -29,6 +29,9 @@ import torch
 
 logger = logging.getLogger("profiler")
 
+SLOTS = 64        # pinned flag rows in flight at once (checks not read back yet)
+MAX_FLAGS = 8     # tensors one check may name
+
 
 class Finding(dict):
     """One non-finite check that fired: span, step, rank, tensor (the first flagged), tensors (all)."""
@@ -43,6 +46,11 @@ class NonfiniteMonitor:
         self._on_found = on_found
         self._is_cuda = is_cuda
         self._pending: collections.deque = collections.deque()
+        # Pinned rows allocated once, here: allocating pinned memory (cudaHostAlloc) can wait for the
+        # device, so the hot path only takes a free row and the poll gives it back after reading it.
+        self._host = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.bool, pin_memory=True) if is_cuda else None
+        self._free_rows = collections.deque(range(SLOTS)) if is_cuda else None
+        self.dropped = 0
         self._poll_lock = threading.Lock()
         self.first: Finding | None = None
         self.found = 0
@@ -55,15 +63,24 @@ class NonfiniteMonitor:
 
     def check_flags(self, span: str, step: int, names: list, flags: torch.Tensor, **fields) -> None:
         """Queue already computed bool flags (one per name, true = bad) for reading back."""
+        if len(names) > MAX_FLAGS:
+            raise ValueError(f"check {span!r}: at most {MAX_FLAGS} tensors, got {len(names)}")
         self.checks += 1
+        row = ready = None
         if self._is_cuda and flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            if not self._free_rows:   # the collector is SLOTS checks behind: count it, never wait
+                self.dropped += 1
+                if self.dropped == 1:
+                    logger.warning("profiler: non-finite checks dropped: %d flag rows still in flight", SLOTS)
+                return
+            row = self._free_rows.popleft()
+            host = self._host[row, :len(names)]
             host.copy_(flags, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()   # after the copy on the current stream; queried later, never waited on
         else:
-            host, ready = flags, None
-        self._pending.append((span, step, names, host, ready, fields))
+            host = flags
+        self._pending.append((span, step, names, host, ready, row, fields))
 
     def pending(self) -> int:
         """Checks not read back yet."""
@@ -75,12 +92,14 @@ class NonfiniteMonitor:
         read = 0
         with self._poll_lock:
             while self._pending:
-                span, step, names, host, ready, fields = self._pending[0]
+                span, step, names, host, ready, row, fields = self._pending[0]
                 if ready is not None and not ready.query():
                     break
                 self._pending.popleft()
                 read += 1
                 bad = [n for n, flag in zip(names, host.tolist()) if flag]
+                if row is not None:
+                    self._free_rows.append(row)
                 if bad:
                     self._found(Finding(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad,
                                         **fields))
@@ -109,7 +128,7 @@ class NonfiniteMonitor:
 class NullNonfiniteMonitor:
     """What a loop without a profiler gets: checks cost nothing and never find anything."""
     first = None
-    found = checks = 0
+    found = checks = dropped = 0
 
     def check(self, span, step, tensors, **fields) -> None:
         pass

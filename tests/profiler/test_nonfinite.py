@@ -94,23 +94,24 @@ def test_forensics_registry_reports_each_source_and_survives_a_failing_one(tmp_p
 def test_cuda_checks_never_sync_and_come_back_through_the_collector(tmp_path):
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.ones(1 << 20, device=dev)
-    torch.cuda.synchronize()                  # the test's own sync, before the checked region
     with make_prof(tmp_path, device=dev, floors={}) as prof:
+        # First launches load their kernels (CUDA lazy loading may wait for the device): warm them,
+        # and make the NaN outside the timed region.
+        loss = x.sum() * float("nan")
+        profiler.check_finite("drafter.fwd_bwd", {"loss": x.sum(), "ok": x})
+        prof.tick()
+        prof.nonfinite.settle(timeout_s=10.0)
+        torch.cuda.synchronize()              # the test's own sync, before the checked region
         torch.cuda.set_sync_debug_mode("error")
         try:
-            torch.cuda._sleep(50_000_000)     # the device is busy: the flag cannot be back yet
-            profiler.check_finite("drafter.fwd_bwd", {"loss": x.sum() * float("nan"), "ok": x})
+            torch.cuda._sleep(2_000_000_000)  # about a second of device work queued ahead
+            profiler.check_finite("drafter.fwd_bwd", {"loss": loss, "ok": x})
             prof.tick()
-            assert profiler.nonfinite_found() is None
+            assert profiler.nonfinite_found() is None and prof.nonfinite.pending() == 1
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        for _ in range(2000):
-            prof.tick()
-            if profiler.nonfinite_found() is not None:
-                break
-            torch.cuda._sleep(1000)
-        assert profiler.nonfinite_found()["tensors"] == ["loss"]
-
+        assert prof.nonfinite.settle(timeout_s=30.0)["tensors"] == ["loss"]
+        assert prof.nonfinite.dropped == 0
 
 def test_settle_reads_back_everything_issued_so_far():
     mon = NonfiniteMonitor(rank=0, on_found=lambda f: None, is_cuda=False)
