@@ -328,6 +328,7 @@ def test_prometheus_provisioning_and_compose_agree():
     assert "--web.listen-address=127.0.0.1:9090" in prometheus["command"]
     config = next(c for c in prometheus["command"] if c.startswith("--config.file="))
     assert f"./prometheus.yml:{config.split('=', 1)[1]}:ro" in prometheus["volumes"]
-    assert "../runs:/runs:ro" in prometheus["volumes"]
+    # Only the shared targets directory is mounted: the sd glob's directory, nothing else of the runs.
+    assert f"../runs/prometheus-sd:{files[0].rsplit('/', 1)[0]}:ro" in prometheus["volumes"]
     assert "./provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     assert f"./dflash.json:{provider['options']['path']}/dflash.json:ro" in grafana["volumes"]
