@@ -230,3 +230,23 @@ def test_fingerprints_travel_with_their_payloads_and_each_rank_keeps_a_flight_re
     assert [d for d in drafter if d[0] == "received"] == [("received", i, 1) for i in range(3)]
     assert ("stop_sent", None, None) in drafter
     assert all(isinstance(e["time_unix"], float) and e["thread"] for e in got[0] + got[1])
+
+
+@pytest.mark.slow
+def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path):
+    run = tmp_path / "run"
+    r = train(run, ["--hang-timeout-s", "4"], "hang@drafter.fwd_bwd:step=3:rank=0")
+    assert r.returncode == 1, r.stderr[-3000:]
+    dumps = {}
+    for rank in (0, 1):
+        recs, _ = read_records(run / "profile" / f"rank{rank}.jsonl")
+        [dump] = [x for x in recs if x["type"] == "event" and x["kind"] in ("hang", "signal") and "extra" in x]
+        dumps[rank] = dump["extra"]["transfer_ring"]
+    drafter, target = dumps[0], dumps[1]
+    assert 0 < len(drafter) <= transfer.RING_ENTRIES and 0 < len(target) <= transfer.RING_ENTRIES
+    received = [e["batch"] for e in drafter if e["kind"] == "received" and e["src"] == 1]
+    completed = [e["batch"] for e in target if e["kind"] == "completed" and e["dst"] == 0]
+    assert received[:4] == [0, 1, 2, 3]            # the drafter took batches 0..3, then hung in step 3
+    assert completed == received                   # lined up: each send the target completed, it received
+    submitted = [e["batch"] for e in target if e["kind"] == "submit"]
+    assert submitted[:len(completed)] == completed and len(submitted) <= len(completed) + 2   # max_in_flight
