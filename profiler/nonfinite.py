@@ -2,7 +2,9 @@
 
 A span hands tensors to `NonfiniteMonitor.check(span, step, {name: tensor})`. On the device, each
 tensor is reduced to one flag (`not isfinite(t).all()`), the flags are stacked into a small buffer and
-copied non-blocking into pinned host memory, and an event is recorded after the copy. Nothing waits:
+copied non-blocking into a row of pinned host memory allocated once at start (SLOTS rows; when all are
+in flight the check is counted in `dropped`, never waited for), and an event is recorded after the
+copy. Nothing waits:
 the collector thread calls `poll()`, which asks each pending check's event `query()` in order and
 reads the host flags only once the event says the copy has landed. The first non-finite flag found
 becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which writes the `nonfinite`
@@ -12,11 +14,12 @@ How far behind: a check's flags are on the host once the device has run the work
 (on a GPU the training thread runs ahead by the queued kernels, a step or two at most), and the
 collector polls every `poll_s` (0.25 s by default). A training loop that acts on `first` at its step
 boundaries therefore acts one to two steps after the bad one (plus a poll period); exact guards (the
-checkpoint's) must check for themselves.
+checkpoint's) must check for themselves; `settle()` is the deliberate wait for such rare points.
 
 On the CPU there is no device: the flags are computed where they are, and `poll()` reads them.
-`fingerprint()` is the cheap summary of a packed batch the target sends with it: (finite count, sum
-of the finite values) in float64, computed on the batch's device, compared after receipt.
+`fingerprint()` is the cheap summary of a packed batch the target sends with it: (finite count, sum)
+in float64, computed on the batch's device, compared after receipt (`fingerprint_flags()`).
+`step_unless()` skips an optimizer step on a device flag, without reading it where the optimizer allows.
 """
 from __future__ import annotations
 
@@ -123,27 +126,6 @@ class NonfiniteMonitor:
             self._on_found(finding)
         except Exception:   # noqa: BLE001 - telemetry never kills training; `first` still holds it
             logger.exception("profiler: reporting a non-finite value failed")
-
-
-class NullNonfiniteMonitor:
-    """What a loop without a profiler gets: checks cost nothing and never find anything."""
-    first = None
-    found = checks = dropped = 0
-
-    def check(self, span, step, tensors, **fields) -> None:
-        pass
-
-    def check_flags(self, span, step, names, flags, **fields) -> None:
-        pass
-
-    def pending(self) -> int:
-        return 0
-
-    def poll(self) -> int:
-        return 0
-
-    def settle(self, timeout_s: float, sleep=None) -> None:
-        return None
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:

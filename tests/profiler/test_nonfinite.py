@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import profiler
-from profiler.nonfinite import NonfiniteMonitor, NullNonfiniteMonitor, fingerprint, fingerprint_flags
+from profiler.nonfinite import NonfiniteMonitor, fingerprint, fingerprint_flags
 
 
 def make_prof(tmp_path, **kw):
@@ -34,12 +34,6 @@ def test_a_failing_reporter_never_reaches_the_caller():
     mon = NonfiniteMonitor(rank=0, on_found=boom, is_cuda=False)
     mon.check("x.y", 0, {"t": torch.tensor([1.0, float("nan")])})
     assert mon.poll() == 1 and mon.first["tensor"] == "t"
-
-
-def test_null_monitor_finds_nothing():
-    mon = NullNonfiniteMonitor()
-    mon.check("x.y", 0, {"t": torch.tensor(float("nan"))})
-    assert mon.poll() == 0 and mon.first is None and mon.pending() == 0
 
 
 def test_profiler_writes_the_nonfinite_event_and_counts_it(tmp_path):
