@@ -104,7 +104,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (a
     `nonfinite` event names span, step, rank and tensor first): stop (exit 1, no checkpoint of that
-    step), skip-step (that batch's optimizer step is skipped, training goes on) or warn (go on)."""
+    step), skip-step (that batch's optimizer step is skipped, training goes on) or warn (go on). With
+    --no-profile nothing is read back, so stop acts like skip-step; no non-finite checkpoint is ever written."""
     eval_prompts: int = 8
     """Held-out prompts decoded with real draft-and-verify at the end (0 = no evaluation)."""
     eval_new_tokens: int = 48

@@ -253,7 +253,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
-    profiler.metric("loss", out.loss.detach())
+    profiler.metric("loss", loss.detach())   # as trained on (nan@drafter.fwd_bwd included)
     profiler.metric("tau", out.tau.detach())
     profiler.metric("tau_prefix", out.tau_prefix.detach())
     profiler.metric("lr", state.scheduler.get_last_lr()[0])
@@ -261,7 +261,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
         profiler.metric(f"acc_{k + 1}", out.acc[k].detach())
     if grad_norm is not None:
         profiler.metric("grad_norm", grad_norm.detach())
-    return out.loss.detach(), out.tau.detach()
+    return loss.detach(), out.tau.detach()
 
 
 def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int) -> None:
