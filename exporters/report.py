@@ -5,7 +5,7 @@
     plot(run_dir, png_path) -> str                      span time, tokens/s and headroom over time
     format_hotspots(report) / format_compare(table)     the human text of either
 Each analysis is one function in exporters.analysis, exporters.memory_events, exporters.advice,
-exporters.findings or exporters.compare, taking a loaded run (exporters.runs.load_run). Standard library
+exporters.findings, exporters.rings or exporters.compare, taking a loaded run (exporters.runs.load_run). Standard library
 only; matplotlib is imported by the plot alone. A run directory the report cannot read raises ReportError.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from exporters.analysis import bandwidth, rank_table, span_ranking, verdict
 from exporters.findings import findings
 from exporters.memory_events import events, headroom, hot_frames
 from exporters.plot import plot_run
+from exporters.rings import transfer_rings
 from exporters.report_text import format_compare, format_hotspots
 from exporters.runs import ReportError, Run, load_run, paused_gc
 
@@ -36,7 +37,8 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> 
         "segments": max((len(log.run_starts) for log in run.ranks.values()), default=0),
         "config": run.config,
         "spans": span_ranking(run, top), "verdict": verdict(run), "bandwidth": bandwidth(run),
-        "memory": headroom(run), "events": events(run), "hot_frames": hot_frames(run), "ranks": ranks,
+        "memory": headroom(run), "events": events(run), "transfer_rings": transfer_rings(run),
+        "hot_frames": hot_frames(run), "ranks": ranks,
         "split": split(run, n_gpus, ranks["ranks"]), "memory_margin": memory_margin(run),
     }
     report["findings"] = findings(report)

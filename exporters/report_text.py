@@ -102,6 +102,22 @@ def _events(rep: dict) -> list:
     return lines
 
 
+def _rings(rep: dict) -> list:
+    """The report's text section (empty when no ring was dumped)."""
+    rings = rep.get("transfer_rings") or {}
+    if not rings.get("dumps"):
+        return []
+    lines = ["Transfer flight recorders (last protocol steps dumped at the failure)"]
+    for d in rings["dumps"]:
+        last = d["last"] or {}
+        lines.append(f"  rank {d['rank']} ({d['role']}), {d['kind']} dump: {d['entries']} entries, last "
+                     f"{last.get('kind', '-')} batch {last.get('batch', '-')} on {last.get('thread', '-')}")
+    for link in rings["links"]:
+        lines.append(f"  rank {link['target']} -> rank {link['drafter']}: submitted {link['submitted']}, completed "
+                     f"{link['completed']}, received {link['received']}: {link['verdict']}")
+    return lines
+
+
 def _frames(rep: dict) -> list:
     hf = rep["hot_frames"]
     if not hf["threads"]:
@@ -188,9 +204,9 @@ def format_hotspots(rep: dict) -> str:
     roles = ", ".join(f"{len(r['ranks'])} {role}" for role, r in rep["spans"]["roles"].items())
     head = [f"dflash-report hotspots {rep['run_dir']}" + (f"  (run {rep['run_id']})" if rep["run_id"] else ""),
             f"  ranks: {roles}; segments: {rep['segments']}"]
-    sections = [head, _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep), _frames(rep),
-                _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
-    return "\n\n".join("\n".join(s) for s in sections)
+    sections = [head, _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
+                _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
+    return "\n\n".join("\n".join(s) for s in sections if s)
 
 
 def _cmp_row(label: str, c: dict, scale: float, unit: str) -> str:

@@ -250,3 +250,13 @@ def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path)
     assert completed == received                   # lined up: each send the target completed, it received
     submitted = [e["batch"] for e in target if e["kind"] == "submit"]
     assert submitted[:len(completed)] == completed and len(submitted) <= len(completed) + 2   # max_in_flight
+    # dflash-report lines the two rings up from the same logs
+    from exporters.report import format_hotspots, hotspots
+
+    rep = hotspots(run)
+    [link] = rep["transfer_rings"]["links"]
+    assert (link["target"], link["drafter"]) == (1, 0) and link["received"] == max(received)
+    assert link["submitted"] == max(submitted) and link["in_flight"] == list(range(max(received) + 1,
+                                                                                   max(submitted) + 1))
+    assert {d["rank"] for d in rep["transfer_rings"]["dumps"]} == {0, 1}
+    assert "Transfer flight recorders" in format_hotspots(rep) and "rank 1 -> rank 0" in format_hotspots(rep)

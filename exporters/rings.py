@@ -1,0 +1,69 @@
+"""The transfer flight recorders of a failed run, lined up: records in, answers out. Standard library only.
+
+A hang, crash, OOM or forced stop dumps each rank's last transfer-protocol steps (`dflash.transfer`'s
+ring, registered as the `transfer_ring` forensics source) in its event's `extra`. Per target -> drafter
+link this says how far each side got: the last batch the target submitted and saw completed, the last
+one the drafter received from it, and so which batches were in flight (sent, not received) when the
+run stopped, or whether one side never got as far as the other expected.
+"""
+from __future__ import annotations
+
+from exporters.runs import Run
+
+FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal")
+
+
+def _last_ring(log) -> tuple[dict | None, list]:
+    """The rank's last forensics event that carries a transfer ring, and the ring."""
+    for ev in reversed(log.events):
+        ring = (ev.get("extra") or {}).get("transfer_ring")
+        if ev.get("kind") in FORENSIC_KINDS and isinstance(ring, list):
+            return ev, ring
+    return None, []
+
+
+def _last_batch(ring: list, kind: str, peer_key: str, peer) -> int | None:
+    batches = [e.get("batch") for e in ring if e.get("kind") == kind and e.get(peer_key) == peer
+               and isinstance(e.get("batch"), int)]
+    return max(batches) if batches else None
+
+
+def transfer_rings(run: Run) -> dict:
+    """{"dumps": [{rank, role, kind, entries, last}], "links": [{target, drafter, submitted, completed,
+    received, in_flight, verdict}]}; empty lists when no rank dumped a ring."""
+    dumps, rings = [], {}
+    for rank, log in run.ranks.items():
+        ev, ring = _last_ring(log)
+        if ev is None:
+            continue
+        rings[rank] = (log.role, ring)
+        dumps.append({"rank": rank, "role": log.role, "kind": ev.get("kind"), "entries": len(ring),
+                      "last": ring[-1] if ring else None})
+    links = []
+    for t, (role, ring) in rings.items():
+        if role != "target":
+            continue
+        for dst in sorted({e.get("dst") for e in ring if e.get("kind") == "submit" and e.get("dst") is not None}):
+            links.append(_link(t, ring, dst, rings.get(dst)))
+    return {"dumps": dumps, "links": links}
+
+
+def _link(target: int, ring: list, drafter: int, drafter_ring) -> dict:
+    submitted = _last_batch(ring, "submit", "dst", drafter)
+    completed = _last_batch(ring, "completed", "dst", drafter)
+    received = _last_batch(drafter_ring[1], "received", "src", target) if drafter_ring else None
+    link = {"target": target, "drafter": drafter, "submitted": submitted, "completed": completed,
+            "received": received, "in_flight": []}
+    if drafter_ring is None:
+        link["verdict"] = f"drafter rank {drafter} left no ring: its side is unknown"
+    elif submitted is None:
+        link["verdict"] = "the target submitted nothing in its ring's window"
+    elif received is None or received < submitted:
+        first = -1 if received is None else received
+        link["in_flight"] = list(range(first + 1, submitted + 1))
+        link["verdict"] = (f"batches {link['in_flight'][0]}..{submitted} sent by rank {target} never reached "
+                           f"rank {drafter}" if len(link["in_flight"]) > 1 else
+                           f"batch {submitted} sent by rank {target} never reached rank {drafter}")
+    else:
+        link["verdict"] = f"every batch rank {target} submitted reached rank {drafter}"
+    return link
