@@ -171,6 +171,7 @@ def test_a_second_signal_to_the_launcher_escalates():
     assert procs[0].returncode == -signal.SIGKILL
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_cuda_oom_saves_the_allocator_history_snapshot(tmp_path):
     import profiler

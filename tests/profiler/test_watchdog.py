@@ -309,6 +309,7 @@ def test_without_triton_nothing_is_wrapped():
         assert install_autotune_spans() is False
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_memory_history_snapshot_is_written_at_an_oom(tmp_path):
     history = CudaMemoryHistory(1000)
