@@ -12,4 +12,4 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
          "the real-Prometheus tests will be skipped" >&2
   fi
 fi
-exec .venv/bin/python -m pytest -q -rs "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"
