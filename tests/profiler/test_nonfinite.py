@@ -126,3 +126,22 @@ def test_step_unless_skips_the_update_and_its_step_count(fused):
     step_unless(opt, ~torch.isfinite(w.grad).all())
     assert (w.detach() < 1).all() and opt.state[w]["step"].item() == 1
     assert not hasattr(opt, "found_inf")
+
+
+def test_fingerprint_temporaries_stay_bounded_whatever_the_payload_size(monkeypatch):
+    """A float64 sum casts its input; chunking keeps that temporary to a chunk, and the result equals
+    the one-shot count and sum."""
+    from profiler import nonfinite
+
+    monkeypatch.setattr(nonfinite, "FINGERPRINT_CHUNK_ELEMENTS", 1 << 16)
+    t = torch.randn(1 << 20).to(torch.bfloat16)
+    t[12345] = float("inf")
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fp = nonfinite.fingerprint(t)
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert biggest <= 8 * (1 << 16), biggest          # one chunk's float64 copy, not 8 MiB for the whole
+    assert fp[0] == (1 << 20) - 1 and torch.isinf(fp[1])
+    finite = t[torch.isfinite(t)]
+    chunked = nonfinite.fingerprint(finite)
+    assert torch.isclose(chunked[1], finite.sum(dtype=torch.float64), rtol=1e-12)
+    assert nonfinite.fingerprint(torch.empty(0)).tolist() == [0.0, 0.0]
