@@ -120,9 +120,9 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
 
 
 def _fold_spans(st: MetricsState, spans: dict, role) -> None:
-    for fam in ("span_share",):
-        for key in st.values.get(fam, {}):
-            st.values[fam][key] = 0.0    # a span that finished nothing this interval had no share of it
+    shares = st.values.get("span_share", {})
+    for key in shares:
+        shares[key] = 0.0    # a span that finished nothing this interval had no share of it
     for span, waiter in WAIT_SPANS.items():
         if waiter == role:
             st.set("wait_share", (spans.get(span) or {}).get("share") or 0.0, span)
