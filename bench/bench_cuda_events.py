@@ -1,0 +1,76 @@
+"""The CPU cost of each CUDA call a CUDA-timed span makes, so a span's own overhead can be stated
+against the calls it cannot avoid. Run on a CUDA host from the repo root:
+
+    PYTHONPATH=. python3 bench/bench_cuda_events.py
+
+Each row is one call repeated N times (median of 7 repeats), on an idle GPU, timed with the calling
+thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
+- `torch.cuda.current_stream()`, and `torch._C._cuda_getCurrentRawStream(i)` (an int, no object);
+- `Event.record()` (the public call: it looks the current stream up in Python each time), and
+  `_CudaEventBase.record(ev, stream)` with the stream object cached (the C call alone);
+- `Event.query()` through the Python wrapper and `_CudaEventBase.query` directly, on a completed
+  event; `elapsed_time()`; creating an event.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+N = 20000
+
+
+def per_call_ns(fn, n=N, repeats=7):
+    """(thread CPU ns, wall ns) per call of fn(), medians over repeats."""
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        cpu.append((time.thread_time_ns() - c0) / n)
+        wall.append((time.perf_counter_ns() - w0) / n)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def rows(torch):
+    """(label, fn) for each call measured."""
+    idx = torch.cuda.current_device()
+    stream = torch.cuda.current_stream()
+    base = torch._C._CudaEventBase
+    ev, ev2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev.record()
+    ev2.record()
+    torch.cuda.synchronize()   # deliberate: set-up, so query()/elapsed_time() see completed events
+    getraw = torch._C._cuda_getCurrentRawStream
+    return [
+        ("torch.cuda.current_stream()", torch.cuda.current_stream),
+        ("_cuda_getCurrentRawStream(i)", lambda: getraw(idx)),
+        ("Event.record() (public)", ev.record),
+        ("_CudaEventBase.record(ev, s)", lambda: base.record(ev, stream)),
+        ("Event.query() (public)", ev.query),
+        ("_CudaEventBase.query(ev)", lambda: base.query(ev)),
+        ("Event.elapsed_time(end)", lambda: ev.elapsed_time(ev2)),
+        ("torch.cuda.Event(enable_timing)", lambda: torch.cuda.Event(enable_timing=True)),
+    ]
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_cuda_events: needs a CUDA GPU")
+        return 1
+    torch.cuda.init()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {N} calls x 7 repeats, median")
+    print(f"{'call':<34} {'cpu ns':>8} {'wall ns':>8}")
+    for label, fn in rows(torch):
+        for _ in range(1000):
+            fn()
+        cpu, wall = per_call_ns(fn)
+        torch.cuda.synchronize()   # deliberate: between rows, so queued records do not pile up
+        print(f"{label:<34} {cpu:>8.0f} {wall:>8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
