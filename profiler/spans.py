@@ -289,9 +289,11 @@ class SpanRecorder:
                 self._next_id += 1
         return out
 
-    def open_spans(self, now_ns=None):
-        """Open spans per thread as of the last drain: [{"thread", "spans": [{"name", "depth",
-        "open_seconds"}]}]. Call drain() first for an up-to-date view (Profiler.state() does)."""
+    def open_spans(self, now_ns=None, ids: bool = False):
+        """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
+        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" (as in finished
+        records) and "t0_ns" (its begin, perf_counter_ns): what the interval aggregator needs to split an
+        open span's time at a boundary. Call drain() first for an up-to-date view (Profiler.state() does)."""
         now_ns = _now_ns() if now_ns is None else now_ns
         out = []
         with self.drain_lock:   # the open stacks belong to the collector side
@@ -299,9 +301,12 @@ class SpanRecorder:
                 states = list(self._states)
             for st in states:
                 if st.open:
-                    out.append({"thread": st.thread.name, "native_id": st.thread.native_id, "spans": [
-                        {"name": e[0], "depth": i, "open_seconds": (now_ns - e[1]) / 1e9}
-                        for i, e in enumerate(st.open)]})
+                    spans = [{"name": e[0], "depth": i, "open_seconds": (now_ns - e[1]) / 1e9}
+                             for i, e in enumerate(st.open)]
+                    if ids:
+                        for s, e in zip(spans, st.open):
+                            s["id"], s["t0_ns"] = e[3], e[1]
+                    out.append({"thread": st.thread.name, "native_id": st.thread.native_id, "spans": spans})
         return out
 
 
