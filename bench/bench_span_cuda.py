@@ -1,9 +1,12 @@
 """CUDA span overhead on a GPU: a loop of ~10 ms GPU steps (a chain of bf16 matmuls) with 12
-CUDA-timed spans per step vs the same loop uninstrumented (no profiler at all), repeats alternating.
+CUDA-timed spans per step vs the same loop uninstrumented (no profiler at all), repeats alternating;
+then the CPU cost of one empty CUDA span, back to back (adjacent spans share a boundary event: one
+record per span) and with sharing off (two records), in thread CPU time and wall time, against the
+floor of the records it makes (the C record plus the raw current-stream lookup), and the collector's
+CPU per span (drain, replay, resolution: another thread in a real run).
 
-Run from the repo root on a CUDA host: `python3 bench/bench_span_cuda.py` (PYTHONPATH=.). Prints the
-slowdown (goal <= 1%), the per-span CPU cost of an active CUDA span, and the per-call CPU cost of a
-bare Event.record() for reference. Run logs go to a temporary dir ($OUT if set). Takes ~30 s.
+Run from the repo root on a CUDA host: `python3 bench/bench_span_cuda.py` (PYTHONPATH=.). Goals:
+slowdown <= 1%, a span <= 2 us above its records. Run logs go to a temporary dir ($OUT if set). ~40 s.
 """
 from __future__ import annotations
 
@@ -16,16 +19,12 @@ import time
 SPANS_PER_STEP = 12
 STEP_TARGET_S = 0.010
 STEPS = int(os.environ.get("BENCH_STEPS", "60"))
-REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
+REPEATS = int(os.environ.get("BENCH_REPEATS", "9"))
+N_CPU = 20000
 
 
-def main() -> int:
-    import torch
-    import profiler
-
-    if not torch.cuda.is_available():
-        print("bench_span_cuda: needs a CUDA GPU")
-        return 1
+def setup(torch):
+    """Device, the matmul chain and the number of matmuls per span for a ~10 ms step."""
     dev = torch.device("cuda", torch.cuda.current_device())
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
@@ -44,8 +43,16 @@ def main() -> int:
     e1.record()
     e1.synchronize()
     mm_s = e0.elapsed_time(e1) / 1000.0 / 100
-    per_span = max(1, round(STEP_TARGET_S / SPANS_PER_STEP / mm_s))
-    step_gpu_s = per_span * SPANS_PER_STEP * mm_s
+    return dev, mm_chain, max(1, round(STEP_TARGET_S / SPANS_PER_STEP / mm_s)), mm_s
+
+
+def make_prof(torch, profiler, run_root, tag, dev, background=True):
+    return profiler.Profiler(os.path.join(run_root, tag), device=dev, interval_s=1.0, console=False,
+                             control=False, floors={}, background=background)
+
+
+def slowdown(torch, profiler, run_root, dev, mm_chain, per_span):
+    """(plain runs, instrumented runs) in seconds per STEPS steps, alternating."""
     names = [f"bench.stage{i}" for i in range(SPANS_PER_STEP)]
 
     def plain_steps(n):
@@ -60,12 +67,6 @@ def main() -> int:
                 with profiler.span(name):
                     mm_chain(per_span)
 
-    run_root = tempfile.mkdtemp(prefix="bench_span_cuda_", dir=os.environ.get("OUT") or None)
-
-    def make_prof(tag):
-        return profiler.Profiler(os.path.join(run_root, tag), device=dev, interval_s=1.0, console=False,
-                                 control=False, floors={})
-
     def timed(fn, n):
         torch.cuda.synchronize()          # deliberate: bench boundaries only
         t0 = time.perf_counter()
@@ -75,51 +76,90 @@ def main() -> int:
 
     plain, instr = [], []
     plain_steps(5)
-    with make_prof("warmup"):
+    with make_prof(torch, profiler, run_root, "warmup", dev):
         span_steps(5)
     for r in range(REPEATS):              # alternate so drift (clocks, thermals) hits both alike
         plain.append(timed(plain_steps, STEPS))
-        with make_prof(f"r{r}"):
+        with make_prof(torch, profiler, run_root, f"r{r}", dev):
             instr.append(timed(span_steps, STEPS))
-    p_med, i_med = statistics.median(plain), statistics.median(instr)
-    slowdown = i_med / p_med - 1.0
+    return plain, instr
 
-    # CPU cost per active CUDA span (no GPU work inside; the collector drains in the background).
-    n_cpu = 20000
-    with make_prof("cpu_cost"):
-        s = profiler.span("bench.empty")
-        for _ in range(1000):
-            with s:
-                pass
-        t0 = time.perf_counter_ns()
-        for _ in range(n_cpu):
-            with profiler.span("bench.empty"):
-                pass
-        span_ns = (time.perf_counter_ns() - t0) / n_cpu
-    t0 = time.perf_counter_ns()
-    for _ in range(n_cpu):
-        with profiler.span("bench.empty"):
-            pass
-    inactive_ns = (time.perf_counter_ns() - t0) / n_cpu
+
+def span_cpu_ns(torch, profiler, run_root, dev, share: bool, n=N_CPU, chunk=2000):
+    """(worker thread CPU ns, wall ns, collector CPU ns) per empty span, back to back. The collector's
+    drain and resolution run between chunks on this thread, timed apart (another thread in a run)."""
+    from profiler import spans as spans_mod
+
+    old = spans_mod.SHARE_GAP_NS
+    spans_mod.SHARE_GAP_NS = old if share else -1
+    cpu = wall = coll = 0
+    try:
+        with make_prof(torch, profiler, run_root, f"cpu_{share}", dev, background=False) as prof:
+            for _ in range(n // chunk):
+                c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                for _ in range(chunk):
+                    with profiler.span("bench.empty"):
+                        pass
+                cpu, wall = cpu + time.thread_time_ns() - c0, wall + time.perf_counter_ns() - w0
+                torch.cuda.synchronize()   # deliberate: bench, so the collector's resolution finds them done
+                c0 = time.thread_time_ns()
+                prof.aggregator.add_drained(prof.recorder.drain())
+                prof.aggregator.resolve_pending()
+                coll += time.thread_time_ns() - c0
+    finally:
+        spans_mod.SHARE_GAP_NS = old
+    done = n // chunk * chunk
+    return cpu / done, wall / done, coll / done
+
+
+def record_ns(torch, n=N_CPU):
+    """Thread CPU ns of one public Event.record(), and of the C record with the raw-stream lookup a
+    span makes before it (the floor of a span's own records)."""
     ev = torch.cuda.Event(enable_timing=True)
-    for _ in range(1000):
-        ev.record()
-    t0 = time.perf_counter_ns()
-    for _ in range(n_cpu):
-        ev.record()
-    record_ns = (time.perf_counter_ns() - t0) / n_cpu
-    torch.cuda.synchronize()
+    getraw, idx = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
+    streams = {getraw(idx): torch.cuda.current_stream()}
+    c_record = torch._C._CudaEventBase.record
+    out = []
+    for fn in (ev.record, lambda: c_record(ev, streams[getraw(idx)])):
+        for _ in range(1000):
+            fn()
+        c0 = time.thread_time_ns()
+        for _ in range(n):
+            fn()
+        out.append((time.thread_time_ns() - c0) / n)
+        torch.cuda.synchronize()   # deliberate: bench, between cases
+    return out
 
+
+def main() -> int:
+    import torch
+    import profiler
+
+    if not torch.cuda.is_available():
+        print("bench_span_cuda: needs a CUDA GPU")
+        return 1
+    dev, mm_chain, per_span, mm_s = setup(torch)
+    run_root = tempfile.mkdtemp(prefix="bench_span_cuda_", dir=os.environ.get("OUT") or None)
+    plain, instr = slowdown(torch, profiler, run_root, dev, mm_chain, per_span)
+    p_med, i_med = statistics.median(plain), statistics.median(instr)
+    public_ns, c_ns = record_ns(torch)
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; step = {SPANS_PER_STEP} spans x "
-          f"{per_span} bf16 4096^3 matmuls = {step_gpu_s * 1e3:.1f} ms GPU; {STEPS} steps x {REPEATS} repeats")
+          f"{per_span} bf16 4096^3 matmuls = {per_span * SPANS_PER_STEP * mm_s * 1e3:.1f} ms GPU; "
+          f"{STEPS} steps x {REPEATS} repeats")
     print(f"{'case':<34} {'median s':>9} {'ms/step':>8}  runs")
-    print(f"{'uninstrumented':<34} {p_med:>9.4f} {p_med / STEPS * 1e3:>8.3f}  "
-          + " ".join(f"{x:.4f}" for x in plain))
-    print(f"{'12 CUDA spans/step':<34} {i_med:>9.4f} {i_med / STEPS * 1e3:>8.3f}  "
-          + " ".join(f"{x:.4f}" for x in instr))
-    print(f"slowdown: {slowdown * 100:+.2f}% (goal <= 1%: {'yes' if slowdown <= 0.01 else 'NO'})")
-    print(f"CPU per active CUDA span: {span_ns / 1e3:.2f} us; inactive span: {inactive_ns:.0f} ns; "
-          f"bare Event.record(): {record_ns / 1e3:.2f} us (a span does 2)")
+    for label, runs, med in (("uninstrumented", plain, p_med), ("12 CUDA spans/step", instr, i_med)):
+        print(f"{label:<34} {med:>9.4f} {med / STEPS * 1e3:>8.3f}  " + " ".join(f"{x:.4f}" for x in runs))
+    print(f"slowdown: {(i_med / p_med - 1) * 100:+.2f}% (goal <= 1%: {'yes' if i_med / p_med <= 1.01 else 'NO'})")
+    print(f"floors (thread CPU): public Event.record() {public_ns / 1e3:.2f} us; C record + raw stream "
+          f"lookup {c_ns / 1e3:.2f} us")
+    print(f"{'empty CUDA span, back to back':<34} {'records':>7} {'cpu us':>7} {'wall us':>8} {'above':>7} "
+          f"{'collector us':>13}")
+    for share, n_rec in ((True, 1), (False, 2)):
+        cpu, wall, coll = span_cpu_ns(torch, profiler, run_root, dev, share)
+        label = "adjacent (shared start)" if share else "own start (gap > SHARE_GAP_NS)"
+        print(f"{label:<34} {n_rec:>7} {cpu / 1e3:>7.2f} {wall / 1e3:>8.2f} {(cpu - n_rec * c_ns) / 1e3:>+7.2f} "
+              f"{coll / 1e3:>13.2f}")
+    print("above = span CPU minus its records' C floor (goal <= 2 us)")
     return 0
 
 

@@ -134,7 +134,7 @@ class Profiler:
         pool = self._event_pool_arg
         if pool is None and self.is_cuda:
             from profiler.cuda_timing import EventPool
-            pool = EventPool()
+            pool = EventPool(device_index=self.device.index)   # None: the current device
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda)

@@ -29,6 +29,8 @@ import re
 import threading
 import time
 
+from profiler.cuda_timing import SHARE_GAP_NS
+
 _NAME_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _now_ns = time.perf_counter_ns
 
@@ -51,7 +53,7 @@ class SpanAttrs(dict):
 
 class ThreadState:
     """One thread's event log, counter buffer, span objects and (collector side) open-span stack."""
-    __slots__ = ("thread", "buf", "misc", "spans", "open")
+    __slots__ = ("thread", "buf", "misc", "spans", "open", "tail", "held")
 
     def __init__(self, thread: threading.Thread):
         self.thread = thread
@@ -59,6 +61,8 @@ class ThreadState:
         self.misc: list = []    # (kind, name, value): 0 counter, 1 gauge, 2 metric; owner appends
         self.spans: dict = {}   # name -> this thread's span object (bytes=None)
         self.open: list = []    # collector side: [name, t0_ns, bytes, id, attrs(, start_event)] per open span
+        self.tail = None        # owner side, CUDA: (end_event, raw_stream, t1_ns) of the span that just ended
+        self.held = None        # collector side, CUDA: that end event as replayed (the tail's hold on it)
 
 
 def _decorate(name, nbytes, fn):
@@ -124,25 +128,48 @@ class CpuSpan:
 
 
 class CudaSpan(CpuSpan):
-    """Active span that also records a CUDA event pair on the current stream. CPU times exclude
-    the event records' own cost (t0 after the start record, t1 before the end record)."""
-    __slots__ = ("_pool",)
+    """Active span that also times the GPU with CUDA events on the current stream. CPU times exclude
+    the event records' own cost (t0 after the start record, t1 before the end record).
+
+    A span that begins on the stream where its thread's previous span just ended (within
+    cuda_timing.SHARE_GAP_NS, nothing begun in between) takes that end event as its start: one record
+    instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared."""
+    __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
         super().__init__(recorder, st, name, nbytes)
-        self._pool = recorder.event_pool
+        pool = self._pool = recorder.event_pool
+        self._st, self._free, self._streams = st, pool.free_list, pool.streams
+        self._getraw, self._dev, self._record = pool.getraw, pool.device_index, pool.record
 
     def __enter__(self):
-        ev = self._pool.get()
-        ev.record()   # on torch.cuda.current_stream(); an asynchronous enqueue, no sync
+        st = self._st
+        raw = self._getraw(self._dev)
+        prev = st.tail
+        st.tail = None
+        t0 = _now_ns()
+        if prev is not None and prev[1] == raw and t0 - prev[2] <= SHARE_GAP_NS:
+            self._buf.append((self._tag, t0, prev[0], True))
+            return self
+        try:
+            ev = self._free.pop()
+        except IndexError:          # pool empty: grow (the collector returns events once resolved)
+            ev = self._pool.grow()
+        # An asynchronous enqueue on the current stream; no sync.
+        self._record(ev, self._streams.get(raw) or self._pool.stream_for(raw))
         self._buf.append((self._tag, _now_ns(), ev))
         return self
 
     def __exit__(self, et, ev, tb):
         t1 = _now_ns()
-        end = self._pool.get()
-        end.record()
+        raw = self._getraw(self._dev)
+        try:
+            end = self._free.pop()
+        except IndexError:
+            end = self._pool.grow()
+        self._record(end, self._streams.get(raw) or self._pool.stream_for(raw))
         self._buf.append((t1, end))
+        self._st.tail = (end, raw, t1)
 
 
 def _fault_enter(span, base_enter):
@@ -245,21 +272,23 @@ class SpanRecorder:
             for st in states:
                 events = _take(st.buf)
                 misc = _take(st.misc)
-                spans = self._replay(st.open, events) if events else []
+                spans = self._replay(st, events) if events else []
                 self.native_ids[st.thread.name] = st.thread.native_id
                 if spans or misc:
                     out.append((st.thread.name, spans, misc))
                 if not st.thread.is_alive() and not st.buf and not st.misc and not st.open:
+                    if st.held is not None:
+                        self.event_pool.release(st.held)   # the dead thread's tail
                     dead.append(st)
             if dead:
                 with self._reg_lock:
                     self._states = [s for s in self._states if s not in dead]
         return out
 
-    def _replay(self, open_, events) -> list:
-        """Match begins and ends (LIFO per thread) into finished records; `open_` carries the
-        spans still open across drains."""
-        out = []
+    def _replay(self, st: ThreadState, events) -> list:
+        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
+        spans still open across drains, `st.held` the CUDA end event a next begin may share."""
+        open_, out = st.open, []
         for e in events:
             if type(e) is int:                          # CPU end
                 if open_:
@@ -271,23 +300,40 @@ class SpanRecorder:
                 if open_:
                     b = open_.pop()
                     if len(b) > 5:
-                        self.event_pool.put(b[5])
+                        self.event_pool.release(b[5])
             elif type(e) is SpanAttrs:                  # profiler.tag(): for the innermost open span
                 if open_:
                     open_[-1][4] = {**(open_[-1][4] or {}), **e}
             elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
+                self._hold_tail(st, e[1], matched=bool(open_))
                 if open_:
                     b = open_.pop()
                     out.append((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
                                 b[5], e[1]))
                 else:
                     self.unmatched += 1
-            else:                                       # begin: (tag, t0[, start_event])
+            else:                                       # begin: (tag, t0[, start_event[, shared]])
+                if len(e) > 2:
+                    self._begin_cuda(st, e)
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
-                open_.append([name, e[1], nbytes, self._next_id, None, *e[2:]])
+                open_.append([name, e[1], nbytes, self._next_id, None, *e[2:3]])
                 self._next_id += 1
         return out
+
+    def _hold_tail(self, st: ThreadState, end, matched: bool) -> None:
+        """A CUDA end: the owner's tail now points at `end` (one hold) and its record holds it too."""
+        if st.held is not None:
+            self.event_pool.release(st.held)       # the tail moved on without sharing it
+        if matched:
+            self.event_pool.retain(end)            # the record's hold plus the tail's
+        st.held = end
+
+    def _begin_cuda(self, st: ThreadState, e) -> None:
+        """A CUDA begin ends the tail's hold: a shared start takes it over, otherwise it is released."""
+        held, st.held = st.held, None
+        if held is not None and not (len(e) > 3 and e[2] is held):
+            self.event_pool.release(held)
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
