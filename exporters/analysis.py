@@ -60,6 +60,17 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
     return min(max(estimate, min(values)), max(values))
 
 
+def whole_seconds(entry: dict) -> float:
+    """The summed durations of the spans an interval (or run_end) entry counts, each whole: the sum behind
+    its mean. GPU time is never split, so on the GPU it is the total; a CPU total is the time inside the
+    interval (split at its boundaries, docs/RUNLOG.md), so on the CPU it is mean x count."""
+    stats, on = basis(entry)
+    if on == "gpu":
+        return stats.get("total_seconds") or 0.0
+    mean = stats.get("mean_seconds")
+    return mean * (entry.get("count") or 0) if mean is not None else 0.0
+
+
 def _add_span(acc: dict, entry: dict, rank: int) -> None:
     stats, on = basis(entry)
     count = entry.get("count") or 0
@@ -69,6 +80,7 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
     if entry.get("gpu"):
         acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0)
     acc["total_seconds"] += stats.get("total_seconds") or 0.0
+    acc["whole_seconds"] += whole_seconds(entry)
     acc["on"].add(on)
     acc["ranks"].add(rank)
     acc["max_seconds"] = max(acc["max_seconds"], stats.get("max_seconds") or 0.0)
@@ -85,8 +97,9 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
 
 def _new_acc() -> dict:
     return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "total_seconds": 0.0, "on": set(),
-            "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [], "buckets": None,
-            "buckets_complete": True}
+            "whole_seconds": 0.0, "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [], "buckets": None,
+            "buckets_complete": True, "open_intervals": 0, "open_max_seconds": None, "open_where": None,
+            "open_at_end": False}
 
 
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
@@ -101,16 +114,41 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
     return {"role": role, "span": name, "count": a["count"], "on": "gpu" if "gpu" in a["on"] else "cpu",
             "total_seconds": a["total_seconds"], "cpu_seconds": a["cpu_seconds"], "gpu_seconds": a["gpu_seconds"],
             "share": a["total_seconds"] / role_wall if role_wall > 0 else None,
-            "mean_seconds": a["total_seconds"] / a["count"] if a["count"] else None,
+            "mean_seconds": a["whole_seconds"] / a["count"] if a["count"] else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": a["max_seconds"],
             "quantiles_from": "histogram" if from_histogram else "interval percentiles",
             "intervals": a["intervals"],
-            "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"])}
+            "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
+            "open_intervals": a["open_intervals"], "open_max_seconds": a["open_max_seconds"],
+            "open_where": a["open_where"], "open_at_end": a["open_at_end"]}
+
+
+def _add_open(agg: dict, role: str, log, rec: dict) -> None:
+    """Note the spans still open when an interval closed (its `open_spans`): in how many interval ends,
+    the longest open (and where), and whether the rank's last interval ended with it open."""
+    longest: dict = {}
+    for entry in rec.get("open_spans") or ():
+        for s in entry.get("spans") or ():
+            age_s = s.get("open_seconds") or 0.0
+            if s.get("name") not in longest or age_s > longest[s.get("name")][0]:
+                longest[s.get("name")] = (age_s, entry.get("thread"))
+    for name, (age_s, thread) in longest.items():
+        a = agg.get((role, name))
+        if a is None:   # a log written before open spans held time in the interval
+            continue
+        a["open_intervals"] += 1
+        if a["open_max_seconds"] is None or age_s > a["open_max_seconds"]:
+            a["open_max_seconds"] = age_s
+            a["open_where"] = {"rank": log.rank, "interval": rec.get("index"), "thread": thread}
+        if rec is log.intervals[-1]:
+            a["open_at_end"] = True
 
 
 def span_ranking(run: Run, top: int | None = None) -> dict:
     """Spans of every interval of every rank, per role, ranked by total time (GPU time when measured).
-    share = the span's time over its role's time (the role's ranks' interval lengths summed)."""
+    share = the span's time over its role's time (the role's ranks' interval lengths summed); a span's
+    CPU time is split at interval boundaries, its count, mean and quantiles are of whole spans; the
+    open_* fields say at how many interval ends a span was still open, for how long at most, and where."""
     bounds = run.histogram_bounds_seconds()
     roles, agg = {}, {}
     for role, logs in run.by_role().items():
@@ -120,6 +158,7 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
             for rec in log.intervals:
                 for name, entry in (rec.get("spans") or {}).items():
                     _add_span(agg.setdefault((role, name), _new_acc()), entry, log.rank)
+                _add_open(agg, role, log, rec)
     rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds) for (role, name), a in agg.items()]
     rows.sort(key=lambda r: -r["total_seconds"])
     return {"rows": rows[:top] if top else rows, "spans_total": len(rows), "roles": roles}
@@ -202,7 +241,7 @@ def bandwidth(run: Run) -> list:
                     continue
                 a = agg.setdefault((log.role, name), {"bytes": 0, "seconds": 0.0, "floor": None, "floor_bps": None})
                 a["bytes"] += e["bytes"]
-                a["seconds"] += basis_seconds(e)
+                a["seconds"] += whole_seconds(e)   # the spans that moved those bytes, whole
                 a["floor"] = e.get("floor") or a["floor"]
                 a["floor_bps"] = e.get("floor_bytes_per_s") or floors.get(a["floor"]) or a["floor_bps"]
     rows = []
@@ -242,10 +281,11 @@ def _rank_row(log) -> dict:
 
 
 def _trailing_idle(intervals: list) -> list:
-    """The rank's last intervals in which no span finished: a stall, if the run did not end there."""
+    """The rank's last intervals in which no span finished: a stall, if the run did not end there (a span
+    still open holds time in them, but finished nothing)."""
     idle = []
     for rec in reversed(intervals):
-        if rec.get("spans") or rec.get("final"):
+        if any((e.get("count") or 0) for e in (rec.get("spans") or {}).values()) or rec.get("final"):
             break
         idle.append(rec)
     return idle

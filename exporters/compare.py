@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 
+from exporters.analysis import whole_seconds
 from exporters.names import WAIT_SPANS
 from exporters.runs import Run, basis, steady_intervals
 
@@ -62,8 +63,8 @@ def _span_samples(run: Run) -> tuple[dict, dict]:
             walls[log.role] = walls.get(log.role, 0.0) + (rec.get("duration_seconds") or 0.0)
             for name, e in (rec.get("spans") or {}).items():
                 stats, _ = basis(e)
-                if e.get("count") and stats.get("total_seconds") is not None:
-                    out.setdefault((log.role, name), []).append(stats["total_seconds"] / e["count"])
+                if e.get("count") and stats.get("total_seconds") is not None:   # whole spans: a CPU total is split
+                    out.setdefault((log.role, name), []).append(whole_seconds(e) / e["count"])
                     calls[(log.role, name)] = calls.get((log.role, name), 0) + e["count"]
     return out, {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
 

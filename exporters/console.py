@@ -2,9 +2,13 @@
 
 Both read run-log records only (profiler.runlog record dicts), so they work live and after the fact.
 Times shown for a span are GPU times when the span has them (what `share` uses), else CPU times;
-the `on` column says which.
+the `on` column says which. A span's CPU time is split across the intervals it overlaps, while its
+count, mean and p95 wait for its end (docs/RUNLOG.md): a row whose span was still open at the
+interval's end says so, with how long it had been open, and may show a share with no count.
 """
 from __future__ import annotations
+
+from exporters.analysis import whole_seconds
 
 GIB = 1024 ** 3
 
@@ -56,12 +60,29 @@ def format_memory(memory: dict | None) -> list[str]:
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
+def open_at_end(open_spans: list | None) -> dict:
+    """{span name: [(thread, open_seconds), ...]} from an interval's `open_spans`: the spans still open
+    when it closed, the longest open first."""
+    out: dict = {}
+    for entry in open_spans or ():
+        for s in entry.get("spans") or ():
+            out.setdefault(s.get("name"), []).append((entry.get("thread"), s.get("open_seconds") or 0.0))
+    return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}
+
+
+def _open_note(opened: list) -> str:
+    """"  open 75.2 s (MainThread)": how long a span still open at the interval's end had been open."""
+    return "  open " + ", ".join(f"{age_s:.3g} s ({thread})" for thread, age_s in opened)
+
+
 def format_interval(record: dict) -> str:
-    """A short block for one interval record: spans by share, counters' rates, gauges, metrics, memory."""
+    """A short block for one interval record: spans by share (with how long each span still open at the
+    interval's end had been open), counters' rates, gauges, metrics, memory."""
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
             f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s")
     lines = [head]
     spans = record.get("spans") or {}
+    opened = open_at_end(record.get("open_spans"))
     if spans:
         lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}  bandwidth")
         for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
@@ -73,6 +94,8 @@ def format_interval(record: dict) -> str:
                 line += f"  {bw / 1e9:.2f} GB/s"
                 if e.get("floor_ratio") is not None:
                     line += f" ({e['floor_ratio'] * 100:.0f}% of {e['floor']})"
+            if name in opened:
+                line += _open_note(opened[name])
             lines.append(line)
     else:
         lines.append("  (no spans finished in this interval)")
@@ -94,7 +117,8 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     sorted by total time, and per-role {"wall_seconds", "ranks", "rates": {counter: per_second}}.
     A resumed run has one run_end per rank and segment: a rank's segments are summed (its wall time,
     its counters), its rate is its total over its wall time, and a role's rate is the sum of its
-    ranks' rates. A role's wall time is the sum of its ranks'; p95 is the worst segment's p95."""
+    ranks' rates. A role's wall time is the sum of its ranks'; p95 is the worst segment's p95. total_s is
+    the time spent in the span (CPU time split at interval boundaries), mean_s the mean whole span."""
     roles: dict = {}
     per_rank: dict = {}
     agg: dict = {}
@@ -107,8 +131,9 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
                 rank["totals"][cname] = rank["totals"].get(cname, 0.0) + c["total"]
         for sname, e in (rec.get("spans") or {}).items():
             stats, _ = _basis(e)
-            a = agg.setdefault((role, sname), {"total": 0.0, "count": 0, "p95": None})
+            a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95": None})
             a["total"] += stats.get("total_seconds") or 0.0
+            a["whole"] += whole_seconds(e)
             a["count"] += e.get("count") or 0
             p95 = stats.get("p95_seconds")
             if p95 is not None and (a["p95"] is None or p95 > a["p95"]):
@@ -124,7 +149,7 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     for (role, sname), a in agg.items():
         wall = roles[role]["wall_seconds"]
         rows.append((role, sname, a["total"], a["total"] / wall if wall > 0 else None,
-                     a["total"] / a["count"] if a["count"] else None, a["p95"], a["count"]))
+                     a["whole"] / a["count"] if a["count"] else None, a["p95"], a["count"]))
     rows.sort(key=lambda r: -r[2])
     return rows, roles
 

@@ -40,6 +40,22 @@ def _spans(rep: dict) -> list:
         lines.append(f"  ... {s['spans_total'] - len(s['rows'])} more (--top)")
     for role, r in s["roles"].items():
         lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals")
+    return lines + _open_spans(s["rows"])
+
+
+def _open_spans(rows: list) -> list:
+    """Spans still open at an interval's end: how often, for how long at most, where; open at the log's end."""
+    opened = sorted((r for r in rows if r.get("open_intervals")), key=lambda r: -(r["open_max_seconds"] or 0.0))
+    if not opened:
+        return []
+    lines = ["  Open at an interval's end (their time is split across intervals; count and percentiles wait "
+             "for the end):"]
+    for r in opened:
+        where = r.get("open_where") or {}
+        lines.append(f"    {r['span']} ({r['role']}): at {r['open_intervals']} interval end(s), longest "
+                     f"{_g(r['open_max_seconds'], '.3g')} s (rank {where.get('rank', '-')} interval "
+                     f"{where.get('interval', '-')}, {where.get('thread', '-')})"
+                     + ("; still open when the log ends" if r.get("open_at_end") else ""))
     return lines
 
 

@@ -84,6 +84,9 @@ class Profiler:
         self.config = config
         self.console = console
         self.clock = clock or time.perf_counter
+        # On the default clock, interval bounds are read once in span time (perf_counter_ns) and the
+        # seconds derived from it, so a span open a whole interval holds exactly 100% of it.
+        self._perf_clock = clock is None or clock is time.perf_counter
         self.wall_clock = wall_clock
         self.poll_s = poll_s
         self.background = background
@@ -147,7 +150,8 @@ class Profiler:
         self.sampler = self._memory_sampler_arg or make_memory_sampler(self.device, nvml=self._nvml)
         self.sampler.start()
         self._cleanups.append(self.sampler.stop)
-        self.start_s = self.interval_start_s = self.clock()
+        self.interval_start_ns = time.perf_counter_ns()
+        self.start_s = self.interval_start_s = self._clock_s(self.interval_start_ns)
         self.start_unix = self.wall_clock()
         self._write(self._run_start_record())
         self._start_forensics()
@@ -214,13 +218,19 @@ class Profiler:
         with self._close_lock:
             self._add_drained()
 
-    def _add_drained(self) -> None:
+    def _add_drained(self, boundary_ns: int | None = None) -> None:
+        """Drain the span logs into the aggregator; `boundary_ns` when closing an interval there."""
         drained = self.recorder.drain()
         for thread_name, spans, _ in drained:
             if spans:   # finished in end order: the last one ended last (an OOM's span, unwinding)
                 self.spans_finished += len(spans)
                 self.last_finished[thread_name] = (spans[-1][0], spans[-1][2])
-        self.aggregator.add_drained(drained)
+        self.aggregator.add_drained(drained, boundary_ns)
+
+    def _clock_s(self, perf_ns: int) -> float:
+        """The profiler clock's reading for an interval bound read at `perf_ns` (the same instant on the
+        default clock; an injected clock is read now)."""
+        return perf_ns / 1e9 if self._perf_clock else self.clock()
 
     def last_finished_span(self, thread_name: str) -> dict | None:
         """The span that ended last on a thread, and how long ago (forensics: the span an
@@ -244,16 +254,22 @@ class Profiler:
         if not self._started:
             raise RuntimeError("close_interval(): the profiler is not running (use it inside `with`)")
         with self._close_lock:
-            self._add_drained()
+            # The boundary is read before the drain: a span that ends after it but is drained now has
+            # the part past it carried to the next interval; every span begun before it is in the
+            # open stacks (or finished) once the drain is done.
+            end_ns = time.perf_counter_ns()
+            self._add_drained(end_ns)
             if final and self.aggregator.pending:
                 self._wait_pending()
-            end_s = self.clock()
-            duration_s = end_s - self.interval_start_s
+            end_s = self._clock_s(end_ns)
+            duration_s = ((end_ns - self.interval_start_ns) / 1e9 if self._perf_clock
+                          else end_s - self.interval_start_s)
+            open_spans = self.recorder.open_spans(ids=True)
             rec = {**self._header("interval"), "index": self.intervals_closed, "step": self.step,
                    "start_s": self.interval_start_s, "end_s": end_s, "duration_seconds": duration_s,
-                   **self.aggregator.close_parts(duration_s), "memory": self._memory_summary(),
+                   **self.aggregator.close_parts(duration_s, end_ns, open_spans), "memory": self._memory_summary(),
                    "threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
-                   "exporters": self.hub.stats(), "open_spans": self.recorder.open_spans()}
+                   "exporters": self.hub.stats(), "open_spans": _without_ids(open_spans)}
             stacks = self.stack_sampler.interval_summary(reset=True)
             if stacks is not None:
                 rec["stack_samples"] = stacks
@@ -262,7 +278,7 @@ class Profiler:
             detail = self.aggregator.detail.take(time.perf_counter_ns())
             if detail is not None:
                 self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
-            self.interval_start_s = end_s
+            self.interval_start_s, self.interval_start_ns = end_s, end_ns
             self.intervals_closed += 1
             if _reset_timer and not final:
                 self.timer.reset_boundary()
@@ -445,6 +461,13 @@ class Profiler:
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
                 "intervals_closed": self.intervals_closed, "memory": memory}
+
+
+def _without_ids(open_spans: list) -> list:
+    """open_spans(ids=True) as the run log documents it: the span ids and begin times (which only the
+    aggregator needs) left out."""
+    return [{**entry, "spans": [{k: v for k, v in s.items() if k not in ("id", "t0_ns")} for s in entry["spans"]]}
+            for entry in open_spans]
 
 
 def _package_version() -> str | None:

@@ -1,9 +1,20 @@
 """Interval aggregation (off the hot path) and the thread that drives interval boundaries.
 
-A span is counted in the interval in which it is *collected complete*: its CPU part has ended and,
-under CUDA, both its events have completed. CPU-only spans are collected at every poll, so a span
-straddling a boundary lands in the interval where it ended; CUDA pairs still unresolved when an
-interval closes are carried, whole, into the next one (so per-interval cpu and gpu counts agree).
+Two things are kept per span name and interval, and they differ for a span that crosses a boundary:
+
+- *Time* (the CPU block's `total_seconds`, and `share` when there is no GPU time) is split across the
+  intervals a span overlaps. When an interval closes at boundary B, every span still open on any thread
+  is credited the part of its wall time inside the interval, from max(its begin, the previous boundary)
+  to B (`open_cpu_seconds` says how much of the total that is); when it ends, only the rest, from the
+  last boundary it was credited up to, to its end, goes to the interval it ends in. Summed over a run's
+  intervals, the pieces equal the span's duration, and a span on one thread never holds more than 100%
+  of an interval.
+- *Whole spans* (count, mean, percentiles, max, histogram buckets, bytes and bandwidth, the detail
+  window) see each span once, with its whole duration, in the interval in which it is *collected
+  complete*: its CPU part has ended and, under CUDA, both its events have completed. CUDA pairs still
+  unresolved when an interval closes are carried, whole, into the next one (so per-interval cpu and gpu
+  counts agree). GPU time cannot be split (the events resolve after the span ends, and only their
+  difference is known): it lands whole where the pair resolved.
 """
 from __future__ import annotations
 
@@ -35,10 +46,11 @@ class _SpanAcc:
 
 
 class _RunSpan:
-    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu")
+    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns")
 
     def __init__(self):
         self.cpu, self.gpu = RunStats(), RunStats()
+        self.time_ns = 0          # CPU time credited over the run (the intervals' split totals, summed)
         self.threads: set = set()
         self.bytes, self.bytes_n, self.bytes_cpu, self.bytes_gpu = 0, 0, 0.0, 0.0
 
@@ -61,12 +73,19 @@ class IntervalAggregator:
         self._run_counters: dict = {}    # name -> run total
         self._gauges: dict = {}          # name -> [values]
         self._metrics: dict = {}         # name -> [values (floats or 0-dim tensors)]
+        self._time_ns: dict = {}         # name -> CPU ns credited to the current interval (split time)
+        self._carry_ns: dict = {}        # name -> ns of spans that ended past a closing boundary: next interval's
+        self._credited: dict = {}        # open span id -> boundary (perf_counter_ns) its time is credited up to
 
     # ---- feeding -------------------------------------------------------------------------------
-    def add_drained(self, drained) -> None:
-        """Take the output of SpanRecorder.drain(), then resolve what CUDA pairs are complete."""
+    def add_drained(self, drained, boundary_ns: int | None = None) -> None:
+        """Take the output of SpanRecorder.drain(), then resolve what CUDA pairs are complete. Each
+        span's CPU time not yet credited is credited now (its CPU part has ended, whatever its GPU
+        pair does); `boundary_ns` is the boundary of an interval being closed, when the drain is part
+        of the close: time past it goes to the next interval."""
         for thread_name, spans, misc in drained:
             for rec in spans:
+                self._credit(rec[0], rec[5], rec[1], rec[2], boundary_ns)
                 if len(rec) > CPU_RECORD_LEN:
                     self.pending.append((thread_name, rec))
                 else:
@@ -81,6 +100,35 @@ class IntervalAggregator:
                     self._metrics.setdefault(name, []).append(value)
         if self.pending:
             self.resolve_pending()
+
+    def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
+        """A finished span's time from the boundary it was last credited up to (else its begin) to its
+        end; with `boundary_ns` (a close in progress), the part after that boundary is carried."""
+        start_ns = self._credited.pop(span_id, t0_ns)
+        cut_ns = t1_ns if boundary_ns is None else min(t1_ns, max(start_ns, boundary_ns))
+        self._time_ns[name] = self._time_ns.get(name, 0) + max(0, cut_ns - start_ns)
+        if t1_ns > cut_ns:
+            self._carry_ns[name] = self._carry_ns.get(name, 0) + (t1_ns - cut_ns)
+
+    def _credit_open(self, boundary_ns: int | None, open_spans) -> dict:
+        """Credit every span still open at the boundary with its time inside the interval (from max(its
+        begin, the boundary it was last credited up to) to `boundary_ns`); returns {name: (ns, threads)}
+        of those pieces. `open_spans` is SpanRecorder.open_spans(ids=True)."""
+        out: dict = {}
+        credited: dict = {}
+        if boundary_ns is None:
+            return out
+        for entry in open_spans:
+            for s in entry["spans"]:
+                if s["t0_ns"] >= boundary_ns:   # began after the boundary was read: nothing to credit yet
+                    continue
+                piece_ns = boundary_ns - self._credited.get(s["id"], s["t0_ns"])
+                credited[s["id"]] = boundary_ns
+                ns, threads = out.get(s["name"], (0, set()))
+                out[s["name"]] = (ns + piece_ns, threads | {entry["thread"]})
+                self._time_ns[s["name"]] = self._time_ns.get(s["name"], 0) + piece_ns
+        self._credited = credited   # only spans open now; ended ones were popped when credited
+        return out
 
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
@@ -131,26 +179,13 @@ class IntervalAggregator:
                 entry["floor_ratio"] = bw / floor[1] if bw is not None and floor[1] > 0 else None
         return entry
 
-    def close_parts(self, duration_s: float) -> dict:
-        """The interval's "spans", "counters", "gauges", "metrics"; resets the interval state."""
-        spans = {}
-        for name, acc in self._spans.items():
-            run = self._run_spans.get(name)
-            if run is None:
-                run = self._run_spans[name] = _RunSpan()
-            run.cpu.add(acc.cpu)
-            run.gpu.add(acc.gpu)
-            run.threads |= acc.threads
-            run.bytes += acc.bytes
-            run.bytes_n += acc.bytes_n
-            run.bytes_cpu += acc.bytes_cpu
-            run.bytes_gpu += acc.bytes_gpu
-            entry = self._span_entry(acc.count, acc.threads, summarize(acc.cpu, buckets=True),
-                                     summarize(acc.gpu, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
-                                     acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
-            if self.event_pool is not None and len(acc.gpu) < acc.count:
-                entry["gpu_unresolved"] = acc.count - len(acc.gpu)
-            spans[name] = entry
+    def close_parts(self, duration_s: float, boundary_ns: int | None = None, open_spans=()) -> dict:
+        """The interval's "spans", "counters", "gauges", "metrics"; resets the interval state.
+        `boundary_ns` (perf_counter_ns) is where the interval ends in span time, and `open_spans`
+        (SpanRecorder.open_spans(ids=True), read after the last drain) the spans still open there:
+        their time inside the interval is credited to it (module doc). Without a boundary, only
+        finished spans' time is counted."""
+        spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans))
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
                            "run_total": self._run_counters[name]}
                     for name, total in self._counters.items()}
@@ -162,14 +197,49 @@ class IntervalAggregator:
         for name, values in self._metrics.items():
             floats = to_floats(values)
             metrics[name] = {"last": floats[-1], "mean": sum(floats) / len(floats)}
-        self._spans, self._counters, self._gauges, self._metrics = {}, {}, {}, {}
+        self._counters, self._gauges, self._metrics = {}, {}, {}
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
+    def _close_spans(self, duration_s: float, open_pieces: dict) -> dict:
+        """Span entries of every name that finished a span or held time in the interval; folds them into
+        the run aggregates and starts the next interval with the time carried past the boundary."""
+        spans = {}
+        for name in [*self._spans, *(n for n in self._time_ns if n not in self._spans)]:
+            acc = self._spans.get(name) or _SpanAcc()
+            time_ns = self._time_ns.get(name, 0)
+            open_ns, open_threads = open_pieces.get(name, (0, set()))
+            if acc.count == 0 and time_ns == 0:
+                continue
+            run = self._run_spans.get(name)
+            if run is None:
+                run = self._run_spans[name] = _RunSpan()
+            run.cpu.add(acc.cpu)
+            run.gpu.add(acc.gpu)
+            run.threads |= acc.threads | open_threads
+            run.bytes += acc.bytes
+            run.bytes_n += acc.bytes_n
+            run.bytes_cpu += acc.bytes_cpu
+            run.bytes_gpu += acc.bytes_gpu
+            run.time_ns += time_ns
+            cpu = summarize(acc.cpu, buckets=True)
+            cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
+            entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
+                                     summarize(acc.gpu, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
+                                     acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
+            entry["open_cpu_seconds"] = open_ns / 1e9
+            if self.event_pool is not None and len(acc.gpu) < acc.count:
+                entry["gpu_unresolved"] = acc.count - len(acc.gpu)
+            spans[name] = entry
+        self._spans, self._time_ns, self._carry_ns = {}, self._carry_ns, {}
+        return spans
+
     def run_parts(self, duration_s: float) -> dict:
-        """Whole-run "spans" (same per-span shape) and "counters" (total, per_second over the run)."""
+        """Whole-run "spans" (same per-span shape: the CPU total is the run's split time, every
+        interval's summed, the rest whole spans) and "counters" (total, per_second over the run)."""
         spans = {}
         for name, run in self._run_spans.items():
             cpu = run.cpu.summary()
+            cpu["total_seconds"] = run.time_ns / 1e9
             spans[name] = self._span_entry(cpu["count"], run.threads, cpu,
                                            run.gpu.summary() if run.gpu.count else None, run.bytes,
                                            run.bytes_cpu, run.bytes_gpu, run.bytes_n > 0,

@@ -27,6 +27,7 @@ def make_prof(tmp_path, clock, **kw):
 
 
 def test_boundaries_follow_the_injected_clock_and_straddling_span_counts_where_it_ends(tmp_path):
+    # (how its time is split across the two intervals: tests/profiler/test_intervals_split.py)
     clock = FakeClock()
     with make_prof(tmp_path, clock) as prof:
         assert prof.tick() is False                 # before the boundary: poll only
@@ -41,7 +42,9 @@ def test_boundaries_follow_the_injected_clock_and_straddling_span_counts_where_i
         clock.t += 30.0
         assert prof.tick() is True
         second = prof.last_interval
-    assert first["index"] == 0 and first["duration_seconds"] == 60.0 and first["spans"] == {}
+    assert first["index"] == 0 and first["duration_seconds"] == 60.0
+    assert first["spans"]["target.fwd"]["count"] == 0                     # open: its time, not its count
+    assert first["spans"]["target.fwd"]["open_cpu_seconds"] == first["spans"]["target.fwd"]["cpu"]["total_seconds"]
     assert (first["start_s"], first["end_s"]) == (1000.0, 1060.0)
     assert second["index"] == 1 and second["duration_seconds"] == 60.0
     assert second["spans"]["target.fwd"]["count"] == 1

@@ -184,4 +184,19 @@ def test_open_spans_visible_from_another_thread(tmp_path):
 def test_module_state_cleared_after_exit(tmp_path):
     with make_prof(tmp_path):
         assert isinstance(api._spans, object) and profiler.active() is not None
-    assert profiler.active() is None and api._spans is api._noop_spans
+    assert profiler.active() is None and api._spans is api._noop_view
+
+
+def test_a_begin_split_by_a_drain_between_its_tag_and_its_time_is_still_one_span():
+    """A CPU begin is two log items (tag, then t0): a drain may land between them."""
+    from profiler.spans import SpanRecorder
+
+    rec = SpanRecorder()
+    st = rec.thread_state()
+    st.buf.append(("target.pack_hidden", 64))      # the enter's first append ...
+    assert rec.drain() == []
+    st.buf.extend([1_000, "target.fwd", 1_500, 2_000, 3_000])   # ... its t0, a nested span, both ends
+    (_, spans, _), = rec.drain()
+    assert [s[:6] for s in spans] == [("target.fwd", 1_500, 2_000, 1, None, 1),
+                                      ("target.pack_hidden", 1_000, 3_000, 0, 64, 0)]
+    assert rec.unmatched == 0
