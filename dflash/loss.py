@@ -2,7 +2,8 @@
 
 Everything data-dependent (anchors, which block positions have a valid target, the weight sum,
 per-position counts) is decided on the CPU from the PackedBatch's CPU metadata, then shipped to the
-device as index tensors: no device->host sync, and the LM head only runs on rows with a target.
+device as index tensors: no device->host sync, and the LM head only runs on rows with a target,
+through dflash.lm_loss in row chunks, so the [rows, vocab] logits are never held whole.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dflash.attention import build_layout
+from dflash.lm_loss import linear_cross_entropy
 from dflash.pack import PackedBatch
 
 
@@ -76,6 +77,8 @@ def block_targets(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
 
 def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors: int, gamma: float,
                  generator: torch.Generator) -> LossOutput:
+    """The weighted block loss, per-position accuracy and tau over up to `num_anchors` anchors per
+    document of `packed`, drawn with the CPU `generator`; `context` is the drafter's [N, K*H] input."""
     meta = packed.meta()
     bs = model.block_size
     device = context.device
@@ -110,12 +113,11 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
     block = torch.full((m, bs), model.mask_token_id, dtype=torch.int64, device=device)
     block[:, 0] = packed.input_ids[a_dev]
     hidden = model(context, block, layout)
-    logits = model.logits(hidden.index_select(0, h_rows))
-    targets = packed.input_ids[tgt_idx]
-    ce = F.cross_entropy(logits.float(), targets, reduction="none")
-    loss = (ce * weights_dev).sum() / total_weight
+    head = model.head.lm_head  # frozen: the loss forms d loss / d hidden only, chunk by chunk
+    loss, correct = linear_cross_entropy(hidden.index_select(0, h_rows), head.weight, head.bias,
+                                         packed.input_ids[tgt_idx], weights_dev, total_weight)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == targets).to(torch.float32)
+        correct = correct.to(torch.float32)
         hits = torch.zeros(bs - 1, device=device).index_add_(0, k_dev, correct)
         acc = hits / counts_dev.clamp(min=1.0)
         tau = 1.0 + torch.cumprod(acc, 0).sum()

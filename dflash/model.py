@@ -257,6 +257,8 @@ class DFlashDraftModel(nn.Module):
                 m.weight.fill_(1.0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head's logits of [R, H] block states. The training loss does not call this:
+        dflash.lm_loss forms the same logits (same casts, same autocast) chunk by chunk; keep them in step."""
         return self.head.lm_head(hidden.to(self.head.lm_head.weight.dtype))
 
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

@@ -128,6 +128,8 @@ def test_autocast_mixed_precision_step():
 def test_tau_prefix_counts_each_anchors_leading_run_of_correct_predictions():
     """Two anchors: one right at every position, one wrong at the first. The independence formula
     (tau) and the per-anchor prefix (tau_prefix) differ exactly as hand-computed."""
+    from types import SimpleNamespace
+
     import torch.nn as nn
 
     from dflash.loss import compute_loss
@@ -141,26 +143,24 @@ def test_tau_prefix_counts_each_anchors_leading_run_of_correct_predictions():
     packed = PackedBatch(torch.zeros(12, 2), ids, pos, doc, lm, 0, False)
 
     class Oracle(nn.Module):
-        """Predicts token[a+k] for anchor 0 and garbage at k=1 (then right) for the other anchor."""
+        """Predicts token[a+k] for anchor 0 and garbage at k=1 (then right) for the other anchor.
+        Its block states are the logits themselves, read through an identity LM head."""
         block_size, mask_token_id = bs, 0
 
         def __init__(self):
             super().__init__()
             self.w = nn.Parameter(torch.zeros(()))
-            self.calls = []
+            head = nn.Linear(vocab, vocab, bias=False).requires_grad_(False)
+            head.weight.copy_(torch.eye(vocab))
+            self.head = SimpleNamespace(lm_head=head)
 
         def forward(self, context, block, layout):
-            self.calls.append(block[:, 0].clone())
-            return torch.zeros(block.shape[0] * bs, 1) + self.w
-
-        def logits(self, hidden):
-            n = hidden.shape[0]
+            n = block.shape[0] * bs
             out = torch.zeros(n, vocab)
             rows = torch.arange(n)
-            anchor_of = rows // (bs - 1)
-            k = rows % (bs - 1) + 1
-            first = self.calls[-1]
-            want = torch.stack([ids[(ids == first[j]).nonzero()[0, 0] + kk] for j, kk in zip(anchor_of, k)])
+            anchor_of, k = rows // bs, rows % bs
+            start = torch.stack([(ids == t).nonzero()[0, 0] for t in block[:, 0]])
+            want = ids[(start[anchor_of] + k).clamp(max=len(ids) - 1)]
             want = torch.where((anchor_of == 1) & (k == 1), (want + 1) % vocab, want)
             out[rows, want] = 10.0
             return out + self.w
