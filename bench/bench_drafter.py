@@ -1,154 +1,262 @@
-"""Drafter fwd+bwd at Qwen3-8B shapes: flex vs dense attention, against a public trainer's 356 ms.
+"""Drafter fwd+bwd at Qwen3-8B shapes: flex vs dense attention, chunked vs unchunked LM-head loss,
+against a public trainer's 356 ms.
 
-    python3 bench/bench_drafter.py [--repeats 8] [--backends flex,dense]
+    python3 bench/bench_drafter.py [--repeats 8] [--backends flex,dense] [--loss chunked]
+                                   [--chunk-mib MIB] [--tiny]
 
 Shapes: 5-layer drafter (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288,
 vocab 151936), K=5 target layers, bf16 parameters, block 16, 2 documents x 3072 tokens, 512 anchors
 per document. One step = compute_loss (CPU anchor sampling included) + backward; median of
 `repeats` after warm-up (which includes torch.compile of flex). MFU = useful model FLOPs (masked
 attention pairs only; no weight-grad for the frozen LM head / no input-grad for fc) / time /
-the bf16 matmul peak measured in this run. Writes bench_drafter.json under $OUT when set.
+the bf16 matmul peak measured in this run. Peak GiB = max allocated over the timed steps (after
+warm-up). Writes bench_drafter.json under $OUT when set.
+
+`--loss` picks the LM-head loss (comma-separated, one row per backend and loss): `unchunked` is the
+computation before dflash.lm_loss (all [rows, vocab] logits at once, then .float(), cross_entropy,
+argmax), `chunked` is dflash.lm_loss's eager path, `fused` its torch.compile'd elementwise path
+(the trainer's default on CUDA); `both` means all three. `--chunk-mib` sets dflash.lm_loss.CHUNK_LOGIT_BYTES. Every row builds the
+same seeded model, so the loss column must agree across loss variants. `--tiny` runs tiny shapes on
+the CPU with the dense backend (a smoke test of this script; its timings mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import dflash.loss as loss_mod
+from dflash import lm_loss
 from dflash.attention import build_layout, dense_mask
 from dflash.loss import block_targets, compute_loss, sample_anchors
 from dflash.model import DFlashConfig, DFlashDraftModel
 from dflash.pack import PackedBatch
 
 PEER_MS = 356.0  # public DFlash trainer, same shapes (fwd+bwd)
-H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, K = 4096, 32, 8, 128, 12288, 151936, 5
-LAYERS, BLOCK, DOC_LEN, DOCS, ANCHORS = 5, 16, 3072, 2, 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Drafter and batch shape of one benchmark setting."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    target_layer_ids: tuple
+    num_target_layers: int
+    layers: int
+    block: int
+    doc_len: int
+    docs: int
+    anchors: int
+    """Anchors per document."""
+
+
+QWEN3_8B = Shape(4096, 32, 8, 128, 12288, 151936, (1, 9, 17, 25, 33), 36, 5, 16, 3072, 2, 512)
+TINY = Shape(64, 4, 2, 16, 128, 4096, (1, 3), 6, 2, 16, 128, 2, 8)
+# The 8B shape under its old names (bench/gpu/profile_drafter.py reads them).
+H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = (QWEN3_8B.hidden, QWEN3_8B.heads, QWEN3_8B.kv_heads,
+                                              QWEN3_8B.head_dim, QWEN3_8B.inter, QWEN3_8B.vocab)
+K, LAYERS, BLOCK = len(QWEN3_8B.target_layer_ids), QWEN3_8B.layers, QWEN3_8B.block
+DOC_LEN, DOCS, ANCHORS = QWEN3_8B.doc_len, QWEN3_8B.docs, QWEN3_8B.anchors
+
+
+def unchunked_linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight):
+    """compute_loss's LM-head loss before dflash.lm_loss: all logits at once, autograd backward."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    loss = (ce * row_weight).sum() / total_weight
+    with torch.no_grad():
+        correct = logits.argmax(-1) == targets
+    return loss, correct
+
+
+LOSSES = {"unchunked": unchunked_linear_cross_entropy,
+          "chunked": functools.partial(lm_loss.linear_cross_entropy, fused=False),
+          "fused": functools.partial(lm_loss.linear_cross_entropy, fused=True)}
+
+
+def sync(device) -> None:
+    """Wait for the device (benchmark timing boundary; a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # benchmark timing sync
 
 
 def matmul_peak_flops(device, n=8192, iters=20) -> float:
+    """Measured bf16 n x n x n matmul rate, FLOP/s."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    sync(device)
+    t0 = time.perf_counter()
     for _ in range(iters):
         a @ b
-    end.record()
-    end.synchronize()  # benchmark timing sync
-    return 2 * n ** 3 * iters / (start.elapsed_time(end) / 1e3)
+    sync(device)
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
 
 
-def make_batch(device) -> PackedBatch:
+def make_batch(device, shape: Shape = QWEN3_8B) -> PackedBatch:
+    """Two (or `shape.docs`) random documents, each with a 64-token (or shorter) prompt unmasked."""
     g = torch.Generator().manual_seed(0)
-    n = DOC_LEN * DOCS
-    ids = torch.randint(0, VOCAB, (n,), generator=g)
-    doc = torch.arange(DOCS, dtype=torch.int32).repeat_interleave(DOC_LEN)
-    pos = torch.arange(DOC_LEN).repeat(DOCS)
-    lm = torch.ones(n, dtype=torch.bool)
-    lm[:64] = False  # a prompt at the start of each document
-    lm[DOC_LEN:DOC_LEN + 64] = False
-    hidden = torch.randn(n, K * H, device=device, dtype=torch.bfloat16)
+    n = shape.doc_len * shape.docs
+    ids = torch.randint(0, shape.vocab, (n,), generator=g)
+    doc = torch.arange(shape.docs, dtype=torch.int32).repeat_interleave(shape.doc_len)
+    pos = torch.arange(shape.doc_len).repeat(shape.docs)
+    lm = pos >= min(64, shape.doc_len // 4)  # a prompt at the start of each document
+    hidden = torch.randn(n, len(shape.target_layer_ids) * shape.hidden, generator=g).to(device, torch.bfloat16)
     meta = {"input_ids": ids, "position_ids": pos, "doc_ids": doc, "loss_mask": lm}
     return PackedBatch(hidden, ids.to(device), pos.to(device), doc.to(device), lm.to(device), 0, False, meta)
 
 
-def model_flops(packed: PackedBatch, device) -> float:
+def model_flops(packed: PackedBatch, device, shape: Shape = QWEN3_8B) -> float:
     """Useful FLOPs of one fwd+bwd for the anchors seed 0 draws (same for every repeat)."""
-    meta = packed.meta()
-    anchors = sample_anchors(meta["loss_mask"], meta["doc_ids"], ANCHORS, torch.Generator().manual_seed(0))
+    s, meta = shape, packed.meta()
+    anchors = sample_anchors(meta["loss_mask"], meta["doc_ids"], s.anchors, torch.Generator().manual_seed(0))
     m, n = len(anchors), packed.num_tokens
-    _, valid = block_targets(anchors, meta["loss_mask"], meta["doc_ids"], BLOCK)
+    _, valid = block_targets(anchors, meta["loss_mask"], meta["doc_ids"], s.block)
     rows = int(valid.sum())
-    q = m * BLOCK
+    q = m * s.block
     lay = build_layout(packed.doc_ids, packed.position_ids, meta["doc_ids"][anchors].to(device),
-                       anchors.to(device), meta["position_ids"][anchors].to(device), BLOCK)
+                       anchors.to(device), meta["position_ids"][anchors].to(device), s.block)
     pairs = float(dense_mask(lay, None)[: q].sum())  # benchmark setup, sync is fine
-    per_layer = (2 * q * H * HEADS * HEAD_DIM * 2            # q_proj, o_proj
-                 + 2 * (n + q) * H * KV_HEADS * HEAD_DIM * 2  # k_proj, v_proj on context + block
-                 + 2 * q * H * INTER * 3                      # MLP
-                 + 4 * pairs * HEADS * HEAD_DIM)              # QK^T and PV on visible pairs
-    fc = 2 * n * K * H * H
-    head = 2 * rows * H * VOCAB
-    return 3 * LAYERS * per_layer + 2 * fc + 2 * head
+    per_layer = (2 * q * s.hidden * s.heads * s.head_dim * 2             # q_proj, o_proj
+                 + 2 * (n + q) * s.hidden * s.kv_heads * s.head_dim * 2  # k_proj, v_proj on context + block
+                 + 2 * q * s.hidden * s.inter * 3                        # MLP
+                 + 4 * pairs * s.heads * s.head_dim)                     # QK^T and PV on visible pairs
+    fc = 2 * n * len(s.target_layer_ids) * s.hidden * s.hidden
+    head = 2 * rows * s.hidden * s.vocab
+    return 3 * s.layers * per_layer + 2 * fc + 2 * head
 
 
-def build_model(backend: str, device) -> DFlashDraftModel:
-    cfg = DFlashConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB,
-                       target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=VOCAB - 1, num_target_layers=36,
-                       block_size=BLOCK, attn_backend=backend)
+def build_model(backend: str, device, shape: Shape = QWEN3_8B) -> DFlashDraftModel:
+    """A bf16 drafter with a random frozen head, seeded: every call builds the same weights."""
+    s = shape
+    cfg = DFlashConfig(hidden_size=s.hidden, intermediate_size=s.inter, num_hidden_layers=s.layers,
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                       vocab_size=s.vocab, target_layer_ids=list(s.target_layer_ids), mask_token_id=s.vocab - 1,
+                       num_target_layers=s.num_target_layers, block_size=s.block, attn_backend=backend)
+    torch.manual_seed(0)
     with torch.device(device):
-        embed = nn.Embedding(VOCAB, H, dtype=torch.bfloat16)
-        lm_head = nn.Linear(H, VOCAB, bias=False, dtype=torch.bfloat16)
+        embed = nn.Embedding(s.vocab, s.hidden, dtype=torch.bfloat16)
+        lm_head = nn.Linear(s.hidden, s.vocab, bias=False, dtype=torch.bfloat16)
         nn.init.normal_(lm_head.weight, std=0.02)
         model = DFlashDraftModel(cfg, embed, lm_head)
     return model.to(torch.bfloat16)
 
 
-def time_backend(backend: str, packed: PackedBatch, repeats: int, warmup: int, device) -> dict:
-    model = build_model(backend, device)
+def time_variant(backend: str, loss: str, packed: PackedBatch, shape: Shape, repeats: int, warmup: int,
+                 device) -> dict:
+    """Median step time and peak memory of one (attention backend, LM-head loss) pair."""
+    model = build_model(backend, device, shape)
     ctx = packed.context(0.0)
     times_ms = []
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
     t_warm = time.perf_counter()
-    for i in range(warmup + repeats):
-        torch.cuda.synchronize(device)  # benchmark timing sync
-        t0 = time.perf_counter()
-        out = compute_loss(model, packed, ctx, ANCHORS, 7.0, torch.Generator().manual_seed(0))
-        out.loss.backward()
-        torch.cuda.synchronize(device)  # benchmark timing sync
-        if i >= warmup:
-            times_ms.append((time.perf_counter() - t0) * 1e3)
-        elif i == warmup - 1:
-            t_warm = time.perf_counter() - t_warm
-        model.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(device)
+    loss_mod.linear_cross_entropy = LOSSES[loss]
+    try:
+        for i in range(warmup + repeats):
+            if i == warmup and cuda:
+                # Peak of the timed steps alone: warm-up's compilation and autotuning (flex, the fused
+                # loss) allocate too, and only in whichever row compiles first.
+                torch.cuda.reset_peak_memory_stats(device)
+            sync(device)
+            t0 = time.perf_counter()
+            out = compute_loss(model, packed, ctx, shape.anchors, 7.0, torch.Generator().manual_seed(0))
+            out.loss.backward()
+            sync(device)
+            if i >= warmup:
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+            elif i == warmup - 1:
+                t_warm = time.perf_counter() - t_warm
+            model.zero_grad(set_to_none=True)
+    finally:
+        loss_mod.linear_cross_entropy = lm_loss.linear_cross_entropy
+    peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
     del model
-    torch.cuda.empty_cache()
-    return {"backend": backend, "median_ms": statistics.median(times_ms), "min_ms": min(times_ms),
-            "warmup_s": t_warm, "peak_mem_gib": peak / 2 ** 30, "loss": float(out.loss)}
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"backend": backend, "loss_variant": loss, "median_ms": statistics.median(times_ms),
+            "min_ms": min(times_ms), "warmup_s": t_warm if warmup else 0.0, "peak_mem_gib": peak / 2 ** 30,
+            "loss": float(out.loss.detach()), "tau": float(out.tau)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--backends", default="flex,dense")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_drafter: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    peak = matmul_peak_flops(device)
-    packed = make_batch(device)
-    flops = model_flops(packed, device)
-    rows = [time_backend(b, packed, args.repeats, args.warmup, device) for b in args.backends.split(",")]
-    tokens = packed.num_tokens
-    print(f"drafter fwd+bwd, {DOCS}x{DOC_LEN} tokens, {ANCHORS} anchors/doc, block {BLOCK}, bf16; "
-          f"measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; model {flops / 1e12:.1f} TFLOP/step")
-    print(f"{'backend':<10}{'median ms':>10}{'min ms':>9}{'tokens/s':>11}{'MFU':>7}{'vs peer':>9}"
+def print_rows(rows: list, shape: Shape, tokens: int, flops: float, peak: float) -> None:
+    """The results table, peer row last."""
+    print(f"drafter fwd+bwd, {shape.docs}x{shape.doc_len} tokens, {shape.anchors} anchors/doc, block "
+          f"{shape.block}, bf16; chunk {lm_loss.CHUNK_LOGIT_BYTES / 2 ** 20:.0f} MiB of logits; measured "
+          f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; model {flops / 1e12:.1f} TFLOP/step")
+    print(f"{'backend':<8}{'loss':>10}{'median ms':>10}{'min ms':>9}{'tokens/s':>11}{'MFU':>7}{'vs peer':>9}"
           f"{'peak GiB':>10}{'warmup s':>10}{'loss':>8}")
     for r in rows:
         r["tokens_per_s"] = tokens / (r["median_ms"] / 1e3)
         r["mfu"] = flops / (r["median_ms"] / 1e3) / peak
-        print(f"{r['backend']:<10}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['tokens_per_s']:>11.0f}"
-              f"{r['mfu']:>7.1%}{PEER_MS / r['median_ms']:>8.2f}x{r['peak_mem_gib']:>10.1f}"
-              f"{r['warmup_s']:>10.1f}{r['loss']:>8.3f}")
-    print(f"{'peer':<10}{PEER_MS:>10.1f}{'':>9}{tokens / (PEER_MS / 1e3):>11.0f}"
+        print(f"{r['backend']:<8}{r['loss_variant']:>10}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}"
+              f"{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}{PEER_MS / r['median_ms']:>8.2f}x"
+              f"{r['peak_mem_gib']:>10.1f}{r['warmup_s']:>10.1f}{r['loss']:>8.4f}")
+    print(f"{'peer':<18}{PEER_MS:>10.1f}{'':>9}{tokens / (PEER_MS / 1e3):>11.0f}"
           f"{flops / (PEER_MS / 1e3) / peak:>7.1%}{1.0:>8.2f}x   (public trainer, same shapes)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command line; `--loss both` expands to every loss variant."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backends", default=None, help="comma-separated; default flex,dense (dense with --tiny)")
+    ap.add_argument("--loss", default="chunked", help="unchunked, chunked, fused (comma-separated) or both")
+    ap.add_argument("--chunk-mib", type=float, default=None,
+                    help="logits per chunk, MiB (default: dflash.lm_loss's; 1 with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, dense: smoke-tests this script")
+    args = ap.parse_args(argv)
+    args.losses = list(LOSSES) if args.loss == "both" else args.loss.split(",")
+    bad = [v for v in args.losses if v not in LOSSES]
+    if bad:
+        ap.error(f"--loss: unknown variant {bad[0]!r} (choose from {', '.join(LOSSES)} or both)")
+    args.backends = (args.backends or ("dense" if args.tiny else "flex,dense")).split(",")
+    if args.chunk_mib is None and args.tiny:
+        args.chunk_mib = 1.0
+    return args
+
+
+def main(argv=None) -> int:
+    """Measure every (backend, loss) row, print the table, write $OUT/bench_drafter.json; exit code."""
+    args = parse_args(argv)
+    if args.tiny:
+        device, shape, peak = torch.device("cpu"), TINY, matmul_peak_flops(torch.device("cpu"), 256, 5)
+    elif not torch.cuda.is_available():
+        print("bench_drafter: needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    else:
+        device, shape = torch.device("cuda"), QWEN3_8B
+        peak = matmul_peak_flops(device)
+    if args.chunk_mib is not None:
+        lm_loss.CHUNK_LOGIT_BYTES = int(args.chunk_mib * 2 ** 20)
+    packed = make_batch(device, shape)
+    flops = model_flops(packed, device, shape)
+    rows = [time_variant(b, v, packed, shape, args.repeats, args.warmup, device)
+            for b in args.backends for v in args.losses]
+    print_rows(rows, shape, packed.num_tokens, flops, peak)
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_drafter.json").write_text(json.dumps(
-            {"peak_flops": peak, "model_flops": flops, "tokens": tokens, "peer_ms": PEER_MS, "rows": rows}, indent=2))
+            {"peak_flops": peak, "model_flops": flops, "tokens": packed.num_tokens, "peer_ms": PEER_MS,
+             "chunk_logit_bytes": lm_loss.CHUNK_LOGIT_BYTES, "tiny": args.tiny, "rows": rows}, indent=2))
     return 0
 
 
