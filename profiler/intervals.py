@@ -14,12 +14,17 @@ Two things are kept per span name and interval, and they differ for a span that 
   complete*: its CPU part has ended and, under CUDA, both its events have completed. CUDA pairs still
   unresolved when an interval closes are carried, whole, into the next one (so per-interval cpu and gpu
   counts agree). GPU time cannot be split (the events resolve after the span ends, and only their
-  difference is known): it lands whole where the pair resolved.
+  difference is known): it lands whole where the pair resolved. For `share` only, each resolved
+  span's GPU time is capped at the host window it can have run in within the interval: from max(its
+  begin, the interval's start) to min(when it was seen resolved, the interval's end). The GPU work
+  of a span lies between its begin and its resolution, so the cap never drops time that ran in
+  the interval; it keeps a long first step (compilation) from giving a share of 287%.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
@@ -31,7 +36,8 @@ logger = logging.getLogger("profiler")
 
 class _SpanAcc:
     """One span name's records in the current interval."""
-    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths")
+    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths",
+                 "gpu_windows")
 
     def __init__(self):
         self.count = 0
@@ -43,6 +49,7 @@ class _SpanAcc:
         self.bytes_cpu = 0.0      # their CPU seconds
         self.bytes_gpu = 0.0      # their GPU seconds
         self.depths: set = set()
+        self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
 
 
 class _RunSpan:
@@ -76,6 +83,7 @@ class IntervalAggregator:
         self._time_ns: dict = {}         # name -> CPU ns credited to the current interval (split time)
         self._carry_ns: dict = {}        # name -> ns of spans that ended past a closing boundary: next interval's
         self._credited: dict = {}        # open span id -> boundary (perf_counter_ns) its time is credited up to
+        self._start_ns: int | None = None   # the current interval's start boundary (perf_counter_ns), once known
 
     # ---- feeding -------------------------------------------------------------------------------
     def add_drained(self, drained, boundary_ns: int | None = None) -> None:
@@ -134,12 +142,13 @@ class IntervalAggregator:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
         threads = {id(rec): t for t, rec in self.pending}
         done, still = resolve([rec for _, rec in self.pending], self.event_pool)
+        seen_ns = time.perf_counter_ns()   # the span clock: a resolved pair's GPU work ended before this
         for rec, gpu_s in done:
-            self._add(threads[id(rec)], rec, gpu_s)
+            self._add(threads[id(rec)], rec, gpu_s, seen_ns)
         self.pending = [(threads[id(rec)], rec) for rec in still]
         return len(self.pending)
 
-    def _add(self, thread_name, rec, gpu_s) -> None:
+    def _add(self, thread_name, rec, gpu_s, seen_ns: int = 0) -> None:
         name, t0, t1, depth, nbytes = rec[0], rec[1], rec[2], rec[3], rec[4]
         acc = self._spans.get(name)
         if acc is None:
@@ -152,6 +161,7 @@ class IntervalAggregator:
         acc.depths.add(depth)
         if gpu_s is not None:
             acc.gpu.append(gpu_s)
+            acc.gpu_windows.append((gpu_s, t0, max(seen_ns, t1)))
         if nbytes is not None:
             acc.bytes += nbytes
             acc.bytes_n += 1
@@ -185,7 +195,8 @@ class IntervalAggregator:
         (SpanRecorder.open_spans(ids=True), read after the last drain) the spans still open there:
         their time inside the interval is credited to it (module doc). Without a boundary, only
         finished spans' time is counted."""
-        spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans))
+        spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans), boundary_ns)
+        self._start_ns = boundary_ns
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
                            "run_total": self._run_counters[name]}
                     for name, total in self._counters.items()}
@@ -200,7 +211,7 @@ class IntervalAggregator:
         self._counters, self._gauges, self._metrics = {}, {}, {}
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
-    def _close_spans(self, duration_s: float, open_pieces: dict) -> dict:
+    def _close_spans(self, duration_s: float, open_pieces: dict, boundary_ns: int | None = None) -> dict:
         """Span entries of every name that finished a span or held time in the interval; folds them into
         the run aggregates and starts the next interval with the time carried past the boundary."""
         spans = {}
@@ -227,11 +238,23 @@ class IntervalAggregator:
                                      summarize(acc.gpu, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
                                      acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
+            if entry["gpu"] is not None and duration_s > 0:
+                entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
             if self.event_pool is not None and len(acc.gpu) < acc.count:
                 entry["gpu_unresolved"] = acc.count - len(acc.gpu)
             spans[name] = entry
         self._spans, self._time_ns, self._carry_ns = {}, self._carry_ns, {}
         return spans
+
+    def _gpu_share_seconds(self, windows: list, boundary_ns: int | None) -> float:
+        """GPU seconds for `share`: each span's capped at the host window it can have run in within this
+        interval, max(begin, interval start) .. min(seen resolved, boundary) (module doc)."""
+        total = 0.0
+        for gpu_s, t0_ns, seen_ns in windows:
+            lo = t0_ns if self._start_ns is None else max(t0_ns, self._start_ns)
+            hi = seen_ns if boundary_ns is None else min(seen_ns, boundary_ns)
+            total += min(gpu_s, max(0, hi - lo) / 1e9)
+        return total
 
     def run_parts(self, duration_s: float) -> dict:
         """Whole-run "spans" (same per-span shape: the CPU total is the run's split time, every

@@ -170,6 +170,7 @@ def test_cuda_pairs_resolve_in_order_and_unresolved_are_carried(tmp_path, monkey
         for length_ms in (5.0, 7.0):
             with profiler.span("target.fwd"):
                 gpu.now_ms += length_ms               # the kernel this span enqueued
+                time.sleep(length_ms / 1e3)           # ... runs meanwhile (the share's cap is host time)
         gpu.done_ms = 5.0                             # only the first pair has completed
         clock.t += 60.0
         first = prof.close_interval()

@@ -151,6 +151,7 @@ def test_gpu_time_is_not_split_and_lands_where_the_pair_resolves(tmp_path):
             first = prof.close_interval()
             gpu["now_ms"] += 30.0                      # the kernels it enqueued
         second = prof.close_interval()                 # its CPU remainder; the pair is still pending
+        time.sleep(0.03)                               # the GPU runs its 30 ms (the share's cap needs the host time)
         gpu["done_ms"] = 30.0
         third = prof.close_interval()
     a, b, c = entries([first, second, third], LONG)
@@ -212,3 +213,23 @@ def test_a_span_open_when_the_log_ends_holds_time_but_not_the_mean(tmp_path):
     assert row["mean_seconds"] == pytest.approx(whole_s) and row["total_seconds"] >= whole_s + 0.03
     assert row["open_at_end"] is True and row["open_intervals"] == 1
     assert "; still open when the log ends" in format_hotspots(report)
+
+
+def test_a_cuda_span_longer_than_the_interval_never_holds_more_than_all_of_it(tmp_path):
+    """A first step with compilation: GPU time about its host time, resolved intervals after it began.
+    The whole GPU time is in the `gpu` block where it resolved; `share` caps it at the host window it
+    can have run in within that interval (module doc of profiler/intervals.py)."""
+    gpu = {"now_ms": 0.0, "done_ms": -1.0}
+    with make_prof(tmp_path, event_pool=EventPool(lambda: FakeEvent(gpu), prealloc=2)) as prof:
+        with profiler.span(LONG):
+            time.sleep(0.02)
+            first = prof.close_interval()
+            time.sleep(0.02)
+            gpu["now_ms"] += 45.0                      # GPU busy the whole time the host was in it (and a bit)
+        time.sleep(0.005)
+        gpu["done_ms"] = 45.0
+        second = prof.close_interval()
+    a, b = entries([first, second], LONG)
+    assert a["count"] == 0 and a["share"] <= 1.0
+    assert b["count"] == 1 and b["gpu"]["total_seconds"] == pytest.approx(0.045)
+    assert b["share"] <= 1.0 and b["share"] * second["duration_seconds"] <= 0.045
