@@ -22,6 +22,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from dflash import fused
 from dflash.attention import BlockLayout, MaskSet, resolve_backend
 
 
@@ -163,10 +164,29 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
         sliding_window=sliding_window, attn_backend=attn_backend)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [L, heads, D]; cos/sin: [L, D] (HF rotate_half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+def _norm(norm: Qwen3RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x): one compiled kernel on the fused path (dflash.fused), else the eager module."""
+    if fused.active(x):
+        return fused.rms_norm(x, norm)
+    return norm(x)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Qwen3RMSNorm):
+    """(s, norm(s)) for the residual stream s = x + delta (s = x when delta is None): the add and
+    the norm that reads it are one compiled kernel on the fused path, else eager as before."""
+    if delta is None:
+        return x, _norm(norm, x)
+    if fused.active(x):
+        return fused.add_rms_norm(x, delta, norm)
+    x = x + delta
+    return x, norm(x)
+
+
+def _mlp(mlp: Qwen3MLP, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3MLP.forward, with SiLU(gate) * up as one compiled kernel on the fused path."""
+    if fused.active(x) and mlp.config.hidden_act == "silu":
+        return mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp(x)
 
 
 class DraftAttention(nn.Module):
@@ -186,11 +206,15 @@ class DraftAttention(nn.Module):
     def forward(self, x, ctx, cos, sin, masks: MaskSet):
         """x: [Q, H] block states; ctx: [Np, H] normed context; cos/sin: [Np+Q, D]."""
         nq, nk = x.shape[0], ctx.shape[0] + x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, self.head_dim))
+        q = self.q_proj(x).view(nq, self.num_heads, self.head_dim)
         k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=0).view(nk, self.num_kv_heads, self.head_dim)
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=0).view(nk, self.num_kv_heads, self.head_dim)
-        k = _rope(self.k_norm(k), cos, sin)
-        q = _rope(q, cos[-nq:], sin[-nq:])
+        if fused.active(x):
+            # norms + RoPE + the cast attend() would make (to v's dtype) in one compiled function.
+            q, k = fused.qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, v.dtype)
+        else:
+            k = fused.rope_math(self.k_norm(k), cos, sin)
+            q = fused.rope_math(self.q_norm(q), cos[-nq:], sin[-nq:])
         out = masks.attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                            self.scaling, self.sliding_window)
         return self.o_proj(out[0].transpose(0, 1).reshape(nq, self.num_heads * self.head_dim))
@@ -204,9 +228,13 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, masks):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, ctx, cos, sin, masks):
+        """x: [Q, H] residual stream; delta: the previous layer's MLP output, not yet added to x
+        (None before the first layer), so that the add fuses with this layer's first norm.
+        Returns (x, delta) of this layer: its output is x + delta."""
+        x, h = _add_norm(x, delta, self.input_layernorm)
+        x, h = _add_norm(x, self.self_attn(h, ctx, cos, sin, masks), self.post_attention_layernorm)
+        return x, _mlp(self.mlp, h)
 
 
 class _FrozenHead:
@@ -272,7 +300,7 @@ class DFlashDraftModel(nn.Module):
                              f"{tuple(block_ids.shape)} do not match the layout")
         if not torch.is_autocast_enabled(context.device.type):
             context = context.to(dtype)  # under autocast fc casts itself; no float32 copy of [N, K*H]
-        ctx = self.hidden_norm(self.fc(context))
+        ctx = _norm(self.hidden_norm, self.fc(context))
         ctx = torch.cat([ctx, ctx.new_zeros(np_ - ctx.shape[0], ctx.shape[1])])
         ids = block_ids.new_full((mp, bs), self.config.mask_token_id)
         ids[: block_ids.shape[0]] = block_ids
@@ -283,6 +311,9 @@ class DFlashDraftModel(nn.Module):
         cos, sin = rotary(x, layout.kv_pos[None])
         backend = resolve_backend(self.config.attn_backend, x.device)
         masks = MaskSet(layout, backend, {self.config.window(i) for i in range(len(self.layers))})
+        delta = None
         for layer in self.layers:
-            x = layer(x, ctx, cos[0], sin[0], masks)
-        return self.norm(x)
+            x, delta = layer(x, delta, ctx, cos[0], sin[0], masks)
+        # An eager add: a fused add+norm would return a sum nothing reads, whose gradient
+        # AOTAutograd would then materialise as zeros.
+        return _norm(self.norm, x if delta is None else x + delta)
