@@ -2,7 +2,7 @@
 against a public trainer's 356 ms.
 
     python3 bench/bench_drafter.py [--repeats 8] [--backends flex,dense] [--loss chunked]
-                                   [--chunk-mib MIB] [--tiny]
+                                   [--chunk-mib MIB] [--fused on|off|both] [--tiny]
 
 Shapes: 5-layer drafter (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288,
 vocab 151936), K=5 target layers, bf16 parameters, block 16, 2 documents x 3072 tokens, 512 anchors
@@ -18,6 +18,13 @@ argmax), `chunked` is dflash.lm_loss's eager path, `fused` its torch.compile'd e
 (the trainer's default on CUDA); `both` means all three. `--chunk-mib` sets dflash.lm_loss.CHUNK_LOGIT_BYTES. Every row builds the
 same seeded model, so the loss column must agree across loss variants. `--tiny` runs tiny shapes on
 the CPU with the dense backend (a smoke test of this script; its timings mean nothing).
+
+`--fused` sets dflash.fused.ENABLED, the drafter's compiled RMSNorm / add+RMSNorm / q,k norm+RoPE /
+SiLU*mul kernels (CUDA only; default on, as in the trainer); `both` runs each row off, then on.
+`first s` is the first step's wall time: it holds torch.compile of flex (in the first row) and of
+the fused kernels (in the first row with them on). In `--fused both` the off row runs first, so the
+on row's first s minus its median step is what the fused kernels add to a start (cold, or loads from
+TORCHINDUCTOR_CACHE_DIR when it already holds them).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dflash.loss as loss_mod
-from dflash import lm_loss
+from dflash import fused, lm_loss
 from dflash.attention import build_layout, dense_mask
 from dflash.loss import block_targets, compute_loss, sample_anchors
 from dflash.model import DFlashConfig, DFlashDraftModel
@@ -160,15 +167,17 @@ def build_model(backend: str, device, shape: Shape = QWEN3_8B) -> DFlashDraftMod
     return model.to(torch.bfloat16)
 
 
-def time_variant(backend: str, loss: str, packed: PackedBatch, shape: Shape, repeats: int, warmup: int,
-                 device) -> dict:
-    """Median step time and peak memory of one (attention backend, LM-head loss) pair."""
+def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, shape: Shape, repeats: int,
+                 warmup: int, device) -> dict:
+    """Median step time and peak memory of one (attention backend, LM-head loss, fused kernels) row."""
     model = build_model(backend, device, shape)
     ctx = packed.context(0.0)
     times_ms = []
     cuda = device.type == "cuda"
     t_warm = time.perf_counter()
     loss_mod.linear_cross_entropy = LOSSES[loss]
+    fused_before, fused.ENABLED = fused.ENABLED, fused_on
+    first_s = math.nan
     try:
         for i in range(warmup + repeats):
             if i == warmup and cuda:
@@ -180,6 +189,8 @@ def time_variant(backend: str, loss: str, packed: PackedBatch, shape: Shape, rep
             out = compute_loss(model, packed, ctx, shape.anchors, 7.0, torch.Generator().manual_seed(0))
             out.loss.backward()
             sync(device)
+            if i == 0:
+                first_s = time.perf_counter() - t0
             if i >= warmup:
                 times_ms.append((time.perf_counter() - t0) * 1e3)
             elif i == warmup - 1:
@@ -187,12 +198,14 @@ def time_variant(backend: str, loss: str, packed: PackedBatch, shape: Shape, rep
             model.zero_grad(set_to_none=True)
     finally:
         loss_mod.linear_cross_entropy = lm_loss.linear_cross_entropy
+        fused.ENABLED = fused_before
     peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
     del model
     if cuda:
         torch.cuda.empty_cache()
-    return {"backend": backend, "loss_variant": loss, "median_ms": statistics.median(times_ms),
-            "min_ms": min(times_ms), "warmup_s": t_warm if warmup else 0.0, "peak_mem_gib": peak / 2 ** 30,
+    return {"backend": backend, "loss_variant": loss, "fused": "on" if fused_on else "off",
+            "median_ms": statistics.median(times_ms), "min_ms": min(times_ms),
+            "warmup_s": t_warm if warmup else 0.0, "first_step_s": first_s, "peak_mem_gib": peak / 2 ** 30,
             "loss": float(out.loss.detach()), "tau": float(out.tau)}
 
 
@@ -201,15 +214,15 @@ def print_rows(rows: list, shape: Shape, tokens: int, flops: float, peak: float)
     print(f"drafter fwd+bwd, {shape.docs}x{shape.doc_len} tokens, {shape.anchors} anchors/doc, block "
           f"{shape.block}, bf16; chunk {lm_loss.CHUNK_LOGIT_BYTES / 2 ** 20:.0f} MiB of logits; measured "
           f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; model {flops / 1e12:.1f} TFLOP/step")
-    print(f"{'backend':<8}{'loss':>10}{'median ms':>10}{'min ms':>9}{'tokens/s':>11}{'MFU':>7}{'vs peer':>9}"
-          f"{'peak GiB':>10}{'warmup s':>10}{'loss':>8}")
+    print(f"{'backend':<8}{'loss':>10}{'fused':>6}{'median ms':>10}{'min ms':>9}{'tokens/s':>11}{'MFU':>7}"
+          f"{'vs peer':>9}{'peak GiB':>10}{'warmup s':>10}{'first s':>9}{'loss':>8}")
     for r in rows:
         r["tokens_per_s"] = tokens / (r["median_ms"] / 1e3)
         r["mfu"] = flops / (r["median_ms"] / 1e3) / peak
-        print(f"{r['backend']:<8}{r['loss_variant']:>10}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}"
+        print(f"{r['backend']:<8}{r['loss_variant']:>10}{r['fused']:>6}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}"
               f"{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}{PEER_MS / r['median_ms']:>8.2f}x"
-              f"{r['peak_mem_gib']:>10.1f}{r['warmup_s']:>10.1f}{r['loss']:>8.4f}")
-    print(f"{'peer':<18}{PEER_MS:>10.1f}{'':>9}{tokens / (PEER_MS / 1e3):>11.0f}"
+              f"{r['peak_mem_gib']:>10.1f}{r['warmup_s']:>10.1f}{r['first_step_s']:>9.1f}{r['loss']:>8.4f}")
+    print(f"{'peer':<24}{PEER_MS:>10.1f}{'':>9}{tokens / (PEER_MS / 1e3):>11.0f}"
           f"{flops / (PEER_MS / 1e3) / peak:>7.1%}{1.0:>8.2f}x   (public trainer, same shapes)")
 
 
@@ -222,12 +235,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--loss", default="chunked", help="unchunked, chunked, fused (comma-separated) or both")
     ap.add_argument("--chunk-mib", type=float, default=None,
                     help="logits per chunk, MiB (default: dflash.lm_loss's; 1 with --tiny)")
+    ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
+                    help="dflash.fused kernels (CUDA only): on (default, as trained), off, or both rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, dense: smoke-tests this script")
     args = ap.parse_args(argv)
     args.losses = list(LOSSES) if args.loss == "both" else args.loss.split(",")
     bad = [v for v in args.losses if v not in LOSSES]
     if bad:
         ap.error(f"--loss: unknown variant {bad[0]!r} (choose from {', '.join(LOSSES)} or both)")
+    args.fused_variants = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
     args.backends = (args.backends or ("dense" if args.tiny else "flex,dense")).split(",")
     if args.chunk_mib is None and args.tiny:
         args.chunk_mib = 1.0
@@ -249,8 +265,8 @@ def main(argv=None) -> int:
         lm_loss.CHUNK_LOGIT_BYTES = int(args.chunk_mib * 2 ** 20)
     packed = make_batch(device, shape)
     flops = model_flops(packed, device, shape)
-    rows = [time_variant(b, v, packed, shape, args.repeats, args.warmup, device)
-            for b in args.backends for v in args.losses]
+    rows = [time_variant(b, v, f, packed, shape, args.repeats, args.warmup, device)
+            for b in args.backends for v in args.losses for f in args.fused_variants]
     print_rows(rows, shape, packed.num_tokens, flops, peak)
     out = os.environ.get("OUT")
     if out:
