@@ -1,0 +1,753 @@
+"""Profiling on vs `--no-profile`: a paired A/B of whole `dflash-train` runs that can resolve 1%.
+
+    python3 bench/ab_profile.py [--workload launch|gpu|both] [--pairs 8] [--steps N] [--budget-s S]
+                                [--device auto|cuda|cpu] [--small] [--workdir DIR] [--json FILE]
+
+Each run is `python -m dflash.cli` (the interpreter running this script, with this checkout first on
+PYTHONPATH; no console script needed) in a fresh run directory, with the same arguments in both arms
+except `--no-profile`. Each rank's meter writes RUN_DIR/throughput/rank{R}.json with or without the
+profiler; the metric is `tail_tokens_per_s` of rank 0 (the drafter) unless --metric/--rank say otherwise.
+
+Workloads:
+- `launch`: the built-in tiny target (hidden 128, many small kernels): bound by the host's kernel
+  launches and Python, so per-step CPU work of the profiler shows fully.
+- `gpu`: a random Qwen3-shaped target made here (hidden 2048, 12 layers, bf16 on CUDA) on long synthetic
+  conversations, 2 x 2048 tokens per batch and 512 anchors per sequence, 2 drafter layers: tens of ms of
+  GPU work per step, so host-side costs hide behind the device and only device-side ones remain.
+  The target and corpus are made once under the workdir and reused by every run.
+`--small` shrinks both to CPU sizes (a smoke test: it says nothing about 1%).
+
+What the harness controls, because run-to-run spread (+-10% seen on the H200) swamps a 1% effect:
+- Pairs in alternating order (on/off for even pairs, off/on for odd: ABBA...), so a drift over the
+  session (clocks, temperature, page cache, other tenants) hits both arms alike, and the statistic
+  is the per-pair ratio, not a difference of two arm means.
+- Warm-up run(s) first, discarded: they build the built-in target and corpus and fill the compile
+  caches. Every run shares one compile cache (--compile-cache, default WORKDIR/compile-cache): passed
+  as the trainer's `--compile-cache-dir` when this checkout has that flag, else as
+  TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (unless the caller set them).
+- The built-in target and corpus of the warm-up run are copied into every later run directory, so
+  no run regenerates them (the trainer reuses a matching build) and the page cache holds them.
+- Identical environment for both arms (PYTHONHASHSEED=0, the caches above), fixed `--seed`, the same
+  argument list; the order of the pair is the only other difference.
+- The same CPU set for every run (`taskset -c`, default: the CPUs `nvidia-smi topo` lists for GPU 0,
+  else all CPUs this process may use), so the scheduler's placement domain does not change by arm.
+  With --pin-ranks each rank gets its own whole physical cores of that set, set on every thread as
+  the rank starts (the trainer has no affinity option): two ranks' main threads then never share a
+  core or its hyperthread sibling, one way a run can land in a slow mode.
+- A cool-down sleep between runs (--cooldown-s), and the GPU's temperature, SM clock and power (and
+  the host's load average) recorded before each run, so a drift is visible in the JSON.
+- `--profile-interval 5` by default in both arms (ignored with --no-profile): the on arm closes
+  intervals (allocator stats, metric read-back, trace, exporters, console) inside the measured tail.
+  The users' default (60 s) costs less per second; 5 s is the stricter test.
+- The end-of-run evaluation is off (`--eval-prompts 0`): it comes after the meter and only costs time.
+
+Statistics (stdlib only; no scipy here): per arm n, mean, median, coefficient of variation; per pair the
+ratio on/off; the mean paired difference as the geometric mean ratio minus 1, with a 95% paired t
+interval from the per-pair log ratios (the t quantile is computed here from the regularized incomplete
+beta function). "resolves 1%" is yes when the interval's half-width is at most 1%. "on within 1% of
+off" is one-sided, since the question is the profiler's cost: yes when the interval's lower end is
+at or above -1%, no when its upper end is below -1%, otherwise (or with fewer than 2 pairs) undetermined.
+
+How many pairs: the interval's half-width is t(n-1) * sd / sqrt(n), sd being the spread of the per-pair
+log ratios (`sd_log_ratio` in the JSON). Resolving 1% takes 4 pairs at sd 0.5%, 7 at 1%, 12 at 1.5%,
+18 at 2% and 38 at 3%. `--budget-s` (per workload) stops starting pairs when the next would end past
+it; the first pair always runs. A run costs its start-up (imports, process groups, loading, compile
+from the cache) on top of its steps, so steps are kept short and the tail (the meter's last half)
+is what is compared.
+
+Output: a table per workload and the machine (GPU, torch, date) on stdout, a progress line per run,
+and a JSON rewritten after every run ($OUT/ab_profile.json when $OUT is set, else under the workdir),
+so a timeout still leaves every finished run. Needs no GPU: `--device cpu --small` runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_LEVEL = 0.95
+THRESHOLD_PCT = 1.0
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """Lentz's continued fraction of the incomplete beta function (Numerical Recipes, betacf)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    tail = 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t value with P(T <= t) = p (0.5 < p < 1), by bisection on t_cdf to 1e-12."""
+    if not 0.5 < p < 1.0 or df <= 0:
+        raise ValueError(f"t_quantile: need 0.5 < p < 1 and df > 0, got p={p}, df={df}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2.0
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def arm_stats(values: list[float]) -> dict:
+    """n, mean, median, coefficient of variation (sample stdev / mean), min and max of one arm."""
+    n = len(values)
+    mean = statistics.fmean(values) if n else None
+    cv = statistics.stdev(values) / mean if n > 1 and mean else None
+    return {"n": n, "mean": mean, "median": statistics.median(values) if n else None, "cv": cv,
+            "min": min(values) if n else None, "max": max(values) if n else None}
+
+
+def paired_stats(on: list[float], off: list[float], level: float = DEFAULT_LEVEL) -> dict:
+    """The paired comparison of on against off (same index = same pair): each pair's ratio on/off,
+    the geometric mean ratio as a difference in %, and its `level` t interval from the log ratios."""
+    if len(on) != len(off):
+        raise ValueError(f"paired_stats: {len(on)} on values but {len(off)} off values")
+    logs = [math.log(a / b) for a, b in zip(on, off)]
+    n = len(logs)
+    out = {"n": n, "ratios": [a / b for a, b in zip(on, off)], "level": level,
+           "mean_diff_pct": 100.0 * (math.exp(statistics.fmean(logs)) - 1.0) if n else None,
+           "sd_log_ratio": statistics.stdev(logs) if n > 1 else None,
+           "t_quantile": None, "ci_low_pct": None, "ci_high_pct": None, "half_width_pct": None}
+    if n > 1:
+        t = t_quantile(0.5 + level / 2.0, n - 1)
+        mean, half = statistics.fmean(logs), t * statistics.stdev(logs) / math.sqrt(n)
+        low, high = 100.0 * (math.exp(mean - half) - 1.0), 100.0 * (math.exp(mean + half) - 1.0)
+        out.update(t_quantile=t, ci_low_pct=low, ci_high_pct=high, half_width_pct=(high - low) / 2.0)
+    return out
+
+
+def verdicts(paired: dict, threshold_pct: float = THRESHOLD_PCT) -> dict:
+    """"resolves": the interval is at most +-threshold wide; "within": the on arm's cost, one-sided."""
+    half, low, high = paired.get("half_width_pct"), paired.get("ci_low_pct"), paired.get("ci_high_pct")
+    resolves = half is not None and half <= threshold_pct
+    if low is None:
+        within = "undetermined"
+    elif low >= -threshold_pct:
+        within = "yes"
+    elif high < -threshold_pct:
+        within = "no"
+    else:
+        within = "undetermined"
+    return {"threshold_pct": threshold_pct, "resolves": resolves, "within": within,
+            "on_faster_beyond_threshold": low is not None and low > threshold_pct}
+
+
+# ------------------------------------------------------------------------------------------- machine
+def _command_output(argv: list[str], timeout_s: float = 20.0, env: dict | None = None) -> str | None:
+    """A command's stdout, or None when it is missing or fails."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def machine_info(env: dict) -> dict:
+    """Date, host, CPUs, GPU (nvidia-smi), torch and the checkout's commit, for the report's header."""
+    probe = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
+             "'cuda': torch.version.cuda, 'gpu_count': torch.cuda.device_count() if c else 0, "
+             "'device_name': torch.cuda.get_device_name(0) if c else None}))")
+    torch_info = _command_output([sys.executable, "-c", probe], timeout_s=120, env=env)
+    smi = _command_output(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                           "--format=csv,noheader"])
+    commit = _command_output(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    dirty = _command_output(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"])
+    return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
+            "cpu_count": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),
+            "python": sys.version.split()[0], "torch": json.loads(torch_info) if torch_info else None,
+            "gpus": smi.splitlines() if smi else [], "commit": commit,
+            "tree_modified": bool(dirty) if dirty is not None else None}
+
+
+def gpu_state() -> dict:
+    """GPU temperature, SM clock and power now, and the host's load average: recorded per run."""
+    state: dict = {"loadavg_1m": os.getloadavg()[0]}
+    smi = _command_output(["nvidia-smi", "--query-gpu=temperature.gpu,clocks.sm,power.draw,utilization.gpu",
+                           "--format=csv,noheader,nounits"], timeout_s=10)
+    if smi:
+        fields = [f.strip() for f in smi.splitlines()[0].split(",")]
+        state.update(zip(("temperature_c", "sm_clock_mhz", "power_w", "util_percent"), fields))
+    return state
+
+
+def pick_cpus(spec: str) -> list[int] | None:
+    """The CPU set every run is pinned to: `none`, a taskset-style list ("0-7,12"), or `auto` (GPU 0's
+    CPU affinity from `nvidia-smi topo -m`, else every CPU this process may use)."""
+    if spec == "none" or shutil.which("taskset") is None:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec != "auto":
+        return _parse_cpu_list(spec)
+    topo = re.sub(r"\x1b\[[0-9;]*m", "", _command_output(["nvidia-smi", "topo", "-m"], timeout_s=10) or "")
+    header = next((line.split("\t") for line in topo.splitlines() if "CPU Affinity" in line), None)
+    row = next((line.split("\t") for line in topo.splitlines() if line.startswith("GPU0")), None)
+    if header and row and len(row) > header.index("CPU Affinity"):
+        try:
+            cpus = [c for c in _parse_cpu_list(row[header.index("CPU Affinity")].strip()) if c in allowed]
+        except ValueError:   # "N/A"
+            cpus = []
+        if cpus:
+            return cpus
+    return allowed
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    """"0-3,8" -> [0, 1, 2, 3, 8]; ValueError on anything else."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus += list(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+# ----------------------------------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    """One workload: its dflash-train arguments (besides run dir, steps and --no-profile) and what the
+    workdir must hold first."""
+    name: str
+    steps: int
+    flags: list
+    target_shape: dict | None = None
+    """Qwen3Config fields of a random target to make (None: the built-in tiny target)."""
+    corpus: dict = field(default_factory=dict)
+    """make_long_corpus arguments for the random target's data."""
+
+
+GPU_SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=32768, max_position_embeddings=4096,
+                 rope_theta=1_000_000.0)
+SMALL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=1024,
+                   rope_theta=1_000_000.0)
+
+
+def make_workload(name: str, small: bool, steps: int | None, conversations: int | None = None) -> Workload:
+    """The `launch` or `gpu` workload, full size or `small` (CPU smoke test); `conversations`: the
+    built-in corpus's size (default: the trainer's, 64 when small)."""
+    if name == "launch":
+        conversations = conversations or (64 if small else None)
+        flags = ["--builtin-conversations", str(conversations)] if conversations else []
+        return Workload("launch", steps or (16 if small else 300), flags)
+    length, batch, anchors = (128, 512, 16) if small else (2048, 4096, 512)
+    flags = ["--max-length", str(length), "--tokens-per-batch", str(batch), "--num-anchors", str(anchors),
+             "--num-draft-layers", "1" if small else "2", "--warmup-steps", "2"]
+    return Workload("gpu", steps or (12 if small else 150), flags, SMALL_SHAPE if small else GPU_SHAPE,
+                    {"n": 64 if small else 200, "words_per_turn": length})
+
+
+MAKE_TARGET = """
+import json, os, shutil, sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.utils import logging
+from dflash.tiny import build_tiny_tokenizer
+out, shape = sys.argv[1], json.loads(sys.argv[2])
+logging.disable_progress_bar()
+tok = build_tiny_tokenizer()
+cfg = Qwen3Config(**shape, tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+torch.manual_seed(0)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+tmp = out + ".tmp"
+shutil.rmtree(tmp, ignore_errors=True)
+model.save_pretrained(tmp, safe_serialization=True)
+tok.save_pretrained(tmp)
+os.replace(tmp, out)
+print(f"made {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters")
+"""
+
+
+def prepare_workload(wl: Workload, workdir: Path, env: dict) -> list[str]:
+    """Make the random target and corpus once (kept under the workdir, reused by later calls) and
+    return the arguments that point the trainer at them; nothing for the built-in target."""
+    if wl.target_shape is None:
+        return []
+    key = "-".join(f"{v}" for v in wl.target_shape.values())
+    target = workdir / f"target-{key}"
+    if not (target / "config.json").is_file():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", MAKE_TARGET, str(target), json.dumps(wl.target_shape)],
+                       check=True, env=env, cwd=REPO)
+        print(f"[{wl.name}] target made in {time.perf_counter() - t0:.0f} s", flush=True)
+    data = workdir / f"corpus-{wl.corpus['n']}x{wl.corpus['words_per_turn']}.jsonl"
+    if not data.is_file():
+        sys.path.insert(0, str(REPO / "bench"))
+        from bench_pipeline import make_long_corpus   # one word = one token of the tiny tokenizer
+        make_long_corpus(data, wl.corpus["n"], words_per_turn=wl.corpus["words_per_turn"])
+    return ["--target-model", str(target), "--data", str(data)]
+
+
+# ---------------------------------------------------------------------------------------------- runs
+@dataclass
+class Setup:
+    """What every run of a session shares: interpreter environment, CPU set, trainer flags."""
+    env: dict
+    cpus: list | None
+    common: list
+    """Arguments both arms get (device, seed, interval, cache flag, --extra)."""
+    metric: str
+    rank: int
+    cooldown_s: float
+    run_timeout_s: float
+    keep_runs: bool
+    workdir: Path
+    pin_ranks: bool = False
+    """Give each rank its own share of `cpus` (whole physical cores), set as the ranks start."""
+
+
+def base_env(cache_dir: Path | None) -> dict:
+    """The environment of every run: this checkout first on PYTHONPATH, a fixed hash seed, and, when
+    `cache_dir` is given (a trainer without --compile-cache-dir), the compile caches under it unless
+    the caller set them."""
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if cache_dir is not None:
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+        env.setdefault("TRITON_CACHE_DIR", str(cache_dir / "triton"))
+    return env
+
+
+def trainer_has_flag(flag: str, env: dict) -> bool:
+    """Whether this checkout's dflash-train knows `flag` (its --help lists every config field)."""
+    text = _command_output([sys.executable, "-m", "dflash.cli", "--help"], timeout_s=120, env=env) or ""
+    return flag in text.split()
+
+
+def train_argv(setup: Setup, run_dir: Path, args: list[str], arm: str) -> list[str]:
+    """The command line of one run: the same in both arms but for --no-profile."""
+    argv = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *setup.common, *args]
+    if arm == "off":
+        argv.append("--no-profile")
+    if setup.cpus:
+        argv = ["taskset", "-c", ",".join(map(str, setup.cpus)), *argv]
+    return argv
+
+
+def read_metric(run_dir: Path, rank: int, metric: str) -> tuple[float | None, dict]:
+    """The metric from RUN_DIR/throughput/rank{R}.json, and the whole file (empty when absent)."""
+    path = run_dir / "throughput" / f"rank{rank}.json"
+    try:
+        meter = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, {}
+    value = meter.get(metric)
+    return (float(value) if isinstance(value, (int, float)) else None), meter
+
+
+def seed_builtin(run_dir: Path, builtin: Path | None) -> None:
+    """A fresh run directory, holding a copy of the built-in target and corpus when one exists (a few
+    MB; copies, not links, since the trainer rewrites its marker files in place when they differ)."""
+    run_dir.mkdir(parents=True)
+    if builtin is not None and builtin.is_dir():
+        shutil.copytree(builtin, run_dir / "builtin")
+
+
+def core_groups(cpus: list[int]) -> list[list[int]]:
+    """`cpus` grouped by physical core (hyperthread siblings together, from sysfs), in order."""
+    groups, seen = [], set()
+    for cpu in cpus:
+        if cpu in seen:
+            continue
+        try:
+            path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+            siblings = _parse_cpu_list(Path(path).read_text().strip())
+        except (OSError, ValueError):
+            siblings = [cpu]
+        group = [c for c in cpus if c in siblings or c == cpu]
+        seen.update(group)
+        groups.append(group)
+    return groups
+
+
+def rank_cpu_sets(cpus: list[int], world: int) -> list[list[int]]:
+    """Disjoint CPU sets, one per rank, of whole physical cores; [] when there are too few cores."""
+    groups = core_groups(cpus)
+    per = len(groups) // world if world > 0 else 0
+    return [sum(groups[r * per:(r + 1) * per], []) for r in range(world)] if per else []
+
+
+class RankPinner:
+    """A thread that finds the launcher's rank processes (by RANK and WORLD_SIZE in their
+    environment) as they start and sets every thread of rank r to its own CPU set. The ranks' threads
+    made later inherit it; each rank is set again a second later for a thread made in between."""
+
+    def __init__(self, launcher_pid: int, cpus: list[int], poll_s: float = 0.01, timeout_s: float = 120.0):
+        self.launcher_pid, self.cpus, self.poll_s, self.timeout_s = launcher_pid, cpus, poll_s, timeout_s
+        self.pinned: dict = {}     # rank -> CPUs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ab.pinner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        deadline, first_set, set_again, sets = time.monotonic() + self.timeout_s, {}, set(), None
+        while not self._stop.wait(self.poll_s) and time.monotonic() < deadline:
+            ranks = _rank_children(self.launcher_pid)
+            for pid, rank, world in ranks:
+                sets = rank_cpu_sets(self.cpus, world) if sets is None else sets
+                if rank >= len(sets):   # too few cores for a set per rank: leave them all on `cpus`
+                    continue
+                if pid not in first_set:
+                    _set_affinity(pid, sets[rank])
+                    first_set[pid], self.pinned[rank] = time.monotonic(), sets[rank]
+                elif pid not in set_again and time.monotonic() - first_set[pid] > 1.0:
+                    _set_affinity(pid, sets[rank])
+                    set_again.add(pid)
+            if ranks and len(set_again) == ranks[0][2]:
+                return
+
+
+def _rank_children(pid: int) -> list[tuple[int, int, int]]:
+    """(pid, rank, world size) of each child of `pid` that is a dflash rank."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    out = []
+    for child in children:
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_bytes().decode(
+                errors="replace").split("\0") if "=" in kv)
+            out.append((child, int(env["RANK"]), int(env["WORLD_SIZE"])))
+        except (OSError, KeyError, ValueError):
+            continue
+    return out
+
+
+def _set_affinity(pid: int, cpus: list[int]) -> None:
+    """Every current thread of `pid` to `cpus` (a thread that just ended is skipped)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
+
+
+def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str) -> dict:
+    """One dflash-train run to completion (or --run-timeout-s): exit code, wall time, the metric, and
+    the machine state before it. The run is its own process group, stopped with it on any exit."""
+    state = gpu_state()
+    log = run_dir.with_suffix(".log")
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(train_argv(setup, run_dir, args, arm), stdout=out, stderr=subprocess.STDOUT,
+                                env=setup.env, cwd=REPO, start_new_session=True)
+        pinner = RankPinner(proc.pid, setup.cpus) if setup.pin_ranks and setup.cpus else None
+        try:
+            code = proc.wait(timeout=setup.run_timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _stop_group(proc)
+            if pinner is not None:
+                pinner.stop()
+    value, meter = read_metric(run_dir, setup.rank, setup.metric)
+    rec = {"arm": arm, "run_dir": str(run_dir), "exit": code, "wall_s": time.perf_counter() - t0,
+           "value": value, "throughput": meter, "before": state}
+    if pinner is not None:
+        rec["rank_cpus"] = pinner.pinned
+    if code != 0 or value is None:
+        rec["log_tail"] = log.read_text(errors="replace")[-3000:]
+    return rec
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to a run's process group (the trainer stops at a step boundary), SIGKILL 10 s later."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def tidy_run(run_dir: Path, keep: bool) -> None:
+    """Drop a finished run's checkpoints and built-ins (gigabytes for the gpu workload); the
+    throughput file, run log and config stay."""
+    if not keep:
+        for name in ("checkpoints", "builtin"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------------- report
+class Report:
+    """Everything measured so far, rewritten (atomically) as JSON after every run."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.data = path, dict(header, workloads={})
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Complete pairs only (both arms measured): per-arm stats, the paired comparison, the verdicts."""
+    by_pair: dict = {}
+    for r in runs:
+        if "pair" in r and r["value"] is not None:
+            by_pair.setdefault(r["pair"], {})[r["arm"]] = r["value"]
+    pairs = sorted(p for p, arms in by_pair.items() if len(arms) == 2)
+    on, off = [by_pair[p]["on"] for p in pairs], [by_pair[p]["off"] for p in pairs]
+    paired = paired_stats(on, off)
+    return {"pairs": pairs, "on": arm_stats(on), "off": arm_stats(off), "paired": paired,
+            "verdict": verdicts(paired)}
+
+
+def _pct(x: float | None, signed: bool = True) -> str:
+    return "n/a" if x is None else (f"{x:+.2f}%" if signed else f"{x:.2f}%")
+
+
+def format_summary(name: str, section: dict) -> str:
+    """The workload's table: pairs, arms, the paired difference with its interval, the verdicts."""
+    s, runs = section["summary"], section["runs"]
+    lines = [f"== {name}: {section['metric']} of rank {section['rank']}, {section['steps']} steps, "
+             f"{len(s['pairs'])} complete pairs (alternating order)", "| pair | order | on | off | on/off |",
+             "|---|---|---|---|---|"]
+    for p, ratio in zip(s["pairs"], s["paired"]["ratios"]):
+        arms = [r for r in runs if r.get("pair") == p]
+        value = {r["arm"]: r["value"] for r in arms}
+        lines.append(f"| {p + 1} | {','.join(r['arm'] for r in arms)} | {value['on']:,.0f} | {value['off']:,.0f} "
+                     f"| {ratio:.4f} |")
+    lines += ["| arm | n | mean | median | CV |", "|---|---|---|---|---|"]
+    for arm in ("on", "off"):
+        a = s[arm]
+        if a["n"]:
+            cv = _pct(100 * a["cv"] if a["cv"] is not None else None, False)
+            lines.append(f"| {arm} | {a['n']} | {a['mean']:,.0f} | {a['median']:,.0f} | {cv} |")
+    p, v = s["paired"], s["verdict"]
+    t = f", t={p['t_quantile']:.3f}" if p["t_quantile"] else ""
+    lines.append(f"mean paired difference, on vs off: {_pct(p['mean_diff_pct'])} "
+                 f"({100 * p['level']:.0f}% CI {_pct(p['ci_low_pct'])} .. {_pct(p['ci_high_pct'])}{t}, n={p['n']})")
+    lines.append(f"resolves {v['threshold_pct']:g}%: {'yes' if v['resolves'] else 'no'} "
+                 f"(CI half-width {_pct(p['half_width_pct'], False)})")
+    lines.append(f"on within {v['threshold_pct']:g}% of off: {v['within']}")
+    if v["on_faster_beyond_threshold"]:
+        lines.append("note: on is faster than off beyond the threshold: the arms differ in something besides "
+                     "the profiler")
+    return "\n".join(lines)
+
+
+def format_machine(m: dict) -> str:
+    """One line of where and when: GPU(s), torch, CPUs, date, commit."""
+    torch_info = m.get("torch") or {}
+    gpu = "; ".join(m["gpus"]) or torch_info.get("device_name") or "no GPU"
+    commit = (m.get("commit") or "unknown")[:12] + (" (modified)" if m.get("tree_modified") else "")
+    return (f"machine: {gpu} | torch {torch_info.get('torch')} (CUDA {torch_info.get('cuda')}) | python "
+            f"{m['python']} | {m['cpus_allowed']}/{m['cpu_count']} CPUs | {m['host']} | {m['date_utc']} "
+            f"| commit {commit}")
+
+
+# ------------------------------------------------------------------------------------------- driving
+def _progress(name: str, rec: dict, label: str, section: dict) -> None:
+    """One line per run, and the running paired result once a pair is complete."""
+    value = "FAILED (exit {})".format(rec["exit"]) if rec["value"] is None else f"{rec['value']:,.0f}"
+    line = f"[{name}] {label} {rec['arm']}: {value} in {rec['wall_s']:.0f} s"
+    p = section["summary"]["paired"]
+    if p["n"]:
+        line += (f" | on/off {_pct(p['mean_diff_pct'])} CI {_pct(p['ci_low_pct'])} .. "
+                 f"{_pct(p['ci_high_pct'])} (n={p['n']})")
+    print(line, flush=True)
+    if rec["value"] is None:
+        print(rec.get("log_tail", ""), flush=True)
+
+
+def _measure(setup: Setup, section: dict, report: Report, run_dir: Path, args: list, arm: str, extra: dict) -> dict:
+    """Run, record, save the JSON, print the progress line, cool down (the caller tidies the run)."""
+    rec = dict(run_once(setup, run_dir, args, arm), **extra)
+    section["runs"].append(rec)
+    section["summary"] = summarize(section["runs"])
+    report.save()
+    label = "warm-up" if rec.get("warmup") else f"pair {rec['pair'] + 1}/{section['pairs_planned']}"
+    _progress(section["name"], rec, label, section)
+    time.sleep(setup.cooldown_s)
+    return rec
+
+
+def _warm_up(setup: Setup, wl: Workload, section: dict, report: Report, runs: Path, args: list,
+             count: int) -> Path | None:
+    """The discarded runs; keeps the first good run's built-in target and corpus for the rest (and for
+    later calls with this workdir: the key holds every flag that shapes them)."""
+    builtin = setup.workdir / ("builtin-" + "-".join(wl.flags or ["default"]).replace("--", ""))
+    for i in range(count):
+        run_dir = runs / f"warmup{i + 1}-{('on', 'off')[i % 2]}"
+        seed_builtin(run_dir, builtin if wl.target_shape is None else None)
+        rec = _measure(setup, section, report, run_dir, args, ("on", "off")[i % 2], {"warmup": True})
+        if wl.target_shape is None and rec["exit"] == 0 and not builtin.is_dir() and (run_dir / "builtin").is_dir():
+            shutil.copytree(run_dir / "builtin", builtin)
+        tidy_run(run_dir, setup.keep_runs)
+    return builtin if wl.target_shape is None and builtin.is_dir() else None
+
+
+def run_workload(setup: Setup, wl: Workload, report: Report, pairs: int, warmups: int, budget_s: float) -> dict:
+    """Warm-up, then up to `pairs` alternating pairs (on/off, off/on, ...) while the budget lasts."""
+    t0 = time.monotonic()
+    args = [*prepare_workload(wl, setup.workdir, setup.env), *wl.flags, "--max-steps", str(wl.steps)]
+    runs = setup.workdir / "runs" / f"{wl.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    section = report.data["workloads"][wl.name] = {
+        "name": wl.name, "metric": setup.metric, "rank": setup.rank, "steps": wl.steps, "pairs_planned": pairs,
+        "args": [*setup.common, *args], "cpus": setup.cpus, "runs": [], "summary": summarize([])}
+    builtin = _warm_up(setup, wl, section, report, runs, args, warmups)
+    failures = 0
+    for i in range(pairs):
+        measured = [r["wall_s"] + setup.cooldown_s for r in section["runs"] if not r.get("warmup")] or \
+                   [r["wall_s"] + setup.cooldown_s for r in section["runs"]] or [0.0]
+        if budget_s and i > 0 and time.monotonic() - t0 + 2 * statistics.fmean(measured) > budget_s:
+            section["stopped"] = f"budget: {budget_s:.0f} s would be exceeded by pair {i + 1}"
+            print(f"[{wl.name}] {section['stopped']}", flush=True)
+            break
+        for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            run_dir = runs / f"p{i + 1:02d}-{arm}"
+            seed_builtin(run_dir, builtin)
+            rec = _measure(setup, section, report, run_dir, args, arm, {"pair": i})
+            tidy_run(run_dir, setup.keep_runs)
+            failures = failures + 1 if rec["value"] is None else 0
+        if failures >= 2:
+            section["stopped"] = "two runs in a row failed"
+            break
+    section["wall_s"] = time.monotonic() - t0
+    report.save()
+    return section
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("launch", "gpu", "both"), default="both")
+    ap.add_argument("--pairs", type=int, default=8, help="at most this many on/off pairs per workload")
+    ap.add_argument("--warmup-runs", type=int, default=1, help="discarded runs first (builds, compile caches)")
+    ap.add_argument("--steps", type=int, default=None, help="--max-steps of every run (default per workload)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="per workload: start no pair that would end after this many seconds (0 = no limit)")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--small", action="store_true", help="CPU-sized workloads (a smoke test)")
+    ap.add_argument("--builtin-conversations", type=int, default=None,
+                    help="the launch workload's built-in corpus size (default: the trainer's)")
+    ap.add_argument("--metric", default="tail_tokens_per_s", help="field of RUN_DIR/throughput/rank{R}.json")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--profile-interval", default="5", help="--profile-interval of both arms")
+    ap.add_argument("--seed", default="0")
+    ap.add_argument("--cooldown-s", type=float, default=3.0, help="sleep between runs")
+    ap.add_argument("--cpus", default="auto", help="taskset CPU list for every run, 'auto' or 'none'")
+    ap.add_argument("--pin-ranks", action="store_true",
+                    help="also split those CPUs into one set of whole physical cores per rank")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dflash-ab",
+                    help="run directories, the random target, corpus and built-ins (kept between calls)")
+    ap.add_argument("--compile-cache", type=Path, default=None, help="default: WORKDIR/compile-cache")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default: $OUT/ab_profile.json, else WORKDIR/ab_profile.json")
+    ap.add_argument("--run-timeout-s", type=float, default=600.0)
+    ap.add_argument("--keep-runs", action="store_true", help="keep checkpoints and built-ins of every run")
+    ap.add_argument("--extra", default="", help="more dflash-train arguments for both arms, one string (not "
+                    "--builtin-conversations: use the option above, which keys the built-in cache)")
+    a = ap.parse_args(argv)
+    if a.pairs < 1 or a.warmup_runs < 0:
+        ap.error("--pairs must be >= 1 and --warmup-runs >= 0")
+    return a
+
+
+def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
+    """The shared environment, CPU set and trainer arguments of every run, and how the compile cache
+    is shared: the trainer's --compile-cache-dir when it has one (each rank then sets both cache
+    variables itself), else TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in the environment."""
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    cache = (a.compile_cache or a.workdir / "compile-cache").absolute()
+    common = ["--device", a.device, "--seed", a.seed, "--profile-interval", a.profile_interval, "--eval-prompts", "0"]
+    if trainer_has_flag("--compile-cache-dir", base_env(None)):
+        env, how = base_env(None), f"--compile-cache-dir {cache}"
+        common += ["--compile-cache-dir", str(cache)]
+    else:
+        env = base_env(cache)
+        how = (f"TORCHINDUCTOR_CACHE_DIR={env['TORCHINDUCTOR_CACHE_DIR']} TRITON_CACHE_DIR={env['TRITON_CACHE_DIR']} "
+               "(this trainer has no --compile-cache-dir)")
+    common += a.extra.split()
+    setup = Setup(env=env, cpus=pick_cpus(a.cpus), common=common, metric=a.metric, rank=a.rank,
+                  cooldown_s=a.cooldown_s, run_timeout_s=a.run_timeout_s, keep_runs=a.keep_runs,
+                  workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks)
+    return setup, how
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us
+    setup, cache_note = build_setup(a)
+    json_path = a.json or (Path(os.environ["OUT"]) / "ab_profile.json" if os.environ.get("OUT")
+                           else setup.workdir / "ab_profile.json")
+    machine = machine_info(setup.env)
+    print(format_machine(machine), flush=True)
+    per_rank = " (a share per rank)" if setup.pin_ranks else ""
+    print(f"cpus: {setup.cpus or 'not pinned'}{per_rank} | compile cache: {cache_note} | json: {json_path}", flush=True)
+    report = Report(json_path, {"machine": machine, "command": sys.argv, "compile_cache": cache_note,
+                                "cpus": setup.cpus})
+    names = ("launch", "gpu") if a.workload == "both" else (a.workload,)
+    sections = []
+    for name in names:
+        wl = make_workload(name, a.small, a.steps, a.builtin_conversations)
+        sections.append(run_workload(setup, wl, report, a.pairs, a.warmup_runs, a.budget_s))
+        print(format_summary(name, sections[-1]), flush=True)
+    print(format_machine(machine))
+    return 0 if all(s["summary"]["pairs"] for s in sections) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

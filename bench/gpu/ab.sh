@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call (1 GPU, about 6 minutes): profiling on vs --no-profile as paired, alternating A/B
+# runs of dflash-train (bench/ab_profile.py), first on the launch-bound built-in tiny target, then on
+# a GPU-bound random target made on the machine. Each workload starts no pair that would end after
+# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run), so the
+# call stays inside ~6 minutes; each run is pinned, rank by rank, to its own physical cores.
+# Left in $OUT: ab.log (progress lines, tables, machine), ab_launch.json and ab_gpu.json (rewritten
+# after every run, so a timeout keeps every finished run), ab-runs.tgz (each run's throughput file,
+# config, run log and output), and ab-cache.tgz.* (the compile cache and the built-in target and
+# corpus): put those in ./cache/ and carry `cache`, and the next call skips compiling and building.
+# Carried .whl/*.whl (if any) are installed into /tmp/site first, as in exporters.sh.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+if compgen -G "cache/ab-cache.tgz.*" > /dev/null; then cat cache/ab-cache.tgz.* | tar xzf -; fi
+CACHE=.cache/ab-compile WORK=.cache/ab-work   # kept on a warm machine (ignored by git, not carried)
+ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
+  local name=$1 budget=$2 t0=$SECONDS; shift 2
+  timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
+    --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks "$@"
+  echo "=== $name: exit $? in $((SECONDS - t0)) s"
+}
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+for w in ${AB_WORKLOADS:-launch gpu}; do
+  case $w in
+    launch) ab launch "${AB_LAUNCH_BUDGET_S:-150}" --steps 300 --pairs 12 --builtin-conversations 400 ;;
+    gpu) ab gpu "${AB_GPU_BUDGET_S:-160}" --steps 150 --pairs 12 ;;
+  esac
+done
+} 2>&1 | tee "$OUT/ab.log"
+(cd "$WORK/runs" && tar czf "$OUT/ab-runs.tgz" */*/throughput */*/config.json */*/profile */*.log 2> /dev/null)
+tar czf - "$CACHE" $WORK/builtin-* 2> /dev/null | split -b 15M - "$OUT/ab-cache.tgz."
+ls -la "$OUT"

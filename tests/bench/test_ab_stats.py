@@ -1,0 +1,60 @@
+"""The statistics of bench/ab_profile.py (the profiling on/off A/B): t quantiles against published
+tables, and the paired interval and verdicts on numbers worked out by hand."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "ab_profile.py"
+_spec = importlib.util.spec_from_file_location("ab_profile", _PATH)
+ab = sys.modules["ab_profile"] = importlib.util.module_from_spec(_spec)   # dataclasses look it up there
+_spec.loader.exec_module(ab)
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706205), (2, 4.302653), (3, 3.182446), (5, 2.570582),
+                                          (10, 2.228139), (30, 2.042272), (120, 1.979930)])
+def test_t_quantile_matches_the_tables(df, expected):
+    assert ab.t_quantile(0.975, df) == pytest.approx(expected, abs=2e-6)
+
+
+def test_t_cdf_inverts_the_quantile_and_is_symmetric():
+    for df in (1, 4, 17):
+        t = ab.t_quantile(0.9, df)
+        assert ab.t_cdf(t, df) == pytest.approx(0.9, abs=1e-10)
+        assert ab.t_cdf(-t, df) == pytest.approx(0.1, abs=1e-10)
+
+
+def test_paired_interval_on_known_numbers():
+    # Log ratios ln(1.01), ln(0.99), ln(1.02), 0: n = 4, t(0.975, 3) = 3.182446.
+    on, off = [101.0, 99.0, 102.0, 100.0], [100.0] * 4
+    logs = [math.log(1.01), math.log(0.99), math.log(1.02), 0.0]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    half = 3.182446 * sd / 2
+    p = ab.paired_stats(on, off)
+    assert p["n"] == 4 and p["ratios"] == pytest.approx([1.01, 0.99, 1.02, 1.0])
+    assert p["mean_diff_pct"] == pytest.approx(100 * (math.exp(mean) - 1))
+    assert p["ci_low_pct"] == pytest.approx(100 * (math.exp(mean - half) - 1), rel=1e-6)
+    assert p["ci_high_pct"] == pytest.approx(100 * (math.exp(mean + half) - 1), rel=1e-6)
+    assert p["ci_low_pct"] == pytest.approx(-1.5397, abs=1e-3) and p["ci_high_pct"] == pytest.approx(2.5692, abs=1e-3)
+    v = ab.verdicts(p)
+    assert v["resolves"] is False and v["within"] == "undetermined"
+
+
+def test_verdicts_yes_no_and_a_single_pair():
+    tight_slow = ab.paired_stats([97.0, 97.1, 96.9, 97.0], [100.0] * 4)    # -3% +- 0.2%
+    assert ab.verdicts(tight_slow)["resolves"] is True and ab.verdicts(tight_slow)["within"] == "no"
+    tight_same = ab.paired_stats([99.9, 100.1, 100.0, 100.2], [100.0] * 4)
+    assert ab.verdicts(tight_same)["resolves"] is True and ab.verdicts(tight_same)["within"] == "yes"
+    single = ab.paired_stats([99.0], [100.0])
+    assert single["ci_low_pct"] is None and ab.verdicts(single)["within"] == "undetermined"
+
+
+def test_arm_stats():
+    s = ab.arm_stats([90.0, 100.0, 110.0])
+    assert (s["n"], s["mean"], s["median"], s["min"], s["max"]) == (3, 100.0, 100.0, 90.0, 110.0)
+    assert s["cv"] == pytest.approx(0.1)
