@@ -219,7 +219,7 @@ def gpu_state() -> dict:
 def pick_cpus(spec: str) -> list[int] | None:
     """The CPU set every run is pinned to: `none`, a taskset-style list ("0-7,12"), or `auto` (GPU 0's
     CPU affinity from `nvidia-smi topo -m`, else every CPU this process may use)."""
-    if spec == "none" or shutil.which("taskset") is None:
+    if spec == "none":
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if spec != "auto":
@@ -364,7 +364,7 @@ def train_argv(setup: Setup, run_dir: Path, args: list[str], arm: str) -> list[s
     argv = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *setup.common, *args]
     if arm == "off":
         argv.append("--no-profile")
-    if setup.cpus:
+    if setup.cpus and shutil.which("taskset"):   # without taskset, only --pin-ranks narrows the ranks
         argv = ["taskset", "-c", ",".join(map(str, setup.cpus)), *argv]
     return argv
 
