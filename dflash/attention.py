@@ -13,9 +13,20 @@ than `window` positions away, as the reference's non-causal window) and nothing 
 use document -2 and padding context tokens document -1, so padding never matches anything but a
 padding block's own keys: no query row is fully masked, so neither backend produces NaNs.
 
-`flex` runs torch.nn.attention.flex_attention with a BlockMask (compiled once per process, CUDA
-only); `dense` runs SDPA with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same
-mask_mod, so their semantics cannot drift apart.
+`flex` runs torch.nn.attention.flex_attention with a BlockMask (compiled on CUDA); `dense` runs SDPA
+with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same mask_mod, so their semantics cannot
+drift apart.
+
+One compile for every batch. Packed batches change N and M every step. Left to itself, torch.compile
+compiles the first shape static and recompiles dynamic at the next (measured on an H200: 28.7 s + 16.5 s
+on the tiny target, about 180 s in the 8B pipeline). So the lengths that vary are declared dynamic before
+the first call: `maybe_mark_dynamic` on the query/key lengths, the BlockMask's block-count dims and the
+mask_mod's tables, and `torch.compiler.config.dynamic_sources` for the two ints a BlockMask carries
+(seq_lengths) and create_block_mask's Q_LEN/KV_LEN. Everything else (heads, head dim, block size, window,
+scale) stays static, as in the recompile torch would make. A size-1 dim is always specialised by dynamo,
+so the layout pads queries to at least two 128-row tiles. As in torch's own dynamic recompile, inductor
+then bounds-checks the lengths in the kernel (IS_DIVISIBLE off), though every padded length is a
+multiple of 128.
 """
 
 from __future__ import annotations
@@ -29,6 +40,12 @@ import torch.nn.functional as F
 PAD_MULTIPLE = 128
 """Row padding for context and query lengths: flex_attention's default tile is 128x128, and an
 aligned layout puts each 8-anchor query tile on exactly one tile of block keys."""
+MIN_QUERY_TILES = 2
+"""Queries are padded to at least this many tiles: a BlockMask with one query tile has size-1 dims,
+which dynamo specialises, so a batch of few anchors would compile a graph of its own."""
+DYNAMIC_INTS = ("L['block_mask'].seq_lengths[0]", "L['block_mask'].seq_lengths[1]", "L['Q_LEN']", "L['KV_LEN']")
+"""The varying ints the compiled functions read (flex_attention's BlockMask lengths, create_block_mask's
+arguments), by dynamo's source names."""
 
 BACKENDS = ("auto", "flex", "dense")
 
@@ -81,7 +98,8 @@ def build_layout(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, anchor_doc: torch
     # Anchor padding so that the query length Mp*B is a multiple of 128 for any block size: flex
     # then never evaluates mask_mod on a query row outside the per-anchor tables.
     np_ = _round_up(n, PAD_MULTIPLE)
-    mp = _round_up(m, PAD_MULTIPLE // math.gcd(PAD_MULTIPLE, block_size))
+    anchor_step = PAD_MULTIPLE // math.gcd(PAD_MULTIPLE, block_size)
+    mp = _round_up(max(m, -(-MIN_QUERY_TILES * PAD_MULTIPLE // block_size)), anchor_step)
     q = mp * block_size
     i32, i64 = torch.int32, torch.int64
     a_doc = torch.full((mp,), -2, dtype=i32, device=device)
@@ -141,33 +159,72 @@ def dense_mask(layout: BlockLayout, sliding_window: int | None) -> torch.Tensor:
     return torch.cat([ctx.reshape(q, np_), own], dim=1)
 
 
-def flex_block_mask(layout: BlockLayout, sliding_window: int | None):
+def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bool | None = None):
+    """The layout's BlockMask, its varying dims declared dynamic. `compile` (None: on CUDA) evaluates the
+    mask tile by tile with compiled create_block_mask instead of materialising [Q, KV] (the eager path is
+    fine for the small shapes the CPU sees)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     q, kv = layout.num_queries, layout.kv_doc.shape[0]
     device = layout.kv_doc.device
-    # _compile=True evaluates the mask tile by tile instead of materialising [Q, KV] (CUDA only;
-    # on CPU the eager path is fine for the small shapes it sees).
-    return create_block_mask(make_mask_mod(layout, sliding_window), None, None, q, kv,
-                             device=device, _compile=device.type == "cuda")
+    compile = device.type == "cuda" if compile is None else compile
+    for table in (layout.kv_doc, layout.kv_pos, layout.kv_block, layout.anchor_doc, layout.anchor_limit,
+                  layout.anchor_pos):
+        torch._dynamo.maybe_mark_dynamic(table, 0)
+    build = compiled(create_block_mask) if compile else create_block_mask
+    mask = build(make_mask_mod(layout, sliding_window), None, None, q, kv, device=device)
+    mark_block_mask_dynamic(mask)
+    return mask
 
 
-_compiled_flex = None
+def mark_block_mask_dynamic(mask) -> None:
+    """Declare a BlockMask's query- and key-tile dims dynamic ([B, H, tiles(, tiles)]; B and H stay 1)."""
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        t = getattr(mask, name, None)
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+    for name in ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices"):
+        t = getattr(mask, name, None)
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+            torch._dynamo.maybe_mark_dynamic(t, 3)
+
+
+def mark_lengths_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Declare the query and key lengths ([1, H, L, D] dim 2) dynamic before a compiled flex call."""
+    for t in (q, k, v):
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+_compiled: dict = {}
+
+
+def compiled(fn, backend: str = "inductor"):
+    """torch.compile(fn), made once per process and backend. The varying ints are declared dynamic
+    (DYNAMIC_INTS) first; everything else starts static, so what is marked dynamic is all that is."""
+    key = (fn, backend)
+    if key not in _compiled:
+        _declare_dynamic_ints()
+        _compiled[key] = torch.compile(fn, backend=backend)
+    return _compiled[key]
+
+
+def _declare_dynamic_ints() -> None:
+    """Add DYNAMIC_INTS to torch.compiler.config.dynamic_sources (keeping what is there). A torch
+    without that setting recompiles once when the lengths first change, and goes on from there."""
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return
+    have = [s for s in config.dynamic_sources.replace(" ", "").split(",") if s]
+    config.dynamic_sources = ",".join(have + [s for s in DYNAMIC_INTS if s not in have])
 
 
 def _flex_fn(device: torch.device):
-    """flex_attention, compiled once per process on CUDA; eager (reference math) on CPU."""
-    global _compiled_flex
+    """flex_attention, compiled on CUDA; eager (reference math) on CPU, where inductor's flex template
+    cannot take a dynamic query length (torch 2.13: its C++ does not compile)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        # Default dynamic=None: the first shape compiles static, the next change recompiles with
-        # dynamic sizes once; packed batches change N and M every step, and hitting the recompile
-        # limit would silently fall back to eager flex (full score matrices -> OOM).
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return compiled(flex_attention) if device.type == "cuda" else flex_attention
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -194,6 +251,7 @@ class MaskSet:
         # kernels need one dtype, and v's is the one autocast chose.
         q, k = q.to(v.dtype), k.to(v.dtype)
         if self.backend == "flex":
+            mark_lengths_dynamic(q, k, v)
             return _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
