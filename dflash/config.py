@@ -58,6 +58,12 @@ class TrainConfig:
     the drafter is scored on the features it was trained on."""
     attn_backend: str = "auto"
     """Drafter attention: auto (flex on CUDA, dense on CPU), flex, or dense."""
+    compile_cache_dir: str | None = None
+    """Directory of the compile caches kept across runs (inductor's FX graph and AOTAutograd caches and
+    Triton's kernels; each rank sets TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR to it), so a restart
+    loads the drafter's compiled kernels instead of compiling them again. None: $XDG_CACHE_HOME/dflash/compile,
+    else ~/.cache/dflash/compile. Created with mode 0700; a symlink, another user's directory or a
+    group/world-writable one is refused (exit 2): the kernels in it run in this process."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1

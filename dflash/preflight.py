@@ -3,7 +3,8 @@ CLI exits 2) that names the field or FILE:LINE. It reads and never writes: no ru
 created, so a corrected retry starts clean.
 
 Checked, cheapest first: a DFLASH_FAULT names only faults that can fire; the device, transfer and attention choices are possible on this machine,
-and the rank split works; a --metrics-port given is free for every local rank; the run directory can be written, holds no other run unless --resume, and
+and the rank split works; a --metrics-port given is free for every local rank; the compile cache directory, if it
+exists, is a real directory of this user's that nobody else can write (its kernels are loaded and run); the run directory can be written, holds no other run unless --resume, and
 on --resume has a checkpoint whose training state loads as plain data; a --target-model directory
 has a config transformers knows as a causal LM, a tokenizer with a chat template, and safetensors
 weights; the --data file reads and parses up to its first usable record. The built-in target is
@@ -19,6 +20,7 @@ import socket
 from pathlib import Path
 
 from dflash import checkpoint
+from dflash.compile import check_cache_dir, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 
 # Run-directory entries that show a run already lives there.
@@ -30,6 +32,7 @@ def check(cfg: TrainConfig, world: int, local_world: int) -> None:
     _check_faults(os.environ)
     _check_devices(cfg, world, local_world)
     _check_metrics_ports(cfg, local_world)
+    check_cache_dir(resolve_cache_dir(cfg.compile_cache_dir))
     _check_run_dir(cfg)
     tokenizer = _check_target(cfg)
     if cfg.data is not None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import builtin, checkpoint, evaluate, preflight, roles, telemetry
+from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -102,6 +102,9 @@ def run(cfg: TrainConfig) -> int:
     hf_logging.disable_progress_bar()  # one progress line (rank 0's), not one per weight load
     try:
         device = pick_device(cfg, local_rank)
+        # Before anything compiles: inductor and Triton read these at the first compile. Created (and
+        # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
+        dcompile.setup_cache(dcompile.resolve_cache_dir(cfg.compile_cache_dir), create=device.type == "cuda")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
             # Ranks share the host's cores: don't let each one spawn a thread per core.
@@ -173,14 +176,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     threading_name(f"{role}.main")
     tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
             if cfg.profile else telemetry.Telemetry())
-    prof = (profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
-                              interval_s=cfg.profile_interval, device=device, console=rank == 0,
-                              config=cfg.to_dict(), exporters=tele.exporters,
-                              detail_steps=cfg.profile_detail_steps,
-                              stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
-                                                               cfg.profile_interval),
-                              hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history)
-            if cfg.profile else contextlib.nullcontext())
+    prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
     with contextlib.closing(tele), prof, _forensics(stop, rank):
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
@@ -199,6 +195,21 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if rank == 0:
         _print_final(run_dir)
     return 0
+
+
+def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, device: torch.device, run_dir: Path,
+                   tele: telemetry.Telemetry):
+    """The rank's profiler, with compile time as `drafter.compile` spans (never inside drafter.fwd_bwd);
+    a null context under --no-profile."""
+    if not cfg.profile:
+        return contextlib.nullcontext()
+    dcompile.install_compile_spans()
+    return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
+                             interval_s=cfg.profile_interval, device=device, console=rank == 0,
+                             config=cfg.to_dict(), exporters=tele.exporters, detail_steps=cfg.profile_detail_steps,
+                             stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
+                                                              cfg.profile_interval),
+                             hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history)
 
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)
@@ -305,7 +316,8 @@ def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
 def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, device, device_payload) -> None:
     resolved = dict(cfg.to_dict(), run_dir=str(run_dir),
                     resolved={"target_ranks": topo.num_targets, "drafter_ranks": topo.num_drafters,
-                              "device": str(device.type), "transfer": "nccl" if device_payload else "host"})
+                              "device": str(device.type), "transfer": "nccl" if device_payload else "host",
+                              "compile_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")})
     tmp = run_dir / f"config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(resolved, indent=2) + "\n")
     tmp.replace(run_dir / "config.json")
