@@ -1,0 +1,115 @@
+"""Time to step 2 of dflash-train, first with a fresh compile cache, then restarted on the warm one.
+
+    python3 bench/bench_compile.py [--out DIR] [--keep-cache DIR] [-- DFLASH-TRAIN ARGS...]
+
+Runs `python -m dflash.cli` twice with the same `--compile-cache-dir` (a new directory under --out,
+or --keep-cache), each in a run directory of its own, with `--max-steps 3 --eval-prompts 0
+--profile-detail-steps 3` and whatever follows `--` (default: the built-in tiny target, 64
+conversations). From drafter rank 0's run log (`spans` record) it reads, per run:
+
+    launch_to_step2_s   from starting the process to the end of the second drafter.optim
+    start_to_step2_s    from the profiler's run_start (after imports, rendezvous and the built-in
+                        corpus) to the same point
+    first_batch_s       run_start to the end of the first drafter.recv (the target's start-up)
+    compile_s, compiles drafter.compile spans: total seconds and how many (each one's trigger, frame,
+                        compile id and seconds under `compile_spans`)
+    fwd_bwd_s           drafter.fwd_bwd of steps 0, 1 and 2
+
+The cold run is the first compile of this code on this machine (inductor and Triton caches empty; the
+cache dir is fresh); the warm run is the restart the cache is for. Prints one JSON object per run and a
+table; writes bench_compile.json under $OUT when set. Standard library only (dflash-train does the work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from profiler.records import read_records   # noqa: E402  (standard library only)
+
+FIXED = ["--max-steps", "3", "--eval-prompts", "0", "--profile-detail-steps", "3", "--profile-interval", "600"]
+DEFAULT = ["--builtin-conversations", "64"]
+
+
+def run_once(name: str, out: Path, cache: Path, extra: list[str], timeout_s: float) -> dict:
+    """One dflash-train run; its timings from drafter rank 0's run log."""
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), "--compile-cache-dir", str(cache),
+           *FIXED, *extra]
+    launched = time.time()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    wall = time.time() - launched
+    (out / f"{name}.log").write_text(r.stdout + r.stderr)
+    row = {"run": name, "exit": r.returncode, "wall_s": round(wall, 2), "run_dir": str(run_dir)}
+    if r.returncode != 0:
+        return dict(row, error=(r.stderr.strip().splitlines() or ["?"])[-1])
+    return dict(row, **timings(run_dir / "profile" / "rank0.jsonl", launched))
+
+
+def timings(log: Path, launched: float) -> dict:
+    """Seconds to step 2 and the compile spans, from one rank's run log."""
+    records, _ = read_records(log)
+    start = next(r for r in records if r["type"] == "run_start")
+    spans = sorted((s for r in records if r["type"] == "spans" for s in r["spans"]),
+                   key=lambda s: s["start_unix_ns"])
+
+    def named(name: str) -> list:
+        return [s for s in spans if s["name"] == name]
+
+    def seconds(s: dict) -> float:
+        return (s["end_unix_ns"] - s["start_unix_ns"]) / 1e9
+
+    optim, recv, compiles = named("drafter.optim"), named("drafter.recv"), named("drafter.compile")
+    if len(optim) < 2:
+        return {"error": f"{log}: fewer than 2 drafter.optim spans in the detail window"}
+    step2_unix = optim[1]["end_unix_ns"] / 1e9
+    return {
+        "launch_to_step2_s": round(step2_unix - launched, 2),
+        "start_to_step2_s": round(step2_unix - start["time_unix"], 2),
+        "first_batch_s": round(recv[0]["end_unix_ns"] / 1e9 - start["time_unix"], 2) if recv else None,
+        "compile_s": round(sum(seconds(s) for s in compiles), 2),
+        "compiles": len(compiles),
+        "compile_spans": [dict(s.get("attrs") or {}, thread=s["thread"], seconds=round(seconds(s), 2))
+                          for s in compiles],
+        "fwd_bwd_s": [round(seconds(s), 2) for s in named("drafter.fwd_bwd")[:3]],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temp dir)")
+    ap.add_argument("--keep-cache", type=Path, default=None,
+                    help="compile cache dir to use (default: a fresh one under --out, so the first run is cold)")
+    ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="-- then dflash-train arguments")
+    args = ap.parse_args()
+    extra = [a for a in args.extra if a != "--"] or DEFAULT
+    out = (args.out or Path(tempfile.mkdtemp(prefix="bench_compile-"))).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    cache = (args.keep_cache or out / "compile-cache").absolute()
+    rows = [run_once(name, out, cache, extra, args.timeout_s) for name in ("cold", "warm")]
+    for row in rows:
+        print(json.dumps(row))
+    print(f"\n{'run':<6}{'exit':>5}{'launch->step2 s':>17}{'start->step2 s':>16}{'first batch s':>15}"
+          f"{'compile s':>11}{'compiles':>10}  fwd_bwd s (steps 0-2)")
+    for r in rows:
+        print(f"{r['run']:<6}{r['exit']:>5}{r.get('launch_to_step2_s', '-'):>17}{r.get('start_to_step2_s', '-'):>16}"
+              f"{str(r.get('first_batch_s', '-')):>15}{r.get('compile_s', '-'):>11}{r.get('compiles', '-'):>10}  "
+              f"{r.get('fwd_bwd_s', r.get('error', ''))}")
+    print(f"\nruns and logs: {out}; compile cache: {cache}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_compile.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["exit"] == 0 and "error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
