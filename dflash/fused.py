@@ -21,7 +21,8 @@ ulp for bf16, ~1e-6 relative for float32.
 
 Where. `active(x)` is true for CUDA tensors while `ENABLED` holds; everything else (the CPU,
 `ENABLED = False`) runs the eager modules, bit for bit the code of before. `ENABLED` defaults to
-on; env `DFLASH_FUSED_ELEMENTWISE=0` turns it off, and the flag is read at every call, so a
+OFF until its CUDA tests (tests/dflash/test_fused.py -m cuda) and the H200 step A/B have run on the
+final code (issue #14); env `DFLASH_FUSED_ELEMENTWISE=1` turns it on, and the flag is read at every call, so a
 benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
 does; bench/gpu/bench_fused.py times the kernels one by one).
 
@@ -36,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-ENABLED = os.environ.get("DFLASH_FUSED_ELEMENTWISE", "1") != "0"
+ENABLED = os.environ.get("DFLASH_FUSED_ELEMENTWISE", "0") == "1"
 """Use the compiled kernels for CUDA tensors (read at every call)."""
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
