@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dflash.loss as loss_mod
@@ -83,17 +82,7 @@ K, LAYERS, BLOCK = len(QWEN3_8B.target_layer_ids), QWEN3_8B.layers, QWEN3_8B.blo
 DOC_LEN, DOCS, ANCHORS = QWEN3_8B.doc_len, QWEN3_8B.docs, QWEN3_8B.anchors
 
 
-def unchunked_linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight):
-    """compute_loss's LM-head loss before dflash.lm_loss: all logits at once, autograd backward."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias)
-    ce = F.cross_entropy(logits.float(), targets, reduction="none")
-    loss = (ce * row_weight).sum() / total_weight
-    with torch.no_grad():
-        correct = logits.argmax(-1) == targets
-    return loss, correct
-
-
-LOSSES = {"unchunked": unchunked_linear_cross_entropy,
+LOSSES = {"unchunked": lm_loss.reference_linear_cross_entropy,
           "chunked": functools.partial(lm_loss.linear_cross_entropy, fused=False),
           "fused": functools.partial(lm_loss.linear_cross_entropy, fused=True)}
 

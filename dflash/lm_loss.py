@@ -164,3 +164,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _ChunkedLinearCE.apply(hidden, weight, bias, targets, row_weight, float(total_weight),
                                   int(chunk_rows), bool(fused), need_grad)
+
+
+def reference_linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight, **_):
+    """compute_loss's LM-head loss before chunking, verbatim: all logits at once, autograd backward.
+    The baseline that tests/dflash/test_lm_loss.py checks against and bench_drafter.py's `--loss unchunked`."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    loss = (ce * row_weight).sum() / total_weight
+    with torch.no_grad():
+        correct = logits.argmax(-1) == targets
+    return loss, correct

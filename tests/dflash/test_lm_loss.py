@@ -4,13 +4,12 @@ all rows, fp32 and bf16, eager and fused; the frozen head gets no gradient."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
 import dflash.loss as loss_mod
 from dflash import lm_loss
-from dflash.lm_loss import chunk_rows_for, linear_cross_entropy
+from dflash.lm_loss import chunk_rows_for, linear_cross_entropy, reference_linear_cross_entropy
 from dflash.loss import compute_loss
 from dflash.model import DFlashDraftModel, draft_config_for_target
 from dflash.pack import PackedBatch
@@ -18,16 +17,6 @@ from dflash.pack import PackedBatch
 ROWS, WIDTH, VOCAB = 37, 16, 50
 H, K, BS, V = 32, 2, 4, 48   # the drafter of the compute_loss tests
 CHUNKS = [1, 4, 5, 36, ROWS, ROWS + 1, 1000]   # 5 and 36 leave a ragged last chunk
-
-
-def reference_linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight, **_):
-    """compute_loss's LM-head loss before chunking, verbatim: all logits at once."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias)
-    ce = F.cross_entropy(logits.float(), targets, reduction="none")
-    loss = (ce * row_weight).sum() / total_weight
-    with torch.no_grad():
-        correct = logits.argmax(-1) == targets
-    return loss, correct
 
 
 def _case(seed=0, dtype=torch.float32, bias=False):
