@@ -16,7 +16,9 @@ conversations). From drafter rank 0's run log (`spans` record) it reads, per run
     fwd_bwd_s           drafter.fwd_bwd of steps 0, 1 and 2
 
 The cold run is the first compile of this code on this machine (inductor and Triton caches empty; the
-cache dir is fresh); the warm run is the restart the cache is for. Prints one JSON object per run and a
+cache dir is fresh); the warm run is a new run on the warm cache (it builds its own built-ins); the
+resume run is the restart the cache is for: `--resume` of the cold run's directory, 3 more steps, so
+"step 2" is the second step after the restart. Prints one JSON object per run and a
 table; writes bench_compile.json under $OUT when set. Standard library only (dflash-train does the work).
 """
 
@@ -41,10 +43,12 @@ DEFAULT = ["--builtin-conversations", "64"]
 
 
 def run_once(name: str, out: Path, cache: Path, extra: list[str], timeout_s: float) -> dict:
-    """One dflash-train run; its timings from drafter rank 0's run log."""
-    run_dir = out / name
+    """One dflash-train run; its timings from drafter rank 0's run log. `resume` continues the cold
+    run's directory for 3 more steps (a real restart: built-ins and checkpoint reused)."""
+    run_dir = out / ("cold" if name == "resume" else name)
+    more = ["--resume", "--max-steps", "6"] if name == "resume" else []
     cmd = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), "--compile-cache-dir", str(cache),
-           *FIXED, *extra]
+           *FIXED, *extra, *more]
     launched = time.time()
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     wall = time.time() - launched
@@ -56,9 +60,12 @@ def run_once(name: str, out: Path, cache: Path, extra: list[str], timeout_s: flo
 
 
 def timings(log: Path, launched: float) -> dict:
-    """Seconds to step 2 and the compile spans, from one rank's run log."""
+    """Seconds to step 2 and the compile spans, from one rank's run log (its last segment: a resumed
+    run appends to the log it continues)."""
     records, _ = read_records(log)
-    start = next(r for r in records if r["type"] == "run_start")
+    last = max(i for i, r in enumerate(records) if r["type"] == "run_start")
+    records = records[last:]
+    start = records[0]
     spans = sorted((s for r in records if r["type"] == "spans" for s in r["spans"]),
                    key=lambda s: s["start_unix_ns"])
 
@@ -96,7 +103,7 @@ def main() -> int:
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_compile-"))).absolute()
     out.mkdir(parents=True, exist_ok=True)
     cache = (args.keep_cache or out / "compile-cache").absolute()
-    rows = [run_once(name, out, cache, extra, args.timeout_s) for name in ("cold", "warm")]
+    rows = [run_once(name, out, cache, extra, args.timeout_s) for name in ("cold", "warm", "resume")]
     for row in rows:
         print(json.dumps(row))
     print(f"\n{'run':<6}{'exit':>5}{'launch->step2 s':>17}{'start->step2 s':>16}{'first batch s':>15}"
