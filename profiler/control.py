@@ -31,7 +31,7 @@ MAX_SOCKET_PATH_BYTES = 107
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # a `record` request carries a snapshot (every thread's stack)
 MAX_REPLY_BYTES = 64 * 1024 * 1024    # a `state` reply carries the last interval record
 CLIENT_TIMEOUT_S = 2.0
-ACCEPT_POLL_S = 0.2  # how quickly close() stops the server thread
+ACCEPT_RETRY_S = 0.2  # pause after a failed accept() (close() wakes a blocked one with shutdown())
 
 
 def default_discovery_dir() -> Path:
@@ -188,8 +188,7 @@ class ControlServer:
         try:
             sock.bind(self.socket_path)
             os.chmod(self.socket_path, 0o600)  # before listen(): nobody can connect before this
-            sock.listen(8)
-            sock.settimeout(ACCEPT_POLL_S)
+            sock.listen(8)   # blocking accept(): no wakeups while idle (was 5 per second)
         except BaseException:
             sock.close()
             raise
@@ -227,8 +226,13 @@ class ControlServer:
 
     def close(self) -> None:
         self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)   # wakes the server thread's blocked accept()
+            except OSError:
+                pass
         if self._thread is not None:
-            self._thread.join(timeout=ACCEPT_POLL_S + CLIENT_TIMEOUT_S + 1.0)
+            self._thread.join(timeout=ACCEPT_RETRY_S + CLIENT_TIMEOUT_S + 1.0)
             self._thread = None
         if self._sock is not None:
             self._sock.close()
@@ -245,13 +249,11 @@ class ControlServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
             except OSError as exc:
                 if self._stop.is_set():
                     return
                 logger.warning("control endpoint accept failed: %s", exc)
-                time.sleep(ACCEPT_POLL_S)
+                time.sleep(ACCEPT_RETRY_S)
                 continue
             try:
                 self._handle(conn)
