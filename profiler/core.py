@@ -140,7 +140,8 @@ class Profiler:
             pool = EventPool(device_index=self.device.index)   # None: the current device
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
-        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda)
+        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda,
+                                          record=pool.record_current if pool is not None else None)
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         detail = (DetailWindow(self.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
                   if self.detail_steps > 0 else NullDetailWindow())

@@ -66,6 +66,11 @@ class EventPool:
             stream = self.streams[raw] = self._current_stream()
         return stream
 
+    def record_current(self, ev) -> None:
+        """Record `ev` on the current stream through the C call (what a span does, for other users)."""
+        raw = self.getraw(self.device_index)
+        self.record(ev, self.streams.get(raw) or self.stream_for(raw))
+
     def retain(self, ev, n: int = 1) -> None:
         """Collector side: `n` more holders of `ev`."""
         with self._lock:

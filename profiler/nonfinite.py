@@ -44,15 +44,20 @@ class NonfiniteMonitor:
     """Device-side checks read back asynchronously. `on_found(finding)` is called on the polling
     thread for every check that flagged something; `first` keeps the first one."""
 
-    def __init__(self, rank: int, on_found, is_cuda: bool):
+    def __init__(self, rank: int, on_found, is_cuda: bool, record=None):
         self.rank = rank
         self._on_found = on_found
         self._is_cuda = is_cuda
+        # record(event) on the current stream: the event pool's C-call record (1.8 us on an H200 host
+        # against 6.6 us for the public Event.record()), else the public one.
+        self._record = record or (lambda ev: ev.record())
         self._pending: collections.deque = collections.deque()
         # Pinned rows allocated once, here: allocating pinned memory (cudaHostAlloc) can wait for the
         # device, so the hot path only takes a free row and the poll gives it back after reading it.
         self._host = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.bool, pin_memory=True) if is_cuda else None
         self._free_rows = collections.deque(range(SLOTS)) if is_cuda else None
+        # One "copy landed" event per row, reused: a row is taken again only after poll() saw it done.
+        self._ready = [torch.cuda.Event() for _ in range(SLOTS)] if is_cuda else None
         self.dropped = 0
         self._poll_lock = threading.Lock()
         self.first: Finding | None = None
@@ -79,8 +84,8 @@ class NonfiniteMonitor:
             row = self._free_rows.popleft()
             host = self._host[row, :len(names)]
             host.copy_(flags, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()   # after the copy on the current stream; queried later, never waited on
+            ready = self._ready[row]
+            self._record(ready)   # after the copy on the current stream; queried later, never waited on
         else:
             host = flags
         self._pending.append((span, step, names, host, ready, row, fields))
