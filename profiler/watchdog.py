@@ -35,10 +35,13 @@ class Watchdog:
     """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress.
     progress_fn() -> (armed, token): token changes whenever the rank made progress."""
 
-    def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float = 0.5):
+    def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float | None = None):
         if not timeout_s > 0:
             raise ValueError(f"Watchdog: timeout_s must be > 0, got {timeout_s!r}")
-        self.timeout_s, self.poll_s = float(timeout_s), poll_s
+        # A twentieth of the timeout (at most 5 s): a hang is declared within 5% of it, and at the 300 s
+        # default the thread wakes every 5 s instead of twice a second (each wakeup takes the GIL).
+        self.timeout_s = float(timeout_s)
+        self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, self.timeout_s / 20))
         self._progress_fn, self._on_hang, self._clock = progress_fn, on_hang, clock
         self._token = object()
         self._since_s = clock()
