@@ -47,7 +47,8 @@ def _f(key, base, unit, kind, help_, *labels) -> Family:
 
 FAMILIES = {f.key: f for f in (
     _f("span_seconds", "span", "seconds", "histogram",
-       "Span duration per profile interval, CPU wall or GPU event time.", "span", "clock"),
+       "Span time per profile interval, CPU wall or GPU event time: buckets and count hold whole "
+       "spans; the CPU sum is time in the interval (a long span split across intervals).", "span", "clock"),
     _f("span_share", "span_share", "ratio", "gauge",
        "Share of the last interval spent in the span (GPU time when measured, else CPU).", "span"),
     _f("span_bytes", "span_bytes", None, "counter", "Bytes moved by spans that declare bytes.", "span"),
