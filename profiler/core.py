@@ -260,8 +260,10 @@ class Profiler:
             # open stacks (or finished) once the drain is done.
             end_ns = time.perf_counter_ns()
             self._add_drained(end_ns)
-            if final and self.aggregator.pending:
-                self._wait_pending()
+            if final:
+                self.recorder.release_tails()   # span() is a no-op now: no begin will share them
+                if self.aggregator.pending:
+                    self._wait_pending()
             end_s = self._clock_s(end_ns)
             duration_s = ((end_ns - self.interval_start_ns) / 1e9 if self._perf_clock
                           else end_s - self.interval_start_s)

@@ -291,6 +291,18 @@ class SpanRecorder:
                     self._states = [s for s in self._states if s not in dead]
         return out
 
+    def release_tails(self) -> None:
+        """At run end (span() already a no-op): the collector's hold on each live thread's last CUDA
+        end event goes back to the pool, and the owner's tail is dropped, so no later begin shares it."""
+        with self.drain_lock:
+            with self._reg_lock:
+                states = list(self._states)
+            for st in states:
+                st.tail = None
+                held, st.held = st.held, None
+                if held is not None:
+                    self.event_pool.release(held)
+
     def _replay(self, st: ThreadState, events) -> list:
         """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
         spans still open across drains, `st.held` the CUDA end event a next begin may share."""

@@ -59,7 +59,7 @@ def _fwd_bwd(fn, args):
     outs = outs if isinstance(outs, tuple) else (outs,)
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     g = torch.Generator().manual_seed(99)
-    cot = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    cot = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
     return [o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, cot))
 
 
