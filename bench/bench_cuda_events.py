@@ -7,12 +7,15 @@ Each row is one call repeated N times (median of 7 repeats), on an idle GPU, tim
 thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
 - `torch.cuda.current_stream()`, and `torch._C._cuda_getCurrentRawStream(i)` (an int, no object);
 - `Event.record()` (the public call: it looks the current stream up in Python each time), and
-  `_CudaEventBase.record(ev, stream)` with the stream object cached (the C call alone);
+  `_CudaEventBase.record(ev, stream)` with the stream object cached (the C call alone), on one event
+  and round-robin over 2 and 4096 distinct events (a run's spans record distinct pool events until
+  the collector returns them);
 - `Event.query()` through the Python wrapper and `_CudaEventBase.query` directly, on a completed
   event; `elapsed_time()`; creating an event.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -42,11 +45,15 @@ def rows(torch):
     ev2.record()
     torch.cuda.synchronize()   # deliberate: set-up, so query()/elapsed_time() see completed events
     getraw = torch._C._cuda_getCurrentRawStream
+    two = itertools.cycle([torch.cuda.Event(enable_timing=True) for _ in range(2)])
+    many = itertools.cycle([torch.cuda.Event(enable_timing=True) for _ in range(4096)])
     return [
         ("torch.cuda.current_stream()", torch.cuda.current_stream),
         ("_cuda_getCurrentRawStream(i)", lambda: getraw(idx)),
         ("Event.record() (public)", ev.record),
         ("_CudaEventBase.record(ev, s)", lambda: base.record(ev, stream)),
+        ("  same, over 2 events", lambda: base.record(next(two), stream)),
+        ("  same, over 4096 events", lambda: base.record(next(many), stream)),
         ("Event.query() (public)", ev.query),
         ("_CudaEventBase.query(ev)", lambda: base.query(ev)),
         ("Event.elapsed_time(end)", lambda: ev.elapsed_time(ev2)),
