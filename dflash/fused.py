@@ -20,10 +20,10 @@ differ from eager only by float32 reassociation of the mean and fused multiply-a
 ulp for bf16, ~1e-6 relative for float32.
 
 Where. `active(x)` is true for CUDA tensors while `ENABLED` holds; everything else (the CPU,
-`ENABLED = False`) runs the eager modules, bit for bit the code of before. `ENABLED` defaults to
-OFF until its CUDA tests (tests/dflash/test_fused.py -m cuda) and the H200 step A/B have run on the
-final code (issue #14); env `DFLASH_FUSED_ELEMENTWISE=1` turns it on, and the flag is read at every call, so a
-benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
+`ENABLED = False`) runs the eager modules, bit for bit the code of before. `ENABLED` is on by
+default: on one H200 the bench drafter step takes 267.9 ms with it and 317.4 ms without (bench/RESULTS.md,
+issue #14), and its CUDA tests (tests/dflash/test_fused.py -m cuda) pass. Env
+`DFLASH_FUSED_ELEMENTWISE=0` turns it off; the flag is read at every call, so a benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
 does; bench/gpu/bench_fused.py times the kernels one by one).
 
 Not fused: the k/v concatenation of context and block projections (one copy of [KV, 1024] each,
@@ -37,8 +37,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-ENABLED = os.environ.get("DFLASH_FUSED_ELEMENTWISE", "0") == "1"
-"""Use the compiled kernels for CUDA tensors (read at every call)."""
+ENABLED = os.environ.get("DFLASH_FUSED_ELEMENTWISE", "1") != "0"
+"""Use the compiled kernels for CUDA tensors (read at every call; env DFLASH_FUSED_ELEMENTWISE=0: off)."""
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 """Inductor options: round intermediates to the dtype eager would hold them in."""
