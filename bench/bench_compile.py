@@ -14,6 +14,7 @@ conversations). From drafter rank 0's run log (`spans` record) it reads, per run
     compile_s, compiles drafter.compile spans: total seconds and how many (each one's trigger, frame,
                         compile id and seconds under `compile_spans`)
     fwd_bwd_s           drafter.fwd_bwd of steps 0, 1 and 2
+    startup_s           the rank's `startup` event: seconds per phase from launch to run_start
 
 The cold run is the first compile of this code on this machine (inductor and Triton caches empty; the
 cache dir is fresh); the warm run is a new run on the warm cache (it builds its own built-ins); the
@@ -88,6 +89,8 @@ def timings(log: Path, launched: float) -> dict:
         "compile_spans": [dict(s.get("attrs") or {}, thread=s["thread"], seconds=round(seconds(s), 2))
                           for s in compiles],
         "fwd_bwd_s": [round(seconds(s), 2) for s in named("drafter.fwd_bwd")[:3]],
+        "startup_s": next((r["phases_seconds"] for r in records
+                           if r["type"] == "event" and r.get("kind") == "startup"), None),
     }
 
 
@@ -112,6 +115,9 @@ def main() -> int:
         print(f"{r['run']:<6}{r['exit']:>5}{r.get('launch_to_step2_s', '-'):>17}{r.get('start_to_step2_s', '-'):>16}"
               f"{str(r.get('first_batch_s', '-')):>15}{r.get('compile_s', '-'):>11}{r.get('compiles', '-'):>10}  "
               f"{r.get('fwd_bwd_s', r.get('error', ''))}")
+    print("\nstart-up of drafter rank 0, launch to run_start (the `startup` event), s:")
+    for r in rows:
+        print(f"{r['run']:<6} " + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("startup_s") or {}).items()))
     print(f"\nruns and logs: {out}; compile cache: {cache}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_compile.json").write_text(json.dumps(rows, indent=2) + "\n")

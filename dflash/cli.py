@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from dflash.config import ConfigError, add_config_flags, config_from_args
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_ns = time.time_ns()   # the start-up timeline's origin (dflash/startup.py)
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             os.umask(launch.RUN_UMASK)  # what this rank writes is private to this user
             return worker.run(cfg)
-        return launch.launch(cfg)  # preflight first, then one process per rank
+        return launch.launch(cfg, started_ns)  # preflight first, then one process per rank
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch
 
-from dflash import preflight
+from dflash import preflight, startup
 from dflash.config import ConfigError, TrainConfig
 
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
@@ -54,7 +54,10 @@ def plan_world(cfg: TrainConfig) -> int:
     return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
 
 
-def launch(cfg: TrainConfig) -> int:
+def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
+    """Preflight, then one worker process per rank; `started_ns` (unix ns, default now) is when the
+    command began, the origin of the ranks' start-up timeline (dflash/startup.py)."""
+    started_ns = started_ns or time.time_ns()
     world = plan_world(cfg)
     preflight.check(cfg, world, world)  # bad input: one line, exit 2, before any rank starts
     if cfg.run_dir is None:
@@ -62,7 +65,8 @@ def launch(cfg: TrainConfig) -> int:
     store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DFLASH_CONFIG_JSON=json.dumps(cfg.to_dict()),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **{startup.ENV_LAUNCH_NS: str(started_ns),
+                                        startup.ENV_PREFLIGHT_NS: str(time.time_ns())})
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.setdefault(var, "lo")  # unless the user named an interface
     try:

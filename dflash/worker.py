@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import dflash
 import profiler
-from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, telemetry
+from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -100,11 +101,14 @@ def run(cfg: TrainConfig) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress line (rank 0's), not one per weight load
+    timeline = startup.StartupTimeline(dflash.IMPORTED_UNIX_NS)
+    timeline.mark("imports")
     try:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
         # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
         dcompile.setup_cache(dcompile.resolve_cache_dir(cfg.compile_cache_dir), create=device.type == "cuda")
+        timeline.mark("device")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
             # Ranks share the host's cores: don't let each one spawn a thread per core.
@@ -114,6 +118,7 @@ def run(cfg: TrainConfig) -> int:
 
         store = rendezvous_store(rank, world, cfg.rendezvous_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, store=store)
+        timeline.mark("rendezvous")
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +126,7 @@ def run(cfg: TrainConfig) -> int:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     try:
-        return _run_rank(cfg, topo, rank, device, stop)
+        return _run_rank(cfg, topo, rank, device, stop, timeline)
     except ConfigError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
@@ -143,15 +148,18 @@ def run(cfg: TrainConfig) -> int:
             dist.destroy_process_group()
 
 
-def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device, stop: _StopFlag) -> int:
+def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device, stop: _StopFlag,
+              timeline: startup.StartupTimeline) -> int:
     # Group creation is collective: every rank makes the same groups in the same order.
     ctrl = dist.new_group(backend="gloo")
     drafter_group = dist.new_group(topo.drafter_ranks)
     drafter_ctrl = dist.new_group(topo.drafter_ranks, backend="gloo")
     run_dir = _agree_run_dir(cfg, rank, ctrl)
+    timeline.mark("groups")
     role = topo.role(rank)
     paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
     tokenizer = builtin.load_tokenizer(paths.target_dir)
+    timeline.mark("built-ins")
     resume_state = checkpoint.load_resume_state(run_dir) if cfg.resume else None
     samples: list = []
     heldout: list = []
@@ -166,6 +174,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if wants_eval and paths.eval_data is not None:
         heldout = _load_samples(paths.eval_data, tokenizer, cfg, announce=True)[:cfg.eval_prompts]
     device_payload = _device_payload(cfg, topo, device)
+    timeline.mark("data")
     ctx = roles.WorkerContext(
         cfg=cfg, topo=topo, rank=rank, device=device, run_dir=run_dir, target_dir=paths.target_dir,
         samples=samples, pad_token_id=tokenizer.pad_token_id, mask_token_id=builtin.mask_token_id(tokenizer),
@@ -178,6 +187,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             if cfg.profile else telemetry.Telemetry())
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
     with contextlib.closing(tele), prof, _forensics(stop, rank):
+        _startup_event(timeline, rank)
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":
@@ -195,6 +205,16 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if rank == 0:
         _print_final(run_dir)
     return 0
+
+
+def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
+    """The start-up phases, up to now (the profiler runs): a `startup` event, and rank 0's console line
+    (not under --no-profile, whose runs print nothing of the profiler's)."""
+    timeline.mark("profiler")
+    fields = timeline.fields()
+    profiler.event("startup", **fields)
+    if rank == 0 and profiler.active() is not None:
+        print(startup.format_line(fields), flush=True)
 
 
 def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, device: torch.device, run_dir: Path,

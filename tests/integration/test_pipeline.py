@@ -75,6 +75,15 @@ def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
     # 8 steps, 2 warm-up: the tail is steps 5..8, timed between its own step ends
     assert meter["steps"] == 6 and meter["tail_steps"] == 3
     assert 0 < meter["tail_tokens_per_s"] and 0 < meter["tokens_per_s"]
+    # where each rank's start-up went, from the command's start, in order and adding up
+    for recs in (drafter, target):
+        (up,) = [x for x in recs if x["type"] == "event" and x["kind"] == "startup"]
+        assert up["origin"] == "launch"
+        assert list(up["phases_seconds"]) == ["launcher", "spawn", "imports", "device", "rendezvous", "groups",
+                                              "built-ins", "data", "profiler"]
+        assert sum(up["phases_seconds"].values()) == pytest.approx(up["total_seconds"], abs=1e-3)
+        assert 0.5 < up["phases_seconds"]["imports"] and up["total_seconds"] < 120
+    assert "dflash-train: start-up " in r.stdout and " s from launch to the first step: launcher " in r.stdout
 
 
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
@@ -85,6 +94,8 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert spans_seen(records(run, 0)) >= {"drafter.fwd_bwd"}
     assert spans_seen(records(run, 1)) >= {"target.fwd"}
+    (up,) = [x for x in records(run, 0) if x["type"] == "event" and x["kind"] == "startup"]
+    assert up["origin"] == "process" and list(up["phases_seconds"])[0] == "imports"   # no launcher here
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):

@@ -1,0 +1,66 @@
+"""Where a rank's start-up goes before the profiler can time spans: a timeline of marks.
+
+From `dflash-train`'s start (the launcher's `main`, passed to each rank in DFLASH_LAUNCH_UNIX_NS) or,
+under torchrun, from the rank's own process start, through the launcher's preflight, the process
+spawn, the imports, the device, the rendezvous, the process groups, the built-ins, the data and the
+profiler's start. The phases are the gaps between consecutive marks, in seconds; the rank writes
+them as one `startup` event once its profiler runs (docs/RUNLOG.md), and rank 0 prints one line.
+Standard library only: the worker takes its first mark before it imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV_LAUNCH_NS = "DFLASH_LAUNCH_UNIX_NS"
+"""Unix ns at which the launcher's main() began (set by dflash.launch for its ranks)."""
+ENV_PREFLIGHT_NS = "DFLASH_PREFLIGHT_DONE_UNIX_NS"
+"""Unix ns at which the launcher's preflight ended, just before it spawned the ranks."""
+
+
+def _env_ns(name: str, env) -> int | None:
+    """A positive integer from the environment, or None (absent or not a number: ignored, never fatal)."""
+    raw = env.get(name, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+class StartupTimeline:
+    """Marks in time order: (phase name, unix ns at which that phase ended)."""
+
+    def __init__(self, process_start_ns: int, env=None):
+        env = os.environ if env is None else env
+        launch_ns, preflight_ns = _env_ns(ENV_LAUNCH_NS, env), _env_ns(ENV_PREFLIGHT_NS, env)
+        self.marks: list[tuple[str, int]] = []
+        if launch_ns is not None and launch_ns <= process_start_ns:
+            self.origin, self.origin_ns = "launch", launch_ns
+            if preflight_ns is not None and launch_ns <= preflight_ns <= process_start_ns:
+                self.marks.append(("launcher", preflight_ns))
+            self.marks.append(("spawn", process_start_ns))
+        else:
+            self.origin, self.origin_ns = "process", process_start_ns
+
+    def mark(self, phase: str, now_ns: int | None = None) -> None:
+        """The phase `phase` ends now (or at now_ns)."""
+        self.marks.append((phase, time.time_ns() if now_ns is None else now_ns))
+
+    def phases_seconds(self) -> dict[str, float]:
+        """Each phase's length in seconds, in order (a phase marked twice adds up)."""
+        out: dict[str, float] = {}
+        prev = self.origin_ns
+        for phase, t in self.marks:
+            out[phase] = round(out.get(phase, 0.0) + max(0, t - prev) / 1e9, 4)
+            prev = max(prev, t)
+        return out
+
+    def fields(self) -> dict:
+        """The `startup` event's fields."""
+        end = self.marks[-1][1] if self.marks else self.origin_ns
+        return {"origin": self.origin, "origin_unix_ns": self.origin_ns,
+                "total_seconds": round((end - self.origin_ns) / 1e9, 4), "phases_seconds": self.phases_seconds()}
+
+
+def format_line(fields: dict) -> str:
+    """One console line: `start-up 20.4 s from launch: launcher 4.1, spawn 0.3, imports 3.9, ...`."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in fields["phases_seconds"].items())
+    return f"dflash-train: start-up {fields['total_seconds']:.1f} s from {fields['origin']} to the first step: {parts}"

@@ -1,0 +1,37 @@
+"""The start-up timeline: phases from the launch (or the process start), bad environment ignored."""
+
+from __future__ import annotations
+
+from dflash import startup
+
+S = 10**9
+
+
+def test_phases_from_the_launch_add_up_in_order():
+    env = {startup.ENV_LAUNCH_NS: str(100 * S), startup.ENV_PREFLIGHT_NS: str(104 * S)}
+    tl = startup.StartupTimeline(105 * S, env)
+    for phase, t in (("imports", 109), ("device", 111), ("rendezvous", 111.5), ("profiler", 112)):
+        tl.mark(phase, int(t * S))
+    f = tl.fields()
+    assert f["origin"] == "launch" and f["origin_unix_ns"] == 100 * S and f["total_seconds"] == 12.0
+    assert f["phases_seconds"] == {"launcher": 4.0, "spawn": 1.0, "imports": 4.0, "device": 2.0,
+                                   "rendezvous": 0.5, "profiler": 0.5}
+    line = startup.format_line(f)
+    assert line.startswith("dflash-train: start-up 12.0 s from launch to the first step: launcher 4.0, spawn 1.0")
+
+
+def test_without_a_launcher_or_with_nonsense_the_origin_is_the_process():
+    for env in ({}, {startup.ENV_LAUNCH_NS: "soon"}, {startup.ENV_LAUNCH_NS: "-5"},
+                {startup.ENV_LAUNCH_NS: str(200 * S)}):          # a launch after the process: stale, ignored
+        tl = startup.StartupTimeline(105 * S, env)
+        tl.mark("imports", 107 * S)
+        assert tl.fields()["origin"] == "process"
+        assert tl.fields()["phases_seconds"] == {"imports": 2.0}
+
+
+def test_a_preflight_mark_outside_the_launch_window_is_dropped_and_clock_steps_never_go_negative():
+    env = {startup.ENV_LAUNCH_NS: str(100 * S), startup.ENV_PREFLIGHT_NS: str(300 * S)}
+    tl = startup.StartupTimeline(105 * S, env)
+    tl.mark("imports", 104 * S)                              # the wall clock stepped back
+    tl.mark("device", 106 * S)
+    assert tl.fields()["phases_seconds"] == {"spawn": 5.0, "imports": 0.0, "device": 1.0}
