@@ -91,8 +91,10 @@ def _check_compiled(name: str, device: str):
             for r, c in zip(ref, got, strict=True):
                 assert c.dtype == r.dtype and c.shape == r.shape
                 torch.testing.assert_close(c, r, **(WEIGHT_GRAD_TOL if c.dim() == 1 else TOL)[dtype])
-    # one graph per dtype (the backward is compiled with it); shapes alone added none
-    assert counters["stats"]["unique_graphs"] - graphs0 == 2
+    # At most one graph per dtype (the backward is compiled with it); shapes alone added none (the
+    # error_on_recompile above). Fewer when an earlier test compiled the same math for a dtype:
+    # dynamo caches graphs on the function's code, across torch.compile wrappers.
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs0 <= 2
 
 
 @pytest.mark.parametrize("name", list(fused._MATH))
