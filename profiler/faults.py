@@ -5,6 +5,9 @@ forensics watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's outpu
 so tests exercise exactly what a real failure would. Examples:
     DFLASH_FAULT="nan@drafter.fwd_bwd:step=3"
     DFLASH_FAULT="slow=0.5@target.fwd:rank=0;crash@drafter.optim:step=10:rank=1"
+`step=N`: nan and slow fire at step N; crash, oom and hang fire once, at the span's first entry at
+step N or later, since a background thread's span (transfer.send on the sender thread) can run while
+its role's step is already past N and never see N itself.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ class FaultPlan:
         self._by_span = {span: tuple(fs) for span, fs in by_span.items()}
         self._nan_by_span = {span: tuple(fs) for span, fs in nan_by_span.items()}
         self._logged: set[Fault] = set()
+        self._fired: set[Fault] = set()     # one-shot faults (crash, oom, hang with a step) that fired
 
     @classmethod
     def from_env(cls, rank: int, env=os.environ) -> FaultPlan:
@@ -141,8 +145,11 @@ class FaultPlan:
         if faults is None:
             return
         for fault in faults:
-            if fault.step is not None and fault.step != step:
+            if fault.step is not None and (fault.step != step if fault.kind == "slow"
+                                           else step < fault.step or fault in self._fired):
                 continue
+            if fault.step is not None and fault.kind != "slow":
+                self._fired.add(fault)
             where = f"at {span} step {step} rank {self.rank}"
             if fault.kind == "crash":
                 self._log_once(fault, f"injected crash {where}")

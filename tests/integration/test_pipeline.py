@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,11 +80,11 @@ def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
     for recs in (drafter, target):
         (up,) = [x for x in recs if x["type"] == "event" and x["kind"] == "startup"]
         assert up["origin"] == "launch"
-        assert list(up["phases_seconds"]) == ["launcher", "spawn", "imports", "device", "rendezvous", "groups",
+        assert list(up["phases_seconds"]) == ["spawn", "imports", "preflight", "device", "rendezvous", "groups",
                                               "built-ins", "data", "profiler"]
         assert sum(up["phases_seconds"].values()) == pytest.approx(up["total_seconds"], abs=1e-3)
         assert 0.5 < up["phases_seconds"]["imports"] and up["total_seconds"] < 120
-    assert "dflash-train: start-up " in r.stdout and " s from launch to the first step: launcher " in r.stdout
+    assert "dflash-train: start-up " in r.stdout and " s from launch to the first step: spawn " in r.stdout
 
 
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
@@ -200,7 +201,8 @@ def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(t
               env={"DFLASH_FAULT": "crash@transfer.send:step=2"})
     assert r.returncode == 1
     assert "target.sender thread failed" in r.stderr
-    assert "injected crash at transfer.send step 2 rank 1" in r.stderr
+    # step 2, or the sender thread's first send after it (it may run while the target is past step 2)
+    assert re.search(r"injected crash at transfer.send step [2-9] rank 1", r.stderr), r.stderr[-3000:]
     assert 'transfer.py", line' in r.stderr and "in _run" in r.stderr  # the sender thread's own frames
     end = [x for x in records(run, 1) if x["type"] == "run_end"][-1]
     assert end["status"] == "RuntimeError"

@@ -66,8 +66,18 @@ def test_step_matching_and_oom_type():
     plan.on_enter("drafter.optim", 2)  # other span: nothing
     with pytest.raises(torch.OutOfMemoryError, match="injected oom at target.fwd step 2 rank 0"):
         plan.on_enter("target.fwd", 2)
-    plan.on_enter("target.fwd", 3)
+    plan.on_enter("target.fwd", 3)   # fired once: not again
     assert issubclass(InjectedFault, RuntimeError)
+
+
+def test_a_one_shot_fault_fires_at_the_first_entry_past_its_step_when_the_span_skipped_it():
+    """A sender thread's transfer.send can run at steps 1 and 3 and never at 2 (it lags or leads)."""
+    plan = FaultPlan(parse_faults("crash@transfer.send:step=2;slow=0.001@target.fwd:step=2"), rank=1)
+    plan.on_enter("transfer.send", 1)
+    plan.on_enter("target.fwd", 3)                     # slow: at step 2 only, so not here
+    with pytest.raises(InjectedFault, match="injected crash at transfer.send step 3 rank 1"):
+        plan.on_enter("transfer.send", 3)
+    plan.on_enter("transfer.send", 4)
 
 
 def test_fault_without_step_fires_every_time():
