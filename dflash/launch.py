@@ -22,9 +22,7 @@ import threading
 import time
 from datetime import timedelta
 
-import torch
-
-from dflash import preflight, startup
+from dflash import startup
 from dflash.config import ConfigError, TrainConfig
 
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
@@ -36,6 +34,8 @@ _GRACE_SECONDS = 3.0
 _ANNOUNCE_AFTER_S = 15.0
 # The listening socket the launcher bound for rank 0's store: its file descriptor in rank 0.
 ENV_STORE_FD = "DFLASH_STORE_FD"
+# The read end of a rank's gate: the run's config arrives there once the preflight passed.
+ENV_GATE_FD = "DFLASH_GATE_FD"
 # Files a run writes are readable by this user only (README, "Security: what a run exposes").
 RUN_UMASK = 0o077
 
@@ -46,34 +46,64 @@ class RendezvousError(RuntimeError):
 
 def plan_world(cfg: TrainConfig) -> int:
     """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
+    import torch
+
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return _world_for(cfg, torch.cuda.device_count() if use_cuda else 0)
+
+
+def _world_for(cfg: TrainConfig, gpus: int) -> int:
     if cfg.target_gpus is not None and cfg.drafter_gpus is not None:
         return cfg.target_gpus + cfg.drafter_gpus
-    if use_cuda:
-        return max(2, torch.cuda.device_count())
+    if gpus > 0:
+        return max(2, gpus)
     return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
 
 
-def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
-    """Preflight, then one worker process per rank; `started_ns` (unix ns, default now) is when the
-    command began, the origin of the ranks' start-up timeline (dflash/startup.py)."""
-    started_ns = started_ns or time.time_ns()
-    world = plan_world(cfg)
-    preflight.check(cfg, world, world)  # bad input: one line, exit 2, before any rank starts
-    if cfg.run_dir is None:
-        cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
-    store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
-               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DFLASH_CONFIG_JSON=json.dumps(cfg.to_dict()),
-               PYTHONUNBUFFERED="1", **{startup.ENV_LAUNCH_NS: str(started_ns),
-                                        startup.ENV_PREFLIGHT_NS: str(time.time_ns())})
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        env.setdefault(var, "lo")  # unless the user named an interface
-    try:
-        procs = [_spawn(env, rank, store_socket if rank == 0 else None) for rank in range(world)]
-    finally:
-        store_socket.close()  # rank 0 holds its own copy
+def guess_world(cfg: TrainConfig) -> int:
+    """plan_world without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
+    applies) through ctypes. A guess: launch() checks it against plan_world after the preflight."""
+    gpus = 0 if cfg.device == "cpu" else cuda_driver_device_count()
+    return _world_for(cfg, gpus)
 
+
+def cuda_driver_device_count() -> int:
+    """cuInit + cuDeviceGetCount from libcuda.so.1; 0 without a driver or a device."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
+    """One worker process per rank, started at once behind a gate: the ranks import torch and the model
+    code while this process runs the preflight, and get the run's config only once it has passed.
+    Bad input: the gated ranks are killed (they have imported modules, nothing more) and the
+    ConfigError goes up: one line, exit 2, nothing created. `started_ns` (unix ns, default now) is
+    when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
+    started_ns = started_ns or time.time_ns()
+    world = guess_world(cfg)
+    ranks = GatedRanks(world, started_ns)
+    try:
+        from dflash import preflight   # the launcher's heavy imports, side by side with the ranks'
+
+        planned = plan_world(cfg)
+        preflight.check(cfg, planned, planned)
+        if planned != world:           # the driver and torch disagree (a CPU-only torch): start again
+            ranks.abort()
+            ranks = GatedRanks(planned, started_ns)
+        if cfg.run_dir is None:
+            cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
+        procs = ranks.open(cfg)
+    except BaseException:
+        ranks.abort()
+        raise
     supervisor = Supervisor(procs)
     old = {s: signal.signal(s, supervisor.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -83,11 +113,64 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
             signal.signal(s, h)
 
 
-def _spawn(env: dict, rank: int, store_socket: socket.socket | None) -> subprocess.Popen:
-    env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    fds: tuple = ()
+class GatedRanks:
+    """`world` worker processes, each blocked at its gate (a pipe) after its imports, until open()
+    writes the config there, or abort() kills them. Rank 0 holds the store's listening socket, which
+    this process binds on loopback."""
+
+    def __init__(self, world: int, started_ns: int):
+        store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
+                   **{startup.ENV_LAUNCH_NS: str(started_ns)})
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.setdefault(var, "lo")  # unless the user named an interface
+        self.procs: list[subprocess.Popen] = []
+        self.gates: list[int] = []
+        try:
+            for rank in range(world):
+                read_fd, write_fd = os.pipe()
+                self.gates.append(write_fd)
+                try:
+                    self.procs.append(_spawn(env, rank, store_socket if rank == 0 else None, read_fd))
+                finally:
+                    os.close(read_fd)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            store_socket.close()  # rank 0 holds its own copy
+
+    def open(self, cfg: TrainConfig) -> list[subprocess.Popen]:
+        """Send every rank the config (a rank already gone, e.g. a failed import, is the supervisor's)."""
+        data = json.dumps(cfg.to_dict()).encode()
+        for fd in self.gates:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except BrokenPipeError:
+                pass
+            os.close(fd)
+        self.gates = []
+        return self.procs
+
+    def abort(self) -> None:
+        """Kill the ranks still behind their gates and close the gates."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for fd in self.gates:
+            os.close(fd)
+        self.gates = []
+
+
+def _spawn(env: dict, rank: int, store_socket: socket.socket | None, gate_fd: int) -> subprocess.Popen:
+    env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), **{ENV_GATE_FD: str(gate_fd)})
+    fds: tuple = (gate_fd,)
     if store_socket is not None:
-        fds = (store_socket.fileno(),)
+        fds += (store_socket.fileno(),)
         env[ENV_STORE_FD] = str(store_socket.fileno())
     return subprocess.Popen([sys.executable, "-m", "dflash.worker"], env=env, pass_fds=fds, umask=RUN_UMASK)
 
@@ -184,6 +267,7 @@ def _master_address() -> tuple[str, int]:
 
 def _serve_store(addr: str, port: int, world: int, timeout_s: float):
     """Rank 0: the store's server on the launcher's loopback socket, else on MASTER_ADDR alone."""
+    import torch.distributed
     fd = os.environ.get(ENV_STORE_FD)
     try:
         listener = socket.socket(fileno=int(fd)) if fd else socket.create_server((addr, port), backlog=128)
@@ -210,6 +294,8 @@ def _join_store(addr: str, port: int, world: int, timeout_s: float):
                                       f"{timeout_s:g} s (--rendezvous-timeout-s)") from None
             time.sleep(0.5)
     left_s = max(1.0, deadline - time.monotonic())
+    import torch.distributed
+
     try:
         return torch.distributed.TCPStore(addr, port, world, False, timeout=timedelta(seconds=left_s))
     except torch.distributed.DistError as e:

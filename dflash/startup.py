@@ -1,9 +1,9 @@
 """Where a rank's start-up goes before the profiler can time spans: a timeline of marks.
 
 From `dflash-train`'s start (the launcher's `main`, passed to each rank in DFLASH_LAUNCH_UNIX_NS) or,
-under torchrun, from the rank's own process start, through the launcher's preflight, the process
-spawn, the imports, the device, the rendezvous, the process groups, the built-ins, the data and the
-profiler's start. The phases are the gaps between consecutive marks, in seconds; the rank writes
+under torchrun, from the rank's own process start: the spawn, the rank's imports, the wait at its
+gate for the launcher's preflight (which runs side by side with the imports: dflash/launch.py), the
+device, the rendezvous, the process groups, the built-ins, the data and the profiler's start. The phases are the gaps between consecutive marks, in seconds; the rank writes
 them as one `startup` event once its profiler runs (docs/RUNLOG.md), and rank 0 prints one line.
 Standard library only: the worker takes its first mark before it imports torch.
 """
@@ -15,8 +15,6 @@ import time
 
 ENV_LAUNCH_NS = "DFLASH_LAUNCH_UNIX_NS"
 """Unix ns at which the launcher's main() began (set by dflash.launch for its ranks)."""
-ENV_PREFLIGHT_NS = "DFLASH_PREFLIGHT_DONE_UNIX_NS"
-"""Unix ns at which the launcher's preflight ended, just before it spawned the ranks."""
 
 
 def _env_ns(name: str, env) -> int | None:
@@ -30,12 +28,10 @@ class StartupTimeline:
 
     def __init__(self, process_start_ns: int, env=None):
         env = os.environ if env is None else env
-        launch_ns, preflight_ns = _env_ns(ENV_LAUNCH_NS, env), _env_ns(ENV_PREFLIGHT_NS, env)
+        launch_ns = _env_ns(ENV_LAUNCH_NS, env)
         self.marks: list[tuple[str, int]] = []
         if launch_ns is not None and launch_ns <= process_start_ns:
             self.origin, self.origin_ns = "launch", launch_ns
-            if preflight_ns is not None and launch_ns <= preflight_ns <= process_start_ns:
-                self.marks.append(("launcher", preflight_ns))
             self.marks.append(("spawn", process_start_ns))
         else:
             self.origin, self.origin_ns = "process", process_start_ns
@@ -61,6 +57,6 @@ class StartupTimeline:
 
 
 def format_line(fields: dict) -> str:
-    """One console line: `start-up 20.4 s from launch: launcher 4.1, spawn 0.3, imports 3.9, ...`."""
+    """One console line: `start-up 14.4 s from launch to the first step: spawn 0.1, imports 9.8, ...`."""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in fields["phases_seconds"].items())
     return f"dflash-train: start-up {fields['total_seconds']:.1f} s from {fields['origin']} to the first step: {parts}"

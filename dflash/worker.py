@@ -92,8 +92,9 @@ def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def run(cfg: TrainConfig) -> int:
-    """Entry for one rank. Exit codes: 0 ok, 1 failure at run time, 2 bad input."""
+def run(cfg: TrainConfig, marks: tuple = ()) -> int:
+    """Entry for one rank. Exit codes: 0 ok, 1 failure at run time, 2 bad input. `marks`: start-up
+    phases so far as (name, unix ns) (default: the imports, ending now)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     stop = _StopFlag()
@@ -102,7 +103,8 @@ def run(cfg: TrainConfig) -> int:
 
     hf_logging.disable_progress_bar()  # one progress line (rank 0's), not one per weight load
     timeline = startup.StartupTimeline(dflash.IMPORTED_UNIX_NS)
-    timeline.mark("imports")
+    for phase, t in marks or (("imports", time.time_ns()),):
+        timeline.mark(phase, t)
     try:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
@@ -356,8 +358,17 @@ def _print_final(run_dir: Path) -> None:
 
 
 def main() -> int:
-    cfg = TrainConfig(**json.loads(os.environ["DFLASH_CONFIG_JSON"])).validate()
-    return run(cfg)
+    """A rank started by dflash.launch: its imports are done; wait at the gate for the config, which
+    comes once the launcher's preflight passed (EOF: it did not, or the launcher is gone; exit quietly)."""
+    from dflash.launch import ENV_GATE_FD
+
+    imported_ns = time.time_ns()
+    with os.fdopen(int(os.environ[ENV_GATE_FD]), "rb") as gate:
+        data = gate.read()
+    if not data:
+        return 2
+    marks = (("imports", imported_ns), ("preflight", time.time_ns()))
+    return run(TrainConfig(**json.loads(data)).validate(), marks)
 
 
 if __name__ == "__main__":
