@@ -106,9 +106,10 @@ def main() -> int:
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_compile-"))).absolute()
     out.mkdir(parents=True, exist_ok=True)
     cache = (args.keep_cache or out / "compile-cache").absolute()
-    rows = [run_once(name, out, cache, extra, args.timeout_s) for name in ("cold", "warm", "resume")]
-    for row in rows:
-        print(json.dumps(row))
+    rows = []
+    for name in ("cold", "warm", "resume"):   # each row as it finishes: a timeout keeps the earlier ones
+        rows.append(run_once(name, out, cache, extra, args.timeout_s))
+        print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'run':<6}{'exit':>5}{'launch->step2 s':>17}{'start->step2 s':>16}{'first batch s':>15}"
           f"{'compile s':>11}{'compiles':>10}  fwd_bwd s (steps 0-2)")
     for r in rows:
