@@ -78,14 +78,15 @@ class EventPool:
 
     def release(self, *events) -> None:
         """Collector side: one holder of each event is done; an event nobody holds is free again."""
+        refs, free = self._refs, self.free_list
         with self._lock:
             for ev in events:
-                left = self._refs.get(id(ev), 1) - 1
+                key = id(ev)
+                left = refs.pop(key, 1) - 1    # absent: its one record held it
                 if left > 0:
-                    self._refs[id(ev)] = left
+                    refs[key] = left
                 else:
-                    self._refs.pop(id(ev), None)
-                    self.free_list.append(ev)
+                    free.append(ev)
 
     def put(self, *events) -> None:
         """Give events nobody holds back (e.g. taken and never recorded)."""
@@ -110,16 +111,23 @@ def _stream_functions(event_factory, device_index):
 
 
 def resolve(pending: list, pool: EventPool):
-    """Resolve CUDA span records in order. Returns (resolved, still_pending): `resolved` holds
-    `(record, gpu_seconds)` for records whose events both completed (each record's hold on its
-    events is released); the rest are kept, in order, for a later call (carried into the next interval)."""
-    resolved, still = [], []
-    for rec in pending:
+    """Resolve CUDA span records in order. `pending` holds (thread_name, record) pairs. Returns
+    (resolved, still_pending): `resolved` holds (thread_name, record, gpu_seconds) for records whose
+    events both completed (the records' holds on their events are released, in one call); the rest are
+    kept, in order, for a later call (carried into the next interval). A start event that is the
+    previous resolved record's end (a shared boundary) is known complete and not queried again."""
+    resolved, still, freed = [], [], []
+    done_end = None
+    for item in pending:
+        rec = item[1]
         start, end = rec[8], rec[9]
         # query() never blocks; elapsed_time() is only called once both events are done.
-        if end.query() and start.query():
-            resolved.append((rec, start.elapsed_time(end) / 1000.0))   # ms -> seconds
-            pool.release(start, end)
+        if end.query() and (start is done_end or start.query()):
+            resolved.append((item[0], rec, start.elapsed_time(end) / 1000.0))   # ms -> seconds
+            freed += (start, end)
+            done_end = end
         else:
-            still.append(rec)
+            still.append(item)
+    if freed:
+        pool.release(*freed)
     return resolved, still

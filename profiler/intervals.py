@@ -140,12 +140,10 @@ class IntervalAggregator:
 
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
-        threads = {id(rec): t for t, rec in self.pending}
-        done, still = resolve([rec for _, rec in self.pending], self.event_pool)
+        done, self.pending = resolve(self.pending, self.event_pool)
         seen_ns = time.perf_counter_ns()   # the span clock: a resolved pair's GPU work ended before this
-        for rec, gpu_s in done:
-            self._add(threads[id(rec)], rec, gpu_s, seen_ns)
-        self.pending = [(threads[id(rec)], rec) for rec in still]
+        for thread_name, rec, gpu_s in done:
+            self._add(thread_name, rec, gpu_s, seen_ns)
         return len(self.pending)
 
     def _add(self, thread_name, rec, gpu_s, seen_ns: int = 0) -> None:

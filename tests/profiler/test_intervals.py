@@ -210,6 +210,7 @@ def test_resolve_keeps_order():
         e.record()
         recs.append(("x", 0, 1, 0, None, i, None, None, s, e))
     gpu.done_ms = 2.0
-    done, still = resolve(recs, pool)
-    assert [r for r, _ in done] == recs[:2] and still == recs[2:]
-    assert [g for _, g in done] == [0.001, 0.001]
+    done, still = resolve([("t", r) for r in recs], pool)
+    assert [r for _, r, _ in done] == recs[:2] and still == [("t", r) for r in recs[2:]]
+    assert [g for _, _, g in done] == [0.001, 0.001] and {t for t, _, _ in done} == {"t"}
+    assert pool.free == 4                        # the two resolved records' events, back in one call
