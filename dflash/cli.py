@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from dflash import launch
 
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-            from dflash import preflight, worker
+            from dflash.rank import long_lived
+
+            with long_lived():   # the imports, as a rank started by dflash.launch does them
+                from dflash import preflight, worker
 
             world = int(os.environ["WORLD_SIZE"])
             preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))

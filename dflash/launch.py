@@ -23,6 +23,7 @@ import time
 from datetime import timedelta
 
 from dflash import startup
+from dflash.rank import long_lived
 from dflash.config import ConfigError, TrainConfig
 
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
@@ -91,10 +92,11 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     world = guess_world(cfg)
     ranks = GatedRanks(world, started_ns)
     try:
-        from dflash import preflight   # the launcher's heavy imports, side by side with the ranks'
+        with long_lived():   # the launcher's heavy imports, side by side with the ranks'
+            from dflash import preflight
 
-        planned = plan_world(cfg)
-        preflight.check(cfg, planned, planned)
+            planned = plan_world(cfg)
+            preflight.check(cfg, planned, planned)
         if planned != world:           # the driver and torch disagree (a CPU-only torch): start again
             ranks.abort()
             ranks = GatedRanks(planned, started_ns)
@@ -172,7 +174,7 @@ def _spawn(env: dict, rank: int, store_socket: socket.socket | None, gate_fd: in
     if store_socket is not None:
         fds += (store_socket.fileno(),)
         env[ENV_STORE_FD] = str(store_socket.fileno())
-    return subprocess.Popen([sys.executable, "-m", "dflash.worker"], env=env, pass_fds=fds, umask=RUN_UMASK)
+    return subprocess.Popen([sys.executable, "-m", "dflash.rank"], env=env, pass_fds=fds, umask=RUN_UMASK)
 
 
 class Supervisor:
