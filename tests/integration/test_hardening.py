@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 import time
 from pathlib import Path
 
@@ -35,11 +36,26 @@ def train(args: list[str], env: dict | None = None, timeout: float = 240) -> sub
 
 
 def refused(args: list[str], env: dict | None = None, code: int = 2) -> str:
-    """Run, expect `code` and exactly one stderr line (no traceback); return that line."""
-    r = train(args, env)
+    """Run, expect `code` and exactly one stderr line (no traceback); return that line. No process of
+    the run outlives it (the launcher starts its ranks behind a gate before its preflight)."""
+    mark = f"DFLASH_TEST_MARK={uuid.uuid4().hex}"
+    r = train(args, dict(env or {}, DFLASH_TEST_MARK=mark.split("=", 1)[1]))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    assert not processes_with(mark.encode())
     return lines[0]
+
+
+def processes_with(env_entry: bytes) -> list[int]:
+    """Live pids whose environment holds `env_entry` (KEY=VALUE)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if env_entry in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:                      # gone meanwhile, or not ours to read
+            pass
+    return found
 
 
 def tree(path: Path) -> dict:
