@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a DFlash drafter against a frozen target, instrumented end to end. With no "
                     "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",
         epilog="Of an on/off pair given twice (--resume --no-resume), the last one wins. Bad input exits 2 "
-               "with one line, before any rank starts.")
+               "with one line, before any rank does work.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file of config fields (flags > env > file)")
     add_config_flags(p)
     return p

@@ -1,5 +1,6 @@
-"""Everything a launch can check before any rank starts. Each problem is one ConfigError line (the
-CLI exits 2) that names the field or FILE:LINE. It reads and never writes: no run directory is
+"""Everything a launch can check before any rank does work (the ranks only import meanwhile, behind
+their gates: dflash/launch.py). Each problem is one ConfigError line (the CLI exits 2) that names the
+field or FILE:LINE. It reads and never writes: no run directory is
 created, so a corrected retry starts clean.
 
 Checked, cheapest first: a DFLASH_FAULT names only faults that can fire; the device, transfer and attention choices are possible on this machine,
