@@ -206,3 +206,21 @@ def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(t
     assert 'transfer.py", line' in r.stderr and "in _run" in r.stderr  # the sender thread's own frames
     end = [x for x in records(run, 1) if x["type"] == "run_end"][-1]
     assert end["status"] == "RuntimeError"
+
+
+def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_path, monkeypatch):
+    """The launcher starts the ranks before it imports torch, from the CUDA driver's device count; a
+    driver that shows GPUs this torch cannot use (a CPU-only wheel) gives a wrong world, which the
+    preflight's torch count replaces: the gated ranks are killed and the right number started."""
+    from dflash import cli, launch
+
+    monkeypatch.setattr(launch, "cuda_driver_device_count", lambda: 3)
+    worlds = []
+    real = launch.GatedRanks
+    monkeypatch.setattr(launch, "GatedRanks", lambda world, ns: worlds.append(world) or real(world, ns))
+    run = tmp_path / "run"
+    args = [a if a != "cpu" else "auto" for a in SMALL]
+    assert cli.main(["--run-dir", str(run), "--max-steps", "2", *args, "--eval-prompts", "0"]) == 0
+    assert worlds == [3, 2]
+    assert [r["world_size"] for r in (records(run, 0)[0], records(run, 1)[0])] == [2, 2]
+    assert not (run / "profile" / "rank2.jsonl").exists()
