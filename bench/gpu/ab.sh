@@ -2,7 +2,8 @@
 # One device call (1 GPU, about 6 minutes): profiling on vs --no-profile as paired, alternating A/B
 # runs of dflash-train (bench/ab_profile.py), first on the launch-bound built-in tiny target, then on
 # a GPU-bound random target made on the machine. Each workload starts no pair that would end after
-# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run), so the
+# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run; steps per
+# run AB_LAUNCH_STEPS (300), AB_GPU_STEPS (150): on the H200 a 300-step launch run took 54 s, 30 s start-up), so the
 # call stays inside ~6 minutes; each run is pinned, rank by rank, to its own physical cores.
 # Left in $OUT: ab.log (progress lines, tables, machine), ab_launch.json and ab_gpu.json (rewritten
 # after every run, so a timeout keeps every finished run), ab-runs.tgz (each run's throughput file,
@@ -28,8 +29,9 @@ ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 for w in ${AB_WORKLOADS:-launch gpu}; do
   case $w in
-    launch) ab launch "${AB_LAUNCH_BUDGET_S:-150}" --steps 300 --pairs 12 --builtin-conversations 400 ;;
-    gpu) ab gpu "${AB_GPU_BUDGET_S:-160}" --steps 150 --pairs 12 ;;
+    launch) ab launch "${AB_LAUNCH_BUDGET_S:-150}" --steps "${AB_LAUNCH_STEPS:-300}" --pairs 12 \
+              --builtin-conversations 400 ;;
+    gpu) ab gpu "${AB_GPU_BUDGET_S:-160}" --steps "${AB_GPU_STEPS:-150}" --pairs 12 ;;
   esac
 done
 } 2>&1 | tee "$OUT/ab.log"
