@@ -270,6 +270,7 @@ def _master_address() -> tuple[str, int]:
 def _serve_store(addr: str, port: int, world: int, timeout_s: float):
     """Rank 0: the store's server on the launcher's loopback socket, else on MASTER_ADDR alone."""
     import torch.distributed
+
     fd = os.environ.get(ENV_STORE_FD)
     try:
         listener = socket.socket(fileno=int(fd)) if fd else socket.create_server((addr, port), backlog=128)

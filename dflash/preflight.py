@@ -1,7 +1,7 @@
 """Everything a launch can check before any rank does work (the ranks only import meanwhile, behind
 their gates: dflash/launch.py). Each problem is one ConfigError line (the CLI exits 2) that names the
-field or FILE:LINE. It reads and never writes: no run directory is
-created, so a corrected retry starts clean.
+field or FILE:LINE. It reads and never writes: no run directory is created, so a corrected retry
+starts clean.
 
 Checked, cheapest first: a DFLASH_FAULT names only faults that can fire; the device, transfer and attention choices are possible on this machine,
 and the rank split works; a --metrics-port given is free for every local rank; the compile cache directory, if it

@@ -363,8 +363,15 @@ def main() -> int:
     from dflash.launch import ENV_GATE_FD
 
     imported_ns = time.time_ns()
-    with os.fdopen(int(os.environ[ENV_GATE_FD]), "rb") as gate:
-        data = gate.read()
+    fd = os.environ.get(ENV_GATE_FD, "")
+    try:
+        with os.fdopen(int(fd), "rb") as gate:
+            data = gate.read()
+    except (ValueError, OSError) as e:
+        print(f"dflash-train: error: a rank process reads its config from the launcher's gate ({ENV_GATE_FD}="
+              f"{fd!r}: {getattr(e, 'strerror', None) or 'not set'}); run dflash-train, or torchrun -m dflash.cli",
+              file=sys.stderr)
+        return 2
     if not data:
         return 2
     marks = (("imports", imported_ns), ("preflight", time.time_ns()))

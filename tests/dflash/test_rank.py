@@ -27,3 +27,16 @@ def test_long_lived_pauses_then_freezes_and_restores():
         gc.callbacks.pop()
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_rank_started_by_hand_without_its_gate_says_so_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_GATE_FD"}
+    for gate in (None, "99"):                       # unset; not an open descriptor
+        r = subprocess.run([sys.executable, "-m", "dflash.rank"], capture_output=True, text=True, timeout=120,
+                           env=env if gate is None else dict(env, DFLASH_GATE_FD=gate))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+        assert r.stderr.startswith("dflash-train: error: a rank process reads its config from the launcher's gate")
