@@ -386,12 +386,17 @@ def _record_event():
 
 def wait_ready(msg: Message) -> torch.Tensor:
     """Drafter side: make the current stream wait (on the device) for the payload to have arrived,
-    and tell the allocator the payload is used on this stream too, so its memory is not reused by
-    the receiver's next allocation until this stream's work on it has run. Returns the payload."""
+    and tell the allocator the payload and its fingerprint are used on this stream too, so their
+    memory is not reused by the receiver's next allocation until this stream's work on them has run.
+    (Without it on the fingerprint, the receiver's next 16-byte fingerprint landed in the block the
+    drafter's queued comparison was about to read: a false `payload.transfer` on a GPU-bound run.)
+    Returns the payload."""
     if msg.ready is not None:
         stream = torch.cuda.current_stream()
         stream.wait_event(msg.ready)
-        msg.payload.record_stream(stream)
+        for t in (msg.payload, msg.fingerprint):
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
     return msg.payload
 
 

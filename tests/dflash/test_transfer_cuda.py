@@ -6,8 +6,9 @@ after each submit; on the host path the copy stream is held back by a sleep kern
 `record_stream` on the copy stream the allocator would hand the packed tensor's memory to the next
 "forward" before the D2H copy has read it. NCCL path: the sender must keep the payload alive until
 the send has completed, and the drafter is slow to take batches, so sends wait for its receives.
-Drafter side: the drafter's stream sleeps before reading each payload, so without `wait_ready`'s
-`record_stream` the receiver's next allocation would reuse the memory under it.
+Drafter side: the drafter's stream sleeps before reading each payload and comparing its fingerprint,
+so without `wait_ready`'s `record_stream` (on the payload and on the fingerprint) the receiver's next
+allocation would reuse the memory under it: a corrupted payload, or a false `payload.transfer` flag.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash import transfer
+from profiler import nonfinite
 
 pytestmark = pytest.mark.cuda
 
@@ -53,10 +55,11 @@ def _target(device, device_payload: bool, ctrl) -> None:
         if staging.copy_stream is not None:
             with torch.cuda.stream(staging.copy_stream):
                 torch.cuda._sleep(4 * SLEEP_CYCLES)   # hold the D2H copy back
+        fingerprint = nonfinite.fingerprint(hidden)
         payload, ready, release = staging.stage(hidden)
         sender.submit(transfer.Message(payload, torch.zeros(4, 1, dtype=torch.int64), [i],
-                                       ready=ready, release=release))
-        del hidden, payload
+                                       ready=ready, release=release, fingerprint=fingerprint))
+        del hidden, payload, fingerprint
         for _ in range(3):   # the next "forward" reuses whatever memory the allocator gives back
             torch.empty(SHAPE, dtype=torch.bfloat16, device=device).fill_(float("nan"))
     sender.close()
@@ -65,14 +68,16 @@ def _target(device, device_payload: bool, ctrl) -> None:
 def _drafter(device, device_payload: bool, ctrl, out) -> None:
     pool = None if device_payload else transfer.PinnedPool(2)
     rx = transfer.Receiver([1], ctrl, None, device, device_payload, pool, queue_size=1)
-    same = []
+    same, flags = [], []
     while (msg := rx.get()) is not None:
         time.sleep(0.02)                          # a slow drafter: the receiver fills its queue
         x = transfer.wait_ready(msg)
         torch.cuda._sleep(4 * SLEEP_CYCLES)       # read the payload long after it arrived
         same.append((x == _payload(msg.ints[0], device)).all())   # on the device, no sync
+        flags.append(nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(x), x.numel()))
         del msg, x
-    out.put([bool(v) for v in torch.stack(same).cpu()])   # test: one sync at the end
+    # test: one sync at the end
+    out.put(([bool(v) for v in torch.stack(same).cpu()], torch.stack(flags).cpu().tolist()))
 
 
 def _worker(rank: int, port: int, device_payload: bool, out) -> None:
@@ -105,5 +110,6 @@ def test_payloads_survive_slow_streams(path):
     for p in procs:
         p.join(timeout=120)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    same = out.get(timeout=5)
+    same, flags = out.get(timeout=5)
     assert same == [True] * STEPS, f"payloads corrupted in flight: {same}"
+    assert flags == [[False, False]] * STEPS, f"fingerprints flagged [packed, transfer]: {flags}"
