@@ -64,6 +64,11 @@ class TrainConfig:
     loads the drafter's compiled kernels instead of compiling them again. None: $XDG_CACHE_HOME/dflash/compile,
     else ~/.cache/dflash/compile. Created with mode 0700; a symlink, another user's directory or a
     group/world-writable one is refused (exit 2): the kernels in it run in this process."""
+    bytecode_cache: bool = True
+    """When the environment tells Python not to write bytecode beside its sources (PYTHONDONTWRITEBYTECODE,
+    set in many container images), the ranks keep it in COMPILE_CACHE_DIR/pycache instead
+    (PYTHONPYCACHEPREFIX, same ownership checks): otherwise a package installed without bytecode
+    (torch in the H200 image) is compiled from source at every start. False: honour the environment."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1

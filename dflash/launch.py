@@ -23,6 +23,7 @@ import time
 from datetime import timedelta
 
 from dflash import startup
+from dflash.compile import bytecode_env
 from dflash.rank import long_lived
 from dflash.config import ConfigError, TrainConfig
 
@@ -90,7 +91,8 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
     started_ns = started_ns or time.time_ns()
     world = guess_world(cfg)
-    ranks = GatedRanks(world, started_ns)
+    bytecode = use_bytecode_cache(bytecode_env(cfg.bytecode_cache, cfg.compile_cache_dir))
+    ranks = GatedRanks(world, started_ns, bytecode)
     try:
         with long_lived():   # the launcher's heavy imports, side by side with the ranks'
             from dflash import preflight
@@ -99,7 +101,7 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
             preflight.check(cfg, planned, planned)
         if planned != world:           # the driver and torch disagree (a CPU-only torch): start again
             ranks.abort()
-            ranks = GatedRanks(planned, started_ns)
+            ranks = GatedRanks(planned, started_ns, bytecode)
         if cfg.run_dir is None:
             cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
         procs = ranks.open(cfg)
@@ -115,16 +117,30 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
             signal.signal(s, h)
 
 
+def use_bytecode_cache(changes: dict) -> dict:
+    """Apply `bytecode_env`'s changes to this process too (sys.pycache_prefix and sys.dont_write_bytecode
+    are read at every import), so the launcher's preflight imports use the same cache; returns them."""
+    if changes:
+        sys.pycache_prefix = changes["PYTHONPYCACHEPREFIX"]
+        sys.dont_write_bytecode = False
+    return changes
+
+
 class GatedRanks:
     """`world` worker processes, each blocked at its gate (a pipe) after its imports, until open()
     writes the config there, or abort() kills them. Rank 0 holds the store's listening socket, which
     this process binds on loopback."""
 
-    def __init__(self, world: int, started_ns: int):
+    def __init__(self, world: int, started_ns: int, env_changes: dict | None = None):
         store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
                    **{startup.ENV_LAUNCH_NS: str(started_ns)})
+        for var, value in (env_changes or {}).items():
+            if value is None:
+                env.pop(var, None)
+            else:
+                env[var] = value
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env.setdefault(var, "lo")  # unless the user named an interface
         self.procs: list[subprocess.Popen] = []

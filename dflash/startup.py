@@ -11,6 +11,7 @@ Standard library only: the worker takes its first mark before it imports torch.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 ENV_LAUNCH_NS = "DFLASH_LAUNCH_UNIX_NS"
@@ -53,7 +54,17 @@ class StartupTimeline:
         """The `startup` event's fields."""
         end = self.marks[-1][1] if self.marks else self.origin_ns
         return {"origin": self.origin, "origin_unix_ns": self.origin_ns,
-                "total_seconds": round((end - self.origin_ns) / 1e9, 4), "phases_seconds": self.phases_seconds()}
+                "total_seconds": round((end - self.origin_ns) / 1e9, 4), "phases_seconds": self.phases_seconds(),
+                "bytecode": bytecode_source()}
+
+
+def bytecode_source() -> str:
+    """Where this process keeps Python bytecode: the cache folder (sys.pycache_prefix: dflash.compile's
+    `bytecode_env`), `beside sources` (__pycache__), or `not written` (PYTHONDONTWRITEBYTECODE: what a
+    package installed without bytecode imports is compiled from source at every start)."""
+    if sys.pycache_prefix:
+        return sys.pycache_prefix
+    return "not written" if sys.dont_write_bytecode else "beside sources"
 
 
 def format_line(fields: dict) -> str:

@@ -58,3 +58,14 @@ class OtlpReceiver:
 def otlp_receiver_cls():
     """The receiver class (for fixtures of any scope): OtlpReceiver() starts one on 127.0.0.1."""
     return OtlpReceiver
+
+
+@pytest.fixture(autouse=True)
+def _keep_bytecode_settings():
+    """dflash.launch, called in-process by CLI tests, may point this interpreter's bytecode at the
+    compile cache (launch.use_bytecode_cache); put it back after every test."""
+    import sys
+
+    saved = sys.pycache_prefix, sys.dont_write_bytecode
+    yield
+    sys.pycache_prefix, sys.dont_write_bytecode = saved

@@ -16,8 +16,8 @@ import profiler
 from dflash import preflight
 from dflash.attention import BlockLayout, MaskSet, build_layout, compiled, flex_block_mask, mark_lengths_dynamic
 from dflash.cli import main
-from dflash.compile import (_compiling_frame_name, cache_dir_problem, install_compile_spans, resolve_cache_dir,
-                            setup_cache, uninstall_compile_spans)
+from dflash.compile import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem, install_compile_spans,
+                            resolve_cache_dir, setup_cache, uninstall_compile_spans)
 from dflash.config import ConfigError, resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -290,3 +290,62 @@ def test_compile_spans_without_a_profiler_are_no_ops_and_uninstall_leaves_nothin
     finally:
         uninstall_compile_spans()
     assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == before
+
+
+# ---------------------------------------------------------------------------------------- bytecode
+def test_bytecode_cache_only_where_python_may_not_write_beside_its_sources(tmp_path):
+    cache = tmp_path / "c"
+    assert bytecode_env(True, str(cache), {}, dont_write=False) == {}    # Python writes __pycache__ itself
+    assert bytecode_env(True, str(cache), {}, dont_write=True, missing=False) == {}   # installed with bytecode
+    assert bytecode_env(False, str(cache), {}, dont_write=True, missing=True) == {}    # --no-bytecode-cache
+    assert bytecode_env(True, str(cache), {"PYTHONPYCACHEPREFIX": "/x"}, dont_write=True, missing=True) == {}   # the user's own
+    assert not cache.exists()
+    changes = bytecode_env(True, str(cache), {}, dont_write=True, missing=True)
+    assert changes == {"PYTHONPYCACHEPREFIX": str(cache / "pycache"), "PYTHONDONTWRITEBYTECODE": None}
+    assert all((p.stat().st_mode & 0o777) == 0o700 for p in (cache, cache / "pycache"))
+    assert bytecode_env(True, None, {"HOME": str(tmp_path / "h")}, dont_write=True, missing=True)["PYTHONPYCACHEPREFIX"] == str(
+        tmp_path / "h/.cache/dflash/compile/pycache")
+    assert resolve_config({}, {}, {}).bytecode_cache is True
+
+
+def test_bytecode_cache_refuses_what_the_compile_cache_refuses(tmp_path):
+    unsafe = tmp_path / "u"
+    unsafe.mkdir()
+    for case, (path, _) in _unsafe_dirs(unsafe).items():
+        assert bytecode_env(True, str(path), {}, dont_write=True, missing=True) == {}, case
+    good = tmp_path / "good"
+    good.mkdir(mode=0o700)
+    (good / "pycache").symlink_to(unsafe / "real")              # a good cache, its bytecode folder a link
+    assert bytecode_env(True, str(good), {}, dont_write=True, missing=True) == {}
+
+
+def test_ranks_told_not_to_write_bytecode_keep_it_in_the_cache(tmp_path):
+    """The real interpreter with the changes: the module's bytecode lands under the cache and is read
+    from there; without them (PYTHONDONTWRITEBYTECODE, as in the H200 image) nothing is written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe_mod.py").write_text("X = 1\n")
+    base = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(src))
+    base.pop("PYTHONPYCACHEPREFIX", None)
+    subprocess.run([sys.executable, "-c", "import probe_mod"], env=base, check=True)
+    assert not list(tmp_path.rglob("*.pyc"))
+    env = dict(base)
+    for var, value in bytecode_env(True, str(tmp_path / "c"), {}, dont_write=True, missing=True).items():
+        env.pop(var) if value is None else env.update({var: value})
+    code = "import probe_mod, sys; print(probe_mod.__cached__.startswith(sys.pycache_prefix))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "True"
+    written = [p.relative_to(tmp_path / "c" / "pycache") for p in (tmp_path / "c" / "pycache").rglob("probe_mod.*")]
+    assert written == [Path(*src.parts[1:], f"probe_mod.{sys.implementation.cache_tag}.pyc")]
+    assert not (src / "__pycache__").exists()
+
+
+def test_bytecode_missing_looks_beside_the_package_sources(tmp_path, monkeypatch):
+    pkg = tmp_path / "probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert bytecode_missing(("probe_pkg",)) and not bytecode_missing(("no_such_package_here",))
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc").write_bytes(b"")
+    assert not bytecode_missing(("probe_pkg",)) and "probe_pkg" not in sys.modules   # found, never imported

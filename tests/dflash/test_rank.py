@@ -4,6 +4,8 @@ comes back as it was."""
 from __future__ import annotations
 
 import gc
+import time
+from pathlib import Path
 
 from dflash.rank import long_lived
 
@@ -40,3 +42,20 @@ def test_a_rank_started_by_hand_without_its_gate_says_so_in_one_line():
                            env=env if gate is None else dict(env, DFLASH_GATE_FD=gate))
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
         assert r.stderr.startswith("dflash-train: error: a rank process reads its config from the launcher's gate")
+
+
+def test_gated_ranks_start_with_the_bytecode_cache_in_their_environment(tmp_path, monkeypatch):
+    from dflash.launch import GatedRanks
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    ranks = GatedRanks(1, time.time_ns(), {"PYTHONPYCACHEPREFIX": str(tmp_path), "PYTHONDONTWRITEBYTECODE": None})
+    proc = Path(f"/proc/{ranks.procs[0].pid}")
+    try:
+        deadline = time.monotonic() + 10
+        while b"dflash.rank" not in (proc / "cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)   # environ is the parent's until the child has exec'd
+        raw = (proc / "environ").read_bytes().decode()
+    finally:
+        ranks.abort()
+    env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path) and "PYTHONDONTWRITEBYTECODE" not in env

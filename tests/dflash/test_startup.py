@@ -34,3 +34,13 @@ def test_a_wall_clock_step_back_never_gives_a_negative_phase():
     tl.mark("imports", 104 * S)                              # the wall clock stepped back
     tl.mark("device", 106 * S)
     assert tl.fields()["phases_seconds"] == {"spawn": 5.0, "imports": 0.0, "device": 1.0}
+
+
+def test_bytecode_says_where_compiled_modules_are_kept(monkeypatch):
+    monkeypatch.setattr("sys.pycache_prefix", "/c/pycache")
+    assert startup.StartupTimeline(S, {}).fields()["bytecode"] == "/c/pycache"
+    monkeypatch.setattr("sys.pycache_prefix", None)
+    monkeypatch.setattr("sys.dont_write_bytecode", True)
+    assert startup.bytecode_source() == "not written"
+    monkeypatch.setattr("sys.dont_write_bytecode", False)
+    assert startup.bytecode_source() == "beside sources"
