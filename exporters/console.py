@@ -109,7 +109,20 @@ def format_interval(record: dict) -> str:
     if metrics:
         lines.append("  " + "  ".join(f"{n} {_num(m.get('last'))}" for n, m in metrics.items()))
     lines.extend(format_memory(record.get("memory")))
+    lines.extend(format_thread_cpu(record))
     return "\n".join(lines)
+
+
+def format_thread_cpu(record: dict, top: int = 4) -> list:
+    """One line: the interval's busiest threads by CPU time, and the profiler's own threads' share of
+    the wall time (`threads_cpu_seconds`, `profiler_share`)."""
+    cpu = record.get("threads_cpu_seconds") or {}
+    if not cpu:
+        return []
+    busiest = ", ".join(f"{n} {v:.2f} s" for n, v in list(cpu.items())[:top])
+    share = record.get("profiler_share")
+    own = "" if share is None else f"; profiler threads {share * 100:.2f}% of the interval"
+    return [f"  thread cpu: {busiest}{own}"]
 
 
 def hotspot_rows(run_end_records: list) -> tuple[list, dict]:

@@ -26,6 +26,7 @@ from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
 from profiler.stacks import NullStackSampler
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
+from profiler.threadcpu import ThreadCpu, profiler_share
 from profiler.watchdog import NullWatchdog, Watchdog
 
 logger = logging.getLogger("profiler")
@@ -152,6 +153,7 @@ class Profiler:
         self.sampler.start()
         self._cleanups.append(self.sampler.stop)
         self.interval_start_ns = time.perf_counter_ns()
+        self.thread_cpu = ThreadCpu()
         self.start_s = self.interval_start_s = self._clock_s(self.interval_start_ns)
         self.start_unix = self.wall_clock()
         self._write(self._run_start_record())
@@ -268,10 +270,12 @@ class Profiler:
             duration_s = ((end_ns - self.interval_start_ns) / 1e9 if self._perf_clock
                           else end_s - self.interval_start_s)
             open_spans = self.recorder.open_spans(ids=True)
+            cpu = self.thread_cpu.take()
             rec = {**self._header("interval"), "index": self.intervals_closed, "step": self.step,
                    "start_s": self.interval_start_s, "end_s": end_s, "duration_seconds": duration_s,
                    **self.aggregator.close_parts(duration_s, end_ns, open_spans), "memory": self._memory_summary(),
                    "threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
+                   "threads_cpu_seconds": cpu, "profiler_share": profiler_share(cpu, duration_s),
                    "exporters": self.hub.stats(), "open_spans": _without_ids(open_spans)}
             stacks = self.stack_sampler.interval_summary(reset=True)
             if stacks is not None:

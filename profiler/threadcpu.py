@@ -1,0 +1,63 @@
+"""CPU time of this process's threads, per interval: where the process's CPU went, and what the
+profiler's own threads cost.
+
+Each live Python thread's CPU clock (`time.pthread_getcpuclockid`: user + system time, nanoseconds) is
+read when an interval closes; the interval record's `threads_cpu_seconds` holds each thread name's CPU
+seconds since the previous reading (threads of one name summed; a thread that ended in between is
+counted up to its last reading). `profiler_share` is the CPU of the profiler's own threads and its
+exporters' (`PROFILER_PREFIXES`) over the interval's wall time: the background work an on/off A/B pays for,
+which under the GIL mostly runs while the training thread waits for it. Reading one clock is one
+syscall; nothing here touches the training thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+PROFILER_PREFIXES = ("profiler", "metrics.http", "dflash-otel", "Otel")
+"""Thread names of the profiler and its exporters: the collector, exporter, NVML, stacks, control and
+watchdog threads (`profiler...`), the Prometheus endpoint (`metrics.http`), and the OpenTelemetry
+exporter's and SDK's (`dflash-otel-close`, `OtelBatch...`, `OtelPeriodicExportingMetricReader`)."""
+
+
+def _cpu_ns(ident: int) -> int | None:
+    """The CPU time of the thread `ident` (threading ident), or None where it cannot be read (ended,
+    or a platform without per-thread clocks)."""
+    try:
+        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError, OverflowError):
+        return None
+
+
+class ThreadCpu:
+    """Per-thread CPU time since the last `take()`. `threads` and `cpu_ns` are injectable for tests."""
+
+    def __init__(self, threads=threading.enumerate, cpu_ns=_cpu_ns):
+        self._threads, self._cpu_ns = threads, cpu_ns
+        self._last: dict[int, int] = {}
+        self.take()   # the baseline: the first interval counts from the profiler's start
+
+    def take(self) -> dict[str, float]:
+        """{thread name: CPU seconds since the previous take}, names sorted by CPU, most first."""
+        now: dict[int, int] = {}
+        by_name: dict[str, int] = {}
+        for t in self._threads():
+            if t.ident is None:
+                continue
+            ns = self._cpu_ns(t.ident)
+            if ns is None:
+                continue
+            now[t.ident] = ns
+            by_name[t.name] = by_name.get(t.name, 0) + max(0, ns - self._last.get(t.ident, 0))
+        self._last = now
+        return {n: round(v / 1e9, 6) for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
+
+
+def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float | None:
+    """The profiler's and its exporters' threads' CPU seconds over the interval's wall seconds (None for
+    an empty interval)."""
+    if not duration_seconds or duration_seconds <= 0:
+        return None
+    own = sum(v for n, v in threads_cpu_seconds.items() if n.startswith(PROFILER_PREFIXES))
+    return own / duration_seconds

@@ -1,0 +1,55 @@
+"""Per-thread CPU time per interval: real threads on their real clocks, and the profiler's share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import profiler
+from exporters.console import format_interval
+from profiler.threadcpu import ThreadCpu, profiler_share
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_busy_thread_shows_its_cpu_and_a_sleeping_one_none():
+    acc = ThreadCpu()
+    busy = threading.Thread(target=lambda: (_burn(0.2), time.sleep(0.3)), name="profiler.test-busy")
+    idle = threading.Thread(target=time.sleep, args=(0.5,), name="test-idle")
+    for t in (busy, idle):
+        t.start()
+    time.sleep(0.35)          # burnt, now sleeping: both alive when read
+    cpu = acc.take()
+    for t in (busy, idle):
+        t.join()
+    assert 0.15 <= cpu["profiler.test-busy"] <= 0.6, cpu
+    assert cpu["test-idle"] < 0.05 and list(cpu)[0] == "profiler.test-busy"   # most first
+    assert profiler_share(cpu, 1.0) >= 0.15 and profiler_share(cpu, 0.0) is None
+
+
+def test_names_are_summed_unreadable_clocks_skipped_and_deltas_never_negative():
+    clocks = {1: 10**9, 2: 2 * 10**9, 3: None, 4: 5 * 10**9}
+    threads = [SimpleNamespace(ident=1, name="w"), SimpleNamespace(ident=2, name="w"),
+               SimpleNamespace(ident=3, name="gone"), SimpleNamespace(ident=None, name="unstarted"),
+               SimpleNamespace(ident=4, name="profiler.collector")]
+    acc = ThreadCpu(threads=lambda: threads, cpu_ns=clocks.get)
+    clocks.update({1: 1.5 * 10**9, 2: 2.5 * 10**9, 4: 5.25 * 10**9})
+    assert acc.take() == {"w": 1.0, "profiler.collector": 0.25}
+    clocks[4] = 10**9                          # a reused ident with a younger clock: 0, not negative
+    assert acc.take()["profiler.collector"] == 0.0
+    assert profiler_share({"w": 1.0, "profiler.collector": 0.25, "profiler-nvml": 0.25}, 5.0) == 0.1
+
+
+def test_every_interval_says_where_the_cpu_went(tmp_path):
+    with profiler.Profiler(tmp_path, background=False, console=False) as prof:
+        _burn(0.1)
+        rec = prof.close_interval()
+    cpu = rec["threads_cpu_seconds"]
+    assert cpu[threading.current_thread().name] >= 0.08
+    assert rec["profiler_share"] is not None and 0.0 <= rec["profiler_share"] < 0.5
+    assert "  thread cpu: " + threading.current_thread().name in format_interval(rec)
