@@ -52,8 +52,12 @@ How many pairs: the interval's half-width is t(n-1) * sd / sqrt(n), sd being the
 log ratios (`sd_log_ratio` in the JSON). Resolving 1% takes 4 pairs at sd 0.5%, 7 at 1%, 12 at 1.5%,
 18 at 2% and 38 at 3%. `--budget-s` (per workload) stops starting pairs when the next would end past
 it; the first pair always runs. A run costs its start-up (imports, process groups, loading, compile
-from the cache) on top of its steps, so steps are kept short and the tail (the meter's last half)
-is what is compared.
+from the cache) on top of its steps, and the tail (the meter's last half) is what is compared. The
+tail must still span several profile intervals, or whether an interval's close falls inside it decides
+the on arm's value: after the warm-up, --tail-seconds (15) raises the steps to match the warm-up's
+rate (a 150-step launch run on the H200 had a 1.8 s tail, and pairs spread +-11%).
+The on runs' `profiler_share` (the interval records' CPU of the profiler's threads over wall time) is
+read back and summarised: the background cost, measured directly rather than by the difference.
 
 Output: a table per workload and the machine (GPU, torch, date) on stdout, a progress line per run,
 and a JSON rewritten after every run ($OUT/ab_profile.json when $OUT is set, else under the workdir),
@@ -339,6 +343,8 @@ class Setup:
     workdir: Path
     pin_ranks: bool = False
     """Give each rank its own share of `cpus` (whole physical cores), set as the ranks start."""
+    tail_seconds: float = 0.0
+    """Size the measured runs' steps from the warm-up so the meter's tail lasts this long (0: keep)."""
 
 
 def base_env(cache_dir: Path | None) -> dict:
@@ -378,6 +384,39 @@ def read_metric(run_dir: Path, rank: int, metric: str) -> tuple[float | None, di
         return None, {}
     value = meter.get(metric)
     return (float(value) if isinstance(value, (int, float)) else None), meter
+
+
+METER_WARM_STEPS = 5   # dflash.roles: the meter starts after min(5, max_steps // 4) steps
+
+
+def read_profiler_share(run_dir: Path, rank: int) -> float | None:
+    """The profiler's and its exporters' threads' CPU over wall time in the run's intervals (the
+    interval records' `profiler_share`, weighted by duration), or None (an off run, an older trainer)."""
+    busy = wall = 0.0
+    try:
+        lines = (run_dir / "profile" / f"rank{rank}.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("type") == "interval" and rec.get("profiler_share") is not None:
+            busy += rec["profiler_share"] * rec["duration_seconds"]
+            wall += rec["duration_seconds"]
+    return busy / wall if wall > 0 else None
+
+
+def steps_for_tail(meter: dict, tail_seconds: float, minimum: int) -> int | None:
+    """--max-steps whose tail (the meter's second half, after its warm steps) lasts about `tail_seconds`
+    at the rate of the run the meter measured; None when it measured no tail."""
+    tail_steps, rate = meter.get("tail_steps"), meter.get("tail_tokens_per_s")
+    tokens, steps = meter.get("tokens"), meter.get("steps")
+    if not (tail_steps and rate and tokens and steps):
+        return None
+    steps_per_s = rate / (tokens / steps)
+    return max(minimum, int(2 * tail_seconds * steps_per_s) + METER_WARM_STEPS)
 
 
 def seed_builtin(run_dir: Path, builtin: Path | None) -> None:
@@ -496,7 +535,8 @@ def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str) -> dict:
                 pinner.stop()
     value, meter = read_metric(run_dir, setup.rank, setup.metric)
     rec = {"arm": arm, "run_dir": str(run_dir), "exit": code, "wall_s": time.perf_counter() - t0,
-           "value": value, "throughput": meter, "before": state}
+           "value": value, "throughput": meter, "before": state,
+           "profiler_share": read_profiler_share(run_dir, setup.rank)}
     if pinner is not None:
         rec["rank_cpus"] = pinner.pinned
     if code != 0 or value is None:
@@ -582,10 +622,30 @@ def format_summary(name: str, section: dict) -> str:
     lines.append(f"resolves {v['threshold_pct']:g}%: {'yes' if v['resolves'] else 'no'} "
                  f"(CI half-width {_pct(p['half_width_pct'], False)})")
     lines.append(f"on within {v['threshold_pct']:g}% of off: {v['within']}")
+    lines += _run_notes([r for r in runs if "pair" in r and r["value"] is not None])
     if v["on_faster_beyond_threshold"]:
         lines.append("note: on is faster than off beyond the threshold: the arms differ in something besides "
                      "the profiler")
     return "\n".join(lines)
+
+
+def tail_seconds(meter: dict) -> float | None:
+    """How long the meter's tail lasted (its steps at its rate), or None."""
+    try:
+        return meter["tail_steps"] / (meter["tail_tokens_per_s"] / (meter["tokens"] / meter["steps"]))
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def _run_notes(runs: list) -> list:
+    """The measured runs' mean tail length, and the on runs' profiler share (its threads' CPU)."""
+    tails = [t for t in (tail_seconds(r["throughput"]) for r in runs) if t is not None]
+    shares = [r["profiler_share"] for r in runs if r["arm"] == "on" and r.get("profiler_share") is not None]
+    lines = [f"tail: {statistics.fmean(tails):.1f} s per run (mean of {len(tails)})"] if tails else []
+    if shares:
+        lines.append(f"on runs: the profiler's threads used {100 * statistics.fmean(shares):.2f}% of the wall time "
+                     f"in CPU (max {100 * max(shares):.2f}%, {len(shares)} runs; interval records' profiler_share)")
+    return lines
 
 
 def format_machine(m: dict) -> str:
@@ -639,6 +699,21 @@ def _warm_up(setup: Setup, wl: Workload, section: dict, report: Report, runs: Pa
     return builtin if wl.target_shape is None and builtin.is_dir() else None
 
 
+def _size_steps(setup: Setup, name: str, section: dict, args: list) -> list:
+    """More steps (--max-steps is the last argument) when the last warm-up's tail rate says the tail
+    would last less than --tail-seconds: a tail must span several profile intervals."""
+    good = [r for r in section["runs"] if r.get("warmup") and r["value"] is not None]
+    if not setup.tail_seconds or not good:
+        return args
+    sized = steps_for_tail(good[-1]["throughput"], setup.tail_seconds, section["steps"])
+    if sized is None or sized == section["steps"]:
+        return args
+    section["steps"] = sized
+    print(f"[{name}] {sized} steps per run: a tail of about {setup.tail_seconds:g} s at the warm-up's rate",
+          flush=True)
+    return [*args[:-1], str(sized)]
+
+
 def run_workload(setup: Setup, wl: Workload, report: Report, pairs: int, warmups: int, budget_s: float) -> dict:
     """Warm-up, then up to `pairs` alternating pairs (on/off, off/on, ...) while the budget lasts."""
     t0 = time.monotonic()
@@ -648,6 +723,7 @@ def run_workload(setup: Setup, wl: Workload, report: Report, pairs: int, warmups
         "name": wl.name, "metric": setup.metric, "rank": setup.rank, "steps": wl.steps, "pairs_planned": pairs,
         "args": [*setup.common, *args], "cpus": setup.cpus, "runs": [], "summary": summarize([])}
     builtin = _warm_up(setup, wl, section, report, runs, args, warmups)
+    args = _size_steps(setup, wl.name, section, args)
     failures = 0
     for i in range(pairs):
         measured = [r["wall_s"] + setup.cooldown_s for r in section["runs"] if not r.get("warmup")] or \
@@ -677,6 +753,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pairs", type=int, default=8, help="at most this many on/off pairs per workload")
     ap.add_argument("--warmup-runs", type=int, default=1, help="discarded runs first (builds, compile caches)")
     ap.add_argument("--steps", type=int, default=None, help="--max-steps of every run (default per workload)")
+    ap.add_argument("--tail-seconds", type=float, default=15.0,
+                    help="after the warm-up, more steps if needed so each run's measured tail lasts this long, "
+                         "several profile intervals (0: never change --steps)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="per workload: start no pair that would end after this many seconds (0 = no limit)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -723,7 +802,7 @@ def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
     common += a.extra.split()
     setup = Setup(env=env, cpus=pick_cpus(a.cpus), common=common, metric=a.metric, rank=a.rank,
                   cooldown_s=a.cooldown_s, run_timeout_s=a.run_timeout_s, keep_runs=a.keep_runs,
-                  workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks)
+                  workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks, tail_seconds=a.tail_seconds)
     return setup, how
 
 

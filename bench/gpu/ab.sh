@@ -2,9 +2,11 @@
 # One device call (1 GPU, about 6 minutes): profiling on vs --no-profile as paired, alternating A/B
 # runs of dflash-train (bench/ab_profile.py), first on the launch-bound built-in tiny target, then on
 # a GPU-bound random target made on the machine. Each workload starts no pair that would end after
-# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run; steps per
-# run AB_LAUNCH_STEPS (300), AB_GPU_STEPS (150): on the H200 a 300-step launch run took 54 s, 30 s start-up), so the
-# call stays inside ~6 minutes; each run is pinned, rank by rank, to its own physical cores.
+# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run), so the call
+# stays inside ~6 minutes; each run is pinned, rank by rank, to its own physical cores. Steps per run: at
+# least AB_LAUNCH_STEPS (300) / AB_GPU_STEPS (150), more when the warm-up's rate says the measured tail
+# would last under AB_TAIL_S seconds (15: three 5 s profile intervals). On the H200 a 150-step launch run
+# measured a tail of 1.8 s, with or without an interval close in it: pairs spread +-11% (bench/RESULTS.md).
 # Left in $OUT: ab.log (progress lines, tables, machine), ab_launch.json and ab_gpu.json (rewritten
 # after every run, so a timeout keeps every finished run), ab-runs.tgz (each run's throughput file,
 # config, run log and output), and ab-cache.tgz.* (the compile cache and the built-in target and
@@ -22,7 +24,8 @@ CACHE=.cache/ab-compile WORK=.cache/ab-work   # kept on a warm machine (ignored 
 ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
   local name=$1 budget=$2 t0=$SECONDS; shift 2
   timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
-    --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks "$@"
+    --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks \
+    --tail-seconds "${AB_TAIL_S:-15}" "$@"
   echo "=== $name: exit $? in $((SECONDS - t0)) s"
 }
 {

@@ -1,11 +1,14 @@
 """The statistics of bench/ab_profile.py (the profiling on/off A/B): t quantiles against published
-tables, and the paired interval and verdicts on numbers worked out by hand."""
+tables, the paired interval and verdicts on numbers worked out by hand, the tail sizing and the
+profiler share read from a run log."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,3 +61,27 @@ def test_arm_stats():
     s = ab.arm_stats([90.0, 100.0, 110.0])
     assert (s["n"], s["mean"], s["median"], s["min"], s["max"]) == (3, 100.0, 100.0, 90.0, 110.0)
     assert s["cv"] == pytest.approx(0.1)
+
+
+def test_steps_are_sized_so_the_tail_lasts_the_seconds_asked():
+    # 100 steps at 1000 tokens each, a tail of 47 steps at 20,000 tokens/s: 20 steps/s
+    meter = {"steps": 100, "tokens": 100_000, "tail_steps": 47, "tail_tokens_per_s": 20_000.0}
+    assert ab.tail_seconds(meter) == pytest.approx(47 / 20)
+    assert ab.steps_for_tail(meter, 15.0, 150) == 2 * 15 * 20 + ab.METER_WARM_STEPS
+    assert ab.steps_for_tail(meter, 1.0, 150) == 150                  # never fewer than asked
+    assert ab.steps_for_tail({"steps": 3}, 15.0, 150) is None and ab.tail_seconds({}) is None
+    section = {"steps": 150, "runs": [{"warmup": True, "value": 1.0, "throughput": meter}]}
+    setup = SimpleNamespace(tail_seconds=15.0)
+    assert ab._size_steps(setup, "w", section, ["--x", "--max-steps", "150"]) == ["--x", "--max-steps", "605"]
+    assert section["steps"] == 605
+    assert ab._size_steps(SimpleNamespace(tail_seconds=0.0), "w", section, ["a"]) == ["a"]
+
+
+def test_profiler_share_is_read_from_the_run_log_weighted_by_duration(tmp_path):
+    (tmp_path / "profile").mkdir()
+    recs = [{"type": "run_start"}, {"type": "interval", "duration_seconds": 5.0, "profiler_share": 0.01},
+            {"type": "interval", "duration_seconds": 1.0, "profiler_share": 0.04},
+            {"type": "interval", "duration_seconds": 2.0, "profiler_share": None}]
+    (tmp_path / "profile" / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n{truncated")
+    assert ab.read_profiler_share(tmp_path, 0) == pytest.approx((0.05 + 0.04) / 6)
+    assert ab.read_profiler_share(tmp_path, 1) is None
