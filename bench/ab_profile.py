@@ -779,6 +779,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-runs", action="store_true", help="keep checkpoints and built-ins of every run")
     ap.add_argument("--extra", default="", help="more dflash-train arguments for both arms, one string (not "
                     "--builtin-conversations: use the option above, which keys the built-in cache)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: pool the pairs of these reports per workload and print the tables")
     a = ap.parse_args(argv)
     if a.pairs < 1 or a.warmup_runs < 0:
         ap.error("--pairs must be >= 1 and --warmup-runs >= 0")
@@ -806,8 +808,29 @@ def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
     return setup, how
 
 
+def merge_reports(paths: list[Path]) -> dict:
+    """The measured pairs of several JSON reports (device calls of one machine kind), pooled per
+    workload: pair numbers offset so they stay distinct, warm-ups dropped. {workload: section}."""
+    merged: dict = {}
+    for path in paths:
+        for name, sec in json.loads(Path(path).read_text()).get("workloads", {}).items():
+            into = merged.setdefault(name, {**sec, "runs": [], "steps": set(), "sources": []})
+            offset = 1 + max((r["pair"] for r in into["runs"]), default=-1)
+            into["runs"] += [dict(r, pair=r["pair"] + offset) for r in sec["runs"] if "pair" in r]
+            into["steps"].add(sec["steps"])
+            into["sources"].append(str(path))
+    for sec in merged.values():
+        sec["steps"] = "/".join(str(n) for n in sorted(sec["steps"]))
+        sec["summary"] = summarize(sec["runs"])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.merge:
+        for name, sec in merge_reports(a.merge).items():
+            print(format_summary(name, sec) + f"\npooled from: {', '.join(sec['sources'])}", flush=True)
+        return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us
     setup, cache_note = build_setup(a)
     json_path = a.json or (Path(os.environ["OUT"]) / "ab_profile.json" if os.environ.get("OUT")

@@ -85,3 +85,20 @@ def test_profiler_share_is_read_from_the_run_log_weighted_by_duration(tmp_path):
     (tmp_path / "profile" / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n{truncated")
     assert ab.read_profiler_share(tmp_path, 0) == pytest.approx((0.05 + 0.04) / 6)
     assert ab.read_profiler_share(tmp_path, 1) is None
+
+
+def test_reports_of_several_calls_pool_their_pairs(tmp_path):
+    def report(path, values):
+        runs = [{"arm": "on", "value": 9.0, "warmup": True}]
+        for i, (on, off) in enumerate(values):
+            runs += [{"arm": "on", "pair": i, "value": on}, {"arm": "off", "pair": i, "value": off}]
+        path.write_text(json.dumps({"workloads": {"launch": {"name": "launch", "metric": "m", "rank": 0,
+                                                              "steps": 150, "runs": runs}}}))
+        return path
+
+    merged = ab.merge_reports([report(tmp_path / "a.json", [(99.0, 100.0)]),
+                               report(tmp_path / "b.json", [(98.0, 100.0), (100.0, 100.0)])])
+    sec = merged["launch"]
+    assert sec["summary"]["pairs"] == [0, 1, 2] and sec["steps"] == "150"
+    assert sec["summary"]["paired"]["ratios"] == pytest.approx([0.99, 0.98, 1.0])
+    assert "3 complete pairs" in ab.format_summary("launch", sec)
