@@ -639,7 +639,7 @@ def tail_seconds(meter: dict) -> float | None:
 
 def _run_notes(runs: list) -> list:
     """The measured runs' mean tail length, and the on runs' profiler share (its threads' CPU)."""
-    tails = [t for t in (tail_seconds(r["throughput"]) for r in runs) if t is not None]
+    tails = [t for t in (tail_seconds(r.get("throughput") or {}) for r in runs) if t is not None]
     shares = [r["profiler_share"] for r in runs if r["arm"] == "on" and r.get("profiler_share") is not None]
     lines = [f"tail: {statistics.fmean(tails):.1f} s per run (mean of {len(tails)})"] if tails else []
     if shares:
