@@ -277,7 +277,16 @@ def _rank_row(log) -> dict:
             "capacity_tokens_per_s": rate / work if rate and work else None,
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
             "status": ends[-1].get("status") if ends else "no run_end", "bad_lines": log.bad_lines,
-            "span_seconds_per_token": _span_seconds_per_token(steady, tokens)}
+            "span_seconds_per_token": _span_seconds_per_token(steady, tokens),
+            "profiler_share": _profiler_share(steady)}
+
+
+def _profiler_share(intervals: list) -> float | None:
+    """The profiler's threads' CPU over wall time across `intervals` (their `profiler_share`, weighted by
+    duration), or None where no interval has one (logs from before it was recorded)."""
+    measured = [r for r in intervals if r.get("profiler_share") is not None]
+    wall = wall_seconds(measured)
+    return sum(r["profiler_share"] * r["duration_seconds"] for r in measured) / wall if wall > 0 else None
 
 
 def _trailing_idle(intervals: list) -> list:

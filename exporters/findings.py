@@ -11,6 +11,7 @@ FLOOR_LOSS_SHARE = 0.01        # ... and losing at least this share of its role'
 RESERVED_GROWTH = 0.10         # allocator reserved memory growing by more than this over the run
 LOW_HEADROOM_SHARE = 0.05
 SPLIT_GAIN = 0.10              # a better split must predict at least this much more throughput
+PROFILER_SHARE_HIGH = 0.02     # the profiler's threads using over 2% of a rank's wall time in CPU
 GIB = 1024 ** 3
 
 _NEXT_FOR_COPY = {
@@ -199,7 +200,23 @@ def _split(report: dict) -> list:
                      f"rerun with --target-gpus {best['target_gpus']} --drafter-gpus {best['drafter_gpus']}")]
 
 
+def _profiler_cost(report: dict) -> list:
+    costly = [r for r in report["ranks"]["ranks"] if (r.get("profiler_share") or 0.0) > PROFILER_SHARE_HIGH]
+    if not costly:
+        return []
+    interval = (report.get("config") or {}).get("profile_interval")
+    now = f" (now {interval:g} s)" if isinstance(interval, (int, float)) else ""
+    return [_finding("profiler_cost", "the profiler's own threads cost " + ", ".join(
+                         f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%}" for r in costly) + " of the wall time",
+                     "CPU seconds of the collector, exporter, NVML, stack and control threads and the exporters' "
+                     "over the steady intervals' wall time (interval records' profiler_share); under the GIL the "
+                     "training thread waits for much of it",
+                     f"raise --profile-interval{now}, drop exporters nobody reads (--metrics-port 0, no "
+                     "OTEL_EXPORTER_OTLP_ENDPOINT, --stack-samples-per-interval 0), and see the interval "
+                     "records' threads_cpu_seconds for the thread that costs it")]
+
+
 def findings(report: dict) -> list:
     """Every finding of an assembled report (exporters.report.hotspots), problems first."""
     return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report),
-            *_waits(report), *_split(report), *_bandwidth(report)]
+            *_waits(report), *_split(report), *_bandwidth(report), *_profiler_cost(report)]

@@ -291,3 +291,20 @@ def test_histogram_quantile_interpolates_inside_the_bucket():
     assert _histogram_quantile(bounds, [0, 10, 0, 0], 0.5, 0.2) == pytest.approx(0.15)
     assert _histogram_quantile(bounds, [0, 0, 0, 4], 0.5, 0.9) == pytest.approx(0.65)   # +Inf ends at the max
     assert _histogram_quantile(bounds, [0, 0, 0, 0], 0.5, 0.0) is None
+
+
+def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
+    spans = {"drafter.fwd_bwd": (0.2, 100), "drafter.recv": (0.01, 100)}
+    shares = [None, 0.05, 0.01, 0.04, 0.0]        # interval 0 is start-up, the last the final one
+    recs = [_interval(0, "drafter", i, spans, 10_000, profiler_share=p, **({"final": True} if i == 4 else {}))
+            for i, p in enumerate(shares)]
+    recs += [_interval(1, "target", i, {"target.fwd": (0.3, 100)}, 10_000) for i in range(5)]   # an older log
+    rep = report.hotspots(_write_run(tmp_path / "costly", {0: recs[:5], 1: recs[5:]}, profile_interval=5.0))
+    ranks = {r["rank"]: r for r in rep["ranks"]["ranks"]}
+    assert ranks[0]["profiler_share"] == pytest.approx((0.05 + 0.01 + 0.04) / 3) and ranks[1]["profiler_share"] is None
+    (f,) = [f for f in rep["findings"] if f["kind"] == "profiler_cost"]
+    assert f["summary"] == "the profiler's own threads cost rank 0 (drafter) 3.3% of the wall time"
+    assert "raise --profile-interval (now 5 s)" in f["next"]
+    cheap = [_interval(0, "drafter", i, spans, 10_000, profiler_share=0.005) for i in range(4)]
+    assert not [f for f in report.hotspots(_write_run(tmp_path / "cheap", {0: cheap}))["findings"]
+                if f["kind"] == "profiler_cost"]
