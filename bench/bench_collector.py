@@ -8,6 +8,8 @@ shape of a step), drained every CHUNK spans as the collector's poll would:
 - `cuda spans, shared starts`: CUDA-shaped records with events, adjacent spans sharing a boundary event
   (the pool's reference counting, the resolution of completed pairs);
 - `cuda spans, own starts`: the same with sharing off (two events per span).
+A second table: turning an interval's metric values (0-dim tensors) into floats at close, batched
+(`profiler.intervals.to_floats_by_name`) against the per-name conversion it replaced.
 The CUDA rows use host-side stand-in events (query/elapsed_time are Python, about 0.1 us each; a real
 torch event's are 0.25 and 0.75 us on an H200 host), so they measure the collector's own Python, not
 the CUDA calls. Writes nothing outside a temporary run dir ($OUT if set).
@@ -71,6 +73,42 @@ def collector_ns(profiler, run_root: str, pool_factory, share_gap_ns: int) -> fl
     return spent / (N // CHUNK * CHUNK)
 
 
+METRIC_NAMES, METRIC_STEPS = 9, 200   # the drafter's metrics, an interval's steps on the H200 launch workload
+
+
+def metric_close_ns(convert) -> float:
+    """ns per value to turn an interval's metrics (0-dim tensors, as dflash logs them) into floats."""
+    import torch
+
+    metrics = {f"m{k}": [torch.tensor(0.5 * i) for i in range(METRIC_STEPS)] for k in range(METRIC_NAMES)}
+    t0 = time.perf_counter_ns()
+    convert(metrics)
+    return (time.perf_counter_ns() - t0) / (METRIC_NAMES * METRIC_STEPS)
+
+
+def per_name_reference(metrics: dict) -> dict:
+    """The conversion before it was batched (af4cd0c..9c606d8): one stack and read per name, each value
+    reshaped and cast first."""
+    import torch
+
+    return {n: torch.stack([v.detach().reshape(()).float() for v in vals]).tolist() for n, vals in metrics.items()}
+
+
+def metric_table() -> None:
+    from profiler.intervals import to_floats_by_name
+
+    cases = {"per name, reshape+cast (before)": per_name_reference,
+             "one pass (to_floats_by_name)": lambda m: to_floats_by_name(m)}
+    runs: dict = {k: [] for k in cases}
+    for _ in range(REPEATS):
+        for name, fn in cases.items():
+            runs[name].append(metric_close_ns(fn))
+    print(f"metrics at interval close: {METRIC_NAMES} names x {METRIC_STEPS} steps of 0-dim tensors; "
+          f"{REPEATS} repeats (median)")
+    for k, v in runs.items():
+        print(f"{k:<34} {statistics.median(v):>8.1f} ns/value  " + " ".join(f"{x:.0f}" for x in v))
+
+
 def main() -> int:
     import profiler
     from profiler.cuda_timing import EventPool
@@ -89,6 +127,7 @@ def main() -> int:
     print(f"{'case':<28} {'ns/span':>9} {'x cpu':>7}  runs")
     for k, v in med.items():
         print(f"{k:<28} {v:>9.1f} {v / med['cpu spans']:>7.2f}  " + " ".join(f"{x:.0f}" for x in runs[k]))
+    metric_table()
     return 0
 
 

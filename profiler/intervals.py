@@ -198,14 +198,9 @@ class IntervalAggregator:
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
                            "run_total": self._run_counters[name]}
                     for name, total in self._counters.items()}
-        gauges = {}
-        for name, values in self._gauges.items():
-            v = to_floats(values)
-            gauges[name] = {"last": v[-1], "mean": sum(v) / len(v), "max": max(v)}
-        metrics = {}
-        for name, values in self._metrics.items():
-            floats = to_floats(values)
-            metrics[name] = {"last": floats[-1], "mean": sum(floats) / len(floats)}
+        gauge_floats, metric_floats = to_floats_by_name(self._gauges, self._metrics)
+        gauges = {name: {"last": v[-1], "mean": sum(v) / len(v), "max": max(v)} for name, v in gauge_floats.items()}
+        metrics = {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in metric_floats.items()}
         self._counters, self._gauges, self._metrics = {}, {}, {}
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
@@ -271,10 +266,14 @@ class IntervalAggregator:
 
 
 def to_floats(values) -> list:
-    """Python numbers stay; 0-dim tensors are converted here, at interval close, long after their
-    steps finished. Tensors are grouped by device and stacked, then ONE .tolist() per device: on a
-    CUDA device that is a deliberate device->host read which waits for the stacked copy (a tiny
-    kernel queued behind the current work on that stream), once per interval, never per step."""
+    """Python numbers stay; tensors (0-dim, or one element) are converted here, at interval close, long
+    after their steps finished. Tensors are grouped by device and stacked as they are (one call over
+    the list; stack promotes mixed dtypes), then ONE .tolist() per device: on a CUDA device that is a
+    deliberate device->host read which waits for the stacked copy (a tiny kernel queued behind the
+    current work on that stream), once per interval, never per step. Call it once over all of an
+    interval's values (`to_floats_by_name`): it runs on the collector thread, under the GIL the training
+    thread wants (bench/bench_collector.py's second table: about 5x less per value than a stack and
+    read per name of values each reshaped and cast first)."""
     out = [None] * len(values)
     by_device: dict = {}
     for i, v in enumerate(values):
@@ -282,13 +281,26 @@ def to_floats(values) -> list:
             by_device.setdefault(v.device, []).append(i)
         else:
             out[i] = float(v)
-    if by_device:
-        import torch
+    if not by_device:
+        return out
+    import torch   # only where there are tensors: the profiler itself runs without torch
+
+    with torch.no_grad():
         for idx in by_device.values():
-            stacked = torch.stack([values[i].detach().reshape(()).float() for i in idx])
-            for i, f in zip(idx, stacked.tolist()):   # the one deliberate sync per device (see above)
+            ts = [values[i] for i in idx]
+            if any(t.dim() for t in ts):
+                ts = [t.reshape(()) for t in ts]
+            for i, f in zip(idx, torch.stack(ts).float().tolist()):   # the one deliberate sync per device
                 out[i] = f
     return out
+
+
+def to_floats_by_name(*groups: dict) -> list:
+    """`to_floats` over every list of every {name: values} group at once (one stack and one read per
+    device for the whole interval); returns the groups with float lists, in order."""
+    flat = [v for g in groups for values in g.values() for v in values]
+    floats = iter(to_floats(flat) if flat else [])
+    return [{name: [next(floats) for _ in values] for name, values in g.items()} for g in groups]
 
 
 class IntervalTimer:

@@ -214,3 +214,16 @@ def test_resolve_keeps_order():
     assert [r for _, r, _ in done] == recs[:2] and still == [("t", r) for r in recs[2:]]
     assert [g for _, _, g in done] == [0.001, 0.001] and {t for t, _, _ in done} == {"t"}
     assert pool.free == 4                        # the two resolved records' events, back in one call
+
+
+def test_an_intervals_values_convert_in_one_pass_in_order():
+    from profiler.intervals import to_floats_by_name
+
+    w = torch.tensor(2.0, requires_grad=True)
+    gauges = {"queue_depth": [3, torch.tensor(1, dtype=torch.int64)]}
+    metrics = {"loss": [torch.tensor(0.5, dtype=torch.bfloat16), w * 3, 1.25], "acc": [torch.tensor([0.75])],
+               "lr": [0.001]}
+    g, m = to_floats_by_name(gauges, metrics)
+    assert g == {"queue_depth": [3.0, 1.0]}
+    assert m == {"loss": [0.5, 6.0, 1.25], "acc": [0.75], "lr": [0.001]}
+    assert to_floats_by_name({}, {"x": [1, 2]}) == [{}, {"x": [1.0, 2.0]}]
