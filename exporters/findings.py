@@ -206,8 +206,8 @@ def _profiler_cost(report: dict) -> list:
         return []
     interval = (report.get("config") or {}).get("profile_interval")
     now = f" (now {interval:g} s)" if isinstance(interval, (int, float)) else ""
-    return [_finding("profiler_cost", "the profiler's own threads cost " + ", ".join(
-                         f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%}" for r in costly) + " of the wall time",
+    who = ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%}" for r in costly)
+    return [_finding("profiler_cost", f"the profiler's own threads cost {who} of the wall time",
                      "CPU seconds of the collector, exporter, NVML, stack and control threads and the exporters' "
                      "over the steady intervals' wall time (interval records' profiler_share); under the GIL the "
                      "training thread waits for much of it",

@@ -218,7 +218,7 @@ def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_
     monkeypatch.setattr(launch, "cuda_driver_device_count", lambda: 3)
     worlds = []
     real = launch.GatedRanks
-    monkeypatch.setattr(launch, "GatedRanks", lambda world, ns: worlds.append(world) or real(world, ns))
+    monkeypatch.setattr(launch, "GatedRanks", lambda world, ns, env=None: worlds.append(world) or real(world, ns, env))
     run = tmp_path / "run"
     args = [a if a != "cpu" else "auto" for a in SMALL]
     assert cli.main(["--run-dir", str(run), "--max-steps", "2", *args, "--eval-prompts", "0"]) == 0
