@@ -60,8 +60,8 @@ class StartupTimeline:
 
 def bytecode_source() -> str:
     """Where this process keeps Python bytecode: the cache folder (sys.pycache_prefix: dflash.compile's
-    `bytecode_env`), `beside sources` (__pycache__), or `not written` (PYTHONDONTWRITEBYTECODE: what a
-    package installed without bytecode imports is compiled from source at every start)."""
+    `bytecode_env`), `beside sources` (__pycache__), or `not written` (PYTHONDONTWRITEBYTECODE: a package
+    installed without bytecode is compiled from source at every start)."""
     if sys.pycache_prefix:
         return sys.pycache_prefix
     return "not written" if sys.dont_write_bytecode else "beside sources"
