@@ -241,7 +241,7 @@ def _training() -> list[Panel]:
 
 
 def _health() -> list[Panel]:
-    """Liveness, events, exporter drops and versions."""
+    """Liveness, events, exporter drops, the profiler's own CPU and versions."""
     return [
         Panel("Heartbeat age", "Seconds since each rank's last run-log record. Rising means the rank has "
               "stopped writing (hung); a line that ends means its endpoint is gone.", "s",
@@ -257,6 +257,11 @@ def _health() -> list[Panel]:
               "rate window.", "short",
               (Query(f"sum by (role, rank, exporter) (increase({sel('exporter_dropped')}[{RATE}]))",
                      "{{role}} {{rank}} {{exporter}}"),), width=6, bars=True),
+        Panel("Profiler CPU", "CPU time of the profiler's and its exporters' threads (collector, exporter, "
+              "NVML, stacks, control; the metrics endpoint, OpenTelemetry) over each interval's wall time: the "
+              "background cost of profiling, which under the GIL the training thread partly waits for. "
+              "dflash-report flags a rank above 2%; a longer --profile-interval lowers it.", "percentunit",
+              (Query(sel("profiler_cpu"), "{{role}} {{rank}}"),), width=24, thresholds=((0.02, "orange"),)),
         Panel("Build info", "Versions and device of each rank.", "none",
               (Query(sel("build_info"), instant=True),), width=24, kind="table", height=6),
     ]

@@ -104,6 +104,8 @@ FAMILIES = {f.key: f for f in (
        "kind"),
     _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record."),
     _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed."),
+    _f("profiler_cpu", "profiler_cpu", "ratio", "gauge",
+       "CPU time of the profiler's and its exporters' threads over the last interval's wall time."),
     _f("exporter_dropped", "exporter_dropped_records", None, "counter",
        "Records an exporter dropped (queue full or export failed).", "exporter"),
     _f("build_info", "build", None, "info", "Versions and device of the run (value 1).",

@@ -394,6 +394,7 @@ class OtelExporter:
     def _export_interval(self, record: dict) -> None:
         self._record("intervals", 1)
         self._record("step", record.get("step"))
+        self._record("profiler_cpu", record.get("profiler_share"))
         for name, entry in (record.get("spans") or {}).items():
             self._span_metrics(name, entry)
         for name, c in (record.get("counters") or {}).items():

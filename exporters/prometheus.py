@@ -102,6 +102,7 @@ def _fold_run_start(st: MetricsState, rec: dict) -> None:
 def _fold_interval(st: MetricsState, rec: dict) -> None:
     st.intervals += 1
     st.set("step", rec.get("step"))
+    st.set("profiler_cpu", rec.get("profiler_share"))
     _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
     _fold_counters(st, rec.get("counters") or {})
     for name, g in (rec.get("gauges") or {}).items():

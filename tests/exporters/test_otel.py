@@ -61,7 +61,7 @@ def run_records() -> list:
            "power_watts_mean": 500.0, "temperature_c_max": 60, "sm_clock_hz_last": 1.98e9,
            "throttle_reasons": ["sw_power_cap"], "samples": 120, "reasons": {}}
     interval = {**head, "type": "interval", "index": 0, "step": 10, "start_s": 0.0, "end_s": 60.0,
-                "duration_seconds": 60.0,
+                "duration_seconds": 60.0, "profiler_share": 0.003,
                 "spans": {"drafter.fwd_bwd": {"count": 10, "threads": ["MainThread"], "cpu": stats,
                                               "gpu": stats, "share": 0.0083},
                           "drafter.recv": {"count": 10, "threads": ["recv"], "cpu": stats, "gpu": None,
@@ -155,6 +155,7 @@ def test_spans_and_metrics_reach_a_real_otlp_receiver(receiver):
     one = {"rank": "1", "role": "drafter", "host": "node-a"}
     assert points["dflash_tokens"] == [(one, 40960)]
     assert points["dflash_train_loss"] == [(one, 2.75)]
+    assert points["dflash_profiler_cpu_ratio"] == [(one, 0.003)]
     assert points["dflash_train_learning_rate"] == [(one, 1e-4)]
     assert points["dflash_train_accuracy_ratio"] == [({**one, "position": "1"}, 0.7)]
     assert points["dflash_gpu_memory_headroom_min_bytes"] == [({**one, "gpu": "0"}, 20 << 30)]

@@ -52,8 +52,9 @@ def samples(text: str) -> dict:
 def test_histograms_accumulate_and_absent_spans_lose_their_share(exporter):
     exporter.export(interval({"drafter.recv": span(0.5, [1, 2, 0, 0], 0.2),
                               "drafter.fwd_bwd": span(0.4, [0, 0, 3, 1], 3.0)}, 100))
-    exporter.export(interval({"drafter.fwd_bwd": span(0.9, [0, 1, 1, 0], 0.5)}, 250))
+    exporter.export(interval({"drafter.fwd_bwd": span(0.9, [0, 1, 1, 0], 0.5)}, 250, profiler_share=0.004))
     got = samples(scrape(exporter))
+    assert got[("dflash_profiler_cpu_ratio", frozenset())] == 0.004
     fwd = {"clock": "cpu", "span": "drafter.fwd_bwd"}
     for le, cumulative in (("0.01", 0), ("0.1", 1), ("1.0", 5), ("+Inf", 6)):
         assert got[("dflash_span_seconds_bucket", frozenset({**fwd, "le": le}.items()))] == cumulative
