@@ -1,8 +1,8 @@
 """CPU time of this process's threads, per interval: where the process's CPU went, and what the
 profiler's own threads cost.
 
-Each live Python thread's CPU clock (`time.pthread_getcpuclockid`: user + system time, nanoseconds) is
-read when an interval closes; the interval record's `threads_cpu_seconds` holds each thread name's CPU
+Each live Python thread's CPU clock (Linux's per-thread clock by its native id: user + system time,
+nanoseconds) is read when an interval closes; the interval record's `threads_cpu_seconds` holds each thread name's CPU
 seconds since the previous reading (threads of one name summed; a thread that ended in between is
 counted up to its last reading). `profiler_share` is the CPU of the profiler's own threads and its
 exporters' (`PROFILER_PREFIXES`) over the interval's wall time: the background work an on/off A/B pays for,
@@ -21,12 +21,14 @@ watchdog threads (`profiler...`), the Prometheus endpoint (`metrics.http`), and 
 exporter's and SDK's (`dflash-otel-close`, `OtelBatch...`, `OtelPeriodicExportingMetricReader`)."""
 
 
-def _cpu_ns(ident: int) -> int | None:
-    """The CPU time of the thread `ident` (threading ident), or None where it cannot be read (ended,
-    or a platform without per-thread clocks)."""
+def _cpu_ns(native_id: int) -> int | None:
+    """The CPU time of the kernel thread `native_id`, or None where it cannot be read (ended, or not
+    Linux). The clock id is Linux's per-thread CPU clock made from the thread id, as glibc makes it
+    (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)): for a thread that has just exited the kernel answers
+    EINVAL, where pthread_getcpuclockid() on a finished (detached) Python thread would read freed memory."""
     try:
-        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
-    except (AttributeError, OSError, OverflowError):
+        return time.clock_gettime_ns(((~native_id) << 3) | 6)
+    except (OSError, OverflowError, AttributeError):
         return None
 
 
@@ -43,13 +45,14 @@ class ThreadCpu:
         now: dict[int, int] = {}
         by_name: dict[str, int] = {}
         for t in self._threads():
-            if t.ident is None:
+            tid = getattr(t, "native_id", None)
+            if tid is None:    # not started yet
                 continue
-            ns = self._cpu_ns(t.ident)
+            ns = self._cpu_ns(tid)
             if ns is None:
                 continue
-            now[t.ident] = ns
-            by_name[t.name] = by_name.get(t.name, 0) + max(0, ns - self._last.get(t.ident, 0))
+            now[tid] = ns
+            by_name[t.name] = by_name.get(t.name, 0) + max(0, ns - self._last.get(tid, 0))
         self._last = now
         return {n: round(v / 1e9, 6) for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
 

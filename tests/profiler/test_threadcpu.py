@@ -34,13 +34,13 @@ def test_a_busy_thread_shows_its_cpu_and_a_sleeping_one_none():
 
 def test_names_are_summed_unreadable_clocks_skipped_and_deltas_never_negative():
     clocks = {1: 10**9, 2: 2 * 10**9, 3: None, 4: 5 * 10**9}
-    threads = [SimpleNamespace(ident=1, name="w"), SimpleNamespace(ident=2, name="w"),
-               SimpleNamespace(ident=3, name="gone"), SimpleNamespace(ident=None, name="unstarted"),
-               SimpleNamespace(ident=4, name="profiler.collector")]
+    threads = [SimpleNamespace(native_id=1, name="w"), SimpleNamespace(native_id=2, name="w"),
+               SimpleNamespace(native_id=3, name="gone"), SimpleNamespace(native_id=None, name="unstarted"),
+               SimpleNamespace(native_id=4, name="profiler.collector")]
     acc = ThreadCpu(threads=lambda: threads, cpu_ns=clocks.get)
     clocks.update({1: 1.5 * 10**9, 2: 2.5 * 10**9, 4: 5.25 * 10**9})
     assert acc.take() == {"w": 1.0, "profiler.collector": 0.25}
-    clocks[4] = 10**9                          # a reused ident with a younger clock: 0, not negative
+    clocks[4] = 10**9                          # a reused thread id with a younger clock: 0, not negative
     assert acc.take()["profiler.collector"] == 0.0
     assert profiler_share({"w": 1.0, "profiler.collector": 0.25, "profiler-nvml": 0.25}, 5.0) == 0.1
 
@@ -53,3 +53,16 @@ def test_every_interval_says_where_the_cpu_went(tmp_path):
     assert cpu[threading.current_thread().name] >= 0.08
     assert rec["profiler_share"] is not None and 0.0 <= rec["profiler_share"] < 0.5
     assert "  thread cpu: " + threading.current_thread().name in format_interval(rec)
+
+
+def test_the_clock_of_a_thread_that_has_exited_is_none_not_a_crash():
+    from profiler.threadcpu import _cpu_ns
+
+    t = threading.Thread(target=_burn, args=(0.05,))
+    t.start()
+    t.join()        # returns just before the kernel thread exits: give it a moment
+    deadline = time.monotonic() + 5
+    while _cpu_ns(t.native_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _cpu_ns(t.native_id) is None
+    assert 0 < _cpu_ns(threading.get_native_id()) <= time.thread_time_ns() + 10**6
