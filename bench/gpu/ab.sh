@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call (1 GPU, about 6 minutes): profiling on vs --no-profile as paired, alternating A/B
-# runs of dflash-train (bench/ab_profile.py), first on the launch-bound built-in tiny target, then on
-# a GPU-bound random target made on the machine. Each workload starts no pair that would end after
-# its budget (AB_LAUNCH_BUDGET_S, AB_GPU_BUDGET_S; AB_WORKLOADS="launch gpu" picks which run), so the call
+# runs of dflash-train (bench/ab_profile.py), first on a GPU-bound random target made on the machine,
+# then on the launch-bound built-in tiny target. Each workload starts no pair that would end after
+# its budget (AB_GPU_BUDGET_S, AB_LAUNCH_BUDGET_S; AB_WORKLOADS="gpu launch" picks which run), so the call
 # stays inside ~6 minutes; each run is pinned, rank by rank, to its own physical cores. Steps per run: at
 # least AB_LAUNCH_STEPS (300) / AB_GPU_STEPS (150), more when the warm-up's rate says the measured tail
-# would last under AB_TAIL_S seconds (15: three 5 s profile intervals). On the H200 a 150-step launch run
-# measured a tail of 1.8 s, with or without an interval close in it: pairs spread +-11% (bench/RESULTS.md).
+# would last under AB_LAUNCH_TAIL_S (15: three 5 s profile intervals) / AB_GPU_TAIL_S (0: keep the steps)
+# seconds. On the H200 a 150-step launch run measured a tail of 1.8 s, with or without an interval close
+# in it: pairs spread +-11%. The GPU workload hides the host behind the device: its off runs spread 1.1%
+# at 120 steps, so short runs and more pairs serve it better, and it runs first (bench/RESULTS.md).
 # Left in $OUT: ab.log (progress lines, tables, machine), ab_launch.json and ab_gpu.json (rewritten
 # after every run, so a timeout keeps every finished run), ab-runs.tgz (each run's throughput file,
 # config, run log and output), and ab-cache.tgz.* (the compile cache and the built-in target and
@@ -25,16 +27,17 @@ ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
   local name=$1 budget=$2 t0=$SECONDS; shift 2
   timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
     --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks \
-    --tail-seconds "${AB_TAIL_S:-15}" "$@"
+    "$@"
   echo "=== $name: exit $? in $((SECONDS - t0)) s"
 }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
-for w in ${AB_WORKLOADS:-launch gpu}; do
+for w in ${AB_WORKLOADS:-gpu launch}; do
   case $w in
     launch) ab launch "${AB_LAUNCH_BUDGET_S:-150}" --steps "${AB_LAUNCH_STEPS:-300}" --pairs 12 \
-              --builtin-conversations 400 ;;
-    gpu) ab gpu "${AB_GPU_BUDGET_S:-160}" --steps "${AB_GPU_STEPS:-150}" --pairs 12 ;;
+              --builtin-conversations 400 --tail-seconds "${AB_LAUNCH_TAIL_S:-15}" ;;
+    gpu) ab gpu "${AB_GPU_BUDGET_S:-160}" --steps "${AB_GPU_STEPS:-150}" --pairs 12 \
+           --tail-seconds "${AB_GPU_TAIL_S:-0}" ;;
   esac
 done
 } 2>&1 | tee "$OUT/ab.log"
