@@ -408,14 +408,20 @@ def read_profiler_share(run_dir: Path, rank: int) -> float | None:
     return busy / wall if wall > 0 else None
 
 
+def tail_steps_per_s(meter: dict) -> float | None:
+    """The steps per second of the meter's tail (its tokens/s over the run's tokens per step), or None."""
+    try:
+        return meter["tail_tokens_per_s"] / (meter["tokens"] / meter["steps"]) if meter["tail_steps"] else None
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def steps_for_tail(meter: dict, tail_seconds: float, minimum: int) -> int | None:
     """--max-steps whose tail (the meter's second half, after its warm steps) lasts about `tail_seconds`
     at the rate of the run the meter measured; None when it measured no tail."""
-    tail_steps, rate = meter.get("tail_steps"), meter.get("tail_tokens_per_s")
-    tokens, steps = meter.get("tokens"), meter.get("steps")
-    if not (tail_steps and rate and tokens and steps):
+    steps_per_s = tail_steps_per_s(meter)
+    if not steps_per_s:
         return None
-    steps_per_s = rate / (tokens / steps)
     return max(minimum, int(2 * tail_seconds * steps_per_s) + METER_WARM_STEPS)
 
 
@@ -631,10 +637,8 @@ def format_summary(name: str, section: dict) -> str:
 
 def tail_seconds(meter: dict) -> float | None:
     """How long the meter's tail lasted (its steps at its rate), or None."""
-    try:
-        return meter["tail_steps"] / (meter["tail_tokens_per_s"] / (meter["tokens"] / meter["steps"]))
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
+    steps_per_s = tail_steps_per_s(meter)
+    return meter["tail_steps"] / steps_per_s if steps_per_s else None
 
 
 def _run_notes(runs: list) -> list:

@@ -132,14 +132,15 @@ def bytecode_env(enabled: bool, cache_dir: str | None, env: Mapping[str, str] | 
         return {}
     root = resolve_cache_dir(cache_dir, env)
     path = root / BYTECODE_DIR
-    for _ in range(2):   # the checks, then the same checks on what mkdir made (or found)
-        if cache_dir_problem(root) or cache_dir_problem(path):
-            return {}
-        try:
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path.mkdir(mode=0o700, exist_ok=True)
-        except OSError:
-            return {}
+    if cache_dir_problem(root) or cache_dir_problem(path):
+        return {}
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return {}
+    if cache_dir_problem(root) or cache_dir_problem(path):   # what mkdir made, or found swapped in
+        return {}
     return {"PYTHONPYCACHEPREFIX": str(path), "PYTHONDONTWRITEBYTECODE": None}
 
 

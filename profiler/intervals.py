@@ -272,8 +272,8 @@ def to_floats(values) -> list:
     deliberate device->host read which waits for the stacked copy (a tiny kernel queued behind the
     current work on that stream), once per interval, never per step. Call it once over all of an
     interval's values (`to_floats_by_name`): it runs on the collector thread, under the GIL the training
-    thread wants (bench/bench_collector.py's second table: about 5x less per value than a stack and
-    read per name of values each reshaped and cast first)."""
+    thread wants (bench/bench_collector.py's second table: 3.4x less per value on the idle VM than a
+    stack and read per name of values each reshaped and cast first)."""
     out = [None] * len(values)
     by_device: dict = {}
     for i, v in enumerate(values):

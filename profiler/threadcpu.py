@@ -2,12 +2,12 @@
 profiler's own threads cost.
 
 Each live Python thread's CPU clock (Linux's per-thread clock by its native id: user + system time,
-nanoseconds) is read when an interval closes; the interval record's `threads_cpu_seconds` holds each thread name's CPU
-seconds since the previous reading (threads of one name summed; a thread that ended in between is
-counted up to its last reading). `profiler_share` is the CPU of the profiler's own threads and its
-exporters' (`PROFILER_PREFIXES`) over the interval's wall time: the background work an on/off A/B pays for,
-which under the GIL mostly runs while the training thread waits for it. Reading one clock is one
-syscall; nothing here touches the training thread.
+nanoseconds) is read when an interval closes; the interval record's `threads_cpu_seconds` holds each
+thread name's CPU seconds since the previous reading (threads of one name summed; a thread that ended
+in between is counted up to its last reading). `profiler_share` is the CPU of the profiler's own
+threads and its exporters' (`PROFILER_PREFIXES`) over the interval's wall time: the background work
+an on/off A/B pays for, which under the GIL mostly runs while the training thread waits for it.
+Reading one clock is one syscall; nothing here touches the training thread.
 """
 
 from __future__ import annotations
