@@ -832,7 +832,12 @@ def merge_reports(paths: list[Path]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.merge:
-        for name, sec in merge_reports(a.merge).items():
+        try:
+            merged = merge_reports(a.merge)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"ab_profile: --merge: not a report of this script ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        for name, sec in merged.items():
             print(format_summary(name, sec) + f"\npooled from: {', '.join(sec['sources'])}", flush=True)
         return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us

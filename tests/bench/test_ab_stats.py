@@ -102,3 +102,12 @@ def test_reports_of_several_calls_pool_their_pairs(tmp_path):
     assert sec["summary"]["pairs"] == [0, 1, 2] and sec["steps"] == "150"
     assert sec["summary"]["paired"]["ratios"] == pytest.approx([0.99, 0.98, 1.0])
     assert "3 complete pairs" in ab.format_summary("launch", sec)
+
+
+def test_merge_of_a_missing_or_foreign_file_is_one_line_and_exit_2(tmp_path, capsys):
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"workloads": {"x": {"runs": [{"pair": "a"}]}}}')
+    for path in (tmp_path / "missing.json", foreign):
+        assert ab.main(["--merge", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("ab_profile: --merge: not a report of this script (")
