@@ -345,6 +345,10 @@ class Setup:
     """Give each rank its own share of `cpus` (whole physical cores), set as the ranks start."""
     tail_seconds: float = 0.0
     """Size the measured runs' steps from the warm-up so the meter's tail lasts this long (0: keep)."""
+    probe: str = ""
+    """Shell command run against rank `rank` of every measured run (bench/ab_probe.py); "" = none."""
+    probe_after_s: float = 25.0
+    """Seconds from a run's launch to its probe."""
 
 
 def base_env(cache_dir: Path | None) -> dict:
@@ -521,9 +525,10 @@ def _set_affinity(pid: int, cpus: list[int]) -> None:
             pass
 
 
-def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str) -> dict:
-    """One dflash-train run to completion (or --run-timeout-s): exit code, wall time, the metric, and
-    the machine state before it. The run is its own process group, stopped with it on any exit."""
+def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str, probe: bool = False) -> dict:
+    """One dflash-train run to completion (or --run-timeout-s): exit code, wall time, the metric, the
+    machine state before it and, with `probe`, the probe's outcome. The run is its own process group,
+    stopped with it on any exit."""
     state = gpu_state()
     log = run_dir.with_suffix(".log")
     t0 = time.perf_counter()
@@ -531,6 +536,7 @@ def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str) -> dict:
         proc = subprocess.Popen(train_argv(setup, run_dir, args, arm), stdout=out, stderr=subprocess.STDOUT,
                                 env=setup.env, cwd=REPO, start_new_session=True)
         pinner = RankPinner(proc.pid, setup.cpus) if setup.pin_ranks and setup.cpus else None
+        prober = _start_probe(setup, proc.pid, run_dir) if probe and setup.probe else None
         try:
             code = proc.wait(timeout=setup.run_timeout_s)
         except subprocess.TimeoutExpired:
@@ -539,15 +545,27 @@ def run_once(setup: Setup, run_dir: Path, args: list[str], arm: str) -> dict:
             _stop_group(proc)
             if pinner is not None:
                 pinner.stop()
+            probed = prober.stop() if prober is not None else None
     value, meter = read_metric(run_dir, setup.rank, setup.metric)
     rec = {"arm": arm, "run_dir": str(run_dir), "exit": code, "wall_s": time.perf_counter() - t0,
            "value": value, "throughput": meter, "before": state,
            "profiler_share": read_profiler_share(run_dir, setup.rank)}
     if pinner is not None:
         rec["rank_cpus"] = pinner.pinned
+    if probed is not None:
+        rec["probe"] = probed
     if code != 0 or value is None:
         rec["log_tail"] = log.read_text(errors="replace")[-3000:]
     return rec
+
+
+def _start_probe(setup: Setup, launcher_pid: int, run_dir: Path):
+    """The probe of one run (bench/ab_probe.py), against rank `setup.rank` of the launcher's children."""
+    from ab_probe import Probe
+
+    def find_pid():
+        return next((pid for pid, rank, _ in _rank_children(launcher_pid) if rank == setup.rank), None)
+    return Probe(setup.probe, run_dir.with_suffix(".probe"), find_pid, setup.probe_after_s)
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -678,7 +696,7 @@ def _progress(name: str, rec: dict, label: str, section: dict) -> None:
 
 def _measure(setup: Setup, section: dict, report: Report, run_dir: Path, args: list, arm: str, extra: dict) -> dict:
     """Run, record, save the JSON, print the progress line, cool down (the caller tidies the run)."""
-    rec = dict(run_once(setup, run_dir, args, arm), **extra)
+    rec = dict(run_once(setup, run_dir, args, arm, probe=not extra.get("warmup")), **extra)
     section["runs"].append(rec)
     section["summary"] = summarize(section["runs"])
     report.save()
@@ -783,6 +801,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-runs", action="store_true", help="keep checkpoints and built-ins of every run")
     ap.add_argument("--extra", default="", help="more dflash-train arguments for both arms, one string (not "
                     "--builtin-conversations: use the option above, which keys the built-in cache)")
+    ap.add_argument("--probe", default="", help="shell command run against rank --rank of every measured run, "
+                    "{pid} and {out} filled in (bench/ab_probe.py); its per-thread CPU goes in the JSON")
+    ap.add_argument("--probe-after-s", type=float, default=25.0, help="seconds from a run's launch to its probe")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="run nothing: pool the pairs of these reports per workload and print the tables")
     a = ap.parse_args(argv)
@@ -808,7 +829,8 @@ def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
     common += a.extra.split()
     setup = Setup(env=env, cpus=pick_cpus(a.cpus), common=common, metric=a.metric, rank=a.rank,
                   cooldown_s=a.cooldown_s, run_timeout_s=a.run_timeout_s, keep_runs=a.keep_runs,
-                  workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks, tail_seconds=a.tail_seconds)
+                  workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks, tail_seconds=a.tail_seconds,
+                  probe=a.probe, probe_after_s=a.probe_after_s)
     return setup, how
 
 

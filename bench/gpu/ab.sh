@@ -14,6 +14,11 @@
 # config, run log and output), and ab-cache.tgz.* (the compile cache and the built-in target and
 # corpus): put those in ./cache/ and carry `cache`, and the next call skips compiling and building.
 # Carried .whl/*.whl (if any) are installed into /tmp/site first, as in exporters.sh.
+# Diagnosis (what --no-profile changes): AB_PROBE=spy samples rank 0 of every measured run with py-spy
+# for 10 s, AB_PROBE_AFTER_S (28) after its launch (all threads with --idle, and the GIL holder), and
+# records each of its threads' CPU in that window (bench/ab_probe.py); any other AB_PROBE is the
+# command itself. AB_GCSTAT=1 also times every garbage collection per thread (bench/gpu/gcstat), read
+# before and after the window. The files are in ab-runs.tgz as RUN.probe.*.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,11 +28,21 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 if compgen -G "cache/ab-cache.tgz.*" > /dev/null; then cat cache/ab-cache.tgz.* | tar xzf -; fi
 CACHE=.cache/ab-compile WORK=.cache/ab-work   # kept on a warm machine (ignored by git, not carried)
+SPY="py-spy record --pid {pid} --nonblocking --threads --rate 100 --duration 10 --format raw"
+GCSTAT=/tmp/gcstat
+case ${AB_PROBE:-} in
+  spy) AB_PROBE="cp $GCSTAT/gc-{pid}.json {out}.gc0.json 2>/dev/null; $SPY --idle -o {out}.idle.txt &
+       $SPY --gil -o {out}.gil.txt; wait; cp $GCSTAT/gc-{pid}.json {out}.gc1.json 2>/dev/null" ;;
+esac
+PROBE=(); if [ -n "${AB_PROBE:-}" ]; then PROBE=(--probe "$AB_PROBE" --probe-after-s "${AB_PROBE_AFTER_S:-28}"); fi
+if [ "${AB_GCSTAT:-0}" = 1 ]; then
+  mkdir -p $GCSTAT; export PYTHONPATH=$PWD/bench/gpu/gcstat:$PYTHONPATH DFLASH_GCSTAT_DIR=$GCSTAT
+fi
 ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
   local name=$1 budget=$2 t0=$SECONDS; shift 2
   timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
     --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks \
-    "$@"
+    "${PROBE[@]}" "$@"
   echo "=== $name: exit $? in $((SECONDS - t0)) s"
 }
 {
@@ -41,6 +56,6 @@ for w in ${AB_WORKLOADS:-gpu launch}; do
   esac
 done
 } 2>&1 | tee "$OUT/ab.log"
-(cd "$WORK/runs" && tar czf "$OUT/ab-runs.tgz" */*/throughput */*/config.json */*/profile */*.log 2> /dev/null)
+(cd "$WORK/runs" && tar czf "$OUT/ab-runs.tgz" */*/throughput */*/config.json */*/profile */*.log */*.probe.* 2> /dev/null)
 tar czf - "$CACHE" $WORK/builtin-* 2> /dev/null | split -b 15M - "$OUT/ab-cache.tgz."
 ls -la "$OUT"

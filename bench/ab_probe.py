@@ -1,0 +1,91 @@
+"""A probe for bench/ab_profile.py runs: `--probe CMD` runs a shell command against one rank of every
+measured run, `--probe-after-s` seconds after its launch, and records how much CPU each thread of
+that rank used while the command ran (from /proc, so the `--no-profile` arm has the figure too).
+
+In CMD, `{pid}` is the rank's process id and `{out}` a path prefix beside the run's log
+(RUN_DIR.probe), so what the command writes outlives the run's tidy-up. Made to find what
+`--no-profile` changes besides the profiler, e.g. py-spy on both arms:
+
+    --probe 'py-spy record --pid {pid} --nonblocking --idle --threads --rate 100 --duration 10
+             --format raw -o {out}.idle.txt'
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """{tid: (comm, user + system CPU seconds)} of every thread of `pid` now ({} once it ended)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue   # the thread just ended
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / _TICKS_PER_S)   # utime, stime
+    return out
+
+
+def cpu_delta(before: dict, after: dict, pid: int) -> dict[str, float]:
+    """CPU seconds per thread between two thread_cpu_seconds() readings, keyed `main` (the process's
+    first thread) or `comm/tid`; threads seen only in `after` count from 0."""
+    out = {}
+    for tid, (comm, cpu_s) in after.items():
+        used = cpu_s - before.get(tid, (comm, 0.0))[1]
+        out["main" if tid == pid else f"{comm}/{tid}"] = round(used, 3)
+    return out
+
+
+class Probe:
+    """Runs `template` once against the rank `find_pid()` returns, `after_s` after construction; the
+    outcome (command, exit code, window, CPU per thread) is in `.result` once `stop()` returned."""
+
+    def __init__(self, template: str, out_prefix: Path, find_pid, after_s: float, timeout_s: float = 120.0):
+        self.template, self.out_prefix, self.find_pid = template, out_prefix, find_pid
+        self.after_s, self.timeout_s = after_s, timeout_s
+        self.result: dict = {"ran": False}
+        self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ab.probe", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        """The run ended: end a command still running, wait for the thread, return the result."""
+        self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+        self._thread.join(timeout=10.0)
+        return self.result
+
+    def _run(self) -> None:
+        if self._stop.wait(self.after_s):
+            return
+        pid = self.find_pid()
+        if pid is None:
+            self.result = {"ran": False, "why": "rank not found"}
+            return
+        cmd = self.template.format(pid=pid, out=shlex.quote(str(self.out_prefix)))
+        before, t0 = thread_cpu_seconds(pid), time.monotonic()
+        self._proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = self._proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            _, err = self._proc.communicate()
+        window_s = time.monotonic() - t0
+        self.result = {"ran": True, "pid": pid, "command": cmd, "exit": self._proc.returncode,
+                       "window_s": round(window_s, 3), "stderr_tail": (err or "")[-500:],
+                       "thread_cpu_s": cpu_delta(before, thread_cpu_seconds(pid), pid)}
