@@ -8,6 +8,11 @@ In CMD, `{pid}` is the rank's process id and `{out}` a path prefix beside the ru
 
     --probe 'py-spy record --pid {pid} --nonblocking --idle --threads --rate 100 --duration 10
              --format raw -o {out}.idle.txt'
+
+Each `{out}.*.txt` the command leaves in py-spy's raw (collapsed) format is also read back: how many
+of the training thread's samples (a thread named `*.main`) were inside the profiler's code. That is
+the profiler's cost on that thread measured inside one run, so the per-run speed of the host (runs of
+the launch-bound workload land in modes +-15% apart in either arm: bench/RESULTS.md) does not enter it.
 """
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ import time
 from pathlib import Path
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_OURS = ("(profiler/", "(exporters/")
+# profiler.nonfinite helpers the trainer calls for its own work in both arms (the payload's
+# fingerprint, the guarded optimizer step): not the profiler's cost.
+_TRAINER_HELPERS = ("fingerprint (profiler/", "fingerprint_flags (profiler/", "step_unless (profiler/")
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
@@ -47,6 +56,28 @@ def cpu_delta(before: dict, after: dict, pid: int) -> dict[str, float]:
         used = cpu_s - before.get(tid, (comm, 0.0))[1]
         out["main" if tid == pid else f"{comm}/{tid}"] = round(used, 3)
     return out
+
+
+def main_thread_share(path: Path) -> dict | None:
+    """Samples of the `*.main` thread(s) in a py-spy raw file, and how many had a frame of the profiler
+    or the exporters in them (the trainer's own helpers aside); None when the file is not that format."""
+    samples = inside = 0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            return None
+        frames = stack.split(";")
+        if not frames[0].startswith("thread (") or not frames[0].endswith(".main"):
+            continue
+        samples += int(count)
+        first = next((f for f in frames[1:] if any(mark in f for mark in _OURS)), None)
+        if first is not None and not first.startswith(_TRAINER_HELPERS):
+            inside += int(count)
+    return {"samples": samples, "profiler": inside} if samples else None
 
 
 class Probe:
@@ -89,3 +120,5 @@ class Probe:
         self.result = {"ran": True, "pid": pid, "command": cmd, "exit": self._proc.returncode,
                        "window_s": round(window_s, 3), "stderr_tail": (err or "")[-500:],
                        "thread_cpu_s": cpu_delta(before, thread_cpu_seconds(pid), pid)}
+        stacks = {f.name: main_thread_share(f) for f in sorted(self.out_prefix.parent.glob(self.out_prefix.name + ".*.txt"))}
+        self.result["main_thread_samples"] = {name: share for name, share in stacks.items() if share}

@@ -667,6 +667,23 @@ def _run_notes(runs: list) -> list:
     if shares:
         lines.append(f"on runs: the profiler's threads used {100 * statistics.fmean(shares):.2f}% of the wall time "
                      f"in CPU (max {100 * max(shares):.2f}%, {len(shares)} runs; interval records' profiler_share)")
+    return lines + _sample_notes(runs)
+
+
+def _sample_notes(runs: list) -> list:
+    """Per arm and kind of probe file (`idle`: every sample, the wall time; `gil`: the GIL holder's), the
+    share of the training thread's py-spy samples inside the profiler, pooled over the runs
+    (bench/ab_probe.py), with its binomial standard error."""
+    pooled: dict = {}
+    for r in runs:
+        for name, s in ((r.get("probe") or {}).get("main_thread_samples") or {}).items():
+            row = pooled.setdefault((r["arm"], name.split(".")[-2]), [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + s["samples"], row[1] + s["profiler"], row[2] + 1
+    lines = []
+    for (arm, kind), (n, k, files) in sorted(pooled.items()):
+        p = k / n
+        lines.append(f"{arm} runs ({kind} samples): the training thread was in profiler code in {100 * p:.2f}% "
+                     f"of {n} (+-{100 * math.sqrt(p * (1 - p) / n):.2f}%, {files} runs; py-spy probe)")
     return lines
 
 

@@ -29,9 +29,13 @@ if os.environ.get("DFLASH_GCSTAT_DIR"):
     def _writer(path):
         while True:
             time.sleep(1.0)
+            try:   # a collection on another thread may add a key meanwhile: try again next second
+                text = json.dumps({"time": time.time(), "gc": _totals})
+            except RuntimeError:
+                continue
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"time": time.time(), "gc": _totals}, f)
+                f.write(text)
             os.replace(tmp, path)
 
     gc.callbacks.append(_callback)

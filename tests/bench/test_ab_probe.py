@@ -1,0 +1,108 @@
+"""bench/ab_probe.py (the A/B's probe): the per-thread CPU window and the py-spy sample share, against
+real processes and the real py-spy; and the summary lines ab_profile prints from them."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(_BENCH))
+import ab_probe  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("ab_profile", _BENCH / "ab_profile.py")
+ab = sys.modules["ab_profile"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+# A training thread named like the trainer's, spending its time in a module under a `profiler/`
+# directory (as the profiler's own code would) and in one named like a trainer-side helper.
+_BUSY = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from profiler import busy
+threading.current_thread().name = "drafter.main"
+end = time.monotonic() + 20
+while time.monotonic() < end:
+    busy.spin()
+"""
+_MODULE = """
+def spin():
+    x = 0
+    for i in range(20000):
+        x += i
+    return x
+"""
+
+
+@pytest.fixture
+def busy_process(tmp_path):
+    (tmp_path / "profiler").mkdir()
+    (tmp_path / "profiler" / "__init__.py").write_text("")
+    (tmp_path / "profiler" / "busy.py").write_text(_MODULE)
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY, str(tmp_path)])
+    time.sleep(0.5)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_probe_runs_the_command_and_measures_the_threads_cpu(busy_process, tmp_path):
+    prefix = tmp_path / "run.probe"
+    probe = ab_probe.Probe("sleep 0.5; cat /proc/{pid}/status > {out}.status", prefix,
+                           lambda: busy_process.pid, after_s=0.1)
+    time.sleep(1.2)
+    result = probe.stop()
+    assert result["ran"] and result["exit"] == 0 and result["pid"] == busy_process.pid
+    assert f"Pid:\t{busy_process.pid}" in Path(f"{prefix}.status").read_text()
+    assert 0.4 <= result["window_s"] < 2.0
+    assert result["thread_cpu_s"]["main"] >= 0.2   # the spinning thread: about the whole window
+
+
+def test_probe_without_its_process_says_so(tmp_path):
+    probe = ab_probe.Probe("true", tmp_path / "x.probe", lambda: None, after_s=0.0)
+    time.sleep(0.2)
+    assert probe.stop() == {"ran": False, "why": "rank not found"}
+
+
+def test_py_spy_samples_of_the_training_thread_in_profiler_code_are_counted(busy_process, tmp_path):
+    from profiler.stacks import find_pyspy
+
+    prefix = tmp_path / "run.probe"
+    probe = ab_probe.Probe(find_pyspy() + " record --pid {pid} --nonblocking --idle --threads --rate 50 --duration 1 "
+                           "--format raw -o {out}.idle.txt", prefix, lambda: busy_process.pid, after_s=0.0)
+    time.sleep(2.5)
+    result = probe.stop()
+    assert result["exit"] == 0, result["stderr_tail"]
+    share = result["main_thread_samples"]["run.probe.idle.txt"]
+    assert share["samples"] >= 20 and share["profiler"] >= 0.8 * share["samples"]
+
+
+def test_main_thread_share_counts_only_the_training_thread_and_not_the_trainers_helpers(tmp_path):
+    raw = tmp_path / "x.txt"
+    raw.write_text(textwrap.dedent("""\
+        thread (10): drafter.main;run (dflash/roles.py:1);span (profiler/api.py:3) 5
+        thread (10): drafter.main;run (dflash/roles.py:1);fingerprint (profiler/nonfinite.py:9) 7
+        thread (10): drafter.main;step (dflash/roles.py:2);step_unless (profiler/nonfinite.py:9);x (profiler/api.py:1) 2
+        thread (10): drafter.main;run (dflash/roles.py:1) 86
+        thread (11): profiler.collector;_run (profiler/intervals.py:3) 100
+        """))
+    assert ab_probe.main_thread_share(raw) == {"samples": 100, "profiler": 5}
+    raw.write_text("not py-spy output\n")
+    assert ab_probe.main_thread_share(raw) is None
+
+
+def test_sample_notes_pool_per_arm_and_kind():
+    runs = [{"arm": "on", "probe": {"main_thread_samples": {"p1-on.probe.idle.txt": {"samples": 800, "profiler": 8}}}},
+            {"arm": "on", "probe": {"main_thread_samples": {"p2-on.probe.idle.txt": {"samples": 200, "profiler": 2}}}},
+            {"arm": "off", "probe": {"main_thread_samples": {"p1-off.probe.idle.txt": {"samples": 1000, "profiler": 0}}}},
+            {"arm": "off"}]
+    lines = ab._sample_notes(runs)
+    assert lines == ["off runs (idle samples): the training thread was in profiler code in 0.00% of 1000 "
+                     "(+-0.00%, 1 runs; py-spy probe)",
+                     "on runs (idle samples): the training thread was in profiler code in 1.00% of 1000 "
+                     "(+-0.31%, 2 runs; py-spy probe)"]
