@@ -54,7 +54,7 @@ def make(workdir: Path) -> None:
         drafter.load_state_dict(trained)
         with torch.no_grad():  # non-trivial norm weights so a mis-wired norm shows up
             for mod in drafter.modules():
-                if type(mod).__name__ == "Qwen3RMSNorm":
+                if type(mod).__name__ in ("RMSNorm", "Qwen3RMSNorm"):
                     mod.weight.mul_(torch.empty_like(mod.weight).uniform_(0.8, 1.2))
         save_draft_checkpoint(workdir / name, drafter)
         layout = build_layout(torch.zeros(n, dtype=torch.int32), torch.arange(n), torch.zeros(1, dtype=torch.int32),

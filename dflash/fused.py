@@ -110,7 +110,7 @@ def compiled(name: str):
 
 
 def rms_norm(x, norm):
-    """Compiled rms_norm_math with the weight and eps of the Qwen3RMSNorm module `norm`."""
+    """Compiled rms_norm_math with the weight and eps of the RMSNorm module `norm` (dflash.blocks)."""
     return compiled("rms_norm")(x, norm.weight, norm.variance_epsilon)
 
 
@@ -120,7 +120,7 @@ def add_rms_norm(x, delta, norm):
 
 
 def qk_norm_rope(q, k, q_norm, k_norm, cos, sin, out_dtype):
-    """Compiled qk_norm_rope_math with the weights and eps of the Qwen3RMSNorm modules q_norm, k_norm:
+    """Compiled qk_norm_rope_math with the weights and eps of the RMSNorm modules q_norm, k_norm:
     (q, k) normed, rotated and cast to out_dtype."""
     return compiled("qk_norm_rope")(q, k, q_norm.weight, q_norm.variance_epsilon, k_norm.weight,
                                     k_norm.variance_epsilon, cos, sin, out_dtype)

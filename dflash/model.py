@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash import fused
 from dflash.attention import BlockLayout, MaskSet, resolve_backend
+from dflash.blocks import MLP, RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -96,7 +96,7 @@ class DFlashConfig:
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     def hf_config(self) -> Qwen3Config:
-        """The Qwen3Config the HF building blocks (RMSNorm, MLP, RoPE) are made from."""
+        """The Qwen3Config the building blocks (dflash.blocks: RMSNorm, MLP, RoPE) are made from."""
         sliding = "sliding_attention" in self.layer_types
         return Qwen3Config(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -164,14 +164,14 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
         sliding_window=sliding_window, attn_backend=attn_backend)
 
 
-def _norm(norm: Qwen3RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """norm(x): one compiled kernel on the fused path (dflash.fused), else the eager module."""
     if fused.active(x):
         return fused.rms_norm(x, norm)
     return norm(x)
 
 
-def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Qwen3RMSNorm):
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm):
     """(s, norm(s)) for the residual stream s = x + delta (s = x when delta is None): the add and
     the norm that reads it are one compiled kernel on the fused path, else eager as before."""
     if delta is None:
@@ -182,8 +182,8 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Qwen3RMSNorm):
     return x, norm(x)
 
 
-def _mlp(mlp: Qwen3MLP, x: torch.Tensor) -> torch.Tensor:
-    """Qwen3MLP.forward, with SiLU(gate) * up as one compiled kernel on the fused path."""
+def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward (Qwen3MLP's), with SiLU(gate) * up as one compiled kernel on the fused path."""
     if fused.active(x) and mlp.config.hidden_act == "silu":
         return mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     return mlp(x)
@@ -200,8 +200,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = Qwen3RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
     def forward(self, x, ctx, cos, sin, masks: MaskSet):
         """x: [Q, H] block states; ctx: [Np, H] normed context; cos/sin: [Np+Q, D]."""
@@ -224,9 +224,9 @@ class DraftDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig, hf_config: Qwen3Config, layer_idx: int):
         super().__init__()
         self.self_attn = DraftAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(hf_config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(hf_config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, delta, ctx, cos, sin, masks):
         """x: [Q, H] residual stream; delta: the previous layer's MLP output, not yet added to x
@@ -257,12 +257,12 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         hf = c.hf_config()
         self.layers = nn.ModuleList([DraftDecoderLayer(c, hf, i) for i in range(c.num_hidden_layers)])
-        self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Outside the module tree (its buffers are non-persistent anyway) so model.to(bf16) leaves
         # inv_freq in float32, as the reference's HF loading does; moved to the device on use.
-        self._rotary = [Qwen3RotaryEmbedding(hf)]
+        self._rotary = [RotaryEmbedding(hf)]
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.head = _FrozenHead(embed_tokens, lm_head)
         self.reset_parameters()
 
@@ -281,7 +281,7 @@ class DFlashDraftModel(nn.Module):
                 m.weight.normal_(0.0, self.config.initializer_range)
                 if m.bias is not None:
                     m.bias.zero_()
-            elif isinstance(m, Qwen3RMSNorm):
+            elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
