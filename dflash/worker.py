@@ -257,10 +257,21 @@ def _forensics(stop: _StopFlag, rank: int):
     watch.install()
     try:
         # Said in one line by run() (bad input, a full disk) or a lost peer's consequence: no crash record.
-        with prof.dumper.guard(ignore=lambda e: _peer_lost(e) or isinstance(e, _SAID_IN_ONE_LINE)):
+        with prof.dumper.guard(ignore=lambda e: _record_peer_lost(prof, e) or isinstance(e, _SAID_IN_ONE_LINE)):
             yield
     finally:
         watch.close()
+
+
+def _record_peer_lost(prof, exc: BaseException) -> bool:
+    """True when `exc` is a lost peer's consequence. Then this rank's side of it goes in its log, quietly
+    (no console line, no crash record): a `peer_lost` dump with the open spans, the stacks and the
+    transfer ring, so a peer that hung or crashed and exited first still has its counterpart's flight
+    recorder to line up with. The dump never raises (Forensics._safely)."""
+    lost = _peer_lost(exc)
+    if lost:   # not when this rank's own hang or crash abort is already dumping (dump_final)
+        prof.dumper.dump_final("peer_lost", reason=lost)
+    return bool(lost)
 
 
 # Events found before the profiler starts (data loading), written once it is active.

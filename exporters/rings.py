@@ -1,6 +1,6 @@
 """The transfer flight recorders of a failed run, lined up: records in, answers out. Standard library only.
 
-A hang, crash, OOM or forced stop dumps each rank's last transfer-protocol steps (`dflash.transfer`'s
+A hang, crash, OOM, forced stop or lost peer dumps each rank's last transfer-protocol steps (`dflash.transfer`'s
 ring, registered as the `transfer_ring` forensics source) in its event's `extra`. Per target -> drafter
 link this says how far each side got: the last batch the target submitted and saw completed, the last
 one the drafter received from it, and so which batches were in flight (sent, not received) when the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from exporters.runs import Run
 
-FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal")
+FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal", "peer_lost")
 
 
 def _last_ring(log) -> tuple[dict | None, list]:

@@ -196,6 +196,14 @@ class Forensics:
                 stream.flush()
         self.exit_fn(1)
 
+    def dump_final(self, kind: str, **fields) -> bool:
+        """A dump on the way out of a rank that ends by itself (not through abort), taken only when no
+        abort has begun; it also stops any later abort (one ending, one dump). True when it dumped."""
+        if not self._abort_lock.acquire(blocking=False):
+            return False
+        self._safely(lambda: self.dump(kind, **fields))
+        return True
+
     @staticmethod
     def _safely(fn) -> None:
         try:

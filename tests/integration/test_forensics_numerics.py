@@ -240,7 +240,10 @@ def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path)
     dumps = {}
     for rank in (0, 1):
         recs, _ = read_records(run / "profile" / f"rank{rank}.jsonl")
-        [dump] = [x for x in recs if x["type"] == "event" and x["kind"] in ("hang", "signal") and "extra" in x]
+        # The target dumps on its own watchdog or the launcher's SIGTERM, or, when its send fails first
+        # because the hung drafter has already exited (a loaded machine), as `peer_lost`.
+        [dump] = [x for x in recs if x["type"] == "event" and x["kind"] in ("hang", "signal", "peer_lost")
+                  and "extra" in x]
         dumps[rank] = dump["extra"]["transfer_ring"]
     drafter, target = dumps[0], dumps[1]
     assert 0 < len(drafter) <= transfer.RING_ENTRIES and 0 < len(target) <= transfer.RING_ENTRIES
