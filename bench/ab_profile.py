@@ -679,7 +679,9 @@ def _sample_notes(runs: list) -> list:
         for name, s in ((r.get("probe") or {}).get("main_thread_samples") or {}).items():
             row = pooled.setdefault((r["arm"], name.split(".")[-2]), [0, 0, 0])
             row[0], row[1], row[2] = row[0] + s["samples"], row[1] + s["profiler"], row[2] + 1
-    lines = []
+    failed = [r["probe"] for r in runs if r.get("probe") and (r["probe"].get("ran") is False or r["probe"].get("exit"))]
+    lines = [f"probe failed in {len(failed)} runs, first: {failed[0].get('why') or 'exit %s' % failed[0].get('exit')} "
+             f"{(failed[0].get('stderr_tail') or '').strip()[-200:]}"] if failed else []
     for (arm, kind), (n, k, files) in sorted(pooled.items()):
         p = k / n
         lines.append(f"{arm} runs ({kind} samples): the training thread was in profiler code in {100 * p:.2f}% "
@@ -826,6 +828,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.pairs < 1 or a.warmup_runs < 0:
         ap.error("--pairs must be >= 1 and --warmup-runs >= 0")
+    if a.probe_after_s < 0:
+        ap.error("--probe-after-s must be >= 0")
+    try:
+        a.probe.format(pid=0, out="x")
+    except (KeyError, IndexError, ValueError) as e:
+        ap.error(f"--probe: {type(e).__name__} {e}: only {{pid}} and {{out}} are filled in (write other braces twice)")
     return a
 
 

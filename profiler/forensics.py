@@ -99,6 +99,7 @@ class Forensics:
         self._stderr = stderr
         self.dir = Path(prof.run_dir) / "forensics"
         self._abort_lock = threading.Lock()
+        self._final_dumped = False   # dump_final wrote this rank's state (abort then skips its dump)
 
     def dump(self, kind: str, **fields) -> dict:
         """One `event` record of `kind` with threads' stacks, open spans and extras, plus its file."""
@@ -188,7 +189,8 @@ class Forensics:
         The first caller wins; a second one (another thread failing meanwhile) returns at once."""
         if not self._abort_lock.acquire(blocking=False):
             return
-        self._safely(record or (lambda: self.dump(kind, **fields)))
+        if not self._final_dumped:   # a dump_final already holds this rank's state: no second one
+            self._safely(record or (lambda: self.dump(kind, **fields)))
         self._safely(lambda: self.prof.finish_now(status))
         self._safely(self.prof.control.close)   # its socket and discovery file: nothing left behind
         for stream in (sys.stdout, sys.stderr):
@@ -198,10 +200,15 @@ class Forensics:
 
     def dump_final(self, kind: str, **fields) -> bool:
         """A dump on the way out of a rank that ends by itself (not through abort), taken only when no
-        abort has begun; it also stops any later abort (one ending, one dump). True when it dumped."""
+        abort has begun. A later abort (the way out got stuck) still ends the rank, without dumping
+        again: one ending, one dump. True when it dumped."""
         if not self._abort_lock.acquire(blocking=False):
             return False
-        self._safely(lambda: self.dump(kind, **fields))
+        try:
+            self._safely(lambda: self.dump(kind, **fields))
+            self._final_dumped = True
+        finally:
+            self._abort_lock.release()
         return True
 
     @staticmethod

@@ -31,8 +31,9 @@ CACHE=.cache/ab-compile WORK=.cache/ab-work   # kept on a warm machine (ignored 
 SPY="py-spy record --pid {pid} --nonblocking --threads --rate 100 --duration 10 --format raw"
 GCSTAT=/tmp/gcstat
 case ${AB_PROBE:-} in
-  spy) AB_PROBE="cp $GCSTAT/gc-{pid}.json {out}.gc0.json 2>/dev/null; $SPY --idle -o {out}.idle.txt &
-       $SPY --gil -o {out}.gil.txt; wait; cp $GCSTAT/gc-{pid}.json {out}.gc1.json 2>/dev/null" ;;
+  spy) AB_PROBE="cp $GCSTAT/gc-{pid}.json {out}.gc0.json 2>/dev/null; $SPY --idle -o {out}.idle.txt & p=\$!;
+       $SPY --gil -o {out}.gil.txt; g=\$?; wait \$p; i=\$?; cp $GCSTAT/gc-{pid}.json {out}.gc1.json 2>/dev/null;
+       exit \$((g | i))" ;;   # the probe's exit: nonzero when either py-spy failed
 esac
 PROBE=(); if [ -n "${AB_PROBE:-}" ]; then PROBE=(--probe "$AB_PROBE" --probe-after-s "${AB_PROBE_AFTER_S:-28}"); fi
 if [ "${AB_GCSTAT:-0}" = 1 ]; then

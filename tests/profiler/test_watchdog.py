@@ -321,3 +321,25 @@ def test_cuda_memory_history_snapshot_is_written_at_an_oom(tmp_path):
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     assert os.path.getsize(path) > 0
+
+
+def test_dump_final_is_the_one_dump_and_a_later_abort_still_ends_the_rank(tmp_path):
+    exits = []
+    with make_prof(tmp_path) as prof:
+        prof.dumper.exit_fn = exits.append
+        assert prof.dumper.dump_final("peer_lost", reason="Connection closed by peer") is True
+        prof.dumper.abort("hang", "hang", stalled_seconds=9.0)   # the way out got stuck: ends, no second dump
+        prof.dumper.abort("signal", "killed: SIGTERM")           # the first abort won
+    events = [r for r in log(tmp_path) if r["type"] == "event"]
+    assert [(e["kind"], e["reason"]) for e in events] == [("peer_lost", "Connection closed by peer")]
+    assert "transfer_ring" not in events[0]["extra"] and events[0]["threads"]
+    assert exits == [1]
+    assert [r["status"] for r in log(tmp_path) if r["type"] == "run_end"] == ["hang"]
+
+
+def test_dump_final_after_an_abort_began_dumps_nothing(tmp_path):
+    with make_prof(tmp_path) as prof:
+        prof.dumper.exit_fn = lambda code: None
+        prof.dumper.abort("hang", "hang", stalled_seconds=9.0)
+        assert prof.dumper.dump_final("peer_lost", reason="x") is False
+    assert [r["kind"] for r in log(tmp_path) if r["type"] == "event"] == ["hang"]
