@@ -15,7 +15,10 @@ padding block's own keys: no query row is fully masked, so neither backend produ
 
 `flex` runs torch.nn.attention.flex_attention with a BlockMask (compiled on CUDA); `dense` runs SDPA
 with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same mask_mod, so their semantics cannot
-drift apart.
+drift apart. The BlockMask's tile tables are read off the layout (`tile_block_mask`, the same tensors
+create_block_mask builds, checked in tests/dflash/test_model.py): a restart then has one compile fewer
+to re-trace (create_block_mask's took 2.6 s of a warm restart on an H200). A block size that does not
+divide the 128-row tile falls back to create_block_mask.
 
 One compile for every batch. Packed batches change N and M every step. Left to itself, torch.compile
 compiles the first shape static and recompiles dynamic at the next (measured on an H200: 28.7 s + 16.5 s
@@ -160,21 +163,87 @@ def dense_mask(layout: BlockLayout, sliding_window: int | None) -> torch.Tensor:
 
 
 def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bool | None = None):
-    """The layout's BlockMask, its varying dims declared dynamic. `compile` (None: on CUDA) evaluates the
-    mask tile by tile with compiled create_block_mask instead of materialising [Q, KV] (the eager path is
-    fine for the small shapes the CPU sees)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    q, kv = layout.num_queries, layout.kv_doc.shape[0]
-    device = layout.kv_doc.device
-    compile = device.type == "cuda" if compile is None else compile
+    """The layout's BlockMask, its varying dims declared dynamic. When the block size divides the 128-row
+    tile (every block size DFlash trains with), `tile_block_mask` reads the tiles off the layout's tables:
+    nothing to compile, so a restart does not re-trace it. Otherwise create_block_mask evaluates the
+    mask_mod tile by tile, compiled when `compile` (None: on CUDA) instead of materialising [Q, KV]."""
     for table in (layout.kv_doc, layout.kv_pos, layout.kv_block, layout.anchor_doc, layout.anchor_limit,
                   layout.anchor_pos):
         torch._dynamo.maybe_mark_dynamic(table, 0)
-    build = compiled(create_block_mask) if compile else create_block_mask
-    mask = build(make_mask_mod(layout, sliding_window), None, None, q, kv, device=device)
+    mask_mod = make_mask_mod(layout, sliding_window)
+    if PAD_MULTIPLE % layout.block_size == 0:
+        mask = tile_block_mask(layout, sliding_window, mask_mod)
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        device = layout.kv_doc.device
+        build = compiled(create_block_mask) if (device.type == "cuda" if compile is None else compile) \
+            else create_block_mask
+        mask = build(mask_mod, None, None, layout.num_queries, layout.kv_doc.shape[0], device=device)
     mark_block_mask_dynamic(mask)
     return mask
+
+
+def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
+    """The BlockMask create_block_mask would build for `mask_mod` (same tensors), from the tables, for a
+    block size that divides the tile: each 128-row query tile holds whole blocks. A block sees a context
+    key for some row (any) or every row (all) of it; the window's distance grows with the row, so rows 0
+    and B-1 decide. A block's own keys lie in the query tile's diagonal key tile, the same pattern in
+    every tile. Device ops only (no sync), over at most TILE_CHUNK_ELEMS block-key pairs at a time."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs, tile = layout.block_size, PAD_MULTIPLE
+    qt, ct = layout.num_queries // tile, layout.num_ctx_padded // tile
+    seen, full = _context_tiles(layout, sliding_window)                 # [qt, ct] each
+    own_seen, own_full = _own_tile(bs, sliding_window)
+    diag = torch.eye(qt, dtype=torch.bool, device=seen.device)
+    partial = torch.cat([seen & ~full, diag & (own_seen and not own_full)], dim=1)
+    full = torch.cat([full, diag & own_full], dim=1)
+    kv_num, kv_idx = _dense_to_ordered(partial)
+    full_num, full_idx = _dense_to_ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
+                                    mask_mod=mask_mod, seq_lengths=(qt * tile, (ct + qt) * tile))
+
+
+TILE_CHUNK_ELEMS = 1 << 24
+"""Block-key pairs evaluated at once by tile_block_mask (bounds its temporaries: ~16M pairs, ~0.2 GB)."""
+
+
+def _context_tiles(layout: BlockLayout, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some key of the tile is seen by some row, every key by every row): [query tiles, context tiles]."""
+    bs, tile, np_ = layout.block_size, PAD_MULTIPLE, layout.num_ctx_padded
+    per_tile, qt = tile // bs, layout.num_queries // PAD_MULTIPLE
+    c = torch.arange(np_, device=layout.kv_doc.device)
+    doc, pos = layout.kv_doc[None, :np_], layout.kv_pos[None, :np_]
+    step = max(1, TILE_CHUNK_ELEMS // (per_tile * max(np_, 1)))       # query tiles per chunk
+    seen, full = [], []
+    for t0 in range(0, qt, step):
+        j = slice(t0 * per_tile, min(qt, t0 + step) * per_tile)
+        some = (doc == layout.anchor_doc[j, None]) & (c[None, :] < layout.anchor_limit[j, None])
+        every = some
+        if window is not None:
+            gap = layout.anchor_pos[j, None] - pos                    # row r's distance is gap + r
+            some, every = some & (gap < window), some & (gap + (bs - 1) < window)
+        shape = (-1, per_tile, np_ // tile, tile)
+        seen.append(some.view(shape).any(3).any(1))
+        full.append(every.view(shape).all(3).all(1))
+    return torch.cat(seen), torch.cat(full)
+
+
+def _own_tile(block_size: int, window: int | None) -> tuple[bool, bool]:
+    """(any, all) of a query tile's diagonal key tile: row r and key r' see each other iff they are in one
+    block and |r - r'| < window. Within a block the offsets d = r - r' occur B - |d| times."""
+    seen = sum(block_size - abs(d) for d in range(1 - block_size, block_size) if window is None or abs(d) < window)
+    cells_per_block = block_size * block_size
+    return seen > 0, PAD_MULTIPLE == block_size and seen == cells_per_block
+
+
+def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[Qt, KVt] bool tiles -> ([1, 1, Qt] counts, [1, 1, Qt, KVt] column indices, set ones first), as
+    torch's own conversion orders them (a stable descending sort)."""
+    dense = dense.to(torch.int32)[None, None]
+    order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(dim=-1).to(torch.int32), order.to(torch.int32)
 
 
 def mark_block_mask_dynamic(mask) -> None:

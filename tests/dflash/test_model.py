@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.attention import build_layout, dense_mask
+from dflash import attention
+from dflash.attention import MaskSet, build_layout, dense_mask, flex_block_mask, make_mask_mod, tile_block_mask
 from dflash.model import DFlashConfig, DFlashDraftModel, draft_config_for_target
 
 H, K, BS, V = 32, 3, 4, 64
@@ -108,6 +109,51 @@ def test_dense_mask_rows():
     assert row[:np_].nonzero().squeeze(1).tolist() == list(range(20, 30))
     assert row[np_:].nonzero().squeeze(1).tolist() == list(range(3 * BS, 4 * BS))
     assert m.any(dim=1).all()                                  # padding rows are never fully masked
+
+
+def _random_layout(n, m, block_size, seed, docs):
+    """`docs` documents of random lengths over n context tokens, m sorted anchors among them."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(n - 1, generator=g)[:docs - 1] + 1).values
+    doc = torch.bucketize(torch.arange(n), cuts, right=True).to(torch.int32)
+    pos = torch.arange(n) - torch.cat([torch.tensor([0]), cuts])[doc.long()]
+    anchors = torch.sort(torch.randperm(n - 1, generator=g)[:m] + 1).values
+    return build_layout(doc, pos, doc[anchors], anchors, pos[anchors], block_size)
+
+
+BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("block_size,window", [(2, None), (16, None), (16, 1), (16, 40), (32, 17), (128, None),
+                                               (128, 100), (64, 4000)])
+def test_tile_block_mask_is_the_block_mask_create_block_mask_builds(block_size, window, monkeypatch):
+    """Read off the tables, the BlockMask equals torch's (every tensor, the full tiles included) over
+    one, two and five documents, a batch of one anchor, and in chunks of one block-key pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for i, (n, m, docs) in enumerate([(40, 1, 1), (700, 41, 2), (1500, 90, 5)]):
+        lay = _random_layout(n, min(m, 2048 // block_size), block_size, seed=i, docs=docs)
+        mod = make_mask_mod(lay, window)
+        want = create_block_mask(mod, None, None, lay.num_queries, lay.kv_doc.shape[0], device="cpu")
+        monkeypatch.setattr(attention, "TILE_CHUNK_ELEMS", 1 if i == 2 else 1 << 24)
+        got = tile_block_mask(lay, window, mod)
+        for name in BLOCK_MASK_TENSORS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, n, m)
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        assert got.mask_mod is mod
+
+
+def test_a_block_size_that_does_not_divide_the_tile_builds_its_mask_with_create_block_mask():
+    """Block 12: query tiles split blocks, so the mask_mod is evaluated (eager here); flex still equals dense."""
+    lay = _random_layout(300, 20, 12, seed=3, docs=2)
+    got = flex_block_mask(lay, 7, compile=False)
+    assert lay.num_queries % 128 == 0 and got.seq_lengths == (lay.num_queries, lay.kv_doc.shape[0])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, lay.num_queries, 16, generator=g)
+    k, v = (torch.randn(1, 2, lay.kv_doc.shape[0], 16, generator=g) for _ in range(2))
+    flex, dense = MaskSet(lay, "flex", {7}), MaskSet(lay, "dense", {7})
+    torch.testing.assert_close(flex.attend(q, k, v, 0.25, 7), dense.attend(q, k, v, 0.25, 7), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 6, 3])
