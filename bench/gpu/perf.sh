@@ -3,7 +3,8 @@
 # device calls of ~5 min each (1 GPU): `perf.sh a` runs the CUDA tests, per-call CUDA costs, CUDA and CPU
 # span costs and the drafter step (loss unchunked/chunked/fused x elementwise fused off/on, one process);
 # `perf.sh b` the step's kernel profile and the compile cold/warm/resume; `perf.sh c` re-checks the CUDA
-# tests and span costs alone (~2 min). Needs the carried .whl (py-spy,
+# tests and span costs alone (~3 min); `perf.sh m` the BlockMask read off the tables against
+# create_block_mask, the restart and the drafter step (~4 min). Needs the carried .whl (py-spy,
 # OTel) only for the CUDA tests.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,7 +18,14 @@ git log --oneline -1 2>/dev/null
 step "cuda tests" 200 python3 -m pytest -q -rs -m cuda tests -p no:cacheprovider --durations=8
 step "bench_cuda_events" 60 python3 bench/bench_cuda_events.py
 step "bench_span_cuda" 120 python3 bench/bench_span_cuda.py
+step "bench_span" 90 python3 bench/bench_span.py
 } 2>&1 | tee "$OUT/perf_c.log"; exit; fi
+if [ "$part" = m ]; then {   # the mask and the restart (~4 min): tables vs create_block_mask, step 2, the step
+git log --oneline -1 2>/dev/null
+step "bench_block_mask" 120 python3 bench/bench_block_mask.py
+step "bench_compile" 280 python3 bench/bench_compile.py --out /tmp/bc
+step "bench_drafter" 150 python3 bench/bench_drafter.py --backends flex --loss fused --repeats 10
+} 2>&1 | tee "$OUT/perf_m.log"; exit; fi
 if [ "$part" = a ]; then {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git log --oneline -1 2>/dev/null
