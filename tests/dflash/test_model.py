@@ -128,8 +128,9 @@ BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full
 @pytest.mark.parametrize("block_size,window", [(2, None), (16, None), (16, 1), (16, 40), (32, 17), (128, None),
                                                (128, 100), (64, 4000)])
 def test_tile_block_mask_is_the_block_mask_create_block_mask_builds(block_size, window, monkeypatch):
-    """Read off the tables, the BlockMask equals torch's (every tensor, the full tiles included) over
-    one, two and five documents, a batch of one anchor, and in chunks of one block-key pair."""
+    """Read off the tables, the BlockMask equals torch's (every tensor with its strides, the full tiles
+    included, and every other attribute) over one, two and five documents, a batch of one anchor, and
+    in chunks of one block-key pair."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     for i, (n, m, docs) in enumerate([(40, 1, 1), (700, 41, 2), (1500, 90, 5)]):
@@ -139,8 +140,10 @@ def test_tile_block_mask_is_the_block_mask_create_block_mask_builds(block_size, 
         monkeypatch.setattr(attention, "TILE_CHUNK_ELEMS", 1 if i == 2 else 1 << 24)
         got = tile_block_mask(lay, window, mod)
         for name in BLOCK_MASK_TENSORS:
-            assert torch.equal(getattr(got, name), getattr(want, name)), (name, n, m)
-        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+            a, b = getattr(got, name), getattr(want, name)
+            assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride(), (name, n, m)
+        others = {k: v for k, v in vars(want).items() if not isinstance(v, torch.Tensor)}
+        assert {k: v for k, v in vars(got).items() if not isinstance(v, torch.Tensor)} == others
         assert got.mask_mod is mod
 
 
