@@ -24,7 +24,7 @@ if [ "$part" = m ]; then {   # the mask and the restart (~4 min): tables vs crea
 git log --oneline -1 2>/dev/null
 step "bench_block_mask" 120 python3 bench/bench_block_mask.py
 step "bench_compile" 280 python3 bench/bench_compile.py --out /tmp/bc
-step "bench_drafter" 150 python3 bench/bench_drafter.py --backends flex --loss fused --repeats 10
+step "bench_drafter" 150 python3 bench/bench_drafter.py --backends flex --loss fused --repeats 20
 } 2>&1 | tee "$OUT/perf_m.log"; exit; fi
 if [ "$part" = a ]; then {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
