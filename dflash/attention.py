@@ -189,24 +189,23 @@ def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
     block size that divides the tile: each 128-row query tile holds whole blocks. A block sees a context
     key for some row (any) or every row (all) of it; the window's distance grows with the row, so rows 0
     and B-1 decide. A block's own keys lie in the query tile's diagonal key tile, the same pattern in
-    every tile. Device ops only (no sync), over at most TILE_CHUNK_ELEMS block-key pairs at a time; few
-    of them, since on a host-bound run each one is launch overhead."""
+    every tile. Device ops only (no sync), over at most TILE_CHUNK_ELEMS block-key pairs at a time."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    tile = PAD_MULTIPLE
+    bs, tile = layout.block_size, PAD_MULTIPLE
     qt, ct = layout.num_queries // tile, layout.num_ctx_padded // tile
-    tiles = torch.zeros(2, qt, ct + qt, dtype=torch.int32, device=layout.kv_doc.device)   # partial, full
-    _context_tiles(layout, sliding_window, tiles)
-    own = _own_tile(layout.block_size, sliding_window)
-    if own is not None:
-        tiles[own, :, ct:].diagonal().fill_(1)
-    (kv_num, full_kv_num), (kv_idx, full_kv_idx) = (x.unbind(0) for x in _dense_to_ordered(tiles))
-    (q_num, full_q_num), (q_idx, full_q_idx) = (x.unbind(0) for x in _dense_to_ordered(tiles.transpose(1, 2)))
+    seen, full = _context_tiles(layout, sliding_window)                 # [qt, ct] each
+    own_seen, own_full = _own_tile(bs, sliding_window)
+    diag = torch.eye(qt, dtype=torch.int32, device=seen.device)
+    tiles = torch.stack([torch.cat([seen & ~full, diag * (own_seen and not own_full)], dim=1),
+                         torch.cat([full, diag * own_full], dim=1)])           # [partial/full, qt, kvt]
+    kv_num, kv_idx = _dense_to_ordered(tiles)
+    q_num, q_idx = _dense_to_ordered(tiles.transpose(1, 2))
     # The constructor, not from_kv_blocks: that one derives the query-side tables through two vmapped
     # eager conversions (~0.3 ms of host time per call); here they are the same sort of the transpose.
-    return BlockMask(seq_lengths=(qt * tile, (ct + qt) * tile), kv_num_blocks=kv_num, kv_indices=kv_idx,
-                     full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx, q_num_blocks=q_num,
-                     q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+    return BlockMask(seq_lengths=(qt * tile, (ct + qt) * tile), kv_num_blocks=kv_num[0], kv_indices=kv_idx[0],
+                     full_kv_num_blocks=kv_num[1], full_kv_indices=kv_idx[1], q_num_blocks=q_num[0],
+                     q_indices=q_idx[0], full_q_num_blocks=q_num[1], full_q_indices=q_idx[1],
                      BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)
 
 
@@ -214,37 +213,33 @@ TILE_CHUNK_ELEMS = 1 << 24
 """Block-key pairs evaluated at once by tile_block_mask (bounds its temporaries: ~16M pairs, ~0.2 GB)."""
 
 
-def _context_tiles(layout: BlockLayout, window: int | None, out: torch.Tensor) -> None:
-    """Fill out[0] (some key of the tile is seen by some row, not every key by every row: partial) and
-    out[1] (every key by every row: full) over the context key tiles [query tiles, context tiles]."""
+def _context_tiles(layout: BlockLayout, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some key of the tile is seen by some row, every key by every row): [query tiles, context tiles]."""
     bs, tile, np_ = layout.block_size, PAD_MULTIPLE, layout.num_ctx_padded
-    per_tile, qt, ct = tile // bs, layout.num_queries // tile, np_ // tile
+    per_tile, qt = tile // bs, layout.num_queries // PAD_MULTIPLE
     c = torch.arange(np_, device=layout.kv_doc.device)
-    doc, pos = layout.kv_doc[:np_], layout.kv_pos[:np_]
-    a_doc, a_lim, a_pos = layout.anchor_doc[:, None], layout.anchor_limit[:, None], layout.anchor_pos[:, None]
+    doc, pos = layout.kv_doc[None, :np_], layout.kv_pos[None, :np_]
     step = max(1, TILE_CHUNK_ELEMS // (per_tile * max(np_, 1)))       # query tiles per chunk
+    seen, full = [], []
     for t0 in range(0, qt, step):
-        t1 = min(qt, t0 + step)
-        j0, j1 = t0 * per_tile, t1 * per_tile
-        some = (doc == a_doc[j0:j1]) & (c < a_lim[j0:j1])
+        j = slice(t0 * per_tile, min(qt, t0 + step) * per_tile)
+        some = (doc == layout.anchor_doc[j, None]) & (c[None, :] < layout.anchor_limit[j, None])
         every = some
         if window is not None:
-            gap = a_pos[j0:j1] - pos                                   # row r's distance is gap + r
+            gap = layout.anchor_pos[j, None] - pos                    # row r's distance is gap + r
             some, every = some & (gap < window), some & (gap + (bs - 1) < window)
-        seen = some.view(-1, per_tile, ct, tile).any(dim=(1, 3))
-        full = every.view(-1, per_tile, ct, tile).all(dim=(1, 3))
-        out[0, t0:t1, :ct] = seen ^ full                               # full implies seen
-        out[1, t0:t1, :ct] = full
+        shape = (-1, per_tile, np_ // tile, tile)
+        seen.append(some.view(shape).any(3).any(1))
+        full.append(every.view(shape).all(3).all(1))
+    return torch.cat(seen), torch.cat(full)
 
 
-def _own_tile(block_size: int, window: int | None) -> int | None:
-    """A query tile's diagonal key tile: 0 (partial), 1 (full) or None (nothing seen). Row r and key r' see
-    each other iff they are in one block and |r - r'| < window; within a block the offsets d = r - r'
-    occur B - |d| times."""
+def _own_tile(block_size: int, window: int | None) -> tuple[bool, bool]:
+    """(any, all) of a query tile's diagonal key tile: row r and key r' see each other iff they are in one
+    block and |r - r'| < window. Within a block the offsets d = r - r' occur B - |d| times."""
     seen = sum(block_size - abs(d) for d in range(1 - block_size, block_size) if window is None or abs(d) < window)
-    if seen == 0:
-        return None
-    return 1 if PAD_MULTIPLE == block_size and seen == block_size * block_size else 0
+    cells_per_block = block_size * block_size
+    return seen > 0, PAD_MULTIPLE == block_size and seen == cells_per_block
 
 
 def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
