@@ -1,6 +1,7 @@
 """A probe for bench/ab_profile.py runs: `--probe CMD` runs a shell command against one rank of every
 measured run, `--probe-after-s` seconds after its launch, and records how much CPU each thread of
-that rank used while the command ran (from /proc, so the `--no-profile` arm has the figure too).
+that rank used while the command ran (from /proc, so the `--no-profile` arm has the figure too), and
+where its memory sits (pages per NUMA node, /proc/PID/numa_maps, read when the command ended).
 
 In CMD, `{pid}` is the rank's process id and `{out}` a path prefix beside the run's log
 (RUN_DIR.probe), so what the command writes outlives the run's tidy-up. Made to find what
@@ -56,6 +57,33 @@ def cpu_delta(before: dict, after: dict, pid: int) -> dict[str, float]:
         used = cpu_s - before.get(tid, (comm, 0.0))[1]
         out["main" if tid == pid else f"{comm}/{tid}"] = round(used, 3)
     return out
+
+
+def numa_pages(pid: int, proc: Path = Path("/proc")) -> dict[str, int]:
+    """Resident pages of `pid` per NUMA node ({"N0": pages, ...}) from /proc/PID/numa_maps; {} when it
+    cannot be read. On a host with several nodes, a run whose memory sits on another node than its CPUs
+    runs slower for its whole life: one suspect for the launch workload's per-run speed modes."""
+    pages: dict[str, int] = {}
+    try:
+        text = (proc / str(pid) / "numa_maps").read_text()
+    except OSError:
+        return pages
+    for word in text.split():
+        node, eq, count = word.partition("=")
+        if eq and node[:1] == "N" and node[1:].isdigit() and count.isdigit():
+            pages[node] = pages.get(node, 0) + int(count)
+    return pages
+
+
+def numa_nodes(sysfs: Path = Path("/sys/devices/system/node")) -> dict[str, str]:
+    """{"node0": "0-7", ...}: this machine's NUMA nodes and their CPUs, as the kernel lists them."""
+    nodes = {}
+    for d in sorted(sysfs.glob("node[0-9]*"), key=lambda d: int(d.name[4:])):
+        try:
+            nodes[d.name] = (d / "cpulist").read_text().strip()
+        except OSError:
+            continue
+    return nodes
 
 
 def main_thread_share(path: Path) -> dict | None:
@@ -119,6 +147,7 @@ class Probe:
         window_s = time.monotonic() - t0
         self.result = {"ran": True, "pid": pid, "command": cmd, "exit": self._proc.returncode,
                        "window_s": round(window_s, 3), "stderr_tail": (err or "")[-500:],
-                       "thread_cpu_s": cpu_delta(before, thread_cpu_seconds(pid), pid)}
+                       "thread_cpu_s": cpu_delta(before, thread_cpu_seconds(pid), pid),
+                       "numa_pages": numa_pages(pid)}
         stacks = {f.name: main_thread_share(f) for f in sorted(self.out_prefix.parent.glob(self.out_prefix.name + ".*.txt"))}
         self.result["main_thread_samples"] = {name: share for name, share in stacks.items() if share}

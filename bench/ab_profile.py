@@ -193,7 +193,10 @@ def _command_output(argv: list[str], timeout_s: float = 20.0, env: dict | None =
 
 
 def machine_info(env: dict) -> dict:
-    """Date, host, CPUs, GPU (nvidia-smi), torch and the checkout's commit, for the report's header."""
+    """Date, host, CPUs and NUMA nodes, GPU (nvidia-smi), torch and the checkout's commit, for the report's
+    header."""
+    from ab_probe import numa_nodes
+
     probe = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
              "'cuda': torch.version.cuda, 'gpu_count': torch.cuda.device_count() if c else 0, "
              "'device_name': torch.cuda.get_device_name(0) if c else None}))")
@@ -205,7 +208,7 @@ def machine_info(env: dict) -> dict:
     return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
             "cpu_count": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),
             "python": sys.version.split()[0], "torch": json.loads(torch_info) if torch_info else None,
-            "gpus": smi.splitlines() if smi else [], "commit": commit,
+            "gpus": smi.splitlines() if smi else [], "commit": commit, "numa_nodes": numa_nodes(),
             "tree_modified": bool(dirty) if dirty is not None else None}
 
 
@@ -667,7 +670,22 @@ def _run_notes(runs: list) -> list:
     if shares:
         lines.append(f"on runs: the profiler's threads used {100 * statistics.fmean(shares):.2f}% of the wall time "
                      f"in CPU (max {100 * max(shares):.2f}%, {len(shares)} runs; interval records' profiler_share)")
-    return lines + _sample_notes(runs)
+    return lines + _sample_notes(runs) + _numa_notes(runs)
+
+
+def _numa_notes(runs: list) -> list:
+    """Where each probed run's memory sat, when it spread over (or sat on) more than one NUMA node
+    across the runs: one line per run, its tokens/s beside the share of its pages per node."""
+    placed = [(r, (r.get("probe") or {}).get("numa_pages") or {}) for r in runs]
+    if len({node for _, pages in placed for node in pages}) < 2:
+        return []
+    lines = []
+    for r, pages in placed:
+        total = sum(pages.values())
+        if total:
+            share = ", ".join(f"{node} {100 * n / total:.0f}%" for node, n in sorted(pages.items()))
+            lines.append(f"numa: pair {r.get('pair')} {r['arm']} {r['value']:,.0f}: pages {share}")
+    return lines
 
 
 def _sample_notes(runs: list) -> list:
@@ -696,7 +714,12 @@ def format_machine(m: dict) -> str:
     commit = (m.get("commit") or "unknown")[:12] + (" (modified)" if m.get("tree_modified") else "")
     return (f"machine: {gpu} | torch {torch_info.get('torch')} (CUDA {torch_info.get('cuda')}) | python "
             f"{m['python']} | {m['cpus_allowed']}/{m['cpu_count']} CPUs | {m['host']} | {m['date_utc']} "
-            f"| commit {commit}")
+            f"| commit {commit}" + _numa_topology(m.get("numa_nodes") or {}))
+
+
+def _numa_topology(nodes: dict) -> str:
+    """` | NUMA node0 0-7, node1 8-15` when the machine has more than one node (one node: nothing)."""
+    return " | NUMA " + ", ".join(f"{k} {v}" for k, v in nodes.items()) if len(nodes) > 1 else ""
 
 
 # ------------------------------------------------------------------------------------------- driving

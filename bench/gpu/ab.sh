@@ -16,7 +16,8 @@
 # Carried .whl/*.whl (if any) are installed into /tmp/site first, as in exporters.sh.
 # Diagnosis (what --no-profile changes): AB_PROBE=spy samples rank 0 of every measured run with py-spy
 # for 10 s, AB_PROBE_AFTER_S (28) after its launch (all threads with --idle, and the GIL holder), and
-# records each of its threads' CPU in that window (bench/ab_probe.py); any other AB_PROBE is the
+# records each of its threads' CPU in that window and its pages per NUMA node (bench/ab_probe.py: the
+# summary lists them per run when more than one node is involved); any other AB_PROBE is the
 # command itself. AB_GCSTAT=1 also times every garbage collection per thread (bench/gpu/gcstat), read
 # before and after the window. The files are in ab-runs.tgz as RUN.probe.*.
 set -u

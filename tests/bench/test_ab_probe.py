@@ -61,6 +61,7 @@ def test_probe_runs_the_command_and_measures_the_threads_cpu(busy_process, tmp_p
     assert f"Pid:\t{busy_process.pid}" in Path(f"{prefix}.status").read_text()
     assert 0.4 <= result["window_s"] < 2.0
     assert result["thread_cpu_s"]["main"] >= 0.1   # the spinning thread: most of the window (2 loaded cores)
+    assert result["numa_pages"].get("N0", 0) > 0   # where its memory sits, read when the command ended
 
 
 def test_probe_without_its_process_says_so(tmp_path):
@@ -109,3 +110,36 @@ def test_sample_notes_pool_per_arm_and_kind():
                      "(+-0.00%, 1 runs; py-spy probe)",
                      "on runs (idle samples): the training thread was in profiler code in 1.00% of 1000 "
                      "(+-0.31%, 2 runs; py-spy probe)"]
+
+
+def test_numa_placement_of_a_real_process_and_of_a_two_node_machine(busy_process, tmp_path):
+    """Pages per node from the live process's numa_maps (this machine: node 0 only), and from a
+    hand-written two-node one; the machine's nodes from sysfs, in node order."""
+    assert ab_probe.numa_pages(busy_process.pid).get("N0", 0) > 0
+    assert ab_probe.numa_pages(999_999_999) == {}
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "numa_maps").write_text(
+        "7f00 default anon=5 dirty=5 N0=3 N1=2 kernelpagesize_kB=4\n"
+        "7f10 default file=/lib/x.so mapped=4 N1=4 kernelpagesize_kB=4\n")
+    assert ab_probe.numa_pages(7, proc=tmp_path) == {"N0": 3, "N1": 6}
+    for name, cpus in (("node10", "20-23"), ("node0", "0-7"), ("node2", "8-15")):
+        (tmp_path / "sys" / name).mkdir(parents=True)
+        (tmp_path / "sys" / name / "cpulist").write_text(cpus + "\n")
+    assert list(ab_probe.numa_nodes(tmp_path / "sys").items()) == [("node0", "0-7"), ("node2", "8-15"),
+                                                                   ("node10", "20-23")]
+    assert ab_probe.numa_nodes() == {"node0": Path("/sys/devices/system/node/node0/cpulist").read_text().strip()}
+
+
+def test_numa_lines_appear_only_when_more_than_one_node_is_involved():
+    def run(pair, arm, value, pages):
+        return {"pair": pair, "arm": arm, "value": value, "probe": {"ran": True, "exit": 0, "numa_pages": pages}}
+
+    one = [run(1, "on", 40_000.0, {"N0": 100}), run(1, "off", 41_000.0, {"N0": 90})]
+    assert ab._numa_notes(one) == []
+    two = [run(1, "on", 40_000.0, {"N0": 75, "N1": 25}), run(1, "off", 46_000.0, {"N0": 100})]
+    assert ab._numa_notes(two) == ["numa: pair 1 on 40,000: pages N0 75%, N1 25%",
+                                   "numa: pair 1 off 46,000: pages N0 100%"]
+    machine = {"gpus": [], "torch": None, "python": "3.12", "cpus_allowed": 16, "cpu_count": 16, "host": "h",
+               "date_utc": "d", "commit": "abc", "numa_nodes": {"node0": "0-7", "node1": "8-15"}}
+    assert ab.format_machine(machine).endswith("| commit abc | NUMA node0 0-7, node1 8-15")
+    assert "NUMA" not in ab.format_machine({**machine, "numa_nodes": {"node0": "0-15"}})
