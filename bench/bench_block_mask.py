@@ -100,7 +100,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    if args.repeats < 5:
+        ap.error(f"--repeats: at least 5 (five timed rounds), got {args.repeats}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device: cuda asked for, but torch sees no CUDA device")
     rows = run(device, args.repeats)
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     print(f"{'layout':<6} {'window':>6} {'Q x KV':>13} {'same':>5} | {'way':<17} {'first s':>8} "
