@@ -149,5 +149,6 @@ class Probe:
                        "window_s": round(window_s, 3), "stderr_tail": (err or "")[-500:],
                        "thread_cpu_s": cpu_delta(before, thread_cpu_seconds(pid), pid),
                        "numa_pages": numa_pages(pid)}
-        stacks = {f.name: main_thread_share(f) for f in sorted(self.out_prefix.parent.glob(self.out_prefix.name + ".*.txt"))}
+        files = sorted(self.out_prefix.parent.glob(self.out_prefix.name + ".*.txt"))
+        stacks = {f.name: main_thread_share(f) for f in files}
         self.result["main_thread_samples"] = {name: share for name, share in stacks.items() if share}

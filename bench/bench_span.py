@@ -4,7 +4,8 @@ Run from the repo root: `python3 bench/bench_span.py` (PYTHONPATH=.). Prints the
 span (median of repeats; the min too) for: profiler.span active (CPU timing), inactive (no profiler), prometheus_client
 Histogram.time(), torch.profiler.record_function outside a profiler, a bare no-op context manager
 behind a function call (the floor), and an empty loop; ratios to Histogram.time() and the goals
-(active <= 0.25x, inactive <= 0.12x), and the active ratio paired within each repeat. Writes nothing outside a temporary run dir ($OUT if set).
+(active <= 0.25x, inactive <= 0.12x), and the active ratio paired within each repeat. Writes nothing
+outside a temporary run dir ($OUT if set).
 """
 from __future__ import annotations
 

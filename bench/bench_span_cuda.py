@@ -3,7 +3,8 @@ CUDA-timed spans per step vs the same loop uninstrumented (no profiler at all), 
 then the CPU cost of one empty CUDA span, back to back (adjacent spans share a boundary event: one
 record per span) and with sharing off (two records), in thread CPU time and wall time, against the
 floor of the records it makes (the C record plus the raw current-stream lookup; also paired, chunk by
-chunk, with those records timed just before each chunk of spans), and the collector's CPU per span (drain, replay, resolution: another thread in a real run).
+chunk, with those records timed just before each chunk of spans), and the collector's CPU per span
+(drain, replay, resolution: another thread in a real run).
 
 Run from the repo root on a CUDA host: `python3 bench/bench_span_cuda.py` (PYTHONPATH=.). Goals:
 slowdown <= 1%, a span <= 2 us above its records. Run logs go to a temporary dir ($OUT if set). ~40 s.
@@ -205,8 +206,9 @@ def main() -> int:
         print(f"{label:<34} {n_rec:>7} {cpu / 1e3:>7.2f} {wall / 1e3:>8.2f} {(cpu - n_rec * c_ns) / 1e3:>+7.2f} "
               f"{(cpu - n_rec * c_many_ns) / 1e3:>+7.2f} {paired / 1e3:>+7.2f} {coll / 1e3:>13.2f}  "
               + " ".join(f"{x[0] / 1e3:.2f}" for x in runs[share]))
-    print("above = span CPU minus its records' C floor on one event, above* over 4096 events; paired = the median,")
-    print("over chunks of 2,000, of a chunk of spans minus a chunk of their records timed just before it (goal <= 2 us)")
+    print("above = span CPU minus its records' C floor on one event, above* over 4096 events; paired = the")
+    print("median, over chunks of 2,000, of a chunk of spans minus a chunk of their records timed just before")
+    print("it (goal <= 2 us)")
     return 0
 
 
