@@ -209,6 +209,7 @@ def machine_info(env: dict) -> dict:
             "cpu_count": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),
             "python": sys.version.split()[0], "torch": json.loads(torch_info) if torch_info else None,
             "gpus": smi.splitlines() if smi else [], "commit": commit, "numa_nodes": numa_nodes(),
+            "cores": len(core_groups(sorted(os.sched_getaffinity(0)))),
             "tree_modified": bool(dirty) if dirty is not None else None}
 
 
@@ -246,11 +247,8 @@ def pick_cpus(spec: str) -> list[int] | None:
 
 def _parse_cpu_list(text: str) -> list[int]:
     """"0-3,8" -> [0, 1, 2, 3, 8]; ValueError on anything else."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus += list(range(int(lo), int(hi or lo) + 1))
-    return cpus
+    from ab_probe import parse_cpu_list
+    return parse_cpu_list(text)
 
 
 # ----------------------------------------------------------------------------------------- workloads
@@ -442,16 +440,14 @@ def seed_builtin(run_dir: Path, builtin: Path | None) -> None:
 
 def core_groups(cpus: list[int]) -> list[list[int]]:
     """`cpus` grouped by physical core (hyperthread siblings together, from sysfs), in order."""
+    from ab_probe import siblings
+
     groups, seen = [], set()
     for cpu in cpus:
         if cpu in seen:
             continue
-        try:
-            path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
-            siblings = _parse_cpu_list(Path(path).read_text().strip())
-        except (OSError, ValueError):
-            siblings = [cpu]
-        group = [c for c in cpus if c in siblings or c == cpu]
+        core = siblings(cpu)
+        group = [c for c in cpus if c in core or c == cpu]
         seen.update(group)
         groups.append(group)
     return groups
@@ -670,7 +666,26 @@ def _run_notes(runs: list) -> list:
     if shares:
         lines.append(f"on runs: the profiler's threads used {100 * statistics.fmean(shares):.2f}% of the wall time "
                      f"in CPU (max {100 * max(shares):.2f}%, {len(shares)} runs; interval records' profiler_share)")
-    return lines + _sample_notes(runs) + _numa_notes(runs)
+    return lines + _sample_notes(runs) + _numa_notes(runs) + _host_notes(runs)
+
+
+def _host_notes(runs: list) -> list:
+    """One line per probed run that measured them: its tokens/s beside the share of its CPUs' time the
+    hypervisor took (steal) and how often its two busiest threads sat on one physical core."""
+    lines = []
+    for r in runs:
+        probe = r.get("probe") or {}
+        if probe.get("steal_share") is None and not probe.get("busiest_threads"):
+            continue
+        line = f"host: pair {r['pair'] + 1} {r['arm']} {r['value']:,.0f}:"
+        if probe.get("steal_share") is not None:
+            line += f" steal {100 * probe['steal_share']:.1f}% of its CPUs' time;"
+        pair = probe.get("busiest_threads")
+        if pair and pair["samples"]:
+            line += (f" {' + '.join(pair['threads'])} ({' + '.join(f'{c:.1f}' for c in pair['cpu_s'])} s CPU) "
+                     f"on one core in {100 * pair['same_core'] / pair['samples']:.0f}% of {pair['samples']} samples")
+        lines.append(line.rstrip(";"))
+    return lines
 
 
 def _numa_notes(runs: list) -> list:
@@ -684,7 +699,7 @@ def _numa_notes(runs: list) -> list:
         total = sum(pages.values())
         if total:
             share = ", ".join(f"{node} {100 * n / total:.0f}%" for node, n in sorted(pages.items()))
-            lines.append(f"numa: pair {r.get('pair')} {r['arm']} {r['value']:,.0f}: pages {share}")
+            lines.append(f"numa: pair {r['pair'] + 1} {r['arm']} {r['value']:,.0f}: pages {share}")
     return lines
 
 
@@ -713,8 +728,14 @@ def format_machine(m: dict) -> str:
     gpu = "; ".join(m["gpus"]) or torch_info.get("device_name") or "no GPU"
     commit = (m.get("commit") or "unknown")[:12] + (" (modified)" if m.get("tree_modified") else "")
     return (f"machine: {gpu} | torch {torch_info.get('torch')} (CUDA {torch_info.get('cuda')}) | python "
-            f"{m['python']} | {m['cpus_allowed']}/{m['cpu_count']} CPUs | {m['host']} | {m['date_utc']} "
+            f"{m['python']} | {m['cpus_allowed']}/{m['cpu_count']} CPUs{_cores(m)} | {m['host']} | {m['date_utc']} "
             f"| commit {commit}" + _numa_topology(m.get("numa_nodes") or {}))
+
+
+def _cores(m: dict) -> str:
+    """` (8 cores)` when the allowed CPUs are hyperthreads of fewer physical cores (as sysfs says)."""
+    cores = m.get("cores")
+    return f" ({cores} cores)" if cores and cores < m["cpus_allowed"] else ""
 
 
 def _numa_topology(nodes: dict) -> str:
@@ -834,6 +855,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus", default="auto", help="taskset CPU list for every run, 'auto' or 'none'")
     ap.add_argument("--pin-ranks", action="store_true",
                     help="also split those CPUs into one set of whole physical cores per rank")
+    ap.add_argument("--one-cpu-per-core", action="store_true",
+                    help="keep one hyperthread of each physical core of those CPUs: no two threads of a run share a "
+                         "core (a run whose busy threads land on sibling hyperthreads runs slower for its life)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dflash-ab",
                     help="run directories, the random target, corpus and built-ins (kept between calls)")
     ap.add_argument("--compile-cache", type=Path, default=None, help="default: WORKDIR/compile-cache")
@@ -875,7 +899,10 @@ def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
         how = (f"TORCHINDUCTOR_CACHE_DIR={env['TORCHINDUCTOR_CACHE_DIR']} TRITON_CACHE_DIR={env['TRITON_CACHE_DIR']} "
                "(this trainer has no --compile-cache-dir)")
     common += a.extra.split()
-    setup = Setup(env=env, cpus=pick_cpus(a.cpus), common=common, metric=a.metric, rank=a.rank,
+    cpus = pick_cpus(a.cpus)
+    if cpus and a.one_cpu_per_core:
+        cpus = [group[0] for group in core_groups(cpus)]
+    setup = Setup(env=env, cpus=cpus, common=common, metric=a.metric, rank=a.rank,
                   cooldown_s=a.cooldown_s, run_timeout_s=a.run_timeout_s, keep_runs=a.keep_runs,
                   workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks, tail_seconds=a.tail_seconds,
                   probe=a.probe, probe_after_s=a.probe_after_s)

@@ -19,7 +19,9 @@
 # records each of its threads' CPU in that window and its pages per NUMA node (bench/ab_probe.py: the
 # summary lists them per run when more than one node is involved); any other AB_PROBE is the
 # command itself. AB_GCSTAT=1 also times every garbage collection per thread (bench/gpu/gcstat), read
-# before and after the window. The files are in ab-runs.tgz as RUN.probe.*.
+# before and after the window. The files are in ab-runs.tgz as RUN.probe.*. Every probe also records the
+# hypervisor's steal on the rank's CPUs and how often its two busiest threads shared a physical core;
+# AB_ONE_CPU_PER_CORE=1 runs on one hyperthread per core (bench/ab_profile.py --one-cpu-per-core).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +38,7 @@ case ${AB_PROBE:-} in
        $SPY --gil -o {out}.gil.txt; g=\$?; wait \$p; i=\$?; cp $GCSTAT/gc-{pid}.json {out}.gc1.json 2>/dev/null;
        exit \$((g | i))" ;;   # the probe's exit: nonzero when either py-spy failed
 esac
+CORES=(); if [ "${AB_ONE_CPU_PER_CORE:-0}" = 1 ]; then CORES=(--one-cpu-per-core); fi   # no shared cores
 PROBE=(); if [ -n "${AB_PROBE:-}" ]; then PROBE=(--probe "$AB_PROBE" --probe-after-s "${AB_PROBE_AFTER_S:-28}"); fi
 if [ "${AB_GCSTAT:-0}" = 1 ]; then
   mkdir -p $GCSTAT; export PYTHONPATH=$PWD/bench/gpu/gcstat:$PYTHONPATH DFLASH_GCSTAT_DIR=$GCSTAT
@@ -44,7 +47,7 @@ ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
   local name=$1 budget=$2 t0=$SECONDS; shift 2
   timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
     --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks \
-    "${PROBE[@]}" "$@"
+    "${PROBE[@]}" "${CORES[@]}" "$@"
   echo "=== $name: exit $? in $((SECONDS - t0)) s"
 }
 {

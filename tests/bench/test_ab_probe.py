@@ -26,6 +26,7 @@ import sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from profiler import busy
 threading.current_thread().name = "drafter.main"
+threading.Thread(target=lambda: [time.sleep(0.01) for _ in range(2000)], daemon=True).start()   # a 2nd thread
 end = time.monotonic() + 20
 while time.monotonic() < end:
     busy.spin()
@@ -62,6 +63,10 @@ def test_probe_runs_the_command_and_measures_the_threads_cpu(busy_process, tmp_p
     assert 0.4 <= result["window_s"] < 2.0
     assert result["thread_cpu_s"]["main"] >= 0.1   # the spinning thread: most of the window (2 loaded cores)
     assert result["numa_pages"].get("N0", 0) > 0   # where its memory sits, read when the command ended
+    assert 0.0 <= result["steal_share"] <= 1.0   # of the CPUs it may run on, from /proc/stat
+    pair = result["busiest_threads"]   # the spinning main thread and the sleeping one, sampled every 0.1 s
+    assert pair["threads"][0] == "main" and pair["cpu_s"][0] >= pair["cpu_s"][1]
+    assert 3 <= pair["samples"] <= 20 and 0 <= pair["same_core"] <= pair["samples"]
 
 
 def test_probe_without_its_process_says_so(tmp_path):
@@ -137,9 +142,31 @@ def test_numa_lines_appear_only_when_more_than_one_node_is_involved():
     one = [run(1, "on", 40_000.0, {"N0": 100}), run(1, "off", 41_000.0, {"N0": 90})]
     assert ab._numa_notes(one) == []
     two = [run(1, "on", 40_000.0, {"N0": 75, "N1": 25}), run(1, "off", 46_000.0, {"N0": 100})]
-    assert ab._numa_notes(two) == ["numa: pair 1 on 40,000: pages N0 75%, N1 25%",
-                                   "numa: pair 1 off 46,000: pages N0 100%"]
+    assert ab._numa_notes(two) == ["numa: pair 2 on 40,000: pages N0 75%, N1 25%",
+                                   "numa: pair 2 off 46,000: pages N0 100%"]
     machine = {"gpus": [], "torch": None, "python": "3.12", "cpus_allowed": 16, "cpu_count": 16, "host": "h",
                "date_utc": "d", "commit": "abc", "numa_nodes": {"node0": "0-7", "node1": "8-15"}}
     assert ab.format_machine(machine).endswith("| commit abc | NUMA node0 0-7, node1 8-15")
     assert "NUMA" not in ab.format_machine({**machine, "numa_nodes": {"node0": "0-15"}})
+
+
+def test_steal_and_core_sharing_are_read_and_summed_per_run(tmp_path):
+    """steal from /proc/stat-shaped text, over the given CPUs only; two threads on one core by the
+    sibling map; and the `host:` line per probed run."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  9 0 9 90 0 0 0 9\ncpu0 10 0 0 80 0 0 0 10\ncpu1 5 0 5 90 0 0 0 0\nintr 1\n")
+    before = ab_probe.steal_ticks(stat)
+    assert before == {0: (10, 100), 1: (0, 100)}
+    stat.write_text("cpu0 20 0 0 140 0 0 0 40\ncpu1 10 0 10 180 0 0 0 0\n")
+    assert ab_probe.steal_share(before, ab_probe.steal_ticks(stat), [0]) == 0.3    # 30 of 100 ticks
+    assert ab_probe.steal_share(before, ab_probe.steal_ticks(stat), [0, 1]) == 0.15
+    assert ab_probe.steal_share(before, before, [0]) is None
+    core = {0: {0, 8}, 8: {0, 8}, 1: {1, 9}, 9: {1, 9}}.__getitem__
+    samples = [{5: 0, 6: 8}, {5: 0, 6: 1}, {5: 9, 6: 9}, {5: 1}]
+    assert ab_probe.same_core_share(samples, 5, 6, core) == {"samples": 3, "same_core": 2}
+    assert ab_probe.parse_cpu_list(" 0-2, 8\n") == [0, 1, 2, 8]
+    probe = {"steal_share": 0.012, "busiest_threads": {"threads": ["main", "pt_autograd_0/7"], "cpu_s": [6.9, 2.99],
+                                                        "samples": 100, "same_core": 40}}
+    runs = [{"pair": 1, "arm": "on", "value": 43_264.0, "probe": probe}, {"pair": 1, "arm": "off", "value": 1.0}]
+    assert ab._host_notes(runs) == ["host: pair 2 on 43,264: steal 1.2% of its CPUs' time; main + pt_autograd_0/7 "
+                                    "(6.9 + 3.0 s CPU) on one core in 40% of 100 samples"]
