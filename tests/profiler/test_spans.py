@@ -200,3 +200,36 @@ def test_a_begin_split_by_a_drain_between_its_tag_and_its_time_is_still_one_span
     assert [s[:6] for s in spans] == [("target.fwd", 1_500, 2_000, 1, None, 1),
                                       ("target.pack_hidden", 1_000, 3_000, 0, 64, 0)]
     assert rec.unmatched == 0
+
+
+def test_a_cpu_span_enters_without_a_python_frame_and_logs_what_the_python_enter_did(tmp_path):
+    """The cached CPU span's __enter__ is C calls only (profiler.spans.fast_enter_class): a profile hook
+    sees one Python call per span, its __exit__; the log holds the tag and then t0, as
+    CpuSpan.__enter__ writes them. A span with bytes= keeps the Python enter (its class is not made
+    per call)."""
+    import sys
+    import time
+
+    from profiler.spans import CpuSpan
+
+    with make_prof(tmp_path) as prof:
+        s = profiler.span("target.fwd")
+        with s:   # warm: the first use of a name makes its span
+            pass
+        prof.recorder.drain()
+        calls = []
+        sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            t0 = time.perf_counter_ns()
+            with s:
+                pass
+            t1 = time.perf_counter_ns()
+        finally:
+            sys.setprofile(None)
+        log = list(s._buf)
+        b = profiler.span("target.pack_hidden", bytes=8)
+        drained = prof.recorder.drain()
+    assert calls == ["__exit__"]
+    assert log[0] == "target.fwd" and t0 <= log[1] <= log[2] <= t1 and len(log) == 3
+    assert type(s).__enter__ is not CpuSpan.__enter__ and type(b) is CpuSpan
+    assert [r[0] for r in drained[0][1]] == ["target.fwd"]
