@@ -44,3 +44,20 @@ def test_runstats_reservoir_beyond_capacity_keeps_exact_totals():
     assert s["total_seconds"] == pytest.approx(d.sum())
     assert len(rs._sample) == 2000
     assert abs(s["p50_seconds"] - 0.5) < 0.05 and abs(s["p95_seconds"] - 0.95) < 0.03
+
+
+def test_runstats_batched_reservoir_is_uniform_over_the_run():
+    """Values 0..N-1 added in uneven batches: the kept sample is a uniform draw over the whole run
+    (mean N/2 within 4 standard errors, each batch kept in proportion to its size), not biased
+    towards the first or the last batch."""
+    n, cap = 40000, 2000
+    values = np.arange(n, dtype=np.float64)
+    rs = RunStats(capacity=cap, rng=random.Random(11))
+    for lo, hi in ((0, 1500), (1500, 2500), (2500, 20000), (20000, 20001), (20001, n)):
+        rs.add(values[lo:hi])
+    kept = np.asarray(rs._sample)
+    assert rs.count == n and kept.size == cap and np.unique(kept).size == cap
+    assert abs(kept.mean() - (n - 1) / 2) < 4 * n / np.sqrt(12 * cap)
+    for lo, hi in ((0, 2500), (2500, 20000), (20000, n)):
+        share = np.count_nonzero((kept >= lo) & (kept < hi)) / cap
+        assert abs(share - (hi - lo) / n) < 0.04
