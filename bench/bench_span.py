@@ -5,7 +5,9 @@ span (median of repeats; the min too) for: profiler.span active (CPU timing), in
 Histogram.time(), torch.profiler.record_function outside a profiler, a bare no-op context manager
 behind a function call (the floor), and an empty loop; ratios to Histogram.time() and the goals
 (active <= 0.25x, inactive <= 0.12x), and the active ratio paired within each repeat. Writes nothing
-outside a temporary run dir ($OUT if set).
+outside a temporary run dir ($OUT if set). The process pins itself to one CPU (BENCH_SPAN_CPU, default the
+one it starts on): on a VM whose vCPUs run at different speeds (1.8x apart on the H200 host, measured by
+bench/gpu/vcpu_pairs.py), a loop moved between them mid-repeat skews one side of a ratio.
 """
 from __future__ import annotations
 
@@ -69,7 +71,16 @@ def _paired_line(results: dict) -> str:
             f"{'yes' if statistics.median(ratios) <= goal else 'NO'})")
 
 
+def _pin() -> int:
+    """Pin this process to one CPU (BENCH_SPAN_CPU, else the current one); returns it."""
+    stat = open("/proc/self/stat").read()
+    cpu = int(os.environ.get("BENCH_SPAN_CPU") or stat[stat.rindex(")") + 2:].split()[36])   # `processor`
+    os.sched_setaffinity(0, [cpu])
+    return cpu
+
+
 def main() -> int:
+    cpu = _pin()
     import profiler
     from prometheus_client import CollectorRegistry, Histogram
     import torch
@@ -111,7 +122,8 @@ def main() -> int:
     best = {k: min(v) for k, v in results.items()}
     ref = med["histogram.time()"]
     floor = med["noop cm (floor)"]
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, N={N}, repeats={REPEATS} (median)")
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, N={N}, repeats={REPEATS} (median), "
+          f"pinned to CPU {cpu}")
     print(f"{'case':<20} {'ns/span':>9} {'x hist':>8} {'goal':>6}  ok   | min ns  x hist (min)")
     for k, v in med.items():
         goal = GOALS.get(k)
