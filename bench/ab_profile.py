@@ -70,6 +70,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -350,6 +351,8 @@ class Setup:
     """Shell command run against rank `rank` of every measured run (bench/ab_probe.py); "" = none."""
     probe_after_s: float = 25.0
     """Seconds from a run's launch to its probe."""
+    no_aslr: bool = False
+    """Start every run under `setarch -R`: the same address-space layout in every run and arm."""
 
 
 def base_env(cache_dir: Path | None) -> dict:
@@ -375,6 +378,8 @@ def train_argv(setup: Setup, run_dir: Path, args: list[str], arm: str) -> list[s
     argv = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *setup.common, *args]
     if arm == "off":
         argv.append("--no-profile")
+    if setup.no_aslr:
+        argv = ["setarch", platform.machine(), "-R", *argv]
     if setup.cpus and shutil.which("taskset"):   # without taskset, only --pin-ranks narrows the ranks
         argv = ["taskset", "-c", ",".join(map(str, setup.cpus)), *argv]
     return argv
@@ -855,6 +860,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus", default="auto", help="taskset CPU list for every run, 'auto' or 'none'")
     ap.add_argument("--pin-ranks", action="store_true",
                     help="also split those CPUs into one set of whole physical cores per rank")
+    ap.add_argument("--no-aslr", action="store_true",
+                    help="start every run under `setarch -R` (no address-space randomisation): a suspect for "
+                         "whole-run speed modes is where the heap and libraries land")
     ap.add_argument("--one-cpu-per-core", action="store_true",
                     help="keep one hyperthread of each physical core of those CPUs: no two threads of a run share a "
                          "core (a run whose busy threads land on sibling hyperthreads runs slower for its life)")
@@ -905,7 +913,7 @@ def build_setup(a: argparse.Namespace) -> tuple[Setup, str]:
     setup = Setup(env=env, cpus=cpus, common=common, metric=a.metric, rank=a.rank,
                   cooldown_s=a.cooldown_s, run_timeout_s=a.run_timeout_s, keep_runs=a.keep_runs,
                   workdir=a.workdir.resolve(), pin_ranks=a.pin_ranks, tail_seconds=a.tail_seconds,
-                  probe=a.probe, probe_after_s=a.probe_after_s)
+                  probe=a.probe, probe_after_s=a.probe_after_s, no_aslr=a.no_aslr)
     return setup, how
 
 

@@ -21,7 +21,9 @@
 # command itself. AB_GCSTAT=1 also times every garbage collection per thread (bench/gpu/gcstat), read
 # before and after the window. The files are in ab-runs.tgz as RUN.probe.*. Every probe also records the
 # hypervisor's steal on the rank's CPUs and how often its two busiest threads shared a physical core;
-# AB_ONE_CPU_PER_CORE=1 runs on one hyperthread per core (bench/ab_profile.py --one-cpu-per-core).
+# AB_ONE_CPU_PER_CORE=1 runs on one hyperthread per core (bench/ab_profile.py --one-cpu-per-core),
+# AB_NO_ASLR=1 every run without address-space randomisation (--no-aslr), AB_CPUS=LIST every run on
+# those CPUs (--cpus; default auto: GPU 0's CPU affinity).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -39,6 +41,8 @@ case ${AB_PROBE:-} in
        exit \$((g | i))" ;;   # the probe's exit: nonzero when either py-spy failed
 esac
 CORES=(); if [ "${AB_ONE_CPU_PER_CORE:-0}" = 1 ]; then CORES=(--one-cpu-per-core); fi   # no shared cores
+if [ "${AB_NO_ASLR:-0}" = 1 ]; then CORES+=(--no-aslr); fi   # every run at the same addresses
+CORES+=(--cpus "${AB_CPUS:-auto}")   # e.g. the `independent:` line of bench/gpu/vcpu_pairs.py
 PROBE=(); if [ -n "${AB_PROBE:-}" ]; then PROBE=(--probe "$AB_PROBE" --probe-after-s "${AB_PROBE_AFTER_S:-28}"); fi
 if [ "${AB_GCSTAT:-0}" = 1 ]; then
   mkdir -p $GCSTAT; export PYTHONPATH=$PWD/bench/gpu/gcstat:$PYTHONPATH DFLASH_GCSTAT_DIR=$GCSTAT

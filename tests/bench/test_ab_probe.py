@@ -170,3 +170,14 @@ def test_steal_and_core_sharing_are_read_and_summed_per_run(tmp_path):
     runs = [{"pair": 1, "arm": "on", "value": 43_264.0, "probe": probe}, {"pair": 1, "arm": "off", "value": 1.0}]
     assert ab._host_notes(runs) == ["host: pair 2 on 43,264: steal 1.2% of its CPUs' time; main + pt_autograd_0/7 "
                                     "(6.9 + 3.0 s CPU) on one core in 40% of 100 samples"]
+
+
+def test_runs_without_address_randomisation_start_under_setarch(tmp_path):
+    import platform
+
+    setup = ab.Setup(env={}, cpus=[0, 1], common=["--seed", "0"], metric="m", rank=0, cooldown_s=0.0,
+                     run_timeout_s=1.0, keep_runs=False, workdir=tmp_path, no_aslr=True)
+    argv = ab.train_argv(setup, tmp_path / "r", ["--max-steps", "3"], "off")
+    assert argv[:6] == ["taskset", "-c", "0,1", "setarch", platform.machine(), "-R"]
+    assert argv[-1] == "--no-profile" and "setarch" not in ab.train_argv(
+        ab.Setup(**{**setup.__dict__, "no_aslr": False}), tmp_path / "r", [], "on")
