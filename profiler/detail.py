@@ -64,6 +64,17 @@ class DetailWindow:
         if self.lo is not None and self.hi is None and len(marks) > self._lo_index + self.steps:
             self.hi = marks[self._lo_index + self.steps]
 
+    def offer_cpu(self, thread_name: str, records: list) -> None:
+        """offer() for a batch of one thread's CPU records (no GPU time), the window's bounds read once."""
+        if self.hi is None:
+            self._bounds()
+        if self.lo is None:
+            return
+        lo, hi = self.lo[0], self.hi[0] if self.hi is not None else None
+        for rec in records:
+            if rec[1] >= lo and (hi is None or rec[1] < hi):
+                self.offer(thread_name, rec, None)
+
     def offer(self, thread_name: str, rec: tuple, gpu_s) -> None:
         """Keep a finished span record if it began inside the window."""
         if self.hi is None:
@@ -100,6 +111,9 @@ class NullDetailWindow:
     """Stands in when no detail window is wanted (detail_steps=0)."""
 
     def offer(self, thread_name, rec, gpu_s) -> None:
+        pass
+
+    def offer_cpu(self, thread_name, records) -> None:
         pass
 
     def take(self, next_start_ns: int) -> None:

@@ -92,12 +92,8 @@ class IntervalAggregator:
         pair does); `boundary_ns` is the boundary of an interval being closed, when the drain is part
         of the close: time past it goes to the next interval."""
         for thread_name, spans, misc in drained:
-            for rec in spans:
-                self._credit(rec[0], rec[5], rec[1], rec[2], boundary_ns)
-                if len(rec) > CPU_RECORD_LEN:
-                    self.pending.append((thread_name, rec))
-                else:
-                    self._add(thread_name, rec, None)
+            if spans:
+                self._add_finished(thread_name, spans, boundary_ns)
             for kind, name, value in misc:
                 if kind == 0:
                     self._counters[name] = self._counters.get(name, 0) + value
@@ -108,6 +104,34 @@ class IntervalAggregator:
                     self._metrics.setdefault(name, []).append(value)
         if self.pending:
             self.resolve_pending()
+
+    def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
+        """One thread's drained records: each one's time credited (_credit, inlined for the common
+        case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
+        CPU ones added as _add would, in one loop (~40% less collector time per span than a call each)."""
+        credited, time_ns, spans, cpu_records = self._credited, self._time_ns, self._spans, []
+        for rec in records:
+            name, t0, t1 = rec[0], rec[1], rec[2]
+            if boundary_ns is None and not credited:
+                time_ns[name] = time_ns.get(name, 0) + max(0, t1 - t0)
+            else:
+                self._credit(name, rec[5], t0, t1, boundary_ns)
+            if len(rec) > CPU_RECORD_LEN:
+                self.pending.append((thread_name, rec))
+                continue
+            cpu_records.append(rec)
+            acc = spans.get(name)
+            if acc is None:
+                acc = spans[name] = _SpanAcc()
+            acc.count += 1
+            acc.cpu.append((t1 - t0) / 1e9)
+            acc.depths.add(rec[3])
+            acc.threads.add(thread_name)
+            if rec[4] is not None:
+                acc.bytes += rec[4]
+                acc.bytes_n += 1
+                acc.bytes_cpu += (t1 - t0) / 1e9
+        self.detail.offer_cpu(thread_name, cpu_records)
 
     def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time from the boundary it was last credited up to (else its begin) to its

@@ -325,35 +325,37 @@ class SpanRecorder:
         """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
         spans still open across drains, `st.held` the CUDA end event a next begin may share."""
         open_, out = st.open, []
+        begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
+        pop, push, emit = open_.pop, open_.append, out.append
         for e in events:
             te = type(e)
             if te is int:
-                if st.begun is not None:                # CPU begin: the t0 after its tag
-                    name, nbytes = (st.begun, None) if type(st.begun) is str else st.begun
-                    open_.append([name, e, nbytes, self._next_id, None])
-                    self._next_id += 1
-                    st.begun = None
+                if begun is not None:                   # CPU begin: the t0 after its tag
+                    name, nbytes = (begun, None) if type(begun) is str else begun
+                    push([name, e, nbytes, next_id, None])
+                    next_id += 1
+                    begun = None
                 elif open_:                             # CPU end
-                    b = open_.pop()
-                    out.append((b[0], b[1], e, len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4]))
+                    b = pop()
+                    emit((b[0], b[1], e, len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4]))
                 else:
                     self.unmatched += 1
             elif te is str or (te is tuple and len(e) == 2 and type(e[1]) is int and type(e[0]) is str):
-                st.begun = e                            # CPU tag: name, or (name, bytes)
+                begun = e                               # CPU tag: name, or (name, bytes)
             elif e is None:                             # cancelled begin (the enter raised)
                 if open_:
-                    b = open_.pop()
+                    b = pop()
                     if len(b) > 5:
                         self.event_pool.release(b[5])
-            elif type(e) is SpanAttrs:                  # profiler.tag(): for the innermost open span
+            elif te is SpanAttrs:                       # profiler.tag(): for the innermost open span
                 if open_:
                     open_[-1][4] = {**(open_[-1][4] or {}), **e}
             elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
                 self._hold_tail(st, e[1], matched=bool(open_))
                 if open_:
-                    b = open_.pop()
-                    out.append((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
-                                b[5], e[1]))
+                    b = pop()
+                    emit((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
+                          b[5], e[1]))
                 else:
                     self.unmatched += 1
             else:                                       # begin: (tag, t0[, start_event[, shared]])
@@ -361,8 +363,9 @@ class SpanRecorder:
                     self._begin_cuda(st, e)
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
-                open_.append([name, e[1], nbytes, self._next_id, None, *e[2:3]])
-                self._next_id += 1
+                push([name, e[1], nbytes, next_id, None, *e[2:3]])
+                next_id += 1
+        st.begun, self._next_id = begun, next_id
         return out
 
     def _hold_tail(self, st: ThreadState, end, matched: bool) -> None:
