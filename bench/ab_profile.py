@@ -889,6 +889,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.probe.format(pid=0, out="x")
     except (KeyError, IndexError, ValueError) as e:
         ap.error(f"--probe: {type(e).__name__} {e}: only {{pid}} and {{out}} are filled in (write other braces twice)")
+    if a.no_aslr and not shutil.which("setarch"):
+        ap.error("--no-aslr needs setarch (util-linux), not found on PATH")
+    if a.one_cpu_per_core and a.cpus == "none":
+        ap.error("--one-cpu-per-core needs a CPU set: drop --cpus none")
     return a
 
 

@@ -17,8 +17,18 @@ import sys
 import tempfile
 import time
 
-N = int(os.environ.get("BENCH_SPAN_N", "200000"))
-REPEATS = int(os.environ.get("BENCH_SPAN_REPEATS", "7"))
+
+def _env_int(name: str, default: int, least: int) -> int:
+    """An integer setting from the environment; bad input is one line on stderr and exit 2."""
+    text = os.environ.get(name, str(default))
+    if not text.strip().isdigit() or int(text) < least:
+        print(f"bench_span: {name}={text!r} must be an integer >= {least}", file=sys.stderr)
+        sys.exit(2)
+    return int(text)
+
+
+N = _env_int("BENCH_SPAN_N", 200000, 5000)
+REPEATS = _env_int("BENCH_SPAN_REPEATS", 7, 1)
 CHUNK = 5000
 GOALS = {"span active (cpu)": 0.25, "span inactive": 0.12}
 
@@ -74,9 +84,14 @@ def _paired_line(results: dict) -> str:
 def _pin() -> int:
     """Pin this process to one CPU (BENCH_SPAN_CPU, else the current one); returns it."""
     stat = open("/proc/self/stat").read()
-    cpu = int(os.environ.get("BENCH_SPAN_CPU") or stat[stat.rindex(")") + 2:].split()[36])   # `processor`
-    os.sched_setaffinity(0, [cpu])
-    return cpu
+    spec = os.environ.get("BENCH_SPAN_CPU") or stat[stat.rindex(")") + 2:].split()[36]   # `processor`
+    try:
+        os.sched_setaffinity(0, [int(spec)])
+    except (ValueError, OSError) as e:
+        print(f"bench_span: BENCH_SPAN_CPU={spec!r} is not a CPU this process may use "
+              f"({sorted(os.sched_getaffinity(0))}): {e}", file=sys.stderr)
+        sys.exit(2)
+    return int(spec)
 
 
 def main() -> int:
