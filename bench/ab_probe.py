@@ -36,22 +36,24 @@ _OURS = ("(profiler/", "(exporters/")
 _TRAINER_HELPERS = ("fingerprint (profiler/", "fingerprint_flags (profiler/", "step_unless (profiler/")
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
-    """{tid: (comm, user + system CPU seconds)} of every thread of `pid` now ({} once it ended)."""
-    out = {}
+def _thread_stats(pid: int):
+    """(tid, comm, the stat fields after comm) of every thread of `pid` now (none once it ended)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return
     for tid in tids:
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except OSError:
             continue   # the thread just ended
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / _TICKS_PER_S)   # utime, stime
-    return out
+        yield int(tid), stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """{tid: (comm, user + system CPU seconds)} of every thread of `pid` now ({} once it ended)."""
+    return {tid: (comm, (int(f[11]) + int(f[12])) / _TICKS_PER_S)   # utime + stime
+            for tid, comm, f in _thread_stats(pid)}
 
 
 def cpu_delta(before: dict, after: dict, pid: int) -> dict[str, float]:
@@ -66,18 +68,7 @@ def cpu_delta(before: dict, after: dict, pid: int) -> dict[str, float]:
 
 def thread_cpus(pid: int) -> dict[int, int]:
     """{tid: the CPU it last ran on} for every thread of `pid` now (/proc/PID/task/TID/stat `processor`)."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            out[int(tid)] = int(stat[stat.rindex(")") + 2:].split()[36])
-        except (OSError, IndexError, ValueError):
-            continue   # the thread just ended
-    return out
+    return {tid: int(f[36]) for tid, _, f in _thread_stats(pid) if len(f) > 36}
 
 
 def siblings(cpu: int, sysfs: Path = Path("/sys/devices/system/cpu")) -> frozenset:
