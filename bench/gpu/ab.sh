@@ -40,9 +40,9 @@ case ${AB_PROBE:-} in
        $SPY --gil -o {out}.gil.txt; g=\$?; wait \$p; i=\$?; cp $GCSTAT/gc-{pid}.json {out}.gc1.json 2>/dev/null;
        exit \$((g | i))" ;;   # the probe's exit: nonzero when either py-spy failed
 esac
-CORES=(); if [ "${AB_ONE_CPU_PER_CORE:-0}" = 1 ]; then CORES=(--one-cpu-per-core); fi   # no shared cores
-if [ "${AB_NO_ASLR:-0}" = 1 ]; then CORES+=(--no-aslr); fi   # every run at the same addresses
-CORES+=(--cpus "${AB_CPUS:-auto}")   # e.g. the `independent:` line of bench/gpu/vcpu_pairs.py
+PLACE=(); if [ "${AB_ONE_CPU_PER_CORE:-0}" = 1 ]; then PLACE=(--one-cpu-per-core); fi   # no shared cores
+if [ "${AB_NO_ASLR:-0}" = 1 ]; then PLACE+=(--no-aslr); fi   # every run at the same addresses
+PLACE+=(--cpus "${AB_CPUS:-auto}")   # e.g. the `independent:` line of bench/gpu/vcpu_pairs.py
 PROBE=(); if [ -n "${AB_PROBE:-}" ]; then PROBE=(--probe "$AB_PROBE" --probe-after-s "${AB_PROBE_AFTER_S:-28}"); fi
 if [ "${AB_GCSTAT:-0}" = 1 ]; then
   mkdir -p $GCSTAT; export PYTHONPATH=$PWD/bench/gpu/gcstat:$PYTHONPATH DFLASH_GCSTAT_DIR=$GCSTAT
@@ -51,7 +51,7 @@ ab() {  # $1 workload, $2 budget s, then bench/ab_profile.py arguments
   local name=$1 budget=$2 t0=$SECONDS; shift 2
   timeout -s TERM $((budget + 60)) python3 bench/ab_profile.py --workload "$name" --budget-s "$budget" \
     --workdir "$WORK" --compile-cache "$CACHE" --json "$OUT/ab_$name.json" --cooldown-s 2 --pin-ranks \
-    "${PROBE[@]}" "${CORES[@]}" "$@"
+    "${PROBE[@]}" "${PLACE[@]}" "$@"
   echo "=== $name: exit $? in $((SECONDS - t0)) s"
 }
 {
