@@ -35,7 +35,7 @@ What the harness controls, because run-to-run spread (+-10% seen on the H200) sw
   the rank starts (the trainer has no affinity option): two ranks' main threads then never share a
   core or its hyperthread sibling, one way a run can land in a slow mode. --one-cpu-per-core keeps one
   hyperthread per core, --no-aslr starts every run under `setarch -R`; on the H200 VM neither removed the
-  launch workload's modes, which follow the vCPUs' own speed (bench/gpu/vcpu_pairs.py, bench/RESULTS.md).
+  launch workload's modes, which likely follow the vCPUs' own speed (bench/gpu/vcpu_pairs.py, bench/RESULTS.md).
 - A cool-down sleep between runs (--cooldown-s), and the GPU's temperature, SM clock and power (and
   the host's load average) recorded before each run, so a drift is visible in the JSON.
 - `--profile-interval 5` by default in both arms (ignored with --no-profile): the on arm closes
