@@ -29,7 +29,7 @@ import time
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
 from profiler.spans import CPU_RECORD_LEN
-from profiler.stats import RunStats, summarize
+from profiler.stats import RunStats, as_seconds, summarize
 
 logger = logging.getLogger("profiler")
 
@@ -241,18 +241,19 @@ class IntervalAggregator:
             run = self._run_spans.get(name)
             if run is None:
                 run = self._run_spans[name] = _RunSpan()
-            run.cpu.add(acc.cpu)
-            run.gpu.add(acc.gpu)
+            cpu_s, gpu_s = as_seconds(acc.cpu), as_seconds(acc.gpu)   # one array each, for both uses below
+            run.cpu.add(cpu_s)
+            run.gpu.add(gpu_s)
             run.threads |= acc.threads | open_threads
             run.bytes += acc.bytes
             run.bytes_n += acc.bytes_n
             run.bytes_cpu += acc.bytes_cpu
             run.bytes_gpu += acc.bytes_gpu
             run.time_ns += time_ns
-            cpu = summarize(acc.cpu, buckets=True)
+            cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
             entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
-                                     summarize(acc.gpu, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
+                                     summarize(gpu_s, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
                                      acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
             if entry["gpu"] is not None and duration_s > 0:

@@ -13,13 +13,18 @@ HISTOGRAM_BUCKETS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 _BOUNDS = np.asarray(HISTOGRAM_BUCKETS_SECONDS)
 
 
+def as_seconds(durations_seconds) -> np.ndarray:
+    """A flat float64 array of durations (what summarize and RunStats.add read; an array passes as is)."""
+    return np.asarray(durations_seconds, dtype=np.float64).ravel()
+
+
 def summarize(durations_seconds, buckets: bool = False) -> dict:
     """{"count", "total_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds",
     "max_seconds"} of a sequence of durations; percentiles are numpy's (linear interpolation).
     With `buckets`, also "buckets": counts per HISTOGRAM_BUCKETS_SECONDS bound (value <= bound,
     Prometheus' `le`) plus one for +Inf, not cumulative. An empty input gives count 0 and None for
     the rest (nothing measured is not zero)."""
-    a = np.asarray(durations_seconds, dtype=np.float64)
+    a = as_seconds(durations_seconds)
     if a.size == 0:
         out = {"count": 0, **{k: None for k in STAT_KEYS}}
         if buckets:
@@ -56,7 +61,7 @@ class RunStats:
         collector thread). Algorithm R over the batch: value number k (1-based over the run) is kept
         with probability capacity/k, at a uniform slot; among several batch values drawn to the same
         slot, the last one stays, as in the sequential loop."""
-        a = np.asarray(durations_seconds, dtype=np.float64).ravel()
+        a = as_seconds(durations_seconds)
         if a.size == 0:
             return
         first = self.count
