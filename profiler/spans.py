@@ -266,11 +266,10 @@ class SpanRecorder:
         """Slow path of span(): validate; cache this thread's object when bytes is None."""
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
-        st = self.thread_state()
-        cls = self._span_cls
+        name, st, cls = check_name(name), self.thread_state(), self._span_cls
         if cls is CpuSpan and nbytes is None:   # cached, so its class is made once (not per bytes= call)
-            cls = fast_enter_class(st.buf, check_name(name))
-        s = cls(self, st, check_name(name), nbytes)
+            cls = fast_enter_class(st.buf, name)
+        s = cls(self, st, name, nbytes)
         if nbytes is None:
             st.spans[name] = s
         return s
