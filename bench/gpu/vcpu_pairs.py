@@ -14,6 +14,7 @@ import argparse
 import itertools
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 
@@ -37,7 +38,13 @@ def rates(cpus: tuple, seconds: float) -> dict:
     procs = [ctx.Process(target=_spin, args=(c, seconds, start, out)) for c in cpus]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=30) for _ in procs)
+    try:
+        got = dict(out.get(timeout=30 + seconds) for _ in procs)
+    except queue.Empty:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"vcpu_pairs: a spinner on CPUs {list(cpus)} gave no result within {30 + seconds:.0f} s "
+                         f"(exit codes {[p.exitcode for p in procs]})") from None
     for p in procs:
         p.join()
     return got
