@@ -43,11 +43,12 @@ What the harness controls, because run-to-run spread (+-10% seen on the H200) sw
   The users' default (60 s) costs less per second; 5 s is the stricter test.
 - The end-of-run evaluation is off (`--eval-prompts 0`): it comes after the meter and only costs time.
 
-Statistics (stdlib only; no scipy here): per arm n, mean, median, coefficient of variation; per pair the
-ratio on/off; the mean paired difference as the geometric mean ratio minus 1, with a 95% paired t
-interval from the per-pair log ratios (profiler/abstats.py, shared with `dflash-profile overhead`). "resolves 1%" is yes when the interval's half-width is at most 1%. "on within 1% of
-off" is one-sided, since the question is the profiler's cost: yes when the interval's lower end is
-at or above -1%, no when its upper end is below -1%, otherwise (or with fewer than 2 pairs) undetermined.
+Statistics (stdlib only, profiler/abstats.py, shared with `dflash-profile overhead`): per arm n, mean,
+median, coefficient of variation; per pair the ratio on/off; the mean paired difference as the geometric
+mean ratio minus 1, with a 95% paired t interval from the per-pair log ratios. "resolves 1%" is yes when
+the interval's half-width is at most 1%. "on within 1% of off" is one-sided, since the question is the
+profiler's cost: yes when the interval's lower end is at or above -1%, no when its upper end is below
+-1%, otherwise (or with fewer than 2 pairs) undetermined.
 
 How many pairs: the interval's half-width is t(n-1) * sd / sqrt(n), sd being the spread of the per-pair
 log ratios (`sd_log_ratio` in the JSON). Resolving 1% takes 4 pairs at sd 0.5%, 7 at 1%, 12 at 1.5%,
