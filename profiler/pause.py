@@ -1,0 +1,167 @@
+"""Profiling paused on a live run, for an in-run on/off comparison (`dflash-profile overhead`).
+
+Whole-run A/B pairs on a shared host spread by +-10% or more (a run's busy threads stay on whichever
+vCPUs they landed on: bench/RESULTS.md), so they cannot resolve a 1% cost there. Alternating profiled
+and unprofiled phases inside one run keeps the process, its placement and its caches, and pairs
+phases seconds apart.
+
+While paused, the training threads run the code `--no-profile` runs: `profiler.span()` returns the
+shared no-op spans, count/gauge/metric/tag do nothing, check_finite/check_flags launch nothing, faults
+do not fire. Kept: `set_step` records the step and its time (read by the overhead command through the
+endpoint's `progress`, and by the hang watchdog, which keeps watching), events are written, forensics
+sources and the first non-finite finding read so far stay. The background threads hold still: the
+collector neither drains nor closes an interval (a close that falls due is made soon after the resume,
+in a profiled phase), the NVML and stack samplers skip their samples. Left running, and idle: the
+exporter thread (no records come), the control endpoint (it serves the commands), the watchdog.
+
+A pause is a lease: it ends by itself `lease_s` after the last `pause` command, so a client that dies
+cannot leave a run unprofiled; one owner at a time. Each interval record says how long it was paused
+(`paused_seconds`, `pauses`: docs/RUNLOG.md).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from profiler import api
+
+logger = logging.getLogger("profiler")
+
+MAX_LEASE_S = 600.0
+MAX_OWNER_CHARS = 200
+
+
+class _PausedNonfinite:
+    """The monitor as the API sees it while paused: no new checks; findings so far stay visible."""
+
+    def __init__(self, monitor):
+        self._monitor = monitor
+
+    @property
+    def first(self):
+        return self._monitor.first
+
+    def check_flags(self, *args, **kwargs) -> None:
+        pass
+
+    def settle(self, timeout_s: float):
+        return self._monitor.settle(timeout_s)
+
+
+class PausedView:
+    """What `profiler.active()` is while paused: set_step and events reach the profiler, the checks and
+    faults do nothing, and any other attribute is the profiler's own."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+        self.nonfinite = _PausedNonfinite(profiler.nonfinite)
+
+    def set_step(self, step: int) -> None:
+        self.profiler.note_step(step)   # the step and its time; no detail-window mark
+
+    def corrupt(self, span_name: str, tensor, step=None):
+        return tensor
+
+    def check_finite(self, span_name: str, tensors: dict, step=None, **fields) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.profiler, name)
+
+
+def _bad_request(owner, lease_s) -> str | None:
+    if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER_CHARS:
+        return f"pause needs an 'owner' string of 1 to {MAX_OWNER_CHARS} characters, got {owner!r}"
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S:
+        return f"pause needs 'lease_s' in (0, {MAX_LEASE_S:g}] seconds, got {lease_s!r}"
+    return None
+
+
+class PauseControl:
+    """Pause and resume one profiler (commands `pause` and `resume` of its control endpoint).
+
+    `samplers` are objects with a `paused` attribute their threads read before each sample; `on_resume`
+    runs after a resume (the profiler: let an interval close that fell due happen now)."""
+
+    def __init__(self, profiler, recorder, samplers=(), on_resume=None, clock=time.monotonic):
+        self._profiler, self._recorder = profiler, recorder
+        self._samplers, self._on_resume, self._clock = list(samplers), on_resume, clock
+        self._lock = threading.Lock()
+        self._view: PausedView | None = None
+        self.owner: str | None = None
+        self.lease_end_s = 0.0
+        self._since_ns = 0
+        self._paused_ns = 0      # paused time in the current interval, up to _since_ns
+        self._pauses = 0         # pauses begun in the current interval
+        self.close_due = False   # an interval close fell due while paused
+
+    @property
+    def active(self) -> bool:
+        return self.owner is not None
+
+    def pause(self, owner, lease_s) -> dict:
+        """Pause (or renew the lease of the caller's pause); an error while another owner holds it."""
+        why = _bad_request(owner, lease_s)
+        if why is not None:
+            return {"ok": False, "error": why}
+        with self._lock:
+            if self.owner is not None and self.owner != owner:
+                left_s = self.lease_end_s - self._clock()
+                return {"ok": False, "error": f"paused by {self.owner} for {left_s:.1f} s more"}
+            self.lease_end_s = self._clock() + float(lease_s)
+            if self.owner is None:
+                self.owner, self._since_ns = owner, time.perf_counter_ns()
+                self._pauses += 1
+                self._view = PausedView(self._profiler)
+                api.suspend(self._profiler, self._view)
+                self._set_samplers(True)
+        return {"ok": True, "paused": True, "lease_s": float(lease_s)}
+
+    def resume(self, owner=None) -> dict:
+        """Resume; `owner` None resumes whoever paused (the lease's end, the run's end)."""
+        with self._lock:
+            if self.owner is None:
+                return {"ok": True, "paused": False}
+            if owner is not None and owner != self.owner:
+                return {"ok": False, "error": f"paused by {self.owner}, not by {owner}"}
+            api.unsuspend(self._profiler, self._view, self._recorder)
+            self._set_samplers(False)
+            self._paused_ns += time.perf_counter_ns() - self._since_ns
+            self.owner, self._view = None, None
+            due, self.close_due = self.close_due, False
+        if due and self._on_resume is not None:
+            self._on_resume()
+        return {"ok": True, "paused": False}
+
+    def defer_close(self) -> bool:
+        """True (and the close is owed to the resume) while paused; False: close now."""
+        with self._lock:
+            if self.owner is None:
+                return False
+            self.close_due = True
+            return True
+
+    def expire(self) -> None:
+        """Resume when the lease ran out (the collector calls this at every poll)."""
+        if self.owner is not None and self._clock() >= self.lease_end_s:
+            owner = self.owner
+            if self.resume()["ok"]:
+                logger.warning("profiler: the pause by %s ran out of its lease; profiling again", owner)
+
+    def take_interval(self, now_ns: int) -> dict:
+        """{"paused_seconds", "pauses"} of the interval closing at now_ns ({} when it never paused); the
+        next interval starts from zero."""
+        with self._lock:
+            paused_ns = self._paused_ns
+            if self.owner is not None:
+                paused_ns += now_ns - self._since_ns
+                self._since_ns = now_ns
+            pauses, self._paused_ns, self._pauses = self._pauses, 0, 0
+        if not pauses and not paused_ns:
+            return {}
+        return {"paused_seconds": paused_ns / 1e9, "pauses": pauses}
+
+    def _set_samplers(self, paused: bool) -> None:
+        for sampler in self._samplers:
+            sampler.paused = paused

@@ -1,0 +1,141 @@
+"""Profiling paused on a live run (profiler/pause.py): the training threads take --no-profile's path, the
+background holds still, the lease ends a forgotten pause, one owner at a time, and the interval records
+say how long they were paused. Over the real control socket too."""
+import logging
+import os
+
+import pytest
+import torch
+
+import profiler
+from profiler import api
+from profiler.control import query
+from profiler.faults import FaultPlan, parse_faults
+from profiler.pause import MAX_LEASE_S, PauseControl
+from profiler.spans import NoopSpan
+
+
+def make_prof(tmp_path, **kw):
+    kw.setdefault("interval_s", 3600.0)
+    kw.setdefault("console", False)
+    kw.setdefault("control", False)
+    kw.setdefault("measure_floors", False)
+    kw.setdefault("background", False)
+    return profiler.Profiler(tmp_path, **kw)
+
+
+def intervals(tmp_path):
+    recs, bad = profiler.read_records(tmp_path / "profile" / "rank0.jsonl")
+    assert bad == 0
+    return [r for r in recs if r["type"] == "interval"], recs
+
+
+def test_paused_spans_counters_and_faults_take_the_no_profile_path(tmp_path):
+    plan = FaultPlan(parse_faults("crash@x.faulty"), rank=0)
+    with make_prof(tmp_path, fault_plan=plan) as prof:
+        with profiler.span("x.work"):
+            pass
+        assert prof.pauses.pause("test", 60)["ok"]
+        assert isinstance(profiler.span("x.work"), NoopSpan)
+        assert profiler.span("x.work") is api._noop_spans["x.work"]   # the object --no-profile gets
+        with profiler.span("x.work"), profiler.span("x.faulty"):   # no span recorded, no fault fired
+            pass
+        profiler.count("tokens", 5)
+        profiler.metric("loss", 1.0)
+        profiler.set_step(7)
+        assert prof.step == 7 and prof.step_ns > 0 and prof.progress()[1][0] == 7   # the watchdog sees steps
+        nan = torch.tensor([float("nan")])
+        profiler.check_finite("x.work", {"t": nan})
+        profiler.check_flags("x.work", ["t"], torch.tensor([True]))
+        profiler.event("checkpoint", path="/x")                       # events are still written
+        assert profiler.corrupt("x.work", nan) is nan
+        assert prof.pauses.resume("test") == {"ok": True, "paused": False}
+        assert profiler.settle_nonfinite() is None                    # no check was launched while paused
+        with profiler.span("x.work"):
+            pass
+        profiler.count("tokens", 1)
+    (interval,), recs = intervals(tmp_path)
+    assert interval["spans"]["x.work"]["count"] == 2 and "x.faulty" not in interval["spans"]
+    assert interval["counters"]["tokens"]["total"] == 1
+    assert interval["pauses"] == 1 and interval["paused_seconds"] > 0
+    assert [r["path"] for r in recs if r.get("kind") == "checkpoint"] == ["/x"]
+    assert profiler.active() is None
+
+
+def test_run_end_while_paused_resumes_and_counts_the_pause(tmp_path):
+    with make_prof(tmp_path) as prof:
+        prof.close_interval()                       # an interval with no pause has no pause fields
+        prof.pauses.pause("test", 60)
+        assert profiler.active() is not prof and profiler.active().profiler is prof
+    first, final = intervals(tmp_path)[0]
+    assert "paused_seconds" not in first and "pauses" not in first
+    assert final["final"] and final["pauses"] == 1 and final["paused_seconds"] >= 0
+    assert profiler.active() is None and isinstance(profiler.span("x.after"), NoopSpan)
+
+
+def test_a_close_due_while_paused_waits_for_the_resume(tmp_path):
+    now = [0.0]
+    with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0]) as prof:
+        prof.pauses.pause("test", 60)
+        now[0] = 11.0
+        assert prof.tick() is True and prof.intervals_closed == 0 and prof.pauses.close_due
+        now[0] = 15.0
+        prof.pauses.resume("test")
+        assert prof.tick() is True and prof.intervals_closed == 1
+        assert prof.last_interval["pauses"] == 1
+        now[0] = 24.9
+        assert prof.tick() is False                  # the next one comes a whole interval later (25 s)
+        now[0] = 25.0
+        assert prof.tick() is True and "pauses" not in prof.last_interval
+
+
+def test_lease_runs_out_and_owners_do_not_share(tmp_path, caplog):
+    now = [100.0]
+    samplers = [type("S", (), {"paused": False})(), type("S", (), {"paused": False})()]
+    with make_prof(tmp_path) as prof:
+        pc = PauseControl(prof, prof.recorder, samplers=samplers, clock=lambda: now[0])
+        assert pc.pause("a", 5)["ok"] and all(s.paused for s in samplers)
+        taken = pc.pause("b", 5)
+        assert taken["ok"] is False and "paused by a for 5.0 s more" in taken["error"]
+        assert pc.resume("b") == {"ok": False, "error": "paused by a, not by b"}
+        now[0] = 104.0
+        assert pc.pause("a", 5)["ok"]                # renews: now ends at 109
+        now[0] = 108.0
+        pc.expire()
+        assert pc.active
+        now[0] = 109.0
+        with caplog.at_level(logging.WARNING, logger="profiler"):
+            pc.expire()
+        assert not pc.active and not any(s.paused for s in samplers)
+        assert "the pause by a ran out of its lease" in caplog.text
+        assert profiler.active() is prof
+        assert pc.resume("a") == {"ok": True, "paused": False}   # idempotent
+
+
+@pytest.mark.parametrize("owner,lease_s,why", [
+    ("a", 0, "'lease_s' in (0, 600]"), ("a", -1, "'lease_s'"), ("a", MAX_LEASE_S + 1, "'lease_s'"),
+    ("a", True, "'lease_s'"), ("a", "5", "'lease_s'"), ("a", float("nan"), "'lease_s'"),
+    ("", 5, "'owner' string"), (None, 5, "'owner' string"), ("x" * 201, 5, "'owner' string")])
+def test_bad_pause_requests_are_refused(tmp_path, owner, lease_s, why):
+    with make_prof(tmp_path) as prof:
+        reply = prof.pauses.pause(owner, lease_s)
+        assert reply["ok"] is False and why in reply["error"] and not prof.pauses.active
+        assert profiler.active() is prof
+
+
+def test_pause_progress_and_resume_over_the_control_socket(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with make_prof(tmp_path / "run", control=True) as prof:
+        sock = prof.control.socket_path
+        profiler.set_step(3)
+        progress = query(sock, "progress")
+        assert progress["ok"] and progress["step"] == 3 and progress["pid"] == os.getpid()
+        assert progress["paused_by"] is None and progress["step_time_unix"] == pytest.approx(
+            prof.to_unix_ns(prof.step_ns) / 1e9)
+        assert query(sock, "pause", owner="client-1", lease_s=30)["ok"]
+        assert query(sock, "progress")["paused_by"] == "client-1"
+        assert query(sock, "state")["state"]["paused_by"] == "client-1"
+        assert "paused by client-1" in query(sock, "pause", owner="client-2", lease_s=30)["error"]
+        assert "'lease_s'" in query(sock, "pause", owner="client-1")["error"]
+        assert query(sock, "resume", owner="client-1") == {"ok": True, "paused": False}
+        assert profiler.active() is prof
