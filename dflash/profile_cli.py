@@ -1,16 +1,24 @@
-"""`dflash-profile`: parse, snapshot, print, keep. The logic lives in profiler.snapshot (no torch here).
+"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot and profiler.overhead
+(no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
+    dflash-profile overhead --pid PID | --run-dir DIR [--pairs N] [--phase-s S] [--settle-s S] [--json] [--out FILE]
 
-Human output by default; --json prints the snapshot as JSON; --out FILE also writes the JSON to FILE.
-Each snapshot of a profiled process is kept under RUN_DIR/snapshots/ and recorded in its run log.
+Human output by default; --json prints the result as JSON; --out FILE also writes the JSON to FILE.
+snapshot: each snapshot of a profiled process is kept under RUN_DIR/snapshots/ and recorded in its run log.
 Exit 0 on success; 2 with a one-line reason when nothing could be snapshotted (no such pid, tracing
 not permitted, py-spy missing, not a Python process, no live rank); 1 when py-spy failed otherwise.
+overhead: profiled and paused phases alternated inside the live run (profiler/overhead.py). Exit 2 with
+one line before any phase (no such pid, no endpoint, rank 0 missing, paused by another client, bad
+numbers); 1 when the run stalled or ended before two whole pairs; every rank is resumed on every exit.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import sys
 
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
@@ -24,18 +32,48 @@ def _pid(text: str) -> int:
     return int(text)
 
 
+def _seconds(low: float, high: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected seconds in [{low:g}, {high:g}], got {text!r}")
+        return value
+    return parse
+
+
+def _pairs(text: str) -> int:
+    if not text.isdigit() or not 2 <= int(text) <= 10000:
+        raise argparse.ArgumentTypeError(f"expected a whole number of pairs from 2 to 10000, got {text!r}")
+    return int(text)
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=_pid, help="one process (a rank of a run, or any Python process)")
+    target.add_argument("--run-dir", metavar="DIR", help="every live rank of the run in DIR")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-profile", description="Look inside a live dflash-train run.")
     sub = p.add_subparsers(dest="command", required=True)
     snap = sub.add_parser("snapshot", help="every thread's open spans and Python stack, merged per thread",
                           description="A live process's state from its control endpoint merged with "
                                       "`py-spy dump` stacks, per thread; stuck spans flagged.")
-    target = snap.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=_pid, help="one process (a rank of a run, or any Python process)")
-    target.add_argument("--run-dir", metavar="DIR", help="every live rank of the run in DIR, side by side")
+    _add_target(snap)
     snap.add_argument("--native", action="store_true", help="include native frames (slower: about 1 s)")
-    snap.add_argument("--json", action="store_true", help="print JSON instead of text")
-    snap.add_argument("--out", metavar="FILE", help="also write the JSON snapshot to FILE")
+    over = sub.add_parser("overhead", help="what profiling costs this run: profiled and paused phases alternated",
+                          description="Alternate profiled and paused phases (ABBA) on every live rank of a run "
+                                      "and compare rank 0's step rate: the paired difference with a 95% interval.")
+    _add_target(over)
+    over.add_argument("--pairs", type=_pairs, default=20, help="on/off pairs (default 20)")
+    over.add_argument("--phase-s", type=_seconds(0.05, 600), default=3.0, help="measured seconds per phase (3)")
+    over.add_argument("--settle-s", type=_seconds(0, 600), default=1.0,
+                      help="seconds after each switch before measuring (1): the queues reach the new state")
     return p
 
 
@@ -51,13 +89,72 @@ def take(args, runner=None) -> dict:
     return run
 
 
+def overhead(args) -> dict:
+    """The in-run on/off measurement of the run that args.pid or args.run_dir names (profiler/overhead.py)."""
+    from profiler import overhead as oh
+
+    run_dir, ranks = oh.find_run(args.pid, args.run_dir)
+    lease_s = 2 * (args.settle_s + args.phase_s) + oh.LEASE_MARGIN_S
+    endpoints = oh.RunEndpoints(ranks, oh.owner_name(), lease_s)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # unwinds through measure()'s resume
+    try:
+        result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return {"run_dir": run_dir, "ranks": len(ranks), "lease_s": lease_s, **result}
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _progress_line(index: int, phase) -> None:
+    print(f"dflash-profile overhead: phase {index + 1} {phase.arm:<3} {phase.steps_per_s:.2f} steps/s "
+          f"({phase.steps} steps in {phase.seconds:.2f} s)", file=sys.stderr, flush=True)
+
+
+def _out_unwritable(path: str | None) -> str | None:
+    """Why --out cannot be written (checked before a measurement of minutes), or None."""
+    if path is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--out {path}: is a directory"
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"--out {path}: cannot write in {parent}"
+    return None
+
+
 def main(argv: list[str] | None = None, runner=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "overhead":
+        return _main_overhead(args)
     try:
         result = take(args, runner)
     except StackError as exc:
         print(f"dflash-profile: error: {exc}", file=sys.stderr)
         return 1 if exc.kind == FAILED else 2
+    return _emit(args, result, format_run if "ranks" in result else format_process)
+
+
+def _main_overhead(args) -> int:
+    from profiler.overhead import OverheadError, format_result
+
+    bad_out = _out_unwritable(args.out)
+    if bad_out is not None:
+        print(f"dflash-profile: error: {bad_out}", file=sys.stderr)
+        return 2
+    try:
+        result = overhead(args)
+    except (StackError, OverheadError) as exc:
+        print(f"dflash-profile: error: {exc}", file=sys.stderr)
+        return 1 if getattr(exc, "started", False) or getattr(exc, "kind", None) == FAILED else 2
+    code = _emit(args, result, format_result)
+    return code or (1 if result["resume_failed"] else 0)
+
+
+def _emit(args, result: dict, formatter) -> int:
+    """Write --out (exit 2 when it cannot), print text or --json."""
     text = json.dumps(result, indent=1)
     if args.out:
         try:
@@ -66,7 +163,7 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         except OSError as exc:
             print(f"dflash-profile: error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-    print(text if args.json else format_run(result) if "ranks" in result else format_process(result))
+    print(text if args.json else formatter(result))
     return 0
 
 

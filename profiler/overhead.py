@@ -1,0 +1,195 @@
+"""`dflash-profile overhead`: what profiling costs a live run, measured inside it.
+
+Whole-run on/off pairs spread too much on a shared host to resolve 1% (bench/RESULTS.md), so this
+alternates profiled ("on") and paused ("off": the training threads run --no-profile's code,
+profiler/pause.py) phases inside one run, on every live rank at once, in ABBA order (on/off, off/on,
+...) so a drift hits both arms alike. A phase: switch every rank, wait `settle_s` for the pipeline's
+queues to reach the new state, read rank 0's step and the time it was set (the endpoint's
+`progress`), wait `measure_s`, read again. The phase's rate is rank 0's steps over the time between
+those two step starts: the run's own clock, so neither the socket's latency nor this process's
+sleeps enter it. The statistics are bench/ab_profile.py's (profiler/abstats.py): per pair the ratio
+on/off, the geometric mean difference with a 95% paired t interval, "resolves 1%" and "within 1%".
+
+What differs from --no-profile in an off phase: the profiler's idle threads exist (its collector
+wakes 4 times a second to watch the pause's lease), each step sets the step (a method call), and the
+memory the profiler holds stays held. Pauses are leases the client renews: if this process dies, the
+run profiles again within `lease_s`. Every exit path resumes every rank.
+
+Standard library only (the CLI starts without torch).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from profiler.abstats import arm_stats, paired_stats, verdicts
+from profiler.control import default_discovery_dir, discover, query
+from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, live_ranks
+
+MIN_STEPS_PER_PHASE = 3
+LEASE_MARGIN_S = 10.0
+
+
+class OverheadError(RuntimeError):
+    """The measurement cannot start or go on (one line; the CLI exits 2 before any phase, 1 after)."""
+
+    def __init__(self, message: str, started: bool = False):
+        super().__init__(message)
+        self.started = started
+
+
+@dataclass
+class Phase:
+    arm: str
+    """"on" (profiled) or "off" (paused)."""
+    steps: int
+    """Rank 0's steps begun between the phase's two readings."""
+    seconds: float
+    """Time between the first and the last of those step starts (the run's clock)."""
+    steps_per_s: float
+    """steps / seconds."""
+
+
+class RunEndpoints:
+    """The control endpoints of one run's live ranks; rank 0's `progress` is the meter."""
+
+    def __init__(self, records: list[dict], owner: str, lease_s: float, query_fn=query, timeout_s: float = 5.0):
+        self.records, self.owner, self.lease_s = records, owner, lease_s
+        self._query, self.timeout_s = query_fn, timeout_s
+        self.meter = next((r for r in records if r.get("rank") == 0), None)
+
+    def _ask(self, record: dict, cmd: str, **args) -> dict:
+        reply = self._query(record["socket_path"], cmd, timeout_s=self.timeout_s, **args)
+        if not reply.get("ok"):
+            raise OverheadError(f"rank {record.get('rank')} (pid {record['pid']}): {cmd}: {reply.get('error')}")
+        return reply
+
+    def check(self) -> None:
+        """Every rank answers `progress` and nobody else has paused it (before any phase)."""
+        if self.meter is None:
+            ranks = sorted(r.get("rank") for r in self.records)
+            raise OverheadError(f"rank 0 (the drafter whose steps are the meter) is not among the live ranks {ranks}")
+        for record in self.records:
+            reply = self._ask(record, "progress")
+            if reply.get("paused_by") not in (None, self.owner):
+                raise OverheadError(f"rank {record.get('rank')} is paused by {reply['paused_by']}")
+
+    def switch(self, arm: str) -> None:
+        for record in self.records:
+            if arm == "off":
+                self._ask(record, "pause", owner=self.owner, lease_s=self.lease_s)
+            else:
+                self._ask(record, "resume", owner=self.owner)
+
+    def resume_all(self) -> list[str]:
+        """Resume every rank that answers; the ones that did not, as text (never raises)."""
+        failed = []
+        for record in self.records:
+            reply = self._query(record["socket_path"], "resume", timeout_s=self.timeout_s, owner=self.owner)
+            if not reply.get("ok"):
+                failed.append(f"rank {record.get('rank')}: {reply.get('error')}")
+        return failed
+
+    def progress(self) -> tuple[int, float | None]:
+        reply = self._ask(self.meter, "progress")
+        return reply["step"], reply.get("step_time_unix")
+
+
+def find_run(pid: int | None, run_dir, discovery_dir=None) -> tuple[str, list[dict]]:
+    """(run dir, its live ranks' discovery records) from a pid of any rank, or from the run dir."""
+    directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
+    if pid is not None:
+        check_pid(pid)
+        try:
+            record = discover(pid, directory)
+        except ValueError as exc:
+            raise SnapshotError(NO_LIVE_RANK, str(exc)) from None
+        if record is None:
+            raise SnapshotError(NO_LIVE_RANK, f"pid {pid} has no control endpoint (no discovery file in {directory}: "
+                                              "not a profiled dflash-train rank, or run with --no-profile)")
+        run_dir = record["run_dir"]
+    ranks = live_ranks(run_dir, directory)
+    if not ranks:
+        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names it "
+                                          "(the run ended, has not started, or runs with --no-profile)")
+    return str(Path(run_dir).resolve()), ranks
+
+
+def measure_phase(endpoints: RunEndpoints, arm: str, settle_s: float, measure_s: float, sleep=time.sleep) -> Phase:
+    """One phase (module doc); OverheadError when rank 0 began too few steps in it to time."""
+    endpoints.switch(arm)
+    sleep(settle_s)
+    step_a, t_a = endpoints.progress()
+    sleep(measure_s)
+    step_b, t_b = endpoints.progress()
+    steps = step_b - step_a
+    if steps < MIN_STEPS_PER_PHASE or t_a is None or t_b is None or t_b <= t_a:
+        raise OverheadError(f"an {arm} phase of {measure_s:g} s saw {steps} steps of rank 0 (fewer than "
+                            f"{MIN_STEPS_PER_PHASE}): the run is stalled, ending, or its steps are too long "
+                            "for this --phase-s", started=True)
+    return Phase(arm, steps, t_b - t_a, steps / (t_b - t_a))
+
+
+def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: float, sleep=time.sleep,
+            clock=time.time, on_phase=None) -> dict:
+    """Alternate `pairs` on/off pairs (ABBA) and summarise; every rank is resumed on the way out. A run
+    that ends or stalls after two whole pairs gives the pairs it completed (`stopped` says why)."""
+    endpoints.check()
+    phases: list[Phase] = []
+    stopped, t0 = None, clock()
+    try:
+        for i in range(pairs):
+            for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                phases.append(measure_phase(endpoints, arm, settle_s, measure_s, sleep))
+                if on_phase is not None:
+                    on_phase(len(phases) - 1, phases[-1])
+    except OverheadError as exc:
+        if len(phases) < 4:
+            raise OverheadError(str(exc), started=bool(phases)) from None
+        stopped = str(exc)
+    finally:
+        failed = endpoints.resume_all()
+    phases = phases[:len(phases) // 2 * 2]   # whole pairs only
+    return summarise(phases, stopped, failed, {"pairs_asked": pairs, "settle_s": settle_s, "measure_s": measure_s,
+                                               "seconds": clock() - t0})
+
+
+def summarise(phases: list[Phase], stopped, resume_failed: list, settings: dict) -> dict:
+    """The JSON result: settings, phases, each arm's rates, the paired statistics and the verdicts."""
+    on = [p.steps_per_s for p in phases if p.arm == "on"]
+    off = [p.steps_per_s for p in phases if p.arm == "off"]
+    paired = paired_stats(on, off)
+    return {**settings, "pairs": len(on), "stopped": stopped, "resume_failed": resume_failed,
+            "metric": "rank 0 steps/s", "phases": [asdict(p) for p in phases],
+            "on": arm_stats(on), "off": arm_stats(off), "paired": paired, "verdicts": verdicts(paired),
+            "steps_per_phase": statistics.fmean(p.steps for p in phases) if phases else None}
+
+
+def owner_name() -> str:
+    return f"dflash-profile overhead (pid {os.getpid()})"
+
+
+def format_result(result: dict) -> str:
+    """The human table: each arm, the paired difference and the verdicts."""
+    lines = [f"dflash-profile overhead: {result.get('run_dir', '?')} ({result.get('ranks', '?')} ranks): "
+             f"{result['pairs']} on/off pairs of {result['measure_s']:g} s phases ({result['settle_s']:g} s settle "
+             f"each), {result['seconds']:.0f} s, {result['steps_per_phase']:.0f} steps per phase; metric: "
+             f"{result['metric']}"]
+    for arm, label in (("on", "profiled"), ("off", "paused (--no-profile's path)")):
+        s = result[arm]
+        cv = f"{100 * s['cv']:.1f}%" if s["cv"] is not None else "-"
+        lines.append(f"  {arm:<3} {label:<28} mean {s['mean']:.2f}  median {s['median']:.2f}  CV {cv}")
+    p, v = result["paired"], result["verdicts"]
+    ci = (f" (95% CI {p['ci_low_pct']:+.2f} .. {p['ci_high_pct']:+.2f}%, half-width {p['half_width_pct']:.2f}%)"
+          if p["ci_low_pct"] is not None else "")
+    lines.append(f"  on vs off: {p['mean_diff_pct']:+.2f}%{ci}")
+    lines.append(f"  resolves {v['threshold_pct']:g}%: {'yes' if v['resolves'] else 'no'}; "
+                 f"on within {v['threshold_pct']:g}% of off: {v['within']}")
+    if result["stopped"]:
+        lines.append(f"  stopped early: {result['stopped']}")
+    for failure in result["resume_failed"]:
+        lines.append(f"  NOT RESUMED (its lease ends it): {failure}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`dflash-profile overhead` against a real two-rank dflash-train run on CPU, whose profiled phases carry
+a known cost: DFLASH_FAULT slows target.fwd and drafter.optim by 0.1 s, and faults fire only while the
+profiler is on. The command must see the on phases that much slower, leave every rank profiling, refuse
+a run another client paused, and resume the ranks when it is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from profiler.control import clean_stale_discovery, default_discovery_dir, query
+from profiler.records import read_records
+from profiler.snapshot import live_ranks
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",
+         "--max-length", "128", "--profile-interval", "1", "--device", "cpu"]
+SLOW = "slow=0.1@target.fwd;slow=0.1@drafter.optim"
+PHASES = ["--pairs", "3", "--phase-s", "1.5", "--settle-s", "0.5"]
+
+
+def profile(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.profile_cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _wait_for_steps(run: Path, train: subprocess.Popen, steps: int = 3, deadline_s: float = 240) -> list[dict]:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert train.poll() is None, f"dflash-train exited early ({train.returncode}); see {run.parent}/train.log"
+        ranks = live_ranks(run)
+        if len(ranks) == 2 and query(ranks[0]["socket_path"], "progress").get("step", 0) >= steps:
+            return ranks
+        time.sleep(0.5)
+    raise AssertionError(f"rank 0 did not reach step {steps} in {deadline_s} s")
+
+
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory):
+    """A real two-rank run, slowed only where it is profiled; yields (run dir, discovery records)."""
+    run = tmp_path_factory.mktemp("overhead") / "run"
+    out = open(run.parent / "train.log", "w")
+    train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "2000", *SMALL],
+                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=SLOW),
+                             start_new_session=True)
+    try:
+        yield run, _wait_for_steps(run, train)
+    finally:
+        try:
+            os.killpg(train.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        train.wait()
+        out.close()
+        time.sleep(0.5)
+        clean_stale_discovery(default_discovery_dir())
+
+
+def _paused_by(ranks: list[dict]) -> list:
+    return [query(r["socket_path"], "progress")["paused_by"] for r in ranks]
+
+
+def test_overhead_sees_the_profiled_phases_cost_and_leaves_the_run_profiling(slow_run, tmp_path):
+    run, ranks = slow_run
+    target_pid = next(r["pid"] for r in ranks if r["role"] == "target")
+    r = profile("overhead", "--pid", str(target_pid), *PHASES, "--out", str(tmp_path / "o.json"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert result["ranks"] == 2 and result["pairs"] == 3 and result["resume_failed"] == []
+    assert [p["arm"] for p in result["phases"]] == ["on", "off", "off", "on", "on", "off"]
+    assert all(p["steps"] >= 3 for p in result["phases"])
+    assert result["paired"]["mean_diff_pct"] < -15 and max(result["paired"]["ratios"]) < 1.0, result["paired"]
+    assert "on vs off: -" in r.stdout and "on within 1% of off:" in r.stdout
+    assert _paused_by(ranks) == [None, None]
+    recs = read_records(run / "profile" / "rank0.jsonl")[0]
+    paused = [x for x in recs if x["type"] == "interval" and x.get("pauses")]
+    assert paused and all(0 < x["paused_seconds"] <= x["duration_seconds"] for x in paused)
+    closed = len([x for x in recs if x["type"] == "interval"])
+    time.sleep(2.5)   # profiled again: new intervals with the drafter's spans
+    later = [x for x in read_records(run / "profile" / "rank0.jsonl")[0] if x["type"] == "interval"][closed:]
+    assert any(x["spans"].get("drafter.fwd_bwd", {}).get("count") for x in later)
+
+
+def test_a_run_paused_by_another_client_is_refused_before_any_phase(slow_run):
+    _, ranks = slow_run
+    assert query(ranks[1]["socket_path"], "pause", owner="someone else", lease_s=30)["ok"]
+    try:
+        r = profile("overhead", "--pid", str(ranks[0]["pid"]), *PHASES)
+    finally:
+        assert query(ranks[1]["socket_path"], "resume", owner="someone else")["ok"]
+    assert r.returncode == 2 and r.stderr.strip().endswith("rank 1 is paused by someone else"), r.stderr
+    assert r.stderr.count("\n") == 1 and _paused_by(ranks) == [None, None]
+
+
+def test_a_killed_client_resumes_every_rank(slow_run):
+    _, ranks = slow_run
+    client = subprocess.Popen([sys.executable, "-m", "dflash.profile_cli", "overhead", "--pid", str(ranks[0]["pid"]),
+                               "--pairs", "50", "--phase-s", "1", "--settle-s", "0.2"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while None in _paused_by(ranks) or len(set(_paused_by(ranks))) != 1:   # in its first off phase
+        assert time.monotonic() < deadline and client.poll() is None, client.communicate()
+        time.sleep(0.05)
+    client.send_signal(signal.SIGTERM)
+    _, err = client.communicate(timeout=30)
+    assert client.returncode == 128 + signal.SIGTERM, err
+    assert _paused_by(ranks) == [None, None]

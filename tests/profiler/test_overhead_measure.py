@@ -1,0 +1,69 @@
+"""profiler/overhead.py's phase logic against a scripted run: rates from the run's own step times, ABBA
+order, a run that ends after two pairs keeps them, one that ends sooner is an error, and every exit
+resumes (the real run and socket: tests/integration/test_overhead_e2e.py)."""
+import pytest
+
+from profiler.overhead import OverheadError, format_result, measure
+
+
+class ScriptedRun:
+    """Rank 0 steps at `rates[arm]` steps/s on a fake clock that `sleep` advances; ends at `end_s`."""
+
+    def __init__(self, rates, end_s=1e9):
+        self.rates, self.end_s = rates, end_s
+        self.now, self.step, self.t_step = 0.0, 0, 0.0
+        self.arm, self.calls = "on", []
+
+    def sleep(self, seconds):
+        while self.t_step + 1 / self.rates[self.arm] <= self.now + seconds:
+            self.t_step += 1 / self.rates[self.arm]
+            self.step += 1
+        self.now += seconds
+
+    def check(self):
+        self.calls.append("check")
+
+    def switch(self, arm):
+        self.arm = arm
+        self.calls.append(arm)
+
+    def progress(self):
+        if self.now > self.end_s:
+            raise OverheadError("rank 0 (pid 1): progress: control endpoint gone")
+        return self.step, 1000.0 + self.t_step
+
+    def resume_all(self):
+        self.calls.append("resume_all")
+        return []
+
+
+def test_rates_come_from_the_runs_step_times_in_abba_order():
+    run = ScriptedRun({"on": 9.9, "off": 10.0})
+    result = measure(run, pairs=4, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
+    assert [p["arm"] for p in result["phases"]] == ["on", "off", "off", "on", "on", "off", "off", "on"]
+    assert result["on"]["mean"] == pytest.approx(9.9) and result["off"]["mean"] == pytest.approx(10.0)
+    assert result["paired"]["mean_diff_pct"] == pytest.approx(-1.0, abs=1e-9)
+    assert run.calls[0] == "check" and run.calls[-1] == "resume_all" and result["stopped"] is None
+    text = format_result({**result, "run_dir": "/r", "ranks": 2})
+    assert "on vs off: -1.00%" in text and "4 on/off pairs of 3 s phases" in text
+
+
+def test_a_run_ending_after_two_pairs_keeps_the_whole_pairs():
+    run = ScriptedRun({"on": 5.0, "off": 5.0}, end_s=18.0)   # 3.5 s per phase: ends in pair 3's first phase
+    result = measure(run, pairs=10, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
+    assert result["pairs"] == 2 and len(result["phases"]) == 4 and "control endpoint gone" in result["stopped"]
+    assert run.calls[-1] == "resume_all"
+
+
+def test_a_run_ending_before_two_pairs_is_an_error_and_still_resumes():
+    run = ScriptedRun({"on": 5.0, "off": 5.0}, end_s=8.0)
+    with pytest.raises(OverheadError, match="control endpoint gone") as info:
+        measure(run, pairs=10, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
+    assert info.value.started and run.calls[-1] == "resume_all"
+
+
+def test_a_phase_with_too_few_steps_says_so():
+    run = ScriptedRun({"on": 0.5, "off": 0.5})
+    with pytest.raises(OverheadError, match=r"an on phase of 3 s saw 1 steps of rank 0 \(fewer than 3\)"):
+        measure(run, pairs=2, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
+    assert run.calls[-1] == "resume_all"
