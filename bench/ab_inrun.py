@@ -1,0 +1,218 @@
+"""Profiling on vs off inside one live run (`dflash-profile overhead`), per workload, with a known cost as the peer.
+
+    python3 bench/ab_inrun.py [--workload launch|gpu|both] [--inject-s 0,0.0002] [--pairs 30] [--phase-s 2]
+                              [--settle-s 0.5] [--warm-steps 40] [--device auto|cuda|cpu] [--small]
+                              [--builtin-conversations N] [--cpus auto] [--pin-ranks] [--workdir DIR]
+                              [--compile-cache DIR] [--json FILE]
+
+Whole-run pairs (bench/ab_profile.py) spread +-10% and more on the H200's VM, whose vCPUs run 1.8x apart
+and slow each other by up to 43% (bench/gpu/vcpu_pairs.py): a run's speed follows where its busy threads
+land. Here each run stays where it landed and the comparison is made inside it: for each workload and
+each injected cost S, one dflash-train run starts (bench/ab_profile.py's workloads, flags, compile cache,
+CPU set and rank pinning; --max-steps far away), and once rank 0 has passed --warm-steps steps (compiled,
+queues full) `dflash-profile overhead --run-dir RUN` alternates profiled and paused phases on it (ABBA,
+rank 0's steps/s from the run's own step times, profiler/overhead.py); then the run is stopped.
+
+The peer, measured in the same session: with S > 0 the run has DFLASH_FAULT="slow=S@target.fwd;
+slow=S@drafter.optim", a sleep of S at the start of both sides' step, made only in profiled phases (faults
+fire through spans). Whichever side bounds the run then takes S_real more per step, S_real being what
+`time.sleep(S)` takes here (measured by this script), so a harness that measures truly reads
+on/off - 1 = -S_real r / (1 + S_real r) on top of the profiler's own cost, r the paused phases' rate.
+The table puts the measured difference, its interval and that expectation side by side.
+
+Output: the table per workload on stdout, the machine line, and a JSON rewritten after every run
+($OUT/ab_inrun.json when $OUT is set, else under the workdir), with each run's overhead result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ab_profile as ab
+
+REPO = ab.REPO
+sys.path.insert(0, str(REPO))
+from profiler.control import query   # noqa: E402
+from profiler.snapshot import live_ranks   # noqa: E402
+
+FAR_STEPS = "1000000"
+
+
+def sleep_seconds(requested_s: float, n: int = 200) -> float:
+    """The mean time `time.sleep(requested_s)` takes on this machine (0 for 0)."""
+    if requested_s <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        time.sleep(requested_s)
+    return (time.perf_counter() - t0) / n
+
+
+def fault_for(inject_s: float) -> str | None:
+    return f"slow={inject_s:g}@target.fwd;slow={inject_s:g}@drafter.optim" if inject_s > 0 else None
+
+
+def start_run(setup: ab.Setup, run_dir: Path, args: list, inject_s: float):
+    """The run, in its own process group, and its rank pinner (or None)."""
+    env = dict(setup.env)
+    fault = fault_for(inject_s)
+    if fault:
+        env["DFLASH_FAULT"] = fault
+    out = run_dir.with_suffix(".log").open("w")
+    proc = subprocess.Popen(ab.train_argv(setup, run_dir, args, "on"), stdout=out, stderr=subprocess.STDOUT,
+                            env=env, cwd=REPO, start_new_session=True)
+    out.close()
+    pinner = ab.RankPinner(proc.pid, setup.cpus) if setup.pin_ranks and setup.cpus else None
+    return proc, pinner
+
+
+def wait_for_steps(run_dir: Path, proc, steps: int, timeout_s: float) -> float:
+    """Seconds from now until rank 0 has begun `steps` steps; RuntimeError when the run ends or stalls."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            tail = run_dir.with_suffix(".log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {steps}:\n{tail}")
+        ranks = live_ranks(run_dir)
+        if ranks and ranks[0].get("rank") == 0 and query(ranks[0]["socket_path"], "progress").get("step", 0) >= steps:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise RuntimeError(f"rank 0 did not reach step {steps} in {timeout_s:.0f} s")
+
+
+def overhead(run_dir: Path, a: argparse.Namespace, env: dict) -> dict:
+    """`dflash-profile overhead --run-dir` on the live run; its JSON result (or {"error": ...})."""
+    out = run_dir.with_suffix(".overhead.json")
+    argv = [sys.executable, "-m", "dflash.profile_cli", "overhead", "--run-dir", str(run_dir), "--pairs",
+            str(a.pairs), "--phase-s", str(a.phase_s), "--settle-s", str(a.settle_s), "--out", str(out)]
+    r = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
+    print(r.stdout, end="", flush=True)
+    if r.returncode != 0 or not out.is_file():
+        return {"error": f"exit {r.returncode}: {r.stderr.strip()[-1500:]}"}
+    return json.loads(out.read_text())
+
+
+def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: argparse.Namespace,
+            runs: Path, builtin: Path) -> dict:
+    """Start, warm up, measure in-run, stop; the record of this run."""
+    run_dir = runs / f"{wl.name}-inject{inject_s:g}"
+    ab.seed_builtin(run_dir, builtin if wl.target_shape is None else None)
+    proc, pinner = start_run(setup, run_dir, args, inject_s)
+    rec = {"workload": wl.name, "inject_s": inject_s, "sleep_s": sleep_seconds(inject_s), "run_dir": str(run_dir)}
+    try:
+        rec["warm_wait_s"] = wait_for_steps(run_dir, proc, a.warm_steps, a.run_timeout_s)
+        rec["result"] = overhead(run_dir, a, setup.env)
+    except RuntimeError as exc:
+        rec["result"] = {"error": str(exc)}
+    finally:
+        ab._stop_group(proc)
+        if pinner is not None:
+            pinner.stop()
+            rec["rank_cpus"] = pinner.pinned
+    if wl.target_shape is None and not builtin.is_dir() and (run_dir / "builtin").is_dir():
+        shutil.copytree(run_dir / "builtin", builtin)
+    ab.tidy_run(run_dir, setup.keep_runs)
+    return rec
+
+
+def expected_pct(rec: dict) -> float | None:
+    """The injected cost's on/off - 1 in %, at the paused phases' rate (module doc)."""
+    result = rec.get("result", {})
+    if rec["inject_s"] <= 0 or "off" not in result or not result["off"]["mean"]:
+        return None
+    extra = rec["sleep_s"] * result["off"]["mean"]
+    return -100.0 * extra / (1.0 + extra)
+
+
+def format_rows(records: list[dict]) -> str:
+    lines = ["| workload | injected | pairs | off steps/s | on vs off | 95% CI | half-width | expected | "
+             "resolves 1% | on within 1% |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for rec in records:
+        res = rec.get("result", {})
+        inj = f"{1e6 * rec['inject_s']:.0f} us ({1e6 * rec['sleep_s']:.0f} real)" if rec["inject_s"] else "none"
+        if "error" in res:
+            lines.append(f"| {rec['workload']} | {inj} | FAILED: {res['error'].splitlines()[0][:150]} |")
+            continue
+        p, v, exp = res["paired"], res["verdicts"], expected_pct(rec)
+        lines.append(f"| {rec['workload']} | {inj} | {res['pairs']} | {res['off']['mean']:.2f} | "
+                     f"{p['mean_diff_pct']:+.2f}% | {p['ci_low_pct']:+.2f} .. {p['ci_high_pct']:+.2f}% | "
+                     f"{p['half_width_pct']:.2f}% | {'-' if exp is None else f'{exp:+.2f}%'} | "
+                     f"{'yes' if v['resolves'] else 'no'} | {v['within']} |")
+    return "\n".join(lines)
+
+
+def _injections(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated seconds in [0, 1], got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("launch", "gpu", "both"), default="both")
+    ap.add_argument("--inject-s", type=_injections, default=[0.0, 0.0002],
+                    help="known costs per step to inject in profiled phases, one run each (0: none)")
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--phase-s", type=float, default=2.0)
+    ap.add_argument("--settle-s", type=float, default=0.5)
+    ap.add_argument("--warm-steps", type=int, default=40, help="rank 0's steps before the first phase")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--small", action="store_true", help="CPU-sized workloads (a smoke test)")
+    ap.add_argument("--builtin-conversations", type=int, default=None,
+                    help="the launch workload's built-in corpus size (bench/gpu/ab.sh: 400)")
+    ap.add_argument("--profile-interval", default="5")
+    ap.add_argument("--cpus", default="auto", help="taskset CPU list for every run, 'auto' or 'none'")
+    ap.add_argument("--pin-ranks", action="store_true", help="one set of whole physical cores per rank")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/dflash-ab"))
+    ap.add_argument("--compile-cache", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: $OUT/ab_inrun.json, else WORKDIR/ab_inrun.json")
+    ap.add_argument("--run-timeout-s", type=float, default=300.0, help="longest wait for the warm steps")
+    a = ap.parse_args(argv)
+    if a.pairs < 2 or a.phase_s <= 0 or a.settle_s < 0 or a.warm_steps < 1:
+        ap.error("--pairs must be >= 2, --phase-s > 0, --settle-s >= 0 and --warm-steps >= 1")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us
+    ab_argv = ["--workdir", str(a.workdir), "--device", a.device, "--profile-interval", a.profile_interval,
+               "--cpus", a.cpus] + (["--pin-ranks"] if a.pin_ranks else []) + \
+              (["--compile-cache", str(a.compile_cache)] if a.compile_cache else [])
+    setup, cache_note = ab.build_setup(ab.parse_args(ab_argv))
+    json_path = a.json or (Path(os.environ["OUT"]) / "ab_inrun.json" if os.environ.get("OUT")
+                           else setup.workdir / "ab_inrun.json")
+    machine = ab.machine_info(setup.env)
+    print(ab.format_machine(machine), f"\ncpus: {setup.cpus or 'not pinned'} | compile cache: {cache_note}", flush=True)
+    report = ab.Report(json_path, {"machine": machine, "command": sys.argv, "cpus": setup.cpus, "runs": []})
+    runs = setup.workdir / "inrun" / time.strftime("%Y%m%d-%H%M%S")
+    runs.mkdir(parents=True)
+    for name in (("launch", "gpu") if a.workload == "both" else (a.workload,)):
+        wl = ab.make_workload(name, a.small, None, a.builtin_conversations)
+        args = [*ab.prepare_workload(wl, setup.workdir, setup.env), *wl.flags, "--max-steps", FAR_STEPS]
+        builtin = setup.workdir / ("builtin-" + "-".join(wl.flags or ["default"]).replace("--", ""))
+        for inject_s in a.inject_s:
+            report.data["runs"].append(one_run(setup, wl, args, inject_s, a, runs, builtin))
+            report.save()
+        print(f"== {name}\n" + format_rows([r for r in report.data["runs"] if r["workload"] == name]), flush=True)
+    print(ab.format_machine(machine))
+    ok = [r for r in report.data["runs"] if "error" not in r["result"]]
+    print(f"in-run A/B: {len(ok)} of {len(report.data['runs'])} runs measured; mean phases per run "
+          f"{statistics.fmean(len(r['result']['phases']) for r in ok) if ok else 0:.0f}; json: {json_path}")
+    return 0 if len(ok) == len(report.data["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call (1 GPU): profiling on vs off inside live runs (bench/ab_inrun.py: dflash-profile overhead),
+# with a known injected cost as the peer. INRUN_WORKLOADS ("launch"), INRUN_INJECT_S ("0,0.0002": one run
+# each; 0.0002 s is about 1% of a launch-workload step on the H200), INRUN_PAIRS (30), INRUN_PHASE_S (2),
+# INRUN_SETTLE_S (0.5). INRUN_CUDA_TESTS=1 first runs the CUDA tests (~1 min). Uses ab.sh's caches: carry
+# `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log, ab_inrun.json, inrun-runs.tgz
+# (each run's log, overhead JSON and run log).
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+if compgen -G "cache/ab-cache.tgz.*" > /dev/null && [ ! -d .cache/ab-compile ]; then cat cache/ab-cache.tgz.* | tar xzf -; fi
+WORK=.cache/ab-work
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+git log --oneline -1 2>/dev/null
+if [ "${INRUN_CUDA_TESTS:-0}" = 1 ]; then
+  echo "=== cuda tests $(date +%T)"; timeout 200 python3 -m pytest -q -rs -m cuda tests -p no:cacheprovider --durations=8
+  echo "=== exit $?"
+fi
+for w in ${INRUN_WORKLOADS:-launch}; do
+  t0=$SECONDS
+  timeout -s TERM 560 python3 bench/ab_inrun.py --workload "$w" --builtin-conversations 400 --pin-ranks \
+    --workdir "$WORK" --compile-cache .cache/ab-compile --json "$OUT/ab_inrun_$w.json" \
+    --inject-s "${INRUN_INJECT_S:-0,0.0002}" --pairs "${INRUN_PAIRS:-30}" --phase-s "${INRUN_PHASE_S:-2}" \
+    --settle-s "${INRUN_SETTLE_S:-0.5}"
+  echo "=== $w: exit $? in $((SECONDS - t0)) s"
+done
+} 2>&1 | tee "$OUT/inrun.log"
+(cd "$WORK/inrun" && tar czf "$OUT/inrun-runs.tgz" */*.log */*.overhead.json */*/profile */*/config.json 2> /dev/null)
+ls -la "$OUT"
