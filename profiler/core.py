@@ -162,8 +162,9 @@ class Profiler:
         self._start_forensics()
         api.activate(self, self.recorder)
         self._cleanups.append(lambda: api.deactivate(self))
+        self.timer = IntervalTimer(self.interval_s, self.clock, self._timer_poll, self._timer_close, self.poll_s)
         self.pauses = PauseControl(self, self.recorder, samplers=(self.sampler, self.stack_sampler),
-                                   on_resume=self._close_soon)
+                                   interval_clock=self.timer)
         self._cleanups.append(self.pauses.resume)   # the run's end profiles again: records are whole
         self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state,
                                       record_fn=lambda fields: self.write_record("snapshot", **fields),
@@ -173,7 +174,6 @@ class Profiler:
         self._cleanups.append(self.control.close)
         self.stack_sampler.start()
         self._cleanups.append(self.stack_sampler.stop)
-        self.timer = IntervalTimer(self.interval_s, self.clock, self._timer_poll, self._timer_close, self.poll_s)
         if self.background:
             self.timer.start()
             self._cleanups.append(self.timer.stop)
@@ -258,13 +258,7 @@ class Profiler:
         self._poll()
 
     def _timer_close(self) -> None:
-        if self.pauses.defer_close():   # paused: the close happens after the resume, in a profiled phase
-            return
         self.close_interval(_reset_timer=False)
-
-    def _close_soon(self) -> None:
-        """After a resume with a close deferred: the collector's next poll closes the interval."""
-        self.timer.next_boundary_s = self.clock()
 
     def tick(self) -> bool:
         """One collector iteration in the caller's thread (for tests with background=False)."""

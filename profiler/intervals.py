@@ -23,6 +23,7 @@ Two things are kept per span name and interval, and they differ for a span that 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -340,6 +341,7 @@ class IntervalTimer:
         self._poll, self._close = poll, close
         self.poll_s = poll_s
         self.next_boundary_s = clock() + interval_s
+        self._held_remaining_s: float | None = None   # while held: what was left of the interval
         self._stop = threading.Event()
         self._thread = None
         self._logged = False
@@ -383,5 +385,20 @@ class IntervalTimer:
         return False
 
     def reset_boundary(self) -> None:
-        """After a forced close: the next automatic close comes interval_s later."""
-        self.next_boundary_s = self.clock() + self.interval_s
+        """After a forced close: the next automatic close comes interval_s later (of unheld time)."""
+        if self._held_remaining_s is not None:
+            self._held_remaining_s = self.interval_s
+        else:
+            self.next_boundary_s = self.clock() + self.interval_s
+
+    def hold(self) -> None:
+        """Stop the interval clock (profiling paused, profiler/pause.py): no boundary passes until release()."""
+        if self._held_remaining_s is None:
+            self._held_remaining_s = self.next_boundary_s - self.clock()
+            self.next_boundary_s = math.inf
+
+    def release(self) -> None:
+        """Restart the clock where hold() stopped it: an interval spans interval_s of unheld time."""
+        if self._held_remaining_s is not None:
+            self.next_boundary_s = self.clock() + max(0.0, self._held_remaining_s)
+            self._held_remaining_s = None

@@ -10,8 +10,9 @@ shared no-op spans, count/gauge/metric/tag do nothing, check_finite/check_flags 
 do not fire. Kept: `set_step` records the step and its time (read by the overhead command through the
 endpoint's `progress`, and by the hang watchdog, which keeps watching), events are written, forensics
 sources and the first non-finite finding read so far stay. The background threads hold still: the
-collector neither drains nor closes an interval (a close that falls due is made soon after the resume,
-in a profiled phase), the NVML and stack samplers skip their samples. Left running, and idle: the
+collector does not drain, the interval clock stops (an interval holds `interval_s` of profiled time, so
+interval closes and the exporters' work behind them come at their natural rate in profiled time, and
+never pile up at a resume), the NVML and stack samplers skip their samples. Left running, and idle: the
 exporter thread (no records come), the control endpoint (it serves the commands), the watchdog.
 
 A pause is a lease: it ends by itself `lease_s` after the last `pause` command, so a client that dies
@@ -81,12 +82,12 @@ def _bad_request(owner, lease_s) -> str | None:
 class PauseControl:
     """Pause and resume one profiler (commands `pause` and `resume` of its control endpoint).
 
-    `samplers` are objects with a `paused` attribute their threads read before each sample; `on_resume`
-    runs after a resume (the profiler: let an interval close that fell due happen now)."""
+    `samplers` are objects with a `paused` attribute their threads read before each sample;
+    `interval_clock` has hold() and release() (profiler/intervals.py IntervalTimer): stopped while paused."""
 
-    def __init__(self, profiler, recorder, samplers=(), on_resume=None, clock=time.monotonic):
+    def __init__(self, profiler, recorder, samplers=(), interval_clock=None, clock=time.monotonic):
         self._profiler, self._recorder = profiler, recorder
-        self._samplers, self._on_resume, self._clock = list(samplers), on_resume, clock
+        self._samplers, self._interval_clock, self._clock = list(samplers), interval_clock, clock
         self._lock = threading.Lock()
         self._view: PausedView | None = None
         self.owner: str | None = None
@@ -94,7 +95,6 @@ class PauseControl:
         self._since_ns = 0
         self._paused_ns = 0      # paused time in the current interval, up to _since_ns
         self._pauses = 0         # pauses begun in the current interval
-        self.close_due = False   # an interval close fell due while paused
 
     @property
     def active(self) -> bool:
@@ -116,6 +116,8 @@ class PauseControl:
                 self._view = PausedView(self._profiler)
                 api.suspend(self._profiler, self._view)
                 self._set_samplers(True)
+                if self._interval_clock is not None:
+                    self._interval_clock.hold()
         return {"ok": True, "paused": True, "lease_s": float(lease_s)}
 
     def resume(self, owner=None) -> dict:
@@ -125,22 +127,13 @@ class PauseControl:
                 return {"ok": True, "paused": False}
             if owner is not None and owner != self.owner:
                 return {"ok": False, "error": f"paused by {self.owner}, not by {owner}"}
+            if self._interval_clock is not None:
+                self._interval_clock.release()
             api.unsuspend(self._profiler, self._view, self._recorder)
             self._set_samplers(False)
             self._paused_ns += time.perf_counter_ns() - self._since_ns
             self.owner, self._view = None, None
-            due, self.close_due = self.close_due, False
-        if due and self._on_resume is not None:
-            self._on_resume()
         return {"ok": True, "paused": False}
-
-    def defer_close(self) -> bool:
-        """True (and the close is owed to the resume) while paused; False: close now."""
-        with self._lock:
-            if self.owner is None:
-                return False
-            self.close_due = True
-            return True
 
     def expire(self) -> None:
         """Resume when the lease ran out (the collector calls this at every poll)."""

@@ -1,6 +1,6 @@
 """Profiling paused on a live run (profiler/pause.py): the training threads take --no-profile's path, the
-background holds still, the lease ends a forgotten pause, one owner at a time, and the interval records
-say how long they were paused. Over the real control socket too."""
+background holds still (the interval clock stops), the lease ends a forgotten pause, one owner at a time,
+and the interval records say how long they were paused. Over the real control socket too."""
 import logging
 import os
 
@@ -73,20 +73,28 @@ def test_run_end_while_paused_resumes_and_counts_the_pause(tmp_path):
     assert profiler.active() is None and isinstance(profiler.span("x.after"), NoopSpan)
 
 
-def test_a_close_due_while_paused_waits_for_the_resume(tmp_path):
+def test_the_interval_clock_stops_while_paused(tmp_path):
     now = [0.0]
     with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0]) as prof:
-        prof.pauses.pause("test", 60)
-        now[0] = 11.0
-        assert prof.tick() is True and prof.intervals_closed == 0 and prof.pauses.close_due
-        now[0] = 15.0
+        now[0] = 4.0
+        prof.pauses.pause("test", 60)                 # 6 s of the interval left
+        now[0] = 30.0
+        assert prof.tick() is False and prof.intervals_closed == 0   # no boundary passes while paused
         prof.pauses.resume("test")
+        now[0] = 35.9
+        assert prof.tick() is False
+        now[0] = 36.0                                 # 10 s of profiled time: 4 before, 6 after
         assert prof.tick() is True and prof.intervals_closed == 1
         assert prof.last_interval["pauses"] == 1
-        now[0] = 24.9
-        assert prof.tick() is False                  # the next one comes a whole interval later (25 s)
-        now[0] = 25.0
+        now[0] = 46.0
         assert prof.tick() is True and "pauses" not in prof.last_interval
+        prof.pauses.pause("test", 60)
+        prof.close_interval()                         # a forced close while paused: a whole interval after it
+        prof.pauses.resume("test")
+        now[0] = 55.9
+        assert prof.tick() is False
+        now[0] = 56.0
+        assert prof.tick() is True and prof.intervals_closed == 4
 
 
 def test_lease_runs_out_and_owners_do_not_share(tmp_path, caplog):
