@@ -100,6 +100,20 @@ def overhead(run_dir: Path, a: argparse.Namespace, env: dict) -> dict:
     return json.loads(out.read_text())
 
 
+def spy_gil(run_dir: Path, seconds: float) -> dict:
+    """Instead of the A/B: `py-spy record --gil --threads` on every rank for `seconds` (profiling on
+    throughout): who holds the GIL, where. The raw files are RUN.rank{R}.gil.txt."""
+    procs = {}
+    for r in live_ranks(run_dir):
+        out = run_dir.with_suffix(f".rank{r['rank']}.gil.txt")
+        procs[r["rank"]] = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(r["pid"]), "--gil", "--threads", "--rate", "250", "--duration",
+             f"{seconds:g}", "--format", "raw", "--nonblocking", "-o", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return {"spy": {rank: (p.wait(), p.stderr.read()[-500:]) for rank, p in procs.items()},
+            "error": "py-spy only (no A/B)"}
+
+
 def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: argparse.Namespace,
             runs: Path, builtin: Path) -> dict:
     """Start, warm up, measure in-run, stop; the record of this run."""
@@ -109,7 +123,7 @@ def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: ar
     rec = {"workload": wl.name, "inject_s": inject_s, "sleep_s": sleep_seconds(inject_s), "run_dir": str(run_dir)}
     try:
         rec["warm_wait_s"] = wait_for_steps(run_dir, proc, a.warm_steps, a.run_timeout_s)
-        rec["result"] = overhead(run_dir, a, setup.env)
+        rec["result"] = spy_gil(run_dir, a.spy_s) if a.spy_s else overhead(run_dir, a, setup.env)
     except RuntimeError as exc:
         rec["result"] = {"error": str(exc)}
     finally:
@@ -179,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="default: $OUT/ab_inrun.json, else WORKDIR/ab_inrun.json")
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="longest wait for the warm steps")
+    ap.add_argument("--spy-s", type=float, default=0.0,
+                    help="no A/B: record who holds the GIL on every rank (py-spy --gil) for this long")
     a = ap.parse_args(argv)
     if a.pairs < 2 or a.phase_s <= 0 or a.settle_s < 0 or a.warm_steps < 1:
         ap.error("--pairs must be >= 2, --phase-s > 0, --settle-s >= 0 and --warm-steps >= 1")
