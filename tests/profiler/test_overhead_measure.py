@@ -67,3 +67,25 @@ def test_a_phase_with_too_few_steps_says_so():
     with pytest.raises(OverheadError, match=r"an on phase of 3 s saw 1 steps of rank 0 \(fewer than 3\)"):
         measure(run, pairs=2, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
     assert run.calls[-1] == "resume_all"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--pairs", "1"], "--pairs: expected a whole number of pairs from 2 to 10000, got '1'"),
+    (["--phase-s", "nan"], "--phase-s: expected seconds in [0.05, 600], got 'nan'"),
+    (["--settle-s", "-1"], "--settle-s: expected seconds in [0, 600], got '-1'")])
+def test_bad_numbers_are_refused_before_any_phase(capsys, argv, says):
+    from dflash import profile_cli
+
+    with pytest.raises(SystemExit) as info:
+        profile_cli.main(["overhead", "--pid", "1", *argv])
+    assert info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bad_out_and_missing_pid_are_one_line_exit_2(capsys, tmp_path):
+    from dflash import profile_cli
+
+    assert profile_cli.main(["overhead", "--pid", "1", "--out", str(tmp_path / "no" / "o.json")]) == 2
+    assert capsys.readouterr().err == f"dflash-profile: error: --out {tmp_path / 'no' / 'o.json'}: cannot write in " \
+                                      f"{tmp_path / 'no'}\n"
+    assert profile_cli.main(["overhead", "--pid", "999999999"]) == 2
+    assert capsys.readouterr().err == "dflash-profile: error: no such pid 999999999\n"
