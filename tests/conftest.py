@@ -1,8 +1,11 @@
-"""Fixtures shared across test packages: a real OTLP/HTTP receiver."""
+"""Fixtures shared across test packages: a real OTLP/HTTP receiver, and the built-ins of the small
+CPU runs, built once per session."""
 from __future__ import annotations
 
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +61,30 @@ class OtlpReceiver:
 def otlp_receiver_cls():
     """The receiver class (for fixtures of any scope): OtlpReceiver() starts one on 127.0.0.1."""
     return OtlpReceiver
+
+
+@pytest.fixture(scope="session")
+def small_builtin(tmp_path_factory) -> Path:
+    """RUN_DIR/builtin as a run with `--builtin-conversations 48` (seed 0, up to 16 eval prompts) builds
+    it: the tiny target and both corpora, from dflash.tiny.ensure_builtin, the function rank 0 calls."""
+    from dflash.tiny import ensure_builtin
+
+    built = ensure_builtin(tmp_path_factory.mktemp("small-builtin") / "builtin", seed=0, num_train=48, num_eval=16)
+    return built.train_path.parent
+
+
+@pytest.fixture(scope="session")
+def prebuilt(small_builtin):
+    """prebuilt(run_dir) -> run_dir: a new run directory that already holds those built-ins, as one
+    that a run (or a --resume) left. Rank 0 reuses a matching build (ensure_builtin checks its marker)
+    instead of spending ~3.5 s of every small run's start-up building the same ones again. Tests of
+    the built-ins themselves, of the run directory's creation (its mode) or of the default run do
+    not use it."""
+    def seed(run_dir: Path) -> Path:
+        shutil.copytree(small_builtin, Path(run_dir) / "builtin")
+        return Path(run_dir)
+
+    return seed
 
 
 @pytest.fixture(autouse=True)

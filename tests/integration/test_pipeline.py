@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,13 +45,26 @@ def spans_seen(recs: list[dict]) -> set[str]:
     return {name for r in recs if r["type"] == "interval" for name in r["spans"]}
 
 
-def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
-    run = tmp_path / "run"
+# The 8-step run with a step-4 checkpoint that test_resume_matches_an_uninterrupted_run compares against.
+EIGHT_STEPS = ["--max-steps", "8", "--checkpoint-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def eight_step_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One real 8-step run, built-ins and all, read by two tests: every span of the CPU path, and the
+    uninterrupted run that a resumed one must match (evaluation runs after the last checkpoint and on
+    the held-out corpus, so it changes neither the data order nor the weights)."""
+    run = tmp_path_factory.mktemp("pipeline") / "run"
     with socket.socket() as s:   # an OTLP collector that is not there: training must not notice
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL],
+    r = train(["--run-dir", str(run), *EIGHT_STEPS, *SMALL],
               env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}"})
+    return run, r
+
+
+def test_two_process_run_records_every_span_of_the_cpu_path(eight_step_run):
+    run, r = eight_step_run
     assert r.returncode == 0, r.stderr[-3000:]
     # ...and says so once per rank, not once per batch of spans.
     assert r.stderr.count("otel: export of traces") == 2, r.stderr[-3000:]   # one line per rank
@@ -88,8 +102,8 @@ def test_two_process_run_records_every_span_of_the_cpu_path(tmp_path):
     assert "dflash-train: start-up " in r.stdout and " s from launch to the first step: spawn " in r.stdout
 
 
-def test_torchrun_launch_runs_the_same_worker(tmp_path):
-    run = tmp_path / "run"
+def test_torchrun_launch_runs_the_same_worker(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "3",
                         *SMALL], cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -100,16 +114,17 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path):
     assert up["origin"] == "process" and list(up["phases_seconds"])[0] == "imports"   # no launcher here
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path):
-    common = ["--max-steps", "8", "--checkpoint-every", "4", *SMALL, "--eval-prompts", "0"]
-    full = tmp_path / "full"
-    assert train(["--run-dir", str(full), *common]).returncode == 0
+def test_resume_matches_an_uninterrupted_run(tmp_path, eight_step_run):
+    common = [*EIGHT_STEPS, *SMALL, "--eval-prompts", "0"]
+    full, r = eight_step_run
+    assert r.returncode == 0, r.stderr[-3000:]
     # A new run (no --resume) into a directory holding one is refused before touching it.
     before = (full / "profile" / "rank0.jsonl").read_bytes()
     r = train(["--run-dir", str(full), *common])
     assert r.returncode == 2 and "pass --resume" in r.stderr and "Traceback" not in r.stderr
     assert (full / "profile" / "rank0.jsonl").read_bytes() == before
     cut = tmp_path / "cut"
+    shutil.copytree(full / "builtin", cut / "builtin")   # the same built-ins, not built a second time
     # Die mid-run after the step-4 checkpoint, through the real fault-injection path.
     r = train(["--run-dir", str(cut), *common], env={"DFLASH_FAULT": "crash@drafter.fwd_bwd:step=5"})
     assert r.returncode == 1 and "injected crash" in r.stderr
@@ -126,8 +141,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     assert last(cut)["drafter.fwd_bwd"]["count"] == 4  # the resumed process did only the remaining steps
 
 
-def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
-    run = tmp_path / "run"
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "10000",
                           *SMALL, "--eval-prompts", "0"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -179,13 +194,13 @@ def test_default_run_learns_and_real_acceptance_matches_simulated(tmp_path):
     assert ev["measured_tau"] > 2.0  # it learned something worth drafting with
 
 
-def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path):
+def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path, prebuilt):
     """DFLASH_SPLIT_FC_LAYERS ships the K layers separately; the drafter concatenates and adds the same
     seeded noise, so the whole run is the same computation: identical weights at the end."""
     common = ["--max-steps", "3", "--hidden-noise", "0.05", *SMALL, "--eval-prompts", "0"]
     runs = {}
     for split in ("0", "1"):
-        run = tmp_path / f"split{split}"
+        run = prebuilt(tmp_path / f"split{split}")
         r = train(["--run-dir", str(run), *common], env={"DFLASH_SPLIT_FC_LAYERS": split})
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads((run / "config.json").read_text())["split_fc_layers"] is (split == "1")
@@ -193,11 +208,11 @@ def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path):
     assert all(torch.equal(runs["0"][k], runs["1"][k]) for k in runs["0"])
 
 
-def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(tmp_path):
+def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(tmp_path, prebuilt):
     """The seeds' hidden failure: an exception in a background thread. Injected in the sender thread
     (transfer.send runs there), it must reach the main thread, fail the run with exit 1, keep the
     thread's own traceback, and be recorded as the target's run_end status."""
-    run = tmp_path / "run"
+    run = prebuilt(tmp_path / "run")
     r = train(["--run-dir", str(run), "--max-steps", "8", *SMALL, "--eval-prompts", "0"],
               env={"DFLASH_FAULT": "crash@transfer.send:step=2"})
     assert r.returncode == 1
@@ -209,7 +224,7 @@ def test_background_thread_crash_surfaces_with_its_traceback_and_stops_the_run(t
     assert end["status"] == "RuntimeError"
 
 
-def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_path, monkeypatch):
+def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_path, monkeypatch, prebuilt):
     """The launcher starts the ranks before it imports torch, from the CUDA driver's device count; a
     driver that shows GPUs this torch cannot use (a CPU-only wheel) gives a wrong world, which the
     preflight's torch count replaces: the gated ranks are killed and the right number started."""
@@ -219,7 +234,7 @@ def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_
     worlds = []
     real = launch.GatedRanks
     monkeypatch.setattr(launch, "GatedRanks", lambda world, ns, env=None: worlds.append(world) or real(world, ns, env))
-    run = tmp_path / "run"
+    run = prebuilt(tmp_path / "run")
     args = [a if a != "cpu" else "auto" for a in SMALL]
     assert cli.main(["--run-dir", str(run), "--max-steps", "2", *args, "--eval-prompts", "0"]) == 0
     assert worlds == [3, 2]
