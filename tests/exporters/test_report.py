@@ -36,11 +36,11 @@ def _train(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, prebuilt) -> dict:
     """Two real 2-process CPU runs: a baseline, and one with every target.fetch slowed. They run side by
     side, so whatever else loads the machine loads both (the A/B test compares their span times)."""
-    base = tmp_path_factory.mktemp("report") / "base"
-    slow = base.parent / "slow"
+    base = prebuilt(tmp_path_factory.mktemp("report") / "base")
+    slow = prebuilt(base.parent / "slow")
     procs = [_train(base), _train(slow, {"DFLASH_FAULT": f"slow={SLOW_FETCH_SECONDS}@target.fetch"})]
     for p in procs:
         _, err = p.communicate(timeout=300)

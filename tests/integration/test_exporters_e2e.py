@@ -93,7 +93,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 30) -> None
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, otlp_receiver_cls):
+def live(tmp_path_factory, otlp_receiver_cls, prebuilt):
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.skip("prometheus/promtool not installed (scripts/test.sh installs Debian's package as root)")
     tmp = tmp_path_factory.mktemp("exporters")
@@ -101,7 +101,7 @@ def live(tmp_path_factory, otlp_receiver_cls):
     prom, base = start_prometheus(tmp, runs / "prometheus-sd" / "*.json")
     receiver = otlp_receiver_cls()
     port = free_port_pair()
-    run = runs / "run"
+    run = prebuilt(runs / "run")
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
     try:
         wait_ready(base, prom)

@@ -54,8 +54,8 @@ def forensics_files(run: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_hang_is_dumped_on_every_rank_and_stops_the_job_within_the_timeout_plus_5s(tmp_path):
-    run = tmp_path / "run"
+def test_a_hang_is_dumped_on_every_rank_and_stops_the_job_within_the_timeout_plus_5s(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r, ended = train(run, "hang@target.fwd:step=3:rank=1", "--hang-timeout-s", "4")
     assert r.returncode == 1, r.stderr[-3000:]
     by_rank = logs(run)
@@ -81,8 +81,8 @@ def test_a_hang_is_dumped_on_every_rank_and_stops_the_job_within_the_timeout_plu
 
 
 @pytest.mark.slow
-def test_an_oom_is_recorded_with_memory_state_and_every_rank_ends_its_log(tmp_path):
-    run = tmp_path / "run"
+def test_an_oom_is_recorded_with_memory_state_and_every_rank_ends_its_log(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r, ended = train(run, "oom@drafter.fwd_bwd:step=3:rank=0")
     assert r.returncode == 1, r.stderr[-3000:]
     by_rank = logs(run)
@@ -99,8 +99,8 @@ def test_an_oom_is_recorded_with_memory_state_and_every_rank_ends_its_log(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_crash_on_a_target_rank_stops_the_job_within_5s_and_every_rank_writes_run_end(tmp_path):
-    run = tmp_path / "run"
+def test_a_crash_on_a_target_rank_stops_the_job_within_5s_and_every_rank_writes_run_end(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r, ended = train(run, "crash@target.fwd:step=3:rank=1")
     assert r.returncode == 1, r.stderr[-3000:]
     by_rank = logs(run)

@@ -61,8 +61,8 @@ def error_lines(stderr: str) -> list[str]:
 
 # ------------------------------------------------------------- nan@drafter.fwd_bwd, three policies
 @pytest.mark.slow
-def test_nan_loss_under_stop_exits_1_naming_it_with_no_checkpoint_of_that_step(tmp_path):
-    run = tmp_path / "run"
+def test_nan_loss_under_stop_exits_1_naming_it_with_no_checkpoint_of_that_step(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, ["--checkpoint-every", "2"], "nan@drafter.fwd_bwd:step=3")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
@@ -78,8 +78,8 @@ def test_nan_loss_under_stop_exits_1_naming_it_with_no_checkpoint_of_that_step(t
 
 
 @pytest.mark.slow
-def test_nan_loss_under_skip_step_skips_that_update_and_trains_on(tmp_path):
-    run = tmp_path / "run"
+def test_nan_loss_under_skip_step_skips_that_update_and_trains_on(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, ["--on-nonfinite", "skip-step"], "nan@drafter.fwd_bwd:step=3")
     assert r.returncode == 0, r.stderr[-3000:]
     events = nonfinite_events(run, 0)
@@ -92,8 +92,8 @@ def test_nan_loss_under_skip_step_skips_that_update_and_trains_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_loss_under_warn_goes_on_and_the_guard_refuses_the_nonfinite_checkpoint(tmp_path):
-    run = tmp_path / "run"
+def test_nan_loss_under_warn_goes_on_and_the_guard_refuses_the_nonfinite_checkpoint(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, ["--on-nonfinite", "warn", "--checkpoint-every", "2"], "nan@drafter.fwd_bwd:step=3")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
@@ -108,8 +108,8 @@ def test_nan_loss_under_warn_goes_on_and_the_guard_refuses_the_nonfinite_checkpo
 
 # ----------------------------------------------------- nan@target.pack_hidden, nan@transfer.send
 @pytest.mark.slow
-def test_nan_in_the_pack_is_named_by_the_target_and_attributed_to_the_pack(tmp_path):
-    run = tmp_path / "run"
+def test_nan_in_the_pack_is_named_by_the_target_and_attributed_to_the_pack(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, ["--on-nonfinite", "skip-step"], "nan@target.pack_hidden:step=2")
     assert r.returncode == 0, r.stderr[-3000:]
     [target] = nonfinite_events(run, 1)
@@ -123,8 +123,8 @@ def test_nan_in_the_pack_is_named_by_the_target_and_attributed_to_the_pack(tmp_p
 
 
 @pytest.mark.slow
-def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path):
-    run = tmp_path / "run"
+def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, [], "nan@transfer.send:step=2")
     assert r.returncode == 1, r.stderr[-3000:]
     assert error_lines(r.stderr) == ["dflash-train: error: rank 0: non-finite payload.transfer in drafter.recv "
@@ -233,8 +233,8 @@ def test_fingerprints_travel_with_their_payloads_and_each_rank_keeps_a_flight_re
 
 
 @pytest.mark.slow
-def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path):
-    run = tmp_path / "run"
+def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     r = train(run, ["--hang-timeout-s", "4"], "hang@drafter.fwd_bwd:step=3:rank=0")
     assert r.returncode == 1, r.stderr[-3000:]
     dumps = {}

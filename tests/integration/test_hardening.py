@@ -288,8 +288,8 @@ def test_a_rendezvous_missing_a_rank_says_what_it_waits_for_and_times_out(tmp_pa
 
 
 # -------------------------------------------------------------------- a full disk, nothing behind
-def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_exits_1(tmp_path):
-    run = tmp_path / "run"
+def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_exits_1(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     (run / "checkpoints").mkdir(parents=True)
     # One checkpoint of the built-in run is about 4.5 MB: the first fits, the second does not.
     script = ('mount -t tmpfs -o size=6m tmpfs "$0/checkpoints" && "$1" -m dflash.cli --run-dir "$0" --max-steps 8 '
@@ -307,8 +307,8 @@ def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_exits_1(tmp_path)
     assert end["status"] == "CheckpointWriteError"
 
 
-def test_resume_cleans_partials_and_summarises_per_rank_and_skipped_eval_is_said(tmp_path):
-    run = tmp_path / "run"
+def test_resume_cleans_partials_and_summarises_per_rank_and_skipped_eval_is_said(tmp_path, prebuilt):
+    run = prebuilt(tmp_path / "run")
     common = ["--run-dir", str(run), "--data", str(DATA), *SMALL, "--eval-prompts", "8"]
     r = train([*common, "--max-steps", "4", "--checkpoint-every", "2"])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -46,10 +46,10 @@ def _wait_until_stuck(run: Path, train: subprocess.Popen, deadline_s: float = 24
 
 
 @pytest.fixture(scope="module")
-def hung_run(tmp_path_factory):
+def hung_run(tmp_path_factory, prebuilt):
     """One real two-rank run whose target hangs in target.fwd at step 4 (the drafter then waits in
     drafter.recv); yields (run_dir, {role: pid}) once both are past the stuck limit."""
-    run = tmp_path_factory.mktemp("snapshot") / "run"
+    run = prebuilt(tmp_path_factory.mktemp("snapshot") / "run")
     out = open(run.parent / "train.log", "w")
     train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "1000", *SMALL],
                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=HANG),
