@@ -196,13 +196,19 @@ def test_default_run_learns_and_real_acceptance_matches_simulated(tmp_path):
 
 def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path, prebuilt):
     """DFLASH_SPLIT_FC_LAYERS ships the K layers separately; the drafter concatenates and adds the same
-    seeded noise, so the whole run is the same computation: identical weights at the end."""
+    seeded noise, so the whole run is the same computation: identical weights at the end. The two runs
+    go side by side: each rank computes on its own fixed threads, so neither changes the other's numbers."""
     common = ["--max-steps", "3", "--hidden-noise", "0.05", *SMALL, "--eval-prompts", "0"]
-    runs = {}
+    procs = {}
     for split in ("0", "1"):
         run = prebuilt(tmp_path / f"split{split}")
-        r = train(["--run-dir", str(run), *common], env={"DFLASH_SPLIT_FC_LAYERS": split})
-        assert r.returncode == 0, r.stderr[-3000:]
+        procs[split] = run, subprocess.Popen(
+            [sys.executable, "-m", "dflash.cli", "--run-dir", str(run), *common], cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, env=dict(os.environ, DFLASH_SPLIT_FC_LAYERS=split))
+    runs = {}
+    for split, (run, p) in procs.items():
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
         assert json.loads((run / "config.json").read_text())["split_fc_layers"] is (split == "1")
         runs[split] = load_file(str(run / "checkpoints" / "step_0000003" / "model.safetensors"))
     assert all(torch.equal(runs["0"][k], runs["1"][k]) for k in runs["0"])
