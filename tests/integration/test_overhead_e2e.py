@@ -6,7 +6,6 @@ a run another client paused, and resume the ranks when it is killed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.control import clean_stale_discovery, default_discovery_dir, query
+from profiler.control import query
 from profiler.records import read_records
 from profiler.snapshot import live_ranks
 
@@ -45,24 +44,11 @@ def _wait_for_steps(run: Path, train: subprocess.Popen, steps: int = 3, deadline
 
 
 @pytest.fixture(scope="module")
-def slow_run(tmp_path_factory):
+def slow_run(tmp_path_factory, prebuilt, live_run):
     """A real two-rank run, slowed only where it is profiled; yields (run dir, discovery records)."""
-    run = tmp_path_factory.mktemp("overhead") / "run"
-    out = open(run.parent / "train.log", "w")
-    train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "2000", *SMALL],
-                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=SLOW),
-                             start_new_session=True)
-    try:
+    run = prebuilt(tmp_path_factory.mktemp("overhead") / "run")
+    with live_run(run, ["--max-steps", "2000", *SMALL], {"DFLASH_FAULT": SLOW}) as train:
         yield run, _wait_for_steps(run, train)
-    finally:
-        try:
-            os.killpg(train.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        train.wait()
-        out.close()
-        time.sleep(0.5)
-        clean_stale_discovery(default_discovery_dir())
 
 
 def _paused_by(ranks: list[dict]) -> list:

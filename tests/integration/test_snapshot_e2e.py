@@ -4,8 +4,6 @@ hangs in target.fwd (DFLASH_FAULT=hang@...), a plain Python process, a missing p
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from profiler.control import clean_stale_discovery, default_discovery_dir
 from profiler.records import read_records
 from profiler.snapshot import live_ranks, snapshot_run
 
@@ -46,25 +43,12 @@ def _wait_until_stuck(run: Path, train: subprocess.Popen, deadline_s: float = 24
 
 
 @pytest.fixture(scope="module")
-def hung_run(tmp_path_factory, prebuilt):
+def hung_run(tmp_path_factory, prebuilt, live_run):
     """One real two-rank run whose target hangs in target.fwd at step 4 (the drafter then waits in
     drafter.recv); yields (run_dir, {role: pid}) once both are past the stuck limit."""
     run = prebuilt(tmp_path_factory.mktemp("snapshot") / "run")
-    out = open(run.parent / "train.log", "w")
-    train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "1000", *SMALL],
-                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=HANG),
-                             start_new_session=True)
-    try:
+    with live_run(run, ["--max-steps", "1000", *SMALL], {"DFLASH_FAULT": HANG}) as train:
         yield run, _wait_until_stuck(run, train)
-    finally:
-        try:
-            os.killpg(train.pid, signal.SIGKILL)  # its own session: the launcher and its two ranks
-        except ProcessLookupError:
-            pass  # it ended on its own (the assertion above says why)
-        train.wait()
-        out.close()
-        time.sleep(0.5)
-        clean_stale_discovery(default_discovery_dir())  # the killed ranks could not remove theirs
 
 
 def test_snapshot_of_a_running_train_rank_shows_threads_roles_and_the_stuck_span(hung_run, tmp_path):
