@@ -24,14 +24,7 @@
 # AB_ONE_CPU_PER_CORE=1 runs on one hyperthread per core (bench/ab_profile.py --one-cpu-per-core),
 # AB_NO_ASLR=1 every run without address-space randomisation (--no-aslr), AB_CPUS=LIST every run on
 # those CPUs (--cpus; default auto: GPU 0's CPU affinity).
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-if compgen -G "cache/ab-cache.tgz.*" > /dev/null; then cat cache/ab-cache.tgz.* | tar xzf -; fi
+source "$(dirname "$0")/env.sh"   # environment, carried wheels and cache
 CACHE=.cache/ab-compile WORK=.cache/ab-work   # kept on a warm machine (ignored by git, not carried)
 SPY="py-spy record --pid {pid} --nonblocking --threads --rate 100 --duration 10 --format raw"
 GCSTAT=/tmp/gcstat

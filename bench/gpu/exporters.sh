@@ -2,11 +2,8 @@
 # One device call (1 GPU): CUDA tests, then the exporter end-to-end test with the run on the GPU (so
 # the NVML and allocator panels must answer too), then the exporter benchmark. Needs the carried
 # .whl (OTel, py-spy) and .devout/{prometheus,promtool}.xz (Debian's 2.42 binaries, xz-compressed).
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/bin:/tmp/site/bin:$PATH
+source "$(dirname "$0")/env.sh"   # environment and carried wheels
+mkdir -p /tmp/bin; export PATH=/tmp/bin:$PATH
 for b in prometheus promtool; do python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" .devout/$b.xz /tmp/bin/$b; chmod +x /tmp/bin/$b; done
 step() { echo "=== $1"; shift; timeout "$@"; echo "=== exit $?"; }
 {

@@ -6,14 +6,7 @@
 # holds the GIL on every rank for S seconds instead of the A/B (bench/ab_inrun.py --spy-s). Uses ab.sh's caches: carry
 # `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log, ab_inrun.json, inrun-runs.tgz
 # (each run's log, overhead JSON and run log).
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-if compgen -G "cache/ab-cache.tgz.*" > /dev/null && [ ! -d .cache/ab-compile ]; then cat cache/ab-cache.tgz.* | tar xzf -; fi
+source "$(dirname "$0")/env.sh"   # environment, carried wheels and cache
 WORK=.cache/ab-work
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv

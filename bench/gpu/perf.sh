@@ -6,11 +6,7 @@
 # tests and span costs alone (~3 min); `perf.sh m` the BlockMask read off the tables against
 # create_block_mask, the restart and the drafter step (~4 min). Needs the carried .whl (py-spy,
 # OTel) only for the CUDA tests.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+source "$(dirname "$0")/env.sh"   # environment and carried wheels
 step() { echo "=== $1 $(date +%T)"; shift; timeout "$@"; echo "=== exit $?"; }
 part=${1:-a}
 if [ "$part" = c ]; then {   # a re-check after fixes: the CUDA tests and the span costs only (~2 min)
