@@ -115,6 +115,21 @@ def _events(rep: dict) -> list:
     others = [f"{kind} {k['count']}" for kind, k in ev["kinds"].items() if kind not in ev["problems"]]
     if others:
         lines.append("  other: " + ", ".join(others))
+    return lines + _overhead_lines(ev["kinds"].get("profile_overhead"))
+
+
+def _overhead_lines(kind: dict | None) -> list:
+    """What `dflash-profile overhead` measured in this run (its `profile_overhead` events)."""
+    lines = []
+    for e in (kind or {}).get("examples", []):
+        if e.get("mean_diff_pct") is None:
+            continue
+        ci = (f" (95% CI {e['ci_low_pct']:+.2f} .. {e['ci_high_pct']:+.2f}%)"
+              if isinstance(e.get("ci_low_pct"), (int, float)) and isinstance(e.get("ci_high_pct"), (int, float))
+              else "")
+        lines.append(f"  profiling cost, measured in the run (dflash-profile overhead, step {e.get('step')}): "
+                     f"on vs off {e['mean_diff_pct']:+.2f}%{ci}, {e.get('pairs')} pairs; on within "
+                     f"{e.get('threshold_pct', 1):g}% of off: {e.get('within')}")
     return lines
 
 

@@ -8,8 +8,9 @@ then the server closes the connection. Commands:
   {"cmd": "state"}                   -> {"state": state_fn()}
   {"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log
                                         (the process stays the log's single writer)
-  {"cmd": NAME, ...}                 -> commands[NAME](request), for the owner's own commands (the profiler's:
-                                        pause, resume and progress; profiler/pause.py)
+  {"cmd": NAME, ...}                 -> commands[NAME](request), the owner's own commands (the profiler's:
+                                        pause, resume, progress, overhead_result; profiler/pause.py and
+                                        profiler/overhead.py)
 Only the owning user (or root) can connect: socket mode 0600, discovery dir 0700, the peer's uid checked.
 A starting server removes the discovery files of dead endpoints of this uid (see clean_stale_discovery).
 """

@@ -500,7 +500,18 @@ class Profiler:
         """The endpoint's commands beyond state/record/ping: pause, resume (profiler/pause.py), progress."""
         return {"pause": lambda req: self.pauses.pause(req.get("owner"), req.get("lease_s")),
                 "resume": lambda req: self.pauses.resume(req.get("owner")),
-                "progress": lambda req: {"ok": True, **self.progress_now()}}
+                "progress": lambda req: {"ok": True, **self.progress_now()},
+                "overhead_result": lambda req: self._note_overhead(req.get("result"))}
+
+    def _note_overhead(self, result) -> dict:
+        """A `profile_overhead` event with an overhead measurement's summary (its scalar fields only)."""
+        if not isinstance(result, dict):
+            return {"ok": False, "error": f"overhead_result needs a 'result' object, got {type(result).__name__}"}
+        fields = {str(k)[:64]: (v[:500] if isinstance(v, str) else v) for k, v in result.items()
+                  if isinstance(v, (int, float, str, bool)) or v is None}
+        fields.pop("kind", None)
+        self.event("profile_overhead", **fields)
+        return {"ok": True}
 
 
 def _without_ids(open_spans: list) -> list:

@@ -93,6 +93,11 @@ class RunEndpoints:
                 failed.append(f"rank {record.get('rank')}: {reply.get('error')}")
         return failed
 
+    def note(self, summary: dict) -> str | None:
+        """Record the summary as a `profile_overhead` event in rank 0's run log; None, or why not."""
+        reply = self._query(self.meter["socket_path"], "overhead_result", timeout_s=self.timeout_s, result=summary)
+        return None if reply.get("ok") else str(reply.get("error"))
+
     def progress(self) -> tuple[int, float | None]:
         reply = self._ask(self.meter, "progress")
         return reply["step"], reply.get("step_time_unix")
@@ -153,8 +158,23 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
     finally:
         failed = endpoints.resume_all()
     phases = phases[:len(phases) // 2 * 2]   # whole pairs only
-    return summarise(phases, stopped, failed, {"pairs_asked": pairs, "settle_s": settle_s, "measure_s": measure_s,
-                                               "seconds": clock() - t0})
+    result = summarise(phases, stopped, failed, {"pairs_asked": pairs, "settle_s": settle_s, "measure_s": measure_s,
+                                                 "seconds": clock() - t0})
+    why = endpoints.note(brief(result))
+    result["recorded"] = why is None
+    if why is not None:
+        result["not_recorded_because"] = why
+    return result
+
+
+def brief(result: dict) -> dict:
+    """The scalar summary that goes into the run log (a `profile_overhead` event: docs/RUNLOG.md)."""
+    p, v = result["paired"], result["verdicts"]
+    return {"pairs": result["pairs"], "measure_s": result["measure_s"], "settle_s": result["settle_s"],
+            "metric": result["metric"], "on_mean": result["on"]["mean"], "off_mean": result["off"]["mean"],
+            "mean_diff_pct": p["mean_diff_pct"], "ci_low_pct": p["ci_low_pct"], "ci_high_pct": p["ci_high_pct"],
+            "half_width_pct": p["half_width_pct"], "resolves": v["resolves"], "within": v["within"],
+            "threshold_pct": v["threshold_pct"], "stopped": result["stopped"]}
 
 
 def summarise(phases: list[Phase], stopped, resume_failed: list, settings: dict) -> dict:
@@ -190,6 +210,8 @@ def format_result(result: dict) -> str:
                  f"on within {v['threshold_pct']:g}% of off: {v['within']}")
     if result["stopped"]:
         lines.append(f"  stopped early: {result['stopped']}")
+    if not result.get("recorded", True):
+        lines.append(f"  not recorded in rank 0's run log: {result.get('not_recorded_because')}")
     for failure in result["resume_failed"]:
         lines.append(f"  NOT RESUMED (its lease ends it): {failure}")
     return "\n".join(lines)

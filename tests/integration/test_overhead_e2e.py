@@ -68,6 +68,12 @@ def test_overhead_sees_the_profiled_phases_cost_and_leaves_the_run_profiling(slo
     assert "on vs off: -" in r.stdout and "on within 1% of off:" in r.stdout
     assert _paused_by(ranks) == [None, None]
     recs = read_records(run / "profile" / "rank0.jsonl")[0]
+    (noted,) = [x for x in recs if x["type"] == "event" and x["kind"] == "profile_overhead"]
+    assert result["recorded"] is True and noted["mean_diff_pct"] == result["paired"]["mean_diff_pct"]
+    report = subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert f"profiling cost, measured in the run (dflash-profile overhead, step {noted['step']}): on vs off " \
+           f"{noted['mean_diff_pct']:+.2f}%" in report.stdout, report.stdout[-2000:] + report.stderr[-2000:]
     paused = [x for x in recs if x["type"] == "interval" and x.get("pauses")]
     assert paused and all(0 < x["paused_seconds"] <= x["duration_seconds"] for x in paused)
     closed = len([x for x in recs if x["type"] == "interval"])

@@ -36,6 +36,10 @@ class ScriptedRun:
         self.calls.append("resume_all")
         return []
 
+    def note(self, summary):
+        self.calls.append(("note", summary["pairs"], summary["mean_diff_pct"]))
+        return None if self.now <= self.end_s else "rank 0 (pid 1): overhead_result: control endpoint gone"
+
 
 def test_rates_come_from_the_runs_step_times_in_abba_order():
     run = ScriptedRun({"on": 9.9, "off": 10.0})
@@ -43,7 +47,8 @@ def test_rates_come_from_the_runs_step_times_in_abba_order():
     assert [p["arm"] for p in result["phases"]] == ["on", "off", "off", "on", "on", "off", "off", "on"]
     assert result["on"]["mean"] == pytest.approx(9.9) and result["off"]["mean"] == pytest.approx(10.0)
     assert result["paired"]["mean_diff_pct"] == pytest.approx(-1.0, abs=1e-9)
-    assert run.calls[0] == "check" and run.calls[-1] == "resume_all" and result["stopped"] is None
+    assert run.calls[0] == "check" and run.calls[-2] == "resume_all" and result["stopped"] is None
+    assert run.calls[-1] == ("note", 4, result["paired"]["mean_diff_pct"]) and result["recorded"] is True
     text = format_result({**result, "run_dir": "/r", "ranks": 2})
     assert "on vs off: -1.00%" in text and "4 on/off pairs of 3 s phases" in text
 
@@ -52,7 +57,9 @@ def test_a_run_ending_after_two_pairs_keeps_the_whole_pairs():
     run = ScriptedRun({"on": 5.0, "off": 5.0}, end_s=18.0)   # 3.5 s per phase: ends in pair 3's first phase
     result = measure(run, pairs=10, settle_s=0.5, measure_s=3.0, sleep=run.sleep)
     assert result["pairs"] == 2 and len(result["phases"]) == 4 and "control endpoint gone" in result["stopped"]
-    assert run.calls[-1] == "resume_all"
+    assert run.calls[-2] == "resume_all" and result["recorded"] is False
+    assert "not recorded in rank 0's run log: rank 0 (pid 1): overhead_result: control endpoint gone" in \
+        format_result({**result, "run_dir": "/r", "ranks": 2})
 
 
 def test_a_run_ending_before_two_pairs_is_an_error_and_still_resumes():
