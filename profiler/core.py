@@ -21,6 +21,7 @@ from profiler.forensics import Forensics, format_open_spans, install_autotune_sp
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
 from profiler.nonfinite import NonfiniteMonitor
+from profiler.overhead import SUMMARY_FIELDS
 from profiler.pause import PauseControl
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog
@@ -504,12 +505,12 @@ class Profiler:
                 "overhead_result": lambda req: self._note_overhead(req.get("result"))}
 
     def _note_overhead(self, result) -> dict:
-        """A `profile_overhead` event with an overhead measurement's summary (its scalar fields only)."""
+        """A `profile_overhead` event with an overhead measurement's summary: the SUMMARY_FIELDS that are
+        scalars, nothing else (a client cannot set a record's type, rank or kind)."""
         if not isinstance(result, dict):
             return {"ok": False, "error": f"overhead_result needs a 'result' object, got {type(result).__name__}"}
-        fields = {str(k)[:64]: (v[:500] if isinstance(v, str) else v) for k, v in result.items()
-                  if isinstance(v, (int, float, str, bool)) or v is None}
-        fields.pop("kind", None)
+        fields = {k: (v[:500] if isinstance(v, str) else v) for k, v in result.items()
+                  if k in SUMMARY_FIELDS and (isinstance(v, (int, float, str, bool)) or v is None)}
         self.event("profile_overhead", **fields)
         return {"ok": True}
 

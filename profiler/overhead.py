@@ -30,6 +30,9 @@ from profiler.control import default_discovery_dir, discover, query
 from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, live_ranks
 
 MIN_STEPS_PER_PHASE = 3
+# The fields of a `profile_overhead` event (brief()); the endpoint keeps these and no others.
+SUMMARY_FIELDS = ("pairs", "measure_s", "settle_s", "metric", "on_mean", "off_mean", "mean_diff_pct", "ci_low_pct",
+                  "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
 LEASE_MARGIN_S = 10.0
 
 

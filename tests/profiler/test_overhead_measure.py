@@ -3,7 +3,7 @@ order, a run that ends after two pairs keeps them, one that ends sooner is an er
 resumes (the real run and socket: tests/integration/test_overhead_e2e.py)."""
 import pytest
 
-from profiler.overhead import OverheadError, format_result, measure
+from profiler.overhead import SUMMARY_FIELDS, OverheadError, brief, format_result, measure
 
 
 class ScriptedRun:
@@ -49,6 +49,7 @@ def test_rates_come_from_the_runs_step_times_in_abba_order():
     assert result["paired"]["mean_diff_pct"] == pytest.approx(-1.0, abs=1e-9)
     assert run.calls[0] == "check" and run.calls[-2] == "resume_all" and result["stopped"] is None
     assert run.calls[-1] == ("note", 4, result["paired"]["mean_diff_pct"]) and result["recorded"] is True
+    assert tuple(brief(result)) == SUMMARY_FIELDS   # what the endpoint keeps is what the client sends
     text = format_result({**result, "run_dir": "/r", "ranks": 2})
     assert "on vs off: -1.00%" in text and "4 on/off pairs of 3 s phases" in text
 

@@ -147,9 +147,11 @@ def test_pause_progress_and_resume_over_the_control_socket(tmp_path, monkeypatch
         assert "'lease_s'" in query(sock, "pause", owner="client-1")["error"]
         assert query(sock, "resume", owner="client-1") == {"ok": True, "paused": False}
         assert profiler.active() is prof
-        summary = {"pairs": 3, "mean_diff_pct": -1.5, "within": "no", "phases": [1, 2], "kind": "spoofed"}
+        summary = {"pairs": 3, "mean_diff_pct": -1.5, "within": "no", "phases": [1, 2], "kind": "spoofed",
+                   "type": "interval", "rank": 7, "stopped": "x" * 900}
         assert query(sock, "overhead_result", result=summary) == {"ok": True}
         assert "needs a 'result' object" in query(sock, "overhead_result", result="x")["error"]
     recs = profiler.read_records(tmp_path / "run" / "profile" / "rank0.jsonl")[0]
     (ev,) = [r for r in recs if r["type"] == "event" and r["kind"] == "profile_overhead"]
     assert (ev["pairs"], ev["mean_diff_pct"], ev["within"], ev["step"]) == (3, -1.5, "no", 3) and "phases" not in ev
+    assert ev["rank"] == 0 and len(ev["stopped"]) == 500   # header fields are the profiler's; strings are cut
