@@ -431,8 +431,9 @@ class Profiler:
         return rec
 
     def write_record(self, rtype: str, **fields) -> dict:
-        """Write a record of another type (e.g. "snapshot") with the common header."""
-        rec = {**self._header(rtype), **fields}
+        """Write a record of another type (e.g. "snapshot") with the common header, which `fields` (from the
+        endpoint's `record` command) cannot override: a client cannot forge another record type or rank."""
+        rec = {**fields, **self._header(rtype)}
         self._write(rec)
         return rec
 

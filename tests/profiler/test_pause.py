@@ -131,7 +131,7 @@ def test_bad_pause_requests_are_refused(tmp_path, owner, lease_s, why):
         assert profiler.active() is prof
 
 
-def test_pause_progress_and_resume_over_the_control_socket(tmp_path, monkeypatch):
+def test_pause_progress_resume_and_records_over_the_control_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     with make_prof(tmp_path / "run", control=True) as prof:
         sock = prof.control.socket_path
@@ -151,7 +151,10 @@ def test_pause_progress_and_resume_over_the_control_socket(tmp_path, monkeypatch
                    "type": "interval", "rank": 7, "stopped": "x" * 900}
         assert query(sock, "overhead_result", result=summary) == {"ok": True}
         assert "needs a 'result' object" in query(sock, "overhead_result", result="x")["error"]
+        assert query(sock, "record", fields={"type": "interval", "rank": 9, "note": "forged?"})["ok"]
     recs = profiler.read_records(tmp_path / "run" / "profile" / "rank0.jsonl")[0]
     (ev,) = [r for r in recs if r["type"] == "event" and r["kind"] == "profile_overhead"]
     assert (ev["pairs"], ev["mean_diff_pct"], ev["within"], ev["step"]) == (3, -1.5, "no", 3) and "phases" not in ev
     assert ev["rank"] == 0 and len(ev["stopped"]) == 500   # header fields are the profiler's; strings are cut
+    (snap,) = [r for r in recs if r.get("note") == "forged?"]
+    assert (snap["type"], snap["rank"]) == ("snapshot", 0)   # `record` cannot forge a type or rank either
