@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",
-         "--max-length", "128", "--profile-interval", "1", "--device", "cpu"]
+         "--max-length", "128", "--profile-interval", "1", "--device", "cpu", "--metrics-port", "0"]
 SLOW = "slow=0.1@target.fwd;slow=0.1@drafter.optim"
 PHASES = ["--pairs", "3", "--phase-s", "1.5", "--settle-s", "0.5"]
 
