@@ -121,26 +121,32 @@ class PauseControl:
         return {"ok": True, "paused": True, "lease_s": float(lease_s)}
 
     def resume(self, owner=None) -> dict:
-        """Resume; `owner` None resumes whoever paused (the lease's end, the run's end)."""
+        """Resume; `owner` None resumes whoever paused (the run's end)."""
         with self._lock:
             if self.owner is None:
                 return {"ok": True, "paused": False}
             if owner is not None and owner != self.owner:
                 return {"ok": False, "error": f"paused by {self.owner}, not by {owner}"}
-            if self._interval_clock is not None:
-                self._interval_clock.release()
-            api.unsuspend(self._profiler, self._view, self._recorder)
-            self._set_samplers(False)
-            self._paused_ns += time.perf_counter_ns() - self._since_ns
-            self.owner, self._view = None, None
+            self._resume_locked()
         return {"ok": True, "paused": False}
 
     def expire(self) -> None:
-        """Resume when the lease ran out (the collector calls this at every poll)."""
-        if self.owner is not None and self._clock() >= self.lease_end_s:
+        """Resume when the lease ran out (the collector calls this at every poll); checked and done under
+        the lock, so a renewal that comes first keeps the pause."""
+        with self._lock:
+            if self.owner is None or self._clock() < self.lease_end_s:
+                return
             owner = self.owner
-            if self.resume()["ok"]:
-                logger.warning("profiler: the pause by %s ran out of its lease; profiling again", owner)
+            self._resume_locked()
+        logger.warning("profiler: the pause by %s ran out of its lease; profiling again", owner)
+
+    def _resume_locked(self) -> None:
+        if self._interval_clock is not None:
+            self._interval_clock.release()
+        api.unsuspend(self._profiler, self._view, self._recorder)
+        self._set_samplers(False)
+        self._paused_ns += time.perf_counter_ns() - self._since_ns
+        self.owner, self._view = None, None
 
     def take_interval(self, now_ns: int) -> dict:
         """{"paused_seconds", "pauses"} of the interval closing at now_ns ({} when it never paused); the
