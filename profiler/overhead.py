@@ -27,7 +27,7 @@ from pathlib import Path
 
 from profiler.abstats import arm_stats, paired_stats, verdicts
 from profiler.control import default_discovery_dir, discover, query
-from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, live_ranks
+from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, require_live_ranks
 
 MIN_STEPS_PER_PHASE = 3
 # The fields of a `profile_overhead` event (brief()); the endpoint keeps these and no others.
@@ -119,11 +119,7 @@ def find_run(pid: int | None, run_dir, discovery_dir=None) -> tuple[str, list[di
             raise SnapshotError(NO_LIVE_RANK, f"pid {pid} has no control endpoint (no discovery file in {directory}: "
                                               "not a profiled dflash-train rank, or run with --no-profile)")
         run_dir = record["run_dir"]
-    ranks = live_ranks(run_dir, directory)
-    if not ranks:
-        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names it "
-                                          "(the run ended, has not started, or runs with --no-profile)")
-    return str(Path(run_dir).resolve()), ranks
+    return str(Path(run_dir).resolve()), require_live_ranks(run_dir, directory)
 
 
 def measure_phase(endpoints: RunEndpoints, arm: str, settle_s: float, measure_s: float, sleep=time.sleep) -> Phase:

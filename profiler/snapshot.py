@@ -213,6 +213,16 @@ def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
     return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
 
 
+def require_live_ranks(run_dir, discovery_dir=None) -> list[dict]:
+    """live_ranks(), or SnapshotError (no_live_rank) saying why there are none."""
+    ranks = live_ranks(run_dir, discovery_dir)
+    if not ranks:
+        directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
+        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names "
+                                          "it (the run ended, has not started, or runs with its endpoint off)")
+    return ranks
+
+
 def _snapshot_or_error(record: dict, **kwargs) -> dict:
     try:
         return snapshot_process(record["pid"], **kwargs)
@@ -224,11 +234,7 @@ def _snapshot_or_error(record: dict, **kwargs) -> dict:
 def snapshot_run(run_dir, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
                  clock=time.time) -> dict:
     """Every live rank of a run at once (one thread each, so the views are simultaneous)."""
-    ranks = live_ranks(run_dir, discovery_dir)
-    if not ranks:
-        directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
-        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names "
-                                          "it (the run ended, has not started, or runs with its endpoint off)")
+    ranks = require_live_ranks(run_dir, discovery_dir)
     kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
         snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))
