@@ -88,11 +88,12 @@ def wait_for_steps(run_dir: Path, proc, steps: int, timeout_s: float) -> float:
     raise RuntimeError(f"rank 0 did not reach step {steps} in {timeout_s:.0f} s")
 
 
-def overhead(run_dir: Path, a: argparse.Namespace, env: dict) -> dict:
-    """`dflash-profile overhead --run-dir` on the live run; its JSON result (or {"error": ...})."""
-    out = run_dir.with_suffix(".overhead.json")
+def overhead(run_dir: Path, a: argparse.Namespace, env: dict, part: str = "all") -> dict:
+    """`dflash-profile overhead --run-dir --part PART` on the live run; its JSON result (or {"error": ...})."""
+    out = run_dir.with_suffix(f".overhead-{part}.json")
     argv = [sys.executable, "-m", "dflash.profile_cli", "overhead", "--run-dir", str(run_dir), "--pairs",
-            str(a.pairs), "--phase-s", str(a.phase_s), "--settle-s", str(a.settle_s), "--out", str(out)]
+            str(a.pairs), "--phase-s", str(a.phase_s), "--settle-s", str(a.settle_s), "--part", part,
+            "--out", str(out)]
     r = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
     print(r.stdout, end="", flush=True)
     if r.returncode != 0 or not out.is_file():
@@ -115,26 +116,31 @@ def spy_gil(run_dir: Path, seconds: float) -> dict:
 
 
 def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: argparse.Namespace,
-            runs: Path, builtin: Path) -> dict:
-    """Start, warm up, measure in-run, stop; the record of this run."""
+            runs: Path, builtin: Path) -> list[dict]:
+    """Start, warm up, measure in-run (each of --parts in turn, on the same run), stop; a record per part."""
     run_dir = runs / f"{wl.name}-inject{inject_s:g}"
     ab.seed_builtin(run_dir, builtin if wl.target_shape is None else None)
     proc, pinner = start_run(setup, run_dir, args, inject_s)
     rec = {"workload": wl.name, "inject_s": inject_s, "sleep_s": sleep_seconds(inject_s), "run_dir": str(run_dir)}
+    out = []
     try:
         rec["warm_wait_s"] = wait_for_steps(run_dir, proc, a.warm_steps, a.run_timeout_s)
-        rec["result"] = spy_gil(run_dir, a.spy_s) if a.spy_s else overhead(run_dir, a, setup.env)
+        if a.spy_s:
+            out.append({**rec, "part": "all", "result": spy_gil(run_dir, a.spy_s)})
+        for part in [] if a.spy_s else a.parts:
+            out.append({**rec, "part": part, "result": overhead(run_dir, a, setup.env, part)})
     except RuntimeError as exc:
-        rec["result"] = {"error": str(exc)}
+        out.append({**rec, "part": "-", "result": {"error": str(exc)}})
     finally:
         ab._stop_group(proc)
         if pinner is not None:
             pinner.stop()
-            rec["rank_cpus"] = pinner.pinned
+            for r in out:
+                r["rank_cpus"] = pinner.pinned
     if wl.target_shape is None and not builtin.is_dir() and (run_dir / "builtin").is_dir():
         shutil.copytree(run_dir / "builtin", builtin)
     ab.tidy_run(run_dir, setup.keep_runs)
-    return rec
+    return out
 
 
 def expected_pct(rec: dict) -> float | None:
@@ -147,16 +153,16 @@ def expected_pct(rec: dict) -> float | None:
 
 
 def format_rows(records: list[dict]) -> str:
-    lines = ["| workload | injected | pairs | off steps/s | on vs off | 95% CI | half-width | expected | "
-             "resolves 1% | on within 1% |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | injected | off pauses | pairs | off steps/s | on vs off | 95% CI | half-width | expected | "
+             "resolves 1% | on within 1% |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in records:
         res = rec.get("result", {})
         inj = f"{1e6 * rec['inject_s']:.0f} us ({1e6 * rec['sleep_s']:.0f} real)" if rec["inject_s"] else "none"
         if "error" in res:
-            lines.append(f"| {rec['workload']} | {inj} | FAILED: {res['error'].splitlines()[0][:150]} |")
+            lines.append(f"| {rec['workload']} | {inj} | {rec.get('part', 'all')} | FAILED: {res['error'].splitlines()[0][:150]} |")
             continue
         p, v, exp = res["paired"], res["verdicts"], expected_pct(rec)
-        lines.append(f"| {rec['workload']} | {inj} | {res['pairs']} | {res['off']['mean']:.2f} | "
+        lines.append(f"| {rec['workload']} | {inj} | {rec.get('part', 'all')} | {res['pairs']} | {res['off']['mean']:.2f} | "
                      f"{p['mean_diff_pct']:+.2f}% | {p['ci_low_pct']:+.2f} .. {p['ci_high_pct']:+.2f}% | "
                      f"{p['half_width_pct']:.2f}% | {'-' if exp is None else f'{exp:+.2f}%'} | "
                      f"{'yes' if v['resolves'] else 'no'} | {v['within']} |")
@@ -171,6 +177,13 @@ def _injections(text: str) -> list[float]:
     if not values or any(not 0 <= v <= 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated seconds in [0, 1], got {text!r}")
     return values
+
+
+def _parts(text: str) -> list[str]:
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or any(p not in ("all", "inline", "background") for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated all, inline, background; got {text!r}")
+    return parts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,6 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="default: $OUT/ab_inrun.json, else WORKDIR/ab_inrun.json")
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="longest wait for the warm steps")
+    ap.add_argument("--parts", type=_parts, default=["all"],
+                    help="what the off phases pause, one measurement each on the same run, in order: "
+                         "comma-separated all, inline, background (dflash-profile overhead --part)")
     ap.add_argument("--spy-s", type=float, default=0.0,
                     help="no A/B: record who holds the GIL on every rank (py-spy --gil) for this long")
     a = ap.parse_args(argv)
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         args = [*ab.prepare_workload(wl, setup.workdir, setup.env), *wl.flags, "--max-steps", FAR_STEPS]
         builtin = setup.workdir / ("builtin-" + "-".join(wl.flags or ["default"]).replace("--", ""))
         for inject_s in a.inject_s:
-            report.data["runs"].append(one_run(setup, wl, args, inject_s, a, runs, builtin))
+            report.data["runs"].extend(one_run(setup, wl, args, inject_s, a, runs, builtin))
             report.save()
         print(f"== {name}\n" + format_rows([r for r in report.data["runs"] if r["workload"] == name]), flush=True)
     print(ab.format_machine(machine))

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     over.add_argument("--phase-s", type=_seconds(0.05, 600), default=3.0, help="measured seconds per phase (3)")
     over.add_argument("--settle-s", type=_seconds(0, 600), default=1.0,
                       help="seconds after each switch before measuring (1): the queues reach the new state")
+    over.add_argument("--part", choices=("all", "inline", "background"), default="all",
+                      help="what the off phases pause: all (--no-profile's path; default), inline (the training "
+                           "threads' spans, counters, checks) or background (collector, interval clock, samplers)")
     return p
 
 
@@ -93,9 +96,9 @@ def overhead(args) -> dict:
     """The in-run on/off measurement of the run that args.pid or args.run_dir names (profiler/overhead.py)."""
     from profiler import overhead as oh
 
+    lease_s = oh.lease_for(args.part, args.settle_s, args.phase_s)
     run_dir, ranks = oh.find_run(args.pid, args.run_dir)
-    lease_s = 2 * (args.settle_s + args.phase_s) + oh.LEASE_MARGIN_S
-    endpoints = oh.RunEndpoints(ranks, oh.owner_name(), lease_s)
+    endpoints = oh.RunEndpoints(ranks, oh.owner_name(), lease_s, part=args.part)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # unwinds through measure()'s resume
     try:
         result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line)

@@ -127,7 +127,9 @@ def _overhead_lines(kind: dict | None) -> list:
         ci = (f" (95% CI {e['ci_low_pct']:+.2f} .. {e['ci_high_pct']:+.2f}%)"
               if isinstance(e.get("ci_low_pct"), (int, float)) and isinstance(e.get("ci_high_pct"), (int, float))
               else "")
-        lines.append(f"  profiling cost, measured in the run (dflash-profile overhead, step {e.get('step')}): "
+        part = e.get("part", "all")
+        what = "profiling cost" if part == "all" else f"cost of the profiler's {part} part"
+        lines.append(f"  {what}, measured in the run (dflash-profile overhead, step {e.get('step')}): "
                      f"on vs off {e['mean_diff_pct']:+.2f}%{ci}, {e.get('pairs')} pairs; on within "
                      f"{e.get('threshold_pct', 1):g}% of off: {e.get('within')}")
     return lines

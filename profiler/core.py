@@ -254,8 +254,9 @@ class Profiler:
 
     def _timer_poll(self) -> None:
         if self.pauses.active:
-            self.pauses.expire()   # paused: the collector only watches the lease
-            return
+            self.pauses.expire()   # paused: the collector watches the lease...
+            if self.pauses.background_held:
+                return             # ...and only that, while the background holds still
         self._poll()
 
     def _timer_close(self) -> None:
@@ -500,7 +501,8 @@ class Profiler:
 
     def _commands(self) -> dict:
         """The endpoint's commands beyond state/record/ping: pause, resume (profiler/pause.py), progress."""
-        return {"pause": lambda req: self.pauses.pause(req.get("owner"), req.get("lease_s")),
+        return {"pause": lambda req: self.pauses.pause(req.get("owner"), req.get("lease_s"),
+                                                             req.get("part", "all")),
                 "resume": lambda req: self.pauses.resume(req.get("owner")),
                 "progress": lambda req: {"ok": True, **self.progress_now()},
                 "overhead_result": lambda req: self._note_overhead(req.get("result"))}

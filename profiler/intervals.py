@@ -343,6 +343,7 @@ class IntervalTimer:
         self.next_boundary_s = clock() + interval_s
         self._held_remaining_s: float | None = None   # while held: what was left of the interval
         self._stop = threading.Event()
+        self._wake = threading.Event()   # set by stop() and poke(): the thread's wait ends at once
         self._thread = None
         self._logged = False
 
@@ -352,6 +353,7 @@ class IntervalTimer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -363,8 +365,10 @@ class IntervalTimer:
                 wait_s = min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))
             except Exception:   # noqa: BLE001 - a broken injected clock: fall back to polling
                 wait_s = self.poll_s
-            if self._stop.wait(wait_s):
+            self._wake.wait(wait_s)
+            if self._stop.is_set():
                 return
+            self._wake.clear()
             self.tick()
 
     def tick(self) -> bool:
@@ -383,6 +387,10 @@ class IntervalTimer:
                 self._logged = True
                 logger.exception("profiler: interval collection failed (logged once; continuing)")
         return False
+
+    def poke(self) -> None:
+        """Run the next iteration now (a resumed background: drain its backlog at once)."""
+        self._wake.set()
 
     def reset_boundary(self) -> None:
         """After a forced close: the next automatic close comes interval_s later (of unheld time)."""

@@ -10,7 +10,11 @@ those two step starts: the run's own clock, so neither the socket's latency nor 
 sleeps enter it. The statistics are bench/ab_profile.py's (profiler/abstats.py): per pair the ratio
 on/off, the geometric mean difference with a 95% paired t interval, "resolves 1%" and "within 1%".
 
-What differs from --no-profile in an off phase: the profiler's idle threads exist (its collector
+`part` (profiler/pause.py) pauses one part of the profiler only in the off phases: `inline` (the training
+threads' spans, counters and checks) or `background` (collector, interval clock, samplers), so the
+difference is what that part costs; `all` (the default) is --no-profile's path.
+
+What differs from --no-profile in an off phase of `all`: the profiler's idle threads exist (its collector
 wakes 4 times a second to watch the pause's lease), each step sets the step (a method call), and the
 memory the profiler holds stays held. Pauses are leases the client renews: if this process dies, the
 run profiles again within `lease_s`. Every exit path resumes every rank.
@@ -27,13 +31,16 @@ from pathlib import Path
 
 from profiler.abstats import arm_stats, paired_stats, verdicts
 from profiler.control import default_discovery_dir, discover, query
+from profiler.pause import max_lease_s
 from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, require_live_ranks
 
 MIN_STEPS_PER_PHASE = 3
 # The fields of a `profile_overhead` event (brief()); the endpoint keeps these and no others.
-SUMMARY_FIELDS = ("pairs", "measure_s", "settle_s", "metric", "on_mean", "off_mean", "mean_diff_pct", "ci_low_pct",
+SUMMARY_FIELDS = ("part", "pairs", "measure_s", "settle_s", "metric", "on_mean", "off_mean", "mean_diff_pct", "ci_low_pct",
                   "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
 LEASE_MARGIN_S = 10.0
+PAUSED_LABELS = {"all": "paused (--no-profile's path)", "inline": "inline paused (background on)",
+                 "background": "background paused (inline on)"}
 
 
 class OverheadError(RuntimeError):
@@ -59,8 +66,9 @@ class Phase:
 class RunEndpoints:
     """The control endpoints of one run's live ranks; rank 0's `progress` is the meter."""
 
-    def __init__(self, records: list[dict], owner: str, lease_s: float, query_fn=query, timeout_s: float = 5.0):
-        self.records, self.owner, self.lease_s = records, owner, lease_s
+    def __init__(self, records: list[dict], owner: str, lease_s: float, query_fn=query, timeout_s: float = 5.0,
+                 part: str = "all"):
+        self.records, self.owner, self.lease_s, self.part = records, owner, lease_s, part
         self._query, self.timeout_s = query_fn, timeout_s
         self.meter = next((r for r in records if r.get("rank") == 0), None)
 
@@ -83,7 +91,7 @@ class RunEndpoints:
     def switch(self, arm: str) -> None:
         for record in self.records:
             if arm == "off":
-                self._ask(record, "pause", owner=self.owner, lease_s=self.lease_s)
+                self._ask(record, "pause", owner=self.owner, lease_s=self.lease_s, part=self.part)
             else:
                 self._ask(record, "resume", owner=self.owner)
 
@@ -104,6 +112,18 @@ class RunEndpoints:
     def progress(self) -> tuple[int, float | None]:
         reply = self._ask(self.meter, "progress")
         return reply["step"], reply.get("step_time_unix")
+
+
+def lease_for(part: str, settle_s: float, measure_s: float) -> float:
+    """The lease each pause takes: two phases and a margin (a renewal comes every other phase at most);
+    OverheadError when that passes what a pause of `part` may hold."""
+    lease_s = 2 * (settle_s + measure_s) + LEASE_MARGIN_S
+    cap = max_lease_s(part)
+    if lease_s > cap:
+        raise OverheadError(f"--phase-s {measure_s:g} and --settle-s {settle_s:g} need a pause of {lease_s:g} s, "
+                            f"more than a pause of part {part!r} may last ({cap:g} s: 2 x (phase + settle) + "
+                            f"{LEASE_MARGIN_S:g} must be at most that)")
+    return lease_s
 
 
 def find_run(pid: int | None, run_dir, discovery_dir=None) -> tuple[str, list[dict]]:
@@ -157,8 +177,8 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
     finally:
         failed = endpoints.resume_all()
     phases = phases[:len(phases) // 2 * 2]   # whole pairs only
-    result = summarise(phases, stopped, failed, {"pairs_asked": pairs, "settle_s": settle_s, "measure_s": measure_s,
-                                                 "seconds": clock() - t0})
+    result = summarise(phases, stopped, failed, {"part": endpoints.part, "pairs_asked": pairs, "settle_s": settle_s,
+                                                 "measure_s": measure_s, "seconds": clock() - t0})
     why = endpoints.note(brief(result))
     result["recorded"] = why is None
     if why is not None:
@@ -169,7 +189,7 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
 def brief(result: dict) -> dict:
     """The scalar summary that goes into the run log (a `profile_overhead` event: docs/RUNLOG.md)."""
     p, v = result["paired"], result["verdicts"]
-    return {"pairs": result["pairs"], "measure_s": result["measure_s"], "settle_s": result["settle_s"],
+    return {"part": result["part"], "pairs": result["pairs"], "measure_s": result["measure_s"], "settle_s": result["settle_s"],
             "metric": result["metric"], "on_mean": result["on"]["mean"], "off_mean": result["off"]["mean"],
             "mean_diff_pct": p["mean_diff_pct"], "ci_low_pct": p["ci_low_pct"], "ci_high_pct": p["ci_high_pct"],
             "half_width_pct": p["half_width_pct"], "resolves": v["resolves"], "within": v["within"],
@@ -196,11 +216,13 @@ def format_result(result: dict) -> str:
     lines = [f"dflash-profile overhead: {result.get('run_dir', '?')} ({result.get('ranks', '?')} ranks): "
              f"{result['pairs']} on/off pairs of {result['measure_s']:g} s phases ({result['settle_s']:g} s settle "
              f"each), {result['seconds']:.0f} s, {result['steps_per_phase']:.0f} steps per phase; metric: "
-             f"{result['metric']}"]
-    for arm, label in (("on", "profiled"), ("off", "paused (--no-profile's path)")):
+             f"{result['metric']}" + (f"; off phases pause the {result['part']} part only"
+                                 if result.get("part", "all") != "all" else "")]
+    paused = PAUSED_LABELS[result.get("part", "all")]
+    for arm, label in (("on", "profiled"), ("off", paused)):
         s = result[arm]
         cv = f"{100 * s['cv']:.1f}%" if s["cv"] is not None else "-"
-        lines.append(f"  {arm:<3} {label:<28} mean {s['mean']:.2f}  median {s['median']:.2f}  CV {cv}")
+        lines.append(f"  {arm:<3} {label:<30} mean {s['mean']:.2f}  median {s['median']:.2f}  CV {cv}")
     p, v = result["paired"], result["verdicts"]
     ci = (f" (95% CI {p['ci_low_pct']:+.2f} .. {p['ci_high_pct']:+.2f}%, half-width {p['half_width_pct']:.2f}%)"
           if p["ci_low_pct"] is not None else "")

@@ -15,9 +15,19 @@ interval closes and the exporters' work behind them come at their natural rate i
 never pile up at a resume), the NVML and stack samplers skip their samples. Left running, and idle: the
 exporter thread (no records come), the control endpoint (it serves the commands), the watchdog.
 
+A pause may stop one part only (`part`), to find which part of the profiler costs a run:
+- `inline`: the training threads' instrumentation (the no-op path above); the background threads run on,
+  with little to do.
+- `background`: the collector, the interval clock and the samplers hold still, while the training
+  threads' spans, counters and checks keep being logged; at the resume the collector is woken at once,
+  so the backlog is drained right away (inside the overhead command's settle time, not in the next
+  measured phase). A backlog grows in memory (records, CUDA events, flag rows), so this lease is
+  shorter (MAX_BACKGROUND_LEASE_S).
+`all` (the default) is both.
+
 A pause is a lease: it ends by itself `lease_s` after the last `pause` command, so a client that dies
 cannot leave a run unprofiled; one owner at a time. Each interval record says how long it was paused
-(`paused_seconds`, `pauses`: docs/RUNLOG.md).
+(`paused_seconds`, `pauses`, and `paused_parts` when a pause stopped one part only: docs/RUNLOG.md).
 """
 from __future__ import annotations
 
@@ -30,7 +40,15 @@ from profiler import api
 logger = logging.getLogger("profiler")
 
 MAX_LEASE_S = 600.0
+MAX_BACKGROUND_LEASE_S = 60.0
 MAX_OWNER_CHARS = 200
+PARTS = {"all": (True, True), "inline": (True, False), "background": (False, True)}
+"""What a pause of each part stops: (the training threads' instrumentation, the background threads)."""
+
+
+def max_lease_s(part: str) -> float:
+    """The longest lease a pause of `part` may take (a background pause keeps a backlog in memory)."""
+    return MAX_BACKGROUND_LEASE_S if PARTS[part][1] and not PARTS[part][0] else MAX_LEASE_S
 
 
 class _PausedNonfinite:
@@ -71,11 +89,14 @@ class PausedView:
         return getattr(self.profiler, name)
 
 
-def _bad_request(owner, lease_s) -> str | None:
+def _bad_request(owner, lease_s, part) -> str | None:
     if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER_CHARS:
         return f"pause needs an 'owner' string of 1 to {MAX_OWNER_CHARS} characters, got {owner!r}"
-    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S:
-        return f"pause needs 'lease_s' in (0, {MAX_LEASE_S:g}] seconds, got {lease_s!r}"
+    if not isinstance(part, str) or part not in PARTS:
+        return f"pause needs 'part' one of {', '.join(PARTS)}, got {part!r}"
+    cap = max_lease_s(part)
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= cap:
+        return f"pause of part {part!r} needs 'lease_s' in (0, {cap:g}] seconds, got {lease_s!r}"
     return None
 
 
@@ -83,7 +104,8 @@ class PauseControl:
     """Pause and resume one profiler (commands `pause` and `resume` of its control endpoint).
 
     `samplers` are objects with a `paused` attribute their threads read before each sample;
-    `interval_clock` has hold() and release() (profiler/intervals.py IntervalTimer): stopped while paused."""
+    `interval_clock` has hold(), release() and poke() (profiler/intervals.py IntervalTimer): stopped while
+    the background is paused, and woken at its resume."""
 
     def __init__(self, profiler, recorder, samplers=(), interval_clock=None, clock=time.monotonic):
         self._profiler, self._recorder = profiler, recorder
@@ -91,34 +113,52 @@ class PauseControl:
         self._lock = threading.Lock()
         self._view: PausedView | None = None
         self.owner: str | None = None
+        self.part: str | None = None
         self.lease_end_s = 0.0
         self._since_ns = 0
         self._paused_ns = 0      # paused time in the current interval, up to _since_ns
         self._pauses = 0         # pauses begun in the current interval
+        self._parts: set = set()   # parts paused in the current interval
 
     @property
     def active(self) -> bool:
         return self.owner is not None
 
-    def pause(self, owner, lease_s) -> dict:
-        """Pause (or renew the lease of the caller's pause); an error while another owner holds it."""
-        why = _bad_request(owner, lease_s)
+    @property
+    def background_held(self) -> bool:
+        """The collector holds still (a pause of `all` or `background`): it only watches the lease."""
+        part = self.part
+        return part is not None and PARTS[part][1]
+
+    def pause(self, owner, lease_s, part="all") -> dict:
+        """Pause `part` (or renew the lease of the caller's pause); an error while another owner holds it,
+        or when the caller's pause is of another part."""
+        why = _bad_request(owner, lease_s, part)
         if why is not None:
             return {"ok": False, "error": why}
         with self._lock:
             if self.owner is not None and self.owner != owner:
                 left_s = self.lease_end_s - self._clock()
                 return {"ok": False, "error": f"paused by {self.owner} for {left_s:.1f} s more"}
+            if self.owner is not None and self.part != part:
+                return {"ok": False, "error": f"paused ({self.part}) by {owner} already: resume before pausing {part}"}
             self.lease_end_s = self._clock() + float(lease_s)
             if self.owner is None:
-                self.owner, self._since_ns = owner, time.perf_counter_ns()
-                self._pauses += 1
-                self._view = PausedView(self._profiler)
-                api.suspend(self._profiler, self._view)
-                self._set_samplers(True)
-                if self._interval_clock is not None:
-                    self._interval_clock.hold()
-        return {"ok": True, "paused": True, "lease_s": float(lease_s)}
+                self._pause_locked(owner, part)
+        return {"ok": True, "paused": True, "part": part, "lease_s": float(lease_s)}
+
+    def _pause_locked(self, owner: str, part: str) -> None:
+        inline, background = PARTS[part]
+        self.owner, self.part, self._since_ns = owner, part, time.perf_counter_ns()
+        self._pauses += 1
+        self._parts.add(part)
+        if inline:
+            self._view = PausedView(self._profiler)
+            api.suspend(self._profiler, self._view)
+        if background:
+            self._set_samplers(True)
+            if self._interval_clock is not None:
+                self._interval_clock.hold()
 
     def resume(self, owner=None) -> dict:
         """Resume; `owner` None resumes whoever paused (the run's end)."""
@@ -141,25 +181,35 @@ class PauseControl:
         logger.warning("profiler: the pause by %s ran out of its lease; profiling again", owner)
 
     def _resume_locked(self) -> None:
-        if self._interval_clock is not None:
+        inline, background = PARTS[self.part]
+        if background and self._interval_clock is not None:
             self._interval_clock.release()
-        api.unsuspend(self._profiler, self._view, self._recorder)
-        self._set_samplers(False)
+        if inline:
+            api.unsuspend(self._profiler, self._view, self._recorder)
+        if background:
+            self._set_samplers(False)
         self._paused_ns += time.perf_counter_ns() - self._since_ns
-        self.owner, self._view = None, None
+        self.owner, self.part, self._view = None, None, None
+        if background and self._interval_clock is not None:
+            self._interval_clock.poke()   # drain the backlog now, not in the next measured phase
 
     def take_interval(self, now_ns: int) -> dict:
-        """{"paused_seconds", "pauses"} of the interval closing at now_ns ({} when it never paused); the
-        next interval starts from zero."""
+        """{"paused_seconds", "pauses"} of the interval closing at now_ns ({} when it never paused), with
+        "paused_parts" when a pause in it stopped one part only; the next interval starts from zero."""
         with self._lock:
             paused_ns = self._paused_ns
             if self.owner is not None:
                 paused_ns += now_ns - self._since_ns
                 self._since_ns = now_ns
-            pauses, self._paused_ns, self._pauses = self._pauses, 0, 0
+            pauses, parts = self._pauses, sorted(self._parts)
+            self._paused_ns, self._pauses = 0, 0
+            self._parts = {self.part} if self.part is not None else set()
         if not pauses and not paused_ns:
             return {}
-        return {"paused_seconds": paused_ns / 1e9, "pauses": pauses}
+        out = {"paused_seconds": paused_ns / 1e9, "pauses": pauses}
+        if parts and parts != ["all"]:
+            out["paused_parts"] = parts
+        return out
 
     def _set_samplers(self, paused: bool) -> None:
         for sampler in self._samplers:

@@ -3,7 +3,9 @@
 # with a known injected cost as the peer. INRUN_WORKLOADS ("launch"), INRUN_INJECT_S ("0,0.0002": one run
 # each; 0.0002 s is about 1% of a launch-workload step on the H200), INRUN_PAIRS (30), INRUN_PHASE_S (2),
 # INRUN_SETTLE_S (0.5). INRUN_CUDA_TESTS=1 first runs the CUDA tests (~2 min); INRUN_SPY_S=S records who
-# holds the GIL on every rank for S seconds instead of the A/B (bench/ab_inrun.py --spy-s). Uses ab.sh's caches: carry
+# holds the GIL on every rank for S seconds instead of the A/B (bench/ab_inrun.py --spy-s). INRUN_PARTS ("all";
+# e.g. "all,inline,background": one measurement each, on the same run, pausing that part of the profiler only).
+# INRUN_TIMEOUT_S (560): the limit per workload. Uses ab.sh's caches: carry
 # `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log, ab_inrun.json, inrun-runs.tgz
 # (each run's log, overhead JSON and run log).
 source "$(dirname "$0")/env.sh"   # environment, carried wheels and cache
@@ -17,13 +19,13 @@ if [ "${INRUN_CUDA_TESTS:-0}" = 1 ]; then
 fi
 for w in ${INRUN_WORKLOADS:-launch}; do
   t0=$SECONDS
-  timeout -s TERM 560 python3 bench/ab_inrun.py --workload "$w" --builtin-conversations 400 --pin-ranks \
+  timeout -s TERM "${INRUN_TIMEOUT_S:-560}" python3 bench/ab_inrun.py --workload "$w" --builtin-conversations 400 --pin-ranks \
     --workdir "$WORK" --compile-cache .cache/ab-compile --json "$OUT/ab_inrun_$w.json" \
     --inject-s "${INRUN_INJECT_S:-0,0.0002}" --pairs "${INRUN_PAIRS:-30}" --phase-s "${INRUN_PHASE_S:-2}" \
-    --settle-s "${INRUN_SETTLE_S:-0.5}" --spy-s "${INRUN_SPY_S:-0}"
+    --settle-s "${INRUN_SETTLE_S:-0.5}" --spy-s "${INRUN_SPY_S:-0}" --parts "${INRUN_PARTS:-all}"
   echo "=== $w: exit $? in $((SECONDS - t0)) s"
 done
 } 2>&1 | tee "$OUT/inrun.log"
-(cd "$WORK/inrun" && tar czf "$OUT/inrun-runs.tgz" */*.log */*.overhead.json */*.gil.txt */*/profile */*/config.json \
+(cd "$WORK/inrun" && tar czf "$OUT/inrun-runs.tgz" */*.log */*.overhead*.json */*.gil.txt */*/profile */*/config.json \
   2> /dev/null)
 ls -la "$OUT"

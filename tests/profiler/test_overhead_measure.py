@@ -12,7 +12,7 @@ class ScriptedRun:
     def __init__(self, rates, end_s=1e9):
         self.rates, self.end_s = rates, end_s
         self.now, self.step, self.t_step = 0.0, 0, 0.0
-        self.arm, self.calls = "on", []
+        self.arm, self.calls, self.part = "on", [], "all"
 
     def sleep(self, seconds):
         while self.t_step + 1 / self.rates[self.arm] <= self.now + seconds:
@@ -87,6 +87,15 @@ def test_bad_numbers_are_refused_before_any_phase(capsys, argv, says):
     with pytest.raises(SystemExit) as info:
         profile_cli.main(["overhead", "--pid", "1", *argv])
     assert info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_background_part_with_long_phases_is_refused_before_any_phase(capsys):
+    from dflash import profile_cli
+
+    assert profile_cli.main(["overhead", "--pid", "1", "--part", "background", "--phase-s", "30"]) == 2
+    assert capsys.readouterr().err == (
+        "dflash-profile: error: --phase-s 30 and --settle-s 1 need a pause of 72 s, more than a pause of part "
+        "'background' may last (60 s: 2 x (phase + settle) + 10 must be at most that)\n")
 
 
 def test_bad_out_and_missing_pid_are_one_line_exit_2(capsys, tmp_path):

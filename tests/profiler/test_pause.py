@@ -3,6 +3,7 @@ background holds still (the interval clock stops), the lease ends a forgotten pa
 and the interval records say how long they were paused. Over the real control socket too."""
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import profiler
 from profiler import api
 from profiler.control import query
 from profiler.faults import FaultPlan, parse_faults
-from profiler.pause import MAX_LEASE_S, PauseControl
+from profiler.intervals import IntervalTimer
+from profiler.pause import MAX_BACKGROUND_LEASE_S, MAX_LEASE_S, PauseControl
 from profiler.spans import NoopSpan
 
 
@@ -131,6 +133,78 @@ def test_bad_pause_requests_are_refused(tmp_path, owner, lease_s, why):
         assert profiler.active() is prof
 
 
+def test_an_inline_pause_stops_the_training_threads_records_only(tmp_path):
+    now = [0.0]
+    with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0]) as prof:
+        prof.sampler = type("S", (), {"paused": False})()
+        assert prof.pauses.pause("test", 60, "inline") == {"ok": True, "paused": True, "part": "inline",
+                                                            "lease_s": 60.0}
+        assert isinstance(profiler.span("x.work"), NoopSpan) and not prof.pauses.background_held
+        now[0] = 10.0
+        assert prof.tick() is True                      # the interval clock runs on
+        assert prof.last_interval["paused_parts"] == ["inline"] and prof.last_interval["pauses"] == 1
+        assert prof.pauses.resume("test")["ok"]
+        with profiler.span("x.work"):
+            pass
+        now[0] = 20.0
+        assert prof.tick() is True and prof.last_interval["spans"]["x.work"]["count"] == 1
+        assert "paused_parts" in prof.last_interval    # paused for the first instant of this interval
+
+
+def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_path):
+    now = [0.0]
+    samplers = [type("S", (), {"paused": False})()]
+    pokes = []
+    with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0]) as prof:
+        prof.timer.poke = lambda: pokes.append(now[0])
+        pc = PauseControl(prof, prof.recorder, samplers=samplers, interval_clock=prof.timer)
+        prof.pauses = pc
+        assert pc.pause("test", MAX_BACKGROUND_LEASE_S, "background")["ok"]
+        assert pc.background_held and samplers[0].paused
+        with profiler.span("x.work"):                   # the training thread still logs
+            pass
+        profiler.count("tokens", 3)
+        now[0] = 30.0
+        assert prof.tick() is False and prof.spans_finished == 0   # the collector holds still, no close
+        assert pc.resume("test")["ok"] and pokes == [30.0] and not samplers[0].paused
+        assert prof.tick() is False and prof.spans_finished == 1   # the backlog drains at once
+        now[0] = 40.0
+        assert prof.tick() is True
+        interval = prof.last_interval
+        assert interval["spans"]["x.work"]["count"] == 1 and interval["counters"]["tokens"]["total"] == 3
+        assert interval["paused_parts"] == ["background"] and interval["duration_seconds"] > 0
+
+
+def test_a_pause_keeps_its_part_and_background_leases_are_short(tmp_path):
+    with make_prof(tmp_path) as prof:
+        pc = prof.pauses
+        assert pc.pause("a", 5, "inline")["ok"]
+        switched = pc.pause("a", 5, "background")
+        assert switched["ok"] is False and "paused (inline) by a already" in switched["error"]
+        assert pc.pause("a", 5, "inline")["ok"] and pc.part == "inline"   # a renewal of the same part
+        assert pc.resume("a")["ok"] and pc.part is None
+        for part, lease_s in (("background", MAX_BACKGROUND_LEASE_S + 1), ("nope", 5), (None, 5), (3, 5)):
+            reply = pc.pause("a", lease_s, part)
+            assert reply["ok"] is False and not pc.active, reply
+        assert "part 'background' needs 'lease_s' in (0, 60]" in pc.pause("a", 61, "background")["error"]
+        assert "'part' one of all, inline, background, got 'nope'" in pc.pause("a", 5, "nope")["error"]
+
+
+def test_poke_wakes_the_collector_thread_at_once():
+    polls = []
+    timer = IntervalTimer(3600.0, lambda: 0.0, lambda: polls.append(1), lambda: None, poll_s=30.0)
+    timer.start()
+    try:
+        timer.poke()
+        deadline = 0
+        while not polls and deadline < 200:
+            threading.Event().wait(0.01)
+            deadline += 1
+        assert polls, "poke() did not wake the timer thread"
+    finally:
+        timer.stop()                                    # and stop() wakes it too: no 30 s wait
+
+
 def test_pause_progress_resume_and_records_over_the_control_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     with make_prof(tmp_path / "run", control=True) as prof:
@@ -146,7 +220,10 @@ def test_pause_progress_resume_and_records_over_the_control_socket(tmp_path, mon
         assert "paused by client-1" in query(sock, "pause", owner="client-2", lease_s=30)["error"]
         assert "'lease_s'" in query(sock, "pause", owner="client-1")["error"]
         assert query(sock, "resume", owner="client-1") == {"ok": True, "paused": False}
-        assert profiler.active() is prof
+        assert query(sock, "pause", owner="client-1", lease_s=30, part="background")["part"] == "background"
+        assert profiler.active() is prof and prof.pauses.background_held   # spans on, collector still
+        assert "needs 'part' one of" in query(sock, "pause", owner="client-1", lease_s=30, part=[1])["error"]
+        assert query(sock, "resume", owner="client-1")["ok"] and not prof.pauses.active
         summary = {"pairs": 3, "mean_diff_pct": -1.5, "within": "no", "phases": [1, 2], "kind": "spoofed",
                    "type": "interval", "rank": 7, "stopped": "x" * 900}
         assert query(sock, "overhead_result", result=summary) == {"ok": True}
