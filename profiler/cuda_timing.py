@@ -2,9 +2,20 @@
 collector-side resolver.
 
 Host-device syncs: NONE. The only CUDA calls here are creating `torch.cuda.Event(enable_timing=True)`,
-recording one (an asynchronous enqueue, in the span hot path), `query()` (a non-blocking status
-check) and `elapsed_time()`, called only after both events' query() returned True, so it never
-waits. No synchronize(), Event.synchronize(), Event.wait() or .item() anywhere.
+recording one (an asynchronous enqueue, in the span hot path), a non-blocking status check of the end
+event, and the elapsed time, asked only once that check said done, and itself answering "not ready"
+rather than waiting when the start is not. No synchronize(), Event.synchronize(), Event.wait() or .item().
+
+Resolving on the collector (`DriverTiming`): torch's `Event.elapsed_time()` makes about five driver calls
+(it queries both events again, and sets and restores the device) and `query()` one more per event, all
+with the GIL held while the training thread launches kernels through the same driver. In a launch-bound
+H200 run they were about half of the collector's GIL samples (bench/RESULTS.md, seventh session), and
+the collector's part was most of profiling's 2-3% cost there (eighth session). The collector instead
+calls libcuda directly: `cuEventQuery(end)`, then `cuEventElapsedTime(start, end)`, which returns
+CUDA_ERROR_NOT_READY instead of waiting if the start is not done: two driver calls per pair. Through
+`ctypes.PyDLL` the GIL stays held, as in torch's calls (releasing it for a microsecond call would hand
+the GIL to the training thread and back on every call). Without libcuda (or for test events) the torch
+calls are used.
 
 Hot-path cost (H200 host, bench/bench_cuda_events.py): the public `Event.record()` looks the current
 stream up in Python on every call (`torch.cuda.current_stream()` builds a Stream object: 5.0 us of a
@@ -34,12 +45,15 @@ class EventPool:
     `event_factory` makes an event (default: a timing `torch.cuda.Event`); with a factory (tests),
     `record_fn(ev, stream)` defaults to `ev.record(stream)` and streams are a constant 0."""
 
-    def __init__(self, event_factory=None, prealloc: int = 64, device_index: int | None = None):
+    def __init__(self, event_factory=None, prealloc: int = 64, device_index: int | None = None, timing=None):
         self.getraw, self.device_index, self.record, self._current_stream = _stream_functions(
             event_factory, device_index)
         if event_factory is None:
             import torch
             event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            timing = timing or DriverTiming.load(self.device_index) or TorchTiming()
+        self.elapsed_ms = (timing or TorchTiming()).elapsed_ms
+        """elapsed_ms(start, end): milliseconds between two recorded events, None while either is not done."""
         self._factory = event_factory
         self.free_list = [event_factory() for _ in range(prealloc)]
         self.created = prealloc
@@ -114,20 +128,90 @@ def resolve(pending: list, pool: EventPool):
     """Resolve CUDA span records in order. `pending` holds (thread_name, record) pairs. Returns
     (resolved, still_pending): `resolved` holds (thread_name, record, gpu_seconds) for records whose
     events both completed (the records' holds on their events are released, in one call); the rest are
-    kept, in order, for a later call (carried into the next interval). A start event that is the
-    previous resolved record's end (a shared boundary) is known complete and not queried again."""
+    kept, in order, for a later call (carried into the next interval)."""
     resolved, still, freed = [], [], []
-    done_end = None
+    elapsed_ms = pool.elapsed_ms
     for item in pending:
         rec = item[1]
         start, end = rec[8], rec[9]
-        # query() never blocks; elapsed_time() is only called once both events are done.
-        if end.query() and (start is done_end or start.query()):
-            resolved.append((item[0], rec, start.elapsed_time(end) / 1000.0))   # ms -> seconds
+        ms = elapsed_ms(start, end)   # never waits: None while either event is not done
+        if ms is not None:
+            resolved.append((item[0], rec, ms / 1000.0))   # ms -> seconds
             freed += (start, end)
-            done_end = end
         else:
             still.append(item)
     if freed:
         pool.release(*freed)
     return resolved, still
+
+
+class TorchTiming:
+    """Elapsed time through torch's Event methods (test events, or no libcuda): query() both events,
+    then elapsed_time(), called only once both are done."""
+
+    @staticmethod
+    def elapsed_ms(start, end):
+        if end.query() and start.query():
+            return start.elapsed_time(end)
+        return None
+
+
+CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_NOT_READY = 0, 201, 600
+
+
+class DriverTiming:
+    """Elapsed time through libcuda (module doc): cuEventQuery(end), then cuEventElapsedTime, two driver
+    calls per pair, with the GIL held. A thread with no current CUDA context (the collector, before
+    torch made a call there) gets the device's primary context, the one torch's events belong to."""
+
+    def __init__(self, lib, device_index: int):
+        import ctypes
+
+        self._ctypes, self._lib, self.device_index = ctypes, lib, device_index
+        self._query = lib.cuEventQuery
+        self._elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        self._ctx = None
+
+    @classmethod
+    def load(cls, device_index: int):
+        """A DriverTiming on libcuda.so.1, or None where it cannot be loaded (the torch calls serve)."""
+        import ctypes
+
+        try:
+            lib = ctypes.PyDLL("libcuda.so.1")   # PyDLL: the GIL stays held through each call
+            elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        except (OSError, AttributeError):
+            return None
+        lib.cuEventQuery.argtypes, lib.cuEventQuery.restype = [ctypes.c_void_p], ctypes.c_int
+        elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        elapsed.restype = ctypes.c_int
+        return cls(lib, device_index)
+
+    def elapsed_ms(self, start, end, _retry: bool = True):
+        rc = self._query(end.cuda_event)
+        if rc == CUDA_SUCCESS:
+            ms = self._ctypes.c_float()
+            rc = self._elapsed(self._ctypes.byref(ms), start.cuda_event, end.cuda_event)
+            if rc == CUDA_SUCCESS:
+                return ms.value
+        if rc == CUDA_ERROR_NOT_READY:
+            return None
+        if rc == CUDA_ERROR_INVALID_CONTEXT and _retry:
+            self._make_context_current()
+            return self.elapsed_ms(start, end, _retry=False)
+        raise RuntimeError(f"CUDA driver error {rc} resolving a span's events (cuEventQuery/cuEventElapsedTime)")
+
+    def _make_context_current(self) -> None:
+        """Bind the device's primary context (retained once; torch holds it for the process) to this thread."""
+        c = self._ctypes
+        if self._ctx is None:
+            dev, ctx = c.c_int(), c.c_void_p()
+            _check(self._lib.cuDeviceGet(c.byref(dev), c.c_int(self.device_index)), "cuDeviceGet")
+            _check(self._lib.cuDevicePrimaryCtxRetain(c.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._ctx = ctx
+        _check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+
+def _check(rc: int, call: str) -> None:
+    if rc != CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {rc} in {call}")

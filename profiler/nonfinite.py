@@ -55,6 +55,10 @@ class NonfiniteMonitor:
         # Pinned rows allocated once, here: allocating pinned memory (cudaHostAlloc) can wait for the
         # device, so the hot path only takes a free row and the poll gives it back after reading it.
         self._host = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.bool, pin_memory=True) if is_cuda else None
+        # Every row's views for 1..MAX_FLAGS flags, made once: indexing in the hot path was most of the
+        # profiler's own GIL time on a launch-bound H200 drafter (bench/RESULTS.md, seventh session).
+        self._row_views = ([[self._host[row, :n] for n in range(MAX_FLAGS + 1)] for row in range(SLOTS)]
+                           if is_cuda else None)
         self._free_rows = collections.deque(range(SLOTS)) if is_cuda else None
         # One "copy landed" event per row, reused: a row is taken again only after poll() saw it done.
         self._ready = [torch.cuda.Event() for _ in range(SLOTS)] if is_cuda else None
@@ -82,7 +86,7 @@ class NonfiniteMonitor:
                     logger.warning("profiler: non-finite checks dropped: %d flag rows still in flight", SLOTS)
                 return
             row = self._free_rows.popleft()
-            host = self._host[row, :len(names)]
+            host = self._row_views[row][len(names)]
             host.copy_(flags, non_blocking=True)
             ready = self._ready[row]
             self._record(ready)   # after the copy on the current stream; queried later, never waited on

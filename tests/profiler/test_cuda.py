@@ -1,9 +1,9 @@
 """CUDA event timing on a real GPU (skipped without one).
 
 No-sync argument, by inspection (profiler/cuda_timing.py, profiler/spans.py, profiler/core.py): the
-span hot path only calls Event.record(); the collector only calls Event.query() and, after both
-events of a pair returned True from query(), Event.elapsed_time(); run end polls query() with a
-sleep. Nothing calls torch.cuda.synchronize(), Event.synchronize(), Event.wait(),
+span hot path only calls Event.record(); the collector only calls cuEventQuery(end) and, once it said
+done, cuEventElapsedTime (which answers "not ready" rather than waiting; profiler/cuda_timing.py
+DriverTiming); run end polls that with a sleep. Nothing calls torch.cuda.synchronize(), Event.synchronize(), Event.wait(),
 Stream.synchronize() or .item(). set_sync_debug_mode("error") below checks the calls it can see.
 """
 import logging
@@ -28,6 +28,27 @@ def make_prof(tmp_path, **kw):
 def _warm_up():
     torch.cuda._sleep(1000)
     torch.cuda.synchronize()      # the test's own sync, before any profiler exists
+
+
+def test_the_driver_path_agrees_with_torch_and_works_on_a_fresh_thread():
+    import threading
+
+    from profiler.cuda_timing import DriverTiming, EventPool
+
+    _warm_up()
+    timing = DriverTiming.load(torch.cuda.current_device())
+    assert timing is not None and EventPool().elapsed_ms == timing.elapsed_ms
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    assert timing.elapsed_ms(start, end) is None          # still running: "not ready", no wait
+    end.synchronize()                                      # the test's own sync
+    got = []
+    thread = threading.Thread(target=lambda: got.append(timing.elapsed_ms(start, end)))   # no context bound yet
+    thread.start()
+    thread.join()
+    assert got[0] == pytest.approx(start.elapsed_time(end), abs=1e-3) and got[0] > 1.0
 
 
 def test_gpu_times_match_reference_events(tmp_path):
