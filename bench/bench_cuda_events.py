@@ -1,7 +1,7 @@
 """The CPU cost of each CUDA call a CUDA-timed span makes, so a span's own overhead can be stated
 against the calls it cannot avoid. Run on a CUDA host from the repo root:
 
-    PYTHONPATH=. python3 bench/bench_cuda_events.py
+    PYTHONPATH=. python3 bench/bench_cuda_events.py [--busy]
 
 Each row is one call repeated N times (median of 7 repeats), on an idle GPU, timed with the calling
 thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
@@ -11,7 +11,11 @@ thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
   and round-robin over 2 and 4096 distinct events (a run's spans record distinct pool events until
   the collector returns them);
 - `Event.query()` through the Python wrapper and `_CudaEventBase.query` directly, on a completed
-  event; `elapsed_time()`; creating an event.
+  event; `elapsed_time()`; creating an event;
+- what the collector pays to resolve one completed pair: torch's calls (`TorchTiming`: query() both,
+  elapsed_time()) against libcuda's (`DriverTiming`: cuEventQuery, cuEventElapsedTime), GIL held in both.
+With `--busy`, a second thread launches small kernels throughout (as a launch-bound training thread
+does), so the driver calls meet the launches they contend with in a run.
 """
 from __future__ import annotations
 
@@ -58,7 +62,36 @@ def rows(torch):
         ("_CudaEventBase.query(ev)", lambda: base.query(ev)),
         ("Event.elapsed_time(end)", lambda: ev.elapsed_time(ev2)),
         ("torch.cuda.Event(enable_timing)", lambda: torch.cuda.Event(enable_timing=True)),
+        *resolve_rows(torch, ev, ev2),
     ]
+
+
+def resolve_rows(torch, ev, ev2):
+    """The collector's cost per completed pair, by torch's calls and by libcuda's."""
+    sys.path.insert(0, ".")
+    from profiler.cuda_timing import DriverTiming, TorchTiming
+
+    out = [("resolve a pair: TorchTiming", lambda: TorchTiming.elapsed_ms(ev, ev2))]
+    driver = DriverTiming.load(torch.cuda.current_device())
+    if driver is not None:
+        out.append(("resolve a pair: DriverTiming", lambda: driver.elapsed_ms(ev, ev2)))
+    return out
+
+
+def busy_launcher(torch, stop):
+    """A thread launching small kernels until `stop` is set (its own stream, so the events stay done)."""
+    import threading
+
+    def run():
+        x = torch.zeros(16, device="cuda")
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while not stop.is_set():
+                for _ in range(100):
+                    x.add_(1.0)
+                torch.cuda.current_stream().synchronize()   # deliberate: bounds the queue (bench only)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def main() -> int:
@@ -68,7 +101,13 @@ def main() -> int:
         print("bench_cuda_events: needs a CUDA GPU")
         return 1
     torch.cuda.init()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {N} calls x 7 repeats, median")
+    busy = "--busy" in sys.argv
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {N} calls x 7 repeats, median"
+          + ("; a second thread launching kernels throughout" if busy else ""))
+    import threading
+
+    stop = threading.Event()
+    launcher = busy_launcher(torch, stop) if busy else None
     print(f"{'call':<34} {'cpu ns':>8} {'wall ns':>8}")
     for label, fn in rows(torch):
         for _ in range(1000):
@@ -76,6 +115,9 @@ def main() -> int:
         cpu, wall = per_call_ns(fn)
         torch.cuda.synchronize()   # deliberate: between rows, so queued records do not pile up
         print(f"{label:<34} {cpu:>8.0f} {wall:>8.0f}")
+    stop.set()
+    if launcher is not None:
+        launcher.join()
     return 0
 
 

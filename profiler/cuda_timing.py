@@ -129,6 +129,8 @@ def resolve(pending: list, pool: EventPool):
     (resolved, still_pending): `resolved` holds (thread_name, record, gpu_seconds) for records whose
     events both completed (the records' holds on their events are released, in one call); the rest are
     kept, in order, for a later call (carried into the next interval)."""
+    if not pending:
+        return [], []
     resolved, still, freed = [], [], []
     elapsed_ms = pool.elapsed_ms
     for item in pending:
