@@ -108,3 +108,24 @@ def test_a_killed_client_resumes_every_rank(slow_run):
     _, err = client.communicate(timeout=30)
     assert client.returncode == 128 + signal.SIGTERM, err
     assert _paused_by(ranks) == [None, None]
+
+
+def test_a_background_part_keeps_the_inline_cost_in_both_arms(slow_run, tmp_path):
+    """--part background pauses the collector, interval clock and samplers only: the fault, which fires
+    through spans (inline), slows both arms alike, so the 0.2 s per step the default part sees is gone."""
+    run, ranks = slow_run
+    r = profile("overhead", "--pid", str(ranks[0]["pid"]), "--part", "background", "--pairs", "2", "--phase-s",
+                "2.5", "--settle-s", "0.5", "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["part"] == "background" and result["pairs"] == 2 and result["resume_failed"] == []
+    assert result["paired"]["mean_diff_pct"] > -15, result["paired"]   # the whole part: about -55%
+    assert "off phases pause the background part only" in r.stdout and _paused_by(ranks) == [None, None]
+    recs = read_records(run / "profile" / "rank0.jsonl")[0]
+    noted = [x for x in recs if x["type"] == "event" and x["kind"] == "profile_overhead"][-1]
+    assert noted["part"] == "background"
+    assert any(x.get("paused_parts") == ["background"] for x in recs if x["type"] == "interval")
+    report = subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert f"cost of the profiler's background part, measured in the run (dflash-profile overhead, step " \
+           f"{noted['step']})" in report.stdout, report.stdout[-2000:]
