@@ -158,11 +158,12 @@ def format_rows(records: list[dict]) -> str:
     for rec in records:
         res = rec.get("result", {})
         inj = f"{1e6 * rec['inject_s']:.0f} us ({1e6 * rec['sleep_s']:.0f} real)" if rec["inject_s"] else "none"
+        head = f"| {rec['workload']} | {inj} | {rec.get('part', 'all')} |"
         if "error" in res:
-            lines.append(f"| {rec['workload']} | {inj} | {rec.get('part', 'all')} | FAILED: {res['error'].splitlines()[0][:150]} |")
+            lines.append(f"{head} FAILED: {res['error'].splitlines()[0][:150]} |")
             continue
         p, v, exp = res["paired"], res["verdicts"], expected_pct(rec)
-        lines.append(f"| {rec['workload']} | {inj} | {rec.get('part', 'all')} | {res['pairs']} | {res['off']['mean']:.2f} | "
+        lines.append(f"{head} {res['pairs']} | {res['off']['mean']:.2f} | "
                      f"{p['mean_diff_pct']:+.2f}% | {p['ci_low_pct']:+.2f} .. {p['ci_high_pct']:+.2f}% | "
                      f"{p['half_width_pct']:.2f}% | {'-' if exp is None else f'{exp:+.2f}%'} | "
                      f"{'yes' if v['resolves'] else 'no'} | {v['within']} |")

@@ -2,11 +2,12 @@
 
     python3 bench/bench_gil_handoff.py [--seconds 3] [--repeats 5] [--rates 0,250,1000,4000]
 
-The profiler's collector resolves each CUDA span with `Event.query()` and `elapsed_time()`, and both
-release and retake the GIL; so does every torch op on the training thread. On the H200 the profiler held
-the GIL ~1% of the wall while profiling cost the launch-bound run 2-3% (bench/RESULTS.md, seventh
-session). If each handoff costs the training thread more than the call itself, the count of such calls,
-not their CPU time, is what to cut.
+Every torch op on a training thread releases and retakes the GIL. The question this bench asks: does a
+background thread that also releases it often cost the training thread more than its calls' own time?
+It was written for the profiler's collector on the belief that `Event.query()` and `elapsed_time()`
+release the GIL; they do not (torch/csrc/cuda/Event.cpp holds it through both: bench/RESULTS.md, eighth
+session), so the collector is not such a thread. The bench stays for background threads that do release
+it (ctypes.CDLL calls, file and socket I/O).
 
 The training thread here: a loop of small torch ops on a CPU tensor (each releases and retakes the
 GIL, as a launch-bound step's ops do), counted for `--seconds`. A background thread, woken 4 times a

@@ -36,8 +36,8 @@ from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, require_li
 
 MIN_STEPS_PER_PHASE = 3
 # The fields of a `profile_overhead` event (brief()); the endpoint keeps these and no others.
-SUMMARY_FIELDS = ("part", "pairs", "measure_s", "settle_s", "metric", "on_mean", "off_mean", "mean_diff_pct", "ci_low_pct",
-                  "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
+SUMMARY_FIELDS = ("part", "pairs", "measure_s", "settle_s", "metric", "on_mean", "off_mean", "mean_diff_pct",
+                  "ci_low_pct", "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
 LEASE_MARGIN_S = 10.0
 PAUSED_LABELS = {"all": "paused (--no-profile's path)", "inline": "inline paused (background on)",
                  "background": "background paused (inline on)"}
@@ -189,7 +189,8 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
 def brief(result: dict) -> dict:
     """The scalar summary that goes into the run log (a `profile_overhead` event: docs/RUNLOG.md)."""
     p, v = result["paired"], result["verdicts"]
-    return {"part": result["part"], "pairs": result["pairs"], "measure_s": result["measure_s"], "settle_s": result["settle_s"],
+    return {"part": result["part"], "pairs": result["pairs"], "measure_s": result["measure_s"],
+            "settle_s": result["settle_s"],
             "metric": result["metric"], "on_mean": result["on"]["mean"], "off_mean": result["off"]["mean"],
             "mean_diff_pct": p["mean_diff_pct"], "ci_low_pct": p["ci_low_pct"], "ci_high_pct": p["ci_high_pct"],
             "half_width_pct": p["half_width_pct"], "resolves": v["resolves"], "within": v["within"],

@@ -3,8 +3,8 @@
 No-sync argument, by inspection (profiler/cuda_timing.py, profiler/spans.py, profiler/core.py): the
 span hot path only calls Event.record(); the collector only calls cuEventQuery(end) and, once it said
 done, cuEventElapsedTime (which answers "not ready" rather than waiting; profiler/cuda_timing.py
-DriverTiming); run end polls that with a sleep. Nothing calls torch.cuda.synchronize(), Event.synchronize(), Event.wait(),
-Stream.synchronize() or .item(). set_sync_debug_mode("error") below checks the calls it can see.
+DriverTiming); run end polls that with a sleep. Nothing calls torch.cuda.synchronize(), Event.synchronize(),
+Event.wait(), Stream.synchronize() or .item(). set_sync_debug_mode("error") below checks the calls it can see.
 """
 import logging
 import time
