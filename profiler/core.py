@@ -256,7 +256,8 @@ class Profiler:
         if self.pauses.active:
             self.pauses.expire()   # paused: the collector watches the lease...
             if self.pauses.background_held:
-                return             # ...and only that, while the background holds still
+                self.nonfinite.poll()   # ...and reads back the checks (forensics never pause), nothing else
+                return
         self._poll()
 
     def _timer_close(self) -> None:

@@ -9,7 +9,8 @@ While paused, the training threads run the code `--no-profile` runs: `profiler.s
 shared no-op spans, count/gauge/metric/tag do nothing, check_finite/check_flags launch nothing, faults
 do not fire. Kept: `set_step` records the step and its time (read by the overhead command through the
 endpoint's `progress`, and by the hang watchdog, which keeps watching), events are written, forensics
-sources and the first non-finite finding read so far stay. The background threads hold still: the
+sources and the first non-finite finding read so far stay, and checks issued before the pause are still
+read back. The background threads hold still: the
 collector does not drain, the interval clock stops (an interval holds `interval_s` of profiled time, so
 interval closes and the exporters' work behind them come at their natural rate in profiled time, and
 never pile up at a resume), the NVML and stack samplers skip their samples. Left running, and idle: the
@@ -19,7 +20,8 @@ A pause may stop one part only (`part`), to find which part of the profiler cost
 - `inline`: the training threads' instrumentation (the no-op path above); the background threads run on,
   with little to do.
 - `background`: the collector, the interval clock and the samplers hold still, while the training
-  threads' spans, counters and checks keep being logged; at the resume the collector is woken at once,
+  threads' spans, counters and checks keep being logged (the collector still reads the checks' flags
+  back, as in every pause: forensics never pause); at the resume the collector is woken at once,
   so the backlog is drained right away (inside the overhead command's settle time, not in the next
   measured phase). A backlog grows in memory (records, CUDA events, flag rows), so this lease is
   shorter (MAX_BACKGROUND_LEASE_S).

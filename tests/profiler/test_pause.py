@@ -99,6 +99,14 @@ def test_the_interval_clock_stops_while_paused(tmp_path):
         assert prof.tick() is True and prof.intervals_closed == 4
 
 
+def test_checks_issued_before_a_pause_are_still_read_back(tmp_path):
+    with make_prof(tmp_path) as prof:
+        profiler.check_flags("x.work", ["t"], torch.tensor([True]))
+        assert prof.pauses.pause("test", 60)["ok"]
+        prof.tick()                                   # paused: no drain, but the read-back goes on
+        assert profiler.nonfinite_found()["tensor"] == "t" and prof.spans_finished == 0
+
+
 def test_lease_runs_out_and_owners_do_not_share(tmp_path, caplog):
     now = [100.0]
     samplers = [type("S", (), {"paused": False})(), type("S", (), {"paused": False})()]
@@ -164,8 +172,10 @@ def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_
         with profiler.span("x.work"):                   # the training thread still logs
             pass
         profiler.count("tokens", 3)
+        profiler.check_flags("x.work", ["t"], torch.tensor([True]))
         now[0] = 30.0
-        assert prof.tick() is False and prof.spans_finished == 0   # the collector holds still, no close
+        assert prof.tick() is False and prof.spans_finished == 0   # the collector holds still, no close...
+        assert profiler.nonfinite_found()["tensor"] == "t"         # ...but reads the checks back
         assert pc.resume("test")["ok"] and pokes == [30.0] and not samplers[0].paused
         assert prof.tick() is False and prof.spans_finished == 1   # the backlog drains at once
         now[0] = 40.0
