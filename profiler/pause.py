@@ -93,12 +93,12 @@ class PausedView:
 
 def _bad_request(owner, lease_s, part) -> str | None:
     if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER_CHARS:
-        return f"pause needs an 'owner' string of 1 to {MAX_OWNER_CHARS} characters, got {owner!r}"
+        return f"pause needs an 'owner' string of 1 to {MAX_OWNER_CHARS} characters, got {owner!r:.80}"
     if not isinstance(part, str) or part not in PARTS:
-        return f"pause needs 'part' one of {', '.join(PARTS)}, got {part!r}"
+        return f"pause needs 'part' one of {', '.join(PARTS)}, got {part!r:.80}"
     cap = max_lease_s(part)
     if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= cap:
-        return f"pause of part {part!r} needs 'lease_s' in (0, {cap:g}] seconds, got {lease_s!r}"
+        return f"pause of part {part!r} needs 'lease_s' in (0, {cap:g}] seconds, got {lease_s!r:.80}"
     return None
 
 

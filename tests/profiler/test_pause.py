@@ -198,6 +198,7 @@ def test_a_pause_keeps_its_part_and_background_leases_are_short(tmp_path):
             assert reply["ok"] is False and not pc.active, reply
         assert "part 'background' needs 'lease_s' in (0, 60]" in pc.pause("a", 61, "background")["error"]
         assert "'part' one of all, inline, background, got 'nope'" in pc.pause("a", 5, "nope")["error"]
+        assert len(pc.pause("x" * 10**6, 5)["error"]) < 200 and len(pc.pause("a", 5, "y" * 10**6)["error"]) < 200
 
 
 def test_poke_wakes_the_collector_thread_at_once():
