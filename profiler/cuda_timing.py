@@ -9,9 +9,10 @@ rather than waiting when the start is not. No synchronize(), Event.synchronize()
 Resolving on the collector (`DriverTiming`): torch's `Event.elapsed_time()` makes about five driver calls
 (it queries both events again, and sets and restores the device) and `query()` one more per event, all
 with the GIL held while the training thread launches kernels through the same driver. In a launch-bound
-H200 run they were about half of the collector's GIL samples (bench/RESULTS.md, seventh session), and
-the collector's part was most of profiling's 2-3% cost there (eighth session). The collector instead
-calls libcuda directly: `cuEventQuery(end)`, then `cuEventElapsedTime(start, end)`, which returns
+H200 run they were about half of the collector's GIL samples (bench/RESULTS.md, seventh session), and a
+pair's resolution cost 6.9 us beside a launching thread. The collector instead calls libcuda directly
+(2.7 us there; in the run the collector's CPU per step did not visibly drop: its Python per record is
+most of it, eighth session): `cuEventQuery(end)`, then `cuEventElapsedTime(start, end)`, which returns
 CUDA_ERROR_NOT_READY instead of waiting if the start is not done: two driver calls per pair. Through
 `ctypes.PyDLL` the GIL stays held, as in torch's calls (releasing it for a microsecond call would hand
 the GIL to the training thread and back on every call). Without libcuda (or for test events) the torch
