@@ -1,0 +1,89 @@
+"""Diagnostic only (bench/gpu/env.sh puts this directory first on PYTHONPATH when DFLASH_COSTAT_DIR is set):
+where the profiler's own threads spend their CPU in a live run. Every Python process that can import the
+profiler wraps a list of its functions (TARGETS: the collector's poll and close and their parts, each
+exporter) with a thread-CPU timer, and tallies {thread: {function: [calls, thread cpu seconds]}}; the
+collector's iterations are split into `tick:poll` and `tick:close`, the exporter's calls by exporter.
+Times are inclusive (a caller's include its callees'). Every 5 s, and at exit, it rewrites
+$DFLASH_COSTAT_DIR/costat-<pid>.json. cProfile cannot do this on Python 3.12: its hook is one
+sys.monitoring tool for every thread, so a collector-only profile would see the training thread too.
+A wrapper costs two clock reads (~1 us), so only functions called a few hundred times a second are here."""
+import os
+
+if os.environ.get("DFLASH_COSTAT_DIR"):
+    import atexit
+    import importlib
+    import json
+    import threading
+    import time
+
+    TARGETS = [
+        ("profiler.core", "Profiler._poll"), ("profiler.core", "Profiler.close_interval"),
+        ("profiler.core", "Profiler._add_drained"), ("profiler.core", "Profiler._memory_summary"),
+        ("profiler.core", "Profiler._write"), ("profiler.core", "allocator_summary"),
+        ("profiler.intervals", "IntervalAggregator.add_drained"),
+        ("profiler.intervals", "IntervalAggregator._add_finished"),
+        ("profiler.intervals", "IntervalAggregator.resolve_pending"),
+        ("profiler.intervals", "IntervalAggregator.close_parts"),
+        ("profiler.intervals", "IntervalAggregator._close_spans"),
+        ("profiler.intervals", "to_floats"), ("profiler.intervals", "resolve"),
+        ("profiler.spans", "SpanRecorder.drain"), ("profiler.spans", "SpanRecorder.open_spans"),
+        ("profiler.nonfinite", "NonfiniteMonitor.poll"), ("profiler.threadcpu", "ThreadCpu.take"),
+        ("profiler.detail", "DetailWindow.take"), ("exporters.console", "format_interval"),
+    ]
+    _DIR = os.environ["DFLASH_COSTAT_DIR"]
+    _totals: dict = {}      # thread name -> {function -> [calls, thread cpu ns]}
+    _lock = threading.Lock()
+    _clock = time.thread_time_ns
+
+    def _tally(key: str, spent: int) -> None:
+        name = threading.current_thread().name
+        with _lock:
+            row = _totals.setdefault(name, {}).setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += spent
+
+    def _timed(key, fn, kind_of=None):
+        def wrapper(*args, **kwargs):
+            t0 = _clock()
+            result = fn(*args, **kwargs)
+            _tally(key if kind_of is None else kind_of(args, result), _clock() - t0)
+            return result
+        return wrapper
+
+    def _patch(module_name: str, qualname: str, kind_of=None) -> None:
+        owner = importlib.import_module(module_name)
+        *path, attr = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, _timed(qualname, getattr(owner, attr), kind_of))
+
+    def _dump():
+        with _lock:
+            text = json.dumps({"time": time.time(), "pid": os.getpid(), "argv": __import__("sys").argv[:3],
+                               "threads": {t: {k: [n, ns / 1e9] for k, (n, ns) in rows.items()}
+                                           for t, rows in _totals.items()}})
+        tmp = os.path.join(_DIR, f"costat-{os.getpid()}.json.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(_DIR, f"costat-{os.getpid()}.json"))
+
+    def _writer():
+        while True:
+            time.sleep(5.0)
+            if _totals:
+                _dump()
+
+    def _install():
+        for module_name, qualname in TARGETS:
+            _patch(module_name, qualname)
+        _patch("profiler.intervals", "IntervalTimer.tick", lambda a, closed: "tick:close" if closed else "tick:poll")
+        _patch("profiler.export", "ExportHub._export_one",
+               lambda a, _: "export:" + (getattr(a[1].exporter, "name", None) or type(a[1].exporter).__name__))
+
+    try:
+        _install()
+    except ImportError:   # not this repository's interpreter
+        pass
+    else:
+        threading.Thread(target=_writer, name="costat", daemon=True).start()
+        atexit.register(lambda: _totals and _dump())
