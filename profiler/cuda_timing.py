@@ -103,6 +103,17 @@ class EventPool:
                 else:
                     free.append(ev)
 
+    def adjust(self, retained, released) -> None:
+        """Collector side, one replay's changes in one call: a holder more for each event in `retained`,
+        then one fewer for each in `released` (an event freed here cannot have been taken again and
+        retained in the same replay, so applying the retains first gives the same counts as in order)."""
+        refs = self._refs
+        with self._lock:
+            for ev in retained:
+                refs[id(ev)] = refs.get(id(ev), 1) + 1   # absent: its one record holds it
+        if released:
+            self.release(*released)
+
     def put(self, *events) -> None:
         """Give events nobody holds back (e.g. taken and never recorded)."""
         self.free_list.extend(events)

@@ -75,6 +75,18 @@ class DetailWindow:
             if rec[1] >= lo and (hi is None or rec[1] < hi):
                 self.offer(thread_name, rec, None)
 
+    def offer_resolved(self, done: list) -> None:
+        """offer() for a batch of resolved CUDA pairs, (thread_name, record, gpu_seconds) each, the
+        window's bounds read once."""
+        if self.hi is None:
+            self._bounds()
+        if self.lo is None:
+            return
+        lo, hi = self.lo[0], self.hi[0] if self.hi is not None else None
+        for thread_name, rec, gpu_s in done:
+            if rec[1] >= lo and (hi is None or rec[1] < hi):
+                self.offer(thread_name, rec, gpu_s)
+
     def offer(self, thread_name: str, rec: tuple, gpu_s) -> None:
         """Keep a finished span record if it began inside the window."""
         if self.hi is None:
@@ -114,6 +126,9 @@ class NullDetailWindow:
         pass
 
     def offer_cpu(self, thread_name, records) -> None:
+        pass
+
+    def offer_resolved(self, done) -> None:
         pass
 
     def take(self, next_start_ns: int) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 
@@ -166,10 +167,32 @@ class IntervalAggregator:
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
         done, self.pending = resolve(self.pending, self.event_pool)
-        seen_ns = time.perf_counter_ns()   # the span clock: a resolved pair's GPU work ended before this
-        for thread_name, rec, gpu_s in done:
-            self._add(thread_name, rec, gpu_s, seen_ns)
+        if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
+            self._add_resolved(done, time.perf_counter_ns())
         return len(self.pending)
+
+    def _add_resolved(self, done: list, seen_ns: int) -> None:
+        """_add for a batch of resolved pairs, in one loop (a method call per record was most of the
+        collector's Python per CUDA span after the replay; bench/bench_collector.py)."""
+        spans = self._spans
+        for thread_name, rec, gpu_s in done:
+            name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
+            acc = spans.get(name)
+            if acc is None:
+                acc = spans[name] = _SpanAcc()
+            cpu_s = (t1 - t0) / 1e9
+            acc.count += 1
+            acc.cpu.append(cpu_s)
+            acc.threads.add(thread_name)
+            acc.depths.add(rec[3])
+            acc.gpu.append(gpu_s)
+            acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
+            if nbytes is not None:
+                acc.bytes += nbytes
+                acc.bytes_n += 1
+                acc.bytes_cpu += cpu_s
+                acc.bytes_gpu += gpu_s
+        self.detail.offer_resolved(done)
 
     def _add(self, thread_name, rec, gpu_s, seen_ns: int = 0) -> None:
         name, t0, t1, depth, nbytes = rec[0], rec[1], rec[2], rec[3], rec[4]
@@ -293,31 +316,44 @@ class IntervalAggregator:
 
 def to_floats(values) -> list:
     """Python numbers stay; tensors (0-dim, or one element) are converted here, at interval close, long
-    after their steps finished. Tensors are grouped by device and stacked as they are (one call over
-    the list; stack promotes mixed dtypes), then ONE .tolist() per device: on a CUDA device that is a
-    deliberate device->host read which waits for the stacked copy (a tiny kernel queued behind the
-    current work on that stream), once per interval, never per step. Call it once over all of an
-    interval's values (`to_floats_by_name`): it runs on the collector thread, under the GIL the training
-    thread wants (bench/bench_collector.py's second table: 3.4x less per value on the idle VM than a
-    stack and read per name of values each reshaped and cast first)."""
-    out = [None] * len(values)
-    by_device: dict = {}
+    after their steps finished: stacked as they are, in one call over the list (stack promotes mixed
+    dtypes), then ONE .tolist(). On a CUDA device that is a deliberate device->host read which waits for
+    the stacked copy (a tiny kernel queued behind the current work on that stream), once per interval,
+    never per step. Tensors on several devices, or of mixed shapes, are grouped by device and reshaped
+    first (one stack and read per device). Call it once over all of an interval's values
+    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants
+    (bench/bench_collector.py's second table)."""
+    torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
+    tensor_type = torch.Tensor if torch is not None else ()
+    out, idx = [None] * len(values), []
     for i, v in enumerate(values):
-        if hasattr(v, "detach") and hasattr(v, "device"):
-            by_device.setdefault(v.device, []).append(i)
+        if isinstance(v, tensor_type):
+            idx.append(i)
         else:
             out[i] = float(v)
-    if not by_device:
-        return out
-    import torch   # only where there are tensors: the profiler itself runs without torch
-
-    with torch.no_grad():
-        for idx in by_device.values():
-            ts = [values[i] for i in idx]
-            if any(t.dim() for t in ts):
-                ts = [t.reshape(()) for t in ts]
-            for i, f in zip(idx, torch.stack(ts).float().tolist()):   # the one deliberate sync per device
+    if idx:
+        with torch.no_grad():
+            for i, f in zip(idx, _stacked_floats(torch, [values[i] for i in idx])):
                 out[i] = f
+    return out
+
+
+def _stacked_floats(torch, ts: list) -> list:
+    """Floats of one-element tensors, in order: one stack and read when they share a device and a shape
+    (the one deliberate sync), else one per device of the tensors reshaped to 0-dim."""
+    try:
+        stacked = torch.stack(ts)
+    except RuntimeError:   # several devices, or mixed shapes
+        stacked = None
+    if stacked is not None and stacked.dim() == 1:
+        return stacked.float().tolist()
+    by_device: dict = {}
+    for j, t in enumerate(ts):
+        by_device.setdefault(t.device, []).append(j)
+    out = [None] * len(ts)
+    for js in by_device.values():
+        for j, f in zip(js, torch.stack([ts[j].reshape(()) for j in js]).float().tolist()):   # a sync per device
+            out[j] = f
     return out
 
 

@@ -326,8 +326,9 @@ class SpanRecorder:
         """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
         spans still open across drains, `st.held` the CUDA end event a next begin may share."""
         open_, out = st.open, []
-        begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
+        begun, next_id, held = st.begun, self._next_id, st.held   # locals in the loop; written back below
         pop, push, emit = open_.pop, open_.append, out.append
+        retained, released = [], []   # the pool's reference changes, applied in one call after the loop
         for e in events:
             te = type(e)
             if te is int:
@@ -347,41 +348,34 @@ class SpanRecorder:
                 if open_:
                     b = pop()
                     if len(b) > 5:
-                        self.event_pool.release(b[5])
+                        released.append(b[5])
             elif te is SpanAttrs:                       # profiler.tag(): for the innermost open span
                 if open_:
                     open_[-1][4] = {**(open_[-1][4] or {}), **e}
-            elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
-                self._hold_tail(st, e[1], matched=bool(open_))
+            elif type(e[0]) is int:                     # CUDA end: (t1, end_event); the tail now points at it
+                if held is not None:
+                    released.append(held)               # the tail moved on without sharing it
+                held = e[1]
                 if open_:
+                    retained.append(held)               # the record's hold plus the tail's
                     b = pop()
                     emit((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
                           b[5], e[1]))
                 else:
                     self.unmatched += 1
             else:                                       # begin: (tag, t0[, start_event[, shared]])
-                if len(e) > 2:
-                    self._begin_cuda(st, e)
+                if len(e) > 2:                          # CUDA: a shared start takes the tail's hold over
+                    if held is not None and not (len(e) > 3 and e[2] is held):
+                        released.append(held)
+                    held = None
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
                 push([name, e[1], nbytes, next_id, None, *e[2:3]])
                 next_id += 1
-        st.begun, self._next_id = begun, next_id
+        st.begun, self._next_id, st.held = begun, next_id, held
+        if retained or released:
+            self.event_pool.adjust(retained, released)
         return out
-
-    def _hold_tail(self, st: ThreadState, end, matched: bool) -> None:
-        """A CUDA end: the owner's tail now points at `end` (one hold) and its record holds it too."""
-        if st.held is not None:
-            self.event_pool.release(st.held)       # the tail moved on without sharing it
-        if matched:
-            self.event_pool.retain(end)            # the record's hold plus the tail's
-        st.held = end
-
-    def _begin_cuda(self, st: ThreadState, e) -> None:
-        """A CUDA begin ends the tail's hold: a shared start takes it over, otherwise it is released."""
-        held, st.held = st.held, None
-        if held is not None and not (len(e) > 3 and e[2] is held):
-            self.event_pool.release(held)
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
