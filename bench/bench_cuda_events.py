@@ -13,7 +13,7 @@ thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
 - `Event.query()` through the Python wrapper and `_CudaEventBase.query` directly, on a completed
   event; `elapsed_time()`; creating an event;
 - what the collector pays to resolve one completed pair: torch's calls (`TorchTiming`: query() both,
-  elapsed_time()) against libcuda's (`DriverTiming`: cuEventQuery, cuEventElapsedTime), GIL held in both.
+  elapsed_time()) against libcuda's (`DriverTiming`: one cuEventElapsedTime), GIL held in both.
 With `--busy`, a second thread launches small kernels throughout (as a launch-bound training thread
 does), so the driver calls meet the launches they contend with in a run.
 """

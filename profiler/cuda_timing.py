@@ -10,13 +10,15 @@ Resolving on the collector (`DriverTiming`): torch's `Event.elapsed_time()` make
 (it queries both events again, and sets and restores the device) and `query()` one more per event, all
 with the GIL held while the training thread launches kernels through the same driver. In a launch-bound
 H200 run they were about half of the collector's GIL samples (bench/RESULTS.md, seventh session), and a
-pair's resolution cost 6.9 us beside a launching thread. The collector instead calls libcuda directly
-(2.7 us there; in the run the collector's CPU per step did not visibly drop: its Python per record is
-most of it, eighth session): `cuEventQuery(end)`, then `cuEventElapsedTime(start, end)`, which returns
-CUDA_ERROR_NOT_READY instead of waiting if the start is not done: two driver calls per pair. Through
-`ctypes.PyDLL` the GIL stays held, as in torch's calls (releasing it for a microsecond call would hand
-the GIL to the training thread and back on every call). Without libcuda (or for test events) the torch
-calls are used.
+pair's resolution cost 6.9 us beside a launching thread. The collector instead calls libcuda directly:
+one `cuEventElapsedTime(start, end)` per pair, which answers CUDA_ERROR_NOT_READY, never a wait, while
+either event has not completed (the driver API's documented contract; tests/profiler/test_cuda.py checks
+it on a real GPU, with the start pending behind another stream's work too). The eighth session's path
+asked `cuEventQuery(end)` first: 2.7 us a pair there, where the query alone cost 1.5 us beside a
+launching thread, and the collector's resolution was still ~5 us a pair in the run (ninth session).
+Through `ctypes.PyDLL` the GIL stays held, as in torch's calls (releasing it for a microsecond call
+would hand the GIL to the training thread and back on every call). Without libcuda (or for test
+events) the torch calls are used.
 
 Hot-path cost (H200 host, bench/bench_cuda_events.py): the public `Event.record()` looks the current
 stream up in Python on every call (`torch.cuda.current_stream()` builds a Stream object: 5.0 us of a
@@ -174,15 +176,14 @@ CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_NOT_READY = 0, 201, 600
 
 
 class DriverTiming:
-    """Elapsed time through libcuda (module doc): cuEventQuery(end), then cuEventElapsedTime, two driver
-    calls per pair, with the GIL held. A thread with no current CUDA context (the collector, before
-    torch made a call there) gets the device's primary context, the one torch's events belong to."""
+    """Elapsed time through libcuda (module doc): one cuEventElapsedTime per pair, "not ready" while either
+    event has not completed, with the GIL held. A thread with no current CUDA context (the collector,
+    before torch made a call there) gets the device's primary context, the one torch's events belong to."""
 
     def __init__(self, lib, device_index: int):
         import ctypes
 
         self._ctypes, self._lib, self.device_index = ctypes, lib, device_index
-        self._query = lib.cuEventQuery
         self._elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
         self._ctx = None
 
@@ -196,24 +197,21 @@ class DriverTiming:
             elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
         except (OSError, AttributeError):
             return None
-        lib.cuEventQuery.argtypes, lib.cuEventQuery.restype = [ctypes.c_void_p], ctypes.c_int
         elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
         elapsed.restype = ctypes.c_int
         return cls(lib, device_index)
 
     def elapsed_ms(self, start, end, _retry: bool = True):
-        rc = self._query(end.cuda_event)
+        ms = self._ctypes.c_float()
+        rc = self._elapsed(self._ctypes.byref(ms), start.cuda_event, end.cuda_event)
         if rc == CUDA_SUCCESS:
-            ms = self._ctypes.c_float()
-            rc = self._elapsed(self._ctypes.byref(ms), start.cuda_event, end.cuda_event)
-            if rc == CUDA_SUCCESS:
-                return ms.value
+            return ms.value
         if rc == CUDA_ERROR_NOT_READY:
             return None
         if rc == CUDA_ERROR_INVALID_CONTEXT and _retry:
             self._make_context_current()
             return self.elapsed_ms(start, end, _retry=False)
-        raise RuntimeError(f"CUDA driver error {rc} resolving a span's events (cuEventQuery/cuEventElapsedTime)")
+        raise RuntimeError(f"CUDA driver error {rc} resolving a span's events (cuEventElapsedTime)")
 
     def _make_context_current(self) -> None:
         """Bind the device's primary context (retained once; torch holds it for the process) to this thread."""
