@@ -344,17 +344,19 @@ class TraceExporter:
     """RUN_DIR/trace/rank{R}.json, rewritten atomically at each `spans` record and at close.
 
     Keeps the newest `max_events` slices (whole spans records, oldest evicted first). Each record's
-    slices are built once; a rewrite lays out, sorts and serialises them all (about 5 us a slice on a
-    small host), so once a rewrite takes over THROTTLE_ABOVE_S the next waits until the time since
-    the last one is 1/WRITE_DUTY times its cost: a long run's trace never costs over ~5% of a core.
+    slices are built once; a rewrite lays out, sorts and serialises them all (6-10 us a slice on the
+    2-core VM: 205 ms for the 19,200 slices of 800 records, 13 hours of a run at 60 s intervals), so a
+    rewrite waits until the time since the last one ended is 1/WRITE_DUTY times that one's cost: the
+    trace never takes over WRITE_DUTY of a core, on the exporter thread and under the GIL the training
+    thread wants. A record that comes sooner is kept and goes into the next rewrite (or the final one
+    at close); the file lags the run by at most 1/WRITE_DUTY times a rewrite.
     stats(): `exported` = spans records that reached a written file; `dropped` = spans records
     evicted by the bound, plus those never written when the final write failed; `failed` = a write
     failed (logged once; the next one tries again). Flow arrows need both ranks: see merge_traces.
     """
 
     name = "trace"
-    THROTTLE_ABOVE_S = 0.5
-    WRITE_DUTY = 0.05
+    WRITE_DUTY = 0.005
 
     def __init__(self, run_dir, rank: int, max_events: int = MAX_EVENTS, clock=time.monotonic):
         self.rank, self.max_events, self._clock = int(rank), int(max_events), clock
@@ -378,7 +380,7 @@ class TraceExporter:
             elif rtype == SPANS:
                 self._keep(record)
                 took, ended = self._last_write
-                if took < self.THROTTLE_ABOVE_S or self._clock() - ended >= took / self.WRITE_DUTY:
+                if self._clock() - ended >= took / self.WRITE_DUTY:
                     self._write()
 
     def _keep(self, record: dict) -> None:

@@ -250,7 +250,8 @@ def test_tids_stay_unique_when_ranks_share_an_os_thread_id(tmp_path):
 
 
 def test_event_bound_keeps_the_newest_records(tmp_path):
-    exp = TraceExporter(tmp_path, 0, max_events=8)                  # one drafter step is 4 spans, 7 slices
+    exp = TraceExporter(tmp_path, 0, max_events=8, clock=lambda: 0.0)   # writes take no time: none waits
+    # one drafter step is 4 spans, 7 slices
     exp.export(run_start(0))
     for k in range(3):
         exp.export({**_header("spans", 0), "index": k, "steps": [k, k], "spans": drafter_step(k), "dropped": 0})
@@ -285,14 +286,17 @@ def test_slow_rewrites_are_throttled_and_caught_up(tmp_path):
         return {e["args"]["steps"][0] for e in load(out)["traceEvents"] if e["ph"] == "X" and "steps" in e["args"]}
 
     exp.export(spans_record(0))
-    exp.export(spans_record(1))                       # 0.6 s after a 0.6 s write: waits (5% duty)
+    exp.export(spans_record(1))                       # 0.6 s after a 0.6 s write: waits (0.5% duty: 120 s)
     assert steps_in_file() == {0} and exp.stats()["exported"] == 1
-    clock.now += 12.0
-    exp.export(spans_record(2))
-    assert steps_in_file() == {0, 1, 2} and exp.stats()["exported"] == 3
+    clock.now += 100.0
+    exp.export(spans_record(2))                       # 100.6 s after: still waits
+    assert steps_in_file() == {0} and exp.stats()["exported"] == 1
+    clock.now += 20.0
     exp.export(spans_record(3))
+    assert steps_in_file() == {0, 1, 2, 3} and exp.stats()["exported"] == 4
+    exp.export(spans_record(4))
     exp.close(1.0)                                    # close always writes
-    assert steps_in_file() == {0, 1, 2, 3} and exp.stats() == {"exported": 4, "dropped": 0, "failed": False}
+    assert steps_in_file() == {0, 1, 2, 3, 4} and exp.stats() == {"exported": 5, "dropped": 0, "failed": False}
 
 
 def test_an_unwritable_trace_dir_logs_once_and_counts_drops(tmp_path, caplog):
