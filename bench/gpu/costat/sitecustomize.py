@@ -6,7 +6,11 @@ collector's iterations are split into `tick:poll` and `tick:close`, the exporter
 Times are inclusive (a caller's include its callees'). Every 5 s, and at exit, it rewrites
 $DFLASH_COSTAT_DIR/costat-<pid>.json. cProfile cannot do this on Python 3.12: its hook is one
 sys.monitoring tool for every thread, so a collector-only profile would see the training thread too.
-A wrapper costs two clock reads (~1 us), so only functions called a few hundred times a second are here."""
+A wrapper costs two clock reads (~1 us), so only functions called a few hundred times a second are here.
+DFLASH_COSTAT_BURN_US=N also makes every collector poll (Profiler._poll: never while profiling is paused)
+spin N us of pure Python after its work, holding the GIL as the collector's own Python does: a known
+amount of collector time, to measure what one microsecond of it costs the training thread (an in-run
+A/B with and without it)."""
 import os
 
 if os.environ.get("DFLASH_COSTAT_DIR"):
@@ -73,7 +77,20 @@ if os.environ.get("DFLASH_COSTAT_DIR"):
             if _totals:
                 _dump()
 
+    def _burning(fn, burn_s: float):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            end = time.perf_counter() + burn_s
+            while time.perf_counter() < end:   # pure Python: the GIL stays held but for forced switches
+                pass
+            return result
+        return wrapper
+
     def _install():
+        burn_us = float(os.environ.get("DFLASH_COSTAT_BURN_US") or 0)
+        if burn_us > 0:
+            from profiler import core
+            core.Profiler._poll = _burning(core.Profiler._poll, burn_us / 1e6)
         for module_name, qualname in TARGETS:
             _patch(module_name, qualname)
         _patch("profiler.intervals", "IntervalTimer.tick", lambda a, closed: "tick:close" if closed else "tick:poll")
