@@ -142,8 +142,8 @@ def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path, p
                            "point (nan fires at: drafter.fwd_bwd, target.pack_hidden, transfer.send)"),
     ("crash@drafter.fwdbwd", [], "dflash-train: error: DFLASH_FAULT: crash@drafter.fwdbwd: drafter.fwdbwd is not a "
                                  "span of this program (crash fires at: ckpt.save, d2h_copy, drafter.allreduce, "
-                                 "drafter.fwd_bwd, drafter.optim, drafter.recv, eval.decode, h2d_copy, target.fetch, "
-                                 "target.fwd, target.pack_hidden, transfer.send, transfer.wait_slot)"),
+                                 "drafter.fwd_bwd, drafter.optim, drafter.recv, drafter.unpack, eval.decode, h2d_copy, "
+                                 "target.fetch, target.fwd, target.pack_hidden, transfer.send, transfer.wait_slot)"),
     (None, ["--on-nonfinite", "ignore"],
      "dflash-train: error: config field 'on_nonfinite': must be stop, skip-step or warn (got 'ignore')"),
 ])

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--builtin-conversations", "48", "--eval-prompts", "2", "--eval-new-tokens", "12",
          "--tokens-per-batch", "1024", "--max-length", "128", "--profile-interval", "2", "--device", "cpu"]
 TARGET_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.wait_slot", "transfer.send"}
-DRAFTER_SPANS = {"drafter.recv", "drafter.fwd_bwd", "drafter.optim", "ckpt.save", "eval.decode"}
+DRAFTER_SPANS = {"drafter.recv", "drafter.unpack", "drafter.fwd_bwd", "drafter.optim", "ckpt.save", "eval.decode"}
 
 
 def train(args: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
