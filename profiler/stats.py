@@ -46,8 +46,8 @@ _QUANTILES = np.array([0.50, 0.95, 0.99])
 
 def _percentiles(s: np.ndarray) -> np.ndarray:
     """p50, p95, p99 of a sorted, non-empty float64 array: what np.percentile(s, [50, 95, 99]) returns
-    (its default linear method, step for step, lerp included), without its generic machinery: ~25 us of
-    a close per span name and series on the 2-core VM, ~6 us here (bench/RESULTS.md)."""
+    (its default linear method, step for step, lerp included), without its generic machinery: on the
+    2-core VM ~6 us for 265 values against np.percentile's ~26 us, twice per span name at every close."""
     pos = (s.size - 1) * _QUANTILES
     lo = np.floor(pos)
     t = pos - lo
