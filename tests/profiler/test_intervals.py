@@ -227,4 +227,5 @@ def test_an_intervals_values_convert_in_one_pass_in_order():
     assert g == {"queue_depth": [3.0, 1.0]}
     assert m == {"loss": [0.5, 6.0, 1.25], "acc": [0.75], "lr": [0.001]}
     assert to_floats_by_name({}, {"x": [1, 2]}) == [{}, {"x": [1.0, 2.0]}]
-    assert to_floats_by_name({"y": [torch.tensor([1.5]), torch.tensor([2.5])]}) == [{"y": [1.5, 2.5]}]   # (2, 1) stacked
+    # one-element 1-d tensors stack to (2, 1): read through the reshaping path
+    assert to_floats_by_name({"y": [torch.tensor([1.5]), torch.tensor([2.5])]}) == [{"y": [1.5, 2.5]}]
