@@ -334,9 +334,7 @@ class Profiler:
         deadline = time.monotonic() + self.gpu_drain_timeout_s
         while self.aggregator.resolve_pending() and time.monotonic() < deadline:
             time.sleep(0.005)
-        for thread_name, rec in self.aggregator.pending:
-            self.aggregator._add(thread_name, rec, None)
-        self.aggregator.pending = []
+        self.aggregator.add_unresolved()
 
     # ---- records -------------------------------------------------------------------------------
     def _header(self, rtype: str) -> dict:

@@ -193,13 +193,12 @@ class DriverTiming:
         import ctypes
 
         try:
-            lib = ctypes.PyDLL("libcuda.so.1")   # PyDLL: the GIL stays held through each call
-            elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+            timing = cls(ctypes.PyDLL("libcuda.so.1"), device_index)   # PyDLL: the GIL stays held through each call
         except (OSError, AttributeError):
             return None
-        elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
-        elapsed.restype = ctypes.c_int
-        return cls(lib, device_index)
+        timing._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        timing._elapsed.restype = ctypes.c_int
+        return timing
 
     def elapsed_ms(self, start, end, _retry: bool = True):
         ms = self._ctypes.c_float()

@@ -172,8 +172,9 @@ class IntervalAggregator:
         return len(self.pending)
 
     def _add_resolved(self, done: list, seen_ns: int) -> None:
-        """_add for a batch of resolved pairs, in one loop (a method call per record was most of the
-        collector's Python per CUDA span after the replay; bench/bench_collector.py)."""
+        """Add a batch of CUDA records, (thread_name, record, gpu_seconds or None when never resolved), in one
+        loop (a method call per record was most of the collector's Python per CUDA span after the replay;
+        bench/bench_collector.py)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -185,34 +186,20 @@ class IntervalAggregator:
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
             acc.depths.add(rec[3])
-            acc.gpu.append(gpu_s)
-            acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
+            if gpu_s is not None:
+                acc.gpu.append(gpu_s)
+                acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
             if nbytes is not None:
                 acc.bytes += nbytes
                 acc.bytes_n += 1
                 acc.bytes_cpu += cpu_s
-                acc.bytes_gpu += gpu_s
+                acc.bytes_gpu += gpu_s or 0.0
         self.detail.offer_resolved(done)
 
-    def _add(self, thread_name, rec, gpu_s, seen_ns: int = 0) -> None:
-        name, t0, t1, depth, nbytes = rec[0], rec[1], rec[2], rec[3], rec[4]
-        acc = self._spans.get(name)
-        if acc is None:
-            acc = self._spans[name] = _SpanAcc()
-        cpu_s = (t1 - t0) / 1e9
-        self.detail.offer(thread_name, rec, gpu_s)
-        acc.count += 1
-        acc.cpu.append(cpu_s)
-        acc.threads.add(thread_name)
-        acc.depths.add(depth)
-        if gpu_s is not None:
-            acc.gpu.append(gpu_s)
-            acc.gpu_windows.append((gpu_s, t0, max(seen_ns, t1)))
-        if nbytes is not None:
-            acc.bytes += nbytes
-            acc.bytes_n += 1
-            acc.bytes_cpu += cpu_s
-            acc.bytes_gpu += gpu_s or 0.0
+    def add_unresolved(self) -> None:
+        """At run end: the pairs still pending count CPU-only (their span's "gpu_unresolved" says how many)."""
+        done, self.pending = [(thread_name, rec, None) for thread_name, rec in self.pending], []
+        self._add_resolved(done, 0)
 
     # ---- output --------------------------------------------------------------------------------
     def _span_entry(self, count, threads, cpu_stats, gpu_stats, nbytes, bytes_cpu, bytes_gpu, has_bytes,
