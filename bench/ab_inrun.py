@@ -182,8 +182,8 @@ def _injections(text: str) -> list[float]:
 
 def _parts(text: str) -> list[str]:
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts or any(p not in ("all", "inline", "background") for p in parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated all, inline, background; got {text!r}")
+    if not parts or any(p not in ("all", "inline", "background", "none") for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated all, inline, background, none; got {text!r}")
     return parts
 
 
@@ -209,7 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="longest wait for the warm steps")
     ap.add_argument("--parts", type=_parts, default=["all"],
                     help="what the off phases pause, one measurement each on the same run, in order: "
-                         "comma-separated all, inline, background (dflash-profile overhead --part)")
+                         "comma-separated all, inline, background, none (dflash-profile overhead --part; "
+                         "none: an A/A run)")
     ap.add_argument("--spy-s", type=float, default=0.0,
                     help="no A/B: record who holds the GIL on every rank (py-spy --gil) for this long")
     a = ap.parse_args(argv)

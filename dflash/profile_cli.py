@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     over.add_argument("--phase-s", type=_seconds(0.05, 600), default=3.0, help="measured seconds per phase (3)")
     over.add_argument("--settle-s", type=_seconds(0, 600), default=1.0,
                       help="seconds after each switch before measuring (1): the queues reach the new state")
-    over.add_argument("--part", choices=("all", "inline", "background"), default="all",
+    over.add_argument("--part", choices=("all", "inline", "background", "none"), default="all",
                       help="what the off phases pause: all (--no-profile's path; default), inline (the training "
-                           "threads' spans, counters, checks) or background (collector, interval clock, samplers)")
+                           "threads' spans, counters, checks), background (collector, interval clock, samplers) "
+                           "or none (an A/A run: the measurement's own bias)")
     return p
 
 
@@ -95,13 +96,15 @@ def take(args, runner=None) -> dict:
 def overhead(args) -> dict:
     """The in-run on/off measurement of the run that args.pid or args.run_dir names (profiler/overhead.py)."""
     from profiler import overhead as oh
+    from profiler.taskcpu import TaskCpu
 
     lease_s = oh.lease_for(args.part, args.settle_s, args.phase_s)
     run_dir, ranks = oh.find_run(args.pid, args.run_dir)
     endpoints = oh.RunEndpoints(ranks, oh.owner_name(), lease_s, part=args.part)
+    probe = TaskCpu({r.get("rank"): r["pid"] for r in ranks})
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # unwinds through measure()'s resume
     try:
-        result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line)
+        result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line, probe=probe)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return {"run_dir": run_dir, "ranks": len(ranks), "lease_s": lease_s, **result}

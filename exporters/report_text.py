@@ -128,7 +128,8 @@ def _overhead_lines(kind: dict | None) -> list:
               if isinstance(e.get("ci_low_pct"), (int, float)) and isinstance(e.get("ci_high_pct"), (int, float))
               else "")
         part = e.get("part", "all")
-        what = "profiling cost" if part == "all" else f"cost of the profiler's {part} part"
+        what = {"all": "profiling cost", "none": "the measurement's own bias (A/A: both arms profiled)"}.get(
+            part, f"cost of the profiler's {part} part")
         lines.append(f"  {what}, measured in the run (dflash-profile overhead, step {e.get('step')}): "
                      f"on vs off {e['mean_diff_pct']:+.2f}%{ci}, {e.get('pairs')} pairs; on within "
                      f"{e.get('threshold_pct', 1):g}% of off: {e.get('within')}")

@@ -499,11 +499,14 @@ class Profiler:
                 "paused_by": self.pauses.owner}
 
     def _commands(self) -> dict:
-        """The endpoint's commands beyond state/record/ping: pause, resume (profiler/pause.py), progress."""
+        """The endpoint's commands beyond state/record/ping: pause, resume (profiler/pause.py), progress, and
+        threads (each live Python thread's name and kernel id, for the overhead command's per-thread CPU)."""
         return {"pause": lambda req: self.pauses.pause(req.get("owner"), req.get("lease_s"),
                                                              req.get("part", "all")),
                 "resume": lambda req: self.pauses.resume(req.get("owner")),
                 "progress": lambda req: {"ok": True, **self.progress_now()},
+                "threads": lambda req: {"ok": True, "threads": [[t.name, t.native_id] for t in threading.enumerate()
+                                                                if t.native_id is not None]},
                 "overhead_result": lambda req: self._note_overhead(req.get("result"))}
 
     def _note_overhead(self, result) -> dict:

@@ -12,7 +12,8 @@ on/off, the geometric mean difference with a 95% paired t interval, "resolves 1%
 
 `part` (profiler/pause.py) pauses one part of the profiler only in the off phases: `inline` (the training
 threads' spans, counters and checks) or `background` (collector, interval clock, samplers), so the
-difference is what that part costs; `all` (the default) is --no-profile's path.
+difference is what that part costs; `all` (the default) is --no-profile's path. `none` pauses nothing: both
+arms profile, so the difference is the measurement's own bias (an A/A run), expected zero within its interval.
 
 What differs from --no-profile in an off phase of `all`: the profiler's idle threads exist (its collector
 wakes 4 times a second to watch the pause's lease), each step sets the step (a method call), and the
@@ -33,6 +34,9 @@ from profiler.abstats import arm_stats, paired_stats, verdicts
 from profiler.control import default_discovery_dir, discover, query
 from profiler.pause import max_lease_s
 from profiler.snapshot import NO_LIVE_RANK, SnapshotError, check_pid, require_live_ranks
+from profiler.taskcpu import NullTaskCpu
+
+NULL_PROBE = NullTaskCpu()
 
 MIN_STEPS_PER_PHASE = 3
 # The fields of a `profile_overhead` event (brief()); the endpoint keeps these and no others.
@@ -40,7 +44,7 @@ SUMMARY_FIELDS = ("part", "pairs", "measure_s", "settle_s", "metric", "on_mean",
                   "ci_low_pct", "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
 LEASE_MARGIN_S = 10.0
 PAUSED_LABELS = {"all": "paused (--no-profile's path)", "inline": "inline paused (background on)",
-                 "background": "background paused (inline on)"}
+                 "background": "background paused (inline on)", "none": "paused nothing (A/A)"}
 
 
 class OverheadError(RuntimeError):
@@ -109,6 +113,16 @@ class RunEndpoints:
         reply = self._query(self.meter["socket_path"], "overhead_result", timeout_s=self.timeout_s, result=summary)
         return None if reply.get("ok") else str(reply.get("error"))
 
+    def thread_names(self) -> dict:
+        """{(rank, native thread id): Python thread name} of every rank that answers `threads` (else none)."""
+        names = {}
+        for record in self.records:
+            reply = self._query(record["socket_path"], "threads", timeout_s=self.timeout_s)
+            threads = reply.get("threads") if reply.get("ok") else None
+            for name, tid in threads or ():
+                names[(record.get("rank"), tid)] = name
+        return names
+
     def progress(self) -> tuple[int, float | None]:
         reply = self._ask(self.meter, "progress")
         return reply["step"], reply.get("step_time_unix")
@@ -142,32 +156,38 @@ def find_run(pid: int | None, run_dir, discovery_dir=None) -> tuple[str, list[di
     return str(Path(run_dir).resolve()), require_live_ranks(run_dir, directory)
 
 
-def measure_phase(endpoints: RunEndpoints, arm: str, settle_s: float, measure_s: float, sleep=time.sleep) -> Phase:
-    """One phase (module doc); OverheadError when rank 0 began too few steps in it to time."""
+def measure_phase(endpoints: RunEndpoints, arm: str, settle_s: float, measure_s: float, sleep=time.sleep,
+                  probe=NULL_PROBE) -> Phase:
+    """One phase (module doc); OverheadError when rank 0 began too few steps in it to time. `probe` reads the
+    ranks' threads' CPU right after each progress reading (profiler/taskcpu.py)."""
     endpoints.switch(arm)
     sleep(settle_s)
     step_a, t_a = endpoints.progress()
+    cpu_a = probe.read()
     sleep(measure_s)
     step_b, t_b = endpoints.progress()
+    cpu_b = probe.read()
     steps = step_b - step_a
     if steps < MIN_STEPS_PER_PHASE or t_a is None or t_b is None or t_b <= t_a:
         raise OverheadError(f"an {arm} phase of {measure_s:g} s saw {steps} steps of rank 0 (fewer than "
                             f"{MIN_STEPS_PER_PHASE}): the run is stalled, ending, or its steps are too long "
                             "for this --phase-s", started=True)
+    probe.add(arm, cpu_a, cpu_b, steps)
     return Phase(arm, steps, t_b - t_a, steps / (t_b - t_a))
 
 
 def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: float, sleep=time.sleep,
-            clock=time.time, on_phase=None) -> dict:
+            clock=time.time, on_phase=None, probe=NULL_PROBE) -> dict:
     """Alternate `pairs` on/off pairs (ABBA) and summarise; every rank is resumed on the way out. A run
-    that ends or stalls after two whole pairs gives the pairs it completed (`stopped` says why)."""
+    that ends or stalls after two whole pairs gives the pairs it completed (`stopped` says why). With a
+    `probe` (TaskCpu), `threads_cpu` says per thread what a step cost in each arm."""
     endpoints.check()
     phases: list[Phase] = []
     stopped, t0 = None, clock()
     try:
         for i in range(pairs):
             for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                phases.append(measure_phase(endpoints, arm, settle_s, measure_s, sleep))
+                phases.append(measure_phase(endpoints, arm, settle_s, measure_s, sleep, probe))
                 if on_phase is not None:
                     on_phase(len(phases) - 1, phases[-1])
     except OverheadError as exc:
@@ -179,11 +199,21 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
     phases = phases[:len(phases) // 2 * 2]   # whole pairs only
     result = summarise(phases, stopped, failed, {"part": endpoints.part, "pairs_asked": pairs, "settle_s": settle_s,
                                                  "measure_s": measure_s, "seconds": clock() - t0})
+    if probe is not NULL_PROBE:
+        result["threads_cpu"] = probe.summary(_names_or_none(endpoints))
     why = endpoints.note(brief(result))
     result["recorded"] = why is None
     if why is not None:
         result["not_recorded_because"] = why
     return result
+
+
+def _names_or_none(endpoints) -> dict:
+    """The Python names of the ranks' threads, or {} when a rank cannot say (the kernel's names serve)."""
+    try:
+        return endpoints.thread_names()
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def brief(result: dict) -> dict:
@@ -236,4 +266,17 @@ def format_result(result: dict) -> str:
         lines.append(f"  not recorded in rank 0's run log: {result.get('not_recorded_because')}")
     for failure in result["resume_failed"]:
         lines.append(f"  NOT RESUMED (its lease ends it): {failure}")
-    return "\n".join(lines)
+    return "\n".join(lines + _thread_lines(result.get("threads_cpu")))
+
+
+def _thread_lines(threads_cpu: dict | None, top: int = 12) -> list:
+    """The per-thread table: CPU per rank-0 step in each arm, the `top` largest differences."""
+    rows = ((threads_cpu or {}).get("threads") or [])[:top]
+    if not rows:
+        return []
+    lines = ["  CPU per rank-0 step (us; /proc schedstat), largest on-off difference first:",
+             f"    {'rank':>4} {'thread':<28} {'on':>9} {'off':>9} {'on-off':>9} {'wait on':>9} {'wait off':>9}"]
+    for r in rows:
+        lines.append(f"    {r['rank']:>4} {r['name'][:28]:<28} {r['on_cpu_us']:>9.1f} {r['off_cpu_us']:>9.1f} "
+                     f"{r['diff_cpu_us']:>+9.1f} {r['on_wait_us']:>9.1f} {r['off_wait_us']:>9.1f}")
+    return lines

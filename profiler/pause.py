@@ -25,7 +25,7 @@ A pause may stop one part only (`part`), to find which part of the profiler cost
   so the backlog is drained right away (inside the overhead command's settle time, not in the next
   measured phase). A backlog grows in memory (records, CUDA events, flag rows), so this lease is
   shorter (MAX_BACKGROUND_LEASE_S).
-`all` (the default) is both.
+`all` (the default) is both; `none` is neither (an A/A calibration of the overhead command itself).
 
 A pause is a lease: it ends by itself `lease_s` after the last `pause` command, so a client that dies
 cannot leave a run unprofiled; one owner at a time. Each interval record says how long it was paused
@@ -44,8 +44,10 @@ logger = logging.getLogger("profiler")
 MAX_LEASE_S = 600.0
 MAX_BACKGROUND_LEASE_S = 60.0
 MAX_OWNER_CHARS = 200
-PARTS = {"all": (True, True), "inline": (True, False), "background": (False, True)}
-"""What a pause of each part stops: (the training threads' instrumentation, the background threads)."""
+PARTS = {"all": (True, True), "inline": (True, False), "background": (False, True), "none": (False, False)}
+"""What a pause of each part stops: (the training threads' instrumentation, the background threads). `none`
+stops nothing: the off phases profile as the on phases do, an A/A run that measures the measurement's own
+bias (the commands, the phase order, the settle), which every on/off figure carries too."""
 
 
 def max_lease_s(part: str) -> float:

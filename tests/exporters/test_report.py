@@ -308,3 +308,13 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
     cheap = [_interval(0, "drafter", i, spans, 10_000, profiler_share=0.005) for i in range(4)]
     assert not [f for f in report.hotspots(_write_run(tmp_path / "cheap", {0: cheap}))["findings"]
                 if f["kind"] == "profiler_cost"]
+
+
+def test_an_overhead_measurement_says_what_its_off_phases_paused():
+    from exporters.report_text import _overhead_lines
+    base = {"mean_diff_pct": -0.4, "ci_low_pct": -1.2, "ci_high_pct": 0.4, "pairs": 300, "step": 77,
+            "within": "yes", "threshold_pct": 1}
+    lines = _overhead_lines({"examples": [{**base, "part": p} for p in ("all", "inline", "none")]})
+    assert [line.split(",")[0].strip() for line in lines] == [
+        "profiling cost", "cost of the profiler's inline part", "the measurement's own bias (A/A: both arms profiled)"]
+    assert lines[2].endswith("on vs off -0.40% (95% CI -1.20 .. +0.40%), 300 pairs; on within 1% of off: yes")

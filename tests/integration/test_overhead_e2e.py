@@ -68,6 +68,9 @@ def test_overhead_sees_the_profiled_phases_cost_and_leaves_the_run_profiling(slo
     assert all(p["steps"] >= 3 for p in result["phases"])
     assert result["paired"]["mean_diff_pct"] < -20 and max(result["paired"]["ratios"]) < 1.0, result["paired"]
     assert "on vs off: -" in r.stdout and "on within 1% of off:" in r.stdout
+    rows = {(t["rank"], t["name"]): t for t in result["threads_cpu"]["threads"]}   # /proc, named by the ranks
+    assert rows[(0, "drafter.main")]["on_cpu_us"] > 0 and rows[(1, "target.main")]["off_cpu_us"] > 0, rows
+    assert "CPU per rank-0 step (us; /proc schedstat)" in r.stdout
     assert _paused_by(ranks) == [None, None]
     recs = read_records(run / "profile" / "rank0.jsonl")[0]
     (noted,) = [x for x in recs if x["type"] == "event" and x["kind"] == "profile_overhead"]

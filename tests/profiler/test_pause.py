@@ -159,6 +159,24 @@ def test_an_inline_pause_stops_the_training_threads_records_only(tmp_path):
         assert "paused_parts" in prof.last_interval    # paused for the first instant of this interval
 
 
+def test_a_pause_of_part_none_stops_nothing(tmp_path):
+    """The A/A calibration: a `none` pause is counted in the interval, and profiles on as if not paused."""
+    now = [0.0]
+    samplers = [type("S", (), {"paused": False})()]
+    with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0]) as prof:
+        pc = PauseControl(prof, prof.recorder, samplers=samplers, interval_clock=prof.timer)
+        prof.pauses = pc
+        assert pc.pause("test", 60, "none")["part"] == "none"
+        assert pc.active and not pc.background_held and not samplers[0].paused and profiler.active() is prof
+        with profiler.span("x.work"):
+            pass
+        now[0] = 10.0
+        assert prof.tick() is True
+        interval = prof.last_interval
+        assert interval["spans"]["x.work"]["count"] == 1 and interval["paused_parts"] == ["none"]
+        assert pc.resume("test")["ok"] and not pc.active
+
+
 def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_path):
     now = [0.0]
     samplers = [type("S", (), {"paused": False})()]
@@ -197,7 +215,7 @@ def test_a_pause_keeps_its_part_and_background_leases_are_short(tmp_path):
             reply = pc.pause("a", lease_s, part)
             assert reply["ok"] is False and not pc.active, reply
         assert "part 'background' needs 'lease_s' in (0, 60]" in pc.pause("a", 61, "background")["error"]
-        assert "'part' one of all, inline, background, got 'nope'" in pc.pause("a", 5, "nope")["error"]
+        assert "'part' one of all, inline, background, none, got 'nope'" in pc.pause("a", 5, "nope")["error"]
         assert len(pc.pause("x" * 10**6, 5)["error"]) < 200 and len(pc.pause("a", 5, "y" * 10**6)["error"]) < 200
 
 
@@ -227,6 +245,9 @@ def test_pause_progress_resume_and_records_over_the_control_socket(tmp_path, mon
             prof.to_unix_ns(prof.step_ns) / 1e9)
         assert query(sock, "pause", owner="client-1", lease_s=30)["ok"]
         assert query(sock, "progress")["paused_by"] == "client-1"
+        threads = query(sock, "threads")["threads"]
+        assert ["MainThread", threading.main_thread().native_id] in threads
+        assert any(name.startswith("profiler") for name, _ in threads)
         assert query(sock, "state")["state"]["paused_by"] == "client-1"
         assert "paused by client-1" in query(sock, "pause", owner="client-2", lease_s=30)["error"]
         assert "'lease_s'" in query(sock, "pause", owner="client-1")["error"]
