@@ -1,0 +1,114 @@
+"""What one drafter step's profiler calls cost the training thread, with nothing else in the step.
+
+Run from the repo root: `PYTHONPATH=. python3 bench/bench_inline_step.py [--steps N]` (CUDA when present,
+else CPU). Each "step" makes the calls `dflash/roles.py` makes on the drafter's training thread, in its
+order: set_step, four spans (drafter.recv, drafter.unpack with its payload check, drafter.fwd_bwd with the
+fault hook, drafter.optim with the loss/grad-norm check), one gauge, two counts and nine metrics, around a
+floor of four small tensor ops (one per span, so CUDA spans record real events on a real queue). Cases,
+alternated within each of 7 repeats: `no profiler` (the floor), `profiled`, and `paused` (the in-run A/B's
+off arm: `dflash-profile overhead`'s pause of every part). The profiler's collector runs as in a run (its
+thread polls every 0.25 s), so `profiled` includes the GIL it takes; the table gives the training thread's
+CPU and wall per step, the cyclic garbage collector's time per step (any thread: `gc.callbacks`), and
+profiled minus paused: what the in-run A/B's training thread pays per step, to set against the per-thread
+CPU difference `dflash-profile overhead` reads in a live run (bench/RESULTS.md). What was alive after the
+set-up is frozen (`gc.freeze()`), as `dflash/rank.py` freezes the imports, so a full collection walks only
+what the steps made. Writes nothing outside a temporary run dir.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+
+METRICS = ("loss", "tau", "tau_prefix", "lr", "acc_1", "acc_2", "acc_3", "acc_4", "grad_norm")
+
+
+def one_step(profiler, torch, x, step):
+    """The drafter step's profiler calls (roles.run_drafter and drafter_step), over four tiny ops."""
+    profiler.nonfinite_found()
+    profiler.set_step(step)
+    with profiler.span("drafter.recv"):
+        y = x + 1
+    profiler.gauge("queue_depth", 1)
+    with profiler.span("drafter.unpack"):
+        flags = torch.stack([y[0] != y[0], y[1] != y[1]])
+        profiler.check_flags("drafter.recv", ["payload.packed", "payload.transfer"], flags, step=step)
+    with profiler.span("drafter.fwd_bwd"):
+        loss = profiler.corrupt("drafter.fwd_bwd", (y * 2).sum())
+    with profiler.span("drafter.optim"):
+        flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(y[0])])
+        profiler.check_flags("drafter.fwd_bwd", ["loss", "grad_norm"], flags, step=step)
+        x.mul_(1.0)
+    profiler.count("tokens", 4096)
+    profiler.count("steps", 1)
+    for i, name in enumerate(METRICS):
+        profiler.metric(name, 1e-3 if name == "lr" else y[i % 4].detach())
+
+
+class GcClock:
+    """Nanoseconds spent in cyclic collections (gc.callbacks, on whichever thread ran them)."""
+
+    def __init__(self):
+        self.ns, self._t0 = 0, 0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.ns += time.perf_counter_ns() - self._t0
+
+
+def run_case(profiler, torch, x, steps, start, gc_clock):
+    """(thread CPU us, wall us, gc us) per step over `steps` steps."""
+    c0, w0, g0 = time.thread_time_ns(), time.perf_counter_ns(), gc_clock.ns
+    for i in range(steps):
+        one_step(profiler, torch, x, start + i)
+    return ((time.thread_time_ns() - c0) / steps / 1e3, (time.perf_counter_ns() - w0) / steps / 1e3,
+            (gc_clock.ns - g0) / steps / 1e3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3000, help="steps per case and repeat (3000)")
+    a = ap.parse_args()
+    import torch
+
+    import profiler
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.ones(8, device=device)
+    rows = {"no profiler": [], "profiled": [], "paused": []}
+    gc_clock = GcClock()
+    with tempfile.TemporaryDirectory() as tmp, profiler.Profiler(tmp, device=device, console=False, control=False,
+                                                                 interval_s=60.0) as prof:
+        gc.freeze()   # as dflash/rank.py does after the imports
+        step = 0
+        for _ in range(7):   # alternate the cases within each repeat, so drift hits all alike
+            for case in rows:
+                if case == "no profiler":
+                    profiler.api.suspend(prof, None)   # span() and the rest are the no-op path
+                elif case == "paused":
+                    prof.pauses.pause("bench_inline_step", 600, "all")
+                rows[case].append(run_case(profiler, torch, x, a.steps, step, gc_clock))
+                step += a.steps
+                if case == "no profiler":
+                    profiler.api.unsuspend(prof, None, prof.recorder)
+                elif case == "paused":
+                    prof.pauses.resume("bench_inline_step")
+                if device.type == "cuda":
+                    torch.cuda.synchronize()   # deliberate: between cases, so queued work does not carry over
+    print(f"{device}, torch {torch.__version__}, Python {sys.version.split()[0]}; {a.steps} steps x 7 repeats, median")
+    print(f"{'case':<15} {'cpu us/step':>12} {'wall us/step':>13} {'gc us/step':>11}")
+    med = {case: [statistics.median(v[k] for v in vals) for k in (0, 1, 2)] for case, vals in rows.items()}
+    for case, (cpu, wall, gc_us) in med.items():
+        print(f"{case:<15} {cpu:>12.2f} {wall:>13.2f} {gc_us:>11.2f}")
+    diff = [med["profiled"][k] - med["paused"][k] for k in (0, 1, 2)]
+    print(f"{'profiled-paused':<15} {diff[0]:>+12.2f} {diff[1]:>+13.2f} {diff[2]:>+11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
