@@ -95,7 +95,7 @@ class TaskCpu:
 
 
 class NullTaskCpu:
-    """No per-thread reading (tests of the phases alone, or --no-threads)."""
+    """No per-thread reading: measure()'s default, for callers that want the phases alone (tests)."""
 
     def read(self) -> dict:
         return {}
