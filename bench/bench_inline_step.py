@@ -6,10 +6,13 @@ order: set_step, four spans (drafter.recv, drafter.unpack with its payload check
 fault hook, drafter.optim with the loss/grad-norm check), one gauge, two counts and nine metrics, around a
 floor of four small tensor ops (one per span, so CUDA spans record real events on a real queue). Cases,
 alternated within each of 7 repeats: `no profiler` (the floor), `profiled`, and `paused` (the in-run A/B's
-off arm: `dflash-profile overhead`'s pause of every part). The profiler's collector runs as in a run (its
-thread polls every 0.25 s), so `profiled` includes the GIL it takes; the table gives the training thread's
-CPU and wall per step, the cyclic garbage collector's time per step (any thread: `gc.callbacks`), and
-profiled minus paused: what the in-run A/B's training thread pays per step, to set against the per-thread
+off arm: `dflash-profile overhead`'s pause of every part). The profiler's collector runs in its own thread,
+so `profiled` includes the GIL it takes. It polls every 2 ms, not a run's 0.25 s: these steps are ~400 times
+shorter than a launch-workload step, and a run's poll period would leave more checks in flight than the
+monitor's pinned rows (the check would take its cheaper "dropped" path) and grow the event pool on the
+training thread; the last line says how many checks were dropped and events created. The table gives the
+training thread's CPU and wall per step, the cyclic garbage collector's time per step (any thread:
+`gc.callbacks`), and profiled minus paused: what the in-run A/B's training thread pays per step, to set against the per-thread
 CPU difference `dflash-profile overhead` reads in a live run (bench/RESULTS.md). What was alive after the
 set-up is frozen (`gc.freeze()`), as `dflash/rank.py` freezes the imports, so a full collection walks only
 what the steps made. Writes nothing outside a temporary run dir.
@@ -83,7 +86,7 @@ def main() -> int:
     rows = {"no profiler": [], "profiled": [], "paused": []}
     gc_clock = GcClock()
     with tempfile.TemporaryDirectory() as tmp, profiler.Profiler(tmp, device=device, console=False, control=False,
-                                                                 interval_s=60.0) as prof:
+                                                                 interval_s=60.0, poll_s=0.002) as prof:
         gc.freeze()   # as dflash/rank.py does after the imports
         step = 0
         for _ in range(7):   # alternate the cases within each repeat, so drift hits all alike
@@ -100,6 +103,7 @@ def main() -> int:
                     prof.pauses.resume("bench_inline_step")
                 if device.type == "cuda":
                     torch.cuda.synchronize()   # deliberate: between cases, so queued work does not carry over
+        dropped, created = prof.nonfinite.dropped, getattr(prof.event_pool, "created", 0)
     print(f"{device}, torch {torch.__version__}, Python {sys.version.split()[0]}; {a.steps} steps x 7 repeats, median")
     print(f"{'case':<15} {'cpu us/step':>12} {'wall us/step':>13} {'gc us/step':>11}")
     med = {case: [statistics.median(v[k] for v in vals) for k in (0, 1, 2)] for case, vals in rows.items()}
@@ -107,6 +111,7 @@ def main() -> int:
         print(f"{case:<15} {cpu:>12.2f} {wall:>13.2f} {gc_us:>11.2f}")
     diff = [med["profiled"][k] - med["paused"][k] for k in (0, 1, 2)]
     print(f"{'profiled-paused':<15} {diff[0]:>+12.2f} {diff[1]:>+13.2f} {diff[2]:>+11.2f}")
+    print(f"non-finite checks dropped (rows all in flight): {dropped}; CUDA events created: {created}")
     return 0
 
 
