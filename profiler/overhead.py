@@ -277,6 +277,6 @@ def _thread_lines(threads_cpu: dict | None, top: int = 12) -> list:
     lines = ["  CPU per rank-0 step (us; /proc schedstat), largest on-off difference first:",
              f"    {'rank':>4} {'thread':<28} {'on':>9} {'off':>9} {'on-off':>9} {'wait on':>9} {'wait off':>9}"]
     for r in rows:
-        lines.append(f"    {r['rank']:>4} {r['name'][:28]:<28} {r['on_cpu_us']:>9.1f} {r['off_cpu_us']:>9.1f} "
+        lines.append(f"    {str(r['rank']):>4} {str(r['name'])[:28]:<28} {r['on_cpu_us']:>9.1f} {r['off_cpu_us']:>9.1f} "
                      f"{r['diff_cpu_us']:>+9.1f} {r['on_wait_us']:>9.1f} {r['off_wait_us']:>9.1f}")
     return lines
