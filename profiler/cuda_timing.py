@@ -43,7 +43,7 @@ a host-side pause between two spans never counts as GPU time of the second."""
 
 class EventPool:
     """Timing events reused across spans. Workers take events with `take()` (a list pop: atomic);
-    the collector hands references out and back with `retain()`/`release()` under a lock.
+    the collector hands references out and back with `adjust()`/`release()` under a lock.
 
     `event_factory` makes an event (default: a timing `torch.cuda.Event`); with a factory (tests),
     `record_fn(ev, stream)` defaults to `ev.record(stream)` and streams are a constant 0."""
@@ -87,11 +87,6 @@ class EventPool:
         """Record `ev` on the current stream through the C call (what a span does, for other users)."""
         raw = self.getraw(self.device_index)
         self.record(ev, self.streams.get(raw) or self.stream_for(raw))
-
-    def retain(self, ev, n: int = 1) -> None:
-        """Collector side: `n` more holders of `ev`."""
-        with self._lock:
-            self._refs[id(ev)] = self._refs.get(id(ev), 1) + n   # absent: its one record holds it
 
     def release(self, *events) -> None:
         """Collector side: one holder of each event is done; an event nobody holds is free again."""
