@@ -13,7 +13,9 @@ thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
 - `Event.query()` through the Python wrapper and `_CudaEventBase.query` directly, on a completed
   event; `elapsed_time()`; creating an event;
 - what the collector pays to resolve one completed pair: torch's calls (`TorchTiming`: query() both,
-  elapsed_time()) against libcuda's (`DriverTiming`: one cuEventElapsedTime), GIL held in both.
+  elapsed_time()) against libcuda's (`DriverTiming`: one cuEventElapsedTime), GIL held in both;
+- a non-finite check's hot path (two flags copied non-blocking into pinned memory, an event recorded; two
+  a drafter step), its copy alone, and a one-element kernel launch as the peer.
 With `--busy`, a second thread launches small kernels throughout (as a launch-bound training thread
 does), so the driver calls meet the launches they contend with in a run.
 """
@@ -25,12 +27,17 @@ import sys
 import time
 
 N = 20000
+SHORT_N = 400   # calls per repeat for rows that queue GPU work: a sync before each repeat, and 400 copies or
+#                 kernels stay under the launch queue's depth, so no call waits for a free slot
 
 
-def per_call_ns(fn, n=N, repeats=7):
-    """(thread CPU ns, wall ns) per call of fn(), medians over repeats."""
+def per_call_ns(fn, n=N, repeats=7, before=None):
+    """(thread CPU ns, wall ns) per call of fn(), medians over repeats; `before()` runs untimed ahead of
+    each repeat."""
     cpu, wall = [], []
     for _ in range(repeats):
+        if before is not None:
+            before()
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
         for _ in range(n):
             fn()
@@ -63,7 +70,24 @@ def rows(torch):
         ("Event.elapsed_time(end)", lambda: ev.elapsed_time(ev2)),
         ("torch.cuda.Event(enable_timing)", lambda: torch.cuda.Event(enable_timing=True)),
         *resolve_rows(torch, ev, ev2),
+        *check_rows(torch, lambda e: base.record(e, stream)),
     ]
+
+
+def check_rows(torch, record):
+    """A non-finite check's hot path (NonfiniteMonitor.check_flags: its flags copied non-blocking into a
+    pinned row, then an event recorded), its copy alone, and a one-element kernel launch as the peer; each
+    timed over SHORT_N calls from an empty queue."""
+    flags = torch.zeros(2, dtype=torch.bool, device="cuda")
+    host = torch.zeros(8, dtype=torch.bool, pin_memory=True)[:2]
+    ready, x = torch.cuda.Event(), torch.zeros(1, device="cuda")
+
+    def check():
+        host.copy_(flags, non_blocking=True)
+        record(ready)
+    return [("check_flags: pinned copy + record", check, SHORT_N),
+            ("  its copy_(non_blocking) alone", lambda: host.copy_(flags, non_blocking=True), SHORT_N),
+            ("a kernel launch (x.add_(1), 1 elem)", lambda: x.add_(1.0), SHORT_N)]
 
 
 def resolve_rows(torch, ev, ev2):
@@ -109,10 +133,11 @@ def main() -> int:
     stop = threading.Event()
     launcher = busy_launcher(torch, stop) if busy else None
     print(f"{'call':<34} {'cpu ns':>8} {'wall ns':>8}")
-    for label, fn in rows(torch):
-        for _ in range(1000):
+    for label, fn, *n in rows(torch):
+        for _ in range(1000 if not n else n[0]):
             fn()
-        cpu, wall = per_call_ns(fn)
+        # deliberate syncs (before each repeat of a queueing row): an empty queue for every repeat
+        cpu, wall = per_call_ns(fn, n[0], 21, torch.cuda.synchronize) if n else per_call_ns(fn)
         torch.cuda.synchronize()   # deliberate: between rows, so queued records do not pile up
         print(f"{label:<34} {cpu:>8.0f} {wall:>8.0f}")
     stop.set()

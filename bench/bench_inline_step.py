@@ -5,15 +5,17 @@ else CPU). Each "step" makes the calls `dflash/roles.py` makes on the drafter's 
 order: set_step, four spans (drafter.recv, drafter.unpack with its payload check, drafter.fwd_bwd with the
 fault hook, drafter.optim with the loss/grad-norm check), one gauge, two counts and nine metrics, around a
 floor of four small tensor ops (one per span, so CUDA spans record real events on a real queue). Cases,
-alternated within each of 7 repeats: `no profiler` (the floor), `profiled`, and `paused` (the in-run A/B's
-off arm: `dflash-profile overhead`'s pause of every part). The profiler's collector runs in its own thread,
+alternated within each of 7 repeats: `no profiler` (the floor), `paused` (the in-run A/B's off arm:
+`dflash-profile overhead`'s pause of every part), `profiled`, and two profiled cases without one part, to split
+its cost: `no checks` (check_flags queues nothing: no pinned copy, no event) and, on CUDA, `cpu spans` (spans
+without CUDA events). The profiler's collector runs in its own thread,
 so `profiled` includes the GIL it takes. It polls every 2 ms, not a run's 0.25 s: these steps are ~400 times
 shorter than a launch-workload step, and a run's poll period would leave more checks in flight than the
 monitor's pinned rows (the check would take its cheaper "dropped" path) and grow the event pool on the
 training thread; the last line says how many checks were dropped and events created. The table gives the
 training thread's CPU and wall per step, the cyclic garbage collector's time per step (any thread:
-`gc.callbacks`), and profiled minus paused: what the in-run A/B's training thread pays per step, to set against the per-thread
-CPU difference `dflash-profile overhead` reads in a live run (bench/RESULTS.md). What was alive after the
+`gc.callbacks`), and each profiled case minus paused: what the in-run A/B's training thread pays per step, to
+set against the per-thread CPU difference `dflash-profile overhead` reads in a live run (bench/RESULTS.md). What was alive after the
 set-up is frozen (`gc.freeze()`), as `dflash/rank.py` freezes the imports, so a full collection walks only
 what the steps made. Writes nothing outside a temporary run dir.
 """
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 
+CASES = ("no profiler", "paused", "profiled", "no checks", "cpu spans")
 METRICS = ("loss", "tau", "tau_prefix", "lr", "acc_1", "acc_2", "acc_3", "acc_4", "grad_norm")
 
 
@@ -49,6 +52,35 @@ def one_step(profiler, torch, x, step):
     profiler.count("steps", 1)
     for i, name in enumerate(METRICS):
         profiler.metric(name, 1e-3 if name == "lr" else y[i % 4].detach())
+
+
+def _no_check(*args, **kwargs) -> None:
+    """check_flags that queues nothing (the `no checks` case)."""
+
+
+def enter_case(prof, case):
+    """Put the profiler in `case`'s state; returns the call that undoes it."""
+    import profiler
+    from profiler.spans import CpuSpan
+    if case == "no profiler":
+        profiler.api.suspend(prof, None)   # span() and the rest are the no-op path
+        return lambda: profiler.api.unsuspend(prof, None, prof.recorder)
+    if case == "paused":
+        prof.pauses.pause("bench_inline_step", 600, "all")
+        return lambda: prof.pauses.resume("bench_inline_step")
+    if case == "no checks":
+        prof.nonfinite.check_flags = _no_check   # the instance attribute hides the method
+        return lambda: delattr(prof.nonfinite, "check_flags")
+    if case == "cpu spans":   # spans without CUDA events: the recorder's CPU span class, this thread's cache cleared
+        rec, cls = prof.recorder, prof.recorder._span_cls
+        rec._span_cls = CpuSpan
+        rec.local.d.clear()
+
+        def leave():
+            rec._span_cls = cls
+            rec.local.d.clear()
+        return leave
+    return lambda: None
 
 
 class GcClock:
@@ -83,7 +115,7 @@ def main() -> int:
     import profiler
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x = torch.ones(8, device=device)
-    rows = {"no profiler": [], "profiled": [], "paused": []}
+    rows = {case: [] for case in CASES if device.type == "cuda" or case != "cpu spans"}
     gc_clock = GcClock()
     with tempfile.TemporaryDirectory() as tmp, profiler.Profiler(tmp, device=device, console=False, control=False,
                                                                  interval_s=60.0, poll_s=0.002) as prof:
@@ -91,26 +123,22 @@ def main() -> int:
         step = 0
         for _ in range(7):   # alternate the cases within each repeat, so drift hits all alike
             for case in rows:
-                if case == "no profiler":
-                    profiler.api.suspend(prof, None)   # span() and the rest are the no-op path
-                elif case == "paused":
-                    prof.pauses.pause("bench_inline_step", 600, "all")
+                leave = enter_case(prof, case)
                 rows[case].append(run_case(profiler, torch, x, a.steps, step, gc_clock))
                 step += a.steps
-                if case == "no profiler":
-                    profiler.api.unsuspend(prof, None, prof.recorder)
-                elif case == "paused":
-                    prof.pauses.resume("bench_inline_step")
+                leave()
                 if device.type == "cuda":
                     torch.cuda.synchronize()   # deliberate: between cases, so queued work does not carry over
         dropped, created = prof.nonfinite.dropped, getattr(prof.event_pool, "created", 0)
     print(f"{device}, torch {torch.__version__}, Python {sys.version.split()[0]}; {a.steps} steps x 7 repeats, median")
-    print(f"{'case':<15} {'cpu us/step':>12} {'wall us/step':>13} {'gc us/step':>11}")
+    print(f"{'case':<22} {'cpu us/step':>12} {'wall us/step':>13} {'gc us/step':>11}")
     med = {case: [statistics.median(v[k] for v in vals) for k in (0, 1, 2)] for case, vals in rows.items()}
     for case, (cpu, wall, gc_us) in med.items():
-        print(f"{case:<15} {cpu:>12.2f} {wall:>13.2f} {gc_us:>11.2f}")
-    diff = [med["profiled"][k] - med["paused"][k] for k in (0, 1, 2)]
-    print(f"{'profiled-paused':<15} {diff[0]:>+12.2f} {diff[1]:>+13.2f} {diff[2]:>+11.2f}")
+        print(f"{case:<22} {cpu:>12.2f} {wall:>13.2f} {gc_us:>11.2f}")
+    for case in rows:
+        if case not in ("no profiler", "paused"):
+            diff = [med[case][k] - med["paused"][k] for k in (0, 1, 2)]
+            print(f"{case + '-paused':<22} {diff[0]:>+12.2f} {diff[1]:>+13.2f} {diff[2]:>+11.2f}")
     print(f"non-finite checks dropped (rows all in flight): {dropped}; CUDA events created: {created}")
     return 0
 
