@@ -270,13 +270,21 @@ def format_result(result: dict) -> str:
 
 
 def _thread_lines(threads_cpu: dict | None, top: int = 12) -> list:
-    """The per-thread table: CPU per rank-0 step in each arm, the `top` largest differences."""
+    """The per-thread table: CPU per rank-0 step and busy share in each arm, the `top` largest differences."""
     rows = ((threads_cpu or {}).get("threads") or [])[:top]
     if not rows:
         return []
-    lines = ["  CPU per rank-0 step (us; /proc schedstat), largest on-off difference first:",
-             f"    {'rank':>4} {'thread':<28} {'on':>9} {'off':>9} {'on-off':>9} {'wait on':>9} {'wait off':>9}"]
+    lines = ["  CPU per rank-0 step (us; /proc schedstat) and busy share (CPU / wall), largest on-off difference "
+             "first;", "  a thread busy as often in both arms did the same work slower, not more of it:",
+             f"    {'rank':>4} {'thread':<28} {'on':>9} {'off':>9} {'on-off':>9} {'wait on':>9} {'wait off':>9} "
+             f"{'busy on':>8} {'busy off':>8}"]
     for r in rows:
         lines.append(f"    {str(r['rank']):>4} {str(r['name'])[:28]:<28} {r['on_cpu_us']:>9.1f} {r['off_cpu_us']:>9.1f} "
-                     f"{r['diff_cpu_us']:>+9.1f} {r['on_wait_us']:>9.1f} {r['off_wait_us']:>9.1f}")
+                     f"{r['diff_cpu_us']:>+9.1f} {r['on_wait_us']:>9.1f} {r['off_wait_us']:>9.1f} "
+                     f"{_pct(r.get('on_busy_pct')):>8} {_pct(r.get('off_busy_pct')):>8}")
     return lines
+
+
+def _pct(value) -> str:
+    """A busy share for the table: '69.8%', or '-' where none was measured."""
+    return f"{value:.1f}%" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"

@@ -70,6 +70,7 @@ def test_overhead_sees_the_profiled_phases_cost_and_leaves_the_run_profiling(slo
     assert "on vs off: -" in r.stdout and "on within 1% of off:" in r.stdout
     rows = {(t["rank"], t["name"]): t for t in result["threads_cpu"]["threads"]}   # /proc, named by the ranks
     assert rows[(0, "drafter.main")]["on_cpu_us"] > 0 and rows[(1, "target.main")]["off_cpu_us"] > 0, rows
+    assert 0 < rows[(0, "drafter.main")]["on_busy_pct"] <= 101 and result["threads_cpu"]["wall_seconds"]["off"] > 0
     assert "CPU per rank-0 step (us; /proc schedstat)" in r.stdout
     assert _paused_by(ranks) == [None, None]
     recs = read_records(run / "profile" / "rank0.jsonl")[0]
