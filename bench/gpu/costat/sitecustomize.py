@@ -1,12 +1,14 @@
 """Diagnostic only (bench/gpu/env.sh puts this directory first on PYTHONPATH when DFLASH_COSTAT_DIR is set):
 where the profiler's own threads spend their CPU in a live run. Every Python process that can import the
 profiler wraps a list of its functions (TARGETS: the collector's poll and close and their parts, each
-exporter) with a thread-CPU timer, and tallies {thread: {function: [calls, thread cpu seconds]}}; the
+exporter) with a thread-CPU timer and a wall clock, and tallies {thread: {function: [calls, thread cpu seconds,
+wall seconds]}} (wall above CPU: the thread was off a CPU inside the call, waiting for a lock, the driver, the GIL
+it dropped, or a vCPU the hypervisor took; whatever of it passed with the GIL held, the training thread waited); the
 collector's iterations are split into `tick:poll` and `tick:close`, the exporter's calls by exporter.
 Times are inclusive (a caller's include its callees'). Every 5 s, and at exit, it rewrites
 $DFLASH_COSTAT_DIR/costat-<pid>.json. cProfile cannot do this on Python 3.12: its hook is one
 sys.monitoring tool for every thread, so a collector-only profile would see the training thread too.
-A wrapper costs two clock reads (~1 us), so only functions called a few hundred times a second are here.
+A wrapper costs four clock reads (~1 us), so only functions called a few hundred times a second are here.
 DFLASH_COSTAT_BURN_US=N also makes every collector poll (Profiler._poll: never while profiling is paused)
 spin N us of pure Python after its work, holding the GIL as the collector's own Python does: a known
 amount of collector time, to measure what one microsecond of it costs the training thread (an in-run
@@ -35,22 +37,24 @@ if os.environ.get("DFLASH_COSTAT_DIR"):
         ("profiler.detail", "DetailWindow.take"), ("exporters.console", "format_interval"),
     ]
     _DIR = os.environ["DFLASH_COSTAT_DIR"]
-    _totals: dict = {}      # thread name -> {function -> [calls, thread cpu ns]}
+    _totals: dict = {}      # thread name -> {function -> [calls, thread cpu ns, wall ns]}
     _lock = threading.Lock()
-    _clock = time.thread_time_ns
+    _clock, _wall = time.thread_time_ns, time.perf_counter_ns
 
-    def _tally(key: str, spent: int) -> None:
+    def _tally(key: str, spent: int, wall: int) -> None:
         name = threading.current_thread().name
         with _lock:
-            row = _totals.setdefault(name, {}).setdefault(key, [0, 0])
+            row = _totals.setdefault(name, {}).setdefault(key, [0, 0, 0])
             row[0] += 1
             row[1] += spent
+            row[2] += wall
 
     def _timed(key, fn, kind_of=None):
         def wrapper(*args, **kwargs):
-            t0 = _clock()
+            w0, t0 = _wall(), _clock()
             result = fn(*args, **kwargs)
-            _tally(key if kind_of is None else kind_of(args, result), _clock() - t0)
+            t1, w1 = _clock(), _wall()
+            _tally(key if kind_of is None else kind_of(args, result), t1 - t0, w1 - w0)
             return result
         return wrapper
 
@@ -64,7 +68,7 @@ if os.environ.get("DFLASH_COSTAT_DIR"):
     def _dump():
         with _lock:
             text = json.dumps({"time": time.time(), "pid": os.getpid(), "argv": __import__("sys").argv[:3],
-                               "threads": {t: {k: [n, ns / 1e9] for k, (n, ns) in rows.items()}
+                               "threads": {t: {k: [n, ns / 1e9, wall / 1e9] for k, (n, ns, wall) in rows.items()}
                                            for t, rows in _totals.items()}})
         tmp = os.path.join(_DIR, f"costat-{os.getpid()}.json.tmp")
         with open(tmp, "w") as f:
