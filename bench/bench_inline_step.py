@@ -14,10 +14,10 @@ shorter than a launch-workload step, and a run's poll period would leave more ch
 monitor's pinned rows (the check would take its cheaper "dropped" path) and grow the event pool on the
 training thread; the last line says how many checks were dropped and events created. The table gives the
 training thread's CPU and wall per step, the cyclic garbage collector's time per step (any thread:
-`gc.callbacks`), and each profiled case minus paused: what the in-run A/B's training thread pays per step, to
-set against the per-thread CPU difference `dflash-profile overhead` reads in a live run (bench/RESULTS.md). What was alive after the
-set-up is frozen (`gc.freeze()`), as `dflash/rank.py` freezes the imports, so a full collection walks only
-what the steps made. Writes nothing outside a temporary run dir.
+`gc.callbacks`), and each profiled case minus paused: what the training thread's own calls cost per step (in a
+live run its CPU per step also grows when the same work runs slower beside the profiler's threads:
+bench/RESULTS.md, eleventh #14 session). What was alive after the set-up is frozen (`gc.freeze()`), as
+`dflash/rank.py` freezes the imports, so a full collection walks only what the steps made. Writes nothing outside a temporary run dir.
 """
 from __future__ import annotations
 

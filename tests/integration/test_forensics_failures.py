@@ -113,7 +113,8 @@ def test_a_crash_on_a_target_rank_stops_the_job_within_5s_and_every_rank_writes_
     assert statuses[0] in ("killed: SIGTERM", "RuntimeError")
     assert any(n.startswith("rank1-thread_crash-") for n in forensics_files(run))
     # the first failure is the one the console names first (a busy metrics port's fallback line may come before)
-    said = [line for line in r.stderr.splitlines() if line.startswith("dflash-train: rank ") and "metrics port" not in line]
+    said = [line for line in r.stderr.splitlines()
+            if line.startswith("dflash-train: rank ") and "metrics port" not in line]
     assert said and said[0].startswith("dflash-train: rank 1 failed"), r.stderr[-3000:]
 
 
