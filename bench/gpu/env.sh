@@ -3,7 +3,8 @@
 # output, $OUT made, the carried wheels (.whl/*.whl: py-spy, OTel, ...) installed into /tmp/site and put
 # first on the paths, and the carried A/B cache (cache/ab-cache.tgz.*: compile cache, built-ins) unpacked
 # into .cache/ unless a warm machine already holds one. DFLASH_COSTAT_DIR=DIR puts bench/gpu/costat first on
-# PYTHONPATH (its sitecustomize writes where the profiler threads spend their CPU into DIR).
+# PYTHONPATH (its sitecustomize writes where the profiler threads spend their CPU into DIR); so does
+# DFLASH_COSTAT_NO_CUDA=1 (the collector reads back without CUDA calls: a diagnostic, see that file).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,5 +16,8 @@ if compgen -G "cache/ab-cache.tgz.*" > /dev/null && [ ! -d .cache/ab-compile ]; 
   cat cache/ab-cache.tgz.* | tar xzf -
 fi
 if [ -n "${DFLASH_COSTAT_DIR:-}" ]; then   # diagnostic: the profiler threads' CPU by kind (costat/sitecustomize.py)
-  mkdir -p "$DFLASH_COSTAT_DIR"; export PYTHONPATH=$PWD/bench/gpu/costat:$PYTHONPATH
+  mkdir -p "$DFLASH_COSTAT_DIR"
+fi
+if [ -n "${DFLASH_COSTAT_DIR:-}" ] || [ "${DFLASH_COSTAT_NO_CUDA:-0}" = 1 ]; then   # DFLASH_COSTAT_NO_CUDA: same file
+  export PYTHONPATH=$PWD/bench/gpu/costat:$PYTHONPATH
 fi

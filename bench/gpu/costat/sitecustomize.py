@@ -12,8 +12,44 @@ A wrapper costs four clock reads (~1 us), so only functions called a few hundred
 DFLASH_COSTAT_BURN_US=N also makes every collector poll (Profiler._poll: never while profiling is paused)
 spin N us of pure Python after its work, holding the GIL as the collector's own Python does: a known
 amount of collector time, to measure what one microsecond of it costs the training thread (an in-run
-A/B with and without it)."""
+A/B with and without it).
+DFLASH_COSTAT_NO_CUDA=1 (on its own, or with DFLASH_COSTAT_DIR) makes the collector's reading-back free of CUDA
+calls, the training threads' side unchanged: every CUDA pair resolves at once as 0 s of GPU time without asking
+the driver (EventPool.elapsed_ms), and every non-finite check's "copy landed" event answers query() True without
+asking it (its row may then be read before the copy lands: checks are meaningless in such a run). An in-run A/B
+with it against one without says what the collector's CUDA calls cost the training thread beyond their own time
+(they slow the launches they meet: bench/RESULTS.md, eleventh #14 session)."""
 import os
+
+
+def _install_no_cuda() -> None:
+    """The DFLASH_COSTAT_NO_CUDA patches (module doc): after each EventPool's and NonfiniteMonitor's own set-up."""
+    from profiler import cuda_timing, nonfinite
+
+    pool_init, monitor_init = cuda_timing.EventPool.__init__, nonfinite.NonfiniteMonitor.__init__
+
+    def pool_no_driver(self, *args, **kwargs):
+        pool_init(self, *args, **kwargs)
+        self.elapsed_ms = lambda start, end: 0.0
+
+    def monitor_no_query(self, *args, **kwargs):
+        monitor_init(self, *args, **kwargs)
+        if self._ready is not None:
+            import torch
+
+            class AlwaysDone(torch.cuda.Event):
+                def query(self):
+                    return True
+            self._ready = [AlwaysDone() for _ in self._ready]
+
+    cuda_timing.EventPool.__init__, nonfinite.NonfiniteMonitor.__init__ = pool_no_driver, monitor_no_query
+
+
+if os.environ.get("DFLASH_COSTAT_NO_CUDA") == "1":
+    try:
+        _install_no_cuda()
+    except ImportError:   # not this repository's interpreter
+        pass
 
 if os.environ.get("DFLASH_COSTAT_DIR"):
     import atexit
