@@ -4,7 +4,8 @@
 # first on the paths, and the carried A/B cache (cache/ab-cache.tgz.*: compile cache, built-ins) unpacked
 # into .cache/ unless a warm machine already holds one. DFLASH_COSTAT_DIR=DIR puts bench/gpu/costat first on
 # PYTHONPATH (its sitecustomize writes where the profiler threads spend their CPU into DIR); so does
-# DFLASH_COSTAT_NO_CUDA=1 (the collector reads back without CUDA calls: a diagnostic, see that file).
+# DFLASH_COSTAT_NO_CUDA=1 (the collector reads back without CUDA calls) and DFLASH_COSTAT_CPU_SPANS=1 (spans
+# without CUDA events): diagnostics, see that file.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,6 +19,6 @@ fi
 if [ -n "${DFLASH_COSTAT_DIR:-}" ]; then   # diagnostic: the profiler threads' CPU by kind (costat/sitecustomize.py)
   mkdir -p "$DFLASH_COSTAT_DIR"
 fi
-if [ -n "${DFLASH_COSTAT_DIR:-}" ] || [ "${DFLASH_COSTAT_NO_CUDA:-0}" = 1 ]; then   # DFLASH_COSTAT_NO_CUDA: same file
+if [ -n "${DFLASH_COSTAT_DIR:-}${DFLASH_COSTAT_NO_CUDA:-}${DFLASH_COSTAT_CPU_SPANS:-}" ]; then   # any: same file
   export PYTHONPATH=$PWD/bench/gpu/costat:$PYTHONPATH
 fi

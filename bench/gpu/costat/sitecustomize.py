@@ -18,7 +18,11 @@ calls, the training threads' side unchanged: every CUDA pair resolves at once as
 the driver (EventPool.elapsed_ms), and every non-finite check's "copy landed" event answers query() True without
 asking it (its row may then be read before the copy lands: checks are meaningless in such a run). An in-run A/B
 with it against one without says what the collector's CUDA calls cost the training thread beyond their own time
-(they slow the launches they meet: bench/RESULTS.md, eleventh #14 session)."""
+(they slow the launches they meet: bench/RESULTS.md, eleventh #14 session). Run on an H200 in the twelfth
+session: it did not (the launch workload read -2.16% +- 0.93 with it).
+DFLASH_COSTAT_CPU_SPANS=1 makes every span CPU-only (no CUDA events: the spans' `gpu` figures stay empty), the
+non-finite checks unchanged: an in-run A/B with it says what the spans' CUDA events cost a run (the twelfth #14
+session's question, after DFLASH_COSTAT_NO_CUDA cleared the collector's CUDA calls)."""
 import os
 
 
@@ -44,6 +48,26 @@ def _install_no_cuda() -> None:
 
     cuda_timing.EventPool.__init__, nonfinite.NonfiniteMonitor.__init__ = pool_no_driver, monitor_no_query
 
+
+def _install_cpu_spans() -> None:
+    """The DFLASH_COSTAT_CPU_SPANS patch (module doc): each SpanRecorder makes CPU spans, its event pool kept."""
+    from profiler import spans
+
+    recorder_init = spans.SpanRecorder.__init__
+    cpu_class = {spans.CudaSpan: spans.CpuSpan, spans.FaultCudaSpan: spans.FaultCpuSpan}
+
+    def cpu_spans(self, *args, **kwargs):
+        recorder_init(self, *args, **kwargs)
+        self._span_cls = cpu_class.get(self._span_cls, self._span_cls)
+
+    spans.SpanRecorder.__init__ = cpu_spans
+
+
+if os.environ.get("DFLASH_COSTAT_CPU_SPANS") == "1":
+    try:
+        _install_cpu_spans()
+    except ImportError:   # not this repository's interpreter
+        pass
 
 if os.environ.get("DFLASH_COSTAT_NO_CUDA") == "1":
     try:
