@@ -13,7 +13,8 @@ from pathlib import Path
 
 from profiler import api
 from profiler.control import ControlServer, NullControlServer
-from profiler.detail import DetailWindow, NullDetailWindow, StepMarks
+from profiler.cuda_timing import GpuSampler
+from profiler.detail import DETAIL_ALIGN, DetailWindow, NullDetailWindow, StepMarks
 from profiler.export import CallableExporter, ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors as _measure_floors
@@ -65,7 +66,9 @@ class Profiler:
     `detail_steps` (steps per interval kept as raw spans), `run_id` (default: the run dir's name),
     `stack_sampler` (in-run py-spy sampling; profiler/stacks.py), `export_timeout_s` (close deadline),
     `hang_timeout_s` (> 0: the hang watchdog, profiler/watchdog.py), `memory_history` (CUDA allocator
-    history entries kept for an OOM snapshot; 0 = off), `exit_fn` (how forensics leave a stuck rank)."""
+    history entries kept for an OOM snapshot; 0 = off), `exit_fn` (how forensics leave a stuck rank),
+    `gpu_every` (CUDA spans time the GPU on one step in this many, at random, and on every detail-window
+    step: profiler/cuda_timing.py GpuSampler; 1 = every step), `gpu_rng` (its random.Random, for tests)."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
                  device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
@@ -74,7 +77,7 @@ class Profiler:
                  event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0,
                  exporters=(), detail_steps: int = 3, run_id: str | None = None, stack_sampler=None,
                  export_timeout_s: float = 5.0, hang_timeout_s: float = 0.0, memory_history: int = 0,
-                 exit_fn=os._exit):
+                 exit_fn=os._exit, gpu_every: int = 1, gpu_rng=None):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
         if not isinstance(role, str) or not role:
@@ -106,6 +109,7 @@ class Profiler:
         self.hub = ExportHub(exporters)
         self.export_timeout_s = export_timeout_s
         self.detail_steps = detail_steps
+        self.gpu_sampler = GpuSampler(gpu_every, self._detail_burst(), gpu_rng)   # raises on a bad gpu_every
         self.run_id = run_id or self.run_dir.resolve().name
         self.stack_sampler = stack_sampler or NullStackSampler()
         self.marks = StepMarks()
@@ -143,7 +147,8 @@ class Profiler:
             from profiler.cuda_timing import EventPool
             pool = EventPool(device_index=self.device.index)   # None: the current device
         self.event_pool = pool
-        self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step)
+        self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step,
+                                     gpu_sampler=self.gpu_sampler)
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda,
                                           record=pool.record_current if pool is not None else None)
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
@@ -300,6 +305,7 @@ class Profiler:
             if final:
                 rec["final"] = True
             detail = self.aggregator.detail.take(time.perf_counter_ns())
+            self.gpu_sampler.burst = self._detail_burst()   # the next window's steps are GPU-timed whole
             if detail is not None:
                 self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
             self.interval_start_s, self.interval_start_ns = end_s, end_ns
@@ -355,6 +361,12 @@ class Profiler:
     def set_step(self, step: int) -> None:
         """The current training step; its change is marked in time for the detail window."""
         self.marks.mark(self.note_step(step), self.step)
+        self.gpu_sampler.next_step()
+
+    def _detail_burst(self) -> int:
+        """Steps to time whole from an interval's start: enough to cover its detail window, which begins on
+        the first step that is a multiple of DETAIL_ALIGN (profiler/detail.py)."""
+        return self.detail_steps + DETAIL_ALIGN if self.detail_steps > 0 else 0
 
     def note_step(self, step: int) -> int:
         """The step and when it was set (perf_counter_ns, returned); what set_step keeps while paused."""
@@ -411,6 +423,7 @@ class Profiler:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.detail_steps,
+                "gpu_every": self.gpu_sampler.every,
                 "version": _package_version(), "world_size": self.world_size, "pid": os.getpid(),
                 "hostname": socket.gethostname(), "python_version": platform.python_version(),
                 "torch_version": torch_version, "device": str(self.device) if self.device is not None else "cpu",

@@ -31,14 +31,44 @@ that end event as its start (one record instead of two). GPU work launched in th
 a few microseconds of host time) counts toward the later span. An event can then belong to two
 records, so the pool counts references (collector side only) and takes an event back when the last
 record using it was resolved, and when the thread's "last end" no longer points at it.
+
+Sampling (`GpuSampler`): on a launch-bound H200 run the spans' events cost the run about 1.5% of its
+throughput, far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a run may time
+the GPU on one step in N only (`--profile-gpu-every N`); the other steps' spans are CPU spans.
 """
 from __future__ import annotations
 
+import random
 import threading
 
 SHARE_GAP_NS = 50_000
 """A span that begins more than this after the previous one ended records its own start event, so
 a host-side pause between two spans never counts as GPU time of the second."""
+
+
+class GpuSampler:
+    """Which steps' CUDA spans record events. `timed[0]` is read by every CudaSpan's enter; `next_step()`,
+    called by `set_step` on the training thread, decides it for the new step: timed while `burst` steps are
+    left (the collector sets it when a detail window opens, so the trace's steps have GPU times), else with
+    probability 1/`every`, at random so no periodic pattern of steps (an accumulation cycle) is always
+    missed. Without set_step calls every span stays timed. `rng` (a random.Random) for tests."""
+
+    def __init__(self, every: int = 1, burst: int = 0, rng=None):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"gpu_every must be an int >= 1, got {every!r}")
+        self.every = every
+        self.timed = [True]
+        self.burst = burst
+        self._random = (rng or random.Random()).random
+
+    def next_step(self) -> None:
+        """A new step began: is it GPU-timed? (A lost update racing the collector's `burst` write times a
+        step more or less; both are harmless.)"""
+        if self.burst > 0:
+            self.burst -= 1
+            self.timed[0] = True
+        else:
+            self.timed[0] = self.every == 1 or self._random() * self.every < 1.0
 
 
 class EventPool:

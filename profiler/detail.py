@@ -13,6 +13,8 @@ runs a few batches behind) keep the same batches: the trace can draw a batch fro
 from __future__ import annotations
 
 MAX_DETAIL_SPANS = 20000
+DETAIL_ALIGN = 8
+"""Windows start on a multiple of this step (module doc); the GPU sampler times that many steps more."""
 
 
 class StepMarks:
@@ -42,7 +44,7 @@ class DetailWindow:
     fields and opens the next window at the given time."""
 
     def __init__(self, steps: int, marks: StepMarks, to_unix_ns, native_ids: dict,
-                 max_spans: int = MAX_DETAIL_SPANS, align: int = 8):
+                 max_spans: int = MAX_DETAIL_SPANS, align: int = DETAIL_ALIGN):
         self.steps, self.marks, self.to_unix_ns = steps, marks, to_unix_ns
         self.native_ids, self.max_spans, self.align = native_ids, max_spans, align
         self._step_of = 1

@@ -36,10 +36,19 @@ from profiler.stats import RunStats, as_seconds, summarize
 logger = logging.getLogger("profiler")
 
 
+def sampled_share(share: float, count: int, gpu_count: int, threads: int) -> float:
+    """The GPU share of the `gpu_count` spans of `count` that were GPU-timed (GpuSampler), as an estimate for
+    all `count`: scaled by count / gpu_count and, when scaled, capped at the threads that ran the span (each
+    at most its whole wall). Unscaled when every span was timed."""
+    if gpu_count >= count:
+        return share
+    return min(share * count / gpu_count, float(max(1, threads)))
+
+
 class _SpanAcc:
     """One span name's records in the current interval."""
     __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths",
-                 "gpu_windows")
+                 "gpu_windows", "timed", "bytes_timed")
 
     def __init__(self):
         self.count = 0
@@ -52,16 +61,19 @@ class _SpanAcc:
         self.bytes_gpu = 0.0      # their GPU seconds
         self.depths: set = set()
         self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
+        self.timed = 0            # spans that recorded CUDA events (resolved or not)
+        self.bytes_timed = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
 
 
 class _RunSpan:
-    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns")
+    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns", "bytes_timed")
 
     def __init__(self):
         self.cpu, self.gpu = RunStats(), RunStats()
         self.time_ns = 0          # CPU time credited over the run (the intervals' split totals, summed)
         self.threads: set = set()
         self.bytes, self.bytes_n, self.bytes_cpu, self.bytes_gpu = 0, 0, 0.0, 0.0
+        self.bytes_timed = 0
 
 
 class IntervalAggregator:
@@ -183,6 +195,7 @@ class IntervalAggregator:
                 acc = spans[name] = _SpanAcc()
             cpu_s = (t1 - t0) / 1e9
             acc.count += 1
+            acc.timed += 1
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
             acc.depths.add(rec[3])
@@ -193,7 +206,9 @@ class IntervalAggregator:
                 acc.bytes += nbytes
                 acc.bytes_n += 1
                 acc.bytes_cpu += cpu_s
-                acc.bytes_gpu += gpu_s or 0.0
+                if gpu_s is not None:
+                    acc.bytes_gpu += gpu_s
+                    acc.bytes_timed += nbytes
         self.detail.offer_resolved(done)
 
     def add_unresolved(self) -> None:
@@ -202,19 +217,25 @@ class IntervalAggregator:
         self._add_resolved(done, 0)
 
     # ---- output --------------------------------------------------------------------------------
-    def _span_entry(self, count, threads, cpu_stats, gpu_stats, nbytes, bytes_cpu, bytes_gpu, has_bytes,
-                    duration_s, name) -> dict:
+    def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
+        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes. With GPU times for only some
+        of its spans (GpuSampler), its share scales their total by count / gpu_count (capped at its threads)."""
         cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
-        gpu = None
+        gpu, gpu_count = None, 0
         if gpu_stats is not None and gpu_stats["count"]:
-            gpu = {k: v for k, v in gpu_stats.items() if k != "count"}
+            gpu, gpu_count = {k: v for k, v in gpu_stats.items() if k != "count"}, gpu_stats["count"]
         own_total = (gpu or cpu_stats)["total_seconds"] or 0.0
-        entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu,
-                 "share": own_total / duration_s if duration_s > 0 else None}
-        if has_bytes:
-            t = bytes_gpu if gpu is not None else bytes_cpu
+        share = own_total / duration_s if duration_s > 0 else None
+        if gpu is not None and share is not None:
+            share = sampled_share(share, count, gpu_count, len(threads))
+        entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu, "share": share}
+        if gpu is not None:
+            entry["gpu_count"] = gpu_count
+        if acc.bytes_n > 0:
+            nbytes = acc.bytes_timed if gpu is not None else acc.bytes
+            t = acc.bytes_gpu if gpu is not None else acc.bytes_cpu
             bw = nbytes / t if t > 0 else None
-            entry["bytes"] = nbytes
+            entry["bytes"] = acc.bytes
             entry["bandwidth_bytes_per_s"] = bw
             floor = self.floor_fn(name, self.floors, self.is_cuda) if self.floor_fn else None
             if floor is not None:
@@ -260,17 +281,18 @@ class IntervalAggregator:
             run.bytes_n += acc.bytes_n
             run.bytes_cpu += acc.bytes_cpu
             run.bytes_gpu += acc.bytes_gpu
+            run.bytes_timed += acc.bytes_timed
             run.time_ns += time_ns
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
             entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
-                                     summarize(gpu_s, buckets=True) if acc.gpu else None, acc.bytes, acc.bytes_cpu,
-                                     acc.bytes_gpu, acc.bytes_n > 0, duration_s, name)
+                                     summarize(gpu_s, buckets=True) if acc.gpu else None, acc, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
-            if entry["gpu"] is not None and duration_s > 0:
-                entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
-            if self.event_pool is not None and len(acc.gpu) < acc.count:
-                entry["gpu_unresolved"] = acc.count - len(acc.gpu)
+            if entry["gpu"] is not None and duration_s > 0:   # windowed, then scaled as _span_entry does
+                windowed = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
+                entry["share"] = sampled_share(windowed, acc.count, len(acc.gpu), len(entry["threads"]))
+            if len(acc.gpu) < acc.timed:
+                entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry
         self._spans, self._time_ns, self._carry_ns = {}, self._carry_ns, {}
         return spans
@@ -293,9 +315,7 @@ class IntervalAggregator:
             cpu = run.cpu.summary()
             cpu["total_seconds"] = run.time_ns / 1e9
             spans[name] = self._span_entry(cpu["count"], run.threads, cpu,
-                                           run.gpu.summary() if run.gpu.count else None, run.bytes,
-                                           run.bytes_cpu, run.bytes_gpu, run.bytes_n > 0,
-                                           duration_s, name)
+                                           run.gpu.summary() if run.gpu.count else None, run, duration_s, name)
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}

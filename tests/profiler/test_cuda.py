@@ -153,3 +153,39 @@ def test_cuda_tensor_metric_converted_at_close(tmp_path):
         rec = prof.close_interval()
     assert rec["metrics"]["loss"] == {"last": 6.0, "mean": 3.0}
     assert rec["memory"]["allocator"]["available"] is True
+
+
+def test_sampled_steps_time_the_gpu_and_the_others_record_no_event(tmp_path):
+    """gpu_every=4 on the real GPU: steps 0 and 2 of six timed (scripted draws), their spans' GPU times match
+    the kernels, the other steps' spans are CPU spans, the pool made only the timed steps' events, and every
+    event came back."""
+    import random
+
+    class Draws(random.Random):
+        def __init__(self):
+            super().__init__(0)
+            self.values = [0.1, 0.9, 0.2, 0.9, 0.9, 0.9]
+
+        def random(self):
+            return self.values.pop(0)
+
+    _warm_up()
+    records = []
+    with make_prof(tmp_path, gpu_every=4, gpu_rng=Draws(), detail_steps=0) as prof:
+        pool = prof.event_pool
+        record = pool.record       # the spans take it when first made, below
+        pool.record = lambda ev, stream: (records.append(ev), record(ev, stream))
+        for step in range(6):
+            prof.set_step(step)
+            with profiler.span("k.sleep"):
+                torch.cuda._sleep(2_000_000)
+            with profiler.span("k.after"):
+                torch.cuda._sleep(200_000)
+        torch.cuda.synchronize()  # test-side: make every pair resolvable at this close
+        rec = prof.close_interval()
+    e, after = rec["spans"]["k.sleep"], rec["spans"]["k.after"]
+    assert (e["count"], e["gpu_count"], after["count"], after["gpu_count"]) == (6, 2, 6, 2)
+    assert e["gpu"]["max_seconds"] > 5 * after["gpu"]["max_seconds"] > 0
+    assert "gpu_unresolved" not in e
+    assert len(records) in (6, 8)      # two timed steps: 3 records each (4 if the boundary was not shared)
+    assert pool.free == pool.created
