@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from exporters.names import WAIT_SPANS
-from exporters.runs import Run, basis, basis_seconds, counter_total, steady_intervals, wall_seconds
+from exporters.runs import Run, basis, basis_seconds, counter_total, gpu_scale, steady_intervals, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -62,11 +62,12 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
 
 def whole_seconds(entry: dict) -> float:
     """The summed durations of the spans an interval (or run_end) entry counts, each whole: the sum behind
-    its mean. GPU time is never split, so on the GPU it is the total; a CPU total is the time inside the
-    interval (split at its boundaries, docs/RUNLOG.md), so on the CPU it is mean x count."""
+    its mean. GPU time is never split, so on the GPU it is the total (scaled to all the spans when only some
+    were GPU-timed: gpu_scale); a CPU total is the time inside the interval (split at its boundaries,
+    docs/RUNLOG.md), so on the CPU it is mean x count."""
     stats, on = basis(entry)
     if on == "gpu":
-        return stats.get("total_seconds") or 0.0
+        return basis_seconds(entry)
     mean = stats.get("mean_seconds")
     return mean * (entry.get("count") or 0) if mean is not None else 0.0
 
@@ -78,8 +79,8 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
     acc["intervals"] += 1
     acc["cpu_seconds"] += (entry.get("cpu") or {}).get("total_seconds") or 0.0
     if entry.get("gpu"):
-        acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0)
-    acc["total_seconds"] += stats.get("total_seconds") or 0.0
+        acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0) * gpu_scale(entry)
+    acc["total_seconds"] += basis_seconds(entry)
     acc["whole_seconds"] += whole_seconds(entry)
     acc["on"].add(on)
     acc["ranks"].add(rank)

@@ -9,6 +9,7 @@ interval's end says so, with how long it had been open, and may show a share wit
 from __future__ import annotations
 
 from exporters.analysis import whole_seconds
+from exporters.runs import basis_seconds
 
 GIB = 1024 ** 3
 
@@ -145,7 +146,7 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
         for sname, e in (rec.get("spans") or {}).items():
             stats, _ = _basis(e)
             a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95": None})
-            a["total"] += stats.get("total_seconds") or 0.0
+            a["total"] += basis_seconds(e)
             a["whole"] += whole_seconds(e)
             a["count"] += e.get("count") or 0
             p95 = stats.get("p95_seconds")

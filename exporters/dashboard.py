@@ -68,13 +68,14 @@ class Panel:
 def sel(key: str, suffix: str = "", **fixed: str) -> str:
     """`name{...}` for a catalog family: the dashboard's variable matchers plus fixed `label="value"` ones.
 
-    Per-GPU families also filter on `$gpu`, span-time histograms on `$clock`. A fixed label the family
-    does not carry is a ValueError, so a typo fails when the dashboard is built.
+    Per-GPU families also filter on `$gpu`, span-time histograms on `$clock`, unless a fixed value is given
+    for that label. A fixed label the family does not carry is a ValueError, so a typo fails when the
+    dashboard is built.
     """
     family = FAMILIES[key]
     labels = COMMON_LABELS + family.labels
     matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES]
-    matchers += [f'{var}=~"${var}"' for var in ("gpu", "clock") if var in family.labels]
+    matchers += [f'{var}=~"${var}"' for var in ("gpu", "clock") if var in family.labels and var not in fixed]
     for label, value in fixed.items():
         if label not in labels:
             raise ValueError(f"{family.name} has no label {label!r} (labels: {', '.join(labels)})")
@@ -118,10 +119,15 @@ def _overview() -> list[Panel]:
 def _step_breakdown() -> list[Panel]:
     """Where each role's time goes, per span, on the clock picked by `$clock`."""
     def share(role: str) -> Panel:
-        expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]))"
+        # spans per clock observation: 1 on the CPU clock; on the GPU clock N under --profile-gpu-every N
+        per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
+                     f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
+        expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
         return Panel(f"{role.capitalize()} time share by span ($clock clock)",
                      f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
-                     "stacked. Nested spans also count inside their parent, so the stack can pass 100%.",
+                     "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
+                     "GPU clock of a run that times one step in N (--profile-gpu-every), the timed spans' time "
+                     "is scaled by spans over timed spans.",
                      "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
     p95 = (f"histogram_quantile(0.95, sum by (le, role, span) "

@@ -189,6 +189,18 @@ def _unit(name: str) -> str:
     return ""
 
 
+def _clock_count(entry: dict, clock: str) -> int:
+    """Observations behind a span entry's `clock` histogram: every span on the CPU; on the GPU those GPU-timed
+    (gpu_count: `--profile-gpu-every N` times some steps only), or, in logs from before it, all but the
+    unresolved."""
+    count = entry.get("count") or 0
+    if clock != "gpu":
+        return count
+    if entry.get("gpu_count") is not None:
+        return entry["gpu_count"]
+    return count - (entry.get("gpu_unresolved") or 0)
+
+
 def _attr(value):
     """An OTel attribute value: primitives and lists of them as they are, anything else as text."""
     if isinstance(value, (str, bool, int, float)):
@@ -419,7 +431,7 @@ class OtelExporter:
         for clock in ("cpu", "gpu"):
             stats = e.get(clock)
             if stats:
-                count = (e.get("count") or 0) - ((e.get("gpu_unresolved") or 0) if clock == "gpu" else 0)
+                count = _clock_count(e, clock)
                 self._record("span_seconds", stats.get("total_seconds"), "_sum", span=name, clock=clock)
                 self._record("span_seconds", count, "_count", span=name, clock=clock)
         self._record("span_share", e.get("share"), span=name)

@@ -132,8 +132,18 @@ def basis(entry: dict) -> tuple[dict, str]:
     return entry.get("cpu") or {}, "cpu"
 
 
+def gpu_scale(entry: dict) -> float:
+    """count / gpu_count: what a span entry's GPU total is multiplied by to estimate all its spans' GPU time
+    when only some were GPU-timed (`--profile-gpu-every N`, docs/RUNLOG.md); 1.0 when all were, or for logs
+    written before gpu_count existed."""
+    timed = entry.get("gpu_count")
+    return (entry.get("count") or 0) / timed if timed else 1.0
+
+
 def basis_seconds(entry: dict) -> float:
-    return basis(entry)[0].get("total_seconds") or 0.0
+    """The entry's total on its basis: the GPU total scaled to all its spans (gpu_scale), else the CPU total."""
+    stats, on = basis(entry)
+    return (stats.get("total_seconds") or 0.0) * (gpu_scale(entry) if on == "gpu" else 1.0)
 
 
 def _did_work(rec: dict) -> bool:

@@ -191,7 +191,8 @@ def test_counters_only_under_rate_or_increase(model):
 
 
 def test_every_selector_filters_on_the_variables(model):
-    """dashboard-linter target-job and target-instance rules, plus run, role, rank, gpu and clock."""
+    """dashboard-linter target-job and target-instance rules, plus run, role, rank, gpu and clock (or a fixed
+    gpu or clock)."""
     values = sentinels(model)
     selectors = 0
     for title, ref, expr, ast in parsed(model):
@@ -202,7 +203,9 @@ def test_every_selector_filters_on_the_variables(model):
             family = family_of(node.name)
             required = set(dash.FILTER_VARIABLES) | ({"gpu", "clock"} & set(family.labels))
             regex = {(m.name, m.value) for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Re}
-            missing = {name for name in required if (name, values[name]) not in regex}
+            # gpu or clock may be fixed instead (the time-share panels read the CPU clock's span count)
+            fixed = {m.name for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Equal} & {"gpu", "clock"}
+            missing = {name for name in required if (name, values[name]) not in regex and name not in fixed}
             assert not missing, f"{title} {ref}: {node.name} lacks {sorted(missing)} matchers"
     assert selectors >= 45
 
@@ -332,3 +335,29 @@ def test_prometheus_provisioning_and_compose_agree():
     assert f"../runs/prometheus-sd:{files[0].rsplit('/', 1)[0]}:ro" in prometheus["volumes"]
     assert "./provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     assert f"./dflash.json:{provider['options']['path']}/dflash.json:ro" in grafana["volumes"]
+
+
+def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
+    """The time-share panels' query, evaluated by Prometheus's own engine (`promtool test rules`) on series of
+    a drafter that runs one 0.2 s span a second (a share of 0.2) and GPU-times one in four
+    (--profile-gpu-every 4): the GPU clock reads 0.2, not the timed spans' 0.05; the CPU clock is unchanged."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus)")
+    from exporters.dashboard import panel_queries, substitute_variables
+    (expr,) = [e for t, _, e in panel_queries(json.loads((GRAFANA / "dflash.json").read_text()))
+               if t.startswith("Drafter time share")]
+    labels = 'job="dflash", run="r", instance="h:1", role="drafter", rank="0", span="drafter.fwd_bwd"'
+    series = {"sum": {"gpu": "0+3x20", "cpu": "0+12x20"}, "count": {"gpu": "0+15x20", "cpu": "0+60x20"}}
+    inputs = [{"series": f"dflash_span_seconds_{kind}{{{labels}, clock=\"{clock}\"}}", "values": values}
+              for kind, by_clock in series.items() for clock, values in by_clock.items()]
+    values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": ".*", "role": ".*",
+              "rank": ".*", "gpu": ".*", "rate_interval": "5m", "interval": "1m", "range": "5m"}
+    tests = [{"eval_time": "10m", "expr": substitute_variables(expr, {**values, "clock": clock}),
+              "exp_samples": [{"labels": '{span="drafter.fwd_bwd"}', "value": 0.2}]} for clock in ("gpu", "cpu")]
+    spec = {"rule_files": [], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}]}
+    path = tmp_path / "share_test.yml"
+    path.write_text(yaml.safe_dump(spec))
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -318,3 +318,28 @@ def test_an_overhead_measurement_says_what_its_off_phases_paused():
     assert [line.split(",")[0].strip() for line in lines] == [
         "profiling cost", "cost of the profiler's inline part", "the measurement's own bias (A/A: both arms profiled)"]
     assert lines[2].endswith("on vs off -0.40% (95% CI -1.20 .. +0.40%), 300 pairs; on within 1% of off: yes")
+
+
+def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
+    """--profile-gpu-every 4: the intervals' GPU totals cover a quarter of the spans (gpu_count); the report,
+    the console's run summary and the OTel histogram count read the run as the fully timed one."""
+    from exporters.console import hotspot_rows
+    from exporters.otel import _clock_count
+    spans = {"drafter.fwd_bwd": (0.2, 100), "drafter.recv": (0.01, 100)}
+    full = [_interval(0, "drafter", k, spans, 10_000) for k in range(3)]
+    sampled = json.loads(json.dumps(full))
+    for rec in sampled:
+        for e in rec["spans"].values():
+            e["gpu"]["total_seconds"] /= 4
+            e["gpu_count"] = 25
+    reports = [report.hotspots(_write_run(tmp_path / name, {0: recs})) for name, recs in (("full", full),
+                                                                                          ("sampled", sampled))]
+    rows = [{r["span"]: r for r in rep["spans"]["rows"]} for rep in reports]
+    for name in spans:
+        for key in ("total_seconds", "gpu_seconds", "mean_seconds", "share"):
+            assert rows[1][name][key] == pytest.approx(rows[0][name][key]), (name, key)
+    assert rows[1]["drafter.fwd_bwd"]["total_seconds"] == pytest.approx(0.2 * 100 * 3)
+    assert hotspot_rows(full) == hotspot_rows(sampled)
+    e = sampled[0]["spans"]["drafter.fwd_bwd"]
+    assert (_clock_count(e, "gpu"), _clock_count(e, "cpu")) == (25, 100)
+    assert _clock_count({"count": 10, "gpu_unresolved": 2}, "gpu") == 8     # a log from before gpu_count
