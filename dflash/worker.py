@@ -231,7 +231,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                              config=cfg.to_dict(), exporters=tele.exporters, detail_steps=cfg.profile_detail_steps,
                              stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
                                                               cfg.profile_interval),
-                             hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history)
+                             hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history,
+                             gpu_every=cfg.profile_gpu_every)
 
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)
