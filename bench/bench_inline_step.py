@@ -8,7 +8,8 @@ floor of four small tensor ops (one per span, so CUDA spans record real events o
 alternated within each of 7 repeats: `no profiler` (the floor), `paused` (the in-run A/B's off arm:
 `dflash-profile overhead`'s pause of every part), `profiled`, and two profiled cases without one part, to split
 its cost: `no checks` (check_flags queues nothing: no pinned copy, no event) and, on CUDA, `cpu spans` (spans
-without CUDA events). The profiler's collector runs in its own thread,
+without CUDA events) and `gpu 1 in 8` (spans time the GPU on one step in 8: dflash-train's default
+`--profile-gpu-every`; `profiled` times every step, the Profiler's default). The profiler's collector runs in its own thread,
 so `profiled` includes the GIL it takes. It polls every 2 ms, not a run's 0.25 s: these steps are ~400 times
 shorter than a launch-workload step, and a run's poll period would leave more checks in flight than the
 monitor's pinned rows (the check would take its cheaper "dropped" path) and grow the event pool on the
@@ -28,7 +29,8 @@ import sys
 import tempfile
 import time
 
-CASES = ("no profiler", "paused", "profiled", "no checks", "cpu spans")
+CASES = ("no profiler", "paused", "profiled", "no checks", "cpu spans", "gpu 1 in 8")
+CUDA_ONLY = ("cpu spans", "gpu 1 in 8")
 METRICS = ("loss", "tau", "tau_prefix", "lr", "acc_1", "acc_2", "acc_3", "acc_4", "grad_norm")
 
 
@@ -71,6 +73,13 @@ def enter_case(prof, case):
     if case == "no checks":
         prof.nonfinite.check_flags = _no_check   # the instance attribute hides the method
         return lambda: delattr(prof.nonfinite, "check_flags")
+    if case == "gpu 1 in 8":
+        sampler = prof.gpu_sampler
+        sampler.every = 8
+
+        def every_step():
+            sampler.every, sampler.timed[0] = 1, True
+        return every_step
     if case == "cpu spans":   # spans without CUDA events: the recorder's CPU span class, this thread's cache cleared
         rec, cls = prof.recorder, prof.recorder._span_cls
         rec._span_cls = CpuSpan
@@ -115,7 +124,7 @@ def main() -> int:
     import profiler
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x = torch.ones(8, device=device)
-    rows = {case: [] for case in CASES if device.type == "cuda" or case != "cpu spans"}
+    rows = {case: [] for case in CASES if device.type == "cuda" or case not in CUDA_ONLY}
     gc_clock = GcClock()
     with tempfile.TemporaryDirectory() as tmp, profiler.Profiler(tmp, device=device, console=False, control=False,
                                                                  interval_s=60.0, poll_s=0.002) as prof:
