@@ -8,8 +8,9 @@ floor of four small tensor ops (one per span, so CUDA spans record real events o
 alternated within each of 7 repeats: `no profiler` (the floor), `paused` (the in-run A/B's off arm:
 `dflash-profile overhead`'s pause of every part), `profiled`, and two profiled cases without one part, to split
 its cost: `no checks` (check_flags queues nothing: no pinned copy, no event) and, on CUDA, `cpu spans` (spans
-without CUDA events) and `gpu 1 in 8` (spans time the GPU on one step in 8: dflash-train's default
-`--profile-gpu-every`; `profiled` times every step, the Profiler's default). The profiler's collector runs in its own thread,
+without CUDA events) and `gpu 1 in 10` (spans time the GPU on one step in 10 at random: about what
+dflash-train's default `--profile-gpu-steps-per-s 5` does in a launch-bound run of ~50 steps a second;
+`profiled` times every step, the Profiler's default). The profiler's collector runs in its own thread,
 so `profiled` includes the GIL it takes. It polls every 2 ms, not a run's 0.25 s: these steps are ~400 times
 shorter than a launch-workload step, and a run's poll period would leave more checks in flight than the
 monitor's pinned rows (the check would take its cheaper "dropped" path) and grow the event pool on the
@@ -18,7 +19,8 @@ training thread's CPU and wall per step, the cyclic garbage collector's time per
 `gc.callbacks`), and each profiled case minus paused: what the training thread's own calls cost per step (in a
 live run its CPU per step also grows when the same work runs slower beside the profiler's threads:
 bench/RESULTS.md, eleventh #14 session). What was alive after the set-up is frozen (`gc.freeze()`), as
-`dflash/rank.py` freezes the imports, so a full collection walks only what the steps made. Writes nothing outside a temporary run dir.
+`dflash/rank.py` freezes the imports, so a full collection walks only what the steps made. Writes nothing
+outside a temporary run dir.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import sys
 import tempfile
 import time
 
-CASES = ("no profiler", "paused", "profiled", "no checks", "cpu spans", "gpu 1 in 8")
-CUDA_ONLY = ("cpu spans", "gpu 1 in 8")
+CASES = ("no profiler", "paused", "profiled", "no checks", "cpu spans", "gpu 1 in 10")
+CUDA_ONLY = ("cpu spans", "gpu 1 in 10")
 METRICS = ("loss", "tau", "tau_prefix", "lr", "acc_1", "acc_2", "acc_3", "acc_4", "grad_norm")
 
 
@@ -73,12 +75,12 @@ def enter_case(prof, case):
     if case == "no checks":
         prof.nonfinite.check_flags = _no_check   # the instance attribute hides the method
         return lambda: delattr(prof.nonfinite, "check_flags")
-    if case == "gpu 1 in 8":
+    if case == "gpu 1 in 10":
         sampler = prof.gpu_sampler
-        sampler.every = 8
+        sampler.p = 0.1
 
         def every_step():
-            sampler.every, sampler.timed[0] = 1, True
+            sampler.p, sampler.timed[0] = 1.0, True
         return every_step
     if case == "cpu spans":   # spans without CUDA events: the recorder's CPU span class, this thread's cache cleared
         rec, cls = prof.recorder, prof.recorder._span_cls

@@ -130,11 +130,12 @@ class TrainConfig:
     """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
     profile_detail_steps: int = 3
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
-    profile_gpu_every: int = 8
-    """On a GPU, spans time the device (CUDA events) on one training step in this many, chosen at random, and on
-    every detail-window step; the others are timed on the CPU only. 1 = every step. Events cost a launch-bound
-    run far more than their own record time (bench/RESULTS.md); each span's `gpu_count` says how many carry GPU
-    times, and shares and reports scale by count / gpu_count."""
+    profile_gpu_steps_per_s: float = 5.0
+    """On a GPU, spans time the device (CUDA events) on about this many training steps a second at most, chosen
+    at random (every step when steps take longer than 1 / this), and on every detail-window step; the others
+    are timed on the CPU only. 0 = every step. Events cost a launch-bound run more than their own record time
+    (bench/RESULTS.md); each span's `gpu_count` says how many carry GPU times, and shares and reports scale by
+    count / gpu_count."""
     stack_samples_per_interval: int = 0
     """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
     thread in the interval record); 0 = none."""
@@ -181,7 +182,7 @@ class TrainConfig:
              "must be a TCP port in 0..65535 (0 = off)")
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")
         need(self.profile_detail_steps >= 0, "profile_detail_steps", "must be >= 0")
-        need(self.profile_gpu_every >= 1, "profile_gpu_every", "must be >= 1")
+        need(self.profile_gpu_steps_per_s >= 0, "profile_gpu_steps_per_s", "must be >= 0")
         need(self.stack_samples_per_interval >= 0, "stack_samples_per_interval", "must be >= 0")
         if self.target_model is not None and not Path(self.target_model).is_dir():
             raise ConfigError(f"config field 'target_model': no such directory: {self.target_model}")

@@ -232,7 +232,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                              stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
                                                               cfg.profile_interval),
                              hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history,
-                             gpu_every=cfg.profile_gpu_every)
+                             gpu_steps_per_s=cfg.profile_gpu_steps_per_s)
 
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)

@@ -119,15 +119,15 @@ def _overview() -> list[Panel]:
 def _step_breakdown() -> list[Panel]:
     """Where each role's time goes, per span, on the clock picked by `$clock`."""
     def share(role: str) -> Panel:
-        # spans per clock observation: 1 on the CPU clock; on the GPU clock N under --profile-gpu-every N
+        # spans per clock observation: 1 on the CPU clock; on the GPU clock, spans per GPU-timed span
         per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
                      f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
         expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
         return Panel(f"{role.capitalize()} time share by span ($clock clock)",
                      f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
                      "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
-                     "GPU clock of a run that times one step in N (--profile-gpu-every), the timed spans' time "
-                     "is scaled by spans over timed spans.",
+                     "GPU clock of a run that times only some steps (--profile-gpu-steps-per-s), the timed "
+                     "spans' time is scaled by spans over timed spans.",
                      "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
     p95 = (f"histogram_quantile(0.95, sum by (le, role, span) "

@@ -191,7 +191,7 @@ def _unit(name: str) -> str:
 
 def _clock_count(entry: dict, clock: str) -> int:
     """Observations behind a span entry's `clock` histogram: every span on the CPU; on the GPU those GPU-timed
-    (gpu_count: `--profile-gpu-every N` times some steps only), or, in logs from before it, all but the
+    (gpu_count: `--profile-gpu-steps-per-s` times some steps only), or, in logs from before it, all but the
     unresolved."""
     count = entry.get("count") or 0
     if clock != "gpu":

@@ -134,7 +134,7 @@ def basis(entry: dict) -> tuple[dict, str]:
 
 def gpu_scale(entry: dict) -> float:
     """count / gpu_count: what a span entry's GPU total is multiplied by to estimate all its spans' GPU time
-    when only some were GPU-timed (`--profile-gpu-every N`, docs/RUNLOG.md); 1.0 when all were, or for logs
+    when only some were GPU-timed (`--profile-gpu-steps-per-s`, docs/RUNLOG.md); 1.0 when all were, or for logs
     written before gpu_count existed."""
     timed = entry.get("gpu_count")
     return (entry.get("count") or 0) / timed if timed else 1.0

@@ -67,8 +67,9 @@ class Profiler:
     `stack_sampler` (in-run py-spy sampling; profiler/stacks.py), `export_timeout_s` (close deadline),
     `hang_timeout_s` (> 0: the hang watchdog, profiler/watchdog.py), `memory_history` (CUDA allocator
     history entries kept for an OOM snapshot; 0 = off), `exit_fn` (how forensics leave a stuck rank),
-    `gpu_every` (CUDA spans time the GPU on one step in this many, at random, and on every detail-window
-    step: profiler/cuda_timing.py GpuSampler; 1 = every step), `gpu_rng` (its random.Random, for tests)."""
+    `gpu_steps_per_s` (> 0: CUDA spans time the GPU on about this many steps a second at most, at random, and
+    on every detail-window step: profiler/cuda_timing.py GpuSampler; 0 = every step), `gpu_rng` (its
+    random.Random, for tests)."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
                  device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
@@ -77,7 +78,7 @@ class Profiler:
                  event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0,
                  exporters=(), detail_steps: int = 3, run_id: str | None = None, stack_sampler=None,
                  export_timeout_s: float = 5.0, hang_timeout_s: float = 0.0, memory_history: int = 0,
-                 exit_fn=os._exit, gpu_every: int = 1, gpu_rng=None):
+                 exit_fn=os._exit, gpu_steps_per_s: float = 0.0, gpu_rng=None):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
         if not isinstance(role, str) or not role:
@@ -109,7 +110,7 @@ class Profiler:
         self.hub = ExportHub(exporters)
         self.export_timeout_s = export_timeout_s
         self.detail_steps = detail_steps
-        self.gpu_sampler = GpuSampler(gpu_every, self._detail_burst(), gpu_rng)   # raises on a bad gpu_every
+        self.gpu_sampler = GpuSampler(gpu_steps_per_s, self._detail_burst(), gpu_rng)   # raises on a bad value
         self.run_id = run_id or self.run_dir.resolve().name
         self.stack_sampler = stack_sampler or NullStackSampler()
         self.marks = StepMarks()
@@ -305,7 +306,7 @@ class Profiler:
             if final:
                 rec["final"] = True
             detail = self.aggregator.detail.take(time.perf_counter_ns())
-            self.gpu_sampler.burst = self._detail_burst()   # the next window's steps are GPU-timed whole
+            self.gpu_sampler.interval_closed(duration_s, self._detail_burst())   # next window's steps timed whole
             if detail is not None:
                 self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
             self.interval_start_s, self.interval_start_ns = end_s, end_ns
@@ -423,7 +424,7 @@ class Profiler:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.detail_steps,
-                "gpu_every": self.gpu_sampler.every,
+                "gpu_steps_per_s": self.gpu_sampler.max_steps_per_s,
                 "version": _package_version(), "world_size": self.world_size, "pid": os.getpid(),
                 "hostname": socket.gethostname(), "python_version": platform.python_version(),
                 "torch_version": torch_version, "device": str(self.device) if self.device is not None else "cpu",

@@ -33,8 +33,8 @@ records, so the pool counts references (collector side only) and takes an event 
 record using it was resolved, and when the thread's "last end" no longer points at it.
 
 Sampling (`GpuSampler`): on a launch-bound H200 run the spans' events cost the run about 1.5% of its
-throughput, far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a run may time
-the GPU on one step in N only (`--profile-gpu-every N`); the other steps' spans are CPU spans.
+throughput, far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a fast run times
+the GPU on a few steps a second only (`--profile-gpu-steps-per-s`); the other steps' spans are CPU spans.
 """
 from __future__ import annotations
 
@@ -50,25 +50,43 @@ class GpuSampler:
     """Which steps' CUDA spans record events. `timed[0]` is read by every CudaSpan's enter; `next_step()`,
     called by `set_step` on the training thread, decides it for the new step: timed while `burst` steps are
     left (the collector sets it when a detail window opens, so the trace's steps have GPU times), else with
-    probability 1/`every`, at random so no periodic pattern of steps (an accumulation cycle) is always
-    missed. Without set_step calls every span stays timed. `rng` (a random.Random) for tests."""
+    probability `p`, at random, so no periodic pattern of steps (an accumulation cycle) is always missed.
 
-    def __init__(self, every: int = 1, burst: int = 0, rng=None):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"gpu_every must be an int >= 1, got {every!r}")
-        self.every = every
+    `max_steps_per_s` (> 0) bounds the timed steps a second: at each interval close (`interval_closed`) the
+    collector sets p = min(1, max_steps_per_s / the interval's steps a second), so steps longer than
+    1 / max_steps_per_s are all timed and a fast run times about max_steps_per_s of them a second. p changes
+    only at closes, so within an interval every step has the same chance and the timed spans are a uniform
+    sample (what scaling by count / gpu_count assumes). 0 times every step; so does a loop without set_step.
+    `rng` (a random.Random) for tests."""
+
+    def __init__(self, max_steps_per_s: float = 0.0, burst: int = 0, rng=None):
+        if isinstance(max_steps_per_s, bool) or not isinstance(max_steps_per_s, (int, float)) \
+                or not max_steps_per_s >= 0 or max_steps_per_s == float("inf"):
+            raise ValueError(f"gpu_steps_per_s must be a finite number >= 0, got {max_steps_per_s!r}")
+        self.max_steps_per_s = float(max_steps_per_s)
         self.timed = [True]
         self.burst = burst
+        self.p = 1.0
+        self.steps = 0          # set_step calls since the last interval close
         self._random = (rng or random.Random()).random
 
     def next_step(self) -> None:
-        """A new step began: is it GPU-timed? (A lost update racing the collector's `burst` write times a
-        step more or less; both are harmless.)"""
+        """A new step began: is it GPU-timed? (A lost update racing the collector's writes times a step more
+        or less, or miscounts one; both are harmless.)"""
+        self.steps += 1
         if self.burst > 0:
             self.burst -= 1
             self.timed[0] = True
         else:
-            self.timed[0] = self.every == 1 or self._random() * self.every < 1.0
+            self.timed[0] = self.p >= 1.0 or self._random() < self.p
+
+    def interval_closed(self, duration_s: float, burst: int) -> None:
+        """On the collector at an interval close: the next interval's p from this one's step rate, and the
+        next detail window's burst."""
+        rate = self.steps / duration_s if duration_s > 0 else 0.0
+        self.steps = 0
+        self.p = min(1.0, self.max_steps_per_s / rate) if self.max_steps_per_s > 0 and rate > 0 else 1.0
+        self.burst = burst
 
 
 class EventPool:

@@ -159,7 +159,7 @@ class CudaSpan(CpuSpan):
     cuda_timing.SHARE_GAP_NS, nothing begun in between) takes that end event as its start: one record
     instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared.
 
-    On a step the recorder's GpuSampler leaves untimed (`--profile-gpu-every N`), the span logs as a CPU
+    On a step the recorder's GpuSampler leaves untimed (`--profile-gpu-steps-per-s`), the span logs as a CPU
     span does. `_modes` holds, per open use of this object (nesting of one name included), whether it was
     entered timed, so its exit matches its enter."""
     __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams", "_timed", "_modes")

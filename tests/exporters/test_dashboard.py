@@ -340,7 +340,7 @@ def test_prometheus_provisioning_and_compose_agree():
 def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
     """The time-share panels' query, evaluated by Prometheus's own engine (`promtool test rules`) on series of
     a drafter that runs one 0.2 s span a second (a share of 0.2) and GPU-times one in four
-    (--profile-gpu-every 4): the GPU clock reads 0.2, not the timed spans' 0.05; the CPU clock is unchanged."""
+    (--profile-gpu-steps-per-s 0.25): the GPU clock reads 0.2, not the timed spans' 0.05; the CPU clock is unchanged."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package prometheus)")

@@ -321,8 +321,9 @@ def test_an_overhead_measurement_says_what_its_off_phases_paused():
 
 
 def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
-    """--profile-gpu-every 4: the intervals' GPU totals cover a quarter of the spans (gpu_count); the report,
-    the console's run summary and the OTel histogram count read the run as the fully timed one."""
+    """One step in four GPU-timed (--profile-gpu-steps-per-s): the intervals' GPU totals cover a quarter of the
+    spans (gpu_count); the report, the console's run summary and the OTel histogram count read the run as the
+    fully timed one."""
     from exporters.console import hotspot_rows
     from exporters.otel import _clock_count
     spans = {"drafter.fwd_bwd": (0.2, 100), "drafter.recv": (0.01, 100)}

@@ -156,22 +156,24 @@ def test_cuda_tensor_metric_converted_at_close(tmp_path):
 
 
 def test_sampled_steps_time_the_gpu_and_the_others_record_no_event(tmp_path):
-    """gpu_every=4 on the real GPU: steps 0 and 2 of six timed (scripted draws), their spans' GPU times match
-    the kernels, the other steps' spans are CPU spans, the pool made only the timed steps' events, and every
-    event came back."""
+    """A chance of 1/4 on the real GPU: steps 0 and 2 of six timed (scripted draws), their spans carry GPU
+    times in proportion to their kernels, the other steps' spans are CPU spans, only the timed steps recorded
+    events, and every event came back."""
     import random
 
     class Draws(random.Random):
         def __init__(self):
             super().__init__(0)
-            self.values = [0.1, 0.9, 0.2, 0.9, 0.9, 0.9]
+            self.values = [0.1, 0.9, 0.2, 0.9, 0.9, 0.9]   # < 0.25: timed
 
         def random(self):
             return self.values.pop(0)
 
     _warm_up()
     records = []
-    with make_prof(tmp_path, gpu_every=4, gpu_rng=Draws(), detail_steps=0) as prof:
+    with make_prof(tmp_path, gpu_steps_per_s=1.0, gpu_rng=Draws(), detail_steps=0) as prof:
+        prof.gpu_sampler.steps = 4
+        prof.gpu_sampler.interval_closed(1.0, 0)   # as if the last interval ran 4 steps a second: p = 1/4
         pool = prof.event_pool
         record = pool.record       # the spans take it when first made, below
         pool.record = lambda ev, stream: (records.append(ev), record(ev, stream))
