@@ -182,8 +182,8 @@ def _injections(text: str) -> list[float]:
 
 def _parts(text: str) -> list[str]:
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts or any(p not in ("all", "inline", "background", "none") for p in parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated all, inline, background, none; got {text!r}")
+    if not parts or any(p not in ("all", "inline", "background", "gpu", "none") for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated all, inline, background, gpu, none; got {text!r}")
     return parts
 
 
@@ -201,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--builtin-conversations", type=int, default=None,
                     help="the launch workload's built-in corpus size (bench/gpu/ab.sh: 400)")
     ap.add_argument("--profile-interval", default="5")
+    ap.add_argument("--extra", default="", help="more dflash-train arguments for the runs, one string "
+                                                "(e.g. '--profile-gpu-steps-per-s 0')")
     ap.add_argument("--cpus", default="auto", help="taskset CPU list for every run, 'auto' or 'none'")
     ap.add_argument("--pin-ranks", action="store_true", help="one set of whole physical cores per rank")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/dflash-ab"))
@@ -209,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="longest wait for the warm steps")
     ap.add_argument("--parts", type=_parts, default=["all"],
                     help="what the off phases pause, one measurement each on the same run, in order: "
-                         "comma-separated all, inline, background, none (dflash-profile overhead --part; "
+                         "comma-separated all, inline, background, gpu, none (dflash-profile overhead --part; "
                          "none: an A/A run)")
     ap.add_argument("--spy-s", type=float, default=0.0,
                     help="no A/B: record who holds the GIL on every rank (py-spy --gil) for this long")
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us
     ab_argv = ["--workdir", str(a.workdir), "--device", a.device, "--profile-interval", a.profile_interval,
-               "--cpus", a.cpus] + (["--pin-ranks"] if a.pin_ranks else []) + \
+               "--cpus", a.cpus, f"--extra={a.extra}"] + (["--pin-ranks"] if a.pin_ranks else []) + \
               (["--compile-cache", str(a.compile_cache)] if a.compile_cache else [])
     setup, cache_note = ab.build_setup(ab.parse_args(ab_argv))
     json_path = a.json or (Path(os.environ["OUT"]) / "ab_inrun.json" if os.environ.get("OUT")

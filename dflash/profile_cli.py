@@ -74,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     over.add_argument("--phase-s", type=_seconds(0.05, 600), default=3.0, help="measured seconds per phase (3)")
     over.add_argument("--settle-s", type=_seconds(0, 600), default=1.0,
                       help="seconds after each switch before measuring (1): the queues reach the new state")
-    over.add_argument("--part", choices=("all", "inline", "background", "none"), default="all",
+    over.add_argument("--part", choices=("all", "inline", "background", "gpu", "none"), default="all",
                       help="what the off phases pause: all (--no-profile's path; default), inline (the training "
-                           "threads' spans, counters, checks), background (collector, interval clock, samplers) "
-                           "or none (an A/A run: the measurement's own bias)")
+                           "threads' spans, counters, checks), background (collector, interval clock, samplers), "
+                           "gpu (the spans' CUDA events: CPU spans) or none (an A/A run: the measurement's own "
+                           "bias)")
     return p
 
 

@@ -171,7 +171,7 @@ class Profiler:
         self._cleanups.append(lambda: api.deactivate(self))
         self.timer = IntervalTimer(self.interval_s, self.clock, self._timer_poll, self._timer_close, self.poll_s)
         self.pauses = PauseControl(self, self.recorder, samplers=(self.sampler, self.stack_sampler),
-                                   interval_clock=self.timer)
+                                   interval_clock=self.timer, gpu_sampler=self.gpu_sampler)
         self._cleanups.append(self.pauses.resume)   # the run's end profiles again: records are whole
         self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state,
                                       record_fn=lambda fields: self.write_record("snapshot", **fields),

@@ -44,7 +44,8 @@ SUMMARY_FIELDS = ("part", "pairs", "measure_s", "settle_s", "metric", "on_mean",
                   "ci_low_pct", "ci_high_pct", "half_width_pct", "resolves", "within", "threshold_pct", "stopped")
 LEASE_MARGIN_S = 10.0
 PAUSED_LABELS = {"all": "paused (--no-profile's path)", "inline": "inline paused (background on)",
-                 "background": "background paused (inline on)", "none": "paused nothing (A/A)"}
+                 "background": "background paused (inline on)", "gpu": "GPU timing paused (CPU spans)",
+                 "none": "paused nothing (A/A)"}
 
 
 class OverheadError(RuntimeError):

@@ -25,7 +25,11 @@ A pause may stop one part only (`part`), to find which part of the profiler cost
   so the backlog is drained right away (inside the overhead command's settle time, not in the next
   measured phase). A backlog grows in memory (records, CUDA events, flag rows), so this lease is
   shorter (MAX_BACKGROUND_LEASE_S).
-`all` (the default) is both; `none` is neither (an A/A calibration of the overhead command itself).
+- `gpu`: only the spans' GPU timing: every span is a CPU span (no CUDA event) while everything else
+  profiles on, so the on/off difference is what the run's CUDA events cost it (at the run's
+  `--profile-gpu-steps-per-s`; 0 times every step).
+`all` (the default) is inline and background; `none` is nothing (an A/A calibration of the overhead command
+itself).
 
 A pause is a lease: it ends by itself `lease_s` after the last `pause` command, so a client that dies
 cannot leave a run unprofiled; one owner at a time. Each interval record says how long it was paused
@@ -44,15 +48,17 @@ logger = logging.getLogger("profiler")
 MAX_LEASE_S = 600.0
 MAX_BACKGROUND_LEASE_S = 60.0
 MAX_OWNER_CHARS = 200
-PARTS = {"all": (True, True), "inline": (True, False), "background": (False, True), "none": (False, False)}
-"""What a pause of each part stops: (the training threads' instrumentation, the background threads). `none`
-stops nothing: the off phases profile as the on phases do, an A/A run that measures the measurement's own
-bias (the commands, the phase order, the settle), which every on/off figure carries too."""
+PARTS = {"all": (True, True, False), "inline": (True, False, False), "background": (False, True, False),
+         "gpu": (False, False, True), "none": (False, False, False)}
+"""What a pause of each part stops: (the training threads' instrumentation, the background threads, the spans'
+GPU timing). `none` stops nothing: the off phases profile as the on phases do, an A/A run that measures the
+measurement's own bias (the commands, the phase order, the settle), which every on/off figure carries too."""
 
 
 def max_lease_s(part: str) -> float:
     """The longest lease a pause of `part` may take (a background pause keeps a backlog in memory)."""
-    return MAX_BACKGROUND_LEASE_S if PARTS[part][1] and not PARTS[part][0] else MAX_LEASE_S
+    inline, background, _ = PARTS[part]
+    return MAX_BACKGROUND_LEASE_S if background and not inline else MAX_LEASE_S
 
 
 class _PausedNonfinite:
@@ -109,10 +115,12 @@ class PauseControl:
 
     `samplers` are objects with a `paused` attribute their threads read before each sample;
     `interval_clock` has hold(), release() and poke() (profiler/intervals.py IntervalTimer): stopped while
-    the background is paused, and woken at its resume."""
+    the background is paused, and woken at its resume. `gpu_sampler` (profiler/cuda_timing.py GpuSampler) is
+    held while the spans' GPU timing is paused."""
 
-    def __init__(self, profiler, recorder, samplers=(), interval_clock=None, clock=time.monotonic):
-        self._profiler, self._recorder = profiler, recorder
+    def __init__(self, profiler, recorder, samplers=(), interval_clock=None, clock=time.monotonic,
+                 gpu_sampler=None):
+        self._profiler, self._recorder, self._gpu_sampler = profiler, recorder, gpu_sampler
         self._samplers, self._interval_clock, self._clock = list(samplers), interval_clock, clock
         self._lock = threading.Lock()
         self._view: PausedView | None = None
@@ -152,7 +160,7 @@ class PauseControl:
         return {"ok": True, "paused": True, "part": part, "lease_s": float(lease_s)}
 
     def _pause_locked(self, owner: str, part: str) -> None:
-        inline, background = PARTS[part]
+        inline, background, gpu = PARTS[part]
         self.owner, self.part, self._since_ns = owner, part, time.perf_counter_ns()
         self._pauses += 1
         self._parts.add(part)
@@ -163,6 +171,8 @@ class PauseControl:
             self._set_samplers(True)
             if self._interval_clock is not None:
                 self._interval_clock.hold()
+        if gpu and self._gpu_sampler is not None:
+            self._gpu_sampler.hold(True)
 
     def resume(self, owner=None) -> dict:
         """Resume; `owner` None resumes whoever paused (the run's end)."""
@@ -185,7 +195,9 @@ class PauseControl:
         logger.warning("profiler: the pause by %s ran out of its lease; profiling again", owner)
 
     def _resume_locked(self) -> None:
-        inline, background = PARTS[self.part]
+        inline, background, gpu = PARTS[self.part]
+        if gpu and self._gpu_sampler is not None:
+            self._gpu_sampler.hold(False)
         if background and self._interval_clock is not None:
             self._interval_clock.release()
         if inline:

@@ -177,6 +177,32 @@ def test_a_pause_of_part_none_stops_nothing(tmp_path):
         assert pc.resume("test")["ok"] and not pc.active
 
 
+def test_a_gpu_pause_makes_every_span_a_cpu_span_and_nothing_else(tmp_path):
+    """Part `gpu`: the spans record no CUDA event (fake events here: tests/profiler/test_cuda_sharing.py) while
+    the rest profiles on; the resume times the next step again, and the interval says what was paused."""
+    from profiler.cuda_timing import EventPool
+    from tests.profiler.test_cuda_sharing import Event, Gpu
+    gpu, now = Gpu(), [0.0]
+    pool = EventPool(lambda: Event(gpu), prealloc=0)
+    with make_prof(tmp_path, interval_s=10.0, clock=lambda: now[0], event_pool=pool, detail_steps=0) as prof:
+        assert prof.pauses.pause("test", 60, "gpu")["part"] == "gpu"
+        assert profiler.active() is prof and not prof.pauses.background_held
+        for step in range(3):
+            prof.set_step(step)
+            with profiler.span("x.work"):
+                gpu.now_ms += 1.0
+        assert gpu.records == 0
+        assert prof.pauses.resume("test")["ok"]
+        prof.set_step(3)
+        with profiler.span("x.work"):
+            gpu.now_ms += 1.0
+        now[0] = 10.0
+        assert prof.tick() is True
+        e = prof.last_interval["spans"]["x.work"]
+        assert gpu.records == 2 and (e["count"], e["gpu_count"]) == (4, 1)
+        assert prof.last_interval["paused_parts"] == ["gpu"]
+
+
 def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_path):
     now = [0.0]
     samplers = [type("S", (), {"paused": False})()]
@@ -215,7 +241,7 @@ def test_a_pause_keeps_its_part_and_background_leases_are_short(tmp_path):
             reply = pc.pause("a", lease_s, part)
             assert reply["ok"] is False and not pc.active, reply
         assert "part 'background' needs 'lease_s' in (0, 60]" in pc.pause("a", 61, "background")["error"]
-        assert "'part' one of all, inline, background, none, got 'nope'" in pc.pause("a", 5, "nope")["error"]
+        assert "'part' one of all, inline, background, gpu, none, got 'nope'" in pc.pause("a", 5, "nope")["error"]
         assert len(pc.pause("x" * 10**6, 5)["error"]) < 200 and len(pc.pause("a", 5, "y" * 10**6)["error"]) < 200
 
 
