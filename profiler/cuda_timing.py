@@ -32,9 +32,9 @@ a few microseconds of host time) counts toward the later span. An event can then
 records, so the pool counts references (collector side only) and takes an event back when the last
 record using it was resolved, and when the thread's "last end" no longer points at it.
 
-Sampling (`GpuSampler`): on a launch-bound H200 run the spans' events cost the run about 1.5% of its
-throughput, far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a fast run times
-the GPU on a few steps a second only (`--profile-gpu-steps-per-s`); the other steps' spans are CPU spans.
+Sampling (`GpuSampler`): on a launch-bound H200 run the spans' events cost the run about 1.3% of its
+throughput (+-1.0), far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a fast run
+times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`); the other steps' spans are CPU spans.
 """
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ class GpuSampler:
             self.timed[0] = True
         else:
             self.timed[0] = self.p >= 1.0 or self._random() < self.p
+
+    def count_step(self) -> None:
+        """A step begun while the training threads' profiling is paused (profiler/pause.py): it counts toward
+        the interval's step rate (its duration includes the paused time), and nothing is decided."""
+        self.steps += 1
 
     def hold(self, held: bool) -> None:
         """Pause (True) or resume the GPU timing: from now on, spans record no event; at the resume, from the

@@ -88,6 +88,7 @@ class PausedView:
 
     def set_step(self, step: int) -> None:
         self.profiler.note_step(step)   # the step and its time; no detail-window mark
+        self.profiler.gpu_sampler.count_step()   # the interval's step rate counts paused steps too
 
     def corrupt(self, span_name: str, tensor, step=None):
         return tensor

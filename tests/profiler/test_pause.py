@@ -177,6 +177,18 @@ def test_a_pause_of_part_none_stops_nothing(tmp_path):
         assert pc.resume("test")["ok"] and not pc.active
 
 
+def test_steps_while_paused_count_toward_the_gpu_samplers_step_rate(tmp_path):
+    """The sampler's chance comes from the interval's steps over its duration, paused time included, so paused
+    steps count too (else a half-paused run would GPU-time twice the steps it should)."""
+    with make_prof(tmp_path, gpu_steps_per_s=5.0) as prof:
+        assert prof.pauses.pause("test", 60, "all")["ok"]
+        for step in range(4):
+            profiler.set_step(step)
+        assert prof.pauses.resume("test")["ok"]
+        profiler.set_step(4)
+        assert prof.gpu_sampler.steps == 5
+
+
 def test_a_gpu_pause_makes_every_span_a_cpu_span_and_nothing_else(tmp_path):
     """Part `gpu`: the spans record no CUDA event (fake events here: tests/profiler/test_cuda_sharing.py) while
     the rest profiles on; the resume times the next step again, and the interval says what was paused."""
