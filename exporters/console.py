@@ -98,6 +98,7 @@ def format_interval(record: dict) -> str:
             if name in opened:
                 line += _open_note(opened[name])
             lines.append(line)
+        lines.extend(_gpu_sample_note(spans))
     else:
         lines.append("  (no spans finished in this interval)")
     for name, c in (record.get("counters") or {}).items():
@@ -112,6 +113,15 @@ def format_interval(record: dict) -> str:
     lines.extend(format_memory(record.get("memory")))
     lines.extend(format_thread_cpu(record))
     return "\n".join(lines)
+
+
+def _gpu_sample_note(spans: dict) -> list:
+    """One line when the GPU times come from some steps only (--profile-gpu-steps-per-s), else none."""
+    timed = [(e["gpu_count"], e.get("count") or 0) for e in spans.values() if e.get("gpu_count") is not None]
+    n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
+    if n >= total:
+        return []
+    return [f"  gpu times from sampled steps: {n} of {total} spans (shares scale them by count / timed)"]
 
 
 def format_thread_cpu(record: dict, top: int = 4) -> list:

@@ -98,6 +98,8 @@ def test_untimed_steps_record_no_events_and_the_entry_scales_its_share(tmp_path)
     assert c["bandwidth_bytes_per_s"] == pytest.approx(3000 / 0.0015)   # timed spans' bytes over their GPU time
     assert c["bytes"] == 8000
     assert pool.created == pool.free                                    # every event back
+    from exporters.console import format_interval
+    assert "  gpu times from sampled steps: 6 of 16 spans" in format_interval(interval)
 
 
 def test_the_share_estimate_is_scaled_and_capped_at_the_span_threads(tmp_path):
