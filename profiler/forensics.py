@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import sys
@@ -33,10 +34,26 @@ logger = logging.getLogger("profiler")
 _MAX_FRAMES_IN_LOG = 40
 
 
+def current_frames(frames_fn=sys._current_frames) -> dict:
+    """sys._current_frames() with the cyclic GC off meanwhile (unless it was off already). On CPython 3.11 it
+    holds the runtime's thread-list lock while it makes frame objects; a collection those allocations start
+    can free an object whose deallocation takes that lock again, and the process deadlocks with the GIL
+    held (CPython gh-106883, fixed in 3.12 only). It hung a hang dump here: the watchdog's thread stuck in
+    gc_collect_main under _PyThread_CurrentFrames, and every other thread with it."""
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        return frames_fn()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def thread_stacks(frames_fn=sys._current_frames, threads_fn=threading.enumerate) -> list[dict]:
     """Every Python thread's stack, outermost frame first: [{"thread", "native_id", "daemon",
     "stack": ["file:line in function: source", ...]}]. Threads without a Python frame are skipped."""
-    frames = frames_fn()
+    frames = current_frames(frames_fn)
     out = []
     for t in threads_fn():
         frame = frames.get(t.ident)

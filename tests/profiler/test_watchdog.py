@@ -343,3 +343,30 @@ def test_dump_final_after_an_abort_began_dumps_nothing(tmp_path):
         prof.dumper.abort("hang", "hang", stalled_seconds=9.0)
         assert prof.dumper.dump_final("peer_lost", reason="x") is False
     assert [r["kind"] for r in log(tmp_path) if r["type"] == "event"] == ["hang"]
+
+
+def test_stacks_are_read_with_the_cyclic_gc_off_and_its_state_restored():
+    """sys._current_frames can deadlock CPython 3.11 when a collection starts inside it (gh-106883): the read
+    runs with the GC off, and leaves it as it found it, on an error too."""
+    import gc
+
+    from profiler.forensics import current_frames
+    seen = []
+
+    def frames():
+        seen.append(gc.isenabled())
+        return {}
+    assert gc.isenabled()
+    assert current_frames(frames) == {} and seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        current_frames(frames)
+        assert seen == [False, False] and not gc.isenabled()   # off before: stays off
+    finally:
+        gc.enable()
+
+    def broken():
+        raise RuntimeError("no frames")
+    with pytest.raises(RuntimeError):
+        current_frames(broken)
+    assert gc.isenabled()
