@@ -80,6 +80,7 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
     acc["cpu_seconds"] += (entry.get("cpu") or {}).get("total_seconds") or 0.0
     if entry.get("gpu"):
         acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0) * gpu_scale(entry)
+        acc["gpu_timed"] += entry.get("gpu_count", count)
     acc["total_seconds"] += basis_seconds(entry)
     acc["whole_seconds"] += whole_seconds(entry)
     acc["on"].add(on)
@@ -97,7 +98,8 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
 
 
 def _new_acc() -> dict:
-    return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "total_seconds": 0.0, "on": set(),
+    return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "gpu_timed": 0, "total_seconds": 0.0,
+            "on": set(),
             "whole_seconds": 0.0, "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [], "buckets": None,
             "buckets_complete": True, "open_intervals": 0, "open_max_seconds": None, "open_where": None,
             "open_at_end": False}
@@ -114,6 +116,7 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
         p50, p95 = _weighted_quantile(a["p50s"], 0.50), _weighted_quantile(a["p95s"], 0.95)
     return {"role": role, "span": name, "count": a["count"], "on": "gpu" if "gpu" in a["on"] else "cpu",
             "total_seconds": a["total_seconds"], "cpu_seconds": a["cpu_seconds"], "gpu_seconds": a["gpu_seconds"],
+            "gpu_timed": a["gpu_timed"] if a["gpu_seconds"] is not None else None,
             "share": a["total_seconds"] / role_wall if role_wall > 0 else None,
             "mean_seconds": a["whole_seconds"] / a["count"] if a["count"] else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": a["max_seconds"],

@@ -40,7 +40,17 @@ def _spans(rep: dict) -> list:
         lines.append(f"  ... {s['spans_total'] - len(s['rows'])} more (--top)")
     for role, r in s["roles"].items():
         lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals")
-    return lines + _open_spans(s["rows"])
+    return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"])
+
+
+def _gpu_sampled(rows: list) -> list:
+    """A line when GPU times come from sampled steps (--profile-gpu-steps-per-s): the gpu figures are estimates."""
+    timed = [(r["gpu_timed"], r["count"]) for r in rows if r.get("gpu_timed") is not None]
+    n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
+    if n >= total:
+        return []
+    return [f"  GPU times from sampled steps: {n} of {total} spans timed; gpu s, total s and share on the GPU "
+            "scale them by count / timed"]
 
 
 def _open_spans(rows: list) -> list:
