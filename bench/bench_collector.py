@@ -7,7 +7,9 @@ shape of a step), drained every CHUNK spans as the collector's poll would:
 - `cpu spans`: CPU-timed spans (the floor: what every span costs the collector);
 - `cuda spans, shared starts`: CUDA-shaped records with events, adjacent spans sharing a boundary event
   (the pool's reference counting, the resolution of completed pairs);
-- `cuda spans, own starts`: the same with sharing off (two events per span).
+- `cuda spans, own starts`: the same with sharing off (two events per span);
+- `cuda spans, 1 step in 10`: shared starts, with the GPU timed on one step in ten at random (the others' spans
+  are CPU records): about what `dflash-train --profile-gpu-steps-per-s 5` does at ~50 steps a second.
 A second table: turning an interval's metric values (0-dim tensors) into floats at close, batched
 (`profiler.intervals.to_floats_by_name`) against the per-name conversion it replaced.
 The CUDA rows use host-side stand-in events (query/elapsed_time are Python, about 0.1 us each; a real
@@ -45,8 +47,9 @@ class StandInEvent:
         return (end.t - self.t) / 1e6
 
 
-def collector_ns(profiler, run_root: str, pool_factory, share_gap_ns: int) -> float:
-    """Collector thread-CPU ns per span over N spans (the spans themselves untimed)."""
+def collector_ns(profiler, run_root: str, pool_factory, share_gap_ns: int, gpu_p: float = 1.0) -> float:
+    """Collector thread-CPU ns per span over N spans (the spans themselves untimed); `gpu_p`: the chance that a
+    step is GPU-timed (profiler/cuda_timing.py GpuSampler)."""
     from profiler import spans as spans_mod
 
     old, spans_mod.SHARE_GAP_NS = spans_mod.SHARE_GAP_NS, share_gap_ns
@@ -55,6 +58,7 @@ def collector_ns(profiler, run_root: str, pool_factory, share_gap_ns: int) -> fl
         run_dir = tempfile.mkdtemp(dir=run_root)
         with profiler.Profiler(run_dir, interval_s=3600.0, console=False, measure_floors=False, control=False,
                                background=False, event_pool=pool_factory()) as prof:
+            prof.gpu_sampler.p, prof.gpu_sampler.burst = gpu_p, 0
             for _ in range(N // CHUNK):
                 for i in range(CHUNK // len(NAMES)):
                     profiler.set_step(i)
@@ -116,11 +120,12 @@ def main() -> int:
     run_root = tempfile.mkdtemp(prefix="bench_collector_", dir=os.environ.get("OUT") or None)
     cases = {"cpu spans": (lambda: None, 0),
              "cuda spans, shared starts": (lambda: EventPool(StandInEvent, prealloc=256), 10**9),
-             "cuda spans, own starts": (lambda: EventPool(StandInEvent, prealloc=256), -1)}
+             "cuda spans, own starts": (lambda: EventPool(StandInEvent, prealloc=256), -1),
+             "cuda spans, 1 step in 10": (lambda: EventPool(StandInEvent, prealloc=256), 10**9, 0.1)}
     runs: dict = {k: [] for k in cases}
     for _ in range(REPEATS):   # alternate cases within each repeat so drift hits all alike
-        for name, (factory, gap) in cases.items():
-            runs[name].append(collector_ns(profiler, run_root, factory, gap))
+        for name, (factory, gap, *p) in cases.items():
+            runs[name].append(collector_ns(profiler, run_root, factory, gap, *p))
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"python {sys.version.split()[0]}; {N} spans in chains of {len(NAMES)}, drained every {CHUNK}; "
           f"{REPEATS} repeats (median)")
