@@ -99,10 +99,9 @@ def _add_span(acc: dict, entry: dict, rank: int) -> None:
 
 def _new_acc() -> dict:
     return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "gpu_timed": 0, "total_seconds": 0.0,
-            "on": set(),
-            "whole_seconds": 0.0, "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [], "buckets": None,
-            "buckets_complete": True, "open_intervals": 0, "open_max_seconds": None, "open_where": None,
-            "open_at_end": False}
+            "on": set(), "whole_seconds": 0.0, "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [],
+            "buckets": None, "buckets_complete": True, "open_intervals": 0, "open_max_seconds": None,
+            "open_where": None, "open_at_end": False}
 
 
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
