@@ -47,7 +47,8 @@ class NonfiniteStop(RuntimeError):
 
 def stop_if_nonfinite(cfg: TrainConfig) -> None:
     """At a step boundary, under --on-nonfinite stop: the first finding read back so far. The checks
-    come back asynchronously (profiler/nonfinite.py), so this stops a step or two after the bad one."""
+    come back asynchronously (profiler/nonfinite.py), so this stops after the bad step by the device's lag
+    (a step or two) plus one to two collector polls."""
     found = profiler.nonfinite_found()
     if found is not None and cfg.on_nonfinite == "stop":
         raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "

@@ -150,8 +150,7 @@ class Profiler:
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step,
                                      gpu_sampler=self.gpu_sampler)
-        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, self.is_cuda,
-                                          record=pool.record_current if pool is not None else None)
+        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, _readback(self.is_cuda, self.device, pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         detail = (DetailWindow(self.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
                   if self.detail_steps > 0 else NullDetailWindow())
@@ -532,6 +531,18 @@ class Profiler:
                   if k in SUMMARY_FIELDS and (isinstance(v, (int, float, str, bool)) or v is None)}
         self.event("profile_overhead", **fields)
         return {"ok": True}
+
+
+def _readback(is_cuda: bool, device, pool):
+    """How this rank's non-finite checks come back from the device (profiler/nonfinite.py): None on a CPU
+    run. The stream lookup is the event pool's cached one, or torch's where a test's pool has no streams."""
+    if not is_cuda:
+        return None
+    import torch
+    from profiler.nonfinite import CudaReadback
+    current = pool.current if pool is not None and pool.current() is not None else (
+        lambda: torch.cuda.current_stream(device))
+    return CudaReadback(device, current)
 
 
 def _without_ids(open_spans: list) -> list:

@@ -146,10 +146,11 @@ class EventPool:
             stream = self.streams[raw] = self._current_stream()
         return stream
 
-    def record_current(self, ev) -> None:
-        """Record `ev` on the current stream through the C call (what a span does, for other users)."""
+    def current(self):
+        """The calling thread's current Stream object, through the raw handle (0.13 us on an H200 host, where
+        torch.cuda.current_stream() builds a new object: 5 us); what a non-finite check queues its flags with."""
         raw = self.getraw(self.device_index)
-        self.record(ev, self.streams.get(raw) or self.stream_for(raw))
+        return self.streams.get(raw) or self.stream_for(raw)
 
     def release(self, *events) -> None:
         """Collector side: one holder of each event is done; an event nobody holds is free again."""

@@ -1,20 +1,30 @@
 """Non-finite checks without a host sync, and the packed-batch fingerprint.
 
 A span hands tensors to `NonfiniteMonitor.check(span, step, {name: tensor})`. On the device, each
-tensor is reduced to one flag (`not isfinite(t).all()`), the flags are stacked into a small buffer and
-copied non-blocking into a row of pinned host memory allocated once at start (SLOTS rows; when all are
-in flight the check is counted in `dropped`, never waited for), and an event is recorded after the
-copy. Nothing waits:
-the collector thread calls `poll()`, which asks each pending check's event `query()` in order and
-reads the host flags only once the event says the copy has landed. The first non-finite flag found
-becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which writes the `nonfinite`
-event; later ones are counted and handed on too.
+tensor is reduced to one flag (`not isfinite(t).all()`), and the flags tensor is queued with the
+current stream: the training thread makes no other CUDA call for a check (`check_flags` is a list
+append). The collector thread calls `poll()`, which reads back the batches that have landed and sends
+off the checks queued since its last poll as one batch (`CudaReadback`): on a side stream that first
+waits for each stream the checks were queued on, their flags are concatenated and copied non-blocking
+into a pinned buffer allocated once at start, and an event is recorded after the copy. A later poll
+asks that event `query()` and reads the flags once it says done. Nothing waits. Until then the batch
+holds the flags tensors, so their memory is not reused before the side stream has read them; a
+caller must not modify a flags tensor after handing it over. When QUEUE_MAX checks are queued and not
+read back (the collector stalled) a check is counted in `dropped`, never waited for. The first
+non-finite flag found becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which
+writes the `nonfinite` event; later ones are counted and handed on too.
 
-How far behind: a check's flags are on the host once the device has run the work queued before it
-(on a GPU the training thread runs ahead by the queued kernels, a step or two at most), and the
-collector polls every `poll_s` (0.25 s by default). A training loop that acts on `first` at its step
-boundaries therefore acts one to two steps after the bad one (plus a poll period); exact guards (the
-checkpoint's) must check for themselves; `settle()` is the deliberate wait for such rare points.
+Why batched: a check that copied its flags into a pinned row and recorded an event on the training
+thread cost ~20 us of that thread's CPU beside the kernels it launches (two a drafter step, one a
+target step), and its event one query a check on the collector (bench/RESULTS.md, thirteenth #14
+session); a batch makes 4-5 CUDA calls a poll on the collector, whatever the number of checks.
+
+How far behind: a batch is on the host once the device has run everything queued before the poll
+that sent it (on a GPU the training thread runs ahead by the queued kernels, a step or two at most),
+and it is read at the poll after that: one to two collector polls (`poll_s`, 0.25 s by default). A
+training loop that acts on `first` at its step boundaries therefore acts that long after the bad step;
+exact guards (the checkpoint's) must check for themselves; `settle()` is the deliberate wait for such
+rare points.
 
 On the CPU there is no device: the flags are computed where they are, and `poll()` reads them.
 `fingerprint()` is the cheap summary of a packed batch the target sends with it: (finite count, sum)
@@ -32,36 +42,77 @@ import torch
 
 logger = logging.getLogger("profiler")
 
-SLOTS = 64        # pinned flag rows in flight at once (checks not read back yet)
-MAX_FLAGS = 8     # tensors one check may name
+QUEUE_MAX = 4096      # checks queued and not read back yet, past which a check is dropped (counted)
+MAX_FLAGS = 8         # tensors one check may name
+BATCH_FLAGS = 4096    # flags one readback batch carries (the size of its pinned buffer)
+BATCHES = 4           # readback batches in flight at once
 
 
 class Finding(dict):
     """One non-finite check that fired: span, step, rank, tensor (the first flagged), tensors (all)."""
 
 
+class CudaReadback:
+    """The collector's side of the CUDA checks: one batch per poll, on a side stream, never waiting.
+    `stream_of(flags)` runs on the training thread: the stream a device flags tensor was made on (the
+    current one, through `current_stream`, the event pool's cached lookup), None for host flags."""
+
+    def __init__(self, device, current_stream):
+        self._current = current_stream
+        self._side = torch.cuda.Stream(device)
+        # Pinned buffers allocated once, here: allocating pinned memory (cudaHostAlloc) can wait for the device.
+        self._host = [torch.zeros(BATCH_FLAGS, dtype=torch.bool, pin_memory=True) for _ in range(BATCHES)]
+        self._ready = [torch.cuda.Event() for _ in range(BATCHES)]   # one "copy landed" event per buffer
+        self._free = collections.deque(range(BATCHES))
+        self._marks: dict = {}   # stream -> the event the side stream waits on (reused: a wait takes its state then)
+
+    def stream_of(self, flags):
+        return self._current() if flags.is_cuda else None
+
+    def available(self) -> bool:
+        """A buffer is free for a new batch."""
+        return bool(self._free)
+
+    def issue(self, flags: list, streams) -> tuple:
+        """Copy the flags (device tensors, in order) to a free pinned buffer behind the work queued so far
+        on each of `streams`. Returns the batch's handle: asynchronous enqueues only, no sync."""
+        slot = self._free.popleft()
+        with torch.cuda.stream(self._side):
+            for stream in streams:
+                mark = self._marks.get(stream)
+                if mark is None:
+                    mark = self._marks[stream] = torch.cuda.Event()
+                mark.record(stream)
+                self._side.wait_event(mark)
+            flat = torch.cat([f.reshape(-1) for f in flags])
+            host = self._host[slot][:flat.numel()]
+            host.copy_(flat, non_blocking=True)
+            self._ready[slot].record(self._side)
+        return slot, host, flat, flags
+
+    def done(self, handle) -> bool:
+        """The batch's copy has landed (Event.query(): never a wait)."""
+        return self._ready[handle[0]].query()
+
+    def read(self, handle) -> list:
+        """The batch's flags, once done; its buffer is free again and its tensors let go."""
+        values = handle[1].tolist()
+        self._free.append(handle[0])
+        return values
+
+
 class NonfiniteMonitor:
     """Device-side checks read back asynchronously. `on_found(finding)` is called on the polling
-    thread for every check that flagged something; `first` keeps the first one."""
+    thread for every check that flagged something; `first` keeps the first one. `readback`: how device
+    flags come back (a `CudaReadback`; None on a CPU run, where every flags tensor is read directly)."""
 
-    def __init__(self, rank: int, on_found, is_cuda: bool, record=None):
+    def __init__(self, rank: int, on_found, readback=None):
         self.rank = rank
         self._on_found = on_found
-        self._is_cuda = is_cuda
-        # record(event) on the current stream: the event pool's C-call record (1.8 us on an H200 host
-        # against 6.6 us for the public Event.record()), else the public one.
-        self._record = record or (lambda ev: ev.record())
-        self._pending: collections.deque = collections.deque()
-        # Pinned rows allocated once, here: allocating pinned memory (cudaHostAlloc) can wait for the
-        # device, so the hot path only takes a free row and the poll gives it back after reading it.
-        self._host = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.bool, pin_memory=True) if is_cuda else None
-        # Every row's views for 1..MAX_FLAGS flags, made once: indexing in the hot path was most of the
-        # profiler's own GIL time on a launch-bound H200 drafter (bench/RESULTS.md, seventh session).
-        self._row_views = ([[self._host[row, :n] for n in range(MAX_FLAGS + 1)] for row in range(SLOTS)]
-                           if is_cuda else None)
-        self._free_rows = collections.deque(range(SLOTS)) if is_cuda else None
-        # One "copy landed" event per row, reused: a row is taken again only after poll() saw it done.
-        self._ready = [torch.cuda.Event() for _ in range(SLOTS)] if is_cuda else None
+        self._readback = readback
+        self._queued: collections.deque = collections.deque()     # the training threads' checks, not sent
+        self._inflight: collections.deque = collections.deque()   # (entries, batch handle or None), in order
+        self._inflight_checks = 0
         self.dropped = 0
         self._poll_lock = threading.Lock()
         self.first: Finding | None = None
@@ -74,55 +125,91 @@ class NonfiniteMonitor:
         self.check_flags(span, step, list(tensors), flags, **fields)
 
     def check_flags(self, span: str, step: int, names: list, flags: torch.Tensor, **fields) -> None:
-        """Queue already computed bool flags (one per name, true = bad) for reading back."""
+        """Queue already computed bool flags (one per name, true = bad) for reading back. `flags` must not be
+        modified afterwards: on a GPU it is read when the collector's next poll sends it."""
         if len(names) > MAX_FLAGS:
             raise ValueError(f"check {span!r}: at most {MAX_FLAGS} tensors, got {len(names)}")
+        if flags.numel() != len(names):   # metadata only: no device read
+            raise ValueError(f"check {span!r}: {flags.numel()} flags for {len(names)} names")
         self.checks += 1
-        row = ready = None
-        if self._is_cuda and flags.is_cuda:
-            if not self._free_rows:   # the collector is SLOTS checks behind: count it, never wait
-                self.dropped += 1
-                if self.dropped == 1:
-                    logger.warning("profiler: non-finite checks dropped: %d flag rows still in flight", SLOTS)
-                return
-            row = self._free_rows.popleft()
-            host = self._row_views[row][len(names)]
-            host.copy_(flags, non_blocking=True)
-            ready = self._ready[row]
-            self._record(ready)   # after the copy on the current stream; queried later, never waited on
-        else:
-            host = flags
-        self._pending.append((span, step, names, host, ready, row, fields))
+        if len(self._queued) + self._inflight_checks >= QUEUE_MAX:   # the collector is far behind: never wait
+            self.dropped += 1
+            if self.dropped == 1:
+                logger.warning("profiler: non-finite checks dropped: %d checks not read back yet", QUEUE_MAX)
+            return
+        stream = self._readback.stream_of(flags) if self._readback is not None else None
+        self._queued.append((span, step, names, flags, stream, fields))
 
     def pending(self) -> int:
         """Checks not read back yet."""
-        return len(self._pending)
+        return len(self._queued) + self._inflight_checks
 
     def poll(self) -> int:
-        """Read back every check whose copy has landed (in order; stops at the first still pending).
-        Returns how many were read. Called off the training thread (the profiler's collector)."""
-        read = 0
+        """Read back, in order, every batch that has landed (stopping at the first still in flight), send the
+        checks queued since the last poll (one batch while buffers are free), and read again (a batch of host
+        flags is ready at once). Returns how many checks were read. Called off the training thread (the
+        profiler's collector), and by `settle()`."""
         with self._poll_lock:
-            while self._pending:
-                span, step, names, host, ready, row, fields = self._pending[0]
-                if ready is not None and not ready.query():
-                    break
-                self._pending.popleft()
-                read += 1
-                bad = [n for n, flag in zip(names, host.tolist()) if flag]
-                if row is not None:
-                    self._free_rows.append(row)
-                if bad:
-                    self._found(Finding(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad,
-                                        **fields))
+            read = self._read_landed()
+            self._send()
+            return read + self._read_landed()
+
+    def _read_landed(self) -> int:
+        read = 0
+        while self._inflight:
+            entries, handle = self._inflight[0]
+            if handle is not None and not self._readback.done(handle):
+                break
+            self._inflight.popleft()
+            self._inflight_checks -= len(entries)
+            read += len(entries)
+            self._report(entries, self._readback.read(handle) if handle is not None else [])
         return read
+
+    def _send(self) -> None:
+        """Move the queued checks into batches in flight: each batch at most the readback's capacity of
+        device flags; while no buffer is free, the rest wait for a later poll."""
+        rb, queued = self._readback, self._queued
+        while queued:
+            if rb is not None and not rb.available():
+                return
+            entries, device_flags, streams, n = [], [], {}, 0
+            while queued:
+                entry = queued[0]
+                if entry[4] is not None:   # device flags
+                    if n + entry[3].numel() > BATCH_FLAGS:
+                        break
+                    n += entry[3].numel()
+                    device_flags.append(entry[3])
+                    streams[entry[4]] = None
+                entries.append(queued.popleft())
+            try:
+                handle = rb.issue(device_flags, list(streams)) if device_flags else None
+            except Exception:   # noqa: BLE001 - telemetry never kills training: these checks are counted lost
+                self.dropped += len(entries)
+                logger.exception("profiler: sending %d non-finite checks to the host failed", len(entries))
+                continue
+            self._inflight.append((entries, handle))
+            self._inflight_checks += len(entries)
+
+    def _report(self, entries: list, device_values: list) -> None:
+        """Each check's flags, host ones read directly, device ones in order from the batch's values."""
+        at = 0
+        for span, step, names, flags, stream, fields in entries:
+            if stream is None:
+                values = flags.reshape(-1).tolist()
+            else:
+                values, at = device_values[at:at + len(names)], at + len(names)
+            bad = [n for n, flag in zip(names, values) if flag]
+            if bad:
+                self._found(Finding(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad, **fields))
 
     def settle(self, timeout_s: float, sleep=time.sleep) -> Finding | None:
         """Read back every check issued so far, polling Event.query() for up to timeout_s; returns
         `first`. A deliberate wait for the device: for rare points only (a checkpoint, run end)."""
         deadline = time.monotonic() + timeout_s
         self.poll()
-        while self._pending and time.monotonic() < deadline:
+        while self.pending() and time.monotonic() < deadline:
             sleep(0.002)
             self.poll()
         return self.first
