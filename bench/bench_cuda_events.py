@@ -14,8 +14,9 @@ thread's CPU clock (`time.thread_time_ns`) and with the wall clock. Rows:
   event; `elapsed_time()`; creating an event;
 - what the collector pays to resolve one completed pair: torch's calls (`TorchTiming`: query() both,
   elapsed_time()) against libcuda's (`DriverTiming`: one cuEventElapsedTime), GIL held in both;
-- a non-finite check's hot path (two flags copied non-blocking into pinned memory, an event recorded; two
-  a drafter step), its copy alone, and a one-element kernel launch as the peer.
+- a non-finite check's hot path before the batched readback (two flags copied non-blocking into pinned
+  memory, an event recorded; two a drafter step), its copy alone, and a one-element kernel launch as the
+  peer; the hot path now (the flags queued) and a collector poll sending 34 checks in one batch.
 With `--busy`, a second thread launches small kernels throughout (as a launch-bound training thread
 does), so the driver calls meet the launches they contend with in a run.
 """
@@ -75,19 +76,39 @@ def rows(torch):
 
 
 def check_rows(torch, record):
-    """A non-finite check's hot path (NonfiniteMonitor.check_flags: its flags copied non-blocking into a
-    pinned row, then an event recorded), its copy alone, and a one-element kernel launch as the peer; each
-    timed over SHORT_N calls from an empty queue."""
+    """A non-finite check's hot path before the batched readback (its flags copied non-blocking into a pinned
+    row, then an event recorded), its copy alone, and a one-element kernel launch as the peer; then the
+    check's hot path now (NonfiniteMonitor.check_flags with a CudaReadback: the flags queued with the current
+    stream) and a collector poll that sends 34 queued checks as one batch (what a 0.25 s poll meets at 70
+    drafter steps a second), its 34 check_flags calls included. Each timed over SHORT_N calls (the poll
+    row: SHORT_N / 34 polls) from an empty queue and nothing queued for the monitor."""
+    sys.path.insert(0, ".")
+    from profiler.cuda_timing import EventPool
+    from profiler.nonfinite import CudaReadback, NonfiniteMonitor
+
     flags = torch.zeros(2, dtype=torch.bool, device="cuda")
     host = torch.zeros(8, dtype=torch.bool, pin_memory=True)[:2]
     ready, x = torch.cuda.Event(), torch.zeros(1, device="cuda")
+    mon = NonfiniteMonitor(0, lambda f: None, CudaReadback(torch.device("cuda"), EventPool(prealloc=0).current))
+    names = ["payload.packed", "payload.transfer"]
 
     def check():
         host.copy_(flags, non_blocking=True)
         record(ready)
+
+    def poll_34():
+        for _ in range(34):
+            mon.check_flags("drafter.recv", 0, names, flags)
+        mon.poll()
+
+    def empty():
+        torch.cuda.synchronize()   # deliberate (bench only): an empty queue, and every batch landed
+        mon.settle(10.0)
     return [("check_flags: pinned copy + record", check, SHORT_N),
             ("  its copy_(non_blocking) alone", lambda: host.copy_(flags, non_blocking=True), SHORT_N),
-            ("a kernel launch (x.add_(1), 1 elem)", lambda: x.add_(1.0), SHORT_N)]
+            ("a kernel launch (x.add_(1), 1 elem)", lambda: x.add_(1.0), SHORT_N),
+            ("check_flags: queued (now)", lambda: mon.check_flags("drafter.recv", 0, names, flags), SHORT_N, empty),
+            ("34 check_flags + a poll sending them", poll_34, SHORT_N // 34, empty)]
 
 
 def resolve_rows(torch, ev, ev2):
@@ -134,11 +155,12 @@ def main() -> int:
     launcher = busy_launcher(torch, stop) if busy else None
     print(f"{'call':<34} {'cpu ns':>8} {'wall ns':>8}")
     for label, fn, *n in rows(torch):
+        before = n[1] if len(n) > 1 else torch.cuda.synchronize
         for _ in range(1000 if not n else n[0]):
             fn()
         # deliberate syncs (before each repeat of a queueing row): an empty queue for every repeat
-        cpu, wall = per_call_ns(fn, n[0], 21, torch.cuda.synchronize) if n else per_call_ns(fn)
-        torch.cuda.synchronize()   # deliberate: between rows, so queued records do not pile up
+        cpu, wall = per_call_ns(fn, n[0], 21, before) if n else per_call_ns(fn)
+        before()   # deliberate: between rows, so queued records do not pile up
         print(f"{label:<34} {cpu:>8.0f} {wall:>8.0f}")
     stop.set()
     if launcher is not None:
