@@ -89,7 +89,8 @@ def check_rows(torch, record):
     flags = torch.zeros(2, dtype=torch.bool, device="cuda")
     host = torch.zeros(8, dtype=torch.bool, pin_memory=True)[:2]
     ready, x = torch.cuda.Event(), torch.zeros(1, device="cuda")
-    mon = NonfiniteMonitor(0, lambda f: None, CudaReadback(torch.device("cuda"), EventPool(prealloc=0).current))
+    readback = CudaReadback(torch.device("cuda"), EventPool(prealloc=0).current)
+    mon = NonfiniteMonitor(0, lambda f: None, readback=readback)
     names = ["payload.packed", "payload.transfer"]
 
     def check():

@@ -150,7 +150,8 @@ class Profiler:
         self.event_pool = pool
         self.recorder = SpanRecorder(event_pool=pool, fault_plan=self.fault_plan, step_fn=lambda: self.step,
                                      gpu_sampler=self.gpu_sampler)
-        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite, _readback(self.is_cuda, self.device, pool))
+        self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
+                                          readback=_readback(self.is_cuda, self.device, pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         detail = (DetailWindow(self.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
                   if self.detail_steps > 0 else NullDetailWindow())

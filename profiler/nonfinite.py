@@ -106,7 +106,7 @@ class NonfiniteMonitor:
     thread for every check that flagged something; `first` keeps the first one. `readback`: how device
     flags come back (a `CudaReadback`; None on a CPU run, where every flags tensor is read directly)."""
 
-    def __init__(self, rank: int, on_found, readback=None):
+    def __init__(self, rank: int, on_found, *, readback=None):
         self.rank = rank
         self._on_found = on_found
         self._readback = readback

@@ -15,8 +15,8 @@ amount of collector time, to measure what one microsecond of it costs the traini
 A/B with and without it).
 DFLASH_COSTAT_NO_CUDA=1 (on its own, or with DFLASH_COSTAT_DIR) makes the collector's reading-back free of CUDA
 calls, the training threads' side unchanged: every CUDA pair resolves at once as 0 s of GPU time without asking
-the driver (EventPool.elapsed_ms), and every non-finite check's "copy landed" event answers query() True without
-asking it (its row may then be read before the copy lands: checks are meaningless in such a run). An in-run A/B
+the driver (EventPool.elapsed_ms), and every batch of non-finite checks is sent and has landed without a CUDA call
+(CudaReadback.issue and .done; its flags read as clean: checks are meaningless in such a run). An in-run A/B
 with it against one without says what the collector's CUDA calls cost the training thread beyond their own time
 (they slow the launches they meet: bench/RESULTS.md, eleventh #14 session). Run on an H200 in the twelfth
 session: it did not (the launch workload read -2.16% +- 0.93 with it).
@@ -27,26 +27,22 @@ import os
 
 
 def _install_no_cuda() -> None:
-    """The DFLASH_COSTAT_NO_CUDA patches (module doc): after each EventPool's and NonfiniteMonitor's own set-up."""
+    """The DFLASH_COSTAT_NO_CUDA patches (module doc): after each EventPool's own set-up, and on CudaReadback."""
     from profiler import cuda_timing, nonfinite
 
-    pool_init, monitor_init = cuda_timing.EventPool.__init__, nonfinite.NonfiniteMonitor.__init__
+    pool_init = cuda_timing.EventPool.__init__
 
     def pool_no_driver(self, *args, **kwargs):
         pool_init(self, *args, **kwargs)
         self.elapsed_ms = lambda start, end: 0.0
 
-    def monitor_no_query(self, *args, **kwargs):
-        monitor_init(self, *args, **kwargs)
-        if self._ready is not None:
-            import torch
+    def issue_no_cuda(self, flags, streams):   # a batch "sent" without a CUDA call: its flags read clean
+        slot = self._free.popleft()
+        return slot, self._host[slot][:sum(f.numel() for f in flags)], None, flags
 
-            class AlwaysDone(torch.cuda.Event):
-                def query(self):
-                    return True
-            self._ready = [AlwaysDone() for _ in self._ready]
-
-    cuda_timing.EventPool.__init__, nonfinite.NonfiniteMonitor.__init__ = pool_no_driver, monitor_no_query
+    cuda_timing.EventPool.__init__ = pool_no_driver
+    nonfinite.CudaReadback.issue = issue_no_cuda
+    nonfinite.CudaReadback.done = lambda self, handle: True
 
 
 def _install_cpu_spans() -> None:
@@ -93,7 +89,8 @@ if os.environ.get("DFLASH_COSTAT_DIR"):
         ("profiler.intervals", "IntervalAggregator._close_spans"),
         ("profiler.intervals", "to_floats"), ("profiler.intervals", "resolve"),
         ("profiler.spans", "SpanRecorder.drain"), ("profiler.spans", "SpanRecorder.open_spans"),
-        ("profiler.nonfinite", "NonfiniteMonitor.poll"), ("profiler.threadcpu", "ThreadCpu.take"),
+        ("profiler.nonfinite", "NonfiniteMonitor.poll"), ("profiler.nonfinite", "CudaReadback.issue"),
+        ("profiler.threadcpu", "ThreadCpu.take"),
         ("profiler.detail", "DetailWindow.take"), ("exporters.console", "format_interval"),
     ]
     _DIR = os.environ["DFLASH_COSTAT_DIR"]
