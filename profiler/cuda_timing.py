@@ -32,9 +32,11 @@ a few microseconds of host time) counts toward the later span. An event can then
 records, so the pool counts references (collector side only) and takes an event back when the last
 record using it was resolved, and when the thread's "last end" no longer points at it.
 
-Sampling (`GpuSampler`): on a launch-bound H200 run the spans' events cost the run about 1.3% of its
-throughput (+-1.0), far above their own ~6 us records (bench/RESULTS.md, twelfth #14 session), so a fast run
-times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`); the other steps' spans are CPU spans.
+Sampling (`GpuSampler`): a fast run times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`);
+the other steps' spans are CPU spans. It cuts the collector's work per span to ~38% on a launch-bound run
+(bench_collector.py: 835 against 2,204 ns a span at one step in ten). What the events cost the run itself was
+read as 1.3% (+-1.0) across runs (twelfth #14 session), then as nothing the A/B resolves when measured within
+one run (every step timed against CPU-only spans, paired: +0.41% +-1.15, thirteenth; bench/RESULTS.md).
 """
 from __future__ import annotations
 
