@@ -109,3 +109,32 @@ def verdicts(paired: dict, threshold_pct: float = THRESHOLD_PCT) -> dict:
         within = "undetermined"
     return {"threshold_pct": threshold_pct, "resolves": resolves, "within": within,
             "on_faster_beyond_threshold": low is not None and low > threshold_pct}
+
+
+def pooled_stats(runs: list[list[float]], level: float = DEFAULT_LEVEL) -> dict:
+    """Several paired runs' on/off ratios (one list per run) as one estimate: each run's mean log ratio
+    weighted by the inverse of its variance (sd^2 / n), since runs on different machines differ in both
+    level and spread; a `level` t interval on sum(n) - runs degrees of freedom. `q` is Cochran's Q (the
+    weighted spread of the runs' means around the pooled one; about runs - 1 when they agree) and `i2`
+    the share of that spread beyond chance, max(0, (q - df) / q). Keys as paired_stats' (no ratios)."""
+    if not runs:
+        raise ValueError("pooled_stats: no runs")
+    means, weights, total = [], [], 0
+    for ratios in runs:
+        if len(ratios) < 2:
+            raise ValueError(f"pooled_stats: every run needs 2 pairs or more, got {len(ratios)}")
+        logs = [math.log(r) for r in ratios]
+        sd = statistics.stdev(logs)
+        if sd == 0:
+            raise ValueError("pooled_stats: a run whose pairs all have the same ratio has no spread to weigh")
+        means.append(statistics.fmean(logs))
+        weights.append(len(logs) / sd ** 2)
+        total += len(logs)
+    mean = sum(w * m for w, m in zip(weights, means)) / sum(weights)
+    t = t_quantile(0.5 + level / 2.0, total - len(runs))
+    half = t / math.sqrt(sum(weights))
+    low, high = 100.0 * (math.exp(mean - half) - 1.0), 100.0 * (math.exp(mean + half) - 1.0)
+    q = sum(w * (m - mean) ** 2 for w, m in zip(weights, means))
+    return {"n": total, "runs": len(runs), "level": level, "mean_diff_pct": 100.0 * (math.exp(mean) - 1.0),
+            "t_quantile": t, "ci_low_pct": low, "ci_high_pct": high, "half_width_pct": (high - low) / 2.0,
+            "q": q, "i2": max(0.0, (q - (len(runs) - 1)) / q) if q > 0 else 0.0}
