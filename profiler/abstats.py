@@ -1,6 +1,7 @@
 """Paired on/off statistics (standard library only): per-arm summaries, the paired t interval of the
 per-pair log ratios, and the "resolves 1%" / "within 1%" verdicts. Read by `dflash-profile overhead`
-(profiler/overhead.py: in-run phases) and bench/ab_profile.py (whole runs).
+(profiler/overhead.py: in-run phases) and bench/ab_profile.py (whole runs); `pooled_stats` combines several
+runs' ratios (bench/pool_ab.py: one estimate from several device calls).
 
 The mean paired difference is the geometric mean ratio minus 1, with a `level` t interval from the per-pair
 log ratios; the t quantile comes from the regularized incomplete beta function (no scipy). "resolves 1%":
