@@ -150,7 +150,7 @@ def main() -> int:
         if case not in ("no profiler", "paused"):
             diff = [med[case][k] - med["paused"][k] for k in (0, 1, 2)]
             print(f"{case + '-paused':<22} {diff[0]:>+12.2f} {diff[1]:>+13.2f} {diff[2]:>+11.2f}")
-    print(f"non-finite checks dropped (rows all in flight): {dropped}; CUDA events created: {created}")
+    print(f"non-finite checks dropped (too many not read back): {dropped}; CUDA events created: {created}")
     return 0
 
 

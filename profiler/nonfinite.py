@@ -167,8 +167,8 @@ class NonfiniteMonitor:
         return read
 
     def _send(self) -> None:
-        """Move the queued checks into batches in flight: each batch at most the readback's capacity of
-        device flags; while no buffer is free, the rest wait for a later poll."""
+        """Move the queued checks into batches in flight: each batch at most BATCH_FLAGS device flags; while
+        no buffer is free, the rest wait for a later poll."""
         rb, queued = self._readback, self._queued
         while queued:
             if rb is not None and not rb.available():

@@ -23,7 +23,7 @@ A pause may stop one part only (`part`), to find which part of the profiler cost
   threads' spans, counters and checks keep being logged (the collector still reads the checks' flags
   back, as in every pause: forensics never pause); at the resume the collector is woken at once,
   so the backlog is drained right away (inside the overhead command's settle time, not in the next
-  measured phase). A backlog grows in memory (records, CUDA events, flag rows), so this lease is
+  measured phase). A backlog grows in memory (records, CUDA events), so this lease is
   shorter (MAX_BACKGROUND_LEASE_S).
 - `gpu`: only the spans' GPU timing: every span is a CPU span (no CUDA event) while everything else
   profiles on, so the on/off difference is what the run's CUDA events cost it (at the run's
