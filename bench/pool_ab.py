@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def matching_runs(path: Path, part: str, workload: str) -> list[dict]:
         ratios = (result.get("paired") or {}).get("ratios") or []
         if (run.get("part") == part and run.get("workload") == workload and not run.get("inject_s")
                 and len(ratios) > 1):
+            if not all(type(r) in (int, float) and 0 < r < math.inf for r in ratios):
+                raise ValueError(f"pool_ab: {path}: run {run.get('run_dir', '?')}: a ratio that is not a positive "
+                                 "finite number")
             out.append({"file": path.name, "run_dir": run.get("run_dir", "?"), "ratios": ratios,
                         "off": (result.get("off") or {}).get("mean")})
     return out
@@ -54,19 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         runs = [r for f in a.files for r in matching_runs(f, a.part, a.workload)]
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if not runs:
-        print(f"pool_ab: no {a.workload} run of part {a.part} without injected cost in {len(a.files)} file(s)",
-              file=sys.stderr)
+        if not runs:
+            raise ValueError(f"pool_ab: no {a.workload} run of part {a.part} without injected cost in "
+                             f"{len(a.files)} file(s)")
+        pooled = pooled_stats([r["ratios"] for r in runs])
+    except ValueError as e:   # everything checked before the table starts
+        print(str(e) if str(e).startswith("pool_ab:") else f"pool_ab: {e}", file=sys.stderr)
         return 2
     print("| run | pairs | off steps/s | on vs off | 95% CI | half-width | resolves 1% | on within 1% |")
     print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         alone = paired_stats(r["ratios"], [1.0] * len(r["ratios"]))   # the run's own interval, from its ratios
         print(row(f"{r['file']}: {Path(r['run_dir']).parent.name}", alone, r["off"]))
-    pooled = pooled_stats([r["ratios"] for r in runs])
     print(row(f"**pooled, {pooled['runs']} runs**", pooled, None))
     print(f"Cochran's Q {pooled['q']:.2f} on {pooled['runs'] - 1} df; I^2 {100 * pooled['i2']:.0f}%")
     return 0

@@ -58,3 +58,14 @@ def test_the_script_pools_matching_runs_and_refuses_bad_input(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--part", "inline", str(good)], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip() == "pool_ab: no launch run of part inline without injected cost in 1 file(s)"
+
+
+@pytest.mark.parametrize("ratios, says", [([1.0, 0, "x"], "a ratio that is not a positive finite number"),
+                                          ([1.0, 1.0], "no spread to weigh")])
+def test_the_script_refuses_ratios_it_cannot_pool_with_one_line(tmp_path, ratios, says):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"runs": [{"workload": "launch", "part": "all", "run_dir": "/x/y/z",
+                                       "result": {"paired": {"ratios": ratios}}}]}))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(f)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("pool_ab: ") and says in out.stderr
