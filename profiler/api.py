@@ -78,7 +78,7 @@ def gauge(name: str, value) -> None:
     _check(name, "gauge")
     rec = _recorder
     if rec is not None:
-        rec.gauge(name, value)
+        rec.gauge(name, _scalar(name, "gauge", value))
 
 
 def metric(name: str, value) -> None:
@@ -86,7 +86,23 @@ def metric(name: str, value) -> None:
     _check(name, "metric")
     rec = _recorder
     if rec is not None:
-        rec.metric(name, value)
+        rec.metric(name, _scalar(name, "metric", value))
+
+
+def _scalar(name, what, value):
+    """`value` if the interval close can make it one float (a one-element tensor, or anything float()
+    takes), else ValueError here, at the call that made it: one bad value would otherwise fail the whole
+    close and lose the interval. Metadata only (numel()), never a device read."""
+    numel = getattr(value, "numel", None)
+    if numel is not None and callable(numel):   # a tensor: read at close, in one batch
+        if numel() != 1:
+            raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {numel()} elements")
+        return value
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {value!r:.60}") from None
+    return value
 
 
 def tag(**attrs) -> None:

@@ -88,6 +88,23 @@ def test_counters_gauges_metrics(tmp_path):
     assert b["duration_seconds"] == 15.0 and "queue_depth" not in b["gauges"]
 
 
+@pytest.mark.parametrize("value, said", [(torch.ones(2), "got 2 elements"), (torch.ones(0), "got 0 elements"),
+                                          ("fast", "got 'fast'"), (None, "got None")])
+def test_a_value_no_close_can_read_is_refused_at_the_call_and_the_interval_survives(tmp_path, value, said):
+    clock = FakeClock()
+    with make_prof(tmp_path, clock) as prof:
+        profiler.metric("loss", torch.tensor(4.0))
+        for call in (profiler.metric, profiler.gauge):
+            with pytest.raises(ValueError, match=f"'loss': a number or a one-element tensor, {said}"):
+                call("loss", value)
+        profiler.gauge("queue_depth", torch.ones(1, 1))   # one element, any shape: kept
+        clock.t += 60.0
+        assert prof.tick() is True
+        a = prof.last_interval
+    assert a["metrics"]["loss"] == {"last": 4.0, "mean": 4.0}
+    assert a["gauges"]["queue_depth"]["last"] == 1.0
+
+
 def test_bandwidth_share_and_floor(tmp_path):
     clock = FakeClock()
     floors = {"host_copy": 10e9}
