@@ -268,3 +268,23 @@ def test_cuda_batches_wait_for_every_stream_and_hold_the_flags_until_read(tmp_pa
         found = prof.nonfinite.settle(timeout_s=30.0)
         assert (found["step"], found["tensors"]) == (57, ["payload.packed"])
         assert prof.nonfinite.found == 1 and prof.nonfinite.dropped == 0 and prof.nonfinite.pending() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flags_of_any_shape_share_one_batch_and_are_read_in_order():
+    """0-dim, 1-D and 2-D flags (one per name) in one batch: each check reads its own flags, in order."""
+    from profiler.cuda_timing import EventPool
+    from profiler.nonfinite import CudaReadback
+    dev = torch.device("cuda", torch.cuda.current_device())
+    found = []
+    mon = NonfiniteMonitor(0, found.append, readback=CudaReadback(dev, EventPool(prealloc=0).current))
+    checks = [("a", ["x"], torch.tensor(True, device=dev)),
+              ("b", ["y", "z"], torch.tensor([False, True], device=dev)),
+              ("c", ["u", "v"], torch.tensor([[True], [True]], device=dev)),
+              ("d", ["w"], torch.tensor(False, device=dev))]
+    for step, (span, names, flags) in enumerate(checks):
+        mon.check_flags(span, step, names, flags)
+    mon.poll()
+    assert mon.settle(timeout_s=10.0) is not None and mon.pending() == 0
+    assert [(f["span"], f["tensors"]) for f in found] == [("a", ["x"]), ("b", ["z"]), ("c", ["u", "v"])]
