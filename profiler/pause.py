@@ -10,7 +10,7 @@ shared no-op spans, count/gauge/metric/tag do nothing, check_finite/check_flags 
 do not fire. Kept: `set_step` records the step and its time (read by the overhead command through the
 endpoint's `progress`, and by the hang watchdog, which keeps watching), events are written, forensics
 sources and the first non-finite finding read so far stay, and checks issued before the pause are still
-read back. The background threads hold still: the
+read back (sent at once: a pause wakes the collector, as a resume does). The background threads hold still: the
 collector does not drain, the interval clock stops (an interval holds `interval_s` of profiled time, so
 interval closes and the exporters' work behind them come at their natural rate in profiled time, and
 never pile up at a resume), the NVML and stack samplers skip their samples. Left running, and idle: the
@@ -174,6 +174,10 @@ class PauseControl:
                 self._interval_clock.hold()
         if gpu and self._gpu_sampler is not None:
             self._gpu_sampler.hold(True)
+        if self._interval_clock is not None:
+            # The checks queued while profiling are sent at the collector's next poll: make it now, inside the
+            # overhead command's settle, not ~0.25 s later in the measured off phase (a bias toward "on").
+            self._interval_clock.poke()
 
     def resume(self, owner=None) -> dict:
         """Resume; `owner` None resumes whoever paused (the run's end)."""

@@ -224,7 +224,7 @@ def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_
         pc = PauseControl(prof, prof.recorder, samplers=samplers, interval_clock=prof.timer)
         prof.pauses = pc
         assert pc.pause("test", MAX_BACKGROUND_LEASE_S, "background")["ok"]
-        assert pc.background_held and samplers[0].paused
+        assert pc.background_held and samplers[0].paused and pokes == [0.0]   # queued checks go out at once
         with profiler.span("x.work"):                   # the training thread still logs
             pass
         profiler.count("tokens", 3)
@@ -232,7 +232,7 @@ def test_a_background_pause_keeps_the_records_and_drains_them_at_the_resume(tmp_
         now[0] = 30.0
         assert prof.tick() is False and prof.spans_finished == 0   # the collector holds still, no close...
         assert profiler.nonfinite_found()["tensor"] == "t"         # ...but reads the checks back
-        assert pc.resume("test")["ok"] and pokes == [30.0] and not samplers[0].paused
+        assert pc.resume("test")["ok"] and pokes == [0.0, 30.0] and not samplers[0].paused
         assert prof.tick() is False and prof.spans_finished == 1   # the backlog drains at once
         now[0] = 40.0
         assert prof.tick() is True
