@@ -1,9 +1,10 @@
 """Per-span CPU cost of profiler.span vs peers, in one process (CPU only).
 
 Run from the repo root: `python3 bench/bench_span.py` (PYTHONPATH=.). Prints the thread CPU ns per
-span (median of repeats; the min too) for: profiler.span active (CPU timing), inactive (no profiler), prometheus_client
-Histogram.time(), torch.profiler.record_function outside a profiler, a bare no-op context manager
-behind a function call (the floor), and an empty loop; ratios to Histogram.time() and the goals
+span (median of repeats; the min too) for: profiler.span active (CPU timing; and with bytes=, which
+makes a span object per call), inactive (no profiler), prometheus_client Histogram.time(),
+torch.profiler.record_function outside a profiler, a bare no-op context manager behind a function call
+(the floor), and an empty loop; ratios to Histogram.time() and the goals
 (active <= 0.25x, inactive <= 0.12x), and the active ratio paired within each repeat. Writes nothing
 outside a temporary run dir ($OUT if set). The process pins itself to one CPU (BENCH_SPAN_CPU, default the
 one it starts on): on a VM whose vCPUs run at different speeds (1.8x apart on the H200 host, measured by
@@ -71,6 +72,28 @@ def _loop_empty(n):
     return (_cpu_ns() - t0) / n
 
 
+def _bytes_span(name):
+    from profiler import api
+    return api.span(name, bytes=4096)
+
+
+def _active(prof, make, name) -> tuple:
+    """(span ns, collector ns) per span, active: chunks of CHUNK spans with a drain between them (untimed
+    in the first figure, timed as the second), as the collector thread does every poll in a real run (the
+    buffer stays short); the second includes the interval close's statistics."""
+    spent_ns, collect_ns = 0.0, 0
+    for _ in range(N // CHUNK):
+        spent_ns += _loop_cm(make, name, CHUNK) * CHUNK
+        t0 = _cpu_ns()
+        prof.aggregator.add_drained(prof.recorder.drain())
+        collect_ns += _cpu_ns() - t0
+    t0 = _cpu_ns()
+    prof.aggregator.close_parts(1.0)
+    collect_ns += _cpu_ns() - t0
+    n = N // CHUNK * CHUNK
+    return spent_ns / n, collect_ns / n
+
+
 def _paired_line(results: dict) -> str:
     """Active span over Histogram.time() within each repeat (their loops run back to back), median and
     range over repeats: the host's drift from one repeat to the next cancels in each ratio."""
@@ -113,26 +136,16 @@ def main() -> int:
     # aggregation work (another thread in a real run) is timed separately below, per span.
     prof = profiler.Profiler(run_dir, interval_s=3600.0, console=False, measure_floors=False, control=False,
                              background=False)
-    results: dict = {k: [] for k in ["span active (cpu)", *cases]}
+    results: dict = {k: [] for k in ["span active (cpu)", "active, bytes=", *cases]}
     collect: list = []
     for _ in range(REPEATS):   # alternate cases within each repeat so drift hits all of them alike
         for name, fn in cases.items():
             results[name].append(fn(N))
         with prof:
-            # Chunks of CHUNK spans with a drain between them (untimed here, timed as `collect`), as
-            # the collector thread does every poll in a real run: the buffer stays short.
-            spent_ns = 0.0
-            collect_ns = 0
-            for _ in range(N // CHUNK):
-                spent_ns += _loop_cm(profiler.span, "target.fwd", CHUNK) * CHUNK
-                t0 = _cpu_ns()
-                prof.aggregator.add_drained(prof.recorder.drain())
-                collect_ns += _cpu_ns() - t0
-            t0 = _cpu_ns()
-            prof.aggregator.close_parts(1.0)
-            collect_ns += _cpu_ns() - t0
-            results["span active (cpu)"].append(spent_ns / (N // CHUNK * CHUNK))
-            collect.append(collect_ns / (N // CHUNK * CHUNK))
+            span_ns, collect_ns = _active(prof, profiler.span, "target.fwd")
+            results["span active (cpu)"].append(span_ns)
+            collect.append(collect_ns)
+            results["active, bytes="].append(_active(prof, _bytes_span, "d2h_copy")[0])
     med = {k: statistics.median(v) for k, v in results.items()}
     best = {k: min(v) for k, v in results.items()}
     ref = med["histogram.time()"]

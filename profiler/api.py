@@ -35,7 +35,7 @@ def span(name, bytes=None):
     if bytes is None:
         try:
             return _spans.d[name]
-        except (AttributeError, KeyError):   # a new name, or this thread's first span under the profiler
+        except (AttributeError, KeyError, TypeError):   # a new name, this thread's first span, or no str at all
             pass
     return _make_span(name, bytes)
 

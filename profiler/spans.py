@@ -262,6 +262,7 @@ class SpanRecorder:
         self.unmatched = 0                 # ends with no open begin (a span object used across threads)
         self.native_ids: dict = {}         # thread name -> OS thread id (py-spy's native id)
         self._next_id = 0                  # collector side: ids in begin order
+        self._names: set = set()           # span names validated so far (make_span)
         self._reg_lock = threading.Lock()
         self.drain_lock = threading.Lock()
         # Per-thread view: `st` (the ThreadState) and `d` (its name -> span cache). While active,
@@ -283,10 +284,14 @@ class SpanRecorder:
             return st
 
     def make_span(self, name: str, nbytes=None):
-        """Slow path of span(): validate; cache this thread's object when bytes is None."""
-        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
-            raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
-        name, st, cls = check_name(name), self.thread_state(), self._span_cls
+        """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
+        cache this thread's object when bytes is None."""
+        if nbytes is not None and not (type(nbytes) is int and nbytes >= 0):
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+        if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
+            self._names.add(check_name(name))
+        st, cls = self.thread_state(), self._span_cls
         if cls is CpuSpan and nbytes is None:   # cached, so its class is made once (not per bytes= call)
             cls = fast_enter_class(st.buf, name)
         s = cls(self, st, name, nbytes)

@@ -94,13 +94,18 @@ def test_concurrent_appends_while_intervals_close_preserve_exact_count(tmp_path)
     assert end["counters"]["items"]["total"] == total
 
 
-@pytest.mark.parametrize("bad", ["Target.fwd", "target..fwd", "", "target fwd", ".x", "x.", "a-b", 3, None])
+@pytest.mark.parametrize("bad", ["Target.fwd", "target..fwd", "", "target fwd", ".x", "x.", "a-b", 3, None, ["x"]])
 def test_bad_span_name_raises_with_and_without_profiler(tmp_path, bad):
     with pytest.raises(ValueError, match="bad span name"):
         profiler.span(bad)
     with make_prof(tmp_path):
-        with pytest.raises(ValueError, match="bad span name"):
-            profiler.span(bad)
+        with profiler.span("x.ok", bytes=8):   # a good name validated first: the bad one is still checked
+            pass
+        for _ in range(2):                     # and every time, not once
+            with pytest.raises(ValueError, match="bad span name"):
+                profiler.span(bad)
+            with pytest.raises(ValueError, match="bad span name"):
+                profiler.span(bad, bytes=8)
 
 
 def test_bad_bytes_and_counter_names_raise(tmp_path):
