@@ -28,6 +28,7 @@ _spans = _noop_view            # swapped by activate()/deactivate()
 _active = None                 # the active Profiler
 _recorder = None               # its SpanRecorder
 _checked_names: set = set()    # counter/gauge/metric names already validated
+_PLAIN = (float, int)          # gauge/metric values that need no check (bool and numpy types are checked)
 
 
 def span(name, bytes=None):
@@ -78,7 +79,9 @@ def gauge(name: str, value) -> None:
     _check(name, "gauge")
     rec = _recorder
     if rec is not None:
-        rec.gauge(name, _scalar(name, "gauge", value))
+        if type(value) not in _PLAIN:   # a float or an int needs no check
+            _check_scalar(name, "gauge", value)
+        rec.gauge(name, value)
 
 
 def metric(name: str, value) -> None:
@@ -86,18 +89,27 @@ def metric(name: str, value) -> None:
     _check(name, "metric")
     rec = _recorder
     if rec is not None:
-        rec.metric(name, _scalar(name, "metric", value))
+        if type(value) not in _PLAIN:   # a float or an int needs no check
+            _check_scalar(name, "metric", value)
+        rec.metric(name, value)
 
 
-def _scalar(name, what, value):
-    """`value` if the interval close can make it one float (a one-element tensor, or anything float()
-    takes), else ValueError here, at the call that made it: one bad value would otherwise fail the whole
-    close and lose the interval. Metadata only (numel()), never a device read."""
-    numel = getattr(value, "numel", None)
-    if numel is not None and callable(numel):   # a tensor: read at close, in one batch
-        if numel() != 1:
-            raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {numel()} elements")
-        return value
+def _check_scalar(name, what, value) -> None:
+    """ValueError here, at the call, unless the interval close can make `value` one float (a one-element
+    tensor, or anything float() takes): one bad value would otherwise fail the whole close and lose the
+    interval. Metadata only (numel()), never a device read."""
+    try:
+        n = value.numel()   # a tensor: read at close, in one batch
+    except (AttributeError, TypeError):
+        n = None
+    if n is not None:
+        if n != 1:
+            raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {n} elements")
+        return
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {value!r:.60}") from None
     try:
         float(value)
     except (TypeError, ValueError):
