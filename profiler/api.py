@@ -110,11 +110,6 @@ def _check_scalar(name, what, value) -> None:
         float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {value!r:.60}") from None
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} {name!r}: a number or a one-element tensor, got {value!r:.60}") from None
-    return value
 
 
 def tag(**attrs) -> None:
