@@ -72,11 +72,6 @@ def _loop_empty(n):
     return (_cpu_ns() - t0) / n
 
 
-def _bytes_span(name):
-    from profiler import api
-    return api.span(name, bytes=4096)
-
-
 def _active(prof, make, name) -> tuple:
     """(span ns, collector ns) per span, active: chunks of CHUNK spans with a drain between them (untimed
     in the first figure, timed as the second), as the collector thread does every poll in a real run (the
@@ -145,7 +140,7 @@ def main() -> int:
             span_ns, collect_ns = _active(prof, profiler.span, "target.fwd")
             results["span active (cpu)"].append(span_ns)
             collect.append(collect_ns)
-            results["active, bytes="].append(_active(prof, _bytes_span, "d2h_copy")[0])
+            results["active, bytes="].append(_active(prof, lambda name: profiler.span(name, bytes=4096), "d2h_copy")[0])
     med = {k: statistics.median(v) for k, v in results.items()}
     best = {k: min(v) for k, v in results.items()}
     ref = med["histogram.time()"]

@@ -286,9 +286,8 @@ class SpanRecorder:
     def make_span(self, name: str, nbytes=None):
         """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
         cache this thread's object when bytes is None."""
-        if nbytes is not None and not (type(nbytes) is int and nbytes >= 0):
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-                raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
         st, cls = self.thread_state(), self._span_cls
