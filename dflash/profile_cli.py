@@ -2,7 +2,8 @@
 (no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
-    dflash-profile overhead --pid PID | --run-dir DIR [--pairs N] [--phase-s S] [--settle-s S] [--json] [--out FILE]
+    dflash-profile overhead --pid PID | --run-dir DIR [--pairs N] [--phase-s S] [--settle-s S] [--max-s S]
+                            [--part PART] [--json] [--out FILE]
 
 Human output by default; --json prints the result as JSON; --out FILE also writes the JSON to FILE.
 snapshot: each snapshot of a profiled process is kept under RUN_DIR/snapshots/ and recorded in its run log.
@@ -11,6 +12,8 @@ not permitted, py-spy missing, not a Python process, no live rank); 1 when py-sp
 overhead: profiled and paused phases alternated inside the live run (profiler/overhead.py). Exit 2 with
 one line before any phase (no such pid, no endpoint, rank 0 missing, paused by another client, bad
 numbers); 1 when the run stalled or ended before two whole pairs; every rank is resumed on every exit.
+SIGTERM or SIGINT stops it after the current phase with the whole pairs so far (a second one, at once);
+so does --max-s, before a pair that would end past it.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     over.add_argument("--phase-s", type=_seconds(0.05, 600), default=3.0, help="measured seconds per phase (3)")
     over.add_argument("--settle-s", type=_seconds(0, 600), default=1.0,
                       help="seconds after each switch before measuring (1): the queues reach the new state")
+    over.add_argument("--max-s", type=_seconds(1, 86400), default=None,
+                      help="a time budget: no pair is begun that would end past it (at least two pairs run)")
     over.add_argument("--part", choices=("all", "inline", "background", "gpu", "none"), default="all",
                       help="what the off phases pause: all (--no-profile's path; default), inline (the training "
                            "threads' spans, counters, checks), background (collector, interval clock, samplers), "
@@ -100,19 +105,38 @@ def overhead(args) -> dict:
     from profiler.taskcpu import TaskCpu
 
     lease_s = oh.lease_for(args.part, args.settle_s, args.phase_s)
+    oh.check_budget(args.max_s, args.settle_s, args.phase_s)
     run_dir, ranks = oh.find_run(args.pid, args.run_dir)
     endpoints = oh.RunEndpoints(ranks, oh.owner_name(), lease_s, part=args.part)
     probe = TaskCpu({r.get("rank"): r["pid"] for r in ranks})
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)   # unwinds through measure()'s resume
+    stop = _StopOnSignal()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line, probe=probe)
+        result = oh.measure(endpoints, args.pairs, args.settle_s, args.phase_s, on_phase=_progress_line, probe=probe,
+                            max_s=args.max_s, stop_requested=stop.why)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return {"run_dir": run_dir, "ranks": len(ranks), "lease_s": lease_s, **result}
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+class _StopOnSignal:
+    """SIGTERM/SIGINT handler: the first asks the measurement to stop before its next phase (the whole pairs
+    so far are the result); a second exits at once, unwinding through measure()'s resume of every rank."""
+
+    def __init__(self):
+        self.signal_name = None
+
+    def __call__(self, signum, frame):
+        if self.signal_name is not None:
+            raise SystemExit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+        # os.write, not print: a handler may run inside another write to stderr (a reentrant print raises)
+        os.write(2, f"dflash-profile overhead: {self.signal_name}: stopping after this phase "
+                    "(again to stop now)\n".encode())
+
+    def why(self) -> str | None:
+        return None if self.signal_name is None else f"stopped by {self.signal_name}"
 
 
 def _progress_line(index: int, phase) -> None:

@@ -141,6 +141,14 @@ def lease_for(part: str, settle_s: float, measure_s: float) -> float:
     return lease_s
 
 
+def check_budget(max_s: float | None, settle_s: float, measure_s: float) -> None:
+    """OverheadError when a time budget cannot hold the two pairs a result needs (4 phases and their settles)."""
+    need_s = 4 * (settle_s + measure_s)
+    if max_s is not None and max_s < need_s:
+        raise OverheadError(f"--max-s {max_s:g} is shorter than the two pairs a result needs "
+                            f"(4 x (phase + settle) = {need_s:g} s)")
+
+
 def find_run(pid: int | None, run_dir, discovery_dir=None) -> tuple[str, list[dict]]:
     """(run dir, its live ranks' discovery records) from a pid of any rank, or from the run dir."""
     directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
@@ -178,25 +186,34 @@ def measure_phase(endpoints: RunEndpoints, arm: str, settle_s: float, measure_s:
 
 
 def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: float, sleep=time.sleep,
-            clock=time.time, on_phase=None, probe=NULL_PROBE) -> dict:
+            clock=time.time, on_phase=None, probe=NULL_PROBE, max_s: float | None = None,
+            stop_requested=lambda: None) -> dict:
     """Alternate `pairs` on/off pairs (ABBA) and summarise; every rank is resumed on the way out. A run
-    that ends or stalls after two whole pairs gives the pairs it completed (`stopped` says why). With a
-    `probe` (TaskCpu), `threads_cpu` says per thread what a step cost in each arm."""
+    that ends or stalls after two whole pairs gives the pairs it completed (`stopped` says why). So does
+    `max_s` (no pair is begun that would end past it: a time budget) and `stop_requested()` (returns why
+    to stop, e.g. a signal, or None; read before each phase). With a `probe` (TaskCpu), `threads_cpu` says
+    per thread what a step cost in each arm."""
     endpoints.check()
     phases: list[Phase] = []
     stopped, t0 = None, clock()
     try:
         for i in range(pairs):
+            stopped = _budget_spent(i, clock() - t0, max_s)
             for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                stopped = stopped or stop_requested()
+                if stopped:
+                    break
                 phases.append(measure_phase(endpoints, arm, settle_s, measure_s, sleep, probe))
                 if on_phase is not None:
                     on_phase(len(phases) - 1, phases[-1])
+            if stopped:
+                break
     except OverheadError as exc:
-        if len(phases) < 4:
-            raise OverheadError(str(exc), started=bool(phases)) from None
         stopped = str(exc)
     finally:
         failed = endpoints.resume_all()
+    if stopped and len(phases) < 4:   # fewer than two whole pairs: no result
+        raise OverheadError(stopped, started=bool(phases))
     phases = phases[:len(phases) // 2 * 2]   # whole pairs only
     result = summarise(phases, stopped, failed, {"part": endpoints.part, "pairs_asked": pairs, "settle_s": settle_s,
                                                  "measure_s": measure_s, "seconds": clock() - t0})
@@ -207,6 +224,14 @@ def measure(endpoints: RunEndpoints, pairs: int, settle_s: float, measure_s: flo
     if why is not None:
         result["not_recorded_because"] = why
     return result
+
+
+def _budget_spent(pairs_done: int, elapsed_s: float, max_s: float | None) -> str | None:
+    """Why pair `pairs_done + 1` is not begun under the time budget `max_s`, or None (no budget, it fits at
+    the mean pace of the pairs done, or fewer than two are done: a result needs two, whatever the budget)."""
+    if max_s is None or pairs_done < 2 or elapsed_s + elapsed_s / pairs_done <= max_s:
+        return None
+    return f"time budget of {max_s:g} s reached after {pairs_done} pairs"
 
 
 def _names_or_none(endpoints) -> dict:

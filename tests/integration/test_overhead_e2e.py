@@ -1,7 +1,7 @@
 """`dflash-profile overhead` against a real two-rank dflash-train run on CPU, whose profiled phases carry
 a known cost: DFLASH_FAULT slows target.fwd and drafter.optim by 0.2 s, and faults fire only while the
 profiler is on. The command must see the on phases that much slower, leave every rank profiling, refuse
-a run another client paused, and resume the ranks when it is killed."""
+a run another client paused, end with its whole pairs on SIGTERM, and resume the ranks on every exit."""
 
 from __future__ import annotations
 
@@ -53,17 +53,32 @@ def slow_run(tmp_path_factory, prebuilt, live_run):
         yield run, _wait_for_steps(run, train)
 
 
+def _client(pid: int, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash.profile_cli", "overhead", "--pid", str(pid), *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _paused_by(ranks: list[dict]) -> list:
     return [query(r["socket_path"], "progress")["paused_by"] for r in ranks]
 
 
-def test_overhead_sees_the_profiled_phases_cost_and_leaves_the_run_profiling(slow_run, tmp_path):
+def test_overhead_sees_the_profiled_phases_cost_ends_on_sigterm_and_leaves_the_run_profiling(slow_run, tmp_path):
+    """Asked for 50 pairs and sent SIGTERM once it has printed its sixth phase: the whole pairs so far are
+    the result (3, or 3 after a seventh phase the signal arrived in), as from a run that ended."""
     run, ranks = slow_run
     target_pid = next(r["pid"] for r in ranks if r["role"] == "target")
-    r = profile("overhead", "--pid", str(target_pid), *PHASES, "--out", str(tmp_path / "o.json"))
+    client = _client(target_pid, "--pairs", "50", *PHASES[2:], "--out", str(tmp_path / "o.json"))
+    for line in client.stderr:
+        if line.startswith("dflash-profile overhead: phase 6 "):
+            break
+    client.send_signal(signal.SIGTERM)
+    stdout, stderr = client.communicate(timeout=30)
+    r = subprocess.CompletedProcess(client.args, client.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "o.json").read_text())
     assert result["ranks"] == 2 and result["pairs"] == 3 and result["resume_failed"] == []
+    assert result["stopped"] == "stopped by SIGTERM" and "stopped early: stopped by SIGTERM" in r.stdout
+    assert "SIGTERM: stopping after this phase" in r.stderr
     assert [p["arm"] for p in result["phases"]] == ["on", "off", "off", "on", "on", "off"]
     assert all(p["steps"] >= 3 for p in result["phases"])
     assert result["paired"]["mean_diff_pct"] < -20 and max(result["paired"]["ratios"]) < 1.0, result["paired"]
@@ -99,15 +114,15 @@ def test_a_run_paused_by_another_client_is_refused_before_any_phase(slow_run):
     assert r.stderr.count("\n") == 1 and _paused_by(ranks) == [None, None]
 
 
-def test_a_killed_client_resumes_every_rank(slow_run):
+def test_a_client_signalled_twice_stops_at_once_and_resumes_every_rank(slow_run):
     _, ranks = slow_run
-    client = subprocess.Popen([sys.executable, "-m", "dflash.profile_cli", "overhead", "--pid", str(ranks[0]["pid"]),
-                               "--pairs", "50", "--phase-s", "2.5", "--settle-s", "0.2"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = _client(ranks[0]["pid"], "--pairs", "50", "--phase-s", "2.5", "--settle-s", "0.2")
     deadline = time.monotonic() + 30
     while None in _paused_by(ranks) or len(set(_paused_by(ranks))) != 1:   # in its first off phase
         assert time.monotonic() < deadline and client.poll() is None, client.communicate()
         time.sleep(0.05)
+    client.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
     client.send_signal(signal.SIGTERM)
     _, err = client.communicate(timeout=30)
     assert client.returncode == 128 + signal.SIGTERM, err

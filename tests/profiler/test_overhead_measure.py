@@ -70,6 +70,33 @@ def test_a_run_ending_before_two_pairs_is_an_error_and_still_resumes():
     assert info.value.started and run.calls[-1] == "resume_all"
 
 
+def test_a_time_budget_begins_no_pair_that_would_end_past_it():
+    run = ScriptedRun({"on": 5.0, "off": 5.0})   # 7 s a pair on the scripted clock
+    result = measure(run, pairs=10, settle_s=0.5, measure_s=3.0, sleep=run.sleep, clock=lambda: run.now, max_s=30)
+    assert result["pairs"] == 4 and result["stopped"] == "time budget of 30 s reached after 4 pairs"
+    assert run.now <= 30 and run.calls[-2] == "resume_all" and result["recorded"] is True
+    short = ScriptedRun({"on": 5.0, "off": 5.0})   # two pairs run whatever the budget (the CLI refuses less)
+    assert measure(short, pairs=10, settle_s=0.5, measure_s=3.0, sleep=short.sleep, clock=lambda: short.now,
+                   max_s=1)["pairs"] == 2
+
+
+def test_a_stop_request_ends_after_the_phase_with_the_whole_pairs_or_none():
+    for phases_before_stop, pairs in ((5, 2), (3, None)):
+        run = ScriptedRun({"on": 5.0, "off": 5.0})
+        done = []
+
+        def stop():
+            return "stopped by SIGTERM" if len(done) >= phases_before_stop else None
+
+        if pairs is None:   # fewer than two whole pairs: an error, the ranks resumed
+            with pytest.raises(OverheadError, match="^stopped by SIGTERM$") as info:
+                measure(run, 10, 0.5, 3.0, sleep=run.sleep, on_phase=lambda i, p: done.append(p), stop_requested=stop)
+            assert info.value.started and run.calls[-1] == "resume_all"
+            continue
+        result = measure(run, 10, 0.5, 3.0, sleep=run.sleep, on_phase=lambda i, p: done.append(p), stop_requested=stop)
+        assert len(done) == 5 and result["pairs"] == 2 and result["stopped"] == "stopped by SIGTERM"
+
+
 def test_a_phase_with_too_few_steps_says_so():
     run = ScriptedRun({"on": 0.5, "off": 0.5})
     with pytest.raises(OverheadError, match=r"an on phase of 3 s saw 1 steps of rank 0 \(fewer than 3\)"):
@@ -80,7 +107,8 @@ def test_a_phase_with_too_few_steps_says_so():
 @pytest.mark.parametrize("argv,says", [
     (["--pairs", "1"], "--pairs: expected a whole number of pairs from 2 to 10000, got '1'"),
     (["--phase-s", "nan"], "--phase-s: expected seconds in [0.05, 600], got 'nan'"),
-    (["--settle-s", "-1"], "--settle-s: expected seconds in [0, 600], got '-1'")])
+    (["--settle-s", "-1"], "--settle-s: expected seconds in [0, 600], got '-1'"),
+    (["--max-s", "0"], "--max-s: expected seconds in [1, 86400], got '0'")])
 def test_bad_numbers_are_refused_before_any_phase(capsys, argv, says):
     from dflash import profile_cli
 
@@ -96,6 +124,14 @@ def test_a_background_part_with_long_phases_is_refused_before_any_phase(capsys):
     assert capsys.readouterr().err == (
         "dflash-profile: error: --phase-s 30 and --settle-s 1 need a pause of 72 s, more than a pause of part "
         "'background' may last (60 s: 2 x (phase + settle) + 10 must be at most that)\n")
+
+
+def test_a_budget_shorter_than_two_pairs_is_refused_before_any_phase(capsys):
+    from dflash import profile_cli
+
+    assert profile_cli.main(["overhead", "--pid", "1", "--max-s", "10"]) == 2
+    assert capsys.readouterr().err == ("dflash-profile: error: --max-s 10 is shorter than the two pairs a result "
+                                       "needs (4 x (phase + settle) = 16 s)\n")
 
 
 def test_bad_out_and_missing_pid_are_one_line_exit_2(capsys, tmp_path):
