@@ -3,7 +3,7 @@
     python3 bench/ab_inrun.py [--workload launch|gpu|both] [--inject-s 0,0.0002] [--pairs 30] [--phase-s 2]
                               [--settle-s 0.5] [--warm-steps 40] [--device auto|cuda|cpu] [--small]
                               [--builtin-conversations N] [--cpus auto] [--pin-ranks] [--workdir DIR]
-                              [--compile-cache DIR] [--json FILE]
+                              [--compile-cache DIR] [--json FILE] [--deadline-s S]
 
 Whole-run pairs (bench/ab_profile.py) spread +-10% and more on the H200's VM, whose vCPUs run 1.8x apart
 and slow each other by up to 43% (bench/gpu/vcpu_pairs.py): a run's speed follows where its busy threads
@@ -88,12 +88,12 @@ def wait_for_steps(run_dir: Path, proc, steps: int, timeout_s: float) -> float:
     raise RuntimeError(f"rank 0 did not reach step {steps} in {timeout_s:.0f} s")
 
 
-def overhead(run_dir: Path, a: argparse.Namespace, env: dict, part: str = "all") -> dict:
-    """`dflash-profile overhead --run-dir --part PART` on the live run; its JSON result (or {"error": ...})."""
+def overhead(run_dir: Path, a: argparse.Namespace, env: dict, part: str = "all", max_s: float | None = None) -> dict:
+    """`dflash-profile overhead --run-dir --part PART [--max-s]` on the live run; its JSON result (or {"error": ...})."""
     out = run_dir.with_suffix(f".overhead-{part}.json")
     argv = [sys.executable, "-m", "dflash.profile_cli", "overhead", "--run-dir", str(run_dir), "--pairs",
             str(a.pairs), "--phase-s", str(a.phase_s), "--settle-s", str(a.settle_s), "--part", part,
-            "--out", str(out)]
+            "--out", str(out)] + ([] if max_s is None else ["--max-s", f"{max_s:.1f}"])
     r = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
     print(r.stdout, end="", flush=True)
     if r.returncode != 0 or not out.is_file():
@@ -115,9 +115,25 @@ def spy_gil(run_dir: Path, seconds: float) -> dict:
             "error": "py-spy only (no A/B)"}
 
 
+STOP_MARGIN_S = 20.0
+"""What stopping a run and saving the JSON may take, kept out of the last measurement's time budget."""
+RUN_START_S = 60.0
+"""What starting and warming a later run may take (compile cache warm), kept for each run still to come."""
+
+
+def budget_s(deadline_at: float | None, measurements_left: int, later_runs: int) -> float | None:
+    """The time budget of the next measurement (`dflash-profile overhead --max-s`): an equal share of what is
+    left before --deadline-s, less the stop margin and the later runs' starts; None without a deadline."""
+    if deadline_at is None:
+        return None
+    left_s = deadline_at - time.monotonic() - STOP_MARGIN_S - RUN_START_S * later_runs
+    return max(1.0, left_s / measurements_left)
+
+
 def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: argparse.Namespace,
-            runs: Path, builtin: Path) -> list[dict]:
-    """Start, warm up, measure in-run (each of --parts in turn, on the same run), stop; a record per part."""
+            runs: Path, builtin: Path, later_runs: int = 0) -> list[dict]:
+    """Start, warm up, measure in-run (each of --parts in turn, on the same run), stop; a record per part.
+    Each measurement gets a share of the time left before --deadline-s (`later_runs` still to start after it)."""
     run_dir = runs / f"{wl.name}-inject{inject_s:g}"
     ab.seed_builtin(run_dir, builtin if wl.target_shape is None else None)
     proc, pinner = start_run(setup, run_dir, args, inject_s)
@@ -127,8 +143,10 @@ def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: ar
         rec["warm_wait_s"] = wait_for_steps(run_dir, proc, a.warm_steps, a.run_timeout_s)
         if a.spy_s:
             out.append({**rec, "part": "all", "result": spy_gil(run_dir, a.spy_s)})
-        for part in [] if a.spy_s else a.parts:
-            out.append({**rec, "part": part, "result": overhead(run_dir, a, setup.env, part)})
+        parts = [] if a.spy_s else a.parts
+        for i, part in enumerate(parts):
+            out.append({**rec, "part": part, "result": overhead(run_dir, a, setup.env, part,
+                                                                 budget_s(a.deadline_at, len(parts) - i, later_runs))})
     except RuntimeError as exc:
         out.append({**rec, "part": "-", "result": {"error": str(exc)}})
     finally:
@@ -213,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="what the off phases pause, one measurement each on the same run, in order: "
                          "comma-separated all, inline, background, gpu, none (dflash-profile overhead --part; "
                          "none: an A/A run)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="finish within this many seconds of starting: each measurement stops after the whole "
+                         "pairs that fit in its share (dflash-profile overhead --max-s), its result kept")
     ap.add_argument("--spy-s", type=float, default=0.0,
                     help="no A/B: record who holds the GIL on every rank (py-spy --gil) for this long")
     a = ap.parse_args(argv)
@@ -223,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    a.deadline_at = None if a.deadline_s is None else time.monotonic() + a.deadline_s
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # runs stop with us
     ab_argv = ["--workdir", str(a.workdir), "--device", a.device, "--profile-interval", a.profile_interval,
                "--cpus", a.cpus, f"--extra={a.extra}"] + (["--pin-ranks"] if a.pin_ranks else []) + \
@@ -235,12 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     report = ab.Report(json_path, {"machine": machine, "command": sys.argv, "cpus": setup.cpus, "runs": []})
     runs = setup.workdir / "inrun" / time.strftime("%Y%m%d-%H%M%S")
     runs.mkdir(parents=True)
-    for name in (("launch", "gpu") if a.workload == "both" else (a.workload,)):
+    names = ("launch", "gpu") if a.workload == "both" else (a.workload,)
+    later_runs = len(names) * len(a.inject_s)
+    for name in names:
         wl = ab.make_workload(name, a.small, None, a.builtin_conversations)
         args = [*ab.prepare_workload(wl, setup.workdir, setup.env), *wl.flags, "--max-steps", FAR_STEPS]
         builtin = setup.workdir / ("builtin-" + "-".join(wl.flags or ["default"]).replace("--", ""))
         for inject_s in a.inject_s:
-            report.data["runs"].extend(one_run(setup, wl, args, inject_s, a, runs, builtin))
+            later_runs -= 1
+            report.data["runs"].extend(one_run(setup, wl, args, inject_s, a, runs, builtin, later_runs))
             report.save()
         print(f"== {name}\n" + format_rows([r for r in report.data["runs"] if r["workload"] == name]), flush=True)
     print(ab.format_machine(machine))

@@ -7,7 +7,8 @@
 # e.g. "all,inline,background": one measurement each, on the same run, pausing that part of the profiler only).
 # INRUN_PROFILE_INTERVAL (5): the runs' --profile-interval (60 is dflash-train's default). INRUN_TRAIN_ARGS: more
 # dflash-train arguments (e.g. "--profile-gpu-steps-per-s 0", every step GPU-timed). INRUN_TIMEOUT_S (560):
-# the limit per workload. Uses ab.sh's caches: carry
+# the limit per workload: its measurements stop after the whole pairs that fit 15 s before it (ab_inrun.py
+# --deadline-s), their results kept; the hard timeout behind it loses them. Uses ab.sh's caches: carry
 # `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log, ab_inrun.json, inrun-runs.tgz
 # (each run's log, overhead JSON and run log).
 source "$(dirname "$0")/env.sh"   # environment, carried wheels and cache
@@ -25,7 +26,8 @@ for w in ${INRUN_WORKLOADS:-launch}; do
     --workdir "$WORK" --compile-cache .cache/ab-compile --json "$OUT/ab_inrun_$w.json" \
     --inject-s "${INRUN_INJECT_S:-0,0.0002}" --pairs "${INRUN_PAIRS:-30}" --phase-s "${INRUN_PHASE_S:-2}" \
     --settle-s "${INRUN_SETTLE_S:-0.5}" --spy-s "${INRUN_SPY_S:-0}" --parts "${INRUN_PARTS:-all}" \
-    --profile-interval "${INRUN_PROFILE_INTERVAL:-5}" --extra="${INRUN_TRAIN_ARGS:-}"
+    --profile-interval "${INRUN_PROFILE_INTERVAL:-5}" --extra="${INRUN_TRAIN_ARGS:-}" \
+    --deadline-s "$(( ${INRUN_TIMEOUT_S:-560} - 15 ))"
   echo "=== $w: exit $? in $((SECONDS - t0)) s"
 done
 } 2>&1 | tee "$OUT/inrun.log"

@@ -85,11 +85,13 @@ if os.environ.get("DFLASH_COSTAT_DIR"):
         ("profiler.intervals", "IntervalAggregator.add_drained"),
         ("profiler.intervals", "IntervalAggregator._add_finished"),
         ("profiler.intervals", "IntervalAggregator.resolve_pending"),
+        ("profiler.intervals", "IntervalAggregator._add_resolved"),
         ("profiler.intervals", "IntervalAggregator.close_parts"),
         ("profiler.intervals", "IntervalAggregator._close_spans"),
         ("profiler.intervals", "to_floats"), ("profiler.intervals", "resolve"),
         ("profiler.spans", "SpanRecorder.drain"), ("profiler.spans", "SpanRecorder.open_spans"),
         ("profiler.nonfinite", "NonfiniteMonitor.poll"), ("profiler.nonfinite", "CudaReadback.issue"),
+        ("profiler.nonfinite", "CudaReadback.done"), ("profiler.detail", "DetailWindow.offer_cpu"),
         ("profiler.threadcpu", "ThreadCpu.take"),
         ("profiler.detail", "DetailWindow.take"), ("exporters.console", "format_interval"),
     ]
