@@ -4,6 +4,7 @@
                               [--settle-s 0.5] [--warm-steps 40] [--device auto|cuda|cpu] [--small]
                               [--builtin-conversations N] [--cpus auto] [--pin-ranks] [--workdir DIR]
                               [--compile-cache DIR] [--json FILE] [--deadline-s S]
+                              [--after-first-interval]
 
 Whole-run pairs (bench/ab_profile.py) spread +-10% and more on the H200's VM, whose vCPUs run 1.8x apart
 and slow each other by up to 43% (bench/gpu/vcpu_pairs.py): a run's speed follows where its busy threads
@@ -88,6 +89,20 @@ def wait_for_steps(run_dir: Path, proc, steps: int, timeout_s: float) -> float:
     raise RuntimeError(f"rank 0 did not reach step {steps} in {timeout_s:.0f} s")
 
 
+def wait_for_interval(run_dir: Path, proc, timeout_s: float) -> float:
+    """Seconds from now until rank 0 has closed its first interval (its run log holds an `interval` record):
+    from then on its GPU sampler runs at its steady rate (until then it times every step: no step rate yet,
+    profiler/cuda_timing.py GpuSampler); RuntimeError when the run ends or it does not come in time."""
+    t0, log = time.monotonic(), run_dir / "profile" / "rank0.jsonl"
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before its first interval closed")
+        if log.is_file() and '"type": "interval"' in log.read_text(errors="replace"):
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise RuntimeError(f"rank 0 closed no interval in {timeout_s:.0f} s")
+
+
 def overhead(run_dir: Path, a: argparse.Namespace, env: dict, part: str = "all", max_s: float | None = None) -> dict:
     """`dflash-profile overhead --run-dir --part PART [--max-s]` on the live run; its JSON result (or {"error": ...})."""
     out = run_dir.with_suffix(f".overhead-{part}.json")
@@ -141,6 +156,8 @@ def one_run(setup: ab.Setup, wl: ab.Workload, args: list, inject_s: float, a: ar
     out = []
     try:
         rec["warm_wait_s"] = wait_for_steps(run_dir, proc, a.warm_steps, a.run_timeout_s)
+        if a.after_first_interval:
+            rec["first_interval_wait_s"] = wait_for_interval(run_dir, proc, a.run_timeout_s)
         if a.spy_s:
             out.append({**rec, "part": "all", "result": spy_gil(run_dir, a.spy_s)})
         parts = [] if a.spy_s else a.parts
@@ -231,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="what the off phases pause, one measurement each on the same run, in order: "
                          "comma-separated all, inline, background, gpu, none (dflash-profile overhead --part; "
                          "none: an A/A run)")
+    ap.add_argument("--after-first-interval", action="store_true",
+                    help="also wait for rank 0's first interval close: until then every step is GPU-timed")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="finish within this many seconds of starting: each measurement stops after the whole "
                          "pairs that fit in its share (dflash-profile overhead --max-s), its result kept")
