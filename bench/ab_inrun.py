@@ -104,7 +104,8 @@ def wait_for_interval(run_dir: Path, proc, timeout_s: float) -> float:
 
 
 def overhead(run_dir: Path, a: argparse.Namespace, env: dict, part: str = "all", max_s: float | None = None) -> dict:
-    """`dflash-profile overhead --run-dir --part PART [--max-s]` on the live run; its JSON result (or {"error": ...})."""
+    """`dflash-profile overhead --run-dir --part PART [--max-s]` on the live run: its JSON result, or
+    {"error": ...}."""
     out = run_dir.with_suffix(f".overhead-{part}.json")
     argv = [sys.executable, "-m", "dflash.profile_cli", "overhead", "--run-dir", str(run_dir), "--pairs",
             str(a.pairs), "--phase-s", str(a.phase_s), "--settle-s", str(a.settle_s), "--part", part,

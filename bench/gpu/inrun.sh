@@ -9,9 +9,9 @@
 # dflash-train arguments (e.g. "--profile-gpu-steps-per-s 0", every step GPU-timed). INRUN_TIMEOUT_S (560):
 # the limit per workload: its measurements stop after the whole pairs that fit 15 s before it (ab_inrun.py
 # --deadline-s), their results kept; the hard timeout behind it loses them. INRUN_AFTER_FIRST_INTERVAL=1:
-# measure only after rank 0's first interval close (until then every step is GPU-timed: no step rate yet). Uses ab.sh's caches: carry
-# `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log, ab_inrun.json, inrun-runs.tgz
-# (each run's log, overhead JSON and run log).
+# measure only after rank 0's first interval close (until then every step is GPU-timed: no step rate yet).
+# Uses ab.sh's caches: carry `cache` (ab-cache.tgz.*) and `.whl`, as for ab.sh. Left in $OUT: inrun.log,
+# ab_inrun.json, inrun-runs.tgz (each run's log, overhead JSON and run log).
 source "$(dirname "$0")/env.sh"   # environment, carried wheels and cache
 WORK=.cache/ab-work
 {
@@ -28,7 +28,8 @@ for w in ${INRUN_WORKLOADS:-launch}; do
     --inject-s "${INRUN_INJECT_S:-0,0.0002}" --pairs "${INRUN_PAIRS:-30}" --phase-s "${INRUN_PHASE_S:-2}" \
     --settle-s "${INRUN_SETTLE_S:-0.5}" --spy-s "${INRUN_SPY_S:-0}" --parts "${INRUN_PARTS:-all}" \
     --profile-interval "${INRUN_PROFILE_INTERVAL:-5}" --extra="${INRUN_TRAIN_ARGS:-}" \
-    --deadline-s "$(( ${INRUN_TIMEOUT_S:-560} - 15 ))" ${INRUN_AFTER_FIRST_INTERVAL:+--after-first-interval}
+    --deadline-s "$(( ${INRUN_TIMEOUT_S:-560} - 15 ))" \
+    ${INRUN_AFTER_FIRST_INTERVAL:+--after-first-interval}
   echo "=== $w: exit $? in $((SECONDS - t0)) s"
 done
 } 2>&1 | tee "$OUT/inrun.log"
