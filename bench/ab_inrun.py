@@ -259,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.pairs < 2 or a.phase_s <= 0 or a.settle_s < 0 or a.warm_steps < 1:
         ap.error("--pairs must be >= 2, --phase-s > 0, --settle-s >= 0 and --warm-steps >= 1")
+    if a.deadline_s is not None and not a.deadline_s > 0:   # nan too: no run is started on a deadline already past
+        ap.error(f"--deadline-s must be > 0 seconds, got {a.deadline_s:g}")
     return a
 
 
