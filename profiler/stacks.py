@@ -179,10 +179,22 @@ class StackSampler:
                 self.sample_once()
             slot = max(slot + 1, int((self._clock() - start_s) / self.period_s + 0.5))
 
-    def sample_once(self) -> bool:
-        """One dump, counted into the current interval; False (logged once) when it failed."""
+    def _dump(self) -> list:
+        """A non-blocking dump reads the process while it runs and can catch its thread list
+        mid-change ("Failed to get stack traces"): a dump that fails that way is taken once more
+        at once. A missing py-spy, a refused ptrace or a gone pid would fail again: not retried."""
         try:
-            threads = read_threads(self._runner(self.pid, native=False, nonblocking=True))
+            return self._runner(self.pid, native=False, nonblocking=True)
+        except StackError as exc:
+            if exc.kind != FAILED:
+                raise
+        return self._runner(self.pid, native=False, nonblocking=True)
+
+    def sample_once(self) -> bool:
+        """One dump (retried once, `_dump`), counted into the current interval; False (logged
+        once) when it failed."""
+        try:
+            threads = read_threads(self._dump())
         except Exception as exc:  # noqa: BLE001 - StackError or anything else: counted, never raised
             message = str(exc) if isinstance(exc, StackError) else f"{type(exc).__name__}: {exc}"
             with self._lock:

@@ -261,18 +261,22 @@ def test_tracing_not_permitted_says_how_to_allow_it():
 
 # ---- the in-run stack sampler -----------------------------------------------------------------------
 def test_sampler_counts_hot_frames_of_running_threads_only(caplog):
+    torn = StackError("failed", "py-spy dump of pid 1 failed: boom")
     dumps = iter([
         [pyspy_thread("w", 5, [("spin", "a.py", 1), ("run", "a.py", 9)], active=True),
          pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
-        StackError("failed", "py-spy dump of pid 1 failed: boom"),
-        [pyspy_thread("w", 5, [("spin", "a.py", 1)], active=True),
-         pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
+        torn, torn,                                   # failed, and failed again when retried
+        torn, [pyspy_thread("w", 5, [("spin", "a.py", 1)], active=True),   # the retry is a sample
+               pyspy_thread("q", 6, [("Queue.get", "queue.py", 171)])],
         [pyspy_thread("w", 5, [("other", "a.py", 4)], active=True)],
-        RuntimeError("not even JSON"),
+        RuntimeError("not even JSON"),                # not a StackError: not retried
+        StackError("not_permitted", "ptrace refused"),  # would fail again: not retried
     ])
+    calls = []
 
     def runner(pid, native=False, nonblocking=False):
         assert (pid, native, nonblocking) == (4242, False, True)  # never stops the threads
+        calls.append(pid)
         item = next(dumps)
         if isinstance(item, Exception):
             raise item
@@ -280,12 +284,12 @@ def test_sampler_counts_hot_frames_of_running_threads_only(caplog):
 
     sampler = StackSampler(4242, samples_per_interval=5, interval_s=10.0, runner=runner)
     with caplog.at_level(logging.WARNING, logger="profiler"):
-        results = [sampler.sample_once() for _ in range(5)]
-    assert results == [True, False, True, True, False]
+        results = [sampler.sample_once() for _ in range(6)]
+    assert results == [True, False, True, True, False, False] and len(calls) == 8
     assert [r.getMessage() for r in caplog.records] == [
         "stack sampling: py-spy dump of pid 1 failed: boom (logged once; later failures are only counted)"]
     summary = sampler.interval_summary()
-    assert (summary["samples"], summary["failed"], summary["error"]) == (3, 2, "RuntimeError: not even JSON")
+    assert (summary["samples"], summary["failed"], summary["error"]) == (3, 3, "ptrace refused")
     w, q = summary["threads"]
     assert w == {"name": "w", "native_id": 5, "samples": 3, "idle_samples": 0,
                  "top_frames": [{"frame": "spin (a.py:1)", "count": 2}, {"frame": "other (a.py:4)", "count": 1}]}
