@@ -46,15 +46,22 @@ class RendezvousError(RuntimeError):
     """The ranks did not all join in time: one line saying where, and how many came."""
 
 
-def plan_world(cfg: TrainConfig) -> int:
-    """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
+def plan_gpus(cfg: TrainConfig) -> int:
+    """The GPUs this run uses, as torch sees them: 0 for a CPU run."""
     import torch
 
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return _world_for(cfg, torch.cuda.device_count() if use_cuda else 0)
+    return torch.cuda.device_count() if use_cuda else 0
 
 
-def _world_for(cfg: TrainConfig, gpus: int) -> int:
+def guess_gpus(cfg: TrainConfig) -> int:
+    """plan_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
+    applies) through ctypes. A guess: launch() checks it against plan_gpus after the preflight."""
+    return 0 if cfg.device == "cpu" else cuda_driver_device_count()
+
+
+def world_for(cfg: TrainConfig, gpus: int) -> int:
+    """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
     if cfg.target_gpus is not None and cfg.drafter_gpus is not None:
         return cfg.target_gpus + cfg.drafter_gpus
     if gpus > 0:
@@ -62,11 +69,13 @@ def _world_for(cfg: TrainConfig, gpus: int) -> int:
     return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
 
 
-def guess_world(cfg: TrainConfig) -> int:
-    """plan_world without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
-    applies) through ctypes. A guess: launch() checks it against plan_world after the preflight."""
-    gpus = 0 if cfg.device == "cpu" else cuda_driver_device_count()
-    return _world_for(cfg, gpus)
+def threads_env(gpus: int, environ=os.environ) -> dict:
+    """A CPU run's ranks share the host's cores, and a drafter rank takes more threads than its share
+    (dflash.topology.cpu_threads): OpenMP's threads then wait asleep (OMP_WAIT_POLICY=PASSIVE)
+    rather than spinning on cores the other ranks compute on. On 2 cores, two runs side by side took
+    2.5 s a drafter step with spinning threads against 1.07 s asleep (bench/RESULTS.md). Set before
+    the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if gpus == 0 and "OMP_WAIT_POLICY" not in environ else {}
 
 
 def cuda_driver_device_count() -> int:
@@ -90,18 +99,19 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     ConfigError goes up: one line, exit 2, nothing created. `started_ns` (unix ns, default now) is
     when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
     started_ns = started_ns or time.time_ns()
-    world = guess_world(cfg)
+    gpus = guess_gpus(cfg)
     bytecode = use_bytecode_cache(bytecode_env(cfg.bytecode_cache, cfg.compile_cache_dir))
-    ranks = GatedRanks(world, started_ns, bytecode)
+    ranks = GatedRanks(world_for(cfg, gpus), started_ns, {**bytecode, **threads_env(gpus)})
     try:
         with long_lived():   # the launcher's heavy imports, side by side with the ranks'
             from dflash import preflight
 
-            planned = plan_world(cfg)
-            preflight.check(cfg, planned, planned)
-        if planned != world:           # the driver and torch disagree (a CPU-only torch): start again
-            ranks.abort()
-            ranks = GatedRanks(planned, started_ns, bytecode)
+            planned = plan_gpus(cfg)
+            world = world_for(cfg, planned)
+            preflight.check(cfg, world, world)
+        if (world, planned > 0) != (world_for(cfg, gpus), gpus > 0):
+            ranks.abort()              # the driver and torch disagree (a CPU-only torch): start again
+            ranks = GatedRanks(world, started_ns, {**bytecode, **threads_env(planned)})
         if cfg.run_dir is None:
             cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
         procs = ranks.open(cfg)

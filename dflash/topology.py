@@ -3,6 +3,7 @@ target ranks; target rank t feeds drafter t mod D; each drafter's producers get 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -46,6 +47,23 @@ class Topology:
         i = producers.index(target_rank)
         base, extra = divmod(drafter_steps, len(producers))
         return base + (1 if i < extra else 0)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads(topo: Topology, rank: int, cores: int, waits_asleep: bool) -> int:
+    """Intra-op threads of a CPU rank on a host with `cores` cores: an equal share by rank count. But
+    the drafter ranks are the bound stage (a forward and a backward against the target's forward
+    alone: in the built-in run the target waits for a free slot 80% of its time), so when OpenMP's
+    waiting threads sleep (`waits_asleep`: OMP_WAIT_POLICY=PASSIVE, which the launcher sets for a CPU
+    run) each drafter takes an equal share of all the cores. The sum then passes `cores`, which costs
+    little with sleeping threads and much with spinning ones (bench/RESULTS.md)."""
+    if waits_asleep and topo.role(rank) == "drafter":
+        return max(1, cores // topo.num_drafters)
+    return max(1, cores // topo.world_size)
 
 
 def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int | None) -> Topology:

@@ -27,7 +27,7 @@ from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
-from dflash.topology import Topology, default_topology
+from dflash.topology import Topology, cpu_threads, default_topology, host_cores
 
 
 class _StopFlag:
@@ -114,7 +114,8 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
             # Ranks share the host's cores: don't let each one spawn a thread per core.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            asleep = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+            torch.set_num_threads(cpu_threads(topo, rank, host_cores(), asleep))
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         from dflash.launch import RendezvousError, rendezvous_store
 
@@ -213,7 +214,8 @@ def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
     """The start-up phases, up to now (the profiler runs): a `startup` event, and rank 0's console line
     (not under --no-profile, whose runs print nothing of the profiler's)."""
     timeline.mark("profiler")
-    fields = timeline.fields()
+    fields = dict(timeline.fields(), intra_op_threads=torch.get_num_threads(),
+                  omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     profiler.event("startup", **fields)
     if rank == 0 and profiler.active() is not None:
         print(startup.format_line(fields), flush=True)

@@ -99,6 +99,11 @@ def test_two_process_run_records_every_span_of_the_cpu_path(eight_step_run):
         assert sum(up["phases_seconds"].values()) == pytest.approx(up["total_seconds"], abs=1e-3)
         assert 0.5 < up["phases_seconds"]["imports"] and up["total_seconds"] < 120
         assert up["bytecode"] in ("beside sources", "not written") or up["bytecode"].endswith("/pycache")
+        # a CPU run's ranks wait asleep, so the drafter (the bound stage) takes all the cores
+        assert up["omp_wait_policy"] == "PASSIVE"
+    cores = len(os.sched_getaffinity(0))
+    assert [x["intra_op_threads"] for recs in (drafter, target) for x in recs if x.get("kind") == "startup"] == [
+        cores, max(1, cores // 2)]
     assert "dflash-train: start-up " in r.stdout and " s from launch to the first step: spawn " in r.stdout
 
 
@@ -112,6 +117,8 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path, prebuilt):
     assert spans_seen(records(run, 1)) >= {"target.fwd"}
     (up,) = [x for x in records(run, 0) if x["type"] == "event" and x["kind"] == "startup"]
     assert up["origin"] == "process" and list(up["phases_seconds"])[0] == "imports"   # no launcher here
+    # no launcher to set OMP_WAIT_POLICY: threads that spin while they wait, so each rank keeps its share
+    assert up["omp_wait_policy"] is None and up["intra_op_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, eight_step_run):
@@ -237,12 +244,14 @@ def test_a_wrong_world_guess_is_corrected_before_the_ranks_get_their_config(tmp_
     from dflash import cli, launch
 
     monkeypatch.setattr(launch, "cuda_driver_device_count", lambda: 3)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     worlds = []
     real = launch.GatedRanks
-    monkeypatch.setattr(launch, "GatedRanks", lambda world, ns, env=None: worlds.append(world) or real(world, ns, env))
+    monkeypatch.setattr(launch, "GatedRanks", lambda world, ns, env=None: worlds.append(
+        (world, env.get("OMP_WAIT_POLICY"))) or real(world, ns, env))
     run = prebuilt(tmp_path / "run")
     args = [a if a != "cpu" else "auto" for a in SMALL]
     assert cli.main(["--run-dir", str(run), "--max-steps", "2", *args, "--eval-prompts", "0"]) == 0
-    assert worlds == [3, 2]
+    assert worlds == [(3, None), (2, "PASSIVE")]   # started again as the CPU run it is, threads asleep
     assert [r["world_size"] for r in (records(run, 0)[0], records(run, 1)[0])] == [2, 2]
     assert not (run / "profile" / "rank2.jsonl").exists()
