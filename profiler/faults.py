@@ -19,7 +19,6 @@ import re
 import time
 from dataclasses import dataclass
 
-import torch
 
 logger = logging.getLogger("profiler")
 
@@ -156,6 +155,8 @@ class FaultPlan:
                 raise InjectedFault(f"injected crash {where}")
             if fault.kind == "oom":
                 self._log_once(fault, f"injected oom {where}")
+                import torch   # loaded already: a span that can OOM runs torch
+
                 raise torch.OutOfMemoryError(f"CUDA out of memory: injected oom {where}")
             if fault.kind == "slow":
                 self._log_once(fault, f"injected slow={fault.seconds:g} {where} (logged once)")
