@@ -46,17 +46,10 @@ class RendezvousError(RuntimeError):
     """The ranks did not all join in time: one line saying where, and how many came."""
 
 
-def plan_gpus(cfg: TrainConfig) -> int:
-    """The GPUs this run uses, as torch sees them: 0 for a CPU run."""
-    import torch
-
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return torch.cuda.device_count() if use_cuda else 0
-
-
 def guess_gpus(cfg: TrainConfig) -> int:
-    """plan_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
-    applies) through ctypes. A guess: launch() checks it against plan_gpus after the preflight."""
+    """torch_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
+    applies) through ctypes. A guess: launch() checks it against preflight.torch_gpus
+    after the preflight."""
     return 0 if cfg.device == "cpu" else cuda_driver_device_count()
 
 
@@ -106,9 +99,9 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
         with long_lived():   # the launcher's heavy imports, side by side with the ranks'
             from dflash import preflight
 
-            planned = plan_gpus(cfg)
+            planned = preflight.torch_gpus(cfg)
             world = world_for(cfg, planned)
-            preflight.check(cfg, world, world)
+            preflight.check(cfg, world, world, gpus=planned)
         if (world, planned > 0) != (world_for(cfg, gpus), gpus > 0):
             ranks.abort()              # the driver and torch disagree (a CPU-only torch): start again
             ranks = GatedRanks(world, started_ns, {**bytecode, **threads_env(planned)})

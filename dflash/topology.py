@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dflash.config import ConfigError, TrainConfig
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -73,3 +75,22 @@ def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int |
     d = drafter_gpus or max(1, num_gpus // 3)
     t = target_gpus or max(1, num_gpus - d)
     return Topology(t, d)
+
+
+def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
+    """The run's Topology for `world` ranks and `num_gpus` GPUs; ConfigError for counts that make none."""
+    t, d = cfg.target_gpus, cfg.drafter_gpus
+    if t is not None and d is None:
+        d = world - t
+    elif d is not None and t is None:
+        t = world - d
+    topo = Topology(t, d) if t is not None else default_topology(num_gpus if num_gpus > 1 else 0, None, None)
+    if t is None and topo.world_size != world:
+        d = max(1, world // 3) if world > 2 else 1
+        topo = Topology(world - d, d)
+    if topo.world_size != world or topo.num_targets < 1 or topo.num_drafters < 1:
+        raise ConfigError(f"--target-gpus/--drafter-gpus: {t} + {d} ranks do not make a world of {world}")
+    if topo.num_drafters > topo.num_targets:
+        raise ConfigError(f"--drafter-gpus: {topo.num_drafters} drafters but only {topo.num_targets} "
+                          "targets; every drafter needs at least one target feeding it")
+    return topo

@@ -27,7 +27,7 @@ from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
-from dflash.topology import Topology, cpu_threads, default_topology, host_cores
+from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
 
 
 class _StopFlag:
@@ -62,24 +62,6 @@ class _StopFlag:
         while self.signum is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.signum is not None
-
-
-def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
-    t, d = cfg.target_gpus, cfg.drafter_gpus
-    if t is not None and d is None:
-        d = world - t
-    elif d is not None and t is None:
-        t = world - d
-    topo = Topology(t, d) if t is not None else default_topology(num_gpus if num_gpus > 1 else 0, None, None)
-    if t is None and topo.world_size != world:
-        d = max(1, world // 3) if world > 2 else 1
-        topo = Topology(world - d, d)
-    if topo.world_size != world or topo.num_targets < 1 or topo.num_drafters < 1:
-        raise ConfigError(f"--target-gpus/--drafter-gpus: {t} + {d} ranks do not make a world of {world}")
-    if topo.num_drafters > topo.num_targets:
-        raise ConfigError(f"--drafter-gpus: {topo.num_drafters} drafters but only {topo.num_targets} "
-                          "targets; every drafter needs at least one target feeding it")
-    return topo
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:

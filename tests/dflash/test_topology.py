@@ -19,3 +19,26 @@ def test_the_launcher_asks_cpu_ranks_to_wait_asleep_and_keeps_what_the_user_set(
     assert threads_env(0, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert threads_env(0, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert threads_env(4, {}) == {}   # a GPU run's CPU threads are left as they were
+
+
+def test_a_cpu_runs_preflight_leaves_torch_and_the_trainer_to_the_ranks(tmp_path):
+    """The launcher's preflight runs beside the ranks' imports: for --device cpu it imports neither torch
+    nor the trainer, and still refuses what it must (the rank split here)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from dflash import launch, preflight\n"
+            "from dflash.config import ConfigError, TrainConfig\n"
+            f"cfg = TrainConfig(device='cpu', run_dir={str(tmp_path / 'run')!r})\n"
+            "gpus = preflight.torch_gpus(cfg)\n"
+            "preflight.check(cfg, launch.world_for(cfg, gpus), 2, gpus=gpus)\n"
+            "try:\n"
+            "    preflight.check(TrainConfig(device='cpu', drafter_gpus=2), 3, 3, gpus=0)\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n"
+            "print(gpus, sorted(m for m in ('torch', 'transformers', 'dflash.worker') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "--drafter-gpus: 2 drafters but only 1 targets; every drafter needs at least one target feeding it", "0 []"]
