@@ -194,3 +194,29 @@ def format_hotspots(run_end_records: list, top: int | None = None) -> str:
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "
                      f"{r['wall_seconds']:.1f} s): {rates}")
     return "\n".join(lines)
+
+
+class ConsoleExporter:
+    """The console summary as an exporter: on the exporter thread, each `interval` record is printed
+    with `format_interval`, followed by the spans open the whole interval (what a stalled interval
+    waits on). Whoever builds a rank's exporters registers it (dflash/telemetry.py: rank 0 only)."""
+
+    name = "console"
+
+    def __init__(self, stream=None):
+        self.stream = stream   # None: sys.stdout at print time (pytest's capture swaps it)
+
+    def export(self, record: dict) -> None:
+        if record.get("type") != "interval":
+            return
+        from profiler.forensics import format_open_spans
+
+        import sys
+        out = self.stream or sys.stdout
+        print(format_interval(record), file=out, flush=True)
+        stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
+        if stuck:
+            print(stuck, file=out, flush=True)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        pass
