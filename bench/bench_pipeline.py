@@ -1,8 +1,8 @@
 """End-to-end dflash-train on two GPUs (one target rank, one drafter rank) with a randomly initialised
-Qwen3-8B-shaped target: NCCL vs host-staged transfer, profiling on vs off, every figure next to its
-floor or peer measured in the same run.
+Qwen3-8B-shaped target: NCCL vs host-staged transfer, every figure next to its floor or peer measured
+in the same run (profiling on vs off: bench/overhead_ab.py).
 
-    python3 bench/bench_pipeline.py [--steps 60] [--runs nccl,host] [--ab-pairs 2] [--target DIR]
+    python3 bench/bench_pipeline.py [--steps 60] [--runs nccl,host] [--target DIR]
 `transfer.send` is set against a bare NCCL send/recv of the same bytes, back to back (before and
 after the runs, the faster kept) and at the run's cadence (after one step's idle time).
 Needs 2 GPUs. Writes the runs under /tmp/dflash-bench and a JSON summary under $OUT when set.
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from profiler.runlog import read_records  # noqa: E402
+from profiler.records import read_records  # noqa: E402
 
 
 def make_long_corpus(path: Path, n: int, words_per_turn: int, seed: int = 0) -> None:
@@ -147,8 +147,6 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=4096)
     ap.add_argument("--runs", default="nccl,host", help="paths to run with profiling on (comma-separated)")
-    ap.add_argument("--ab-pairs", type=int, default=0,
-                    help="profiling off/on pairs on the NCCL path, back to back in ABBA order")
     ap.add_argument("--profile-interval", default="5")
     a = ap.parse_args()
     root = Path("/tmp/dflash-bench")
@@ -180,9 +178,6 @@ def main() -> None:
         peer["cadence"] = measure_peer(payload_bytes, gap_s=round(period_s, 3))
         summary["nccl_peer"], summary["nccl_peer_runs"] = peer, [before, after]
         print_paths(rows, peer)
-    if a.ab_pairs:
-        summary["ab"] = ab = profile_ab(a.ab_pairs, common + flags["nccl"], root)
-        print_ab(ab)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_pipeline.json").write_text(json.dumps(summary, indent=2))
 
@@ -227,35 +222,6 @@ def print_paths(rows: list[dict], peer: dict) -> None:
           f"{peer['nccl_bytes_per_s'] / 1e9:.1f} GB/s (faster of before/after the runs); after "
           f"{cad['gap_seconds']:.3f} s idle, the run's cadence, {cad['nccl_seconds'] * 1e3:.2f} ms = "
           f"{cad['nccl_bytes_per_s'] / 1e9:.1f} GB/s; pinned D2H+H2D {peer['pinned_seconds'] * 1e3:.1f} ms", flush=True)
-
-
-def profile_ab(pairs: int, args: list[str], root: Path) -> list[dict]:
-    """Profiling off/on back to back, ABBA order so a drift over time cancels; each run's rate is
-    the drafter meter's steady tail, measured the same way with or without the profiler."""
-    out = []
-    for i in range(pairs):
-        order = ("off", "on") if i % 2 == 0 else ("on", "off")
-        for mode in order:
-            name = f"ab{i + 1}_{mode}"
-            run_dir = run_train(name, args + (["--no-profile"] if mode == "off" else []), root)
-            out.append({"pair": i + 1, "profile": mode, "tail_tokens_per_s": tail_rate(run_dir)})
-    return out
-
-
-def print_ab(ab: list[dict]) -> None:
-    print("\n| pair | profile off (tokens/s) | profile on (tokens/s) | on / off |")
-    print("|---|---|---|---|")
-    ons, offs = [], []
-    for p in sorted({r["pair"] for r in ab}):
-        on = next(r["tail_tokens_per_s"] for r in ab if r["pair"] == p and r["profile"] == "on")
-        off = next(r["tail_tokens_per_s"] for r in ab if r["pair"] == p and r["profile"] == "off")
-        ons.append(on)
-        offs.append(off)
-        print(f"| {p} | {off:,.0f} | {on:,.0f} | {on / off:.4f} |")
-    m_on, m_off = sum(ons) / len(ons), sum(offs) / len(offs)
-    spread = (max(offs) - min(offs)) / m_off
-    print(f"mean on {m_on:,.0f} vs off {m_off:,.0f} tokens/s: {m_on / m_off - 1:+.2%} "
-          f"(spread of the off runs {spread:.2%})", flush=True)
 
 
 if __name__ == "__main__":
