@@ -2,8 +2,9 @@
 profile interval (5 target ranks feeding 3 drafter ranks, as the seeds ran it) in the schema-1 shape of
 docs/RUNLOG.md: every interval with CPU and GPU stats and histogram buckets per span, NVML and allocator
 memory, threads, a detail-window `spans` record before it, stack samples every 10th interval, hourly
-checkpoints. Then times the report: in-process (load + every analysis + the text) and end to end
-through the CLI (`python -m dflash.report_cli hotspots DIR --json`, what a user waits for).
+checkpoints. Then times the report end to end through the CLI (`python -m dflash.report_cli hotspots DIR
+--json`, what a user waits for). `--split-check` and `--memory-check` hold the report's split advice and
+memory model against real runs, reading them from the same CLI's JSON.
 
     python bench/bench_report.py [--hours 24] [--ranks 8] [--targets 5] [--interval 60] [--dir DIR] [--repeat 3]
 
@@ -24,7 +25,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 BOUNDS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
           10.0, 30.0, 60.0, 120.0, 300.0]
@@ -149,15 +149,12 @@ def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: 
     return size
 
 
-def time_in_process(run_dir: Path, repeat: int) -> list:
-    from exporters import report
-
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        report.format_hotspots(report.hotspots(run_dir))
-        times.append(time.perf_counter() - t)
-    return times
+def report_json(run_dir: Path, gpus: int | None = None) -> dict:
+    """`dflash-report hotspots RUN_DIR --json` (what a user runs), parsed."""
+    out = subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir), "--json",
+                          *(["--gpus", str(gpus)] if gpus else [])], cwd=REPO, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out)
 
 
 def time_cli(run_dir: Path, repeat: int) -> list:
@@ -185,21 +182,17 @@ def _train(run_dir: Path, targets: int, drafters: int, steps: int, fault: str) -
 
 
 def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
-    """Calibrate on a 1:1 run, predict every split in `splits` with exporters.advice.split, run each, and
-    return rows (split, predicted, measured, error) with the calibration's capacities."""
-    from exporters.advice import split
-    from exporters.runs import load_run
-
+    """Calibrate on a 1:1 run, predict every split in `splits` with the report's split advice, run each,
+    and return rows (split, predicted, measured, error) with the calibration's capacities."""
     _train(work / "1x1", 1, 1, steps, fault)
-    calib = load_run(work / "1x1")
     rows = []
     for t, d in splits:
-        advice = split(calib, n_gpus=t + d)
+        advice = report_json(work / "1x1", gpus=t + d)["split"]
         predicted = next(x["predicted_tokens_per_s"] for x in advice["splits"]
                          if (x["target_gpus"], x["drafter_gpus"]) == (t, d))
         run = work / f"{t}x{d}"
         _train(run, t, d, steps * max(1, t // d), fault)
-        measured = split(load_run(run))["current"]["measured_tokens_per_s"]
+        measured = report_json(run)["split"]["current"]["measured_tokens_per_s"]
         best = advice["best"]
         rows.append({"split": f"{t}:{d}", "best_for_n": f"{best['target_gpus']}:{best['drafter_gpus']}",
                      "predicted": predicted, "measured": measured, "error": measured / predicted - 1,
@@ -224,13 +217,10 @@ def main_split(args) -> int:
 # ---- the memory model against runs at other tokens per batch -------------------------------------
 
 def memory_check(run_dirs: list) -> list:
-    """From each run's memory model (exporters.advice), predict the NVML peak used of every later run
-    (another tokens per batch, same config otherwise) with linear and with quadratic growth in the mean
-    tokens a batch held."""
-    from exporters.advice import memory_margin
-    from exporters.runs import load_run
-
-    models = [(Path(d).name, memory_margin(load_run(d))) for d in run_dirs]
+    """From each run's memory model (the report's `memory_margin`), predict the NVML peak used of every
+    later run (another tokens per batch, same config otherwise) with linear and with quadratic growth in
+    the mean tokens a batch held."""
+    models = [(Path(d).name, report_json(Path(d))["memory_margin"]) for d in run_dirs]
     rows = []
     for i, (src, a) in enumerate(models):
         ga = a["gpus"][0]
@@ -281,10 +271,8 @@ def main() -> int:
         size = generate(run_dir, args.hours, args.ranks, args.targets, args.interval)
         print(f"generated {args.hours:g} h x {args.ranks} ranks at {args.interval:g} s: "
               f"{size / 1e6:.0f} MB in {time.perf_counter() - t:.1f} s ({run_dir})")
-        inproc, cli = time_in_process(run_dir, args.repeat), time_cli(run_dir, args.repeat)
-        print(f"report in-process (load + analyses + text): median {statistics.median(inproc):.2f} s, "
-              f"all {', '.join(f'{x:.2f}' for x in inproc)}")
-        print(f"report CLI --json end to end:               median {statistics.median(cli):.2f} s, "
+        cli = time_cli(run_dir, args.repeat)
+        print(f"report CLI --json end to end: median {statistics.median(cli):.2f} s, "
               f"all {', '.join(f'{x:.2f}' for x in cli)}")
         print(f"cpu: {os.cpu_count()} cores; python {sys.version.split()[0]}")
         return 0 if statistics.median(cli) < 3.0 else 1
