@@ -7,8 +7,8 @@ torch.profiler.record_function outside a profiler, a bare no-op context manager 
 (the floor), and an empty loop; ratios to Histogram.time() and the goals
 (active <= 0.25x, inactive <= 0.12x), and the active ratio paired within each repeat. Writes nothing
 outside a temporary run dir ($OUT if set). The process pins itself to one CPU (BENCH_SPAN_CPU, default the
-one it starts on): on a VM whose vCPUs run at different speeds (1.8x apart on the H200 host, measured by
-bench/gpu/vcpu_pairs.py), a loop moved between them mid-repeat skews one side of a ratio.
+one it starts on): on a VM whose vCPUs run at different speeds, a loop moved between them mid-repeat
+skews one side of a ratio.
 """
 from __future__ import annotations
 
@@ -72,21 +72,14 @@ def _loop_empty(n):
     return (_cpu_ns() - t0) / n
 
 
-def _active(prof, make, name) -> tuple:
-    """(span ns, collector ns) per span, active: chunks of CHUNK spans with a drain between them (untimed
-    in the first figure, timed as the second), as the collector thread does every poll in a real run (the
-    buffer stays short); the second includes the interval close's statistics."""
-    spent_ns, collect_ns = 0.0, 0
+def _active(prof, make, name) -> float:
+    """CPU ns per active span: chunks of CHUNK spans, each followed by an untimed interval close (the
+    public drain), so the span buffer stays as short as the collector thread keeps it in a real run."""
+    spent_ns = 0.0
     for _ in range(N // CHUNK):
         spent_ns += _loop_cm(make, name, CHUNK) * CHUNK
-        t0 = _cpu_ns()
-        prof.aggregator.add_drained(prof.recorder.drain())
-        collect_ns += _cpu_ns() - t0
-    t0 = _cpu_ns()
-    prof.aggregator.close_parts(1.0)
-    collect_ns += _cpu_ns() - t0
-    n = N // CHUNK * CHUNK
-    return spent_ns / n, collect_ns / n
+        prof.close_interval()
+    return spent_ns / (N // CHUNK * CHUNK)
 
 
 def _paired_line(results: dict) -> str:
@@ -127,20 +120,17 @@ def main() -> int:
         "empty loop": _loop_empty,
     }
     run_dir = tempfile.mkdtemp(prefix="bench_span_", dir=os.environ.get("OUT") or None)
-    # background=False: the timed loop measures the worker thread's hot path alone; the collector's
-    # aggregation work (another thread in a real run) is timed separately below, per span.
+    # background=False: the timed loop measures the training thread's hot path alone (the collector's
+    # share of a real run is its `profiler_share`).
     prof = profiler.Profiler(run_dir, interval_s=3600.0, console=False, measure_floors=False, control=False,
                              background=False)
     results: dict = {k: [] for k in ["span active (cpu)", "active, bytes=", *cases]}
-    collect: list = []
     for _ in range(REPEATS):   # alternate cases within each repeat so drift hits all of them alike
         for name, fn in cases.items():
             results[name].append(fn(N))
         with prof:
-            span_ns, collect_ns = _active(prof, profiler.span, "target.fwd")
-            results["span active (cpu)"].append(span_ns)
-            collect.append(collect_ns)
-            results["active, bytes="].append(_active(prof, lambda name: profiler.span(name, bytes=4096), "d2h_copy")[0])
+            results["span active (cpu)"].append(_active(prof, profiler.span, "target.fwd"))
+            results["active, bytes="].append(_active(prof, lambda name: profiler.span(name, bytes=4096), "d2h_copy"))
     med = {k: statistics.median(v) for k, v in results.items()}
     best = {k: min(v) for k, v in results.items()}
     ref = med["histogram.time()"]
@@ -153,8 +143,6 @@ def main() -> int:
         ok = "" if goal is None else ("yes" if v / ref <= goal else "NO")
         print(f"{k:<20} {v:>9.1f} {v / ref:>8.3f} {('' if goal is None else f'{goal:.2f}'):>6}  {ok:<4} | "
               f"{best[k]:>6.0f}  {best[k] / best['histogram.time()']:.3f}")
-    print(f"collector (drain + aggregate + interval stats, another thread in a real run): "
-          f"{statistics.median(collect):.1f} ns/span")
     print(_paired_line(results))
     print(f"active minus floor: {med['span active (cpu)'] - floor:.1f} ns; "
           f"inactive minus floor: {med['span inactive'] - floor:.1f} ns")
