@@ -1,10 +1,9 @@
 """CUDA span overhead on a GPU: a loop of ~10 ms GPU steps (a chain of bf16 matmuls) with 12
 CUDA-timed spans per step vs the same loop uninstrumented (no profiler at all), repeats alternating;
 then the CPU cost of one empty CUDA span, back to back (adjacent spans share a boundary event: one
-record per span) and with sharing off (two records), in thread CPU time and wall time, against the
-floor of the records it makes (the C record plus the raw current-stream lookup; also paired, chunk by
-chunk, with those records timed just before each chunk of spans), and the collector's CPU per span
-(drain, replay, resolution: another thread in a real run).
+record per span), in thread CPU time and wall time, against the floor of the record it makes (the C
+record plus the raw current-stream lookup; also paired, chunk by chunk, with those records timed just
+before each chunk of spans).
 
 Run from the repo root on a CUDA host: `python3 bench/bench_span_cuda.py` (PYTHONPATH=.). Goals:
 slowdown <= 1%, a span <= 2 us above its records. Run logs go to a temporary dir ($OUT if set). ~40 s.
@@ -87,48 +86,36 @@ def slowdown(torch, profiler, run_root, dev, mm_chain, per_span):
     return plain, instr
 
 
-def span_cpu_ns(torch, profiler, run_root, dev, share: bool, n=N_CPU, chunk=2000):
-    """(worker thread CPU ns, wall ns, collector CPU ns, above ns) per empty span, back to back. The
-    collector's drain and resolution run between chunks on this thread, timed apart (another thread in
-    a run). `above` is paired: before each chunk of spans, a chunk of the records they make (one per
-    span when sharing, two when not: C record on distinct events plus the raw-stream lookup) is timed
-    on the same thread, and the median over chunks of their difference is taken, so the host's drift
-    from one moment to the next hits both sides alike."""
-    from profiler import spans as spans_mod
-
-    old = spans_mod.SHARE_GAP_NS
-    spans_mod.SHARE_GAP_NS = old if share else -1
-    floor = _floor_loop(torch, 1 if share else 2)
-    cpu = wall = coll = 0
+def span_cpu_ns(torch, profiler, run_root, dev, n=N_CPU, chunk=2000):
+    """(thread CPU ns, wall ns, paired ns above its record) per empty span, back to back (adjacent spans
+    share a boundary event: one record each). Paired: before each chunk of spans, a chunk of the records
+    they make (the C record on distinct events plus the raw-stream lookup) is timed on the same thread,
+    and the median over chunks of their difference is taken, so the host's drift from one moment to the
+    next hits both sides alike. Between chunks an untimed interval close drains what the spans recorded."""
+    floor = _floor_loop(torch)
+    cpu = wall = 0
     above = []
-    try:
-        with make_prof(torch, profiler, run_root, f"cpu_{share}_{time.perf_counter_ns()}", dev,
-                       background=False) as prof:
-            for _ in range(n // chunk):
-                f0 = time.thread_time_ns()
-                floor(chunk)
-                f_ns = time.thread_time_ns() - f0
-                c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-                for _ in range(chunk):
-                    with profiler.span("bench.empty"):
-                        pass
-                s_ns = time.thread_time_ns() - c0
-                cpu, wall = cpu + s_ns, wall + time.perf_counter_ns() - w0
-                above.append((s_ns - f_ns) / chunk)
-                torch.cuda.synchronize()   # deliberate: bench, so the collector's resolution finds them done
-                c0 = time.thread_time_ns()
-                prof.aggregator.add_drained(prof.recorder.drain())
-                prof.aggregator.resolve_pending()
-                coll += time.thread_time_ns() - c0
-    finally:
-        spans_mod.SHARE_GAP_NS = old
+    with make_prof(torch, profiler, run_root, f"cpu_{time.perf_counter_ns()}", dev, background=False) as prof:
+        for _ in range(n // chunk):
+            f0 = time.thread_time_ns()
+            floor(chunk)
+            f_ns = time.thread_time_ns() - f0
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            for _ in range(chunk):
+                with profiler.span("bench.empty"):
+                    pass
+            s_ns = time.thread_time_ns() - c0
+            cpu, wall = cpu + s_ns, wall + time.perf_counter_ns() - w0
+            above.append((s_ns - f_ns) / chunk)
+            torch.cuda.synchronize()   # deliberate: bench, so the close finds the events done
+            prof.close_interval()
     done = n // chunk * chunk
-    return cpu / done, wall / done, coll / done, statistics.median(above)
+    return cpu / done, wall / done, statistics.median(above)
 
 
-def _floor_loop(torch, records: int):
-    """loop(n): n iterations of what a span's records cost, `records` per iteration: the raw-stream
-    lookup and the C record, round-robin over 4096 distinct events as a run's spans take pool events."""
+def _floor_loop(torch):
+    """loop(n): n iterations of what a span's record costs: the raw-stream lookup and the C record,
+    round-robin over 4096 distinct events as a run's spans take pool events."""
     import itertools
 
     many = itertools.cycle([torch.cuda.Event(enable_timing=True) for _ in range(4096)])
@@ -136,16 +123,11 @@ def _floor_loop(torch, records: int):
     streams = {getraw(idx): torch.cuda.current_stream()}
     rec = torch._C._CudaEventBase.record
 
-    def one(n):
+    def loop(n):
         for _ in range(n):
             rec(next(many), streams[getraw(idx)])
 
-    def two(n):
-        for _ in range(n):
-            rec(next(many), streams[getraw(idx)])
-            rec(next(many), streams[getraw(idx)])
-
-    return one if records == 1 else two
+    return loop
 
 
 def record_ns(torch, n=N_CPU):
@@ -177,8 +159,8 @@ def main() -> int:
     import profiler
 
     if not torch.cuda.is_available():
-        print("bench_span_cuda: needs a CUDA GPU")
-        return 1
+        print("bench_span_cuda: needs a CUDA GPU", file=sys.stderr)
+        return 2
     dev, mm_chain, per_span, mm_s = setup(torch)
     run_root = tempfile.mkdtemp(prefix="bench_span_cuda_", dir=os.environ.get("OUT") or None)
     plain, instr = slowdown(torch, profiler, run_root, dev, mm_chain, per_span)
@@ -193,22 +175,12 @@ def main() -> int:
     print(f"slowdown: {(i_med / p_med - 1) * 100:+.2f}% (goal <= 1%: {'yes' if i_med / p_med <= 1.01 else 'NO'})")
     print(f"floors (thread CPU): public Event.record() {public_ns / 1e3:.2f} us; C record + raw stream "
           f"lookup {c_ns / 1e3:.2f} us on one event, {c_many_ns / 1e3:.2f} us over 4096 events")
-    print(f"{'empty CUDA span, back to back':<34} {'records':>7} {'cpu us':>7} {'wall us':>8} {'above':>7} "
-          f"{'above*':>7} {'paired':>7} {'collector us':>13}  cpu us per repeat")
-    # Alternating repeats, medians: one 20,000-span run swung by 7 us between calls on the H200 host.
-    runs = {True: [], False: []}
-    for _ in range(CPU_REPEATS):
-        for share in (True, False):
-            runs[share].append(span_cpu_ns(torch, profiler, run_root, dev, share))
-    for share, n_rec in ((True, 1), (False, 2)):
-        cpu, wall, coll, paired = (statistics.median(x[i] for x in runs[share]) for i in range(4))
-        label = "adjacent (shared start)" if share else "own start (gap > SHARE_GAP_NS)"
-        print(f"{label:<34} {n_rec:>7} {cpu / 1e3:>7.2f} {wall / 1e3:>8.2f} {(cpu - n_rec * c_ns) / 1e3:>+7.2f} "
-              f"{(cpu - n_rec * c_many_ns) / 1e3:>+7.2f} {paired / 1e3:>+7.2f} {coll / 1e3:>13.2f}  "
-              + " ".join(f"{x[0] / 1e3:.2f}" for x in runs[share]))
-    print("above = span CPU minus its records' C floor on one event, above* over 4096 events; paired = the")
-    print("median, over chunks of 2,000, of a chunk of spans minus a chunk of their records timed just before")
-    print("it (goal <= 2 us)")
+    # Repeats, medians: one 20,000-span run can swing by microseconds between calls on a VM host.
+    runs = [span_cpu_ns(torch, profiler, run_root, dev) for _ in range(CPU_REPEATS)]
+    cpu, wall, paired = (statistics.median(x[i] for x in runs) for i in range(3))
+    print(f"empty CUDA span, back to back: cpu {cpu / 1e3:.2f} us, wall {wall / 1e3:.2f} us, above its record "
+          f"{(cpu - c_ns) / 1e3:+.2f} us (one event) / {(cpu - c_many_ns) / 1e3:+.2f} us (4096 events), paired "
+          f"{paired / 1e3:+.2f} us (goal <= 2 us); cpu us per repeat " + " ".join(f"{x[0] / 1e3:.2f}" for x in runs))
     return 0
 
 
