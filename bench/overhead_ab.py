@@ -37,6 +37,13 @@ class BadArgs(Exception):
     """A command-line mistake: reported in one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises BadArgs instead of printing its usage and exiting."""
+
+    def error(self, message: str):
+        raise BadArgs(message)
+
+
 def drafter_tokens_per_s(run_dir: Path, metric: str) -> float:
     """The run's drafter tokens/s: `metric` summed over every rank file the meter wrote."""
     files = sorted((run_dir / "throughput").glob("rank*.json"))
@@ -108,13 +115,12 @@ def measure(pairs: int, aa: bool, train_args: list[str], workdir: Path, metric: 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """This script's options before `--`, dflash-train's after it; BadArgs on a mistake."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=6, help="A/B pairs (each two runs)")
     ap.add_argument("--aa", action="store_true", help="also an A/A pair (two --no-profile runs) after each")
     ap.add_argument("--metric", choices=METRICS, default=METRICS[0], help="throughput file field")
     ap.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     ap.add_argument("--keep-runs", action="store_true", help="keep every run directory")
-    ap.error = lambda message: (_ for _ in ()).throw(BadArgs(message))   # one line, not usage + message
     args = ap.parse_args(argv[:cut])
     args.train = argv[cut + 1:] or list(DEFAULT_TRAIN)
     if args.pairs < 1:
