@@ -150,7 +150,7 @@ def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: 
 
 
 def time_in_process(run_dir: Path, repeat: int) -> list:
-    from exporters import report
+    import report
 
     times = []
     for _ in range(repeat):
@@ -187,8 +187,8 @@ def _train(run_dir: Path, targets: int, drafters: int, steps: int, fault: str) -
 def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
     """Calibrate on a 1:1 run, predict every split in `splits` with exporters.advice.split, run each, and
     return rows (split, predicted, measured, error) with the calibration's capacities."""
-    from exporters.advice import split
-    from exporters.runs import load_run
+    from report.advice import split
+    from report.runs import load_run
 
     _train(work / "1x1", 1, 1, steps, fault)
     calib = load_run(work / "1x1")
@@ -227,8 +227,8 @@ def memory_check(run_dirs: list) -> list:
     """From each run's memory model (exporters.advice), predict the NVML peak used of every later run
     (another tokens per batch, same config otherwise) with linear and with quadratic growth in the mean
     tokens a batch held."""
-    from exporters.advice import memory_margin
-    from exporters.runs import load_run
+    from report.advice import memory_margin
+    from report.runs import load_run
 
     models = [(Path(d).name, memory_margin(load_run(d))) for d in run_dirs]
     rows = []

@@ -1,7 +1,7 @@
-"""`dflash-report`: parse, build, run, print. The analyses live in exporters.report (docs/REPORT.md).
+"""`dflash-report`: parse, build, run, print. The analyses live in report/ (docs/REPORT.md).
 
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
-    dflash-report trace RUN_DIR [ARGS...]      (exporters.trace's `merge`: a Perfetto trace of the run)
+    dflash-report trace RUN_DIR [ARGS...]      (report.trace's `merge`: a Perfetto trace of the run)
 
 Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback).
 Never imports torch: it reads the run logs with the standard library.
@@ -33,12 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU count for the split advice (default: the run's)")
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
-    t.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to exporters.trace merge")
+    t.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to report.trace merge")
     return p
 
 
 def _hotspots(args) -> int:
-    from exporters import report
+    import report
 
     rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus)
     table = report.compare(args.compare, args.run_dir) if args.compare else None
@@ -61,7 +61,7 @@ def _hotspots(args) -> int:
 
 
 def _trace(args) -> int:
-    from exporters import trace
+    from report import trace
 
     return trace.main(["merge", args.run_dir, *args.rest], prog="dflash-report trace")
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "trace":
         return _trace(args)
-    from exporters.runs import ReportError
+    from report.runs import ReportError
 
     try:
         return _hotspots(args)

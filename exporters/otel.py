@@ -13,7 +13,7 @@ in the record, else of the root. Real start/end times (`start_unix_ns`/`end_unix
 `dflash.gpu_seconds`, `dflash.bytes`, `dflash.step_first`/`dflash.step_last` (the window), and each
 `attrs` entry as `dflash.<key>` (`dflash.flow` links a target's send to the drafter's receive).
 
-Metrics use the catalog's names (exporters/names.py). Every point carries `rank`, `role` and `host`
+Metrics use the catalog's names (monitoring/catalog.py). Every point carries `rank`, `role` and `host`
 (the catalog's common labels) besides the resource, so dashboards work after an OTLP -> Prometheus hop.
 Mapping from the catalog:
   - counters drop the catalog's `_total` (OTel convention; Prometheus translation adds it back) and are
@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Mapping
 
-from exporters.names import EVENT_KINDS, FAMILIES, WAIT_SPANS, train_metric_family
+from monitoring.catalog import EVENT_KINDS, FAMILIES, WAIT_SPANS, train_metric_family
 
 log = logging.getLogger("exporters")
 

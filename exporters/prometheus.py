@@ -3,7 +3,7 @@
 `export(record)` folds each record into plain values under a lock, once per interval (never per
 span); a scrape's `collect()` turns them into metric families. Span-time histograms are cumulative
 sums of the intervals' fixed bucket counts, so `histogram_quantile(0.95, sum by (le) (rate(...)))`
-aggregates across ranks. Families and names come from exporters.names. Every series carries `rank`,
+aggregates across ranks. Families and names come from monitoring.catalog. Every series carries `rank`,
 `role` and `host`; Prometheus adds `job` and `instance`, and the run's file_sd targets add `run`.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import errno
 import logging
 import threading
 
-from exporters.names import COMMON_LABELS, EVENT_KINDS, FAMILIES, WAIT_SPANS, Family, metric_name, \
+from monitoring.catalog import COMMON_LABELS, EVENT_KINDS, FAMILIES, WAIT_SPANS, Family, metric_name, \
     train_metric_family
 
 logger = logging.getLogger("exporters")

@@ -1,4 +1,4 @@
-"""Every metric family the exporters publish, and the one function that builds their names.
+"""Every metric family the live sinks publish, and the one function that builds their names.
 
 Prometheus, OpenTelemetry and the Grafana dashboard all read this catalog, so a name is spelled in
 one place. Naming follows Prometheus' conventions: prefix `dflash_`, base unit in the name

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import statistics
 
-from exporters.analysis import rank_table
-from exporters.runs import Run, counter_total
+from report.analysis import rank_table
+from report.runs import Run, counter_total
 
 HEADROOM_SHARE = 0.05
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 
-from exporters.analysis import whole_seconds
-from exporters.names import WAIT_SPANS
-from exporters.runs import Run, basis, steady_intervals
+from monitoring.catalog import WAIT_SPANS
+from profiler.windows import basis, whole_seconds
+from report.runs import Run, steady_intervals
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from exporters.runs import Run
+from report.runs import Run
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")

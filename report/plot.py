@@ -7,7 +7,8 @@ the k-th intervals of a role's ranks are summed into one point at their mean tim
 """
 from __future__ import annotations
 
-from exporters.runs import Run, basis_seconds
+from profiler.windows import basis_seconds
+from report.runs import Run
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
 GIB = 1024 ** 3

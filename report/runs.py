@@ -63,9 +63,8 @@ _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "
                rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends"}
 
 
-# Detail-window `spans` records are for traces (exporters.trace), not for the report: a whole such line is
-# left unparsed, which saves about 40% of the JSON decoding of a long run. A cut one is still parsed (and
-# counted as bad) by the reader.
+# Detail-window `spans` records are for traces (report.trace), not for this report: a whole such line is
+# left unparsed (they are most of a long log's bytes). A cut one is still parsed (and counted as bad).
 _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 
@@ -94,7 +93,7 @@ def _rank_log(rank: int, path: Path) -> RankLog:
 @contextmanager
 def paused_gc():
     """The cyclic collector off for the block, then as it was. A run log is millions of small objects,
-    all kept: the collector would only rescan them (half the report's time on a 24-hour log)."""
+    all kept: the collector would only rescan them."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -123,27 +122,6 @@ def load_run(run_dir) -> Run:
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
     return Run(run_dir=str(path), ranks=ranks)
-
-
-def basis(entry: dict) -> tuple[dict, str]:
-    """(stats, "gpu"|"cpu"): a span's times are GPU times when measured (what `share` uses), else CPU."""
-    if entry.get("gpu"):
-        return entry["gpu"], "gpu"
-    return entry.get("cpu") or {}, "cpu"
-
-
-def gpu_scale(entry: dict) -> float:
-    """count / gpu_count: what a span entry's GPU total is multiplied by to estimate all its spans' GPU time
-    when only some were GPU-timed (`--profile-gpu-steps-per-s`, docs/RUNLOG.md); 1.0 when all were, or for logs
-    written before gpu_count existed."""
-    timed = entry.get("gpu_count")
-    return (entry.get("count") or 0) / timed if timed else 1.0
-
-
-def basis_seconds(entry: dict) -> float:
-    """The entry's total on its basis: the GPU total scaled to all its spans (gpu_scale), else the CPU total."""
-    stats, on = basis(entry)
-    return (stats.get("total_seconds") or 0.0) * (gpu_scale(entry) if on == "gpu" else 1.0)
 
 
 def _did_work(rec: dict) -> bool:

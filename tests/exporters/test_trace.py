@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from exporters import trace
-from exporters.trace import GPU_START_UNKNOWN, TraceExporter, merge_traces, trace_pid
+from exporters.trace import TraceExporter
+from monitoring.trace_events import GPU_START_UNKNOWN, trace_pid
+from report import trace
+from report.trace import merge_traces
 
 T0 = 1_700_000_000_000_000_000       # Unix ns of the run's clock anchor
 MS = 1_000_000
@@ -323,16 +325,16 @@ def test_cli_merges_and_refuses_what_is_not_a_run(tmp_path, capsys):
         capsys.readouterr()
         assert trace.main(["merge", str(tmp_path / bad)]) == 2, bad
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("python -m exporters.trace: error:"), err
+        assert err.count("\n") == 1 and err.startswith("python -m report.trace: error:"), err
     assert trace.main(["merge"]) == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 def test_module_entry_point_needs_no_torch(tmp_path):
-    code = ("import sys, exporters.trace as t; assert 'torch' not in sys.modules; "
+    code = ("import sys, report.trace as t; assert 'torch' not in sys.modules; "
             "sys.argv[0] = 'trace'; sys.exit(t.main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "merge", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no such directory" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "exporters.trace", "merge", str(tmp_path / "nope")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "report.trace", "merge", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1

@@ -1,0 +1,108 @@
+"""The live per-rank Perfetto/Chrome trace: RUN_DIR/trace/rank{R}.json (trace layout: monitoring.trace_events)."""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+from monitoring.trace_events import (MAX_EVENTS, build_trace, json_safe, newest_within, num, prepare, proc_info,
+                                     write_trace)
+from profiler.records import RUN_END, RUN_START, SPANS
+
+logger = logging.getLogger("exporters")
+
+
+class TraceExporter:
+    """RUN_DIR/trace/rank{R}.json, rewritten atomically at each `spans` record and at close.
+
+    Keeps the newest `max_events` slices (whole spans records, oldest evicted first). Each record's
+    slices are built once, but a rewrite lays out and serialises them all, so a rewrite waits until the
+    time since the last one ended is 1/WRITE_DUTY times that one's cost: the trace never takes over
+    WRITE_DUTY of a core, on the exporter thread and under the GIL the training thread wants. A record
+    that comes sooner goes into the next rewrite (or the final one at close).
+    stats(): `exported` = spans records that reached a written file; `dropped` = spans records
+    evicted by the bound, plus those never written when the final write failed; `failed` = a write
+    failed (logged once; the next one tries again). Flow arrows need both ranks: see report.trace.
+    """
+
+    name = "trace"
+    WRITE_DUTY = 0.005
+
+    def __init__(self, run_dir, rank: int, max_events: int = MAX_EVENTS, clock=time.monotonic):
+        self.rank, self.max_events, self._clock = int(rank), int(max_events), clock
+        self.path = Path(run_dir) / "trace" / f"rank{self.rank}.json"
+        self._proc = proc_info(self.rank, {})
+        self._chunks: list = []                      # (spans record, prepare() of it), oldest first
+        self._seq = self._written_seq = 0            # spans records received / covered by the last write
+        self._exported = self._dropped = self._evicted_spans = self._profiler_dropped = 0
+        self._status = None
+        self._last_write = (0.0, -math.inf)          # (seconds it took, when it ended)
+        self._failed = self._logged = False
+        self._lock = threading.Lock()
+
+    def export(self, record: dict) -> None:
+        rtype = record.get("type")
+        with self._lock:
+            if rtype == RUN_START:
+                self._proc = proc_info(self.rank, record)
+            elif rtype == RUN_END:
+                self._status = record.get("status")
+            elif rtype == SPANS:
+                self._keep(record)
+                took, ended = self._last_write
+                if self._clock() - ended >= took / self.WRITE_DUTY:
+                    self._write()
+
+    def _keep(self, record: dict) -> None:
+        """Add a spans record, evicting the oldest ones over the bound (a trimmed record is re-prepared)."""
+        self._seq += 1
+        self._profiler_dropped += int(num(record.get("dropped")) or 0)
+        chunks = self._chunks + [(record, None)]
+        kept, n_records, n_spans = newest_within([r for r, _ in chunks], self.max_events)
+        self._chunks = [(r, prep if r is orig and prep is not None else prepare(self.rank, r))
+                        for r, (orig, prep) in zip(kept, chunks[len(chunks) - len(kept):])]
+        self._dropped += n_records
+        self._evicted_spans += n_spans
+
+    def _unwritten(self) -> int:
+        return min(len(self._chunks), self._seq - self._written_seq)
+
+    def _write(self) -> bool:
+        t0 = self._clock()
+        try:
+            return self._write_now()
+        finally:
+            self._last_write = (self._clock() - t0, self._clock())
+
+    def _write_now(self) -> bool:
+        events, counts = build_trace([self._proc], [prep for _, prep in self._chunks])
+        meta = {"source": "TraceExporter (live, this rank only)", "timebase": "Unix microseconds",
+                **{k: v for k, v in self._proc.items() if k != "rank"}, "rank": self.rank,
+                "status": self._status, **counts, "evicted_spans": self._evicted_spans,
+                "profiler_dropped_spans": self._profiler_dropped,
+                "flows": f"arrows need both ranks: dflash-report trace RUN_DIR"}
+        try:
+            write_trace(self.path, events, json_safe(meta))
+        except OSError as exc:
+            self._failed = True
+            if not self._logged:
+                self._logged = True
+                logger.warning("trace exporter: cannot write %s (logged once; it retries at the next spans "
+                               "record, and counts what never gets written as dropped): %s", self.path, exc)
+            return False
+        self._exported += self._unwritten()
+        self._written_seq = self._seq
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write the final file (once; a write in progress cannot be cut short, so timeout_s is advisory)."""
+        with self._lock:
+            if self._seq or self._proc.get("role") is not None:
+                if not self._write():
+                    self._dropped += self._unwritten()
+                    self._written_seq = self._seq
+
+    def stats(self) -> dict:
+        return {"exported": self._exported, "dropped": self._dropped, "failed": self._failed}
