@@ -12,8 +12,8 @@ import errno
 import logging
 import threading
 
-from monitoring.catalog import COMMON_LABELS, EVENT_KINDS, FAMILIES, WAIT_SPANS, Family, metric_name, \
-    train_metric_family
+from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, COMMON_LABELS, EVENT_KINDS, FAMILIES, \
+    WAIT_SPANS, Family, gpu_gauges, metric_name, train_metric_family, train_metric_value
 
 logger = logging.getLogger("exporters")
 _THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
@@ -43,7 +43,7 @@ class MetricsState:
 
 
 class PrometheusExporter:
-    """The exporter-contract object (name/export/close/stats) plus the HTTP endpoint it serves."""
+    """An exporter (profiler.export's contract: name, export, close) plus the HTTP endpoint it serves."""
 
     name = "prometheus"
 
@@ -67,9 +67,6 @@ class PrometheusExporter:
     def close(self, timeout_s: float) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-    def stats(self) -> dict:
-        return {}
 
 
 def _bind(host: str, port: int, strict: bool, registry, exporter) -> int:
@@ -114,7 +111,7 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
         found = train_metric_family(name)
         if found is not None:
             fam, extra = found
-            st.set(fam.key, m.get("last") if name == "lr" else m.get("mean"), *extra.values())
+            st.set(fam.key, train_metric_value(name, m), *extra.values())
     _fold_memory(st, rec.get("memory") or {})
     for exporter, s in (rec.get("exporters") or {}).items():
         st.set("exporter_dropped", s.get("dropped", 0), exporter)
@@ -157,30 +154,16 @@ def _fold_counters(st: MetricsState, counters: dict) -> None:
 def _fold_memory(st: MetricsState, memory: dict) -> None:
     gpus = memory.get("gpus") or []
     for g in gpus:
-        idx, total = g.get("index"), g.get("total_bytes")
-        st.set("gpu_memory_total", total, idx)
-        st.set("gpu_memory_used", g.get("used_bytes_last"), idx)
-        st.set("gpu_memory_peak", g.get("used_bytes_peak"), idx)
-        if total is not None and g.get("used_bytes_last") is not None:
-            st.set("gpu_headroom", total - g["used_bytes_last"], idx)
-        st.set("gpu_headroom_min", g.get("headroom_bytes"), idx)
-        if total and g.get("headroom_bytes") is not None:
-            st.set("gpu_headroom_ratio", g["headroom_bytes"] / total, idx)
-        util = g.get("util_percent_mean")
-        st.set("gpu_utilization", util / 100.0 if util is not None else None, idx)
-        st.set("gpu_power", g.get("power_watts_mean"), idx)
-        st.set("gpu_temperature", g.get("temperature_c_max"), idx)
-        st.set("gpu_sm_clock", g.get("sm_clock_hz_last"), idx)
+        idx = g.get("index")
+        for key, value in gpu_gauges(g).items():
+            st.set(key, value, idx)
         if g.get("throttle_reasons") is not None:
             for reason in _THROTTLE_REASONS:
                 st.set("gpu_throttle", float(reason in g["throttle_reasons"]), idx, reason)
     alloc = memory.get("allocator") or {}
     if alloc.get("available"):
         idx = gpus[0].get("index") if gpus else 0
-        for key, field in (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
-                           ("alloc_peak_allocated", "peak_allocated_bytes"),
-                           ("alloc_peak_reserved", "peak_reserved_bytes"), ("alloc_retries", "num_alloc_retries"),
-                           ("alloc_ooms", "num_ooms")):
+        for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS:
             st.set(key, alloc.get(field), idx)
 
 
@@ -234,18 +217,14 @@ def _families(st: MetricsState):
         mf.add_metric(list(st.base) + [kind], n)
     yield mf
     intervals = FAMILIES["intervals"]
-    yield _one(CounterMetricFamily, intervals, base_names, st.base, st.intervals)
+    mf = CounterMetricFamily(intervals.name, intervals.help, labels=base_names)
+    mf.add_metric(list(st.base), st.intervals)
+    yield mf
     if st.info is not None:
         info = FAMILIES["build_info"]
         mf = InfoMetricFamily(info.name[:-len("_info")], info.help, labels=base_names)
         mf.add_metric(list(st.base), st.info)
         yield mf
-
-
-def _one(cls, fam: Family, label_names: list, label_values: tuple, value: float):
-    mf = cls(fam.name, fam.help, labels=label_names)
-    mf.add_metric(list(label_values), value)
-    return mf
 
 
 def _le(bound: float) -> str:
