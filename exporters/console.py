@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from profiler.windows import basis, basis_seconds, whole_seconds
+from profiler.windows import basis, basis_seconds, open_at_end, whole_seconds
 
 GIB = 1024 ** 3
 
@@ -53,16 +53,6 @@ def format_memory(memory: dict | None) -> list[str]:
                      f"{alloc['reserved_bytes'] / GIB:.2f} GiB, peak allocated "
                      f"{alloc['peak_allocated_bytes'] / GIB:.2f} GiB")
     return lines or ["  memory: n/a (no GPUs listed)"]
-
-
-def open_at_end(open_spans: list | None) -> dict:
-    """{span name: [(thread, open_seconds), ...]} from an interval's `open_spans`: the spans still open
-    when it closed, the longest open first."""
-    out: dict = {}
-    for entry in open_spans or ():
-        for s in entry.get("spans") or ():
-            out.setdefault(s.get("name"), []).append((entry.get("thread"), s.get("open_seconds") or 0.0))
-    return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}
 
 
 def _open_note(opened: list) -> str:

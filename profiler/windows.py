@@ -36,3 +36,13 @@ def whole_seconds(entry: dict) -> float:
         return basis_seconds(entry)
     mean = stats.get("mean_seconds")
     return mean * (entry.get("count") or 0) if mean is not None else 0.0
+
+
+def open_at_end(open_spans: list | None) -> dict:
+    """{span name: [(thread, open_seconds), ...]} from an interval's `open_spans`: the spans still open
+    when it closed, the longest open first."""
+    out: dict = {}
+    for entry in open_spans or ():
+        for s in entry.get("spans") or ():
+            out.setdefault(s.get("name"), []).append((entry.get("thread"), s.get("open_seconds") or 0.0))
+    return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from monitoring.catalog import WAIT_SPANS
-from profiler.windows import basis, basis_seconds, gpu_scale, whole_seconds
+from profiler.windows import basis, basis_seconds, gpu_scale, open_at_end, whole_seconds
 from report.runs import Run, counter_total, steady_intervals, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
@@ -117,16 +117,11 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
     """Note the spans still open when an interval closed (its `open_spans`): in how many interval ends,
     the longest open (and where), and whether the rank's last interval ended with it open."""
-    longest: dict = {}
-    for entry in rec.get("open_spans") or ():
-        for s in entry.get("spans") or ():
-            age_s = s.get("open_seconds") or 0.0
-            if s.get("name") not in longest or age_s > longest[s.get("name")][0]:
-                longest[s.get("name")] = (age_s, entry.get("thread"))
-    for name, (age_s, thread) in longest.items():
+    for name, opened in open_at_end(rec.get("open_spans")).items():
         a = agg.get((role, name))
         if a is None:   # a log written before open spans held time in the interval
             continue
+        thread, age_s = opened[0]
         a["open_intervals"] += 1
         if a["open_max_seconds"] is None or age_s > a["open_max_seconds"]:
             a["open_max_seconds"] = age_s

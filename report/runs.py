@@ -144,6 +144,17 @@ def steady_intervals(log: RankLog) -> list:
     return steady or list(log.intervals)
 
 
+def gpus(rec: dict) -> list:
+    """The interval's NVML per-GPU entries; none when its memory was not measured."""
+    mem = rec.get("memory") or {}
+    return (mem.get("gpus") or []) if mem.get("available") else []
+
+
+def gpu_key(log: RankLog, gpu: dict) -> str:
+    """"host:index": a GPU named across ranks (ranks on one host may share it)."""
+    return f"{log.hostname or '?'}:{gpu.get('index')}"
+
+
 def wall_seconds(intervals: list) -> float:
     return sum(r.get("duration_seconds") or 0.0 for r in intervals)
 
