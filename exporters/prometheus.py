@@ -34,12 +34,18 @@ class MetricsState:
         self.histograms: dict = {}    # (span, clock) -> [cumulative bucket counts, sum seconds]
         self.bounds: list = []
         self.info: dict | None = None
-        self.events = {kind: 0 for kind in EVENT_KINDS}
-        self.intervals = 0
+        self.set("intervals", 0)   # counters present at 0 before anything happens, for dashboards and alerts
+        for kind in EVENT_KINDS:
+            self.set("events", 0, kind)
 
     def set(self, family, value, *extra) -> None:
         if value is not None:
             self.values.setdefault(family, {})[tuple(str(e) for e in extra)] = float(value)
+
+    def add(self, family, value, *extra) -> None:
+        series = self.values.setdefault(family, {})
+        key = tuple(str(e) for e in extra)
+        series[key] = series.get(key, 0.0) + value
 
 
 class PrometheusExporter:
@@ -97,7 +103,7 @@ def _fold_run_start(st: MetricsState, rec: dict) -> None:
 
 
 def _fold_interval(st: MetricsState, rec: dict) -> None:
-    st.intervals += 1
+    st.add("intervals", 1)
     st.set("step", rec.get("step"))
     st.set("profiler_cpu", rec.get("profiler_share"))
     _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
@@ -133,8 +139,7 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
                 h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]
                 h[1] += stats.get("total_seconds") or 0.0
         if e.get("bytes") is not None:
-            prev = st.values.get("span_bytes", {}).get((name,), 0.0)
-            st.set("span_bytes", prev + e["bytes"], name)
+            st.add("span_bytes", e["bytes"], name)
             st.set("span_bandwidth", e.get("bandwidth_bytes_per_s"), name)
             st.set("span_floor", e.get("floor_bytes_per_s"), name, e.get("floor"))
             st.set("span_floor_ratio", e.get("floor_ratio"), name)
@@ -168,8 +173,7 @@ def _fold_memory(st: MetricsState, memory: dict) -> None:
 
 
 def _fold_event(st: MetricsState, rec: dict) -> None:
-    kind = str(rec.get("kind"))
-    st.events[kind] = st.events.get(kind, 0) + 1
+    st.add("events", 1, rec.get("kind"))
 
 
 _FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event}
@@ -210,15 +214,6 @@ def _families(st: MetricsState):
             run += n
             cumulative.append((le, run))
         mf.add_metric(list(st.base) + [span, clock], cumulative, total)
-    yield mf
-    events = FAMILIES["events"]
-    mf = CounterMetricFamily(events.name, events.help, labels=base_names + ["kind"])
-    for kind, n in st.events.items():
-        mf.add_metric(list(st.base) + [kind], n)
-    yield mf
-    intervals = FAMILIES["intervals"]
-    mf = CounterMetricFamily(intervals.name, intervals.help, labels=base_names)
-    mf.add_metric(list(st.base), st.intervals)
     yield mf
     if st.info is not None:
         info = FAMILIES["build_info"]
