@@ -28,6 +28,7 @@ class RankLog:
     events: list = field(default_factory=list)
     snapshots: list = field(default_factory=list)
     run_ends: list = field(default_factory=list)
+    spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
     bad_lines: int = 0
 
     @property
@@ -60,7 +61,7 @@ class Run:
 
 
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
-               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends"}
+               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans"}
 
 
 # Detail-window `spans` records are for traces (report.trace), not for this report: a whole such line is
@@ -76,8 +77,8 @@ def _read_for_report(path: Path) -> tuple[list, int]:
     return rl.parse_lines(data)
 
 
-def _rank_log(rank: int, path: Path) -> RankLog:
-    recs, bad = _read_for_report(path)
+def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
+    recs, bad = rl.parse_lines(path.read_bytes()) if with_spans else _read_for_report(path)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
     log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad)
     for rec in recs:
@@ -103,8 +104,9 @@ def paused_gc():
             gc.enable()
 
 
-def load_run(run_dir) -> Run:
-    """Every rank's log of RUN_DIR; ReportError (one line) for a directory the report cannot read."""
+def load_run(run_dir, with_spans: bool = False) -> Run:
+    """Every rank's log of RUN_DIR (its detail-window `spans` records too with_spans); ReportError (one
+    line) for a directory the report cannot read."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -115,9 +117,11 @@ def load_run(run_dir) -> Run:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
     with paused_gc():
         try:
-            ranks = {rank: _rank_log(rank, p) for rank, p in logs.items()}
+            ranks = {rank: _rank_log(rank, p, with_spans) for rank, p in logs.items()}
         except ValueError as e:   # a schema newer than this reader
             raise ReportError(str(e)) from None
+        except OSError as e:
+            raise ReportError(f"{run_dir}: cannot read its run logs: {e}") from None
     if not any(log.run_starts or log.intervals for log in ranks.values()):
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
