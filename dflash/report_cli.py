@@ -1,9 +1,10 @@
-"""`dflash-report`: parse, build, run, print. The analyses live in exporters.report (docs/REPORT.md).
+"""`dflash-report`: parse, build, run, print. The analyses live in report/ (docs/REPORT.md).
 
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
-    dflash-report trace RUN_DIR [ARGS...]      (exporters.trace's `merge`: a Perfetto trace of the run)
+    dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
 
-Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback).
+Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback),
+1 when the trace cannot be written.
 Never imports torch: it reads the run logs with the standard library.
 """
 from __future__ import annotations
@@ -33,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU count for the split advice (default: the run's)")
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
-    t.add_argument("rest", nargs=argparse.REMAINDER, help="passed on to exporters.trace merge")
+    t.add_argument("-o", "--output", metavar="FILE", help="output file (default RUN_DIR/trace/merged.json)")
     return p
 
 
 def _hotspots(args) -> int:
-    from exporters import report
+    import report
 
     rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus)
     table = report.compare(args.compare, args.run_dir) if args.compare else None
@@ -61,19 +62,28 @@ def _hotspots(args) -> int:
 
 
 def _trace(args) -> int:
-    from exporters import trace
+    from report.trace import merge_traces
 
-    return trace.main(["merge", args.run_dir, *args.rest], prog="dflash-report trace")
+    try:
+        s = merge_traces(args.run_dir, args.output)
+    except OSError as e:
+        print(f"dflash-report: error: cannot write the trace: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {s['out']}: {len(s['ranks'])} ranks, {s['spans']} spans, {s['events']} events, "
+          f"flows {s['flows_matched']} matched / {s['flows_unmatched']} unmatched"
+          + (f", {s['bad_lines']} unreadable run-log lines skipped" if s["bad_lines"] else ""))
+    if not s["spans"]:
+        print("dflash-report: note: no spans records (a detail window is written at each interval's close)",
+              file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "trace":
-        return _trace(args)
-    from exporters.runs import ReportError
+    from report.runs import ReportError
 
     try:
-        return _hotspots(args)
+        return _trace(args) if args.command == "trace" else _hotspots(args)
     except ReportError as e:
         print(f"dflash-report: error: {e}", file=sys.stderr)
         return 2

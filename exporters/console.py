@@ -8,8 +8,9 @@ interval's end says so, with how long it had been open, and may show a share wit
 """
 from __future__ import annotations
 
-from exporters.analysis import whole_seconds
-from exporters.runs import basis_seconds
+import sys
+
+from profiler.windows import basis, basis_seconds, open_at_end, whole_seconds
 
 GIB = 1024 ** 3
 
@@ -23,13 +24,6 @@ def _ms(seconds) -> str:
 
 def _pct(ratio) -> str:
     return "-" if ratio is None else f"{ratio * 100:.1f}%"
-
-
-def _basis(entry: dict):
-    """(stats dict, "gpu"|"cpu") a span's times are shown on."""
-    if entry.get("gpu"):
-        return entry["gpu"], "gpu"
-    return entry.get("cpu") or {}, "cpu"
 
 
 def _num(v) -> str:
@@ -61,16 +55,6 @@ def format_memory(memory: dict | None) -> list[str]:
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
-def open_at_end(open_spans: list | None) -> dict:
-    """{span name: [(thread, open_seconds), ...]} from an interval's `open_spans`: the spans still open
-    when it closed, the longest open first."""
-    out: dict = {}
-    for entry in open_spans or ():
-        for s in entry.get("spans") or ():
-            out.setdefault(s.get("name"), []).append((entry.get("thread"), s.get("open_seconds") or 0.0))
-    return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}
-
-
 def _open_note(opened: list) -> str:
     """"  open 75.2 s (MainThread)": how long a span still open at the interval's end had been open."""
     return "  open " + ", ".join(f"{age_s:.3g} s ({thread})" for thread, age_s in opened)
@@ -87,8 +71,8 @@ def format_interval(record: dict) -> str:
     if spans:
         lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}  bandwidth")
         for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
-            stats, basis = _basis(e)
-            line = (f"  {name:<24} {e.get('count', 0):>7} {basis:>3} {_ms(stats.get('mean_seconds')):>9} "
+            stats, on = basis(e)
+            line = (f"  {name:<24} {e.get('count', 0):>7} {on:>3} {_ms(stats.get('mean_seconds')):>9} "
                     f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}")
             bw = e.get("bandwidth_bytes_per_s")
             if bw is not None:
@@ -154,7 +138,7 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
             if c.get("total") is not None:
                 rank["totals"][cname] = rank["totals"].get(cname, 0.0) + c["total"]
         for sname, e in (rec.get("spans") or {}).items():
-            stats, _ = _basis(e)
+            stats, _ = basis(e)
             a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95": None})
             a["total"] += basis_seconds(e)
             a["whole"] += whole_seconds(e)
@@ -209,9 +193,8 @@ class ConsoleExporter:
     def export(self, record: dict) -> None:
         if record.get("type") != "interval":
             return
-        from profiler.forensics import format_open_spans
+        from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
-        import sys
         out = self.stream or sys.stdout
         print(format_interval(record), file=out, flush=True)
         stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])

@@ -13,21 +13,13 @@ in the record, else of the root. Real start/end times (`start_unix_ns`/`end_unix
 `dflash.gpu_seconds`, `dflash.bytes`, `dflash.step_first`/`dflash.step_last` (the window), and each
 `attrs` entry as `dflash.<key>` (`dflash.flow` links a target's send to the drafter's receive).
 
-Metrics use the catalog's names (exporters/names.py). Every point carries `rank`, `role` and `host`
-(the catalog's common labels) besides the resource, so dashboards work after an OTLP -> Prometheus hop.
-Mapping from the catalog:
-  - counters drop the catalog's `_total` (OTel convention; Prometheus translation adds it back) and are
-    fed the interval's `total`, or the delta of a cumulative value (allocator retries/OOMs, exporter drops);
-  - the `dflash_span_seconds` histogram becomes two counters, `dflash_span_seconds_sum` (seconds) and
-    `dflash_span_seconds_count` (spans), labelled `span` and `clock` (cpu|gpu): the run log carries
-    per-interval bucket counts, not the durations an OTel histogram needs;
-  - gauges keep their names (last value): span share/bandwidth/floor, wait share, tokens/s, step, queue
-    depth, GPU and allocator memory (headroom per GPU), utilisation, power, temperature, SM clock, throttle
-    reasons, loss/tau/tau_prefix/grad_norm (interval mean), learning rate (last), acc_k (`position` label),
-    heartbeat (each record's `time_unix`); a non-finite training scalar is set to NaN;
-  - `dflash_events` counts `event` records by `kind` (the catalog's EVENT_KINDS start at 0),
-    `dflash_profile_intervals` counts intervals. `dflash_build_info` is not exported (the resource
-    describes the process).
+Metrics use the catalog's names (monitoring/catalog.py) and carry its common labels `rank`, `role`, `host`
+besides the resource, so dashboards work after an OTLP -> Prometheus hop. Counters drop the catalog's
+`_total` (OTel convention; the Prometheus translation adds it back) and are fed the interval's `total`, or
+the increase of a running count (allocator retries/OOMs, exporter drops). The span-time histogram becomes
+two counters, `dflash_span_seconds_sum` and `_count` by `span` and `clock`: the run log carries bucket
+counts, not the durations an OTel histogram needs. Gauges take the interval's value; a missing training
+scalar is NaN. `dflash_build_info` is not exported (the resource describes the process).
 
 Failures: export results are counted by wrapping the SDK exporters. `stats()` counts items, i.e. spans
 plus metric data points: `exported` were acknowledged by the collector, `dropped` were not (a failed
@@ -46,7 +38,8 @@ import threading
 import time
 from typing import Mapping
 
-from exporters.names import EVENT_KINDS, FAMILIES, WAIT_SPANS, train_metric_family
+from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, WAIT_SPANS, gpu_gauges, \
+    train_metric_family, train_metric_value
 
 log = logging.getLogger("exporters")
 
@@ -62,16 +55,6 @@ SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
                "opentelemetry.sdk.metrics._internal.export")
 _UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("_ratio", "1"),
           ("_watts", "W"), ("_celsius", "Cel"), ("_hertz", "Hz"), ("_per_second", "1/s"))
-_LAST_VALUE_METRICS = {"lr"}     # training scalars exported as the interval's last value, not its mean
-# (family key, field of a memory.gpus[] entry)
-_GPU_FIELDS = (("gpu_memory_used", "used_bytes_last"), ("gpu_memory_peak", "used_bytes_peak"),
-               ("gpu_memory_total", "total_bytes"), ("gpu_headroom_min", "headroom_bytes"),
-               ("gpu_power", "power_watts_mean"), ("gpu_temperature", "temperature_c_max"),
-               ("gpu_sm_clock", "sm_clock_hz_last"))
-_ALLOC_GAUGES = (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
-                 ("alloc_peak_allocated", "peak_allocated_bytes"),
-                 ("alloc_peak_reserved", "peak_reserved_bytes"))
-_ALLOC_COUNTERS = (("alloc_retries", "num_alloc_retries"), ("alloc_ooms", "num_ooms"))
 
 
 def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
@@ -419,7 +402,7 @@ class OtelExporter:
         for name, m in (record.get("metrics") or {}).items():
             found = train_metric_family(name)
             if found:
-                value = m.get("last" if name in _LAST_VALUE_METRICS else "mean")
+                value = train_metric_value(name, m)
                 self._record(found[0].key, math.nan if value is None else value, **found[1])
         for name, s in (record.get("exporters") or {}).items():
             self._record_cumulative("exporter_dropped", s.get("dropped"), exporter=name)
@@ -446,15 +429,8 @@ class OtelExporter:
     def _memory_metrics(self, memory: dict) -> None:
         for g in memory.get("gpus") or ():
             gpu = str(g.get("index"))
-            for key, field in _GPU_FIELDS:
-                self._record(key, g.get(field), gpu=gpu)
-            total, used, headroom = g.get("total_bytes"), g.get("used_bytes_last"), g.get("headroom_bytes")
-            if total and used is not None:
-                self._record("gpu_headroom", total - used, gpu=gpu)
-            if total and headroom is not None:
-                self._record("gpu_headroom_ratio", headroom / total, gpu=gpu)
-            if g.get("util_percent_mean") is not None:
-                self._record("gpu_utilization", g["util_percent_mean"] / 100.0, gpu=gpu)
+            for key, value in gpu_gauges(g).items():
+                self._record(key, value, gpu=gpu)
             active = set(g.get("throttle_reasons") or ())
             for reason in active | self._throttled.get(gpu, set()):
                 self._record("gpu_throttle", int(reason in active), gpu=gpu, reason=reason)
@@ -462,9 +438,9 @@ class OtelExporter:
         alloc = memory.get("allocator") or {}
         if alloc.get("available", True) and alloc:
             labels = {"gpu": self._alloc_gpu} if self._alloc_gpu is not None else {}
-            for key, field in _ALLOC_GAUGES:
+            for key, field in ALLOCATOR_GAUGES:
                 self._record(key, alloc.get(field), **labels)
-            for key, field in _ALLOC_COUNTERS:
+            for key, field in ALLOCATOR_COUNTERS:
                 self._record_cumulative(key, alloc.get(field), **labels)
 
     # ---- close ----

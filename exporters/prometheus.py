@@ -3,7 +3,7 @@
 `export(record)` folds each record into plain values under a lock, once per interval (never per
 span); a scrape's `collect()` turns them into metric families. Span-time histograms are cumulative
 sums of the intervals' fixed bucket counts, so `histogram_quantile(0.95, sum by (le) (rate(...)))`
-aggregates across ranks. Families and names come from exporters.names. Every series carries `rank`,
+aggregates across ranks. Families and names come from monitoring.catalog. Every series carries `rank`,
 `role` and `host`; Prometheus adds `job` and `instance`, and the run's file_sd targets add `run`.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import errno
 import logging
 import threading
 
-from exporters.names import COMMON_LABELS, EVENT_KINDS, FAMILIES, WAIT_SPANS, Family, metric_name, \
-    train_metric_family
+from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, COMMON_LABELS, EVENT_KINDS, FAMILIES, \
+    WAIT_SPANS, Family, gpu_gauges, metric_name, train_metric_family, train_metric_value
 
 logger = logging.getLogger("exporters")
 _THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
@@ -34,16 +34,22 @@ class MetricsState:
         self.histograms: dict = {}    # (span, clock) -> [cumulative bucket counts, sum seconds]
         self.bounds: list = []
         self.info: dict | None = None
-        self.events = {kind: 0 for kind in EVENT_KINDS}
-        self.intervals = 0
+        self.set("intervals", 0)   # counters present at 0 before anything happens, for dashboards and alerts
+        for kind in EVENT_KINDS:
+            self.set("events", 0, kind)
 
     def set(self, family, value, *extra) -> None:
         if value is not None:
             self.values.setdefault(family, {})[tuple(str(e) for e in extra)] = float(value)
 
+    def add(self, family, value, *extra) -> None:
+        series = self.values.setdefault(family, {})
+        key = tuple(str(e) for e in extra)
+        series[key] = series.get(key, 0.0) + value
+
 
 class PrometheusExporter:
-    """The exporter-contract object (name/export/close/stats) plus the HTTP endpoint it serves."""
+    """An exporter (profiler.export's contract: name, export, close) plus the HTTP endpoint it serves."""
 
     name = "prometheus"
 
@@ -67,9 +73,6 @@ class PrometheusExporter:
     def close(self, timeout_s: float) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-    def stats(self) -> dict:
-        return {}
 
 
 def _bind(host: str, port: int, strict: bool, registry, exporter) -> int:
@@ -100,7 +103,7 @@ def _fold_run_start(st: MetricsState, rec: dict) -> None:
 
 
 def _fold_interval(st: MetricsState, rec: dict) -> None:
-    st.intervals += 1
+    st.add("intervals", 1)
     st.set("step", rec.get("step"))
     st.set("profiler_cpu", rec.get("profiler_share"))
     _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
@@ -114,7 +117,7 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
         found = train_metric_family(name)
         if found is not None:
             fam, extra = found
-            st.set(fam.key, m.get("last") if name == "lr" else m.get("mean"), *extra.values())
+            st.set(fam.key, train_metric_value(name, m), *extra.values())
     _fold_memory(st, rec.get("memory") or {})
     for exporter, s in (rec.get("exporters") or {}).items():
         st.set("exporter_dropped", s.get("dropped", 0), exporter)
@@ -136,8 +139,7 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
                 h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]
                 h[1] += stats.get("total_seconds") or 0.0
         if e.get("bytes") is not None:
-            prev = st.values.get("span_bytes", {}).get((name,), 0.0)
-            st.set("span_bytes", prev + e["bytes"], name)
+            st.add("span_bytes", e["bytes"], name)
             st.set("span_bandwidth", e.get("bandwidth_bytes_per_s"), name)
             st.set("span_floor", e.get("floor_bytes_per_s"), name, e.get("floor"))
             st.set("span_floor_ratio", e.get("floor_ratio"), name)
@@ -157,36 +159,21 @@ def _fold_counters(st: MetricsState, counters: dict) -> None:
 def _fold_memory(st: MetricsState, memory: dict) -> None:
     gpus = memory.get("gpus") or []
     for g in gpus:
-        idx, total = g.get("index"), g.get("total_bytes")
-        st.set("gpu_memory_total", total, idx)
-        st.set("gpu_memory_used", g.get("used_bytes_last"), idx)
-        st.set("gpu_memory_peak", g.get("used_bytes_peak"), idx)
-        if total is not None and g.get("used_bytes_last") is not None:
-            st.set("gpu_headroom", total - g["used_bytes_last"], idx)
-        st.set("gpu_headroom_min", g.get("headroom_bytes"), idx)
-        if total and g.get("headroom_bytes") is not None:
-            st.set("gpu_headroom_ratio", g["headroom_bytes"] / total, idx)
-        util = g.get("util_percent_mean")
-        st.set("gpu_utilization", util / 100.0 if util is not None else None, idx)
-        st.set("gpu_power", g.get("power_watts_mean"), idx)
-        st.set("gpu_temperature", g.get("temperature_c_max"), idx)
-        st.set("gpu_sm_clock", g.get("sm_clock_hz_last"), idx)
+        idx = g.get("index")
+        for key, value in gpu_gauges(g).items():
+            st.set(key, value, idx)
         if g.get("throttle_reasons") is not None:
             for reason in _THROTTLE_REASONS:
                 st.set("gpu_throttle", float(reason in g["throttle_reasons"]), idx, reason)
     alloc = memory.get("allocator") or {}
     if alloc.get("available"):
         idx = gpus[0].get("index") if gpus else 0
-        for key, field in (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
-                           ("alloc_peak_allocated", "peak_allocated_bytes"),
-                           ("alloc_peak_reserved", "peak_reserved_bytes"), ("alloc_retries", "num_alloc_retries"),
-                           ("alloc_ooms", "num_ooms")):
+        for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS:
             st.set(key, alloc.get(field), idx)
 
 
 def _fold_event(st: MetricsState, rec: dict) -> None:
-    kind = str(rec.get("kind"))
-    st.events[kind] = st.events.get(kind, 0) + 1
+    st.add("events", 1, rec.get("kind"))
 
 
 _FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event}
@@ -228,24 +215,11 @@ def _families(st: MetricsState):
             cumulative.append((le, run))
         mf.add_metric(list(st.base) + [span, clock], cumulative, total)
     yield mf
-    events = FAMILIES["events"]
-    mf = CounterMetricFamily(events.name, events.help, labels=base_names + ["kind"])
-    for kind, n in st.events.items():
-        mf.add_metric(list(st.base) + [kind], n)
-    yield mf
-    intervals = FAMILIES["intervals"]
-    yield _one(CounterMetricFamily, intervals, base_names, st.base, st.intervals)
     if st.info is not None:
         info = FAMILIES["build_info"]
         mf = InfoMetricFamily(info.name[:-len("_info")], info.help, labels=base_names)
         mf.add_metric(list(st.base), st.info)
         yield mf
-
-
-def _one(cls, fam: Family, label_names: list, label_values: tuple, value: float):
-    mf = cls(fam.name, fam.help, labels=label_names)
-    mf.add_metric(list(label_values), value)
-    return mf
 
 
 def _le(bound: float) -> str:

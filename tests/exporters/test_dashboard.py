@@ -12,8 +12,8 @@ import promql_parser
 import pytest
 import yaml
 
-from exporters import dashboard as dash
-from exporters.names import COMMON_LABELS, FAMILIES
+from monitoring import dashboard as dash
+from monitoring.catalog import COMMON_LABELS, FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -117,7 +117,7 @@ def result_labels(node) -> set:
 def test_committed_json_is_the_generators_output(model, tmp_path):
     path = GRAFANA / "dflash.json"
     assert dash.DEFAULT_OUT == path
-    assert json.loads(path.read_text()) == model, "run: python -m exporters.dashboard"
+    assert json.loads(path.read_text()) == model, "run: python -m monitoring.dashboard"
     assert path.read_text() == dash.render(model)
     assert dash.main(["--check", "--out", str(path)]) == 0
     stale = tmp_path / "dflash.json"
@@ -214,7 +214,7 @@ def test_metrics_labels_and_legends_come_from_the_catalog(model):
     for title, ref, expr, ast in parsed(model):
         for node, _ in nodes(ast):
             if isinstance(node, promql_parser.VectorSelector):
-                assert family_of(node.name) is not None, f"{title}: {node.name} is not in exporters.names"
+                assert family_of(node.name) is not None, f"{title}: {node.name} is not in monitoring.catalog"
                 used = {m.name for m in node.matchers.matchers}
                 assert used <= series_labels(node.name), (title, node.name, used)
             if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
@@ -344,7 +344,7 @@ def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package prometheus)")
-    from exporters.dashboard import panel_queries, substitute_variables
+    from monitoring.dashboard import panel_queries, substitute_variables
     (expr,) = [e for t, _, e in panel_queries(json.loads((GRAFANA / "dflash.json").read_text()))
                if t.startswith("Drafter time share")]
     labels = 'job="dflash", run="r", instance="h:1", role="drafter", rank="0", span="drafter.fwd_bwd"'

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from exporters import trace
-from exporters.trace import GPU_START_UNKNOWN, TraceExporter, merge_traces, trace_pid
+from exporters.trace import TraceExporter
+from monitoring.trace_events import GPU_START_UNKNOWN, trace_pid
+from dflash import report_cli
+from report.trace import merge_traces
 
 T0 = 1_700_000_000_000_000_000       # Unix ns of the run's clock anchor
 MS = 1_000_000
@@ -312,27 +314,23 @@ def test_an_unwritable_trace_dir_logs_once_and_counts_drops(tmp_path, caplog):
 
 def test_cli_merges_and_refuses_what_is_not_a_run(tmp_path, capsys):
     run = write_run(tmp_path / "run")
-    assert trace.main(["merge", str(run)]) == 0
+    assert report_cli.main(["trace", str(run)]) == 0
     assert (run / "trace" / "merged.json").is_file() and "2 matched / 0 unmatched" in capsys.readouterr().out
-    assert trace.main(["merge", str(run), "-o", str(tmp_path / "x.json")]) == 0
+    assert report_cli.main(["trace", str(run), "-o", str(tmp_path / "x.json")]) == 0
     load(tmp_path / "x.json")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "empty" / "profile").mkdir(parents=True)
     (tmp_path / "empty" / "profile" / "rank0.jsonl").write_text("")
     for bad in ("missing", "foreign", "empty"):
         capsys.readouterr()
-        assert trace.main(["merge", str(tmp_path / bad)]) == 2, bad
+        assert report_cli.main(["trace", str(tmp_path / bad)]) == 2, bad
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("python -m exporters.trace: error:"), err
-    assert trace.main(["merge"]) == 2 and capsys.readouterr().err.count("\n") == 1
+        assert err.count("\n") == 1 and err.startswith("dflash-report: error:"), err
 
 
-def test_module_entry_point_needs_no_torch(tmp_path):
-    code = ("import sys, exporters.trace as t; assert 'torch' not in sys.modules; "
-            "sys.argv[0] = 'trace'; sys.exit(t.main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "merge", str(tmp_path / "nope")], cwd=REPO,
+def test_cli_needs_no_torch(tmp_path):
+    code = ("import sys, dflash.report_cli as c; r = c.main(sys.argv[1:]); assert 'torch' not in sys.modules; "
+            "sys.exit(r)")
+    proc = subprocess.run([sys.executable, "-c", code, "trace", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no such directory" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "exporters.trace", "merge", str(tmp_path / "nope")], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from exporters.names import FAMILIES
+from monitoring.catalog import FAMILIES
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_targets_file_lists_every_rank_and_is_withdrawn_at_the_end(live):
 
 
 def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
-    from exporters.dashboard import panel_queries, substitute_variables
+    from monitoring.dashboard import panel_queries, substitute_variables
 
     at = last_live_time(live["base"], live["run"])
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": "run", "role": ".*",
@@ -202,7 +202,7 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
 
 
 def test_every_template_variable_finds_values(live):
-    from exporters.dashboard import substitute_variables
+    from monitoring.dashboard import substitute_variables
 
     at = last_live_time(live["base"], live["run"])
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".+", "run": ".+", "role": ".+",

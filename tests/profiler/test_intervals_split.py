@@ -10,7 +10,7 @@ import pytest
 
 import profiler
 from exporters.console import format_interval, hotspot_rows
-from exporters.report import format_hotspots, hotspots
+from report import format_hotspots, hotspots
 from profiler.cuda_timing import EventPool
 from profiler.intervals import IntervalAggregator
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from exporters import report
-from exporters.advice import memory_margin, split
-from exporters.analysis import _histogram_quantile
-from exporters.memory_events import hot_frames
-from exporters.runs import ReportError, load_run
+import report
+from report.advice import memory_margin, split
+from report.analysis import _histogram_quantile
+from report.memory_events import hot_frames
+from report.runs import ReportError, load_run
 
 REPO = Path(__file__).resolve().parents[2]
 # As tests/integration/test_pipeline.py's SMALL, with 1 s intervals: 30 steps give several steady ones.
@@ -312,16 +312,6 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
                 if f["kind"] == "profiler_cost"]
 
 
-def test_an_overhead_measurement_says_what_its_off_phases_paused():
-    from exporters.report_text import _overhead_lines
-    base = {"mean_diff_pct": -0.4, "ci_low_pct": -1.2, "ci_high_pct": 0.4, "pairs": 300, "step": 77,
-            "within": "yes", "threshold_pct": 1}
-    lines = _overhead_lines({"examples": [{**base, "part": p} for p in ("all", "inline", "none")]})
-    assert [line.split(",")[0].strip() for line in lines] == [
-        "profiling cost", "cost of the profiler's inline part", "the measurement's own bias (A/A: both arms profiled)"]
-    assert lines[2].endswith("on vs off -0.40% (95% CI -1.20 .. +0.40%), 300 pairs; on within 1% of off: yes")
-
-
 def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
     """One step in four GPU-timed (--profile-gpu-steps-per-s): the intervals' GPU totals cover a quarter of the
     spans (gpu_count); the report, the console's run summary and the OTel histogram count read the run as the
@@ -343,7 +333,7 @@ def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
             assert rows[1][name][key] == pytest.approx(rows[0][name][key]), (name, key)
     assert rows[1]["drafter.fwd_bwd"]["total_seconds"] == pytest.approx(0.2 * 100 * 3)
     assert (rows[0]["drafter.fwd_bwd"]["gpu_timed"], rows[1]["drafter.fwd_bwd"]["gpu_timed"]) == (300, 75)
-    from exporters.report_text import format_hotspots
+    from report.report_text import format_hotspots
     assert "GPU times from sampled steps: 150 of 600 spans timed" in format_hotspots(reports[1])
     assert "sampled steps" not in format_hotspots(reports[0])
     assert hotspot_rows(full) == hotspot_rows(sampled)

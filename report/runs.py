@@ -28,6 +28,7 @@ class RankLog:
     events: list = field(default_factory=list)
     snapshots: list = field(default_factory=list)
     run_ends: list = field(default_factory=list)
+    spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
     bad_lines: int = 0
 
     @property
@@ -60,12 +61,11 @@ class Run:
 
 
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
-               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends"}
+               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans"}
 
 
-# Detail-window `spans` records are for traces (exporters.trace), not for the report: a whole such line is
-# left unparsed, which saves about 40% of the JSON decoding of a long run. A cut one is still parsed (and
-# counted as bad) by the reader.
+# Detail-window `spans` records are for traces (report.trace), not for this report: a whole such line is
+# left unparsed (they are most of a long log's bytes). A cut one is still parsed (and counted as bad).
 _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 
@@ -77,8 +77,8 @@ def _read_for_report(path: Path) -> tuple[list, int]:
     return rl.parse_lines(data)
 
 
-def _rank_log(rank: int, path: Path) -> RankLog:
-    recs, bad = _read_for_report(path)
+def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
+    recs, bad = rl.parse_lines(path.read_bytes()) if with_spans else _read_for_report(path)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
     log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad)
     for rec in recs:
@@ -94,7 +94,7 @@ def _rank_log(rank: int, path: Path) -> RankLog:
 @contextmanager
 def paused_gc():
     """The cyclic collector off for the block, then as it was. A run log is millions of small objects,
-    all kept: the collector would only rescan them (half the report's time on a 24-hour log)."""
+    all kept: the collector would only rescan them."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -104,8 +104,9 @@ def paused_gc():
             gc.enable()
 
 
-def load_run(run_dir) -> Run:
-    """Every rank's log of RUN_DIR; ReportError (one line) for a directory the report cannot read."""
+def load_run(run_dir, with_spans: bool = False) -> Run:
+    """Every rank's log of RUN_DIR (its detail-window `spans` records too with_spans); ReportError (one
+    line) for a directory the report cannot read."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -116,34 +117,15 @@ def load_run(run_dir) -> Run:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
     with paused_gc():
         try:
-            ranks = {rank: _rank_log(rank, p) for rank, p in logs.items()}
+            ranks = {rank: _rank_log(rank, p, with_spans) for rank, p in logs.items()}
         except ValueError as e:   # a schema newer than this reader
             raise ReportError(str(e)) from None
+        except OSError as e:
+            raise ReportError(f"{run_dir}: cannot read its run logs: {e}") from None
     if not any(log.run_starts or log.intervals for log in ranks.values()):
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
     return Run(run_dir=str(path), ranks=ranks)
-
-
-def basis(entry: dict) -> tuple[dict, str]:
-    """(stats, "gpu"|"cpu"): a span's times are GPU times when measured (what `share` uses), else CPU."""
-    if entry.get("gpu"):
-        return entry["gpu"], "gpu"
-    return entry.get("cpu") or {}, "cpu"
-
-
-def gpu_scale(entry: dict) -> float:
-    """count / gpu_count: what a span entry's GPU total is multiplied by to estimate all its spans' GPU time
-    when only some were GPU-timed (`--profile-gpu-steps-per-s`, docs/RUNLOG.md); 1.0 when all were, or for logs
-    written before gpu_count existed."""
-    timed = entry.get("gpu_count")
-    return (entry.get("count") or 0) / timed if timed else 1.0
-
-
-def basis_seconds(entry: dict) -> float:
-    """The entry's total on its basis: the GPU total scaled to all its spans (gpu_scale), else the CPU total."""
-    stats, on = basis(entry)
-    return (stats.get("total_seconds") or 0.0) * (gpu_scale(entry) if on == "gpu" else 1.0)
 
 
 def _did_work(rec: dict) -> bool:
@@ -164,6 +146,17 @@ def steady_intervals(log: RankLog) -> list:
         elif not rec.get("final"):
             steady.append(rec)
     return steady or list(log.intervals)
+
+
+def gpus(rec: dict) -> list:
+    """The interval's NVML per-GPU entries; none when its memory was not measured."""
+    mem = rec.get("memory") or {}
+    return (mem.get("gpus") or []) if mem.get("available") else []
+
+
+def gpu_key(log: RankLog, gpu: dict) -> str:
+    """"host:index": a GPU named across ranks (ranks on one host may share it)."""
+    return f"{log.hostname or '?'}:{gpu.get('index')}"
 
 
 def wall_seconds(intervals: list) -> float:

@@ -1,20 +1,20 @@
 """The report's analyses of one run: records in, answers out (JSON-able dicts, no formatting).
 
-One function per analysis, each taking an `exporters.runs.Run`:
+One function per analysis, each taking a `report.runs.Run`:
     span_ranking   spans ranked by total time: share of their role's time, CPU and GPU time, p50/p95
     role_shares    per role, the share of time spent waiting on the other side (WAIT_SPANS) and busy
     verdict        target-, drafter- or transfer-bound (or balanced), with the evidence
     bandwidth      achieved bandwidth of spans that declare bytes, against the floors measured at start
     rank_table     per-rank rates and busy shares, and the straggler among a role's ranks
-Memory, events and stacks are in exporters.memory_events; advice (findings, split, memory margin) in
-exporters.advice. Standard library only.
+Memory, events and stacks are in report.memory_events; advice (split, memory margin) in report.advice. Standard library only.
 """
 from __future__ import annotations
 
 import statistics
 
-from exporters.names import WAIT_SPANS
-from exporters.runs import Run, basis, basis_seconds, counter_total, gpu_scale, steady_intervals, wall_seconds
+from monitoring.catalog import WAIT_SPANS
+from profiler.windows import basis, basis_seconds, gpu_scale, open_at_end, whole_seconds
+from report.runs import Run, counter_total, steady_intervals, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -58,18 +58,6 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
     if estimate is None or not values:
         return estimate
     return min(max(estimate, min(values)), max(values))
-
-
-def whole_seconds(entry: dict) -> float:
-    """The summed durations of the spans an interval (or run_end) entry counts, each whole: the sum behind
-    its mean. GPU time is never split, so on the GPU it is the total (scaled to all the spans when only some
-    were GPU-timed: gpu_scale); a CPU total is the time inside the interval (split at its boundaries,
-    docs/RUNLOG.md), so on the CPU it is mean x count."""
-    stats, on = basis(entry)
-    if on == "gpu":
-        return basis_seconds(entry)
-    mean = stats.get("mean_seconds")
-    return mean * (entry.get("count") or 0) if mean is not None else 0.0
 
 
 def _add_span(acc: dict, entry: dict, rank: int) -> None:
@@ -129,16 +117,11 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
     """Note the spans still open when an interval closed (its `open_spans`): in how many interval ends,
     the longest open (and where), and whether the rank's last interval ended with it open."""
-    longest: dict = {}
-    for entry in rec.get("open_spans") or ():
-        for s in entry.get("spans") or ():
-            age_s = s.get("open_seconds") or 0.0
-            if s.get("name") not in longest or age_s > longest[s.get("name")][0]:
-                longest[s.get("name")] = (age_s, entry.get("thread"))
-    for name, (age_s, thread) in longest.items():
+    for name, opened in open_at_end(rec.get("open_spans")).items():
         a = agg.get((role, name))
         if a is None:   # a log written before open spans held time in the interval
             continue
+        thread, age_s = opened[0]
         a["open_intervals"] += 1
         if a["open_max_seconds"] is None or age_s > a["open_max_seconds"]:
             a["open_max_seconds"] = age_s

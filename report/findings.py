@@ -1,10 +1,10 @@
 """Findings: the few things in a report worth acting on, each with its evidence and the next
-experiment to try. Answers in (the analyses' dicts, as exporters.report assembles them), answers out.
+experiment to try. Answers in (the analyses' dicts, as report.hotspots assembles them), answers out.
 Standard library only.
 """
 from __future__ import annotations
 
-from exporters.analysis import WAIT_BOUND_SHARE
+from report.analysis import WAIT_BOUND_SHARE
 
 FLOOR_RATIO_LOW = 0.25         # a span moving its bytes at under a quarter of the floor's bandwidth
 FLOOR_LOSS_SHARE = 0.01        # ... and losing at least this share of its role's time to it
@@ -217,6 +217,6 @@ def _profiler_cost(report: dict) -> list:
 
 
 def findings(report: dict) -> list:
-    """Every finding of an assembled report (exporters.report.hotspots), problems first."""
+    """Every finding of an assembled report (report.hotspots), problems first."""
     return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report),
             *_waits(report), *_split(report), *_bandwidth(report), *_profiler_cost(report)]

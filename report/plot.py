@@ -7,7 +7,8 @@ the k-th intervals of a role's ranks are summed into one point at their mean tim
 """
 from __future__ import annotations
 
-from exporters.runs import Run, basis_seconds
+from profiler.windows import basis_seconds
+from report.runs import Run, gpu_key, gpus
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
 GIB = 1024 ** 3
@@ -22,7 +23,7 @@ def timeline(run: Run) -> dict:
         t0 = min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
     step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
     roles: dict = {}
-    gpus: dict = {}
+    headroom: dict = {}
     for log in run.ranks.values():
         acc = roles.setdefault(log.role, {"ranks": 0, "bins": {}})
         acc["ranks"] += 1
@@ -34,15 +35,14 @@ def timeline(run: Run) -> dict:
             for name, e in (rec.get("spans") or {}).items():
                 b["spans"][name] = b["spans"].get(name, 0.0) + basis_seconds(e)
             b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
-            mem = rec.get("memory") or {}
-            for g in (mem.get("gpus") or []) if mem.get("available") else []:
+            for g in gpus(rec):
                 if g.get("headroom_bytes") is not None:
-                    s = gpus.setdefault(f"{log.hostname or '?'}:{g.get('index')}",
-                                        {"seconds": [], "headroom_bytes": [], "total_bytes": g.get("total_bytes")})
+                    s = headroom.setdefault(gpu_key(log, g), {"seconds": [], "headroom_bytes": [],
+                                                              "total_bytes": g.get("total_bytes")})
                     s["seconds"].append(rec["time_unix"] - t0)
                     s["headroom_bytes"].append(g["headroom_bytes"])
     return {"interval_s": step, "roles": {role: _series(acc) for role, acc in sorted(roles.items())},
-            "gpus": gpus}
+            "gpus": headroom}
 
 
 def _series(acc: dict) -> dict:

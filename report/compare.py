@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import statistics
 
-from exporters.analysis import whole_seconds
-from exporters.names import WAIT_SPANS
-from exporters.runs import Run, basis, steady_intervals
+from monitoring.catalog import WAIT_SPANS
+from profiler.windows import basis, whole_seconds
+from report.runs import Run, gpu_key, gpus, steady_intervals
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01
 
 
-def _quantile(sorted_values: list, q: float) -> float:
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def _summary(samples: list) -> dict:
-    values = sorted(samples)
+def _summary(values: list) -> dict:
+    deciles = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else [0.0] * 9
     return {"mean": statistics.fmean(values) if values else None, "intervals": len(values),
-            "spread": _quantile(values, 0.9) - _quantile(values, 0.1) if values else None}
+            "spread": deciles[-1] - deciles[0] if values else None}
 
 
 def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 0.0) -> dict:
@@ -85,10 +78,9 @@ def _memory_samples(run: Run) -> dict:
     out: dict = {}
     for log in run.ranks.values():
         for rec in steady_intervals(log):
-            mem = rec.get("memory") or {}
-            for g in (mem.get("gpus") or []) if mem.get("available") else []:
+            for g in gpus(rec):
                 if g.get("used_bytes_peak") is not None:
-                    out.setdefault(f"{log.hostname or '?'}:{g.get('index')}", []).append(g["used_bytes_peak"])
+                    out.setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
     return out
 
 

@@ -8,7 +8,7 @@ run stopped, or whether one side never got as far as the other expected.
 """
 from __future__ import annotations
 
-from exporters.runs import Run
+from report.runs import Run
 
 FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal", "peer_lost")
 

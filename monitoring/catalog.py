@@ -1,4 +1,4 @@
-"""Every metric family the exporters publish, and the one function that builds their names.
+"""Every metric family the live sinks publish, and the one function that builds their names.
 
 Prometheus, OpenTelemetry and the Grafana dashboard all read this catalog, so a name is spelled in
 one place. Naming follows Prometheus' conventions: prefix `dflash_`, base unit in the name
@@ -120,3 +120,34 @@ def train_metric_family(name: str) -> tuple[Family, dict] | None:
     if name.startswith("acc_") and name[4:].isdigit():
         return FAMILIES["train_accuracy"], {"position": name[4:]}
     return None
+
+
+def train_metric_value(name: str, stats: dict):
+    """The value a training scalar's gauge shows: the learning rate's last of the interval, else the mean."""
+    return stats.get("last" if name == "lr" else "mean")
+
+
+# (family key, field of an interval's memory.gpus[] entry) for the per-GPU gauges read as they are.
+GPU_FIELDS = (("gpu_memory_used", "used_bytes_last"), ("gpu_memory_peak", "used_bytes_peak"),
+              ("gpu_memory_total", "total_bytes"), ("gpu_headroom_min", "headroom_bytes"),
+              ("gpu_power", "power_watts_mean"), ("gpu_temperature", "temperature_c_max"),
+              ("gpu_sm_clock", "sm_clock_hz_last"))
+# (family key, field of memory.allocator): gauges, then the allocator's running counts.
+ALLOCATOR_GAUGES = (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
+                    ("alloc_peak_allocated", "peak_allocated_bytes"), ("alloc_peak_reserved", "peak_reserved_bytes"))
+ALLOCATOR_COUNTERS = (("alloc_retries", "num_alloc_retries"), ("alloc_ooms", "num_ooms"))
+
+
+def gpu_gauges(gpu: dict) -> dict:
+    """{family key: value} of one memory.gpus[] entry, with the headroom now, the low point's share of the
+    GPU and the utilisation as a ratio derived from it; values the entry lacks are left out."""
+    out = {key: gpu.get(field) for key, field in GPU_FIELDS}
+    total, used, low, util = (gpu.get(k) for k in ("total_bytes", "used_bytes_last", "headroom_bytes",
+                                                   "util_percent_mean"))
+    if total and used is not None:
+        out["gpu_headroom"] = total - used
+    if total and low is not None:
+        out["gpu_headroom_ratio"] = low / total
+    if util is not None:
+        out["gpu_utilization"] = util / 100.0
+    return {k: v for k, v in out.items() if v is not None}

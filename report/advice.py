@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import statistics
 
-from exporters.analysis import rank_table
-from exporters.runs import Run, counter_total
+from report.analysis import rank_table
+from report.runs import Run, counter_total, gpu_key
 
 HEADROOM_SHARE = 0.05
 
@@ -86,7 +86,7 @@ def _rank_memory(log) -> dict | None:
         for g in mem.get("gpus") or []:
             if g.get("used_bytes_peak") is not None and g.get("total_bytes"):
                 used_peak, total = max(used_peak or 0, g["used_bytes_peak"]), g["total_bytes"]
-                gpu = f"{log.hostname or '?'}:{g.get('index')}"
+                gpu = gpu_key(log, g)
         a = mem.get("allocator") or {}
         peak = a.get("peak_reserved_bytes") or a.get("peak_allocated_bytes")
         if a.get("available") and a.get("allocated_bytes") is not None and peak is not None:

@@ -1,12 +1,12 @@
 """The Grafana dashboard for DFlash training, generated from code.
 
-`python -m exporters.dashboard` writes `grafana/dflash.json`; `--check` exits 1 when the committed file
+`python -m monitoring.dashboard` writes `grafana/dflash.json`; `--check` exits 1 when the committed file
 differs from what this module generates (the committed JSON must equal the generator's output).
 
 Panels are plain data (`Panel`, `Query`) grouped in rows; `build_dashboard()` turns them into Grafana's
 JSON model with grafana-foundation-sdk, imported there only, so `panel_queries` and
 `substitute_variables` (used by the integration test that evaluates every query against a real
-Prometheus) need nothing beyond the standard library. Metric names come from `exporters.names`.
+Prometheus) need nothing beyond the standard library. Metric names come from `monitoring.catalog`.
 
 Every query follows grafana/dashboard-linter's rules: the templated `${datasource}`, `job=~"$job"` and
 `instance=~"$instance"` in every selector (plus run, role, rank, and gpu or clock where the family has
@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporters.names import COMMON_LABELS, FAMILIES, WAIT_SPANS
+from monitoring.catalog import COMMON_LABELS, FAMILIES, WAIT_SPANS
 
 TITLE = "DFlash training"
 DASHBOARD_UID = "dflash-training"
@@ -458,7 +458,7 @@ def render(dashboard: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the dashboard JSON, or with --check report whether the file on disk is current."""
-    parser = argparse.ArgumentParser(prog="python -m exporters.dashboard", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m monitoring.dashboard", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="dashboard JSON path (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else None
         if current != text:
-            print(f"{args.out} is out of date: run python -m exporters.dashboard --out {args.out}",
+            print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}",
                   file=sys.stderr)
             return 1
         print(f"{args.out} is up to date")

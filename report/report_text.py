@@ -1,4 +1,4 @@
-"""The human text of `dflash-report`: one formatter per section of a report dict (exporters.report).
+"""The human text of `dflash-report`: one formatter per section of a report dict (report.hotspots).
 Never computes an answer, only prints the ones it is given; a missing number prints as "-".
 Standard library only.
 """
@@ -125,24 +125,6 @@ def _events(rep: dict) -> list:
     others = [f"{kind} {k['count']}" for kind, k in ev["kinds"].items() if kind not in ev["problems"]]
     if others:
         lines.append("  other: " + ", ".join(others))
-    return lines + _overhead_lines(ev["kinds"].get("profile_overhead"))
-
-
-def _overhead_lines(kind: dict | None) -> list:
-    """What `dflash-profile overhead` measured in this run (its `profile_overhead` events)."""
-    lines = []
-    for e in (kind or {}).get("examples", []):
-        if e.get("mean_diff_pct") is None:
-            continue
-        ci = (f" (95% CI {e['ci_low_pct']:+.2f} .. {e['ci_high_pct']:+.2f}%)"
-              if isinstance(e.get("ci_low_pct"), (int, float)) and isinstance(e.get("ci_high_pct"), (int, float))
-              else "")
-        part = e.get("part", "all")
-        what = {"all": "profiling cost", "none": "the measurement's own bias (A/A: both arms profiled)"}.get(
-            part, f"cost of the profiler's {part} part")
-        lines.append(f"  {what}, measured in the run (dflash-profile overhead, step {e.get('step')}): "
-                     f"on vs off {e['mean_diff_pct']:+.2f}%{ci}, {e.get('pairs')} pairs; on within "
-                     f"{e.get('threshold_pct', 1):g}% of off: {e.get('within')}")
     return lines
 
 

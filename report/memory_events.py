@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from exporters.runs import Run
+from report.runs import Run, gpu_key
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
@@ -67,7 +67,7 @@ def headroom(run: Run) -> dict:
             for g in mem.get("gpus") or []:
                 if g.get("headroom_bytes") is None or not g.get("total_bytes"):
                     continue
-                key = f"{log.hostname or '?'}:{g.get('index')}"
+                key = gpu_key(log, g)
                 acc = gpus.setdefault(key, {"gpu": key, "host": log.hostname, "index": g.get("index"),
                                             "name": g.get("name"), "total_bytes": g["total_bytes"], "ranks": [],
                                             "intervals": 0, "low_point": None, "used_bytes_peak": 0,

@@ -1,0 +1,324 @@
+"""Perfetto / Chrome trace: per-thread span timelines of the detail windows (docs/RUNLOG.md, `spans`).
+
+Trace-event JSON (Chrome's JSON Object Format), viewable in ui.perfetto.dev and chrome://tracing:
+
+  process  pid = rank + 1 (Perfetto treats pid 0 as the kernel's idle process, so rank 0 cannot be
+           pid 0), named "rank R (role) host", ordered by rank
+  thread   tid = the span's OS thread id (`tid`), named after the thread; a span's GPU time goes on a
+           second track of that thread, tid + GPU_TID_OFFSET, named "<thread> (GPU)". Tids are unique
+           across the file (ranks on different hosts may share an OS thread id: the later one gets a
+           synthetic tid and "(tid N)" in its name)
+  slice    "X" per span, ts/dur in integer Unix microseconds (so every rank shares one timebase; both
+           ends are floored, so spans nested on a thread stay nested); args: id, parent, depth, steps,
+           cpu_seconds, gpu_seconds, bytes, achieved GB/s, attrs. A GPU slice starts at the span's
+           `gpu_start_unix_ns` when the record has one, else at its CPU start, and says so in its args
+  flow     "s" at the start of a `transfer.send` tagged `flow`, "f" (bp "e") at the start of the
+           `drafter.recv` with the same flow string, each listed right after its slice: Perfetto binds a
+           v1 flow event to the slice most recently begun on its track; id = a stable 48-bit hash of
+           the string, name "batch", cat "transfer"
+
+A track whose slices would overlap without nesting (GPU slices placed at their CPU start can) gets
+extra lanes ("<track> [overlap N]"), so every track holds properly nested "X" events.
+
+Two producers build on this module: `exporters.trace.TraceExporter` (the live per-rank file
+RUN_DIR/trace/rank{R}.json) and `report.trace.merge_traces` (one file for every rank, rebuilt from the
+run logs, so it works after a crash too). Standard library only.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import threading
+import zlib
+from pathlib import Path
+
+MAX_EVENTS = 500_000              # slices kept per trace file; the oldest spans records go first
+GPU_TID_OFFSET = 1 << 30          # GPU track of thread T: T + offset (Linux thread ids stay below 2**22)
+OVERLAP_TID_BASE = 1 << 29        # extra lanes, and a thread whose id a track already took
+FLOW_START, FLOW_END, FLOW_CAT = "transfer.send", "drafter.recv", "transfer"
+GPU_START_UNKNOWN = "unknown; aligned to CPU start"
+
+# ---------------------------------------------------------------- one span -> slices
+
+def num(x):
+    """x if it is a finite number (not a bool), else None."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return x if ok else None
+
+
+def json_safe(v):
+    """Non-finite floats -> None, recursively (trace files must stay valid JSON)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+def trace_pid(rank: int) -> int:
+    """The trace's pid for a rank (Perfetto gives pid 0 the kernel idle process's special handling)."""
+    return int(rank) + 1
+
+
+def flow_id(flow: str) -> int:
+    """A stable integer id for a flow string (48 bits: exact in JSON readers that use doubles)."""
+    return int.from_bytes(hashlib.blake2b(flow.encode(), digest_size=6).digest(), "big")
+
+
+def _thread_key(entry: dict) -> tuple[int, str]:
+    """(tid, name) of a span's thread; a stable stand-in id when the record has no usable `tid`."""
+    name = str(entry.get("thread") or "thread")
+    tid = entry.get("tid")
+    if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < OVERLAP_TID_BASE:
+        tid = zlib.crc32(name.encode()) % (1 << 22)
+    return tid, name
+
+
+def _span_args(entry: dict, steps) -> dict:
+    """The CPU slice's args: identity, times, bytes and achieved bandwidth, the step window, tags."""
+    cpu, gpu, nbytes = (num(entry.get(k)) for k in ("cpu_seconds", "gpu_seconds", "bytes"))
+    args = {"id": json_safe(entry.get("id")), "parent": json_safe(entry.get("parent")),
+            "depth": num(entry.get("depth")),
+            "cpu_seconds": cpu, "gpu_seconds": gpu, "bytes": nbytes}
+    seconds, on = (gpu, "gpu") if gpu else (cpu, "cpu")
+    if nbytes and seconds and seconds > 0:
+        args["achieved_gb_per_s"] = round(nbytes / seconds / 1e9, 3)
+        args["achieved_on"] = on
+    if steps:
+        args["steps"] = steps
+    if entry.get("attrs"):
+        args["attrs"] = json_safe(entry["attrs"])
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def span_slices(entry: dict, steps=None) -> list | None:
+    """One `spans` entry -> [("cpu", X event), ("gpu", X event)?] without pid/tid; None when the entry
+    has no start/end time. `steps` is the record's step window, already JSON-safe."""
+    start, end = num(entry.get("start_unix_ns")), num(entry.get("end_unix_ns"))
+    if start is None or end is None:
+        return None
+    start, end = int(start), int(end)
+    name = str(entry.get("name") or "span")
+    cat = name.split(".")[0]
+    ts = start // 1000
+    out = [("cpu", {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": max(0, end // 1000 - ts),
+                    "args": _span_args(entry, steps)})]
+    gpu = num(entry.get("gpu_seconds"))
+    if gpu is not None and gpu >= 0:
+        args = {k: v for k, v in (("id", json_safe(entry.get("id"))), ("depth", num(entry.get("depth"))),
+                                  ("gpu_seconds", gpu)) if v is not None}
+        g0 = num(entry.get("gpu_start_unix_ns"))
+        if g0 is None:
+            g0, args["gpu_start"] = start, GPU_START_UNKNOWN
+        g0 = int(g0)
+        gts = g0 // 1000
+        out.append(("gpu", {"ph": "X", "name": name, "cat": cat + ",gpu", "ts": gts,
+                            "dur": max(0, (g0 + round(gpu * 1e9)) // 1000 - gts), "args": args}))
+    return out
+
+
+def _cost(entry) -> int:
+    """Slices a span entry becomes (the unit of the event bound)."""
+    return 1 + (isinstance(entry, dict) and num(entry.get("gpu_seconds")) is not None)
+
+
+def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
+    """Keep the newest spans records whose slices fit in max_events -> (kept, records evicted, spans
+    evicted). A record larger than the whole bound keeps its latest spans (a trimmed copy)."""
+    kept, used = [], 0
+    for i in range(len(records) - 1, -1, -1):
+        spans = records[i].get("spans") or []
+        cost = sum(_cost(s) for s in spans)
+        if used + cost <= max_events:
+            kept.append(records[i])
+            used += cost
+            continue
+        evicted = sum(len(r.get("spans") or []) for r in records[:i])
+        if kept:
+            return kept[::-1], i + 1, evicted + len(spans)
+        n = len(spans)
+        while n and used + _cost(spans[n - 1]) <= max_events:
+            n -= 1
+            used += _cost(spans[n])
+        return [{**records[i], "spans": spans[n:]}], i, evicted + n
+    return kept[::-1], 0, 0
+
+
+# ---------------------------------------------------------------- slices -> trace events
+
+def prepare(rank: int, record: dict) -> dict:
+    """One spans record -> its slices keyed by track, its flow halves and its counts. Built once per
+    record: the live exporter keeps them between rewrites (build_trace only sets their tids)."""
+    items, flows, spans, bad = [], [], 0, 0
+    steps, pid = json_safe(record.get("steps")), trace_pid(rank)
+    for entry in record.get("spans") or ():
+        slices = span_slices(entry, steps) if isinstance(entry, dict) else None
+        if slices is None:
+            bad += 1
+            continue
+        spans += 1
+        tid, thread = _thread_key(entry)
+        for kind, ev in slices:
+            ev["pid"] = pid
+            items.append(((rank, tid, thread, kind), ev))
+        attrs, cpu = entry.get("attrs"), slices[0][1]
+        if isinstance(attrs, dict) and attrs.get("flow") is not None and cpu["name"] in (FLOW_START, FLOW_END):
+            flows.append((str(attrs["flow"]), cpu["name"] == FLOW_START, cpu))
+    return {"items": items, "flows": flows, "spans": spans, "bad_spans": bad}
+
+
+def build_trace(procs: list, prepared: list) -> tuple[list, dict]:
+    """procs: [{"rank", "role", "host"}] (one process each); prepared: prepare() of their spans records
+    -> (traceEvents, counts). Events: process and thread metadata, then each track's slices and flow
+    points in ts order."""
+    tracks, flows, counts = {}, [], {"spans": 0, "bad_spans": 0}
+    for prep in prepared:
+        for key, ev in prep["items"]:
+            tracks.setdefault(key, []).append(ev)
+        flows += prep["flows"]
+        counts["spans"] += prep["spans"]
+        counts["bad_spans"] += prep["bad_spans"]
+    meta, slices = _layout(tracks)
+    flow_events, counts["flows_matched"], counts["flows_unmatched"] = _flow_events(flows)
+    timed = slices + flow_events
+    timed.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], e["ph"] != "X", -e.get("dur", 0),
+                              e.get("args", {}).get("depth") or 0))
+    counts["events"] = len(timed)
+    return _process_metadata(procs) + meta + timed, counts
+
+
+def _slice_order(ev: dict) -> tuple:
+    return ev["ts"], -ev["dur"], ev["args"].get("depth") or 0
+
+
+def _lanes(slices: list) -> list:
+    """Split one track's slices into lanes in which any two slices are disjoint or nested. CPU spans of
+    a thread always nest (one lane); GPU slices placed at their CPU start may not."""
+    slices.sort(key=_slice_order)
+    lanes, stacks = [], []           # per lane: its slices, and the end times of its open slices
+    for ev in slices:
+        end = ev["ts"] + ev["dur"]
+        for lane, stack in zip(lanes, stacks):
+            while stack and stack[-1] <= ev["ts"]:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                lane.append(ev)
+                stack.append(end)
+                break
+        else:
+            lanes.append([ev])
+            stacks.append([end])
+    return lanes
+
+
+def _layout(tracks: dict) -> tuple[list, list]:
+    """Give every lane of every track a tid -> (thread metadata events, slices with pid/tid)."""
+    first = {}
+    for (rank, tid, thread, _), evs in tracks.items():
+        t0 = min(e["ts"] for e in evs)
+        first[(rank, tid, thread)] = min(t0, first.get((rank, tid, thread), t0))
+    order = sorted(tracks, key=lambda k: (k[0], first[k[:3]], k[1], k[2], k[3]))
+    taken, sort_index, meta, slices = set(), {}, [], []     # tids are unique across processes
+    for key in order:
+        rank, tid, thread, kind = key
+        pid = trace_pid(rank)
+        for i, lane in enumerate(_lanes(tracks[key])):
+            preferred = (tid if kind == "cpu" else tid + GPU_TID_OFFSET) if i == 0 else None
+            lane_tid = _claim(taken, preferred)
+            label = (thread + (f" (tid {tid})" if i == 0 and lane_tid != preferred else "")
+                     + (" (GPU)" if kind == "gpu" else "") + (f" [overlap {i}]" if i else ""))
+            sort_index[pid] = sort_index.get(pid, -1) + 1
+            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane_tid, "args": {"name": label}})
+            meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": lane_tid,
+                         "args": {"sort_index": sort_index[pid]}})
+            for ev in lane:
+                ev["tid"] = lane_tid
+            slices.extend(lane)
+    return meta, slices
+
+
+def _claim(taken: set, preferred) -> int:
+    """The preferred tid if no track has it yet, else the next free synthetic one."""
+    tid = preferred
+    if tid is None or tid in taken:
+        tid = OVERLAP_TID_BASE
+        while tid in taken:
+            tid += 1
+    taken.add(tid)
+    return tid
+
+
+def _flow_events(flows: list) -> tuple[list, int, int]:
+    """Flow event pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched,
+    unmatched).
+    The i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse
+    a batch id); a half with no partner (the other rank's log is absent) is counted, not drawn."""
+    by_flow = {}
+    for flow, is_start, ev in flows:
+        by_flow.setdefault(flow, ([], []))[0 if is_start else 1].append(ev)
+    out, matched, unmatched = [], 0, 0
+    for flow, (starts, ends) in by_flow.items():
+        starts.sort(key=_slice_order)
+        ends.sort(key=_slice_order)
+        n = min(len(starts), len(ends))
+        unmatched += len(starts) + len(ends) - 2 * n
+        matched += n
+        for i in range(n):
+            fid = flow_id(flow if i == 0 else f"{flow}#{i}")
+            out.append(_flow_point("s", starts[i], fid, flow))
+            out.append(_flow_point("f", ends[i], fid, flow))
+    return out, matched, unmatched
+
+
+def _flow_point(ph: str, sl: dict, fid: int, flow: str) -> dict:
+    """A flow event at the start of slice `sl`. Perfetto binds it to the slice begun last on the track
+    (finished children stay on its stack until the next slice begins), so a point later inside `sl`
+    could bind to a child; at the start it follows `sl` itself in ts order (X events sort first)."""
+    ev = {"ph": ph, "name": "batch", "cat": FLOW_CAT, "id": fid, "pid": sl["pid"], "tid": sl["tid"],
+          "ts": sl["ts"], "args": {"flow": flow}}
+    if ph == "f":
+        ev["bp"] = "e"
+    return ev
+
+
+def _process_metadata(procs: list) -> list:
+    """process_name ("rank R (role) host") and process_sort_index per rank. No tid: tid 0 is special
+    to Perfetto too."""
+    out = []
+    for p in procs:
+        label = f"rank {p['rank']} ({p.get('role') or 'unknown role'})" + (f" {p['host']}" if p.get("host") else "")
+        pid = trace_pid(p["rank"])
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": p["rank"]}})
+    return out
+
+
+def proc_info(rank: int, run_start: dict) -> dict:
+    """What a trace shows about a rank, from its run_start (or any record header)."""
+    return {"rank": rank, "role": run_start.get("role"), "host": run_start.get("hostname"),
+            "pid": run_start.get("pid"), "run_id": run_start.get("run_id"), "clock": run_start.get("clock")}
+
+
+def write_trace(path, events: list, metadata: dict) -> None:
+    """Write the trace atomically: a temporary file beside `path`, then os.replace (a reader never
+    sees half a file). One event per line, so a large file streams out without one huge string."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write('{"traceEvents":[\n')
+            for i, ev in enumerate(events):
+                f.write((",\n" if i else "") + encode(ev))
+            f.write('\n],"displayTimeUnit":"ms","metadata":' + json.dumps(metadata, allow_nan=False) + "}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,79 @@
+"""`dflash-report`'s facade: a run directory in, the report's answers out, each usable from Python.
+
+    hotspots(run_dir, top=None, n_gpus=None) -> Report   every analysis of one run (docs/REPORT.md)
+    compare(run_dir_a, run_dir_b) -> dict                 the A/B table (report.compare)
+    plot(run_dir, png_path) -> str                        span time, tokens/s and headroom over time
+    format_hotspots(report) / format_compare(table)       the human text of either
+Each analysis is one function of a loaded run (report.runs.load_run) in report.analysis, report.memory_events,
+report.advice, report.flight_recorder or report.compare; report.findings reads their answers. Standard
+library only; matplotlib is imported by the plot alone. A run directory it cannot read raises ReportError.
+"""
+from __future__ import annotations
+
+from typing import TypedDict
+
+from report import compare as _compare
+from report.advice import memory_margin, split
+from report.analysis import bandwidth, rank_table, span_ranking, verdict
+from report.findings import findings
+from report.flight_recorder import transfer_rings
+from report.memory_events import events, headroom, hot_frames
+from report.plot import plot_run
+from report.report_text import format_compare, format_hotspots
+from report.runs import ReportError, Run, load_run, paused_gc
+
+REPORT_SCHEMA = 1
+
+__all__ = ["REPORT_SCHEMA", "Report", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
+           "format_hotspots", "format_compare", "load_run"]
+
+
+class Report(TypedDict):
+    """What `hotspots` answers: a JSON-able dict (`--json` prints it), one key per analysis (docs/REPORT.md)."""
+    report_schema: int
+    run_dir: str
+    run_id: str | None
+    log_schema: int | None
+    segments: int
+    config: dict
+    spans: dict
+    verdict: dict
+    bandwidth: list
+    memory: dict
+    events: dict
+    transfer_rings: dict
+    hot_frames: dict
+    ranks: dict
+    split: dict
+    memory_margin: dict
+    findings: list
+
+
+def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> Report:
+    """Every analysis of a loaded run, then the findings drawn from them."""
+    ranks = rank_table(run)
+    starts = [s for log in run.ranks.values() for s in log.run_starts]
+    report = Report(
+        report_schema=REPORT_SCHEMA, run_dir=run.run_dir,
+        run_id=next((s["run_id"] for s in starts if s.get("run_id")), None),
+        log_schema=max((s.get("schema", 0) for s in starts), default=None),
+        segments=max((len(log.run_starts) for log in run.ranks.values()), default=0),
+        config=run.config, spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
+        memory=headroom(run), events=events(run), transfer_rings=transfer_rings(run), hot_frames=hot_frames(run),
+        ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])
+    report["findings"] = findings(report)
+    return report
+
+
+def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> Report:
+    with paused_gc():
+        return hotspots_of(load_run(run_dir), top, n_gpus)
+
+
+def compare(run_dir_a, run_dir_b) -> dict:
+    with paused_gc():
+        return _compare.compare(load_run(run_dir_a), load_run(run_dir_b))
+
+
+def plot(run_dir, png_path) -> str:
+    return plot_run(load_run(run_dir), png_path)
