@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from dflash import handoff
 from dflash.config import ConfigError, add_config_flags, config_from_args
 
 
@@ -27,18 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from dflash import launch
-
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-            from dflash.rank import long_lived
-
-            with long_lived():   # the imports, as a rank started by dflash.launch does them
+            with handoff.long_lived():   # the imports, as a rank started by dflash.launch does them
                 from dflash import preflight, worker
 
             world = int(os.environ["WORLD_SIZE"])
             preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            os.umask(launch.RUN_UMASK)  # what this rank writes is private to this user
+            os.umask(handoff.RUN_UMASK)  # what this rank writes is private to this user
             return worker.run(cfg)
+        from dflash import launch
+
         return launch.launch(cfg, started_ns)  # preflight first, then one process per rank
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)

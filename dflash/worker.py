@@ -23,6 +23,7 @@ import dflash
 import profiler
 from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
+from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.stacks import make_stack_sampler
@@ -99,8 +100,6 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
             asleep = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
             torch.set_num_threads(cpu_threads(topo, rank, host_cores(), asleep))
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        from dflash.launch import RendezvousError, rendezvous_store
-
         store = rendezvous_store(rank, world, cfg.rendezvous_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, store=store)
         timeline.mark("rendezvous")
@@ -356,17 +355,11 @@ def _print_final(run_dir: Path) -> None:
 def main() -> int:
     """A rank started by dflash.launch: its imports are done; wait at the gate for the config, which
     comes once the launcher's preflight passed (EOF: it did not, or the launcher is gone; exit quietly)."""
-    from dflash.launch import ENV_GATE_FD
-
     imported_ns = time.time_ns()
-    fd = os.environ.get(ENV_GATE_FD, "")
     try:
-        with os.fdopen(int(fd), "rb") as gate:
-            data = gate.read()
-    except (ValueError, OSError) as e:
-        print(f"dflash-train: error: a rank process reads its config from the launcher's gate ({ENV_GATE_FD}="
-              f"{fd!r}: {getattr(e, 'strerror', None) or 'not set'}); run dflash-train, or torchrun -m dflash.cli",
-              file=sys.stderr)
+        data = read_gate()
+    except ConfigError as e:
+        print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2
     if not data:
         return 2
