@@ -32,7 +32,6 @@ from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
 from profiler import nonfinite
 
-_META_ROWS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 # Where DFLASH_FAULT can fire (checked at start-up: profiler.faults.check_injection_points): every
 # span the pipeline enters, and for nan the spans that hand a tensor to profiler.corrupt().
 FAULT_SPANS = ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "transfer.wait_slot",
@@ -147,9 +146,9 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
-    meta = torch.stack([packed.cpu[name].to(torch.int64) for name in _META_ROWS])
-    ints = [batch_index, packed.noise_seed, int(packed.split)]
-    sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release, fingerprint=fingerprint))
+    rows, header = packed.to_wire(batch_index)
+    sender.submit(transfer.Message(payload, rows, list(header), ready=ready, release=release,
+                                   fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
 
@@ -231,9 +230,8 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     cfg, model = ctx.cfg, state.model
     with profiler.span("drafter.unpack"):   # ~7% of a launch-workload step (H200), in no span before
         hidden = transfer.wait_ready(msg)   # the receiver already ran h2d_copy on the host path
-        _check_payload(ctx, msg, hidden, state.step)
-        packed = PackedBatch.from_transfer(hidden, {n: msg.meta[i] for i, n in enumerate(_META_ROWS)},
-                                           noise_seed=msg.ints[1], split=bool(msg.ints[2]), device=ctx.device)
+        packed, header = PackedBatch.from_wire(hidden, msg.meta, msg.ints, ctx.device)
+        _check_payload(ctx, msg, hidden, state.step, header.batch_index)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.step * 131 + ctx.rank)
     with profiler.span("drafter.fwd_bwd"):
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
@@ -269,7 +267,8 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     return loss.detach(), out.tau.detach()
 
 
-def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int) -> None:
+def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int,
+                   batch_index: int) -> None:
     """Compare the received payload's fingerprint with the target's, on the device: flags
     `payload.packed` (the pack made NaN/Inf) or `payload.transfer` (d2h_copy, transfer.send or h2d_copy
     changed it); read back off this thread like every check."""
@@ -277,7 +276,7 @@ def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tens
         return
     flags = nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(hidden), hidden.numel())
     profiler.check_flags("drafter.recv", ["payload.packed", "payload.transfer"], flags, step=step, src=msg.src,
-                         batch=msg.ints[0], policy=ctx.cfg.on_nonfinite)
+                         batch=batch_index, policy=ctx.cfg.on_nonfinite)
 
 
 def _optimizer_step(ctx: WorkerContext, state: DrafterState, loss: torch.Tensor, grad_norm) -> None:

@@ -61,9 +61,10 @@ class Message:
     payload: torch.Tensor
     """The packed hidden states ([N, K*H] or [K, N, H]); device or CPU."""
     meta: torch.Tensor
-    """[rows, N] int64 CPU metadata (ids, positions, doc ids, loss mask)."""
+    """[rows, N] int64 CPU metadata (dflash.pack.META_FIELDS)."""
     ints: list[int] = field(default_factory=list)
-    """Small integers carried in the header (batch index, noise seed, flags)."""
+    """Small integers carried in the header, at most four; what they mean is the sender's
+    (dflash.pack.WireHeader). The first is read here as the batch index, to tag flows and the flight recorder."""
     src: int = -1
     """Sender rank (set on receipt)."""
     ready: object = None
