@@ -140,7 +140,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
                              cfg.split_fc_layers)
         del layers
         packed.hidden = profiler.corrupt("target.pack_hidden", packed.hidden)   # nan@target.pack_hidden
-        fingerprint = nonfinite.fingerprint(packed.hidden)   # on the device; the drafter compares it
+        fingerprint = transfer.fingerprint(packed.hidden)   # on the device; the drafter compares it
         profiler.check_flags("target.pack_hidden", ["packed.hidden"], fingerprint[:1] != packed.hidden.numel(),
                              policy=cfg.on_nonfinite)
     with profiler.span("transfer.wait_slot"):
@@ -274,7 +274,7 @@ def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tens
     changed it); read back off this thread like every check."""
     if msg.fingerprint is None:
         return
-    flags = nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(hidden), hidden.numel())
+    flags = transfer.fingerprint_flags(msg.fingerprint, transfer.fingerprint(hidden), hidden.numel())
     profiler.check_flags("drafter.recv", ["payload.packed", "payload.transfer"], flags, step=step, src=msg.src,
                          batch=batch_index, policy=ctx.cfg.on_nonfinite)
 
