@@ -139,6 +139,15 @@ class TrainConfig:
     stack_samples_per_interval: int = 0
     """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
     thread in the interval record); 0 = none."""
+    fused_elementwise: bool = True
+    """On CUDA, the drafter's RMSNorm, add+RMSNorm, q/k norm+RoPE and SiLU*up as torch.compile'd
+    kernels (dflash/fused.py); False: the eager modules. Env DFLASH_FUSED_ELEMENTWISE."""
+    fused_ce: bool = True
+    """On CUDA, the loss's softmax/gradient/argmax per chunk as one torch.compile'd kernel
+    (dflash/lm_loss.py); False: eager passes. Env DFLASH_FUSED_CE."""
+    fault: str = ""
+    """Faults to inject, for tests: KIND@SPAN[:step=N][:rank=R], several separated by ';'
+    (profiler/faults.py); checked by the preflight against the spans where they can fire. Env DFLASH_FAULT."""
 
     def validate(self) -> "TrainConfig":
         def need(ok: bool, name: str, why: str) -> None:
@@ -208,7 +217,9 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
-_ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers"}
+_ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
+        "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault"}
+"""Every DFLASH_* environment variable the trainer reads, and the field it sets (file < env < flags)."""
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:

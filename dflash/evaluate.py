@@ -106,6 +106,6 @@ def _simulated_tau(ctx, model, target, layer_ids, heldout) -> float:
     layers = capture(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
     packed = pack_hidden(layers, batch, 0.0, 0, False)
     out = compute_loss(model, packed, packed.context(0.0), ctx.cfg.num_anchors * 4, ctx.cfg.gamma,
-                       torch.Generator().manual_seed(0))
+                       torch.Generator().manual_seed(0), ctx.cfg.fused_ce)
     # End-of-run evaluation: host syncs here are fine.
     return float(out.tau_prefix), float(out.tau)

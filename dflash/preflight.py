@@ -33,7 +33,7 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
     the GPUs the run uses (0: a CPU run; None: ask torch). dflash-train's launcher passes `gpus`, so a
     `--device cpu` run's preflight imports neither torch nor the trainer: 3.5 s of CPU on the VM, beside
     the ranks' own imports."""
-    _check_faults(os.environ)
+    _check_faults(cfg.fault)
     _check_devices(cfg, world, local_world, torch_gpus(cfg) if gpus is None else gpus)
     _check_metrics_ports(cfg, local_world)
     check_cache_dir(resolve_cache_dir(cfg.compile_cache_dir))
@@ -43,16 +43,16 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
         _check_data(cfg, tokenizer)
 
 
-def _check_faults(env) -> None:
-    """DFLASH_FAULT parses, and each fault names a span where it can fire in this pipeline."""
-    from profiler.faults import ENV_VAR, check_injection_points, parse_faults
+def _check_faults(spec: str) -> None:
+    """The fault spec (DFLASH_FAULT) parses, and each fault names a span where it can fire in this pipeline."""
+    from profiler.faults import check_injection_points, parse_faults
 
-    if not env.get(ENV_VAR, "").strip():
+    if not spec.strip():
         return
     from dflash.roles import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
 
     try:
-        check_injection_points(parse_faults(env[ENV_VAR]), FAULT_SPANS, NAN_FAULT_SPANS)
+        check_injection_points(parse_faults(spec), FAULT_SPANS, NAN_FAULT_SPANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

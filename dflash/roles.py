@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import checkpoint, transfer
+from dflash import checkpoint, fused, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -169,6 +169,7 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
     cfg = ctx.cfg
     head = load_target_head(ctx.target_dir, ctx.device, ctx.dtype)
     layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.num_target_layers)
+    fused.ENABLED = cfg.fused_elementwise
     torch.manual_seed(cfg.seed)  # identical initialisation on every drafter rank
     dcfg = draft_config_for_target(head.config, num_layers=_num_draft_layers(ctx), block_size=cfg.block_size,
                                    layer_ids=layer_ids, mask_token_id=ctx.mask_token_id,
@@ -238,7 +239,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
                     else contextlib.nullcontext())
         with autocast:
             context = packed.context(cfg.hidden_noise)
-            out = compute_loss(model, packed, context, cfg.num_anchors, cfg.gamma, generator)
+            out = compute_loss(model, packed, context, cfg.num_anchors, cfg.gamma, generator, cfg.fused_ce)
         loss = profiler.corrupt("drafter.fwd_bwd", out.loss)
         loss.backward()
     if ctx.topo.num_drafters > 1:

@@ -80,3 +80,10 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "dflash-train: error: config field 'num_anchors': must be >= 1 (got -3)"
     assert "Traceback" not in r.stderr
+
+
+def test_every_dflash_variable_lands_in_the_config():
+    env = {"DFLASH_FUSED_ELEMENTWISE": "0", "DFLASH_FUSED_CE": "off", "DFLASH_FAULT": "crash@target.fwd:step=2"}
+    cfg = resolve_config({}, env, {})
+    assert (cfg.fused_elementwise, cfg.fused_ce, cfg.fault) == (False, False, "crash@target.fwd:step=2")
+    assert resolve_config({}, {}, {}).to_dict()["fused_ce"] is True
