@@ -30,16 +30,16 @@ def guess_gpus(cfg: TrainConfig) -> int:
     """torch_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
     applies) through ctypes. A guess: launch() checks it against preflight.torch_gpus
     after the preflight."""
-    return 0 if cfg.device == "cpu" else cuda_driver_device_count()
+    return 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
 
 
 def world_for(cfg: TrainConfig, gpus: int) -> int:
     """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
-    if cfg.target_gpus is not None and cfg.drafter_gpus is not None:
-        return cfg.target_gpus + cfg.drafter_gpus
+    if cfg.parallel.target_gpus is not None and cfg.parallel.drafter_gpus is not None:
+        return cfg.parallel.target_gpus + cfg.parallel.drafter_gpus
     if gpus > 0:
         return max(2, gpus)
-    return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
+    return (cfg.parallel.target_gpus or 1) + (cfg.parallel.drafter_gpus or 1)
 
 
 def threads_env(gpus: int, environ=os.environ) -> dict:
@@ -73,7 +73,7 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
     started_ns = started_ns or time.time_ns()
     gpus = guess_gpus(cfg)
-    bytecode = use_bytecode_cache(bytecode_env(cfg.bytecode_cache, cfg.compile_cache_dir))
+    bytecode = use_bytecode_cache(bytecode_env(cfg.model.bytecode_cache, cfg.model.compile_cache_dir))
     ranks = GatedRanks(world_for(cfg, gpus), started_ns, {**bytecode, **threads_env(gpus)})
     try:
         with long_lived():   # the launcher's heavy imports, side by side with the ranks'

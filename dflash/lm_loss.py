@@ -20,7 +20,8 @@ beyond floating-point reassociation inside the matmul.
 
 The softmax/gradient/argmax part runs either as a few eager in-place passes (`fused=False`; always
 the default on the CPU) or as one `torch.compile`d function that Inductor fuses into a single kernel
-per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`). Measured on an H200 at the benchmark's shapes (15,232 rows, 4096 x 151,936 bf16 head,
+per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`).
+Measured on an H200 at the benchmark's shapes (15,232 rows, 4096 x 151,936 bf16 head,
 loss fwd+bwd alone): unchunked 83.5 ms and +25.9 GiB, eager chunks 83.8 ms and +5.1 GiB, fused chunks
 59.9 ms and +2.1 GiB, of which the two matmuls are ~47 ms. In the same session bench_drafter's
 flex step took 281.8 ms unchunked, 284.3 eager-chunked and 259.5 fused (median of 15).

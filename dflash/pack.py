@@ -78,9 +78,9 @@ class PackedBatch:
     @classmethod
     def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
         """The batch to_wire() described: `hidden` as received (on `device`), the metadata rows and
-        the header's ints. The device copies of the metadata go up in one H2D copy; the CPU ones stay
-        for anchor sampling."""
-        header = WireHeader(*ints)
+        the header's ints (as received: slots past WireHeader's fields are padding). The device copies
+        of the metadata go up in one H2D copy; the CPU ones stay for anchor sampling."""
+        header = WireHeader(*ints[:len(WireHeader._fields)])
         if rows.shape[0] != len(META_FIELDS):
             raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
         cpu = {name: rows[i].to(dtype) for i, (name, dtype) in enumerate(zip(META_FIELDS, META_DTYPES))}
@@ -90,7 +90,8 @@ class PackedBatch:
         return batch, header
 
     def meta(self) -> dict[str, torch.Tensor]:
-        """CPU metadata for anchor sampling. Carried from pack_hidden (or from_wire); without it this copies from the device, a deliberate host-device sync."""
+        """CPU metadata for anchor sampling. Carried from pack_hidden (or from_wire);
+        without it this copies from the device, a deliberate host-device sync."""
         if self.cpu is None:
             self.cpu = {k: getattr(self, k).cpu() for k in META_FIELDS}  # sync: no CPU copy given
         return self.cpu

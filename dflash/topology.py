@@ -79,7 +79,7 @@ def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int |
 
 def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
     """The run's Topology for `world` ranks and `num_gpus` GPUs; ConfigError for counts that make none."""
-    t, d = cfg.target_gpus, cfg.drafter_gpus
+    t, d = cfg.parallel.target_gpus, cfg.parallel.drafter_gpus
     if t is not None and d is None:
         d = world - t
     elif d is not None and t is None:

@@ -26,7 +26,8 @@ to each producer and drains until all producers have ended. A target polls STOP 
 Integrity: a message may carry its payload's fingerprint (`fingerprint()`: finite
 count and sum, float64, computed by the target right after the pack); the header says so, and the
 fingerprint follows the payload on the payload's path, so the drafter can compare it with the
-payload it received (`fingerprint_flags()`: the pack made NaN/Inf, or the copy or the wire changed it). Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
+payload it received (`fingerprint_flags()`: the pack made NaN/Inf, or the copy or the wire changed it).
+Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
 steps (headers, slot and queue states, event states); `dump_flight_recorder()` returns it, and the
 Sender and Receiver register it as the profiler's `transfer_ring` forensics source.
 """

@@ -170,7 +170,7 @@ def test_cache_dir_default_honours_xdg_and_the_flag():
         "/home/u/.cache/dflash/compile")                   # a relative XDG_CACHE_HOME is ignored (XDG spec)
     assert resolve_cache_dir("/c/d", {"XDG_CACHE_HOME": "/xdg"}) == Path("/c/d")
     cfg = resolve_config({}, {}, {"compile_cache_dir": "/c/d"})
-    assert cfg.compile_cache_dir == "/c/d" and resolve_config({}, {}, {}).compile_cache_dir is None
+    assert cfg.model.compile_cache_dir == "/c/d" and resolve_config({}, {}, {}).model.compile_cache_dir is None
 
 
 def test_setup_creates_a_private_directory_and_points_inductor_and_triton_there(tmp_path):
@@ -327,7 +327,7 @@ def test_bytecode_cache_only_where_python_may_not_write_beside_its_sources(tmp_p
     assert all((p.stat().st_mode & 0o777) == 0o700 for p in (cache, cache / "pycache"))
     assert bytecode_env(True, None, {"HOME": str(tmp_path / "h")}, dont_write=True, missing=True)["PYTHONPYCACHEPREFIX"] == str(
         tmp_path / "h/.cache/dflash/compile/pycache")
-    assert resolve_config({}, {}, {}).bytecode_cache is True
+    assert resolve_config({}, {}, {}).model.bytecode_cache is True
 
 
 def test_bytecode_cache_refuses_what_the_compile_cache_refuses(tmp_path):
