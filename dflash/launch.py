@@ -17,7 +17,7 @@ import sys
 import time
 
 from dflash import startup
-from dflash.compile import bytecode_env
+from dflash.compile_cache import bytecode_env
 from dflash.config import TrainConfig
 from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, write_gate
 

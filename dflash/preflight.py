@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-from dflash.compile import check_cache_dir, resolve_cache_dir
+from dflash.compile_cache import check_cache_dir, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from dflash.topology import resolve_topology
 
@@ -49,7 +49,7 @@ def _check_faults(spec: str) -> None:
 
     if not spec.strip():
         return
-    from dflash.roles import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
+    from dflash.loops import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
 
     try:
         check_injection_points(parse_faults(spec), FAULT_SPANS, NAN_FAULT_SPANS)

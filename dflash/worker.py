@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import dflash
 import profiler
-from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, startup, telemetry
+from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
@@ -92,7 +92,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
         # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
-        dcompile.setup_cache(dcompile.resolve_cache_dir(cfg.model.compile_cache_dir), create=device.type == "cuda")
+        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir), create=device.type == "cuda")
         timeline.mark("device")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
@@ -114,7 +114,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
     except ConfigError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
-    except (checkpoint.CheckpointWriteError, roles.NonfiniteStop) as e:   # said in one line, exit 1
+    except (checkpoint.CheckpointWriteError, loops.NonfiniteStop) as e:   # said in one line, exit 1
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
@@ -159,7 +159,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         heldout = _load_samples(paths.eval_data, tokenizer, cfg, announce=True)[:cfg.data.eval_prompts]
     device_payload = _device_payload(cfg, topo, device)
     timeline.mark("data")
-    ctx = roles.WorkerContext(
+    ctx = loops.WorkerContext(
         cfg=cfg, topo=topo, rank=rank, device=device, run_dir=run_dir, target_dir=paths.target_dir,
         samples=samples, pad_token_id=tokenizer.pad_token_id, mask_token_id=builtin.mask_token_id(tokenizer),
         ctrl_group=ctrl, data_group=None, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
@@ -175,11 +175,11 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":
-            roles.run_target(ctx)
+            loops.run_target(ctx)
         else:
-            state = roles.build_drafter(ctx)
+            state = loops.build_drafter(ctx)
             progress = Progress(cfg.optim.max_steps, state.step) if rank == 0 else NullProgress()
-            roles.run_drafter(ctx, state, progress)
+            loops.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
             if rank == 0 and cfg.data.eval_prompts > 0:
                 _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
@@ -208,7 +208,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     a null context under --no-profile."""
     if not cfg.profile.enabled:
         return contextlib.nullcontext()
-    dcompile.install_compile_spans()
+    compile_cache.install_compile_spans()
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
                              interval_s=cfg.profile.interval_s, device=device, console=rank == 0,
                              config=cfg.flat_dict(), exporters=tele.exporters, detail_steps=cfg.profile.detail_steps,
@@ -218,7 +218,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                              gpu_steps_per_s=cfg.profile.gpu_steps_per_s)
 
 
-_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
 
 
 @contextlib.contextmanager
@@ -279,7 +279,7 @@ def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> li
     return samples
 
 
-def _evaluate(ctx: roles.WorkerContext, model, heldout: list, tokenizer, data: Path, records: int) -> None:
+def _evaluate(ctx: loops.WorkerContext, model, heldout: list, tokenizer, data: Path, records: int) -> None:
     """The end-of-run evaluation, or, where its result would be, why there is none."""
     if heldout:
         evaluate.run_eval(ctx, model, heldout, tokenizer)

@@ -1,4 +1,4 @@
-"""dflash.compile and the compiled flex path: one compile for every batch shape, the compile cache
+"""dflash.compile_cache and the compiled flex path: one compile for every batch shape, the compile cache
 (where it lives, what preflight refuses, that a restart hits it), and compile time as `drafter.compile`."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import profiler
 from dflash import preflight
 from dflash.attention import BlockLayout, MaskSet, build_layout, compiled, flex_block_mask, mark_lengths_dynamic
 from dflash.cli import main
-from dflash.compile import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem, install_compile_spans,
-                            resolve_cache_dir, setup_cache, uninstall_compile_spans)
+from dflash.compile_cache import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem,
+                                  install_compile_spans, resolve_cache_dir, setup_cache, uninstall_compile_spans)
 from dflash.config import ConfigError, resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ def test_cli_refuses_an_unsafe_cache_dir_in_one_line_before_any_rank(tmp_path, c
 _RESTART = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from dflash.compile import setup_cache
+    from dflash.compile_cache import setup_cache
     setup_cache(Path(sys.argv[1]), create=True)   # before torch compiles anything, as the worker does
     import torch
     from torch._dynamo.utils import counters
