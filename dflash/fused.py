@@ -20,10 +20,8 @@ differ from eager only by float32 reassociation of the mean and fused multiply-a
 ulp for bf16, ~1e-6 relative for float32.
 
 Where. `active(x)` is true for CUDA tensors while `ENABLED` holds; everything else (the CPU,
-`ENABLED = False`) runs the eager modules, bit for bit the code of before. `ENABLED` is on by
-default: on one H200 the bench drafter step takes 267.9 ms with it and 317.4 ms without (bench/RESULTS.md,
-issue #14), and its CUDA tests (tests/dflash/test_fused.py -m cuda) pass. Env
-The run's config sets it (`fused_elementwise`, env DFLASH_FUSED_ELEMENTWISE); it is read at every call,
+`ENABLED = False`) runs the eager modules. `ENABLED` is on by default (the drafter step is faster
+with it: bench/RESULTS.md). The run's config sets it (`fused_elementwise`, env DFLASH_FUSED_ELEMENTWISE); it is read at every call,
 so a benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
 does; bench/gpu/bench_fused.py times the kernels one by one).
 

@@ -45,9 +45,7 @@ def world_for(cfg: TrainConfig, gpus: int) -> int:
 def threads_env(gpus: int, environ=os.environ) -> dict:
     """A CPU run's ranks share the host's cores, and a drafter rank takes more threads than its share
     (dflash.topology.cpu_threads): OpenMP's threads then wait asleep (OMP_WAIT_POLICY=PASSIVE)
-    rather than spinning on cores the other ranks compute on. On 2 cores, two runs side by side took
-    2.5 s a drafter step with spinning threads against 1.07 s asleep (bench/RESULTS.md). Set before
-    the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
+    rather than spinning on cores the other ranks compute on. Set before the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
     return {"OMP_WAIT_POLICY": "PASSIVE"} if gpus == 0 and "OMP_WAIT_POLICY" not in environ else {}
 
 

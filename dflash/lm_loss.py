@@ -13,19 +13,14 @@ gradient w.r.t. the chunk's rows,
 would have produced for a loss gradient of 1. Only that [rows, H] gradient is saved; backward scales
 it by the loss gradient. Peak memory is a few chunks of logits instead of ~4 copies of all of them.
 
-Chunk size: `CHUNK_LOGIT_BYTES` of logits (in the matmul's dtype) per chunk, 1 GiB by default:
-3,533 rows of Qwen3's 151,936-token vocabulary in bf16, i.e. ~5 passes for 15k rows (on the H200 the
-fused path was fastest at 1 GiB among 256 MiB..4 GiB, by 1.5-4 ms). Results do not depend on it
-beyond floating-point reassociation inside the matmul.
+Chunk size: `CHUNK_LOGIT_BYTES` of logits (in the matmul's dtype) per chunk, 1 GiB by default (the
+fastest of the sizes tried: bench/RESULTS.md). Results do not depend on it beyond floating-point
+reassociation inside the matmul.
 
 The softmax/gradient/argmax part runs either as a few eager in-place passes (`fused=False`; always
 the default on the CPU) or as one `torch.compile`d function that Inductor fuses into a single kernel
-per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`).
-Measured on an H200 at the benchmark's shapes (15,232 rows, 4096 x 151,936 bf16 head,
-loss fwd+bwd alone): unchunked 83.5 ms and +25.9 GiB, eager chunks 83.8 ms and +5.1 GiB, fused chunks
-59.9 ms and +2.1 GiB, of which the two matmuls are ~47 ms. In the same session bench_drafter's
-flex step took 281.8 ms unchunked, 284.3 eager-chunked and 259.5 fused (median of 15).
-Row counts come from tensor shapes on the host: no host-device sync.
+per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`),
+which reads each chunk's logits once instead of several times. Row counts come from tensor shapes on the host: no host-device sync.
 """
 
 from __future__ import annotations

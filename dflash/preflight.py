@@ -31,8 +31,8 @@ RUN_MARKERS = ("checkpoints", "profile")
 def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = None) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host, `gpus`
     the GPUs the run uses (0: a CPU run; None: ask torch). dflash-train's launcher passes `gpus`, so a
-    `--device cpu` run's preflight imports neither torch nor the trainer: 3.5 s of CPU on the VM, beside
-    the ranks' own imports."""
+    `--device cpu` run's preflight imports neither torch nor the trainer, whose imports would compete
+    for the CPU with the ranks' own."""
     _check_faults(cfg.reliability.fault)
     _check_devices(cfg, world, local_world, torch_gpus(cfg) if gpus is None else gpus)
     _check_metrics_ports(cfg, local_world)

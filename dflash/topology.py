@@ -62,7 +62,7 @@ def cpu_threads(topo: Topology, rank: int, cores: int, waits_asleep: bool) -> in
     alone: in the built-in run the target waits for a free slot 80% of its time), so when OpenMP's
     waiting threads sleep (`waits_asleep`: OMP_WAIT_POLICY=PASSIVE, which the launcher sets for a CPU
     run) each drafter takes an equal share of all the cores. The sum then passes `cores`, which costs
-    little with sleeping threads and much with spinning ones (bench/RESULTS.md)."""
+    little with sleeping threads and much with spinning ones."""
     if waits_asleep and topo.role(rank) == "drafter":
         return max(1, cores // topo.num_drafters)
     return max(1, cores // topo.world_size)

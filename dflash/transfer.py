@@ -13,9 +13,8 @@ from whichever of its producers is ready (any-source on the header) into a bound
 Streams (GPU): no transfer queues behind compute. On the NCCL path the target's main thread launches
 the send itself, right after the pack and so before the next forward's kernels, on a stream of the
 Sender's that waits (device-side) for the pack's event; `transfer.send` is timed there, so its CUDA
-events bracket the NCCL transfer. (Launched from the sender thread after its gloo handshake, the
-send's kernel landed wherever the thread got the GIL; on two H200s it took 1.17-1.20 ms against
-1.15-1.16 ms now, for 336 MB: bench/RESULTS.md.) The receiver posts NCCL receives, or the host
+events bracket the NCCL transfer (launched from the sender thread, the send's kernel would land
+wherever that thread got the GIL). The receiver posts NCCL receives, or the host
 path's `h2d_copy`, on its own stream and hands the drafter a device tensor with a `ready` event; the
 drafter's stream waits on that event and `record_stream`s the tensor so the allocator cannot hand
 its memory to the next receive while the drafter still reads it.
@@ -82,8 +81,8 @@ class Message:
     on the payload's device when sent, where the payload arrived when received."""
 
 
-# A float64 sum casts its input first (a temporary of 8 bytes per element: 4x a bf16 payload, 1.3 GB
-# for the 8B bench's 336 MB batch, every batch). Chunks bound the temporaries to 128 MiB (+16 MiB).
+# A float64 sum casts its input first (a temporary of 8 bytes per element: 4x a bf16 payload, every
+# batch). Chunks bound the temporaries to 128 MiB (+16 MiB).
 FINGERPRINT_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -511,7 +510,7 @@ class Receiver:
             fp = fp.to(self._device) if fp is not None else None
             ready = _record_event()
         # Deliberate wait, on this thread only: the pinned buffer goes back to the pool only after
-        # the copy reading it has run (at pinned bandwidth, about 6 ms for 336 MB on an H200; the drafter never waits here).
+        # the copy reading it has run (the drafter never waits here).
         ready.synchronize()
         self._pool.give(buf)
         return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)
