@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",
         epilog="Of an on/off pair given twice (--resume --no-resume), the last one wins. Bad input exits 2 "
                "with one line, before any rank does work.")
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON file: a mapping of sections {optim: {lr: ...}} or of flag keys {lr: ...} (flags > env > file)")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file: a mapping of sections "
+                   "{optim: {lr: ...}} or of flag keys {lr: ...} (flags > env > file)")
     add_config_flags(p)
     return p
 
