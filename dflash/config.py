@@ -346,12 +346,15 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _file_keys(file_values: Mapping[str, Any], file_name: str) -> dict[str, Any]:
-    """A config file's values by flag key: sections ({"optim": {"lr": ...}}) and flat keys alike."""
+    """A config file's values by flag key: sections ({"optim": {"lr": ...}}) and flat keys alike
+    ("data" is both: a mapping is the section, anything else the flag key of data.path)."""
     by_path = {_path(k): k for k in _SPECS}
     out: dict[str, Any] = {}
     for key, value in file_values.items():
         if key in SECTIONS and isinstance(value, Mapping):
             items = [(f"{key}.{sub}", v) for sub, v in value.items()]
+        elif key in SECTIONS and key not in _SPECS:
+            raise ConfigError(f"{file_name}: section '{key}' must be a mapping of its fields, got {value!r}")
         else:
             items = [(_path(key) if key in _SPECS else key, value)]
         for path, v in items:

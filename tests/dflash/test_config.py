@@ -31,6 +31,8 @@ def test_a_file_takes_sections_or_flat_flag_keys_but_not_one_field_twice():
         resolve_config({"lr": 0.01, "optim": {"lr": 0.02}}, {}, {})
     with pytest.raises(ConfigError, match="unknown config field 'optim.interval_s'"):
         resolve_config({"optim": {"interval_s": 5}}, {}, {})
+    with pytest.raises(ConfigError, match="section 'optim' must be a mapping of its fields, got 3"):
+        resolve_config({"optim": 3}, {}, {})
 
 
 def test_a_flag_overrides_an_invalid_env_value():
