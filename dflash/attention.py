@@ -17,12 +17,10 @@ padding block's own keys: no query row is fully masked, so neither backend produ
 with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same mask_mod, so their semantics cannot
 drift apart. The BlockMask's tile tables are read off the layout (`tile_block_mask`, the same tensors
 create_block_mask builds, checked in tests/dflash/test_model.py): a restart then has one compile fewer
-to re-trace (create_block_mask's took 2.6 s of a warm restart on an H200). A block size that does not
-divide the 128-row tile falls back to create_block_mask.
+to re-trace. A block size that does not divide the 128-row tile falls back to create_block_mask.
 
 One compile for every batch. Packed batches change N and M every step. Left to itself, torch.compile
-compiles the first shape static and recompiles dynamic at the next (measured on an H200: 28.7 s + 16.5 s
-on the tiny target, about 180 s in the 8B pipeline). So the lengths that vary are declared dynamic before
+compiles the first shape static and recompiles dynamic at the next, two long compiles. So the lengths that vary are declared dynamic before
 the first call: `maybe_mark_dynamic` on the query/key lengths, the BlockMask's block-count dims and the
 mask_mod's tables, and `torch.compiler.config.dynamic_sources` for the two ints a BlockMask carries
 (seq_lengths) and create_block_mask's Q_LEN/KV_LEN. Everything else (heads, head dim, block size, window,
@@ -202,8 +200,7 @@ def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
     kv_num, kv_idx = _dense_to_ordered(tiles)
     q_num, q_idx = _dense_to_ordered(tiles.transpose(1, 2))
     # The constructor, not from_kv_blocks: that one derives the query-side tables through two vmapped
-    # eager conversions (0.3 ms of host time per call on the VM, ~1.5 ms on the H200 host); here they are
-    # the same sort of the transpose.
+    # eager conversions on the host; here they are the same sort of the transpose.
     return BlockMask(seq_lengths=(qt * tile, (ct + qt) * tile), kv_num_blocks=kv_num[0], kv_indices=kv_idx[0],
                      full_kv_num_blocks=kv_num[1], full_kv_indices=kv_idx[1], q_num_blocks=q_num[0],
                      q_indices=q_idx[0], full_q_num_blocks=q_num[1], full_q_indices=q_idx[1],

@@ -2,8 +2,8 @@
 embedding), written out so that a drafter rank never imports transformers' modelling code.
 
 Importing `transformers.models.qwen3.modeling_qwen3` pulls in modeling_utils, generation and the hub
-integrations: 1.3 s of a drafter rank's 3.9 s of imports on the 2-core VM, on the path from launch to
-the first step of every (re)start (bench/RESULTS.md). What stays imported from transformers is light:
+integrations, about a third of a drafter rank's imports, on the path from launch to the first step of
+every (re)start. What stays imported from transformers is light:
 Qwen3Config, and the RoPE tables (`modeling_rope_utils`, every rope type as transformers computes it).
 
 Each class is transformers' own, op for op, with the same parameter and buffer names, so checkpoints
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
 def activation(name: str) -> nn.Module:
     """transformers' ACT2FN[name]. SiLU (every Qwen3) is torch's own, which transformers' SiLUActivation
-    calls; anything else comes from transformers.activations, imported only then (0.7 s on the VM)."""
+    calls; anything else comes from transformers.activations, imported only then."""
     if name == "silu":
         return nn.SiLU()
     from transformers.activations import ACT2FN

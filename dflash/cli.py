@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from dflash import handoff
 from dflash.config import ConfigError, add_config_flags, config_from_args
 
 
@@ -17,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",
         epilog="Of an on/off pair given twice (--resume --no-resume), the last one wins. Bad input exits 2 "
                "with one line, before any rank does work.")
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON file of config fields (flags > env > file)")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file: a mapping of sections "
+                   "{optim: {lr: ...}} or of flag keys {lr: ...} (flags > env > file)")
     add_config_flags(p)
     return p
 
@@ -27,18 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from dflash import launch
-
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-            from dflash.rank import long_lived
-
-            with long_lived():   # the imports, as a rank started by dflash.launch does them
+            with handoff.long_lived():   # the imports, as a rank started by dflash.launch does them
                 from dflash import preflight, worker
 
             world = int(os.environ["WORLD_SIZE"])
             preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            os.umask(launch.RUN_UMASK)  # what this rank writes is private to this user
+            os.umask(handoff.RUN_UMASK)  # what this rank writes is private to this user
             return worker.run(cfg)
+        from dflash import launch
+
         return launch.launch(cfg, started_ns)  # preflight first, then one process per rank
     except ConfigError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)

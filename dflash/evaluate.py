@@ -43,8 +43,7 @@ def _prompt_length(sample) -> int:
 @contextlib.contextmanager
 def one_thread_on_cpu(device: torch.device):
     """Decoding is latency-bound (batch 1, a few tokens a forward): on the CPU a drafter rank's extra
-    intra-op threads (dflash.topology.cpu_threads) only add their wake-ups. 8 held-out prompts on
-    2 cores took 7.24 s on 2 threads and 6.32 s on 1."""
+    intra-op threads (dflash.topology.cpu_threads) only add their wake-ups."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -75,11 +74,11 @@ def _run_eval(ctx, model, heldout: list, tokenizer) -> dict:
         layer_ids = list(model.config.target_layer_ids)
         stops = _stop_token_ids(tokenizer, target)
         taus, mismatches, produced = [], 0, 0
-        for sample in heldout[:cfg.eval_prompts]:
+        for sample in heldout[:cfg.data.eval_prompts]:
             n = _prompt_length(sample)
             prompt = torch.tensor([sample.input_ids[:n]], device=device)
-            ref = greedy_generate(target, prompt, cfg.eval_new_tokens, stops)
-            out, stats = speculative_generate(target, model, prompt, cfg.eval_new_tokens, layer_ids, stops)
+            ref = greedy_generate(target, prompt, cfg.data.eval_new_tokens, stops)
+            out, stats = speculative_generate(target, model, prompt, cfg.data.eval_new_tokens, layer_ids, stops)
             mismatches += int(not torch.equal(out, ref))
             taus.append(stats.acceptance_length)
             produced += out.shape[-1] - n
@@ -100,12 +99,12 @@ def _run_eval(ctx, model, heldout: list, tokenizer) -> dict:
 def _simulated_tau(ctx, model, target, layer_ids, heldout) -> float:
     """Teacher-forced acceptance on the held-out conversations, exactly as training measures it."""
     capture = TargetCapture(target, layer_ids)
-    batcher = TokenBatcher(heldout[:max(ctx.cfg.eval_prompts, 1)], max(ctx.cfg.tokens_per_batch, 1),
+    batcher = TokenBatcher(heldout[:max(ctx.cfg.data.eval_prompts, 1)], max(ctx.cfg.data.tokens_per_batch, 1),
                            ctx.pad_token_id, seed=0)
     batch = next(iter(batcher))
     layers = capture(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
     packed = pack_hidden(layers, batch, 0.0, 0, False)
-    out = compute_loss(model, packed, packed.context(0.0), ctx.cfg.num_anchors * 4, ctx.cfg.gamma,
-                       torch.Generator().manual_seed(0))
+    out = compute_loss(model, packed, packed.context(0.0), ctx.cfg.optim.num_anchors * 4, ctx.cfg.optim.gamma,
+                       torch.Generator().manual_seed(0), ctx.cfg.model.fused_ce)
     # End-of-run evaluation: host syncs here are fine.
     return float(out.tau_prefix), float(out.tau)

@@ -20,10 +20,9 @@ differ from eager only by float32 reassociation of the mean and fused multiply-a
 ulp for bf16, ~1e-6 relative for float32.
 
 Where. `active(x)` is true for CUDA tensors while `ENABLED` holds; everything else (the CPU,
-`ENABLED = False`) runs the eager modules, bit for bit the code of before. `ENABLED` is on by
-default: on one H200 the bench drafter step takes 267.9 ms with it and 317.4 ms without (bench/RESULTS.md,
-issue #14), and its CUDA tests (tests/dflash/test_fused.py -m cuda) pass. Env
-`DFLASH_FUSED_ELEMENTWISE=0` turns it off; the flag is read at every call, so a benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
+`ENABLED = False`) runs the eager modules. `ENABLED` is on by default (the drafter step is faster
+with it: bench/RESULTS.md). The run's config sets it (`fused_elementwise`, env DFLASH_FUSED_ELEMENTWISE); it is read at every call,
+so a benchmark may flip `dflash.fused.ENABLED` between steps (`bench/bench_drafter.py --fused both`
 does; bench/gpu/bench_fused.py times the kernels one by one).
 
 Not fused: the k/v concatenation of context and block projections (one copy of [KV, 1024] each,
@@ -32,13 +31,12 @@ small next to these) and everything in flex attention and the GEMMs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-ENABLED = os.environ.get("DFLASH_FUSED_ELEMENTWISE", "1") != "0"
-"""Use the compiled kernels for CUDA tensors (read at every call; env DFLASH_FUSED_ELEMENTWISE=0: off)."""
+ENABLED = True
+"""Use the compiled kernels for CUDA tensors (read at every call; the drafter sets it from the config's
+`fused_elementwise`)."""
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 """Inductor options: round intermediates to the dtype eager would hold them in."""

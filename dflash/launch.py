@@ -1,13 +1,9 @@
 """Launch one worker process per rank on this host (what torchrun would do, minus the elasticity),
-forward SIGINT/SIGTERM to them, and stop everyone as soon as one rank fails. Also the ranks'
-rendezvous: the store every rank joins before its process groups exist.
+forward SIGINT/SIGTERM to them, and stop everyone as soon as one rank fails.
 
-Exposure: a single-host launch listens on loopback only. TCPStore's own server binds every
-interface, so the launcher binds the store's socket to 127.0.0.1 itself and hands it to rank 0; and
-GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default to `lo`, so the connections gloo and NCCL open
-between ranks bind loopback too. Ranks started by hand on several hosts (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set) serve the store on MASTER_ADDR only; under torchrun the store is
-torchrun's (README, "Security: what a run exposes").
+Exposure: a single-host launch listens on loopback only: the store's socket is bound to 127.0.0.1
+here and handed to rank 0 (dflash/handoff.py), and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default
+to `lo`, so the connections gloo and NCCL open between ranks bind loopback too.
 """
 
 from __future__ import annotations
@@ -18,56 +14,38 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from datetime import timedelta
 
 from dflash import startup
-from dflash.compile import bytecode_env
-from dflash.rank import long_lived
-from dflash.config import ConfigError, TrainConfig
+from dflash.compile_cache import bytecode_env
+from dflash.config import TrainConfig
+from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, write_gate
 
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
 # blocked in a collective or a transfer writes its run_end and exits 2 s after SIGTERM by itself
 # (dflash.worker._forensics), so the whole job stops within about 5 s of the first failure.
 _GRACE_SECONDS = 3.0
-# A rank that has waited this long at the rendezvous says what it waits for (never before half
-# the timeout). Long enough that ranks importing torch side by side on a busy host stay quiet.
-_ANNOUNCE_AFTER_S = 15.0
-# The listening socket the launcher bound for rank 0's store: its file descriptor in rank 0.
-ENV_STORE_FD = "DFLASH_STORE_FD"
-# The read end of a rank's gate: the run's config arrives there once the preflight passed.
-ENV_GATE_FD = "DFLASH_GATE_FD"
-# Files a run writes are readable by this user only (README, "Security: what a run exposes").
-RUN_UMASK = 0o077
-
-
-class RendezvousError(RuntimeError):
-    """The ranks did not all join in time: one line saying where, and how many came."""
-
 
 def guess_gpus(cfg: TrainConfig) -> int:
     """torch_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
     applies) through ctypes. A guess: launch() checks it against preflight.torch_gpus
     after the preflight."""
-    return 0 if cfg.device == "cpu" else cuda_driver_device_count()
+    return 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
 
 
 def world_for(cfg: TrainConfig, gpus: int) -> int:
     """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
-    if cfg.target_gpus is not None and cfg.drafter_gpus is not None:
-        return cfg.target_gpus + cfg.drafter_gpus
+    if cfg.parallel.target_gpus is not None and cfg.parallel.drafter_gpus is not None:
+        return cfg.parallel.target_gpus + cfg.parallel.drafter_gpus
     if gpus > 0:
         return max(2, gpus)
-    return (cfg.target_gpus or 1) + (cfg.drafter_gpus or 1)
+    return (cfg.parallel.target_gpus or 1) + (cfg.parallel.drafter_gpus or 1)
 
 
 def threads_env(gpus: int, environ=os.environ) -> dict:
     """A CPU run's ranks share the host's cores, and a drafter rank takes more threads than its share
     (dflash.topology.cpu_threads): OpenMP's threads then wait asleep (OMP_WAIT_POLICY=PASSIVE)
-    rather than spinning on cores the other ranks compute on. On 2 cores, two runs side by side took
-    2.5 s a drafter step with spinning threads against 1.07 s asleep (bench/RESULTS.md). Set before
-    the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
+    rather than spinning on cores the other ranks compute on. Set before the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
     return {"OMP_WAIT_POLICY": "PASSIVE"} if gpus == 0 and "OMP_WAIT_POLICY" not in environ else {}
 
 
@@ -93,7 +71,7 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
     started_ns = started_ns or time.time_ns()
     gpus = guess_gpus(cfg)
-    bytecode = use_bytecode_cache(bytecode_env(cfg.bytecode_cache, cfg.compile_cache_dir))
+    bytecode = use_bytecode_cache(bytecode_env(cfg.model.bytecode_cache, cfg.model.compile_cache_dir))
     ranks = GatedRanks(world_for(cfg, gpus), started_ns, {**bytecode, **threads_env(gpus)})
     try:
         with long_lived():   # the launcher's heavy imports, side by side with the ranks'
@@ -166,13 +144,7 @@ class GatedRanks:
         """Send every rank the config (a rank already gone, e.g. a failed import, is the supervisor's)."""
         data = json.dumps(cfg.to_dict()).encode()
         for fd in self.gates:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            except BrokenPipeError:
-                pass
-            os.close(fd)
+            write_gate(fd, data)
         self.gates = []
         return self.procs
 
@@ -250,75 +222,3 @@ class Supervisor:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-# --------------------------------------------------------------------------------- rendezvous
-def rendezvous_store(rank: int, world: int, timeout_s: float):
-    """The store a rank passes to init_process_group, once all `world` ranks have joined it; None
-    under torchrun (its agent's store, through env://). RendezvousError after `timeout_s`; a rank
-    still waiting after _ANNOUNCE_AFTER_S (or half the timeout) says what it waits for."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    addr, port = _master_address()
-    where = f"{addr}:{port}"
-    waits_for = (f"all {world} ranks (WORLD_SIZE) to join at {where}" if rank == 0
-                 else f"rank 0's rendezvous store at {where} (MASTER_ADDR:MASTER_PORT)")
-    announce = threading.Timer(min(_ANNOUNCE_AFTER_S, timeout_s / 2), lambda: print(
-        f"dflash-train: rank {rank}: waiting up to {timeout_s:g} s for {waits_for}", file=sys.stderr, flush=True))
-    announce.daemon = True
-    announce.start()
-    try:
-        store = (_serve_store(addr, port, world, timeout_s) if rank == 0
-                 else _join_store(addr, port, world, timeout_s))
-    finally:
-        announce.cancel()
-    # From here on the store serves process-group set-up, which may wait on a slow rank's model
-    # load (a lazily created NCCL communicator): torch's default timeout, not the rendezvous one.
-    store.set_timeout(timedelta(minutes=30))
-    return store
-
-
-def _master_address() -> tuple[str, int]:
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    if not addr or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"MASTER_ADDR={addr!r} MASTER_PORT={port!r}: ranks started by hand (RANK and "
-                          "WORLD_SIZE set) need rank 0's address and a TCP port")
-    return addr, int(port)
-
-
-def _serve_store(addr: str, port: int, world: int, timeout_s: float):
-    """Rank 0: the store's server on the launcher's loopback socket, else on MASTER_ADDR alone."""
-    import torch.distributed
-
-    fd = os.environ.get(ENV_STORE_FD)
-    try:
-        listener = socket.socket(fileno=int(fd)) if fd else socket.create_server((addr, port), backlog=128)
-    except OSError as e:
-        raise ConfigError(f"MASTER_ADDR:MASTER_PORT {addr}:{port}: cannot listen there ({e.strerror})") from None
-    try:
-        return torch.distributed.TCPStore(addr, port, world, True, timeout=timedelta(seconds=timeout_s),
-                                          wait_for_workers=True, master_listen_fd=listener.detach())
-    except torch.distributed.DistError as e:  # "... 1/2 clients joined."
-        raise RendezvousError(f"rendezvous at {addr}:{port}: {str(e).splitlines()[0]} "
-                              f"(WORLD_SIZE={world}, --rendezvous-timeout-s {timeout_s:g})") from None
-
-
-def _join_store(addr: str, port: int, world: int, timeout_s: float):
-    """Other ranks: wait (quietly, in Python) until rank 0 listens, then join its store."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=1.0).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"rendezvous at {addr}:{port}: nothing listened there within "
-                                      f"{timeout_s:g} s (--rendezvous-timeout-s)") from None
-            time.sleep(0.5)
-    left_s = max(1.0, deadline - time.monotonic())
-    import torch.distributed
-
-    try:
-        return torch.distributed.TCPStore(addr, port, world, False, timeout=timedelta(seconds=left_s))
-    except torch.distributed.DistError as e:
-        raise RendezvousError(f"rendezvous at {addr}:{port}: {str(e).splitlines()[0]}") from None

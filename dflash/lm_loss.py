@@ -13,34 +13,23 @@ gradient w.r.t. the chunk's rows,
 would have produced for a loss gradient of 1. Only that [rows, H] gradient is saved; backward scales
 it by the loss gradient. Peak memory is a few chunks of logits instead of ~4 copies of all of them.
 
-Chunk size: `CHUNK_LOGIT_BYTES` of logits (in the matmul's dtype) per chunk, 1 GiB by default:
-3,533 rows of Qwen3's 151,936-token vocabulary in bf16, i.e. ~5 passes for 15k rows (on the H200 the
-fused path was fastest at 1 GiB among 256 MiB..4 GiB, by 1.5-4 ms). Results do not depend on it
-beyond floating-point reassociation inside the matmul.
+Chunk size: `CHUNK_LOGIT_BYTES` of logits (in the matmul's dtype) per chunk, 1 GiB by default (the
+fastest of the sizes tried: bench/RESULTS.md). Results do not depend on it beyond floating-point
+reassociation inside the matmul.
 
 The softmax/gradient/argmax part runs either as a few eager in-place passes (`fused=False`; always
 the default on the CPU) or as one `torch.compile`d function that Inductor fuses into a single kernel
-per chunk (`fused=True`; the default for CUDA tensors, `FUSED_ON_CUDA`; env `DFLASH_FUSED_CE=0`
-turns it off). Measured on an H200 at the benchmark's shapes (15,232 rows, 4096 x 151,936 bf16 head,
-loss fwd+bwd alone): unchunked 83.5 ms and +25.9 GiB, eager chunks 83.8 ms and +5.1 GiB, fused chunks
-59.9 ms and +2.1 GiB, of which the two matmuls are ~47 ms. In the same session bench_drafter's
-flex step took 281.8 ms unchunked, 284.3 eager-chunked and 259.5 fused (median of 15).
-Row counts come from tensor shapes on the host: no host-device sync.
+per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`),
+which reads each chunk's logits once instead of several times. Row counts come from tensor shapes on the host: no host-device sync.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 CHUNK_LOGIT_BYTES = 1 << 30
 """Budget of logits per chunk, in bytes of the matmul's output dtype (1 GiB)."""
-
-FUSED_ON_CUDA = os.environ.get("DFLASH_FUSED_CE", "1") != "0"
-"""Default of `fused` for CUDA tensors: the torch.compile'd elementwise part (env DFLASH_FUSED_CE=0
-for the eager one). CPU tensors always default to the eager path."""
 
 
 def chunk_rows_for(vocab_size: int, logit_itemsize_bytes: int, budget_bytes: int = CHUNK_LOGIT_BYTES) -> int:
@@ -145,7 +134,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 
     `weight` [V, H] / `bias` [V] must be frozen (no gradient is formed for them). `row_weight` [R] is
     on hidden's device; `total_weight` a host float. `chunk_rows` defaults to CHUNK_LOGIT_BYTES' worth
-    of logits; `fused` to FUSED_ON_CUDA for CUDA tensors, False otherwise."""
+    of logits; `fused` to True for CUDA tensors, False otherwise."""
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}")
@@ -160,7 +149,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
     if fused is None:
-        fused = FUSED_ON_CUDA and hidden.is_cuda
+        fused = hidden.is_cuda
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _ChunkedLinearCE.apply(hidden, weight, bias, targets, row_weight, float(total_weight),
                                   int(chunk_rows), bool(fused), need_grad)

@@ -76,9 +76,10 @@ def block_targets(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
 
 
 def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors: int, gamma: float,
-                 generator: torch.Generator) -> LossOutput:
+                 generator: torch.Generator, fused_ce: bool = True) -> LossOutput:
     """The weighted block loss, per-position accuracy and tau over up to `num_anchors` anchors per
-    document of `packed`, drawn with the CPU `generator`; `context` is the drafter's [N, K*H] input."""
+    document of `packed`, drawn with the CPU `generator`; `context` is the drafter's [N, K*H] input;
+    `fused_ce`: the compiled cross-entropy kernel on CUDA (dflash.lm_loss)."""
     meta = packed.meta()
     bs = model.block_size
     device = context.device
@@ -115,7 +116,8 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
     hidden = model(context, block, layout)
     head = model.head.lm_head  # frozen: the loss forms d loss / d hidden only, chunk by chunk
     loss, correct = linear_cross_entropy(hidden.index_select(0, h_rows), head.weight, head.bias,
-                                         packed.input_ids[tgt_idx], weights_dev, total_weight)
+                                         packed.input_ids[tgt_idx], weights_dev, total_weight,
+                                         fused=fused_ce and hidden.is_cuda)
     with torch.no_grad():
         correct = correct.to(torch.float32)
         hits = torch.zeros(bs - 1, device=device).index_add_(0, k_dev, correct)

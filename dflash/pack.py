@@ -15,10 +15,24 @@ context: the target (concat) or the drafter (split). Same function, same op orde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 META_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+"""The per-token metadata of a packed batch, in the order its transfer rows carry them."""
+META_DTYPES = (torch.int64, torch.int64, torch.int32, torch.bool)
+"""Their dtypes (the rows travel as int64)."""
+
+
+class WireHeader(NamedTuple):
+    """The small integers a packed batch's transfer header carries, by name (dflash.transfer moves
+    them as Message.ints; the first is the batch index it tags flows and its flight recorder with)."""
+    batch_index: int
+    noise_seed: int
+    """Seed of the hidden-state noise (PackedBatch.noise_seed)."""
+    split: int
+    """1 when the K layers travel separately (PackedBatch.split)."""
 
 
 def _add_noise(ctx: torch.Tensor, noise_scale: float, noise_seed: int) -> torch.Tensor:
@@ -49,44 +63,35 @@ class PackedBatch:
     split: bool
     """True when the K layers travel separately and the drafter concatenates (and adds noise)."""
     cpu: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    """CPU copies of input_ids/position_ids/doc_ids/loss_mask (not transferred with tensors())."""
+    """CPU copies of input_ids/position_ids/doc_ids/loss_mask (what anchor sampling reads)."""
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The device tensors a transfer moves (the CPU metadata, .cpu / meta(), goes separately)."""
-        return {"hidden": self.hidden, **{k: getattr(self, k) for k in META_FIELDS}}
+    def to_wire(self, batch_index: int) -> tuple[torch.Tensor, "WireHeader"]:
+        """What a transfer carries beside the payload (`hidden`): the CPU metadata rows
+        [len(META_FIELDS), N] int64, in META_FIELDS order, and the named header."""
+        rows = torch.stack([self.meta()[name].to(torch.int64) for name in META_FIELDS])
+        return rows, WireHeader(batch_index, self.noise_seed, int(self.split))
 
     @classmethod
-    def from_tensors(cls, d: dict[str, torch.Tensor], noise_seed: int, split: bool,
-                     cpu: dict[str, torch.Tensor] | None = None) -> "PackedBatch":
-        missing = [k for k in ("hidden", *META_FIELDS) if k not in d]
-        if missing:
-            raise ValueError(f"PackedBatch.from_tensors: missing {missing[0]!r}")
-        if cpu is None and d["doc_ids"].device.type == "cpu":
-            cpu = {k: d[k] for k in META_FIELDS}
-        return cls(d["hidden"], d["input_ids"], d["position_ids"], d["doc_ids"], d["loss_mask"],
-                   noise_seed, split, cpu)
-
-    @classmethod
-    def from_transfer(cls, hidden: torch.Tensor, meta: dict[str, torch.Tensor], noise_seed: int,
-                      split: bool, device) -> "PackedBatch":
-        """hidden as received (on `device`) + the CPU metadata rows (any integer dtype): the device
-        copies go up in one H2D copy, the CPU ones stay for anchor sampling."""
-        missing = [k for k in META_FIELDS if k not in meta]
-        if missing:
-            raise ValueError(f"PackedBatch.from_transfer: metadata misses {missing[0]!r}")
-        cpu = {"input_ids": meta["input_ids"].to(torch.int64), "position_ids": meta["position_ids"].to(torch.int64),
-               "doc_ids": meta["doc_ids"].to(torch.int32), "loss_mask": meta["loss_mask"].to(torch.bool)}
-        on_dev = torch.stack([cpu[k].to(torch.int64) for k in META_FIELDS]).to(device, non_blocking=True)
-        return cls(hidden, on_dev[0], on_dev[1], on_dev[2].to(torch.int32), on_dev[3].to(torch.bool),
-                   noise_seed, split, cpu)
+    def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
+        """The batch to_wire() described: `hidden` as received (on `device`), the metadata rows and
+        the header's ints (as received: slots past WireHeader's fields are padding). The device copies
+        of the metadata go up in one H2D copy; the CPU ones stay for anchor sampling."""
+        header = WireHeader(*ints[:len(WireHeader._fields)])
+        if rows.shape[0] != len(META_FIELDS):
+            raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
+        cpu = {name: rows[i].to(dtype) for i, (name, dtype) in enumerate(zip(META_FIELDS, META_DTYPES))}
+        on_dev = rows.to(device, non_blocking=True)
+        batch = cls(hidden, *(on_dev[i].to(dtype) for i, dtype in enumerate(META_DTYPES)),
+                    noise_seed=header.noise_seed, split=bool(header.split), cpu=cpu)
+        return batch, header
 
     def meta(self) -> dict[str, torch.Tensor]:
-        """CPU metadata for anchor sampling. Carried from pack_hidden (or given to from_tensors /
-        from_transfer); without it this copies from the device, a deliberate host-device sync."""
+        """CPU metadata for anchor sampling. Carried from pack_hidden (or from_wire);
+        without it this copies from the device, a deliberate host-device sync."""
         if self.cpu is None:
             self.cpu = {k: getattr(self, k).cpu() for k in META_FIELDS}  # sync: no CPU copy given
         return self.cpu

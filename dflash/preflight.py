@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-from dflash.compile import check_cache_dir, resolve_cache_dir
+from dflash.compile_cache import check_cache_dir, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from dflash.topology import resolve_topology
 
@@ -31,53 +31,53 @@ RUN_MARKERS = ("checkpoints", "profile")
 def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = None) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host, `gpus`
     the GPUs the run uses (0: a CPU run; None: ask torch). dflash-train's launcher passes `gpus`, so a
-    `--device cpu` run's preflight imports neither torch nor the trainer: 3.5 s of CPU on the VM, beside
-    the ranks' own imports."""
-    _check_faults(os.environ)
+    `--device cpu` run's preflight imports neither torch nor the trainer, whose imports would compete
+    for the CPU with the ranks' own."""
+    _check_faults(cfg.reliability.fault)
     _check_devices(cfg, world, local_world, torch_gpus(cfg) if gpus is None else gpus)
     _check_metrics_ports(cfg, local_world)
-    check_cache_dir(resolve_cache_dir(cfg.compile_cache_dir))
+    check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
     _check_run_dir(cfg)
     tokenizer = _check_target(cfg)
-    if cfg.data is not None:
+    if cfg.data.path is not None:
         _check_data(cfg, tokenizer)
 
 
-def _check_faults(env) -> None:
-    """DFLASH_FAULT parses, and each fault names a span where it can fire in this pipeline."""
-    from profiler.faults import ENV_VAR, check_injection_points, parse_faults
+def _check_faults(spec: str) -> None:
+    """The fault spec (DFLASH_FAULT) parses, and each fault names a span where it can fire in this pipeline."""
+    from profiler.faults import check_injection_points, parse_faults
 
-    if not env.get(ENV_VAR, "").strip():
+    if not spec.strip():
         return
-    from dflash.roles import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
+    from dflash.loops import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
 
     try:
-        check_injection_points(parse_faults(env[ENV_VAR]), FAULT_SPANS, NAN_FAULT_SPANS)
+        check_injection_points(parse_faults(spec), FAULT_SPANS, NAN_FAULT_SPANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def torch_gpus(cfg: TrainConfig) -> int:
     """The GPUs the run uses as torch sees them: 0 for a CPU run (torch is not imported for --device cpu)."""
-    if cfg.device == "cpu":
+    if cfg.parallel.device == "cpu":
         return 0
     import torch
 
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    use_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and torch.cuda.is_available())
     return torch.cuda.device_count() if use_cuda else 0
 
 
 def _check_devices(cfg: TrainConfig, world: int, local_world: int, gpus: int) -> None:
-    if cfg.device == "cuda" and gpus == 0:
+    if cfg.parallel.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda: no CUDA device is visible")
     use_cuda = gpus > 0
     resolve_topology(cfg, world, gpus)
-    if cfg.transfer == "nccl" and not use_cuda:
+    if cfg.parallel.transfer == "nccl" and not use_cuda:
         raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
-    if cfg.transfer == "nccl" and gpus < local_world:
+    if cfg.parallel.transfer == "nccl" and gpus < local_world:
         raise ConfigError(f"--transfer nccl: {local_world} ranks on this host but only {gpus} GPUs; "
                           "NCCL needs one GPU per rank")
-    if cfg.attn_backend == "flex" and not use_cuda:
+    if cfg.model.attn_backend == "flex" and not use_cuda:
         raise ConfigError("--attn-backend flex: FlexAttention has no backward pass on the CPU; "
                           "use dense (auto picks it there)")
 
@@ -85,23 +85,24 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int, gpus: int) ->
 def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
     """A --metrics-port the user gave must be free for every local rank (base + local rank); with the
     default port (a busy one falls back to a free port at start-up) the address must be bindable."""
-    if cfg.metrics_port == 0 or not cfg.profile:
+    if cfg.telemetry.metrics_port == 0 or not cfg.profile.enabled:
         return
-    if cfg.metrics_port is None:   # the default port may fall back, but the address must be bindable
+    if cfg.telemetry.metrics_port is None:   # the default port may fall back, but the address must be bindable
         try:
-            with socket.create_server((cfg.metrics_host, 0)):
+            with socket.create_server((cfg.telemetry.metrics_host, 0)):
                 return
         except OSError as exc:
-            raise ConfigError(f"--metrics-host {cfg.metrics_host}: cannot serve metrics there "
+            raise ConfigError(f"--metrics-host {cfg.telemetry.metrics_host}: cannot serve metrics there "
                               f"({exc.strerror or exc})") from None
     for local_rank in range(local_world):
-        port = cfg.metrics_port + local_rank
+        port = cfg.telemetry.metrics_port + local_rank
         try:
-            with socket.create_server((cfg.metrics_host, port)):
+            with socket.create_server((cfg.telemetry.metrics_host, port)):
                 pass
         except OSError as exc:
             why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-            raise ConfigError(f"--metrics-port {cfg.metrics_port}: port {port} on {cfg.metrics_host} (base + local "
+            raise ConfigError(f"--metrics-port {cfg.telemetry.metrics_port}: port {port} on "
+                              f"{cfg.telemetry.metrics_host} (base + local "
                               f"rank {local_rank}) {why}; choose another base port, or 0 for no endpoint") from None
 
 
@@ -118,7 +119,7 @@ def run_dir_conflict(path: Path, resume: bool) -> str | None:
 
 
 def _check_run_dir(cfg: TrainConfig) -> None:
-    if cfg.resume and cfg.run_dir is None:
+    if cfg.reliability.resume and cfg.run_dir is None:
         raise ConfigError("--resume: needs --run-dir naming the run to continue")
     path = Path(cfg.run_dir or "runs").resolve()
     if path.exists() and not path.is_dir():
@@ -129,10 +130,10 @@ def _check_run_dir(cfg: TrainConfig) -> None:
             _check_writable(path / name)
     if cfg.run_dir is None:
         return
-    conflict = run_dir_conflict(path, cfg.resume)
+    conflict = run_dir_conflict(path, cfg.reliability.resume)
     if conflict:
         raise ConfigError(conflict)
-    if cfg.resume:
+    if cfg.reliability.resume:
         from dflash import checkpoint   # torch: only a resumed run's preflight pays the import
 
         ckpt = checkpoint.latest_checkpoint(path / "checkpoints")
@@ -158,16 +159,16 @@ def _check_writable(path: Path) -> None:
 
 def _check_target(cfg: TrainConfig):
     """The tokenizer the data check needs (None when there is nothing to check)."""
-    if cfg.target_model is None:
-        if cfg.data is None:
+    if cfg.model.target_model is None:
+        if cfg.data.path is None:
             return None
         from dflash.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
-    if cfg.data is None:
+    if cfg.data.path is None:
         raise ConfigError("--data: required with --target-model (the built-in corpus is generated by the "
                           "built-in target)")
-    target = Path(cfg.target_model)
+    target = Path(cfg.model.target_model)
     _check_target_config(target)
     _check_weights(target)
     from dflash import builtin
@@ -223,8 +224,8 @@ def _check_data(cfg: TrainConfig, tokenizer) -> None:
     from dflash.data import first_usable_record
 
     try:
-        first_usable_record(cfg.data, tokenizer, cfg.max_length, cfg.on_bad_record)
+        first_usable_record(cfg.data.path, tokenizer, cfg.data.max_length, cfg.data.on_bad_record)
     except OSError as e:
-        raise ConfigError(f"--data {cfg.data}: cannot read: {e.strerror or e}") from None
+        raise ConfigError(f"--data {cfg.data.path}: cannot read: {e.strerror or e}") from None
     except ValueError as e:  # names FILE:LINE
         raise ConfigError(str(e)) from None

@@ -59,7 +59,7 @@ class StartupTimeline:
 
 
 def bytecode_source() -> str:
-    """Where this process keeps Python bytecode: the cache folder (sys.pycache_prefix: dflash.compile's
+    """Where this process keeps Python bytecode: the cache folder (sys.pycache_prefix: dflash.compile_cache's
     `bytecode_env`), `beside sources` (__pycache__), or `not written` (PYTHONDONTWRITEBYTECODE: a package
     installed without bytecode is compiled from source at every start)."""
     if sys.pycache_prefix:

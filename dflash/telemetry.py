@@ -55,23 +55,24 @@ def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str
 
 
 def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
-    if cfg.metrics_port == 0:
+    if cfg.telemetry.metrics_port == 0:
         return None
     from exporters.prometheus import MetricsPortInUse, PrometheusExporter
 
-    port = (cfg.metrics_port if cfg.metrics_port is not None else DEFAULT_METRICS_PORT) + local_rank
-    strict = cfg.metrics_port is not None
+    port = (cfg.telemetry.metrics_port if cfg.telemetry.metrics_port is not None else DEFAULT_METRICS_PORT) + local_rank
+    strict = cfg.telemetry.metrics_port is not None
     try:
-        exporter = PrometheusExporter(labels, host=cfg.metrics_host, port=port, strict=strict)
+        exporter = PrometheusExporter(labels, host=cfg.telemetry.metrics_host, port=port, strict=strict)
     except MetricsPortInUse:
-        raise ConfigError(f"--metrics-port {cfg.metrics_port}: port {port} on {cfg.metrics_host} (rank {rank} = "
+        raise ConfigError(f"--metrics-port {cfg.telemetry.metrics_port}: port {port} on "
+                          f"{cfg.telemetry.metrics_host} (rank {rank} = "
                           "base + local rank) is in use; choose another base port, or 0 for no endpoint") from None
     except OSError as exc:
-        raise ConfigError(f"--metrics-host {cfg.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
+        raise ConfigError(f"--metrics-host {cfg.telemetry.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
             from None
     if exporter.port != port:
         print(f"dflash-train: rank {rank}: metrics port {port} is busy; serving "
-              f"http://{cfg.metrics_host}:{exporter.port}/metrics instead", file=sys.stderr, flush=True)
+              f"http://{cfg.telemetry.metrics_host}:{exporter.port}/metrics instead", file=sys.stderr, flush=True)
     return exporter
 
 

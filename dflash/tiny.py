@@ -206,8 +206,7 @@ def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int
     Prompts that occur in `exclude_from` (another corpus) are skipped, for a held-out split.
     Generation is batched (left-padded, KV cache), chunked by budget so little compute is wasted.
     It runs on `num_threads` intra-op threads: this model's ops are tiny, and with a second
-    thread on a shared CPU, OpenMP barriers spin while the other core is busy (measured: 1.2 s
-    vs 43 s for 48 conversations on a 2-core box with one core taken).
+    thread on a shared CPU, OpenMP barriers spin while the other core is busy.
     """
     if num_conversations < 1:
         raise ValueError(f"num_conversations must be >= 1, got {num_conversations}")

@@ -62,7 +62,7 @@ def cpu_threads(topo: Topology, rank: int, cores: int, waits_asleep: bool) -> in
     alone: in the built-in run the target waits for a free slot 80% of its time), so when OpenMP's
     waiting threads sleep (`waits_asleep`: OMP_WAIT_POLICY=PASSIVE, which the launcher sets for a CPU
     run) each drafter takes an equal share of all the cores. The sum then passes `cores`, which costs
-    little with sleeping threads and much with spinning ones (bench/RESULTS.md)."""
+    little with sleeping threads and much with spinning ones."""
     if waits_asleep and topo.role(rank) == "drafter":
         return max(1, cores // topo.num_drafters)
     return max(1, cores // topo.world_size)
@@ -79,7 +79,7 @@ def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int |
 
 def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
     """The run's Topology for `world` ranks and `num_gpus` GPUs; ConfigError for counts that make none."""
-    t, d = cfg.target_gpus, cfg.drafter_gpus
+    t, d = cfg.parallel.target_gpus, cfg.parallel.drafter_gpus
     if t is not None and d is None:
         d = world - t
     elif d is not None and t is None:

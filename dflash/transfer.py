@@ -13,9 +13,8 @@ from whichever of its producers is ready (any-source on the header) into a bound
 Streams (GPU): no transfer queues behind compute. On the NCCL path the target's main thread launches
 the send itself, right after the pack and so before the next forward's kernels, on a stream of the
 Sender's that waits (device-side) for the pack's event; `transfer.send` is timed there, so its CUDA
-events bracket the NCCL transfer. (Launched from the sender thread after its gloo handshake, the
-send's kernel landed wherever the thread got the GIL; on two H200s it took 1.17-1.20 ms against
-1.15-1.16 ms now, for 336 MB: bench/RESULTS.md.) The receiver posts NCCL receives, or the host
+events bracket the NCCL transfer (launched from the sender thread, the send's kernel would land
+wherever that thread got the GIL). The receiver posts NCCL receives, or the host
 path's `h2d_copy`, on its own stream and hands the drafter a device tensor with a `ready` event; the
 drafter's stream waits on that event and `record_stream`s the tensor so the allocator cannot hand
 its memory to the next receive while the drafter still reads it.
@@ -23,10 +22,11 @@ its memory to the next receive while the drafter still reads it.
 Shutdown: every target ends its stream with an END header; every drafter, when it stops, sends STOP
 to each producer and drains until all producers have ended. A target polls STOP between batches.
 
-Integrity: a message may carry its payload's fingerprint (profiler.nonfinite.fingerprint: finite
+Integrity: a message may carry its payload's fingerprint (`fingerprint()`: finite
 count and sum, float64, computed by the target right after the pack); the header says so, and the
 fingerprint follows the payload on the payload's path, so the drafter can compare it with the
-payload it received. Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
+payload it received (`fingerprint_flags()`: the pack made NaN/Inf, or the copy or the wire changed it).
+Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
 steps (headers, slot and queue states, event states); `dump_flight_recorder()` returns it, and the
 Sender and Receiver register it as the profiler's `transfer_ring` forensics source.
 """
@@ -61,9 +61,10 @@ class Message:
     payload: torch.Tensor
     """The packed hidden states ([N, K*H] or [K, N, H]); device or CPU."""
     meta: torch.Tensor
-    """[rows, N] int64 CPU metadata (ids, positions, doc ids, loss mask)."""
+    """[rows, N] int64 CPU metadata (dflash.pack.META_FIELDS)."""
     ints: list[int] = field(default_factory=list)
-    """Small integers carried in the header (batch index, noise seed, flags)."""
+    """Small integers carried in the header, at most four; what they mean is the sender's
+    (dflash.pack.WireHeader). The first is read here as the batch index, to tag flows and the flight recorder."""
     src: int = -1
     """Sender rank (set on receipt)."""
     ready: object = None
@@ -76,8 +77,32 @@ class Message:
     launched: object = None
     """NCCL path: a threading.Event set once submit() has launched (or failed to launch) the send."""
     fingerprint: object = None
-    """[finite count, sum] float64 of the payload as packed (profiler.nonfinite.fingerprint), or None:
+    """[finite count, sum] float64 of the payload as packed (`fingerprint()`), or None:
     on the payload's device when sent, where the payload arrived when received."""
+
+
+# A float64 sum casts its input first (a temporary of 8 bytes per element: 4x a bf16 payload, every
+# batch). Chunks bound the temporaries to 128 MiB (+16 MiB).
+FINGERPRINT_CHUNK_ELEMENTS = 1 << 24
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[finite count, sum], float64, on t's device; no host read. Summed chunk by chunk (the same
+    order on both sides, so equal bytes give equal sums); the sum is NaN when t holds one: the count
+    tells."""
+    parts = [torch.stack([torch.count_nonzero(torch.isfinite(c)).to(torch.float64), c.sum(dtype=torch.float64)])
+             for c in t.reshape(-1).split(FINGERPRINT_CHUNK_ELEMENTS)]
+    return torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device)
+
+
+def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) -> torch.Tensor:
+    """Bool flags [pack, transfer] on the device: the sender's fingerprint counts non-finite values
+    (the pack made them), or the receiver's differs from the sender's (the copy or the wire changed
+    the payload). Sums agree to float64 rounding for the same bytes: 1e-9 relative."""
+    sent = sent.to(received.device, non_blocking=True)
+    pack_bad = sent[0] != numel
+    moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6, equal_nan=True)
+    return torch.stack([pack_bad, moved & ~pack_bad])
 
 
 _RING: collections.deque = collections.deque(maxlen=RING_ENTRIES)
@@ -485,7 +510,7 @@ class Receiver:
             fp = fp.to(self._device) if fp is not None else None
             ready = _record_event()
         # Deliberate wait, on this thread only: the pinned buffer goes back to the pool only after
-        # the copy reading it has run (at pinned bandwidth, about 6 ms for 336 MB on an H200; the drafter never waits here).
+        # the copy reading it has run (the drafter never waits here).
         ready.synchronize()
         self._pool.give(buf)
         return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 import dflash
 import profiler
-from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight, roles, startup, telemetry
+from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
+from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.stacks import make_stack_sampler
@@ -65,7 +66,7 @@ class _StopFlag:
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if cfg.parallel.device == "cpu" or (cfg.parallel.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible")
@@ -91,7 +92,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
         # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
-        dcompile.setup_cache(dcompile.resolve_cache_dir(cfg.compile_cache_dir), create=device.type == "cuda")
+        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir), create=device.type == "cuda")
         timeline.mark("device")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
@@ -99,9 +100,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
             asleep = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
             torch.set_num_threads(cpu_threads(topo, rank, host_cores(), asleep))
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        from dflash.launch import RendezvousError, rendezvous_store
-
-        store = rendezvous_store(rank, world, cfg.rendezvous_timeout_s)
+        store = rendezvous_store(rank, world, cfg.parallel.rendezvous_timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, store=store)
         timeline.mark("rendezvous")
     except ConfigError as e:
@@ -115,7 +114,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
     except ConfigError as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
-    except (checkpoint.CheckpointWriteError, roles.NonfiniteStop) as e:   # said in one line, exit 1
+    except (checkpoint.CheckpointWriteError, loops.NonfiniteStop) as e:   # said in one line, exit 1
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
@@ -145,22 +144,22 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
     tokenizer = builtin.load_tokenizer(paths.target_dir)
     timeline.mark("built-ins")
-    resume_state = checkpoint.load_resume_state(run_dir) if cfg.resume else None
+    resume_state = checkpoint.load_resume_state(run_dir) if cfg.reliability.resume else None
     samples: list = []
     heldout: list = []
-    wants_eval = rank == 0 and cfg.eval_prompts > 0
+    wants_eval = rank == 0 and cfg.data.eval_prompts > 0
     if role == "target" or (wants_eval and paths.eval_data is None):
         samples = _load_samples(paths.data, tokenizer, cfg, announce=rank == topo.target_ranks[0])
         if paths.eval_data is None:
             # No separate held-out file: every rank holds out the same last records.
-            samples, heldout = evaluate.split_heldout(samples, cfg.eval_prompts)
+            samples, heldout = evaluate.split_heldout(samples, cfg.data.eval_prompts)
         if not samples:
-            raise ConfigError(f"{paths.data}: no training records left after holding out {cfg.eval_prompts}")
+            raise ConfigError(f"{paths.data}: no training records left after holding out {cfg.data.eval_prompts}")
     if wants_eval and paths.eval_data is not None:
-        heldout = _load_samples(paths.eval_data, tokenizer, cfg, announce=True)[:cfg.eval_prompts]
+        heldout = _load_samples(paths.eval_data, tokenizer, cfg, announce=True)[:cfg.data.eval_prompts]
     device_payload = _device_payload(cfg, topo, device)
     timeline.mark("data")
-    ctx = roles.WorkerContext(
+    ctx = loops.WorkerContext(
         cfg=cfg, topo=topo, rank=rank, device=device, run_dir=run_dir, target_dir=paths.target_dir,
         samples=samples, pad_token_id=tokenizer.pad_token_id, mask_token_id=builtin.mask_token_id(tokenizer),
         ctrl_group=ctrl, data_group=None, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
@@ -169,20 +168,20 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         _write_resolved_config(cfg, topo, run_dir, device, device_payload)
     threading_name(f"{role}.main")
     tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
-            if cfg.profile else telemetry.Telemetry())
+            if cfg.profile.enabled else telemetry.Telemetry())
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
     with contextlib.closing(tele), prof, _forensics(stop, rank):
         _startup_event(timeline, rank)
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":
-            roles.run_target(ctx)
+            loops.run_target(ctx)
         else:
-            state = roles.build_drafter(ctx)
-            progress = Progress(cfg.max_steps, state.step) if rank == 0 else NullProgress()
-            roles.run_drafter(ctx, state, progress)
+            state = loops.build_drafter(ctx)
+            progress = Progress(cfg.optim.max_steps, state.step) if rank == 0 else NullProgress()
+            loops.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
-            if rank == 0 and cfg.eval_prompts > 0:
+            if rank == 0 and cfg.data.eval_prompts > 0:
                 _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
         if stop():
             profiler.event("signal", signal=signal.Signals(stop.signum).name)
@@ -207,19 +206,19 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                    tele: telemetry.Telemetry):
     """The rank's profiler, with compile time as `drafter.compile` spans (never inside drafter.fwd_bwd);
     a null context under --no-profile."""
-    if not cfg.profile:
+    if not cfg.profile.enabled:
         return contextlib.nullcontext()
-    dcompile.install_compile_spans()
+    compile_cache.install_compile_spans()
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
-                             interval_s=cfg.profile_interval, device=device, console=rank == 0,
-                             config=cfg.to_dict(), exporters=tele.exporters, detail_steps=cfg.profile_detail_steps,
-                             stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
-                                                              cfg.profile_interval),
-                             hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history,
-                             gpu_steps_per_s=cfg.profile_gpu_steps_per_s)
+                             interval_s=cfg.profile.interval_s, device=device, console=rank == 0,
+                             config=cfg.flat_dict(), exporters=tele.exporters, detail_steps=cfg.profile.detail_steps,
+                             stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
+                                                              cfg.profile.interval_s),
+                             hang_timeout_s=cfg.reliability.hang_timeout_s, memory_history=cfg.profile.memory_history,
+                             gpu_steps_per_s=cfg.profile.gpu_steps_per_s)
 
 
-_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
 
 
 @contextlib.contextmanager
@@ -267,8 +266,8 @@ def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> li
     """`announce`: this rank reports bad records, and fails on them with --on-bad-record fail; the
     other ranks that read the same file only count them (one line, not one per rank)."""
     try:
-        samples, bad = load_conversations(path, tokenizer, cfg.max_length,
-                                          cfg.on_bad_record if announce else "skip")
+        samples, bad = load_conversations(path, tokenizer, cfg.data.max_length,
+                                          cfg.data.on_bad_record if announce else "skip")
     except ValueError as e:  # the loader's message names file:line
         raise ConfigError(str(e)) from None
     if bad.count:
@@ -280,12 +279,12 @@ def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> li
     return samples
 
 
-def _evaluate(ctx: roles.WorkerContext, model, heldout: list, tokenizer, data: Path, records: int) -> None:
+def _evaluate(ctx: loops.WorkerContext, model, heldout: list, tokenizer, data: Path, records: int) -> None:
     """The end-of-run evaluation, or, where its result would be, why there is none."""
     if heldout:
         evaluate.run_eval(ctx, model, heldout, tokenizer)
         return
-    why = (f"{data} has {records} usable records, too few to hold out --eval-prompts {ctx.cfg.eval_prompts} "
+    why = (f"{data} has {records} usable records, too few to hold out --eval-prompts {ctx.cfg.data.eval_prompts} "
            "and train on the rest")
     print(f"dflash-train: evaluation skipped: {why}", file=sys.stderr)
     profiler.event("eval_skipped", reason=why)
@@ -306,14 +305,14 @@ def threading_name(name: str) -> None:
 def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:
     """NCCL device-to-device unless told otherwise or impossible (CPU, or two ranks on one GPU)."""
     if device.type != "cuda":
-        if cfg.transfer == "nccl":
+        if cfg.parallel.transfer == "nccl":
             raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
         return False
     distinct = torch.cuda.device_count() >= topo.world_size
-    if cfg.transfer == "nccl" and not distinct:
+    if cfg.parallel.transfer == "nccl" and not distinct:
         raise ConfigError(f"--transfer nccl: {topo.world_size} ranks but only {torch.cuda.device_count()} GPUs; "
                           "NCCL needs one GPU per rank")
-    return cfg.transfer == "nccl" or (cfg.transfer == "auto" and distinct)
+    return cfg.parallel.transfer == "nccl" or (cfg.parallel.transfer == "auto" and distinct)
 
 
 def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
@@ -322,7 +321,7 @@ def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
     box = [None, None]
     if rank == 0:
         path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
-        box = [str(path), preflight.run_dir_conflict(path, cfg.resume)]
+        box = [str(path), preflight.run_dir_conflict(path, cfg.reliability.resume)]
     dist.broadcast_object_list(box, src=0, group=ctrl)
     if box[1] is not None:
         raise ConfigError(box[1])
@@ -356,22 +355,16 @@ def _print_final(run_dir: Path) -> None:
 def main() -> int:
     """A rank started by dflash.launch: its imports are done; wait at the gate for the config, which
     comes once the launcher's preflight passed (EOF: it did not, or the launcher is gone; exit quietly)."""
-    from dflash.launch import ENV_GATE_FD
-
     imported_ns = time.time_ns()
-    fd = os.environ.get(ENV_GATE_FD, "")
     try:
-        with os.fdopen(int(fd), "rb") as gate:
-            data = gate.read()
-    except (ValueError, OSError) as e:
-        print(f"dflash-train: error: a rank process reads its config from the launcher's gate ({ENV_GATE_FD}="
-              f"{fd!r}: {getattr(e, 'strerror', None) or 'not set'}); run dflash-train, or torchrun -m dflash.cli",
-              file=sys.stderr)
+        data = read_gate()
+    except ConfigError as e:
+        print(f"dflash-train: error: {e}", file=sys.stderr)
         return 2
     if not data:
         return 2
     marks = (("imports", imported_ns), ("preflight", time.time_ns()))
-    return run(TrainConfig(**json.loads(data)).validate(), marks)
+    return run(TrainConfig.from_dict(json.loads(data)).validate(), marks)
 
 
 if __name__ == "__main__":

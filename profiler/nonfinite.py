@@ -1,4 +1,4 @@
-"""Non-finite checks without a host sync, and the packed-batch fingerprint.
+"""Non-finite checks without a host sync.
 
 A span hands tensors to `NonfiniteMonitor.check(span, step, {name: tensor})`. On the device, each
 tensor is reduced to one flag (`not isfinite(t).all()`), and the flags tensor is queued with the
@@ -27,8 +27,6 @@ exact guards (the checkpoint's) must check for themselves; `settle()` is the del
 rare points.
 
 On the CPU there is no device: the flags are computed where they are, and `poll()` reads them.
-`fingerprint()` is the cheap summary of a packed batch the target sends with it: (finite count, sum)
-in float64, computed on the batch's device, compared after receipt (`fingerprint_flags()`).
 `step_unless()` skips an optimizer step on a device flag, without reading it where the optimizer allows.
 """
 from __future__ import annotations
@@ -223,30 +221,6 @@ class NonfiniteMonitor:
             self._on_found(finding)
         except Exception:   # noqa: BLE001 - telemetry never kills training; `first` still holds it
             logger.exception("profiler: reporting a non-finite value failed")
-
-
-# A float64 sum casts its input first (a temporary of 8 bytes per element: 4x a bf16 payload, 1.3 GB
-# for the 8B bench's 336 MB batch, every batch). Chunks bound the temporaries to 128 MiB (+16 MiB).
-FINGERPRINT_CHUNK_ELEMENTS = 1 << 24
-
-
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """[finite count, sum], float64, on t's device; no host read. Summed chunk by chunk (the same
-    order on both sides, so equal bytes give equal sums); the sum is NaN when t holds one: the count
-    tells."""
-    parts = [torch.stack([torch.count_nonzero(torch.isfinite(c)).to(torch.float64), c.sum(dtype=torch.float64)])
-             for c in t.reshape(-1).split(FINGERPRINT_CHUNK_ELEMENTS)]
-    return torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device)
-
-
-def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) -> torch.Tensor:
-    """Bool flags [pack, transfer] on the device: the sender's fingerprint counts non-finite values
-    (the pack made them), or the receiver's differs from the sender's (the copy or the wire changed
-    the payload). Sums agree to float64 rounding for the same bytes: 1e-9 relative."""
-    sent = sent.to(received.device, non_blocking=True)
-    pack_bad = sent[0] != numel
-    moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6, equal_nan=True)
-    return torch.stack([pack_bad, moved & ~pack_bad])
 
 
 def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:

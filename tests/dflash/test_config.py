@@ -1,57 +1,75 @@
-"""Config resolution: flags > env > file > defaults; unknown keys and bad values exit 2 naming the field."""
+"""Config resolution: flags > env > file > defaults, in sections; unknown keys and bad values exit 2
+naming the field as section.field."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from dflash.cli import main
-from dflash.config import ConfigError, TrainConfig, field_docs, resolve_config
+from dflash.cli import build_parser, main
+from dflash.config import SECTIONS, ConfigError, TrainConfig, field_docs, resolve_config
 
 
 def test_precedence_flags_over_env_over_file():
-    file = {"profile_interval": 5, "max_steps": 7, "split_fc_layers": False}
+    file = {"profile": {"interval_s": 5}, "optim": {"max_steps": 7}, "parallel": {"split_fc_layers": False}}
     env = {"DFLASH_PROFILE_INTERVAL": "9", "DFLASH_SPLIT_FC_LAYERS": "1"}
     cfg = resolve_config(file, env, {"profile_interval": "11"})
-    assert cfg.profile_interval == 11.0       # flag wins over env and file
-    assert cfg.split_fc_layers is True         # env wins over file
-    assert cfg.max_steps == 7                  # file wins over default
-    assert resolve_config({}, {}, {}).profile_interval == 60.0
+    assert cfg.profile.interval_s == 11.0              # flag wins over env and file
+    assert cfg.parallel.split_fc_layers is True         # env wins over file
+    assert cfg.optim.max_steps == 7                     # file wins over default
+    assert resolve_config({}, {}, {}).profile.interval_s == 60.0
+
+
+def test_a_file_takes_sections_or_flat_flag_keys_but_not_one_field_twice():
+    flat = resolve_config({"profile_interval": 5, "lr": 0.01, "data": None, "run_dir": "r"}, {}, {})
+    nested = resolve_config({"profile": {"interval_s": 5}, "optim": {"lr": 0.01}, "run_dir": "r"}, {}, {})
+    assert flat == nested and flat.optim.lr == 0.01 and flat.data.path is None
+    with pytest.raises(ConfigError, match="config field 'optim.lr' given twice"):
+        resolve_config({"lr": 0.01, "optim": {"lr": 0.02}}, {}, {})
+    with pytest.raises(ConfigError, match="unknown config field 'optim.interval_s'"):
+        resolve_config({"optim": {"interval_s": 5}}, {}, {})
+    with pytest.raises(ConfigError, match="section 'optim' must be a mapping of its fields, got 3"):
+        resolve_config({"optim": 3}, {}, {})
 
 
 def test_a_flag_overrides_an_invalid_env_value():
     """The flag wins, so the env var it overrides is never read; without the flag it is still an error."""
     env = {"DFLASH_PROFILE_INTERVAL": "abc", "DFLASH_SPLIT_FC_LAYERS": "maybe"}
     cfg = resolve_config({}, env, {"profile_interval": "5", "split_fc_layers": False})
-    assert cfg.profile_interval == 5.0 and cfg.split_fc_layers is False
+    assert cfg.profile.interval_s == 5.0 and cfg.parallel.split_fc_layers is False
     with pytest.raises(ConfigError, match="env DFLASH_PROFILE_INTERVAL"):
         resolve_config({}, {"DFLASH_PROFILE_INTERVAL": "abc"}, {})
 
 
-def test_every_field_has_a_docstring():
+def test_every_field_has_a_docstring_and_help_is_grouped_by_section():
     import dataclasses
 
-    docs = field_docs()
-    assert {f.name for f in dataclasses.fields(TrainConfig)} == set(docs)
-    assert all(len(d) > 10 for d in docs.values())
+    for cls in (TrainConfig, *SECTIONS.values()):
+        docs = field_docs(cls)
+        assert {f.name for f in dataclasses.fields(cls)} == set(docs), cls
+        assert all(len(d) > 10 for d in docs.values())
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in build_parser()._action_groups}
+    assert set(SECTIONS) <= set(groups)
+    assert "--profile-interval" in groups["profile"] and "--lr" in groups["optim"] and "--data" in groups["data"]
 
 
 @pytest.mark.parametrize("file,env,flags,needle", [
     ({"max_stepz": 3}, {}, {}, "unknown config field 'max_stepz'"),
-    ({}, {}, {"max_steps": "0"}, "config field 'max_steps': must be >= 1"),
-    ({}, {}, {"max_steps": "ten"}, "--max-steps: field 'max_steps' expects int"),
-    ({}, {"DFLASH_PROFILE_INTERVAL": "soon"}, {}, "env DFLASH_PROFILE_INTERVAL: field 'profile_interval'"),
-    ({}, {"DFLASH_SPLIT_FC_LAYERS": "maybe"}, {}, "env DFLASH_SPLIT_FC_LAYERS: field 'split_fc_layers'"),
-    ({}, {}, {"transfer": "carrier-pigeon"}, "config field 'transfer': must be auto, nccl or host"),
-    ({}, {}, {"data": "/nonexistent.jsonl"}, "config field 'data': no such file"),
-    ({"lr": True}, {}, {}, "field 'lr' expects float"),
-    ({}, {}, {"profile_interval": "inf"}, "config field 'profile_interval': must be a finite number (got inf)"),
-    ({"lr": "nan"}, {}, {}, "config field 'lr': must be > 0"),
-    ({}, {}, {"gamma": "-inf"}, "config field 'gamma': must be > 0"),
-    ({}, {}, {"hidden_noise": "1e999"}, "config field 'hidden_noise': must be a finite number"),
-    ({}, {}, {"rendezvous_timeout_s": "0"}, "config field 'rendezvous_timeout_s': must be > 0"),
+    ({}, {}, {"max_steps": "0"}, "config field 'optim.max_steps': must be >= 1"),
+    ({}, {}, {"max_steps": "ten"}, "--max-steps: field 'optim.max_steps' expects int"),
+    ({}, {"DFLASH_PROFILE_INTERVAL": "soon"}, {}, "env DFLASH_PROFILE_INTERVAL: field 'profile.interval_s'"),
+    ({}, {"DFLASH_SPLIT_FC_LAYERS": "maybe"}, {}, "env DFLASH_SPLIT_FC_LAYERS: field 'parallel.split_fc_layers'"),
+    ({}, {}, {"transfer": "carrier-pigeon"}, "config field 'parallel.transfer': must be auto, nccl or host"),
+    ({}, {}, {"data": "/nonexistent.jsonl"}, "config field 'data.path': no such file"),
+    ({"lr": True}, {}, {}, "field 'optim.lr' expects float"),
+    ({}, {}, {"profile_interval": "inf"}, "config field 'profile.interval_s': must be a finite number (got inf)"),
+    ({"lr": "nan"}, {}, {}, "config field 'optim.lr': must be a finite number"),
+    ({}, {}, {"gamma": "-inf"}, "config field 'optim.gamma': must be a finite number"),
+    ({}, {}, {"hidden_noise": "1e999"}, "config field 'optim.hidden_noise': must be a finite number"),
+    ({}, {}, {"rendezvous_timeout_s": "0"}, "config field 'parallel.rendezvous_timeout_s': must be > 0"),
 ])
 def test_bad_values_name_the_field(file, env, flags, needle):
     with pytest.raises(ConfigError) as e:
@@ -59,6 +77,11 @@ def test_bad_values_name_the_field(file, env, flags, needle):
     assert needle in str(e.value)
 
 
+def test_the_sectioned_dict_round_trips_and_the_flat_one_is_keyed_by_flag():
+    cfg = resolve_config({"model": {"block_size": 8}}, {}, {"profile": False})
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and cfg.to_dict()["model"]["block_size"] == 8
+    assert cfg.flat_dict()["profile"] is False and cfg.flat_dict()["block_size"] == 8
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     cfg = tmp_path / "c.yaml"
@@ -78,5 +101,13 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash.cli", "--num-anchors", "-3"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip() == "dflash-train: error: config field 'num_anchors': must be >= 1 (got -3)"
+    assert r.stderr.strip() == "dflash-train: error: config field 'optim.num_anchors': must be >= 1 (got -3)"
     assert "Traceback" not in r.stderr
+
+
+def test_every_dflash_variable_lands_in_the_config():
+    env = {"DFLASH_FUSED_ELEMENTWISE": "0", "DFLASH_FUSED_CE": "off", "DFLASH_FAULT": "crash@target.fwd:step=2"}
+    cfg = resolve_config({}, env, {})
+    assert (cfg.model.fused_elementwise, cfg.model.fused_ce) == (False, False)
+    assert cfg.reliability.fault == "crash@target.fwd:step=2"
+    assert resolve_config({}, {}, {}).to_dict()["model"]["fused_ce"] is True

@@ -79,18 +79,16 @@ def test_cpu_meta_kept_and_transfer_round_trip():
     meta = p.meta()
     assert set(meta) == {"input_ids", "position_ids", "doc_ids", "loss_mask"}
     assert all(v.device.type == "cpu" for v in meta.values())
-    t = p.tensors()
-    assert set(t) == {"hidden", "input_ids", "position_ids", "doc_ids", "loss_mask"}
-    q = PackedBatch.from_tensors(t, noise_seed=5, split=True)
-    assert torch.equal(q.context(0.1), p.context(0.1)) and q.meta()["doc_ids"].tolist() == meta["doc_ids"].tolist()
-    rows = torch.stack([meta[k].to(torch.int64) for k in ("input_ids", "position_ids", "doc_ids", "loss_mask")])
-    r = PackedBatch.from_transfer(p.hidden, dict(zip(("input_ids", "position_ids", "doc_ids", "loss_mask"), rows)),
-                                  noise_seed=5, split=True, device="cpu")
-    assert r.doc_ids.dtype == torch.int32 and r.loss_mask.dtype == torch.bool
+    rows, header = p.to_wire(batch_index=9)
+    assert rows.dtype == torch.int64 and rows.shape == (4, p.num_tokens)
+    assert header.batch_index == 9 and header.noise_seed == 5 and header.split == 1
+    r, got = PackedBatch.from_wire(p.hidden, rows, [*header, 0], device="cpu")   # as received: padded slots
+    assert got == header
+    assert r.doc_ids.dtype == torch.int32 and r.loss_mask.dtype == torch.bool and r.split and r.noise_seed == 5
     assert torch.equal(r.loss_mask, p.loss_mask) and torch.equal(r.position_ids, p.position_ids)
     assert r.cpu["loss_mask"].dtype == torch.bool and torch.equal(r.context(0.1), p.context(0.1))
-    with pytest.raises(ValueError, match="missing 'hidden'"):
-        PackedBatch.from_tensors({k: v for k, v in t.items() if k != "hidden"}, 0, True)
+    with pytest.raises(ValueError, match="3 metadata rows"):
+        PackedBatch.from_wire(p.hidden, rows[:3], list(header), device="cpu")
 
 
 def test_bad_inputs():

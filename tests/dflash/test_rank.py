@@ -7,7 +7,7 @@ import gc
 import time
 from pathlib import Path
 
-from dflash.rank import long_lived
+from dflash.handoff import long_lived
 
 
 def test_long_lived_pauses_then_freezes_and_restores():

@@ -29,12 +29,12 @@ def test_a_cpu_runs_preflight_leaves_torch_and_the_trainer_to_the_ranks(tmp_path
 
     code = ("import sys\n"
             "from dflash import launch, preflight\n"
-            "from dflash.config import ConfigError, TrainConfig\n"
-            f"cfg = TrainConfig(device='cpu', run_dir={str(tmp_path / 'run')!r})\n"
+            "from dflash.config import ConfigError, resolve_config\n"
+            f"cfg = resolve_config({{}}, {{}}, {{'device': 'cpu', 'run_dir': {str(tmp_path / 'run')!r}}})\n"
             "gpus = preflight.torch_gpus(cfg)\n"
             "preflight.check(cfg, launch.world_for(cfg, gpus), 2, gpus=gpus)\n"
             "try:\n"
-            "    preflight.check(TrainConfig(device='cpu', drafter_gpus=2), 3, 3, gpus=0)\n"
+            "    preflight.check(resolve_config({}, {}, {'device': 'cpu', 'drafter_gpus': 2}), 3, 3, gpus=0)\n"
             "except ConfigError as e:\n"
             "    print(e)\n"
             "print(gpus, sorted(m for m in ('torch', 'transformers', 'dflash.worker') if m in sys.modules))\n")

@@ -118,3 +118,36 @@ def test_staged_view_round_trips(dtype):
     v = transfer.staged_view(buf, x)
     v.copy_(x)
     assert torch.equal(transfer.staged_view(buf, x), x)
+
+
+def test_fingerprint_attributes_pack_or_transfer():
+    h = torch.randn(64, 8, dtype=torch.bfloat16)
+    sent = transfer.fingerprint(h)
+    assert sent[0].item() == h.numel()
+    assert transfer.fingerprint_flags(sent, transfer.fingerprint(h.clone()), h.numel()).tolist() == [False, False]
+    changed = h.clone()
+    changed[3, 1] += 1
+    assert transfer.fingerprint_flags(sent, transfer.fingerprint(changed), h.numel()).tolist() == [False, True]
+    assert transfer.fingerprint_flags(sent, transfer.fingerprint(h * float("nan")), h.numel()).tolist() == [False, True]
+    packed_bad = h.clone()
+    packed_bad[0, 0] = float("inf")
+    bad_fp = transfer.fingerprint(packed_bad)
+    assert bad_fp[0].item() == h.numel() - 1
+    assert transfer.fingerprint_flags(bad_fp, transfer.fingerprint(packed_bad.clone()), h.numel()).tolist() == [True, False]
+
+
+def test_fingerprint_temporaries_stay_bounded_whatever_the_payload_size(monkeypatch):
+    """A float64 sum casts its input; chunking keeps that temporary to a chunk, and the result equals
+    the one-shot count and sum."""
+    monkeypatch.setattr(transfer, "FINGERPRINT_CHUNK_ELEMENTS", 1 << 16)
+    t = torch.randn(1 << 20).to(torch.bfloat16)
+    t[12345] = float("inf")
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fp = transfer.fingerprint(t)
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert biggest <= 8 * (1 << 16), biggest          # one chunk's float64 copy, not 8 MiB for the whole
+    assert fp[0] == (1 << 20) - 1 and torch.isinf(fp[1])
+    finite = t[torch.isfinite(t)]
+    chunked = transfer.fingerprint(finite)
+    assert torch.isclose(chunked[1], finite.sum(dtype=torch.float64), rtol=1e-12)
+    assert transfer.fingerprint(torch.empty(0)).tolist() == [0.0, 0.0]

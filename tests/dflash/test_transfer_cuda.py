@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash import transfer
-from profiler import nonfinite
 
 pytestmark = pytest.mark.cuda
 
@@ -55,7 +54,7 @@ def _target(device, device_payload: bool, ctrl) -> None:
         if staging.copy_stream is not None:
             with torch.cuda.stream(staging.copy_stream):
                 torch.cuda._sleep(4 * SLEEP_CYCLES)   # hold the D2H copy back
-        fingerprint = nonfinite.fingerprint(hidden)
+        fingerprint = transfer.fingerprint(hidden)
         payload, ready, release = staging.stage(hidden)
         sender.submit(transfer.Message(payload, torch.zeros(4, 1, dtype=torch.int64), [i],
                                        ready=ready, release=release, fingerprint=fingerprint))
@@ -74,7 +73,7 @@ def _drafter(device, device_payload: bool, ctrl, out) -> None:
         x = transfer.wait_ready(msg)
         torch.cuda._sleep(4 * SLEEP_CYCLES)       # read the payload long after it arrived
         same.append((x == _payload(msg.ints[0], device)).all())   # on the device, no sync
-        flags.append(nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(x), x.numel()))
+        flags.append(transfer.fingerprint_flags(msg.fingerprint, transfer.fingerprint(x), x.numel()))
         del msg, x
     # test: one sync at the end
     out.put(([bool(v) for v in torch.stack(same).cpu()], torch.stack(flags).cpu().tolist()))

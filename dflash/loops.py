@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import checkpoint, transfer
+from dflash import checkpoint, fused, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -32,7 +32,6 @@ from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
 from profiler import nonfinite
 
-_META_ROWS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 # Where DFLASH_FAULT can fire (checked at start-up: profiler.faults.check_injection_points): every
 # span the pipeline enters, and for nan the spans that hand a tensor to profiler.corrupt().
 FAULT_SPANS = ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "transfer.wait_slot",
@@ -50,7 +49,7 @@ def stop_if_nonfinite(cfg: TrainConfig) -> None:
     come back asynchronously (profiler/nonfinite.py), so this stops after the bad step by the device's lag
     (a step or two) plus one to two collector polls."""
     found = profiler.nonfinite_found()
-    if found is not None and cfg.on_nonfinite == "stop":
+    if found is not None and cfg.reliability.on_nonfinite == "stop":
         raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "
                             f"{found['rank']}; stopped (--on-nonfinite stop)")
 
@@ -87,35 +86,34 @@ class WorkerContext:
     def dtype(self) -> torch.dtype:
         """The target's dtype. The built-in tiny target stays float32 on GPUs too: its random
         weights amplify bf16 rounding, so bf16 features would differ from the float32 ones its
-        corpus was generated with (measured: a drafter trained on its bf16 features scored 1.04
-        against float32 decoding)."""
-        if self.cfg.target_dtype != "auto":
-            return getattr(torch, self.cfg.target_dtype)
-        real_target_on_gpu = self.device.type == "cuda" and self.cfg.target_model is not None
+        corpus was generated with, and a drafter trained on them would be scored on others."""
+        if self.cfg.model.target_dtype != "auto":
+            return getattr(torch, self.cfg.model.target_dtype)
+        real_target_on_gpu = self.device.type == "cuda" and self.cfg.model.target_model is not None
         return torch.bfloat16 if real_target_on_gpu else torch.float32
 
     def noise_seed(self, target_index: int, batch_index: int) -> int:
-        return (self.cfg.seed * 1_000_003 + target_index * 100_003 + batch_index) % (2**62)
+        return (self.cfg.optim.seed * 1_000_003 + target_index * 100_003 + batch_index) % (2**62)
 
 
 # ----------------------------------------------------------------------------------------- target
 def run_target(ctx: WorkerContext) -> None:
     cfg, rank, topo = ctx.cfg, ctx.rank, ctx.topo
-    target = TargetCapture.from_pretrained(ctx.target_dir, num_layers=cfg.num_target_layers,
+    target = TargetCapture.from_pretrained(ctx.target_dir, num_layers=cfg.model.num_target_layers,
                                            device=ctx.device, dtype=ctx.dtype)
     shard = topo.target_index(rank)
     consumed = (ctx.resume_state or {}).get("consumed", {}).get(rank, 0)
-    batcher = TokenBatcher(ctx.samples, cfg.tokens_per_batch, ctx.pad_token_id, cfg.seed,
+    batcher = TokenBatcher(ctx.samples, cfg.data.tokens_per_batch, ctx.pad_token_id, cfg.optim.seed,
                            shard=shard, num_shards=topo.num_targets)
     batches = iter(batcher)
     for _ in range(consumed):  # resume: replay the data order up to the first unconsumed batch
         next(batches)
     drafter = topo.drafter_of(rank)
     stop = transfer.StopSignal(drafter, ctx.ctrl_group)
-    sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.max_in_flight, ctx.device_payload,
+    sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.parallel.max_in_flight, ctx.device_payload,
                              ctx.device)
-    staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.max_in_flight + 1)
-    for batch_index in range(consumed, topo.quota(rank, cfg.max_steps)):
+    staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.parallel.max_in_flight + 1)
+    for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
         if stop.requested() or ctx.stop_requested():
             break
         stop_if_nonfinite(cfg)
@@ -137,19 +135,19 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     # Device-memory floor of the pack: the kept tokens' K layers read once and written once.
     packed_bytes = batch.num_tokens * len(layers) * layers[0].shape[-1] * layers[0].element_size()
     with profiler.span("target.pack_hidden", bytes=2 * packed_bytes):
-        packed = pack_hidden(layers, batch, cfg.hidden_noise, ctx.noise_seed(shard, batch_index),
-                             cfg.split_fc_layers)
+        packed = pack_hidden(layers, batch, cfg.optim.hidden_noise, ctx.noise_seed(shard, batch_index),
+                             cfg.parallel.split_fc_layers)
         del layers
         packed.hidden = profiler.corrupt("target.pack_hidden", packed.hidden)   # nan@target.pack_hidden
-        fingerprint = nonfinite.fingerprint(packed.hidden)   # on the device; the drafter compares it
+        fingerprint = transfer.fingerprint(packed.hidden)   # on the device; the drafter compares it
         profiler.check_flags("target.pack_hidden", ["packed.hidden"], fingerprint[:1] != packed.hidden.numel(),
-                             policy=cfg.on_nonfinite)
+                             policy=cfg.reliability.on_nonfinite)
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
-    meta = torch.stack([packed.cpu[name].to(torch.int64) for name in _META_ROWS])
-    ints = [batch_index, packed.noise_seed, int(packed.split)]
-    sender.submit(transfer.Message(payload, meta, ints, ready=ready, release=release, fingerprint=fingerprint))
+    rows, header = packed.to_wire(batch_index)
+    sender.submit(transfer.Message(payload, rows, list(header), ready=ready, release=release,
+                                   fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
 
@@ -169,14 +167,15 @@ class DrafterState:
 def build_drafter(ctx: WorkerContext) -> DrafterState:
     cfg = ctx.cfg
     head = load_target_head(ctx.target_dir, ctx.device, ctx.dtype)
-    layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.num_target_layers)
-    torch.manual_seed(cfg.seed)  # identical initialisation on every drafter rank
-    dcfg = draft_config_for_target(head.config, num_layers=_num_draft_layers(ctx), block_size=cfg.block_size,
+    layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.model.num_target_layers)
+    fused.ENABLED = cfg.model.fused_elementwise
+    torch.manual_seed(cfg.optim.seed)  # identical initialisation on every drafter rank
+    dcfg = draft_config_for_target(head.config, num_layers=_num_draft_layers(ctx), block_size=cfg.model.block_size,
                                    layer_ids=layer_ids, mask_token_id=ctx.mask_token_id,
-                                   attn_backend=cfg.attn_backend)
+                                   attn_backend=cfg.model.attn_backend)
     model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head).to(ctx.device)
-    opt, sched = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                                 cfg.max_steps, cfg.min_lr_ratio)
+    opt, sched = build_optimizer(model.parameters(), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps,
+                                 cfg.optim.max_steps, cfg.optim.min_lr_ratio)
     state = DrafterState(model, opt, sched)
     if ctx.resume_state is not None:
         model.load_state_dict(ctx.resume_state["model"], strict=False)
@@ -188,9 +187,9 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
 
 
 def _num_draft_layers(ctx: WorkerContext) -> int:
-    if ctx.cfg.num_draft_layers is not None:
-        return ctx.cfg.num_draft_layers
-    return 2 if ctx.cfg.target_model is None else 5
+    if ctx.cfg.model.num_draft_layers is not None:
+        return ctx.cfg.model.num_draft_layers
+    return 2 if ctx.cfg.model.target_model is None else 5
 
 
 def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> None:
@@ -202,9 +201,9 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     stopped_by = None
     if ctx.rank == 0:
         _remove_stale_partials(ctx.run_dir / "checkpoints")
-    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, warm_steps=min(5, cfg.max_steps // 4),
+    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, warm_steps=min(5, cfg.optim.max_steps // 4),
                             start_step=state.step)
-    while state.step < cfg.max_steps:
+    while state.step < cfg.optim.max_steps:
         stop_if_nonfinite(cfg)
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
@@ -217,7 +216,8 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         progress.observe(LazyScalar(loss), LazyScalar(tau))
         progress.update(state.step, state.tokens_total)
         meter.after_step(state.step, state.tokens_total)
-        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
+        every = cfg.reliability.checkpoint_every
+        if every and state.step % every == 0 and state.step < cfg.optim.max_steps:
             save_checkpoint(ctx, state)
     meter.finish(state.step, state.tokens_total)
     transfer.send_stop(producers, ctx.ctrl_group)
@@ -229,26 +229,26 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
     cfg, model = ctx.cfg, state.model
-    with profiler.span("drafter.unpack"):   # ~7% of a launch-workload step (H200), in no span before
+    with profiler.span("drafter.unpack"):
         hidden = transfer.wait_ready(msg)   # the receiver already ran h2d_copy on the host path
-        _check_payload(ctx, msg, hidden, state.step)
-        packed = PackedBatch.from_transfer(hidden, {n: msg.meta[i] for i, n in enumerate(_META_ROWS)},
-                                           noise_seed=msg.ints[1], split=bool(msg.ints[2]), device=ctx.device)
-    generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.step * 131 + ctx.rank)
+        packed, header = PackedBatch.from_wire(hidden, msg.meta, msg.ints, ctx.device)
+        _check_payload(ctx, msg, hidden, state.step, header.batch_index)
+    generator = torch.Generator().manual_seed(cfg.optim.seed * 7919 + state.step * 131 + ctx.rank)
     with profiler.span("drafter.fwd_bwd"):
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
                     else contextlib.nullcontext())
         with autocast:
-            context = packed.context(cfg.hidden_noise)
-            out = compute_loss(model, packed, context, cfg.num_anchors, cfg.gamma, generator)
+            context = packed.context(cfg.optim.hidden_noise)
+            out = compute_loss(model, packed, context, cfg.optim.num_anchors, cfg.optim.gamma, generator,
+                               cfg.model.fused_ce)
         loss = profiler.corrupt("drafter.fwd_bwd", out.loss)
         loss.backward()
     if ctx.topo.num_drafters > 1:
         with profiler.span("drafter.allreduce"):
             _allreduce_grads(model, ctx.drafter_group, ctx.topo.num_drafters)
     with profiler.span("drafter.optim"):
-        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                     if cfg.grad_clip > 0 else None)
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                     if cfg.optim.grad_clip > 0 else None)
         _optimizer_step(ctx, state, loss, grad_norm)
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
@@ -269,15 +269,16 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     return loss.detach(), out.tau.detach()
 
 
-def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int) -> None:
+def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int,
+                   batch_index: int) -> None:
     """Compare the received payload's fingerprint with the target's, on the device: flags
     `payload.packed` (the pack made NaN/Inf) or `payload.transfer` (d2h_copy, transfer.send or h2d_copy
     changed it); read back off this thread like every check."""
     if msg.fingerprint is None:
         return
-    flags = nonfinite.fingerprint_flags(msg.fingerprint, nonfinite.fingerprint(hidden), hidden.numel())
+    flags = transfer.fingerprint_flags(msg.fingerprint, transfer.fingerprint(hidden), hidden.numel())
     profiler.check_flags("drafter.recv", ["payload.packed", "payload.transfer"], flags, step=step, src=msg.src,
-                         batch=msg.ints[0], policy=ctx.cfg.on_nonfinite)
+                         batch=batch_index, policy=ctx.cfg.reliability.on_nonfinite)
 
 
 def _optimizer_step(ctx: WorkerContext, state: DrafterState, loss: torch.Tensor, grad_norm) -> None:
@@ -286,8 +287,9 @@ def _optimizer_step(ctx: WorkerContext, state: DrafterState, loss: torch.Tensor,
     finite; under warn it is applied."""
     watched = {"loss": loss.detach()} if grad_norm is None else {"loss": loss.detach(), "grad_norm": grad_norm}
     flags = torch.stack([~torch.isfinite(t).all() for t in watched.values()])
-    gate = ctx.cfg.on_nonfinite != "warn"
-    profiler.check_flags("drafter.fwd_bwd", list(watched), flags, step=state.step, policy=ctx.cfg.on_nonfinite,
+    gate = ctx.cfg.reliability.on_nonfinite != "warn"
+    profiler.check_flags("drafter.fwd_bwd", list(watched), flags, step=state.step,
+                         policy=ctx.cfg.reliability.on_nonfinite,
                          action="skipped_step" if gate else "applied")
     if gate:
         nonfinite.step_unless(state.optimizer, flags.any())
@@ -326,7 +328,7 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
         dist.all_gather_object(parts, consumed, group=ctx.drafter_ctrl_group)
         consumed = {k: v for p in parts for k, v in p.items()}
     ckpt_dir = ctx.run_dir / "checkpoints"
-    if ctx.cfg.on_nonfinite == "stop":
+    if ctx.cfg.reliability.on_nonfinite == "stop":
         profiler.settle_nonfinite()   # deliberate wait: every check so far read back before a save
         stop_if_nonfinite(ctx.cfg)
     if ctx.rank != 0 or (ckpt_dir / f"step_{state.step:07d}").exists():

@@ -1,4 +1,4 @@
-"""dflash.compile and the compiled flex path: one compile for every batch shape, the compile cache
+"""dflash.compile_cache and the compiled flex path: one compile for every batch shape, the compile cache
 (where it lives, what preflight refuses, that a restart hits it), and compile time as `drafter.compile`."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import profiler
 from dflash import preflight
 from dflash.attention import BlockLayout, MaskSet, build_layout, compiled, flex_block_mask, mark_lengths_dynamic
 from dflash.cli import main
-from dflash.compile import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem, install_compile_spans,
-                            resolve_cache_dir, setup_cache, uninstall_compile_spans)
+from dflash.compile_cache import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem,
+                                  install_compile_spans, resolve_cache_dir, setup_cache, uninstall_compile_spans)
 from dflash.config import ConfigError, resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ def test_cache_dir_default_honours_xdg_and_the_flag():
         "/home/u/.cache/dflash/compile")                   # a relative XDG_CACHE_HOME is ignored (XDG spec)
     assert resolve_cache_dir("/c/d", {"XDG_CACHE_HOME": "/xdg"}) == Path("/c/d")
     cfg = resolve_config({}, {}, {"compile_cache_dir": "/c/d"})
-    assert cfg.compile_cache_dir == "/c/d" and resolve_config({}, {}, {}).compile_cache_dir is None
+    assert cfg.model.compile_cache_dir == "/c/d" and resolve_config({}, {}, {}).model.compile_cache_dir is None
 
 
 def test_setup_creates_a_private_directory_and_points_inductor_and_triton_there(tmp_path):
@@ -239,7 +239,7 @@ def test_cli_refuses_an_unsafe_cache_dir_in_one_line_before_any_rank(tmp_path, c
 _RESTART = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from dflash.compile import setup_cache
+    from dflash.compile_cache import setup_cache
     setup_cache(Path(sys.argv[1]), create=True)   # before torch compiles anything, as the worker does
     import torch
     from torch._dynamo.utils import counters
@@ -327,7 +327,7 @@ def test_bytecode_cache_only_where_python_may_not_write_beside_its_sources(tmp_p
     assert all((p.stat().st_mode & 0o777) == 0o700 for p in (cache, cache / "pycache"))
     assert bytecode_env(True, None, {"HOME": str(tmp_path / "h")}, dont_write=True, missing=True)["PYTHONPYCACHEPREFIX"] == str(
         tmp_path / "h/.cache/dflash/compile/pycache")
-    assert resolve_config({}, {}, {}).bytecode_cache is True
+    assert resolve_config({}, {}, {}).model.bytecode_cache is True
 
 
 def test_bytecode_cache_refuses_what_the_compile_cache_refuses(tmp_path):

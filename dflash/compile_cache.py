@@ -101,7 +101,7 @@ BYTECODE_PROBES = ("torch", "transformers", "sympy")
 
 def bytecode_missing(packages=BYTECODE_PROBES) -> bool:
     """Whether one of `packages` (found, not imported) has no bytecode for this interpreter beside its
-    `__init__.py`: an install without it (pip --no-compile, as torch in the H200 image)."""
+    `__init__.py`: an install without it (pip --no-compile, as in some container images)."""
     import importlib.util
 
     for name in packages:
@@ -119,7 +119,7 @@ def bytecode_env(enabled: bool, cache_dir: str | None, env: Mapping[str, str] | 
     not to write bytecode beside its sources (`dont_write`: default sys.flags.dont_write_bytecode or
     PYTHONDONTWRITEBYTECODE in `env`), the heavy packages have none there (`missing`: default
     `bytecode_missing()`), and no PYTHONPYCACHEPREFIX is set: then every start compiles their source
-    again (imports 17 s on the H200 host). The changes: PYTHONPYCACHEPREFIX is CACHE/pycache, created
+    again. The changes: PYTHONPYCACHEPREFIX is CACHE/pycache, created
     0700, and PYTHONDONTWRITEBYTECODE is dropped (value None). Bytecode is code the ranks load: a cache
     directory `cache_dir_problem` refuses (checked before and after creating) gives {} here, and
     preflight's one-line error later."""
