@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dflash import checkpoint, transfer
-from profiler.nonfinite import fingerprint
+from dflash.transfer import fingerprint
 from profiler.runlog import read_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path, p
                                  "drafter.fwd_bwd, drafter.optim, drafter.recv, drafter.unpack, eval.decode, h2d_copy, "
                                  "target.fetch, target.fwd, target.pack_hidden, transfer.send, transfer.wait_slot)"),
     (None, ["--on-nonfinite", "ignore"],
-     "dflash-train: error: config field 'on_nonfinite': must be stop, skip-step or warn (got 'ignore')"),
+     "dflash-train: error: config field 'reliability.on_nonfinite': must be stop, skip-step or warn (got 'ignore')"),
 ])
 def test_a_fault_that_could_never_fire_or_a_bad_policy_is_refused_before_any_rank(tmp_path, fault, args, line):
     r = train(tmp_path / "run", args, fault)

@@ -216,7 +216,7 @@ def test_a_valid_target_directory_passes_preflight(tmp_path, tiny_target):
     (["--attn-backend", "flex"], "--attn-backend flex: FlexAttention has no backward pass on the CPU; "
                                  "use dense (auto picks it there)"),
     (["--transfer", "nccl"], "--transfer nccl: needs CUDA devices; this run is on the CPU"),
-    (["--profile-interval", "inf"], "config field 'profile_interval': must be a finite number (got inf)"),
+    (["--profile-interval", "inf"], "config field 'profile.interval_s': must be a finite number (got inf)"),
 ])
 def test_impossible_choices_on_this_machine_are_refused_before_any_rank(tmp_path, flags, line):
     assert refused(["--run-dir", str(tmp_path / "run"), *SMALL, *flags]) == f"dflash-train: error: {line}"

@@ -216,7 +216,7 @@ def test_split_fc_layers_trains_exactly_like_target_side_concat(tmp_path, prebui
     for split, (run, p) in procs.items():
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
-        assert json.loads((run / "config.json").read_text())["split_fc_layers"] is (split == "1")
+        assert json.loads((run / "config.json").read_text())["parallel"]["split_fc_layers"] is (split == "1")
         runs[split] = load_file(str(run / "checkpoints" / "step_0000003" / "model.safetensors"))
     assert all(torch.equal(runs["0"][k], runs["1"][k]) for k in runs["0"])
 
