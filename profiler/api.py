@@ -195,22 +195,7 @@ def activate(profiler, recorder) -> None:
 
 
 def deactivate(profiler) -> None:
-    """Clear the active profiler (only if it is `profiler`, paused or not)."""
-    global _active, _recorder, _spans
-    if _active is profiler or getattr(_active, "profiler", None) is profiler:
-        _spans, _recorder, _active = _noop_view, None, None
-
-
-def suspend(profiler, view) -> None:
-    """Pause `profiler` (profiler/pause.py): spans, counters and metrics take the no-op path, as with no
-    profiler; `view` is what active() returns meanwhile (set_step and events still reach the profiler)."""
+    """Clear the active profiler (only if it is `profiler`)."""
     global _active, _recorder, _spans
     if _active is profiler:
-        _spans, _recorder, _active = _noop_view, None, view
-
-
-def unsuspend(profiler, view, recorder) -> None:
-    """Undo suspend(): `profiler` and its `recorder` are active again."""
-    global _active, _recorder, _spans
-    if _active is view:
-        _active, _recorder, _spans = profiler, recorder, recorder.local
+        _spans, _recorder, _active = _noop_view, None, None

@@ -22,8 +22,6 @@ from profiler.forensics import Forensics, format_open_spans, install_autotune_sp
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
 from profiler.nonfinite import NonfiniteMonitor
-from profiler.overhead import SUMMARY_FIELDS
-from profiler.pause import PauseControl
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog
 from profiler.spans import SpanRecorder, check_name
@@ -121,7 +119,6 @@ class Profiler:
         self.spans_finished = 0          # progress for the hang watchdog: spans drained so far...
         self._first_step = None          # ...and the step, once it changed from the first one set
         self._step_changed = False
-        self.step_ns = 0                 # perf_counter_ns of the last set_step (the overhead command's clock)
         self._forensics: dict = {}   # name -> fn() giving state for forensics dumps
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -170,12 +167,8 @@ class Profiler:
         api.activate(self, self.recorder)
         self._cleanups.append(lambda: api.deactivate(self))
         self.timer = IntervalTimer(self.interval_s, self.clock, self._timer_poll, self._timer_close, self.poll_s)
-        self.pauses = PauseControl(self, self.recorder, samplers=(self.sampler, self.stack_sampler),
-                                   interval_clock=self.timer, gpu_sampler=self.gpu_sampler)
-        self._cleanups.append(self.pauses.resume)   # the run's end profiles again: records are whole
         self.control = (ControlServer(self.run_dir, self.rank, self.role, self.state,
-                                      record_fn=lambda fields: self.write_record("snapshot", **fields),
-                                      commands=self._commands())
+                                      record_fn=lambda fields: self.write_record("snapshot", **fields))
                         if self._control_enabled else NullControlServer())
         self.control.start()
         self._cleanups.append(self.control.close)
@@ -204,7 +197,6 @@ class Profiler:
         status = "ok" if et is None else et.__name__
         try:
             if self._started:
-                self.pauses.resume()   # before the final interval: it counts the pause's time
                 self.timer.stop()
                 api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
                 # Telemetry never kills training: a failure here is logged, and the with-block's own
@@ -259,11 +251,6 @@ class Profiler:
         return {"name": found[0], "ended_seconds_ago": (time.perf_counter_ns() - found[1]) / 1e9}
 
     def _timer_poll(self) -> None:
-        if self.pauses.active:
-            self.pauses.expire()   # paused: the collector watches the lease...
-            if self.pauses.background_held:
-                self.nonfinite.poll()   # ...and reads back the checks (forensics never pause), nothing else
-                return
         self._poll()
 
     def _timer_close(self) -> None:
@@ -298,8 +285,7 @@ class Profiler:
                    **self.aggregator.close_parts(duration_s, end_ns, open_spans), "memory": self._memory_summary(),
                    "threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
                    "threads_cpu_seconds": cpu, "profiler_share": profiler_share(cpu, duration_s),
-                   "exporters": self.hub.stats(), "open_spans": _without_ids(open_spans),
-                   **self.pauses.take_interval(end_ns)}
+                   "exporters": self.hub.stats(), "open_spans": _without_ids(open_spans)}
             stacks = self.stack_sampler.interval_summary(reset=True)
             if stacks is not None:
                 rec["stack_samples"] = stacks
@@ -370,14 +356,13 @@ class Profiler:
         return self.detail_steps + DETAIL_ALIGN if self.detail_steps > 0 else 0
 
     def note_step(self, step: int) -> int:
-        """The step and when it was set (perf_counter_ns, returned); what set_step keeps while paused."""
+        """The step and when it was set (perf_counter_ns, returned)."""
         self.step = int(step)
         if self._first_step is None:
             self._first_step = self.step
         elif self.step != self._first_step:
             self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
-        self.step_ns = now_ns = time.perf_counter_ns()
-        return now_ns
+        return time.perf_counter_ns()
 
     def progress(self) -> tuple:
         """(armed, token) for the hang watchdog: armed once the step changed; the token changes
@@ -396,7 +381,6 @@ class Profiler:
         the final interval and run_end; the with-block's exit then writes nothing more."""
         if not self._started:
             return
-        self.pauses.resume()
         with contextlib.suppress(RuntimeError):   # RuntimeError: called on the collector thread
             self.timer.stop()
         if self._close_lock.acquire(timeout=2.0):   # never wait forever on a stuck holder
@@ -503,35 +487,8 @@ class Profiler:
         return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
-                "intervals_closed": self.intervals_closed, "memory": memory, "paused_by": self.pauses.owner}
+                "intervals_closed": self.intervals_closed, "memory": memory}
 
-    def progress_now(self) -> dict:
-        """The endpoint's `progress`: the step and when it was set, read without draining anything (the
-        overhead command reads it at every phase boundary, in both arms alike)."""
-        return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
-                "step_time_unix": self.to_unix_ns(self.step_ns) / 1e9 if self.step_ns else None,
-                "paused_by": self.pauses.owner}
-
-    def _commands(self) -> dict:
-        """The endpoint's commands beyond state/record/ping: pause, resume (profiler/pause.py), progress, and
-        threads (each live Python thread's name and kernel id, for the overhead command's per-thread CPU)."""
-        return {"pause": lambda req: self.pauses.pause(req.get("owner"), req.get("lease_s"),
-                                                             req.get("part", "all")),
-                "resume": lambda req: self.pauses.resume(req.get("owner")),
-                "progress": lambda req: {"ok": True, **self.progress_now()},
-                "threads": lambda req: {"ok": True, "threads": [[t.name, t.native_id] for t in threading.enumerate()
-                                                                if t.native_id is not None]},
-                "overhead_result": lambda req: self._note_overhead(req.get("result"))}
-
-    def _note_overhead(self, result) -> dict:
-        """A `profile_overhead` event with an overhead measurement's summary: the SUMMARY_FIELDS that are
-        scalars, nothing else (a client cannot set a record's type, rank or kind)."""
-        if not isinstance(result, dict):
-            return {"ok": False, "error": f"overhead_result needs a 'result' object, got {type(result).__name__}"}
-        fields = {k: (v[:500] if isinstance(v, str) else v) for k, v in result.items()
-                  if k in SUMMARY_FIELDS and (isinstance(v, (int, float, str, bool)) or v is None)}
-        self.event("profile_overhead", **fields)
-        return {"ok": True}
 
 
 def _readback(is_cuda: bool, device, pool):

@@ -70,32 +70,17 @@ class GpuSampler:
         self.burst = burst
         self.p = 1.0
         self.steps = 0          # set_step calls since the last interval close
-        self.held = False       # GPU timing paused (profiler/pause.py, part `gpu`): no step is timed
         self._random = (rng or random.Random()).random
 
     def next_step(self) -> None:
         """A new step began: is it GPU-timed? (A lost update racing the collector's writes times a step more
         or less, or miscounts one; both are harmless.)"""
         self.steps += 1
-        if self.held:
-            self.timed[0] = False
-        elif self.burst > 0:
+        if self.burst > 0:
             self.burst -= 1
             self.timed[0] = True
         else:
             self.timed[0] = self.p >= 1.0 or self._random() < self.p
-
-    def count_step(self) -> None:
-        """A step begun while the training threads' profiling is paused (profiler/pause.py): it counts toward
-        the interval's step rate (its duration includes the paused time), and nothing is decided."""
-        self.steps += 1
-
-    def hold(self, held: bool) -> None:
-        """Pause (True) or resume the GPU timing: from now on, spans record no event; at the resume, from the
-        next step on, as before."""
-        self.held = held
-        if held:
-            self.timed[0] = False
 
     def interval_closed(self, duration_s: float, burst: int) -> None:
         """On the collector at an interval close: the next interval's p from this one's step rate, and the

@@ -23,7 +23,6 @@ Two things are kept per span name and interval, and they differ for a span that 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
 import time
@@ -384,9 +383,8 @@ class IntervalTimer:
         self._poll, self._close = poll, close
         self.poll_s = poll_s
         self.next_boundary_s = clock() + interval_s
-        self._held_remaining_s: float | None = None   # while held: what was left of the interval
         self._stop = threading.Event()
-        self._wake = threading.Event()   # set by stop() and poke(): the thread's wait ends at once
+        self._wake = threading.Event()   # set by stop(): the thread's wait ends at once
         self._thread = None
         self._logged = False
 
@@ -431,25 +429,6 @@ class IntervalTimer:
                 logger.exception("profiler: interval collection failed (logged once; continuing)")
         return False
 
-    def poke(self) -> None:
-        """Run the next iteration now (a resumed background: drain its backlog at once)."""
-        self._wake.set()
-
     def reset_boundary(self) -> None:
-        """After a forced close: the next automatic close comes interval_s later (of unheld time)."""
-        if self._held_remaining_s is not None:
-            self._held_remaining_s = self.interval_s
-        else:
-            self.next_boundary_s = self.clock() + self.interval_s
-
-    def hold(self) -> None:
-        """Stop the interval clock (profiling paused, profiler/pause.py): no boundary passes until release()."""
-        if self._held_remaining_s is None:
-            self._held_remaining_s = self.next_boundary_s - self.clock()
-            self.next_boundary_s = math.inf
-
-    def release(self) -> None:
-        """Restart the clock where hold() stopped it: an interval spans interval_s of unheld time."""
-        if self._held_remaining_s is not None:
-            self.next_boundary_s = self.clock() + max(0.0, self._held_remaining_s)
-            self._held_remaining_s = None
+        """After a forced close: the next automatic close comes interval_s later."""
+        self.next_boundary_s = self.clock() + self.interval_s

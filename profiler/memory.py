@@ -62,8 +62,6 @@ class NvmlMemorySampler:
     process exit releases it).
     """
 
-    paused = False   # set by profiler/pause.py while profiling is paused
-
     def __init__(self, gpu_indices: list, nvml=None, period_s: float = 0.5, clock=time.monotonic):
         if not gpu_indices:
             raise ValueError("NvmlMemorySampler: gpu_indices is empty (give at least one GPU)")
@@ -117,8 +115,7 @@ class NvmlMemorySampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self.paused:   # profiling paused (profiler/pause.py): no samples meanwhile
-                    self.sample_once()
+                self.sample_once()
             except Exception as exc:  # noqa: BLE001 - telemetry never kills training
                 self._record_error("sample", exc)
             self._stop.wait(self._period_s)
