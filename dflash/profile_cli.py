@@ -17,6 +17,10 @@ from profiler.snapshot import (format_process, format_run, keep_snapshot, snapsh
                                snapshot_run)
 from profiler.stacks import FAILED, StackError
 
+# Span contract (DESIGN.md): the spans in which a rank waits on ranks of another role.
+WAITS_FOR_ROLE = {"drafter.recv": "target", "transfer.wait_slot": "drafter", "transfer.send": "drafter",
+                  "drafter.allreduce": "drafter"}
+
 
 def _pid(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
@@ -49,7 +53,7 @@ def take(args, runner=None) -> dict:
         snap = snapshot_process(args.pid, native=args.native, runner=runner)
         keep_snapshot(snap)
         return snap
-    run = snapshot_run(args.run_dir, native=args.native, runner=runner)
+    run = snapshot_run(args.run_dir, WAITS_FOR_ROLE, native=args.native, runner=runner)
     for snap in run["ranks"]:
         keep_snapshot(snap)
     return run

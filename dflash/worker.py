@@ -211,7 +211,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
         return contextlib.nullcontext()
     dcompile.install_compile_spans()
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
-                             interval_s=cfg.profile_interval, device=device, console=rank == 0,
+                             interval_s=cfg.profile_interval, device=device, faults=os.environ.get("DFLASH_FAULT", ""),
                              config=cfg.to_dict(), exporters=tele.exporters, detail_steps=cfg.profile_detail_steps,
                              stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
                                                               cfg.profile_interval),

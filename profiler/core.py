@@ -18,7 +18,7 @@ from profiler.detail import DETAIL_ALIGN, DetailWindow, NullDetailWindow, StepMa
 from profiler.export import CallableExporter, ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors as _measure_floors
-from profiler.forensics import Forensics, format_open_spans, install_autotune_spans, make_memory_history
+from profiler.forensics import Forensics, install_autotune_spans, make_memory_history
 from profiler.intervals import IntervalAggregator, IntervalTimer
 from profiler.memory import allocator_summary, make_memory_sampler
 from profiler.nonfinite import NonfiniteMonitor
@@ -32,24 +32,10 @@ from profiler.watchdog import NullWatchdog, Watchdog
 
 logger = logging.getLogger("profiler")
 
-ENV_INTERVAL = "DFLASH_PROFILE_INTERVAL"
-DEFAULT_INTERVAL_S = 60.0
-
-
-def resolve_interval_s(interval_s, env=os.environ) -> float:
-    """interval_s, else env DFLASH_PROFILE_INTERVAL, else 60; must be a positive number."""
-    where = "interval_s"
-    if interval_s is None:
-        raw = env.get(ENV_INTERVAL)
-        if raw is None or raw.strip() == "":
-            return DEFAULT_INTERVAL_S
-        where = f"env {ENV_INTERVAL}"
-        try:
-            interval_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{where}={raw!r} is not a number of seconds") from None
+def check_interval_s(interval_s) -> float:
+    """interval_s as a float; ValueError unless it is a positive number of seconds."""
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
-        raise ValueError(f"{where} must be a positive number of seconds, got {interval_s!r}")
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
     return float(interval_s)
 
 
@@ -58,7 +44,7 @@ class Profiler:
 
     Extra keyword-only knobs for tests and embedding: `wall_clock` (time_unix source), `poll_s`
     (collector poll period), `background` (False: no collector thread; drive it with `tick()`),
-    `console_stream`, `fault_plan`, `event_pool` (CUDA event pool or a fake), `floors` (skip the
+    `fault_plan`, `event_pool` (CUDA event pool or a fake), `floors` (skip the
     measurement and use these), `gpu_drain_timeout_s` (how long run end polls pending GPU pairs),
     `exporters` (objects with name/export/close, fed on the exporter thread: profiler/export.py),
     `detail_steps` (steps per interval kept as raw spans), `run_id` (default: the run dir's name),
@@ -69,10 +55,10 @@ class Profiler:
     on every detail-window step: profiler/cuda_timing.py GpuSampler; 0 = every step), `gpu_rng` (its
     random.Random, for tests)."""
 
-    def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=None,
-                 device=None, config=None, console: bool = True, clock=None, memory_sampler=None, nvml=None,
+    def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", interval_s=60.0,
+                 device=None, config=None, faults: str = "", clock=None, memory_sampler=None, nvml=None,
                  measure_floors: bool = True, control: bool = True, *, wall_clock=time.time,
-                 poll_s: float = 0.25, background: bool = True, console_stream=None, fault_plan=None,
+                 poll_s: float = 0.25, background: bool = True, fault_plan=None,
                  event_pool=None, floors: dict | None = None, gpu_drain_timeout_s: float = 2.0,
                  exporters=(), detail_steps: int = 3, run_id: str | None = None, stack_sampler=None,
                  export_timeout_s: float = 5.0, hang_timeout_s: float = 0.0, memory_history: int = 0,
@@ -83,11 +69,10 @@ class Profiler:
             raise ValueError(f"Profiler: role must be a non-empty string, got {role!r}")
         self.run_dir = Path(run_dir)
         self.rank, self.world_size, self.role = rank, world_size, role
-        self.interval_s = resolve_interval_s(interval_s)
+        self.interval_s = check_interval_s(interval_s)
         self.device = device
         self.is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
         self.config = config
-        self.console = console
         self.clock = clock or time.perf_counter
         # On the default clock, interval bounds are read once in span time (perf_counter_ns) and the
         # seconds derived from it, so a span open a whole interval holds exactly 100% of it.
@@ -95,11 +80,10 @@ class Profiler:
         self.wall_clock = wall_clock
         self.poll_s = poll_s
         self.background = background
-        self.console_stream = console_stream
         self._memory_sampler_arg, self._nvml = memory_sampler, nvml
         self._measure_floors, self.floors = measure_floors, floors
         self._control_enabled = control
-        self._fault_plan_arg, self._event_pool_arg = fault_plan, event_pool
+        self._fault_plan_arg, self._faults, self._event_pool_arg = fault_plan, faults, event_pool
         self.log_path = self.run_dir / "profile" / f"rank{rank}.jsonl"
         self.step = 0
         self.last_interval = None
@@ -139,7 +123,7 @@ class Profiler:
         self._cleanups.append(self.runlog.close)
         if self.floors is None:
             self.floors = _measure_floors(self.device) if self._measure_floors else {}
-        self.fault_plan = self._fault_plan_arg or FaultPlan.from_env(self.rank)
+        self.fault_plan = self._fault_plan_arg or FaultPlan.from_spec(self._faults, self.rank)
         pool = self._event_pool_arg
         if pool is None and self.is_cuda:
             from profiler.cuda_timing import EventPool
@@ -262,7 +246,7 @@ class Profiler:
 
     def close_interval(self, final: bool = False, _reset_timer: bool = True) -> dict:
         """Close the current interval now: append its `spans` (detail window) and `interval`
-        records, and print the summary when console=True."""
+        records."""
         if not self._started:
             raise RuntimeError("close_interval(): the profiler is not running (use it inside `with`)")
         with self._close_lock:
@@ -300,12 +284,6 @@ class Profiler:
             if _reset_timer and not final:
                 self.timer.reset_boundary()
             rec = self.last_interval = self._write(rec)   # under the lock: records keep index order
-        if self.console:
-            from exporters.console import format_interval
-            print(format_interval(rec), file=self.console_stream or sys.stdout, flush=True)
-            stuck = format_open_spans(rec["open_spans"], min_seconds=rec["duration_seconds"])
-            if stuck:
-                print(stuck, file=self.console_stream or sys.stdout, flush=True)
         return rec
 
     def _memory_summary(self) -> dict:

@@ -72,14 +72,24 @@ class ThreadState:
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
+_lookup = None
+"""span(name, bytes) -> the span to enter now: profiler.api.span, handed over by bind_lookup when profiler.api is
+imported (this module never imports api, which imports it)."""
+
+
+def bind_lookup(fn) -> None:
+    """Where decorated functions look their span up at call time (profiler.api binds its `span`)."""
+    global _lookup
+    _lookup = fn
+
+
 def _decorate(name, nbytes, fn):
     """Wrap `fn` so each call runs inside `span(name, nbytes)` looked up at CALL time: a function
     decorated at import time (no profiler yet) is still timed once a profiler is active."""
-    from profiler import api   # late import: api imports this module
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with api.span(name, nbytes):
+        with _lookup(name, nbytes):
             return fn(*args, **kwargs)
     return wrapper
 

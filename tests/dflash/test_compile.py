@@ -267,7 +267,7 @@ def test_a_restart_loads_its_compiled_graph_from_the_cache_dir(tmp_path):
 
 # -------------------------------------------------------------------------------------------- span
 def _make_prof(tmp_path):
-    return profiler.Profiler(tmp_path, interval_s=3600.0, console=False, control=False, measure_floors=False,
+    return profiler.Profiler(tmp_path, interval_s=3600.0, control=False, measure_floors=False,
                              detail_steps=4)
 
 

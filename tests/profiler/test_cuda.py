@@ -22,7 +22,7 @@ def make_prof(tmp_path, **kw):
     dev = torch.device("cuda", torch.cuda.current_device())
     kw.setdefault("interval_s", 3600.0)
     kw.setdefault("background", False)
-    return profiler.Profiler(tmp_path, device=dev, console=False, control=False, floors={}, **kw)
+    return profiler.Profiler(tmp_path, device=dev, control=False, floors={}, **kw)
 
 
 def _warm_up():

@@ -39,7 +39,7 @@ class Failing:
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 60.0)
-    return profiler.Profiler(tmp_path, console=False, control=False, measure_floors=False, **kw)
+    return profiler.Profiler(tmp_path, control=False, measure_floors=False, **kw)
 
 
 def test_records_reach_exporters_on_the_exporter_thread_in_order(tmp_path):

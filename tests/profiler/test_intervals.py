@@ -22,7 +22,7 @@ class FakeClock:
 def make_prof(tmp_path, clock, **kw):
     kw.setdefault("interval_s", 60.0)
     kw.setdefault("measure_floors", False)
-    return profiler.Profiler(tmp_path, console=False, control=False, background=False, clock=clock,
+    return profiler.Profiler(tmp_path, control=False, background=False, clock=clock,
                              wall_clock=lambda: 1.7e9, **kw)
 
 

@@ -9,7 +9,7 @@ from profiler.nonfinite import NonfiniteMonitor, fingerprint, fingerprint_flags
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    return profiler.Profiler(tmp_path, console=False, control=False, measure_floors=False, background=False,
+    return profiler.Profiler(tmp_path, control=False, measure_floors=False, background=False,
                              **kw)
 
 

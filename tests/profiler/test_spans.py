@@ -10,7 +10,7 @@ from profiler import api
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    return profiler.Profiler(tmp_path, console=False, measure_floors=False, control=False, background=False, **kw)
+    return profiler.Profiler(tmp_path, measure_floors=False, control=False, background=False, **kw)
 
 
 def test_nesting_depths_and_thread_names_in_three_threads(tmp_path):

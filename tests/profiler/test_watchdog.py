@@ -8,6 +8,8 @@ import threading
 import time
 
 import pytest
+
+from exporters.console import ConsoleExporter
 import torch
 
 import profiler
@@ -38,7 +40,6 @@ class Exits:
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    kw.setdefault("console", False)
     kw.setdefault("control", False)
     kw.setdefault("measure_floors", False)
     kw.setdefault("poll_s", 0.05)
@@ -105,7 +106,7 @@ def test_a_hung_rank_dumps_its_open_spans_and_stacks_writes_run_end_and_exits_1(
 def test_intervals_and_the_console_show_spans_still_open(tmp_path):
     import io
     out = io.StringIO()
-    with make_prof(tmp_path, console=True, console_stream=out, background=False) as prof:
+    with make_prof(tmp_path, exporters=[ConsoleExporter(out)], background=False) as prof:
         with profiler.span("target.fwd"):
             prof.close_interval()
             time.sleep(0.05)
