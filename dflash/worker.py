@@ -25,6 +25,7 @@ from dflash import builtin, checkpoint, compile as dcompile, evaluate, preflight
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
+from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
@@ -210,13 +211,13 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     if not cfg.profile:
         return contextlib.nullcontext()
     dcompile.install_compile_spans()
-    return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
-                             interval_s=cfg.profile_interval, device=device, faults=os.environ.get("DFLASH_FAULT", ""),
-                             config=cfg.to_dict(), exporters=tele.exporters, detail_steps=cfg.profile_detail_steps,
-                             stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
-                                                              cfg.profile_interval),
-                             hang_timeout_s=cfg.hang_timeout_s, memory_history=cfg.memory_history,
-                             gpu_steps_per_s=cfg.profile_gpu_steps_per_s)
+    config = ProfilerConfig(interval_s=cfg.profile_interval, detail_steps=cfg.profile_detail_steps,
+                            gpu_steps_per_s=cfg.profile_gpu_steps_per_s, hang_timeout_s=cfg.hang_timeout_s,
+                            memory_history=cfg.memory_history, faults=os.environ.get("DFLASH_FAULT", ""))
+    deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.stack_samples_per_interval,
+                                                         cfg.profile_interval))
+    return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,
+                             run_config=cfg.to_dict(), config=config, deps=deps, exporters=tele.exporters)
 
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, roles.NonfiniteStop)

@@ -136,7 +136,7 @@ class Forensics:
 
     def _open_spans(self) -> list:
         with contextlib.suppress(Exception):
-            self.prof._poll()   # replay the threads' logs so the open stacks are current
+            self.prof.collector.poll()   # replay the threads' logs so the open stacks are current
         return self.prof.recorder.open_spans()
 
     def _extras(self) -> dict:
@@ -152,7 +152,7 @@ class Forensics:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         fields = {"thread": thread_name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
         with contextlib.suppress(Exception):
-            fields["last_finished_span"] = self.prof.last_finished_span(thread_name)
+            fields["last_finished_span"] = self.prof.collector.last_finished_span(thread_name)
         if not is_oom(exc):
             return self.dump("thread_crash", **fields)
         return self.dump("oom", **fields, span=getattr(exc, "dflash_span", None),

@@ -385,3 +385,18 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
             _logged_allocator_error = True
             logger.warning("allocator_summary failed (logged once): %s", reason)
         return {"available": False, "reason": reason}
+
+
+def memory_state(sampler, device, interval: bool) -> dict:
+    """The `memory` block: the NVML sampler's interval aggregates and allocator stats with the peaks reset
+    (`interval`), else its latest sample and the stats as they stand (a snapshot; about 150 us). A failing part
+    says why instead: telemetry never kills training."""
+    try:
+        memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
+    except Exception as exc:   # noqa: BLE001
+        memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
+    try:
+        memory["allocator"] = allocator_summary(device, reset_peak=interval)
+    except Exception as exc:   # noqa: BLE001
+        memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    return memory

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import profiler
+from tests.profiler.build import make_profiler
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +23,7 @@ def make_prof(tmp_path, **kw):
     dev = torch.device("cuda", torch.cuda.current_device())
     kw.setdefault("interval_s", 3600.0)
     kw.setdefault("background", False)
-    return profiler.Profiler(tmp_path, device=dev, control=False, floors={}, **kw)
+    return make_profiler(tmp_path, device=dev, control=False, floors={}, **kw)
 
 
 def _warm_up():
@@ -171,7 +172,7 @@ def test_sampled_steps_time_the_gpu_and_the_others_record_no_event(tmp_path):
 
     _warm_up()
     records = []
-    with make_prof(tmp_path, gpu_steps_per_s=1.0, gpu_rng=Draws(), detail_steps=0) as prof:
+    with make_prof(tmp_path, gpu_steps_per_s=1.0, rng=Draws(), detail_steps=0) as prof:
         prof.gpu_sampler.steps = 4
         prof.gpu_sampler.interval_closed(1.0, 0)   # as if the last interval ran 4 steps a second: p = 1/4
         pool = prof.event_pool

@@ -8,6 +8,7 @@ import pytest
 import profiler
 from profiler import spans as spans_mod
 from profiler.cuda_timing import EventPool
+from tests.profiler.build import make_profiler
 
 
 class Gpu:
@@ -41,7 +42,7 @@ def run(tmp_path, body, gap_ns=10**12, streams=None, faults=""):
         pool.getraw = lambda idx: streams[0]
     old, spans_mod.SHARE_GAP_NS = spans_mod.SHARE_GAP_NS, gap_ns
     try:
-        with profiler.Profiler(tmp_path, control=False, background=False, measure_floors=False,
+        with make_profiler(tmp_path, control=False, background=False, measure_floors=False,
                                interval_s=3600.0, event_pool=pool, detail_steps=4, faults=faults) as prof:
             prof.set_step(0)
             body(gpu)

@@ -10,6 +10,7 @@ import pytest
 import profiler
 from profiler.export import ExportHub
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
+from tests.profiler.build import make_profiler
 
 
 class Recording:
@@ -39,7 +40,7 @@ class Failing:
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 60.0)
-    return profiler.Profiler(tmp_path, control=False, measure_floors=False, **kw)
+    return make_profiler(tmp_path, control=False, measure_floors=False, **kw)
 
 
 def test_records_reach_exporters_on_the_exporter_thread_in_order(tmp_path):

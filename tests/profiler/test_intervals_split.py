@@ -15,13 +15,14 @@ from exporters.console import format_interval, hotspot_rows
 from exporters.report import format_hotspots, hotspots
 from profiler.cuda_timing import EventPool
 from profiler.intervals import IntervalAggregator
+from tests.profiler.build import make_profiler
 
 LONG = "drafter.compile"
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)   # boundaries come from close_interval() alone
-    return profiler.Profiler(tmp_path, control=False, background=False, measure_floors=False, **kw)
+    return make_profiler(tmp_path, control=False, background=False, measure_floors=False, **kw)
 
 
 def ns(seconds) -> int:

@@ -14,19 +14,20 @@ import torch
 import profiler
 from exporters.console import format_hotspots, format_interval
 from profiler.control import query
-from profiler.core import check_interval_s
+from profiler.config import ProfilerConfig, check_interval_s
 from profiler.faults import FaultPlan, InjectedFault, parse_faults
+from tests.profiler.build import make_profiler
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
     kw.setdefault("control", False)
     kw.setdefault("measure_floors", False)
-    return profiler.Profiler(tmp_path, **kw)
+    return make_profiler(tmp_path, **kw)
 
 
 def test_run_log_records(tmp_path):
-    with make_prof(tmp_path, rank=1, world_size=2, role="drafter", config={"lr": 1e-3}):
+    with make_prof(tmp_path, rank=1, world_size=2, role="drafter", run_config={"lr": 1e-3}):
         with profiler.span("drafter.fwd_bwd"):
             pass
         profiler.count("tokens", 10)

@@ -16,6 +16,7 @@ import profiler
 from profiler.forensics import CudaMemoryHistory, format_open_spans, install_autotune_spans, is_oom
 from profiler.runlog import read_records
 from profiler.watchdog import SignalWatch, Watchdog
+from tests.profiler.build import make_profiler
 
 
 class FakeClock:
@@ -43,7 +44,7 @@ def make_prof(tmp_path, **kw):
     kw.setdefault("control", False)
     kw.setdefault("measure_floors", False)
     kw.setdefault("poll_s", 0.05)
-    return profiler.Profiler(tmp_path, **kw)
+    return make_profiler(tmp_path, **kw)
 
 
 def log(tmp_path) -> list:
