@@ -180,13 +180,13 @@ def register_forensics(name: str, fn) -> None:
     """Register fn() -> JSON-able state that the active profiler's forensics dumps include as `name`."""
     p = _active
     if p is not None:
-        p.register_forensics(name, fn)
+        p.dumper.register(name, fn)
 
 
 def forensics() -> dict:
     """Every registered forensics source's state now ({} with no active profiler)."""
     p = _active
-    return {} if p is None else p.forensics()
+    return {} if p is None else p.dumper.sources()
 
 
 def activate(profiler, recorder) -> None:

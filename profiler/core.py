@@ -22,13 +22,13 @@ from profiler.floors import floor_for_span, measure_floors
 from profiler.forensics import Forensics, install_autotune_spans, make_memory_history
 from profiler.intervals import IntervalAggregator
 from profiler.memory import make_memory_sampler, memory_state
-from profiler.nonfinite import NonfiniteMonitor
+from profiler.nonfinite import NonfiniteMonitor, make_readback
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog, host_fields
 from profiler.spans import SpanRecorder, check_name
 from profiler.stacks import NullStackSampler
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
-from profiler.threadcpu import ThreadCpu, profiler_share
+from profiler.threadcpu import threads_section
 from profiler.watchdog import NullWatchdog, Watchdog
 
 logger = logging.getLogger("profiler")
@@ -62,7 +62,6 @@ class Profiler:
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self.step, self._first_step, self._step_changed = 0, None, False
-        self._forensics: dict = {}   # name -> fn() giving state for forensics dumps
         self._started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -91,7 +90,7 @@ class Profiler:
         self.recorder = SpanRecorder(event_pool=self.event_pool, fault_plan=self.fault_plan,
                                      step_fn=lambda: self.step, gpu_sampler=self.gpu_sampler)
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
-                                          readback=_readback(self.is_cuda, self.device, self.event_pool))
+                                          readback=make_readback(self.is_cuda, self.device, self.event_pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         self.hub.start()
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
@@ -123,23 +122,17 @@ class Profiler:
         detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
                   if self.cfg.detail_steps > 0 else NullDetailWindow())
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, detail)
-        thread_cpu = ThreadCpu()
-
-        def threads(duration_s: float) -> dict:
-            cpu = thread_cpu.take()
-            return {"threads": [{"name": n, "native_id": t} for n, t in sorted(self.recorder.native_ids.items())],
-                    "threads_cpu_seconds": cpu, "profiler_share": profiler_share(cpu, duration_s)}
-
-        def stacks(duration_s: float) -> dict:
-            summary = self.stack_sampler.interval_summary(reset=True)
-            return {} if summary is None else {"stack_samples": summary}
-
-        sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)}, threads,
-                    lambda d: {"exporters": self.hub.stats()}, stacks)
+        sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
+                    threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
+                    self._stack_samples)
         return Collector(self.recorder, aggregator, self.nonfinite, self.gpu_sampler, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
                          sections=sections, detail_burst=detail_burst(self.cfg.detail_steps))
+
+    def _stack_samples(self, duration_s: float) -> dict:
+        summary = self.stack_sampler.interval_summary(reset=True)
+        return {} if summary is None else {"stack_samples": summary}
 
     def _start_forensics(self) -> None:
         """Memory history, the dumper, threading.excepthook and the hang watchdog (profiler/forensics.py)."""
@@ -154,23 +147,11 @@ class Profiler:
         self._started_with(Watchdog(hang_s, self.progress, self._on_hang) if hang_s > 0 else NullWatchdog())
 
     def __exit__(self, et, ev, tb):
-        status = "ok" if et is None else et.__name__
         try:
-            if self._started:
-                self.collector.stop()
-                api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
-                # Telemetry never kills training: a failure here is logged, and the with-block's own
-                # exception (if any) is what propagates.
-                for step in (lambda: self.nonfinite.settle(self.cfg.gpu_drain_timeout_s),
-                             lambda: self.close_interval(final=True),
-                             lambda: self._write(self._run_end_record(status))):
-                    try:
-                        step()
-                    except Exception:   # noqa: BLE001
-                        logger.exception("profiler: closing the run failed")
+            api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
+            self.finish_now("ok" if et is None else et.__name__, settle=True)
         finally:
             self._run_cleanups()
-            self._started = False
         return False
 
     def _run_cleanups(self) -> None:
@@ -182,22 +163,28 @@ class Profiler:
             except Exception:   # noqa: BLE001 - the rest must still be stopped
                 logger.exception("profiler: cleanup step failed")
 
-    def finish_now(self, status: str) -> None:
-        """The run's end from any thread, for a rank about to leave without unwinding (forensics):
-        the final interval and run_end; the with-block's exit then writes nothing more."""
+    def finish_now(self, status: str, settle: bool = False) -> None:
+        """The run's end, also from a rank about to leave without unwinding (forensics, any thread): the final
+        interval and run_end, once. Each step's failure is logged (telemetry never kills training; the
+        with-block's own exception is what propagates). `settle`: first read back the checks in flight."""
         if not self._started:
             return
+        self._started = False
         with contextlib.suppress(RuntimeError):   # RuntimeError: called on the collector thread
             self.collector.stop()
+        steps = (lambda: self.nonfinite.settle(self.cfg.gpu_drain_timeout_s),) if settle else ()
+        for step in (*steps, self._close_final, lambda: self._write(self._run_end_record(status))):
+            try:
+                step()
+            except Exception:   # noqa: BLE001
+                logger.exception("profiler: closing the run failed")
+
+    def _close_final(self) -> None:
         if self.collector.lock.acquire(timeout=2.0):   # never wait forever on a stuck holder
             try:
-                self.close_interval(final=True)
-            except Exception:   # noqa: BLE001 - run_end must still be written
-                logger.exception("profiler: final interval failed")
+                self.collector.close(final=True, gpu_drain_timeout_s=self.cfg.gpu_drain_timeout_s)
             finally:
                 self.collector.lock.release()
-        self._write(self._run_end_record(status))
-        self._started = False
 
     # ---- collection ----------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -212,14 +199,8 @@ class Profiler:
 
     @property
     def last_interval(self) -> dict | None:
-        return self.collector.last_interval if self._collector_made() else None
-
-    @property
-    def intervals_closed(self) -> int:
-        return self.collector.intervals_closed if self._collector_made() else 0
-
-    def _collector_made(self) -> bool:
-        return "collector" in self.__dict__
+        """The last interval record written (None before the first close)."""
+        return self.collector.last_interval
 
     def set_step(self, step: int) -> None:
         """The current training step; its change is marked in time for the detail window."""
@@ -267,7 +248,7 @@ class Profiler:
     def _run_end_record(self, status: str) -> dict:
         duration_s = self.clock() - self.collector.run_start_s
         return {**self._header("run_end"), "step": self.step, "status": status, "duration_seconds": duration_s,
-                "intervals": self.intervals_closed, **self.collector.aggregator.run_parts(duration_s),
+                "intervals": self.collector.intervals_closed, **self.collector.aggregator.run_parts(duration_s),
                 "exporters": self.hub.stats()}
 
     def event(self, kind: str, **fields) -> dict:
@@ -293,7 +274,7 @@ class Profiler:
         return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
-                "intervals_closed": self.intervals_closed,
+                "intervals_closed": self.collector.intervals_closed,
                 "memory": memory_state(self.sampler, self.device, interval=False)}
 
     # ---- forensics -----------------------------------------------------------------------------
@@ -315,28 +296,4 @@ class Profiler:
               f"stopping with a dump in {self.run_dir / 'forensics'}", file=sys.stderr, flush=True)
         self.dumper.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=hang_s)
 
-    def register_forensics(self, name: str, fn) -> None:
-        """fn() -> JSON-able state that forensics dumps include under `name` (a hang, a crash)."""
-        self._forensics[check_name(name, "forensics")] = fn
 
-    def forensics(self) -> dict:
-        """Every registered forensics source's state now; a failing source gives its error instead."""
-        out = {}
-        for name, fn in list(self._forensics.items()):
-            try:
-                out[name] = fn()
-            except Exception as exc:   # noqa: BLE001 - a dump must still come out
-                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        return out
-
-
-def _readback(is_cuda: bool, device, pool):
-    """How this rank's non-finite checks come back from the device (profiler/nonfinite.py): None on a CPU
-    run. The stream lookup is the event pool's cached one, or torch's where a test's pool has no streams."""
-    if not is_cuda:
-        return None
-    import torch
-    from profiler.nonfinite import CudaReadback
-    current = pool.current if pool is not None and pool.current() is not None else (
-        lambda: torch.cuda.current_stream(device))
-    return CudaReadback(device, current)

@@ -2,7 +2,7 @@
 
 A dump holds every Python thread's stack (sys._current_frames, matched to threading's names and
 native ids), the profiler's open spans with how long each has been open, and the results of the
-callables registered with Profiler.register_forensics. It is written as one `event` record of its
+callables registered with profiler.register_forensics. It is written as one `event` record of its
 kind (`hang`, `oom`, `thread_crash`, `signal`) and as a readable text file
 `RUN_DIR/forensics/rank{R}-{kind}-{unix_ms}.txt`.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from profiler.memory import allocator_summary
+from profiler.spans import check_name
 
 logger = logging.getLogger("profiler")
 
@@ -117,13 +118,28 @@ class Forensics:
         self.dir = Path(prof.run_dir) / "forensics"
         self._abort_lock = threading.Lock()
         self._final_dumped = False   # dump_final wrote this rank's state (abort then skips its dump)
+        self._sources: dict = {}     # name -> fn() giving state that dumps include (register)
+
+    def register(self, name: str, fn) -> None:
+        """fn() -> JSON-able state that dumps include under `name` (profiler.register_forensics)."""
+        self._sources[check_name(name, "forensics")] = fn
+
+    def sources(self) -> dict:
+        """Every registered source's state now; a failing source gives its error instead."""
+        out = {}
+        for name, fn in list(self._sources.items()):
+            try:
+                out[name] = fn()
+            except Exception as exc:   # noqa: BLE001 - a dump must still come out
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
 
     def dump(self, kind: str, **fields) -> dict:
         """One `event` record of `kind` with threads' stacks, open spans and extras, plus its file."""
         threads = self.stacks_fn()
         stamp = f"rank{self.prof.rank}-{kind}-{int(self.wall_clock() * 1000)}"
         path = self.dir / f"{stamp}.txt"
-        body = {**fields, "open_spans": self._open_spans(), "extra": self._extras(),
+        body = {**fields, "open_spans": self._open_spans(), "extra": self.sources(),
                 "forensics_file": str(path)}
         rec = self.prof.event(kind, **body, threads=[dict(t, stack=t["stack"][-_MAX_FRAMES_IN_LOG:])
                                                      for t in threads])
@@ -139,12 +155,6 @@ class Forensics:
             self.prof.collector.poll()   # replay the threads' logs so the open stacks are current
         return self.prof.recorder.open_spans()
 
-    def _extras(self) -> dict:
-        """What Profiler.register_forensics sources say now (each failing one gives its error)."""
-        try:
-            return self.prof.forensics()
-        except Exception as exc:   # noqa: BLE001 - the dump must still come out
-            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def exception(self, exc: BaseException, thread_name: str) -> dict:
         """An `oom` record (allocator summary, headroom history, memory history snapshot) for an

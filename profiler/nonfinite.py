@@ -262,3 +262,14 @@ def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
             del optimizer.found_inf
     elif not bool(bad):   # CPU: no device to wait for; GPU + non-fused: the deliberate sync above
         optimizer.step()
+
+
+def make_readback(is_cuda: bool, device, pool):
+    """How a rank's checks come back from the device: None on a CPU run. The stream lookup is the event pool's
+    cached one, or torch's where a test's pool has no streams."""
+    if not is_cuda:
+        return None
+    import torch
+    current = pool.current if pool is not None and pool.current() is not None else (
+        lambda: torch.cuda.current_stream(device))
+    return CudaReadback(device, current)
