@@ -87,6 +87,18 @@ def test_interval_is_taken_as_given_and_bad_values_refused(monkeypatch):
             check_interval_s(bad)
 
 
+@pytest.mark.parametrize("field, bad", [("detail_steps", -1), ("memory_history", 1.5), ("poll_s", -0.1),
+                                        ("hang_timeout_s", "soon"), ("interval_s", 0)])
+def test_a_bad_setting_is_refused_naming_its_field(field, bad):
+    with pytest.raises(ValueError, match=field):
+        ProfilerConfig(**{field: bad})
+
+
+def test_the_runs_own_config_goes_in_run_config_not_config(tmp_path):
+    with pytest.raises(TypeError, match="run_config"):
+        profiler.Profiler(tmp_path, config={"lr": 1e-3})
+
+
 def test_faults_fire_in_spans_and_keep_the_stack_right(tmp_path):
     plan = FaultPlan(parse_faults("crash@target.fwd:step=2;nan@drafter.fwd_bwd;slow=0.03@target.fetch"), rank=0)
     with make_prof(tmp_path, fault_plan=plan) as prof:

@@ -6,7 +6,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import profiler
 from exporters.console import format_interval
 from profiler.threadcpu import ThreadCpu, profiler_share
 from tests.profiler.build import make_profiler

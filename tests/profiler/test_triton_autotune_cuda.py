@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 
-import profiler
 from profiler.records import read_records
 from tests.profiler.build import make_profiler
 
