@@ -117,7 +117,7 @@ class IntervalAggregator:
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
         """One thread's drained records: each one's time credited (_credit, inlined for the common
         case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
-        CPU ones added as _add would, in one loop: half the time of two calls per record (bench/RESULTS.md)."""
+        CPU ones added, in one loop (no call per record)."""
         credited, time_ns, spans, cpu_records = self._credited, self._time_ns, self._spans, []
         for rec in records:
             name, t0, t1 = rec[0], rec[1], rec[2]
@@ -180,8 +180,7 @@ class IntervalAggregator:
 
     def _add_resolved(self, done: list, seen_ns: int) -> None:
         """Add a batch of CUDA records, (thread_name, record, gpu_seconds or None when never resolved), in one
-        loop (a method call per record was most of the collector's Python per CUDA span after the replay;
-        bench/bench_collector.py)."""
+        loop (no method call per record)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -323,8 +322,7 @@ def to_floats(values) -> list:
     the stacked copy (a tiny kernel queued behind the current work on that stream), once per interval,
     never per step. Tensors on several devices, or of mixed shapes, are grouped by device and reshaped
     first (one stack and read per device). Call it once over all of an interval's values
-    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants
-    (bench/bench_collector.py's second table)."""
+    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants."""
     torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
     tensor_type = torch.Tensor if torch is not None else ()
     out, idx = [None] * len(values), []
