@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.control import ControlServer, NullControlServer
 from profiler.cuda_timing import GpuSampler
 from profiler.detail import DetailWindow, NullDetailWindow, StepMarks, detail_burst
-from profiler.export import CallableExporter, ExportHub
+from profiler.export import ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors
 from profiler.forensics import Forensics, install_autotune_spans, make_memory_history
@@ -136,15 +134,14 @@ class Profiler:
 
     def _start_forensics(self) -> None:
         """Memory history, the dumper, threading.excepthook and the hang watchdog (profiler/forensics.py)."""
-        self.memory_history = make_memory_history(self.cfg.memory_history, self.is_cuda)
-        self.memory_history.start()
         if self.is_cuda:
             install_autotune_spans()   # triton's autotune windows become `triton.autotune` spans
-        self.dumper = Forensics(self, self.memory_history, exit_fn=self.deps.exit_fn, wall_clock=self.wall_clock)
-        previous_hook, threading.excepthook = threading.excepthook, self.dumper.excepthook
-        self._cleanups.append(lambda: setattr(threading, "excepthook", previous_hook))
+        self.dumper = Forensics(self, make_memory_history(self.cfg.memory_history, self.is_cuda),
+                                exit_fn=self.deps.exit_fn, wall_clock=self.wall_clock)
+        self._cleanups.append(self.dumper.install())
         hang_s = self.cfg.hang_timeout_s
-        self._started_with(Watchdog(hang_s, self.progress, self._on_hang) if hang_s > 0 else NullWatchdog())
+        self._started_with(Watchdog(hang_s, self.progress, lambda stalled_s: self.dumper.on_hang(stalled_s, hang_s))
+                           if hang_s > 0 else NullWatchdog())
 
     def __exit__(self, et, ev, tb):
         try:
@@ -232,11 +229,6 @@ class Profiler:
         self.hub.submit(rec)
         return rec
 
-    def add_listener(self, fn) -> None:
-        """Call fn(record) on the exporter thread for every record written from now on."""
-        self.hub.add(CallableExporter(fn))
-        self.hub.start()
-
     def _run_start_record(self) -> dict:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
@@ -288,12 +280,5 @@ class Profiler:
         self.recorder.count("nonfinite", 1)
         if finding.get("action") == "skipped_step":
             self.recorder.count("nonfinite_skipped_steps", 1)
-
-    def _on_hang(self, stalled_s: float) -> None:
-        """On the watchdog's thread: say it, dump, write run_end and leave (profiler/forensics.py)."""
-        hang_s = self.cfg.hang_timeout_s
-        print(f"profiler: rank {self.rank}: no progress for {stalled_s:.1f} s (hang timeout {hang_s:g} s); "
-              f"stopping with a dump in {self.run_dir / 'forensics'}", file=sys.stderr, flush=True)
-        self.dumper.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=hang_s)
 
 

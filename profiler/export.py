@@ -148,17 +148,3 @@ class ExportHub:
 
 def _name(exporter) -> str:
     return getattr(exporter, "name", None) or type(exporter).__name__
-
-
-class CallableExporter:
-    """Adapts a plain `fn(record)` (Profiler.add_listener) to the exporter contract."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.name = getattr(fn, "__name__", "listener")
-
-    def export(self, record: dict) -> None:
-        self.fn(record)
-
-    def close(self, timeout_s: float) -> None:
-        pass

@@ -197,6 +197,18 @@ class Forensics:
                 self._safely(lambda: self.exception(exc, threading.current_thread().name))
             raise
 
+    def install(self):
+        """Start the allocator history and take threading.excepthook over; returns the undo."""
+        self.memory_history.start()
+        previous, threading.excepthook = threading.excepthook, self.excepthook
+        return lambda: setattr(threading, "excepthook", previous)
+
+    def on_hang(self, stalled_s: float, timeout_s: float) -> None:
+        """The hang watchdog fired (on its thread): say it, dump, write run_end and leave."""
+        print(f"profiler: rank {self.prof.rank}: no progress for {stalled_s:.1f} s (hang timeout {timeout_s:g} s); "
+              f"stopping with a dump in {self.dir}", file=self._stderr or sys.stderr, flush=True)
+        self.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=timeout_s)
+
     def excepthook(self, args) -> None:
         """threading.excepthook: an exception that ended a thread stops the rank (exit 1) after
         its traceback and a dump of all threads went to the run log and RUN_DIR/forensics/."""
