@@ -322,11 +322,10 @@ class NullControlServer:
         pass
 
 
-def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None,
-          **args) -> dict:
-    """Ask a live endpoint (`fields` go with cmd="record"; `args` are the request's other keys, e.g.
-    a test's own keys). Never raises for a dead or missing endpoint: returns ok=false with why."""
-    request = {**args, "cmd": cmd} if fields is None else {**args, "cmd": cmd, "fields": fields}
+def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None) -> dict:
+    """Ask a live endpoint (`fields` go with cmd="record"). Never raises for a dead or missing endpoint: returns
+    ok=false with why."""
+    request = {"cmd": cmd} if fields is None else {"cmd": cmd, "fields": fields}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
