@@ -3,7 +3,8 @@ forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, 
 
 `span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `d` is
 the calling thread's name -> span-object cache), or a view of the shared no-op dict when no profiler
-is active. A hit (the common case) is one attribute read and one subscript (no call); a miss validates the name and fills the cache. So with no profiler `span("x")` returns the same no-op
+is active. A hit (the common case) is one attribute read and one subscript (no call); a miss validates
+the name and fills the cache. So with no profiler `span("x")` returns the same no-op
 object every time, and a bad name raises ValueError whether or not a profiler is active.
 """
 from __future__ import annotations

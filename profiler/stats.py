@@ -60,9 +60,9 @@ class RunStats:
         self._gen: np.random.Generator | None = None
 
     def add(self, durations_seconds) -> None:
-        """Fold a batch in (one interval's durations of one span name), vectorized. Algorithm R over the batch: value number k (1-based over the run) is kept
-        with probability capacity/k, at a uniform slot; among several batch values drawn to the same
-        slot, the last one stays, as in the sequential loop."""
+        """Fold a batch in (one interval's durations of one span name), vectorized. Algorithm R over the
+        batch: value number k (1-based over the run) is kept with probability capacity/k, at a uniform slot;
+        among several batch values drawn to the same slot, the last one stays, as in the sequential loop."""
         a = as_seconds(durations_seconds)
         if a.size == 0:
             return
