@@ -1,5 +1,5 @@
 """What a rank exports besides its run log: the Prometheus endpoint (with the run's file_sd targets),
-OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, and the Perfetto trace.
+OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, the Perfetto trace, and on rank 0 the console summary.
 
 `start()` builds the exporters the profiler feeds; `close()` at run end withdraws the run from the
 shared file_sd directory so a Prometheus stops scraping endpoints that are gone. Rank 0 writes the
@@ -45,12 +45,14 @@ def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str
     if endpoint is not None:
         tele.exporters.append(endpoint)
     _write_targets(cfg, run_dir, rank, endpoint, ctrl_group, tele)
-    from exporters import otel, trace
+    from exporters import console, otel, trace
 
     exporter = otel.from_env(rank=rank, role=role, host=host, run_id=run_dir.name)
     if exporter is not None:
         tele.exporters.append(exporter)
     tele.exporters.append(trace.TraceExporter(run_dir, rank))
+    if rank == 0:
+        tele.exporters.append(console.ConsoleExporter())   # each interval's summary, and what is still open
     return tele
 
 

@@ -26,6 +26,7 @@ from dflash.config import ConfigError, TrainConfig
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
+from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
@@ -209,13 +210,13 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     if not cfg.profile.enabled:
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
-    return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role,
-                             interval_s=cfg.profile.interval_s, device=device, console=rank == 0,
-                             config=cfg.flat_dict(), exporters=tele.exporters, detail_steps=cfg.profile.detail_steps,
-                             stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
-                                                              cfg.profile.interval_s),
-                             hang_timeout_s=cfg.reliability.hang_timeout_s, memory_history=cfg.profile.memory_history,
-                             gpu_steps_per_s=cfg.profile.gpu_steps_per_s)
+    config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
+                            gpu_steps_per_s=cfg.profile.gpu_steps_per_s, hang_timeout_s=cfg.reliability.hang_timeout_s,
+                            memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "")
+    deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
+                                                         cfg.profile.interval_s))
+    return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,
+                             run_config=cfg.flat_dict(), config=config, deps=deps, exporters=tele.exporters)
 
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)

@@ -3,14 +3,13 @@ forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, 
 
 `span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `d` is
 the calling thread's name -> span-object cache), or a view of the shared no-op dict when no profiler
-is active. A hit (the common case) is one attribute read and one subscript (no call: ~8 ns less
-than `.get()`); a miss
-validates the name and fills the cache. So with no profiler `span("x")` returns the same no-op
+is active. A hit (the common case) is one attribute read and one subscript (no call); a miss validates
+the name and fills the cache. So with no profiler `span("x")` returns the same no-op
 object every time, and a bad name raises ValueError whether or not a profiler is active.
 """
 from __future__ import annotations
 
-from profiler.spans import NoopSpan, check_name
+from profiler.spans import NoopSpan, bind_lookup, check_name
 
 _noop_spans: dict = {}
 
@@ -32,13 +31,17 @@ _PLAIN = (float, int)          # gauge/metric values that need no check (bool an
 
 
 def span(name, bytes=None):
-    """Context manager and decorator timing a named stage (see profiler_api.md)."""
+    """Context manager and decorator timing a named stage: `with profiler.span("target.fwd"):`; `bytes=` gives a
+    transfer's size (its bandwidth in the interval record). No-op with no active profiler."""
     if bytes is None:
         try:
             return _spans.d[name]
         except (AttributeError, KeyError, TypeError):   # a new name, this thread's first span, or no str at all
             pass
     return _make_span(name, bytes)
+
+
+bind_lookup(span)   # a decorated function's span is looked up through span() at each call
 
 
 def _make_span(name, nbytes):
@@ -176,13 +179,13 @@ def register_forensics(name: str, fn) -> None:
     """Register fn() -> JSON-able state that the active profiler's forensics dumps include as `name`."""
     p = _active
     if p is not None:
-        p.register_forensics(name, fn)
+        p.dumper.register(name, fn)
 
 
 def forensics() -> dict:
     """Every registered forensics source's state now ({} with no active profiler)."""
     p = _active
-    return {} if p is None else p.forensics()
+    return {} if p is None else p.dumper.sources()
 
 
 def activate(profiler, recorder) -> None:
@@ -195,22 +198,7 @@ def activate(profiler, recorder) -> None:
 
 
 def deactivate(profiler) -> None:
-    """Clear the active profiler (only if it is `profiler`, paused or not)."""
-    global _active, _recorder, _spans
-    if _active is profiler or getattr(_active, "profiler", None) is profiler:
-        _spans, _recorder, _active = _noop_view, None, None
-
-
-def suspend(profiler, view) -> None:
-    """Pause `profiler` (profiler/pause.py): spans, counters and metrics take the no-op path, as with no
-    profiler; `view` is what active() returns meanwhile (set_step and events still reach the profiler)."""
+    """Clear the active profiler (only if it is `profiler`)."""
     global _active, _recorder, _spans
     if _active is profiler:
-        _spans, _recorder, _active = _noop_view, None, view
-
-
-def unsuspend(profiler, view, recorder) -> None:
-    """Undo suspend(): `profiler` and its `recorder` are active again."""
-    global _active, _recorder, _spans
-    if _active is view:
-        _active, _recorder, _spans = profiler, recorder, recorder.local
+        _spans, _recorder, _active = _noop_view, None, None

@@ -8,9 +8,6 @@ then the server closes the connection. Commands:
   {"cmd": "state"}                   -> {"state": state_fn()}
   {"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log
                                         (the process stays the log's single writer)
-  {"cmd": NAME, ...}                 -> commands[NAME](request), the owner's own commands (the profiler's:
-                                        pause, resume, progress, overhead_result; profiler/pause.py and
-                                        profiler/overhead.py)
 Only the owning user (or root) can connect: socket mode 0600, discovery dir 0700, the peer's uid checked.
 A starting server removes the discovery files of dead endpoints of this uid (see clean_stale_discovery).
 """
@@ -140,14 +137,12 @@ def _read_line(conn: socket.socket, max_bytes: int = MAX_REQUEST_BYTES) -> bytes
 class ControlServer:
     """Unix-socket endpoint of one rank, served by a daemon thread, plus its discovery file."""
 
-    def __init__(self, run_dir, rank: int, role: str, state_fn, record_fn=None, discovery_dir=None,
-                 commands: dict | None = None):
+    def __init__(self, run_dir, rank: int, role: str, state_fn, record_fn=None, discovery_dir=None):
         self.run_dir = Path(run_dir).resolve()
         self.rank = int(rank)
         self.role = str(role)
         self._state_fn = state_fn
         self._record_fn = record_fn  # fields -> writes a record (the profiler: write_record("snapshot", ...))
-        self._commands = dict(commands or {})   # name -> fn(request dict) -> reply dict
         self.discovery_dir = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
@@ -293,25 +288,14 @@ class ControlServer:
             return {"ok": True, "pid": self.pid, "rank": self.rank, "role": self.role}
         if cmd == "record":
             return self._record(request.get("fields"))
-        if isinstance(cmd, str) and cmd in self._commands:
-            return self._command(cmd, request)
         if cmd != "state":
-            known = ", ".join(repr(c) for c in ("state", "record", "ping", *self._commands))
-            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected one of {known})"}
+            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected one of 'state', 'record', 'ping')"}
         try:
             state = self._state_fn()
             json.dumps(state)  # fail here, with the reason, rather than half-way through sending
         except Exception as exc:  # noqa: BLE001 - a failing state_fn never kills the server
             return {"ok": False, "error": f"state_fn failed: {type(exc).__name__}: {exc}"}
         return {"ok": True, "state": state}
-
-    def _command(self, cmd: str, request: dict) -> dict:
-        try:
-            reply = self._commands[cmd](request)
-            json.dumps(reply)
-        except Exception as exc:  # noqa: BLE001 - a failing command never kills the server
-            return {"ok": False, "error": f"{cmd} failed: {type(exc).__name__}: {exc}"}
-        return reply
 
     def _record(self, fields) -> dict:
         if self._record_fn is None:
@@ -338,11 +322,10 @@ class NullControlServer:
         pass
 
 
-def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None,
-          **args) -> dict:
-    """Ask a live endpoint (`fields` go with cmd="record"; `args` are the request's other keys, e.g.
-    owner= and lease_s= of a pause). Never raises for a dead or missing endpoint: returns ok=false with why."""
-    request = {**args, "cmd": cmd} if fields is None else {**args, "cmd": cmd, "fields": fields}
+def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None) -> dict:
+    """Ask a live endpoint (`fields` go with cmd="record"). Never raises for a dead or missing endpoint: returns
+    ok=false with why."""
+    request = {"cmd": cmd} if fields is None else {"cmd": cmd, "fields": fields}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:

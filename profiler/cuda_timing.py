@@ -2,28 +2,13 @@
 collector-side resolver.
 
 Host-device syncs: NONE. The only CUDA calls here are creating `torch.cuda.Event(enable_timing=True)`,
-recording one (an asynchronous enqueue, in the span hot path), a non-blocking status check of the end
-event, and the elapsed time, asked only once that check said done, and itself answering "not ready"
-rather than waiting when the start is not. No synchronize(), Event.synchronize(), Event.wait() or .item().
+recording one (an asynchronous enqueue, in the span hot path), and on the collector `Event.query()` on both
+events of a pair, then `elapsed_time()` once both said done (so it never waits). No synchronize(),
+Event.synchronize(), Event.wait() or .item().
 
-Resolving on the collector (`DriverTiming`): torch's `Event.elapsed_time()` makes about five driver calls
-(it queries both events again, and sets and restores the device) and `query()` one more per event, all
-with the GIL held while the training thread launches kernels through the same driver. In a launch-bound
-H200 run they were about half of the collector's GIL samples (bench/RESULTS.md, seventh session), and a
-pair's resolution cost 6.9 us beside a launching thread. The collector instead calls libcuda directly:
-one `cuEventElapsedTime(start, end)` per pair, which answers CUDA_ERROR_NOT_READY, never a wait, while
-either event has not completed (the driver API's documented contract; tests/profiler/test_cuda.py checks
-it on a real GPU, with the start pending behind another stream's work too). The eighth session's path
-asked `cuEventQuery(end)` first: 2.7 us a pair there, where the query alone cost 1.5 us beside a
-launching thread, and the collector's resolution was still ~5 us a pair in the run (ninth session).
-Through `ctypes.PyDLL` the GIL stays held, as in torch's calls (releasing it for a microsecond call
-would hand the GIL to the training thread and back on every call). Without libcuda (or for test
-events) the torch calls are used.
-
-Hot-path cost (H200 host, bench/bench_cuda_events.py): the public `Event.record()` looks the current
-stream up in Python on every call (`torch.cuda.current_stream()` builds a Stream object: 5.0 us of a
-6.6 us call). A span instead reads the current stream's raw handle (0.13 us), maps it to a cached
-Stream object, and calls the C record directly (1.8 us).
+Hot path: the public `Event.record()` looks the current stream up in Python on every call (it builds a
+Stream object); a span instead reads the current stream's raw handle, maps it to a cached Stream object, and
+calls the C record directly.
 
 Sharing: adjacent spans on one thread and stream share a boundary event: a span that begins within
 `SHARE_GAP_NS` of the previous span's end, on the same stream, with nothing begun in between, takes
@@ -33,10 +18,7 @@ records, so the pool counts references (collector side only) and takes an event 
 record using it was resolved, and when the thread's "last end" no longer points at it.
 
 Sampling (`GpuSampler`): a fast run times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`);
-the other steps' spans are CPU spans. It cuts the collector's work per span to ~38% on a launch-bound run
-(bench_collector.py: 835 against 2,204 ns a span at one step in ten). What the events cost the run itself was
-read as 1.3% (+-1.0) across runs (twelfth #14 session), then as nothing the A/B resolves when measured within
-one run (every step timed against CPU-only spans, paired: +0.41% +-1.15, thirteenth; bench/RESULTS.md).
+the other steps' spans are CPU spans, which cuts the collector's work per span (figures: bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -70,32 +52,17 @@ class GpuSampler:
         self.burst = burst
         self.p = 1.0
         self.steps = 0          # set_step calls since the last interval close
-        self.held = False       # GPU timing paused (profiler/pause.py, part `gpu`): no step is timed
         self._random = (rng or random.Random()).random
 
     def next_step(self) -> None:
         """A new step began: is it GPU-timed? (A lost update racing the collector's writes times a step more
         or less, or miscounts one; both are harmless.)"""
         self.steps += 1
-        if self.held:
-            self.timed[0] = False
-        elif self.burst > 0:
+        if self.burst > 0:
             self.burst -= 1
             self.timed[0] = True
         else:
             self.timed[0] = self.p >= 1.0 or self._random() < self.p
-
-    def count_step(self) -> None:
-        """A step begun while the training threads' profiling is paused (profiler/pause.py): it counts toward
-        the interval's step rate (its duration includes the paused time), and nothing is decided."""
-        self.steps += 1
-
-    def hold(self, held: bool) -> None:
-        """Pause (True) or resume the GPU timing: from now on, spans record no event; at the resume, from the
-        next step on, as before."""
-        self.held = held
-        if held:
-            self.timed[0] = False
 
     def interval_closed(self, duration_s: float, burst: int) -> None:
         """On the collector at an interval close: the next interval's p from this one's step rate, and the
@@ -113,15 +80,12 @@ class EventPool:
     `event_factory` makes an event (default: a timing `torch.cuda.Event`); with a factory (tests),
     `record_fn(ev, stream)` defaults to `ev.record(stream)` and streams are a constant 0."""
 
-    def __init__(self, event_factory=None, prealloc: int = 64, device_index: int | None = None, timing=None):
+    def __init__(self, event_factory=None, prealloc: int = 64, device_index: int | None = None):
         self.getraw, self.device_index, self.record, self._current_stream = _stream_functions(
             event_factory, device_index)
         if event_factory is None:
             import torch
             event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-            timing = timing or DriverTiming.load(self.device_index) or TorchTiming()
-        self.elapsed_ms = (timing or TorchTiming()).elapsed_ms
-        """elapsed_ms(start, end): milliseconds between two recorded events, None while either is not done."""
         self._factory = event_factory
         self.free_list = [event_factory() for _ in range(prealloc)]
         self.created = prealloc
@@ -149,8 +113,8 @@ class EventPool:
         return stream
 
     def current(self):
-        """The calling thread's current Stream object, through the raw handle (0.13 us on an H200 host, where
-        torch.cuda.current_stream() builds a new object: 5 us); what a non-finite check queues its flags with."""
+        """The calling thread's current Stream object, through the raw handle (torch.cuda.current_stream() would
+        build a new object); what a non-finite check queues its flags with."""
         raw = self.getraw(self.device_index)
         return self.streams.get(raw) or self.stream_for(raw)
 
@@ -207,11 +171,10 @@ def resolve(pending: list, pool: EventPool):
     if not pending:
         return [], []
     resolved, still, freed = [], [], []
-    elapsed_ms = pool.elapsed_ms
     for item in pending:
         rec = item[1]
         start, end = rec[8], rec[9]
-        ms = elapsed_ms(start, end)   # never waits: None while either event is not done
+        ms = elapsed_ms(start, end)
         if ms is not None:
             resolved.append((item[0], rec, ms / 1000.0))   # ms -> seconds
             freed += (start, end)
@@ -222,68 +185,9 @@ def resolve(pending: list, pool: EventPool):
     return resolved, still
 
 
-class TorchTiming:
-    """Elapsed time through torch's Event methods (test events, or no libcuda): query() both events,
-    then elapsed_time(), called only once both are done."""
-
-    @staticmethod
-    def elapsed_ms(start, end):
-        if end.query() and start.query():
-            return start.elapsed_time(end)
-        return None
-
-
-CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_NOT_READY = 0, 201, 600
-
-
-class DriverTiming:
-    """Elapsed time through libcuda (module doc): one cuEventElapsedTime per pair, "not ready" while either
-    event has not completed, with the GIL held. A thread with no current CUDA context (the collector,
-    before torch made a call there) gets the device's primary context, the one torch's events belong to."""
-
-    def __init__(self, lib, device_index: int):
-        import ctypes
-
-        self._ctypes, self._lib, self.device_index = ctypes, lib, device_index
-        self._elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
-        self._ctx = None
-
-    @classmethod
-    def load(cls, device_index: int):
-        """A DriverTiming on libcuda.so.1, or None where it cannot be loaded (the torch calls serve)."""
-        import ctypes
-
-        try:
-            timing = cls(ctypes.PyDLL("libcuda.so.1"), device_index)   # PyDLL: the GIL stays held through each call
-        except (OSError, AttributeError):
-            return None
-        timing._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
-        timing._elapsed.restype = ctypes.c_int
-        return timing
-
-    def elapsed_ms(self, start, end, _retry: bool = True):
-        ms = self._ctypes.c_float()
-        rc = self._elapsed(self._ctypes.byref(ms), start.cuda_event, end.cuda_event)
-        if rc == CUDA_SUCCESS:
-            return ms.value
-        if rc == CUDA_ERROR_NOT_READY:
-            return None
-        if rc == CUDA_ERROR_INVALID_CONTEXT and _retry:
-            self._make_context_current()
-            return self.elapsed_ms(start, end, _retry=False)
-        raise RuntimeError(f"CUDA driver error {rc} resolving a span's events (cuEventElapsedTime)")
-
-    def _make_context_current(self) -> None:
-        """Bind the device's primary context (retained once; torch holds it for the process) to this thread."""
-        c = self._ctypes
-        if self._ctx is None:
-            dev, ctx = c.c_int(), c.c_void_p()
-            _check(self._lib.cuDeviceGet(c.byref(dev), c.c_int(self.device_index)), "cuDeviceGet")
-            _check(self._lib.cuDevicePrimaryCtxRetain(c.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self._ctx = ctx
-        _check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-
-
-def _check(rc: int, call: str) -> None:
-    if rc != CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver error {rc} in {call}")
+def elapsed_ms(start, end) -> float | None:
+    """Milliseconds between two recorded events, None while either is not done. Event.query() never waits, and
+    elapsed_time() is asked only once both events completed: no host-device sync."""
+    if end.query() and start.query():
+        return start.elapsed_time(end)
+    return None

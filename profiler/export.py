@@ -8,8 +8,8 @@ dropped, and keeps receiving records (a transient failure may pass). `close(time
 queue drain and closes each exporter within one shared deadline; an exporter still busy then is
 abandoned (the thread is a daemon) and reported.
 
-An exporter is any object with `name`, `export(record)`, `close(timeout_s)`; `stats()` (a dict with
-"exported", "dropped", "failed") is optional and merged into what the hub reports.
+An exporter is an `Exporter` (below); `stats()` (a dict with "exported", "dropped", "failed") is optional
+and merged into what the hub reports.
 """
 from __future__ import annotations
 
@@ -17,11 +17,34 @@ import logging
 import queue
 import threading
 import time
+from typing import Iterable, Protocol, runtime_checkable
 
 logger = logging.getLogger("profiler")
 
 DEFAULT_QUEUE_RECORDS = 1024
 _STOP = object()
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """What the profiler feeds, in the style of the OpenTelemetry SDK's `SpanExporter`: one object per sink
+    (Prometheus, OTel, the trace, the console), called on the exporter thread only, one record at a time.
+
+    Where SpanExporter.export(spans) returns SUCCESS or FAILURE, `export(record)` returns nothing and raises
+    on failure (the hub counts the record as dropped, logs the first failure and keeps feeding); where
+    SpanExporter has shutdown() and force_flush(timeout_millis), `close(timeout_s)` is both: flush what is
+    buffered and release the sink within timeout_s, once, at the run's end. Records are the run log's, as
+    written (docs/RUNLOG.md): every type (run_start, interval, spans, event, snapshot, run_end) reaches every
+    exporter, which keeps the types it serves."""
+
+    name: str
+    """The exporter's key in the `exporters` stats of interval and run_end records."""
+
+    def export(self, record: dict) -> None:
+        """Take one record; raise on failure. Never called concurrently, never on a training thread."""
+
+    def close(self, timeout_s: float) -> None:
+        """Flush and release within timeout_s; no export() follows."""
 
 
 class _Slot:
@@ -37,7 +60,7 @@ class _Slot:
 class ExportHub:
     """Fans records out to exporters from one daemon thread `profiler.exporter`."""
 
-    def __init__(self, exporters=(), maxsize: int = DEFAULT_QUEUE_RECORDS):
+    def __init__(self, exporters: Iterable[Exporter] = (), maxsize: int = DEFAULT_QUEUE_RECORDS):
         self._slots = [_Slot(e) for e in exporters]
         self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.queue_dropped = 0
@@ -46,7 +69,7 @@ class ExportHub:
     def __bool__(self) -> bool:
         return bool(self._slots)
 
-    def add(self, exporter) -> None:
+    def add(self, exporter: Exporter) -> None:
         """Register an exporter before start() (or from the exporter thread itself)."""
         self._slots.append(_Slot(exporter))
 
@@ -125,17 +148,3 @@ class ExportHub:
 
 def _name(exporter) -> str:
     return getattr(exporter, "name", None) or type(exporter).__name__
-
-
-class CallableExporter:
-    """Adapts a plain `fn(record)` (Profiler.add_listener) to the exporter contract."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.name = getattr(fn, "__name__", "listener")
-
-    def export(self, record: dict) -> None:
-        self.fn(record)
-
-    def close(self, timeout_s: float) -> None:
-        pass

@@ -1,4 +1,5 @@
-"""Fault injection for tests: DFLASH_FAULT="KIND@SPAN[:step=N][:rank=R]", several separated by ';'.
+"""Fault injection for tests: a spec "KIND@SPAN[:step=N][:rank=R]", several separated by ';' (the trainer
+reads it from DFLASH_FAULT and hands it to the Profiler; this module reads no environment).
 
 KIND is one of nan, oom, crash, hang, slow=SECONDS. The faults go through the real code paths the
 forensics watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's output, a stuck span),
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("profiler")
 
-ENV_VAR = "DFLASH_FAULT"
+ENV_VAR = "DFLASH_FAULT"   # how messages name the spec: the variable the trainer reads it from
 KINDS = ("nan", "oom", "crash", "hang", "slow")
 _SPAN_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _EXPECTED = "expected KIND@SPAN[:step=N][:rank=R] with KIND one of nan, oom, crash, hang, slow=SECONDS"
@@ -126,8 +126,9 @@ class FaultPlan:
         self._fired: set[Fault] = set()     # one-shot faults (crash, oom, hang with a step) that fired
 
     @classmethod
-    def from_env(cls, rank: int, env=os.environ) -> FaultPlan:
-        return cls(parse_faults(env.get(ENV_VAR, "")), rank)
+    def from_spec(cls, spec: str, rank: int) -> FaultPlan:
+        """The plan of `rank` from a spec string ("" or None: no faults)."""
+        return cls(parse_faults(spec or ""), rank)
 
     @property
     def empty(self) -> bool:

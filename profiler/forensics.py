@@ -2,7 +2,7 @@
 
 A dump holds every Python thread's stack (sys._current_frames, matched to threading's names and
 native ids), the profiler's open spans with how long each has been open, and the results of the
-callables registered with Profiler.register_forensics. It is written as one `event` record of its
+callables registered with profiler.register_forensics. It is written as one `event` record of its
 kind (`hang`, `oom`, `thread_crash`, `signal`) and as a readable text file
 `RUN_DIR/forensics/rank{R}-{kind}-{unix_ms}.txt`.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from profiler.memory import allocator_summary
+from profiler.spans import check_name
 
 logger = logging.getLogger("profiler")
 
@@ -117,13 +118,28 @@ class Forensics:
         self.dir = Path(prof.run_dir) / "forensics"
         self._abort_lock = threading.Lock()
         self._final_dumped = False   # dump_final wrote this rank's state (abort then skips its dump)
+        self._sources: dict = {}     # name -> fn() giving state that dumps include (register)
+
+    def register(self, name: str, fn) -> None:
+        """fn() -> JSON-able state that dumps include under `name` (profiler.register_forensics)."""
+        self._sources[check_name(name, "forensics")] = fn
+
+    def sources(self) -> dict:
+        """Every registered source's state now; a failing source gives its error instead."""
+        out = {}
+        for name, fn in list(self._sources.items()):
+            try:
+                out[name] = fn()
+            except Exception as exc:   # noqa: BLE001 - a dump must still come out
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
 
     def dump(self, kind: str, **fields) -> dict:
         """One `event` record of `kind` with threads' stacks, open spans and extras, plus its file."""
         threads = self.stacks_fn()
         stamp = f"rank{self.prof.rank}-{kind}-{int(self.wall_clock() * 1000)}"
         path = self.dir / f"{stamp}.txt"
-        body = {**fields, "open_spans": self._open_spans(), "extra": self._extras(),
+        body = {**fields, "open_spans": self._open_spans(), "extra": self.sources(),
                 "forensics_file": str(path)}
         rec = self.prof.event(kind, **body, threads=[dict(t, stack=t["stack"][-_MAX_FRAMES_IN_LOG:])
                                                      for t in threads])
@@ -136,15 +152,9 @@ class Forensics:
 
     def _open_spans(self) -> list:
         with contextlib.suppress(Exception):
-            self.prof._poll()   # replay the threads' logs so the open stacks are current
+            self.prof.collector.poll()   # replay the threads' logs so the open stacks are current
         return self.prof.recorder.open_spans()
 
-    def _extras(self) -> dict:
-        """What Profiler.register_forensics sources say now (each failing one gives its error)."""
-        try:
-            return self.prof.forensics()
-        except Exception as exc:   # noqa: BLE001 - the dump must still come out
-            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def exception(self, exc: BaseException, thread_name: str) -> dict:
         """An `oom` record (allocator summary, headroom history, memory history snapshot) for an
@@ -152,7 +162,7 @@ class Forensics:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         fields = {"thread": thread_name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
         with contextlib.suppress(Exception):
-            fields["last_finished_span"] = self.prof.last_finished_span(thread_name)
+            fields["last_finished_span"] = self.prof.collector.last_finished_span(thread_name)
         if not is_oom(exc):
             return self.dump("thread_crash", **fields)
         return self.dump("oom", **fields, span=getattr(exc, "dflash_span", None),
@@ -186,6 +196,18 @@ class Forensics:
             if not ignore(exc):
                 self._safely(lambda: self.exception(exc, threading.current_thread().name))
             raise
+
+    def install(self):
+        """Start the allocator history and take threading.excepthook over; returns the undo."""
+        self.memory_history.start()
+        previous, threading.excepthook = threading.excepthook, self.excepthook
+        return lambda: setattr(threading, "excepthook", previous)
+
+    def on_hang(self, stalled_s: float, timeout_s: float) -> None:
+        """The hang watchdog fired (on its thread): say it, dump, write run_end and leave."""
+        print(f"profiler: rank {self.prof.rank}: no progress for {stalled_s:.1f} s (hang timeout {timeout_s:g} s); "
+              f"stopping with a dump in {self.dir}", file=self._stderr or sys.stderr, flush=True)
+        self.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=timeout_s)
 
     def excepthook(self, args) -> None:
         """threading.excepthook: an exception that ended a thread stops the rank (exit 1) after

@@ -1,4 +1,4 @@
-"""Interval aggregation (off the hot path) and the thread that drives interval boundaries.
+"""Interval aggregation, off the hot path (the collector feeds it: profiler/collector.py).
 
 Two things are kept per span name and interval, and they differ for a span that crosses a boundary:
 
@@ -22,18 +22,13 @@ Two things are kept per span name and interval, and they differ for a span that 
 """
 from __future__ import annotations
 
-import logging
-import math
 import sys
-import threading
 import time
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
 from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
-
-logger = logging.getLogger("profiler")
 
 
 def sampled_share(share: float, count: int, gpu_count: int, threads: int) -> float:
@@ -122,7 +117,7 @@ class IntervalAggregator:
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
         """One thread's drained records: each one's time credited (_credit, inlined for the common
         case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
-        CPU ones added as _add would, in one loop: half the time of two calls per record (bench/RESULTS.md)."""
+        CPU ones added, in one loop (no call per record)."""
         credited, time_ns, spans, cpu_records = self._credited, self._time_ns, self._spans, []
         for rec in records:
             name, t0, t1 = rec[0], rec[1], rec[2]
@@ -185,8 +180,7 @@ class IntervalAggregator:
 
     def _add_resolved(self, done: list, seen_ns: int) -> None:
         """Add a batch of CUDA records, (thread_name, record, gpu_seconds or None when never resolved), in one
-        loop (a method call per record was most of the collector's Python per CUDA span after the replay;
-        bench/bench_collector.py)."""
+        loop (no method call per record)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -328,8 +322,7 @@ def to_floats(values) -> list:
     the stacked copy (a tiny kernel queued behind the current work on that stream), once per interval,
     never per step. Tensors on several devices, or of mixed shapes, are grouped by device and reshaped
     first (one stack and read per device). Call it once over all of an interval's values
-    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants
-    (bench/bench_collector.py's second table)."""
+    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants."""
     torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
     tensor_type = torch.Tensor if torch is not None else ()
     out, idx = [None] * len(values), []
@@ -370,86 +363,3 @@ def to_floats_by_name(*groups: dict) -> list:
     flat = [v for g in groups for values in g.values() for v in values]
     floats = iter(to_floats(flat) if flat else [])
     return [{name: [next(floats) for _ in values] for name, values in g.items()} for g in groups]
-
-
-class IntervalTimer:
-    """Background thread: every `poll_s` it calls `poll()` (drain + resolve), and when the injected
-    clock passes the next boundary it calls `close()`. `tick()` runs one such iteration in the
-    caller's thread, so tests drive boundaries with a fake clock and no sleeping. A failing poll or
-    close is logged once and the thread keeps going (telemetry never kills training)."""
-
-    def __init__(self, interval_s: float, clock, poll, close, poll_s: float = 0.25):
-        self.interval_s = interval_s
-        self.clock = clock
-        self._poll, self._close = poll, close
-        self.poll_s = poll_s
-        self.next_boundary_s = clock() + interval_s
-        self._held_remaining_s: float | None = None   # while held: what was left of the interval
-        self._stop = threading.Event()
-        self._wake = threading.Event()   # set by stop() and poke(): the thread's wait ends at once
-        self._thread = None
-        self._logged = False
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="profiler.collector", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            # Wake at the boundary itself when it comes before the next poll (accurate durations).
-            try:
-                wait_s = min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))
-            except Exception:   # noqa: BLE001 - a broken injected clock: fall back to polling
-                wait_s = self.poll_s
-            self._wake.wait(wait_s)
-            if self._stop.is_set():
-                return
-            self._wake.clear()
-            self.tick()
-
-    def tick(self) -> bool:
-        """One iteration: poll, and close the interval if the boundary passed. True if it closed."""
-        try:
-            now = self.clock()
-            if now >= self.next_boundary_s:
-                self._close()
-                # Next boundary on the interval grid; skip any missed ones (a stalled thread).
-                while self.next_boundary_s <= now:
-                    self.next_boundary_s += self.interval_s
-                return True
-            self._poll()
-        except Exception:   # noqa: BLE001 - telemetry never kills training
-            if not self._logged:
-                self._logged = True
-                logger.exception("profiler: interval collection failed (logged once; continuing)")
-        return False
-
-    def poke(self) -> None:
-        """Run the next iteration now (a resumed background: drain its backlog at once)."""
-        self._wake.set()
-
-    def reset_boundary(self) -> None:
-        """After a forced close: the next automatic close comes interval_s later (of unheld time)."""
-        if self._held_remaining_s is not None:
-            self._held_remaining_s = self.interval_s
-        else:
-            self.next_boundary_s = self.clock() + self.interval_s
-
-    def hold(self) -> None:
-        """Stop the interval clock (profiling paused, profiler/pause.py): no boundary passes until release()."""
-        if self._held_remaining_s is None:
-            self._held_remaining_s = self.next_boundary_s - self.clock()
-            self.next_boundary_s = math.inf
-
-    def release(self) -> None:
-        """Restart the clock where hold() stopped it: an interval spans interval_s of unheld time."""
-        if self._held_remaining_s is not None:
-            self.next_boundary_s = self.clock() + max(0.0, self._held_remaining_s)
-            self._held_remaining_s = None

@@ -62,8 +62,6 @@ class NvmlMemorySampler:
     process exit releases it).
     """
 
-    paused = False   # set by profiler/pause.py while profiling is paused
-
     def __init__(self, gpu_indices: list, nvml=None, period_s: float = 0.5, clock=time.monotonic):
         if not gpu_indices:
             raise ValueError("NvmlMemorySampler: gpu_indices is empty (give at least one GPU)")
@@ -117,8 +115,7 @@ class NvmlMemorySampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self.paused:   # profiling paused (profiler/pause.py): no samples meanwhile
-                    self.sample_once()
+                self.sample_once()
             except Exception as exc:  # noqa: BLE001 - telemetry never kills training
                 self._record_error("sample", exc)
             self._stop.wait(self._period_s)
@@ -388,3 +385,18 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
             _logged_allocator_error = True
             logger.warning("allocator_summary failed (logged once): %s", reason)
         return {"available": False, "reason": reason}
+
+
+def memory_state(sampler, device, interval: bool) -> dict:
+    """The `memory` block: the NVML sampler's interval aggregates and allocator stats with the peaks reset
+    (`interval`), else its latest sample and the stats as they stand (a snapshot; about 150 us). A failing part
+    says why instead: telemetry never kills training."""
+    try:
+        memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
+    except Exception as exc:   # noqa: BLE001
+        memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
+    try:
+        memory["allocator"] = allocator_summary(device, reset_peak=interval)
+    except Exception as exc:   # noqa: BLE001
+        memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    return memory

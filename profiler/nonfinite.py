@@ -14,10 +14,9 @@ read back (the collector stalled) a check is counted in `dropped`, never waited 
 non-finite flag found becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which
 writes the `nonfinite` event; later ones are counted and handed on too.
 
-Why batched: a check that copied its flags into a pinned row and recorded an event on the training
-thread cost ~20 us of that thread's CPU beside the kernels it launches (two a drafter step, one a
-target step), and its event one query a check on the collector (bench/RESULTS.md, thirteenth #14
-session); a batch makes 4-5 CUDA calls a poll on the collector, whatever the number of checks.
+Why batched: a copy and an event per check would cost the training thread CPU beside the kernels it
+launches, and the collector a query per check; a batch makes 4-5 CUDA calls a poll on the collector,
+whatever the number of checks.
 
 How far behind: a batch is on the host once the device has run everything queued before the poll
 that sent it (on a GPU the training thread runs ahead by the queued kernels, a step or two at most),
@@ -82,7 +81,7 @@ class CudaReadback:
                     mark = self._marks[stream] = torch.cuda.Event()
                 mark.record(stream)
                 self._side.wait_event(mark)
-            # Flags are 1-D as a rule (a stack of 0-dim checks): a reshape each costs a dispatch, ~1.3 us on the VM.
+            # Flags are 1-D as a rule (a stack of 0-dim checks): a reshape each costs a dispatch.
             flat = torch.cat([f if f.dim() == 1 else f.reshape(-1) for f in flags])
             host = self._host[slot][:flat.numel()]
             host.copy_(flat, non_blocking=True)
@@ -236,3 +235,14 @@ def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
             del optimizer.found_inf
     elif not bool(bad):   # CPU: no device to wait for; GPU + non-fused: the deliberate sync above
         optimizer.step()
+
+
+def make_readback(is_cuda: bool, device, pool):
+    """How a rank's checks come back from the device: None on a CPU run. The stream lookup is the event pool's
+    cached one, or torch's where a test's pool has no streams."""
+    if not is_cuda:
+        return None
+    import torch
+    current = pool.current if pool is not None and pool.current() is not None else (
+        lambda: torch.cuda.current_stream(device))
+    return CudaReadback(device, current)

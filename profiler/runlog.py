@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import socket
 import threading
 from pathlib import Path
 
@@ -79,3 +81,25 @@ def _json_default(obj):
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     return str(obj)
+
+
+def host_fields(device, is_cuda: bool) -> dict:
+    """What run_start says about the process and its machine: versions, pid, host, device."""
+    try:
+        import torch
+        torch_version = torch.__version__
+        device_name = (torch.cuda.get_device_name(device) if is_cuda
+                       else platform.processor() or platform.machine() or "cpu")
+    except Exception as exc:   # noqa: BLE001
+        torch_version, device_name = None, f"unknown ({type(exc).__name__})"
+    return {"version": _package_version(), "pid": os.getpid(), "hostname": socket.gethostname(),
+            "python_version": platform.python_version(), "torch_version": torch_version,
+            "device": str(device) if device is not None else "cpu", "device_name": device_name}
+
+
+def _package_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("dflash-observability")
+    except Exception:   # noqa: BLE001 - running from a source tree without installing
+        return None

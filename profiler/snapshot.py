@@ -35,9 +35,6 @@ from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
 STUCK_FACTOR = 10.0
 STUCK_FLOOR_S = 5.0
 STUCK_RULE = f"open longer than max({STUCK_FACTOR:g} x recent p95, {STUCK_FLOOR_S:g} s)"
-# Span contract (DESIGN.md): the spans in which a rank waits on ranks of another role.
-WAITS_FOR_ROLE = {"drafter.recv": "target", "transfer.wait_slot": "drafter", "transfer.send": "drafter",
-                  "drafter.allreduce": "drafter"}
 NO_LIVE_RANK = "no_live_rank"
 
 
@@ -231,27 +228,29 @@ def _snapshot_or_error(record: dict, **kwargs) -> dict:
                 "error": str(exc), "error_kind": exc.kind, "threads": []}
 
 
-def snapshot_run(run_dir, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
-                 clock=time.time) -> dict:
-    """Every live rank of a run at once (one thread each, so the views are simultaneous)."""
+def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = False, runner=None, discovery_dir=None,
+                 query_fn=query, clock=time.time) -> dict:
+    """Every live rank of a run at once (one thread each, so the views are simultaneous). `waits_for_role`
+    ({span name: role}, the caller's span contract) names the spans in which a rank waits on ranks of another
+    role: who waits on whom."""
     ranks = require_live_ranks(run_dir, discovery_dir)
     kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
         snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))
     return {"run_dir": str(Path(run_dir).resolve()), "time_unix": clock(), "ranks": snaps,
-            "waits": explain_waits(snaps)}
+            "waits": explain_waits(snaps, waits_for_role or {})}
 
 
-def explain_waits(snaps: list) -> list[dict]:
-    """Each thread stuck in a waiting span (WAITS_FOR_ROLE), with the ranks of the role it waits
+def explain_waits(snaps: list, waits_for_role: dict) -> list[dict]:
+    """Each thread stuck in a waiting span (a key of `waits_for_role`), with the ranks of the role it waits
     on that are stuck in a span of their own (the likely cause)."""
-    culprits = [(s, t) for s in snaps for t in s["threads"] if t["stuck"] and t["stuck_span"] not in WAITS_FOR_ROLE]
+    culprits = [(s, t) for s in snaps for t in s["threads"] if t["stuck"] and t["stuck_span"] not in waits_for_role]
     waits = []
     for snap in snaps:
         for t in snap["threads"]:
-            if not t["stuck"] or t["stuck_span"] not in WAITS_FOR_ROLE:
+            if not t["stuck"] or t["stuck_span"] not in waits_for_role:
                 continue
-            want = WAITS_FOR_ROLE[t["stuck_span"]]
+            want = waits_for_role[t["stuck_span"]]
             span = next(s for s in t["open_spans"] if s["name"] == t["stuck_span"])
             waits.append({"rank": snap["rank"], "role": snap["role"], "thread": t["name"], "span": span["name"],
                           "open_seconds": span["open_seconds"], "waits_for_role": want,
@@ -376,14 +375,14 @@ def format_process(snap: dict) -> str:
     return "\n".join(lines)
 
 
-def _rank_state(snap: dict) -> str:
+def _rank_state(snap: dict, waiting: set) -> str:
     if "error" in snap:
         return f"error: {snap['error']}"
     stuck = [t for t in snap["threads"] if t["stuck"]]
     if stuck:
         t = stuck[0]
         span = next(s for s in t["open_spans"] if s["name"] == t["stuck_span"])
-        verb = "waits (stuck) in" if t["stuck_span"] in WAITS_FOR_ROLE else "STUCK in"
+        verb = "waits (stuck) in" if (snap["rank"], t["name"]) in waiting else "STUCK in"
         return f"{verb} {span['name']} {span['open_seconds']:.1f} s on {t['name']} at {t['stuck_frame']}"
     busy = [(t["name"], t["open_spans"][-1]) for t in snap["threads"] if t["open_spans"]]
     return "; ".join(f"{name}: {s['name']} {s['open_seconds']:.2f} s" for name, s in busy) or "no open span"
@@ -392,8 +391,10 @@ def _rank_state(snap: dict) -> str:
 def format_run(run: dict) -> str:
     """Every rank side by side (one line each), who waits on whom, then each rank in full."""
     lines = [f"run {run['run_dir']}: {len(run['ranks'])} live ranks", "  rank  role      pid      step  state"]
+    waiting = {(w["rank"], w["thread"]) for w in run["waits"]}
     for s in run["ranks"]:
-        lines.append(f"  {s['rank']!s:<5} {s['role']!s:<9} {s['pid']:<8} {s.get('step')!s:<5} {_rank_state(s)}")
+        lines.append(f"  {s['rank']!s:<5} {s['role']!s:<9} {s['pid']:<8} {s.get('step')!s:<5} "
+                     f"{_rank_state(s, waiting)}")
     for w in run["waits"]:
         cause = "; ".join(f"rank {c['rank']} is stuck in {c['span']} at {c['frame']}" for c in w["stuck_ranks"])
         cause = cause or f"no {w['waits_for_role']} rank is stuck in a span of its own"

@@ -5,7 +5,7 @@ enter, the tag and then `t0_ns` appended to the thread's event log (by C calls o
 fast_enter_class); on exit, `t1_ns` appended. Two
 `time.perf_counter_ns()` calls, no stack pop, no lock, no dict building, no string formatting, and
 no new container: a tuple per span would be a GC-tracked allocation, and every 700 of them trigger
-a young-generation collection (measured: ~7% of a CPU span's cost).
+a young-generation collection.
 The collector replays each thread's log against that thread's open-span stack (kept on the
 collector side) to get nesting depth and finished records, off the hot path.
 
@@ -72,14 +72,24 @@ class ThreadState:
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
+_lookup = None
+"""span(name, bytes) -> the span to enter now: profiler.api.span, handed over by bind_lookup when profiler.api is
+imported (this module never imports api, which imports it)."""
+
+
+def bind_lookup(fn) -> None:
+    """Where decorated functions look their span up at call time (profiler.api binds its `span`)."""
+    global _lookup
+    _lookup = fn
+
+
 def _decorate(name, nbytes, fn):
     """Wrap `fn` so each call runs inside `span(name, nbytes)` looked up at CALL time: a function
     decorated at import time (no profiler yet) is still timed once a profiler is active."""
-    from profiler import api   # late import: api imports this module
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with api.span(name, nbytes):
+        with _lookup(name, nbytes):
             return fn(*args, **kwargs)
     return wrapper
 
@@ -90,7 +100,7 @@ class NoopSpan:
     __enter__/__exit__ are the C-level bound method `"".format`: `with` looks special methods up
     on the type and calls a non-descriptor as is, so enter is `"".format()` and exit is
     `"".format(et, ev, tb)`, both returning "" — falsy, so exceptions propagate. That skips two
-    Python frames (~70 ns of a ~250 ns inactive span). The `as` target of a no-op span is ""."""
+    Python frames. The `as` target of a no-op span is ""."""
     __slots__ = ("name", "bytes")
 
     def __init__(self, name: str, nbytes=None):
@@ -143,8 +153,7 @@ def fast_enter_class(buf: list, tag) -> type:
     takes the tag and a fresh perf_counter_ns() (the clock never returns the None sentinel) and
     extends the log by both. `with` looks __enter__ up on the type; staticmethod hands the partial
     over unbound (Python 3.13 warns when a partial is looked up as a method, 3.14 binds it), so the
-    enter runs no Python frame: ~30 ns of a ~250 ns span on the VM's Python 3.11, more on the H200's
-    3.12 (bench/RESULTS.md). zip reuses its result tuple once extend has let go of it, so the enter
+    enter runs no Python frame. zip reuses its result tuple once extend has let go of it, so the enter
     allocates only the int. The `as` target is None. __exit__ (called with three arguments) stays a
     Python method."""
     enter = functools.partial(next, map(buf.extend, zip(itertools.repeat(tag), iter(_now_ns, None))))
@@ -268,7 +277,7 @@ class SpanRecorder:
         # Per-thread view: `st` (the ThreadState) and `d` (its name -> span cache). While active,
         # api.span() looks names up through `local.d`: one thread-local read and a dict lookup, and
         # the span objects it returns hold their thread's event log directly (no lookup in
-        # enter/exit). A plain threading.local: a subclass's attribute reads cost ~2x more.
+        # enter/exit). A plain threading.local: a subclass's attribute reads cost more.
         self.local = threading.local()
 
     def thread_state(self) -> ThreadState:

@@ -133,8 +133,6 @@ class StackSampler:
     `interval_s`, evenly spread, from a daemon thread; counts hot frames per thread (module doc).
     Telemetry never kills training: a missing py-spy or a failing dump is logged once and counted."""
 
-    paused = False   # set by profiler/pause.py while profiling is paused
-
     def __init__(self, pid: int, samples_per_interval: int, interval_s: float, runner=None,
                  clock=time.monotonic):
         if not isinstance(samples_per_interval, int) or samples_per_interval < 1:
@@ -175,8 +173,7 @@ class StackSampler:
             due_s = start_s + (slot + 0.5) * self.period_s
             if self._stop.wait(max(0.0, due_s - self._clock())):
                 return
-            if not self.paused:   # profiling paused (profiler/pause.py): this slot is skipped
-                self.sample_once()
+            self.sample_once()
             slot = max(slot + 1, int((self._clock() - start_s) / self.period_s + 0.5))
 
     def _dump(self) -> list:

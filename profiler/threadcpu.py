@@ -64,3 +64,15 @@ def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float 
         return None
     own = sum(v for n, v in threads_cpu_seconds.items() if n.startswith(PROFILER_PREFIXES))
     return own / duration_seconds
+
+
+def threads_section(native_ids: dict, thread_cpu: ThreadCpu | None = None):
+    """fn(duration_s) -> the interval record's "threads" (the span-recording threads' names and OS ids, from
+    `native_ids`), "threads_cpu_seconds" and "profiler_share", the CPU counted from this call on."""
+    thread_cpu = thread_cpu or ThreadCpu()
+
+    def section(duration_s: float) -> dict:
+        cpu = thread_cpu.take()
+        return {"threads": [{"name": n, "native_id": t} for n, t in sorted(native_ids.items())],
+                "threads_cpu_seconds": cpu, "profiler_share": profiler_share(cpu, duration_s)}
+    return section

@@ -267,8 +267,9 @@ def test_a_restart_loads_its_compiled_graph_from_the_cache_dir(tmp_path):
 
 # -------------------------------------------------------------------------------------------- span
 def _make_prof(tmp_path):
-    return profiler.Profiler(tmp_path, interval_s=3600.0, console=False, control=False, measure_floors=False,
-                             detail_steps=4)
+    from profiler.config import ProfilerConfig
+    return profiler.Profiler(tmp_path, config=ProfilerConfig(interval_s=3600.0, control=False, measure_floors=False,
+                                                             detail_steps=4))
 
 
 def test_a_first_call_compiles_inside_a_drafter_compile_span_and_a_second_does_not(tmp_path):

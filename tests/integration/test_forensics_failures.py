@@ -121,7 +121,8 @@ def test_a_crash_on_a_target_rank_stops_the_job_within_5s_and_every_rank_writes_
 def test_a_crashed_worker_thread_stops_its_process_with_exit_1_while_the_main_thread_is_stuck(tmp_path):
     """threading.excepthook in a real process: the real os._exit path, the main thread never returning."""
     code = ("import threading, time, profiler\n"
-            f"with profiler.Profiler({str(tmp_path)!r}, console=False, control=False, measure_floors=False):\n"
+            "from profiler.config import ProfilerConfig\n"
+            f"with profiler.Profiler({str(tmp_path)!r}, config=ProfilerConfig(control=False, measure_floors=False)):\n"
             "    def work():\n"
             "        raise KeyError('lost batch')\n"
             "    with profiler.span('train.wait'):\n"
@@ -176,10 +177,11 @@ def test_a_second_signal_to_the_launcher_escalates():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_cuda_oom_saves_the_allocator_history_snapshot(tmp_path):
     import profiler
+    from profiler.config import ProfilerConfig
 
     with pytest.raises(torch.OutOfMemoryError):
-        with profiler.Profiler(tmp_path, device=torch.device("cuda", 0), console=False, control=False,
-                               measure_floors=False, memory_history=10000) as prof, prof.dumper.guard():
+        cfg = ProfilerConfig(control=False, measure_floors=False, memory_history=10000)
+        with profiler.Profiler(tmp_path, device=torch.device("cuda", 0), config=cfg) as prof, prof.dumper.guard():
             with profiler.span("train.alloc"):
                 torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     recs, _ = read_records(tmp_path / "profile" / "rank0.jsonl")

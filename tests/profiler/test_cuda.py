@@ -1,10 +1,10 @@
 """CUDA event timing on a real GPU (skipped without one).
 
 No-sync argument, by inspection (profiler/cuda_timing.py, profiler/spans.py, profiler/core.py): the
-span hot path only calls Event.record(); the collector only calls cuEventElapsedTime, which answers "not
-ready" rather than waiting while either event is pending (profiler/cuda_timing.py DriverTiming); run end
-polls that with a sleep. Nothing calls torch.cuda.synchronize(), Event.synchronize(),
-Event.wait(), Stream.synchronize() or .item(). set_sync_debug_mode("error") below checks the calls it can see.
+span hot path only calls Event.record(); the collector calls Event.query() on both events of a pair and
+elapsed_time() only once both are done (profiler/cuda_timing.py elapsed_ms); run end polls that with a sleep.
+Nothing calls torch.cuda.synchronize(), Event.synchronize(), Event.wait(), Stream.synchronize() or .item().
+set_sync_debug_mode("error") below checks the calls it can see.
 """
 import logging
 import time
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import profiler
+from tests.profiler.build import make_profiler
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +23,7 @@ def make_prof(tmp_path, **kw):
     dev = torch.device("cuda", torch.cuda.current_device())
     kw.setdefault("interval_s", 3600.0)
     kw.setdefault("background", False)
-    return profiler.Profiler(tmp_path, device=dev, console=False, control=False, floors={}, **kw)
+    return make_profiler(tmp_path, device=dev, control=False, floors={}, **kw)
 
 
 def _warm_up():
@@ -30,32 +31,18 @@ def _warm_up():
     torch.cuda.synchronize()      # the test's own sync, before any profiler exists
 
 
-def test_the_driver_path_agrees_with_torch_and_works_on_a_fresh_thread():
-    import threading
-
-    from profiler.cuda_timing import DriverTiming, EventPool
+def test_a_pair_resolves_only_once_both_events_are_done_and_then_agrees_with_torch():
+    from profiler.cuda_timing import elapsed_ms
 
     _warm_up()
-    timing = DriverTiming.load(torch.cuda.current_device())
-    assert timing is not None and isinstance(EventPool().elapsed_ms.__self__, DriverTiming)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(50_000_000)
     end.record()
-    assert timing.elapsed_ms(start, end) is None          # still running: "not ready", no wait
+    assert elapsed_ms(start, end) is None                  # still running: "not ready", no wait
     end.synchronize()                                      # the test's own sync
-    _assert_not_ready_when_only_the_start_is_pending(timing)
-    got = []
-    thread = threading.Thread(target=lambda: got.append(timing.elapsed_ms(start, end)))   # no context bound yet
-    thread.start()
-    thread.join()
-    assert got[0] == pytest.approx(start.elapsed_time(end), abs=1e-3) and got[0] > 1.0
-
-
-def _assert_not_ready_when_only_the_start_is_pending(timing):
-    """One cuEventElapsedTime per pair relies on it answering "not ready" while EITHER event is pending:
-    here the end (on the default stream) is done and the start waits behind a side stream's sleep."""
-    side = torch.cuda.Stream()
+    assert elapsed_ms(start, end) == pytest.approx(start.elapsed_time(end), abs=1e-3) > 1.0
+    side = torch.cuda.Stream()                             # now only the start is pending, behind a side stream
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     end.record()
     end.synchronize()                                      # the test's own sync: the end is done
@@ -64,7 +51,7 @@ def _assert_not_ready_when_only_the_start_is_pending(timing):
         start.record()
     t0 = time.perf_counter()
     assert end.query() and not start.query()
-    assert timing.elapsed_ms(start, end) is None
+    assert elapsed_ms(start, end) is None
     assert time.perf_counter() - t0 < 0.005                # answered at once, not after the sleep
     side.synchronize()                                     # the test's own sync, before the events go
 
@@ -171,7 +158,7 @@ def test_sampled_steps_time_the_gpu_and_the_others_record_no_event(tmp_path):
 
     _warm_up()
     records = []
-    with make_prof(tmp_path, gpu_steps_per_s=1.0, gpu_rng=Draws(), detail_steps=0) as prof:
+    with make_prof(tmp_path, gpu_steps_per_s=1.0, rng=Draws(), detail_steps=0) as prof:
         prof.gpu_sampler.steps = 4
         prof.gpu_sampler.interval_closed(1.0, 0)   # as if the last interval ran 4 steps a second: p = 1/4
         pool = prof.event_pool

@@ -8,6 +8,7 @@ import pytest
 import profiler
 from profiler import spans as spans_mod
 from profiler.cuda_timing import EventPool
+from tests.profiler.build import make_profiler
 
 
 class Gpu:
@@ -33,7 +34,7 @@ class Event:
         return end.t - self.t
 
 
-def run(tmp_path, body, gap_ns=10**12, streams=None):
+def run(tmp_path, body, gap_ns=10**12, streams=None, faults=""):
     """Run body(gpu) under a profiler with fake events; returns (gpu, pool, spans of the detail window)."""
     gpu = Gpu()
     pool = EventPool(lambda: Event(gpu), prealloc=0)
@@ -41,8 +42,8 @@ def run(tmp_path, body, gap_ns=10**12, streams=None):
         pool.getraw = lambda idx: streams[0]
     old, spans_mod.SHARE_GAP_NS = spans_mod.SHARE_GAP_NS, gap_ns
     try:
-        with profiler.Profiler(tmp_path, console=False, control=False, background=False, measure_floors=False,
-                               interval_s=3600.0, event_pool=pool, detail_steps=4) as prof:
+        with make_profiler(tmp_path, control=False, background=False, measure_floors=False,
+                               interval_s=3600.0, event_pool=pool, detail_steps=4, faults=faults) as prof:
             prof.set_step(0)
             body(gpu)
             prof.set_step(1)
@@ -122,8 +123,7 @@ def pool_of(prof):
     return prof.event_pool
 
 
-def test_a_cancelled_shared_begin_keeps_the_previous_record_intact(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_FAULT", "crash@target.fwd:step=0")
+def test_a_cancelled_shared_begin_keeps_the_previous_record_intact(tmp_path):
 
     def crashing(gpu):
         with profiler.span("target.fetch"):
@@ -131,6 +131,6 @@ def test_a_cancelled_shared_begin_keeps_the_previous_record_intact(tmp_path, mon
         with pytest.raises(Exception):
             with profiler.span("target.fwd"):     # shares target.fetch's end, then the fault raises
                 gpu.now_ms += 5.0
-    gpu, pool, spans = run(tmp_path, crashing)
+    gpu, pool, spans = run(tmp_path, crashing, faults="crash@target.fwd:step=0")
     assert gpu_ms(spans, "target.fetch") == [1.0] and gpu_ms(spans, "target.fwd") == []
     assert pool.free == pool.created      # the cancelled begin took the tail's hold over and gave it back

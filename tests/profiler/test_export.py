@@ -10,6 +10,7 @@ import pytest
 import profiler
 from profiler.export import ExportHub
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
+from tests.profiler.build import make_profiler
 
 
 class Recording:
@@ -39,7 +40,7 @@ class Failing:
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 60.0)
-    return profiler.Profiler(tmp_path, console=False, control=False, measure_floors=False, **kw)
+    return make_profiler(tmp_path, control=False, measure_floors=False, **kw)
 
 
 def test_records_reach_exporters_on_the_exporter_thread_in_order(tmp_path):
@@ -125,12 +126,25 @@ def test_run_start_anchor_buckets_and_detail_window(tmp_path):
     assert {"name": "MainThread", "native_id": threading.get_native_id()} in interval["threads"]
 
 
-def test_listener_runs_off_the_calling_thread(tmp_path):
+def test_exporters_run_off_the_calling_thread_and_conform_to_the_protocol(tmp_path):
+    from profiler.export import Exporter
+
     seen = []
-    with make_prof(tmp_path) as prof:
-        prof.add_listener(lambda r: seen.append((r["type"], threading.current_thread().name)))
+
+    class Probe:
+        name = "probe"
+
+        def export(self, record: dict) -> None:
+            seen.append((record["type"], threading.current_thread().name))
+
+        def close(self, timeout_s: float) -> None:
+            seen.append(("closed", timeout_s))
+
+    assert isinstance(Probe(), Exporter) and not isinstance(object(), Exporter)
+    with make_prof(tmp_path, exporters=[Probe()], export_timeout_s=3.0):
         profiler.event("checkpoint")
-    assert ("event", "profiler.exporter") in seen and seen[-1][0] == "run_end"
+    assert ("event", "profiler.exporter") in seen and seen[-2][0] == "run_end"
+    assert seen[-1][0] == "closed" and 0 < seen[-1][1] <= 3.0
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -50,11 +50,11 @@ def test_parse_bad_strings(text, message):
     assert str(info.value) == message
 
 
-def test_from_env_and_rank_filter():
-    assert FaultPlan.from_env(rank=0, env={}).empty
-    env = {"DFLASH_FAULT": "crash@drafter.optim:rank=1"}
-    assert FaultPlan.from_env(rank=0, env=env).empty
-    plan = FaultPlan.from_env(rank=1, env=env)
+def test_from_spec_and_rank_filter():
+    assert FaultPlan.from_spec("", rank=0).empty and FaultPlan.from_spec(None, rank=0).empty
+    spec = "crash@drafter.optim:rank=1"
+    assert FaultPlan.from_spec(spec, rank=0).empty
+    plan = FaultPlan.from_spec(spec, rank=1)
     assert not plan.empty
     with pytest.raises(InjectedFault, match=r"^injected crash at drafter\.optim step 4 rank 1$"):
         plan.on_enter("drafter.optim", 4)

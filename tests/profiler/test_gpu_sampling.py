@@ -13,6 +13,7 @@ import profiler
 from profiler.cuda_timing import EventPool, GpuSampler
 from profiler.faults import FaultPlan, InjectedFault, parse_faults
 from tests.profiler.test_cuda_sharing import Event, Gpu
+from tests.profiler.build import make_profiler
 
 
 class Scripted(random.Random):
@@ -66,9 +67,9 @@ def run(tmp_path, body, p, rng_values, detail_steps=0, fault_plan=None):
     last interval ran 10 steps a second); (gpu, pool, interval, spans)."""
     gpu = Gpu()
     pool = EventPool(lambda: Event(gpu), prealloc=0)
-    with profiler.Profiler(tmp_path, console=False, control=False, background=False, measure_floors=False,
+    with make_profiler(tmp_path, control=False, background=False, measure_floors=False,
                            interval_s=3600.0, event_pool=pool, detail_steps=detail_steps, gpu_steps_per_s=10.0 * p,
-                           gpu_rng=Scripted(rng_values), fault_plan=fault_plan) as prof:
+                           rng=Scripted(rng_values), fault_plan=fault_plan) as prof:
         prof.gpu_sampler.steps = 10
         prof.gpu_sampler.interval_closed(1.0, prof.gpu_sampler.burst)
         body(gpu, prof)

@@ -9,6 +9,7 @@ import profiler
 from profiler import spans as spans_mod
 from profiler.cuda_timing import EventPool, resolve
 from profiler.memory import UnavailableMemorySampler, make_memory_sampler
+from tests.profiler.build import make_profiler
 
 
 class FakeClock:
@@ -22,7 +23,7 @@ class FakeClock:
 def make_prof(tmp_path, clock, **kw):
     kw.setdefault("interval_s", 60.0)
     kw.setdefault("measure_floors", False)
-    return profiler.Profiler(tmp_path, console=False, control=False, background=False, clock=clock,
+    return make_profiler(tmp_path, control=False, background=False, clock=clock,
                              wall_clock=lambda: 1.7e9, **kw)
 
 

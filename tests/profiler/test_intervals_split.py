@@ -8,19 +8,21 @@ import time
 
 import pytest
 
+from exporters.console import ConsoleExporter
+
 import profiler
 from exporters.console import format_interval, hotspot_rows
 from report import format_hotspots, hotspots
 from profiler.cuda_timing import EventPool
 from profiler.intervals import IntervalAggregator
+from tests.profiler.build import make_profiler
 
 LONG = "drafter.compile"
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)   # boundaries come from close_interval() alone
-    kw.setdefault("console", False)
-    return profiler.Profiler(tmp_path, control=False, background=False, measure_floors=False, **kw)
+    return make_profiler(tmp_path, control=False, background=False, measure_floors=False, **kw)
 
 
 def ns(seconds) -> int:
@@ -164,7 +166,7 @@ def test_gpu_time_is_not_split_and_lands_where_the_pair_resolves(tmp_path):
 
 def test_console_and_report_say_a_span_was_still_open_and_for_how_long(tmp_path):
     out = io.StringIO()
-    with make_prof(tmp_path, console=True, console_stream=out) as prof:
+    with make_prof(tmp_path, exporters=[ConsoleExporter(out)]) as prof:
         with profiler.span(LONG):
             time.sleep(0.02)
             first = prof.close_interval()

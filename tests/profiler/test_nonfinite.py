@@ -5,11 +5,12 @@ import torch
 
 import profiler
 from profiler.nonfinite import NonfiniteMonitor
+from tests.profiler.build import make_profiler
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    return profiler.Profiler(tmp_path, console=False, control=False, measure_floors=False, background=False,
+    return make_profiler(tmp_path, control=False, measure_floors=False, background=False,
                              **kw)
 
 

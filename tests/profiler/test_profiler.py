@@ -1,5 +1,5 @@
 """The Profiler end to end on CPU: run log contents, lifecycle (incl. a raising with-block),
-single active profiler, env interval, events, faults, control endpoint, console text."""
+single active profiler, the interval, events, faults, control endpoint, console text."""
 import io
 import json
 import os
@@ -7,25 +7,27 @@ import threading
 import time
 
 import pytest
+
+from exporters.console import ConsoleExporter
 import torch
 
 import profiler
 from exporters.console import format_hotspots, format_interval
 from profiler.control import query
-from profiler.core import resolve_interval_s
+from profiler.config import ProfilerConfig, check_interval_s
 from profiler.faults import FaultPlan, InjectedFault, parse_faults
+from tests.profiler.build import make_profiler
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    kw.setdefault("console", False)
     kw.setdefault("control", False)
     kw.setdefault("measure_floors", False)
-    return profiler.Profiler(tmp_path, **kw)
+    return make_profiler(tmp_path, **kw)
 
 
 def test_run_log_records(tmp_path):
-    with make_prof(tmp_path, rank=1, world_size=2, role="drafter", config={"lr": 1e-3}):
+    with make_prof(tmp_path, rank=1, world_size=2, role="drafter", run_config={"lr": 1e-3}):
         with profiler.span("drafter.fwd_bwd"):
             pass
         profiler.count("tokens", 10)
@@ -77,14 +79,24 @@ def test_only_one_active_profiler(tmp_path):
         assert profiler.active() is not None
 
 
-def test_interval_from_env_and_bad_values():
-    assert resolve_interval_s(None, env={}) == 60.0
-    assert resolve_interval_s(None, env={"DFLASH_PROFILE_INTERVAL": "5"}) == 5.0
-    assert resolve_interval_s(2, env={"DFLASH_PROFILE_INTERVAL": "5"}) == 2.0
-    with pytest.raises(ValueError, match="DFLASH_PROFILE_INTERVAL"):
-        resolve_interval_s(None, env={"DFLASH_PROFILE_INTERVAL": "soon"})
-    with pytest.raises(ValueError, match="interval_s must be a positive"):
-        resolve_interval_s(0, env={})
+def test_interval_is_taken_as_given_and_bad_values_refused(monkeypatch):
+    monkeypatch.setenv("DFLASH_PROFILE_INTERVAL", "5")   # the profiler reads no environment
+    assert check_interval_s(2) == 2.0
+    for bad in (0, -1.0, True, "5", None):
+        with pytest.raises(ValueError, match="interval_s must be a positive"):
+            check_interval_s(bad)
+
+
+@pytest.mark.parametrize("field, bad", [("detail_steps", -1), ("memory_history", 1.5), ("poll_s", -0.1),
+                                        ("hang_timeout_s", "soon"), ("interval_s", 0)])
+def test_a_bad_setting_is_refused_naming_its_field(field, bad):
+    with pytest.raises(ValueError, match=field):
+        ProfilerConfig(**{field: bad})
+
+
+def test_the_runs_own_config_goes_in_run_config_not_config(tmp_path):
+    with pytest.raises(TypeError, match="run_config"):
+        profiler.Profiler(tmp_path, config={"lr": 1e-3})
 
 
 def test_faults_fire_in_spans_and_keep_the_stack_right(tmp_path):
@@ -121,7 +133,7 @@ def test_control_endpoint_serves_state(tmp_path):
 
 def test_console_prints_intervals(tmp_path):
     out = io.StringIO()
-    with make_prof(tmp_path, console=True, console_stream=out, floors={"host_copy": 1e10}):
+    with make_prof(tmp_path, exporters=[ConsoleExporter(out)], floors={"host_copy": 1e10}):
         for _ in range(3):
             with profiler.span("target.fwd"):
                 time.sleep(0.002)

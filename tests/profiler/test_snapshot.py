@@ -195,8 +195,8 @@ def test_run_dir_snapshots_every_live_rank_and_says_who_waits_for_whom(tmp_path)
                                                           "run_dir": str(run_dir), "socket_path": server.socket_path}))
         stacks = {procs[0].pid: [pyspy_thread("drafter.main", 11, [("Condition.wait", "threading.py", 331)])],
                   procs[1].pid: [pyspy_thread("target.main", 21, MAIN_FRAMES)]}
-        run = snapshot_run(run_dir, runner=lambda pid, native=False, nonblocking=False: stacks[pid],
-                           discovery_dir=disc)
+        run = snapshot_run(run_dir, {"drafter.recv": "target"},
+                           runner=lambda pid, native=False, nonblocking=False: stacks[pid], discovery_dir=disc)
     finally:
         for p in procs:
             p.kill()

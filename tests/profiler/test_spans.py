@@ -6,11 +6,12 @@ import pytest
 
 import profiler
 from profiler import api
+from tests.profiler.build import make_profiler
 
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    return profiler.Profiler(tmp_path, console=False, measure_floors=False, control=False, background=False, **kw)
+    return make_profiler(tmp_path, measure_floors=False, control=False, background=False, **kw)
 
 
 def test_nesting_depths_and_thread_names_in_three_threads(tmp_path):

@@ -6,9 +6,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-import profiler
 from exporters.console import format_interval
 from profiler.threadcpu import ThreadCpu, profiler_share
+from tests.profiler.build import make_profiler
 
 
 def _burn(seconds: float) -> None:
@@ -46,7 +46,7 @@ def test_names_are_summed_unreadable_clocks_skipped_and_deltas_never_negative():
 
 
 def test_every_interval_says_where_the_cpu_went(tmp_path):
-    with profiler.Profiler(tmp_path, background=False, console=False) as prof:
+    with make_profiler(tmp_path, background=False) as prof:
         _burn(0.1)
         rec = prof.close_interval()
     cpu = rec["threads_cpu_seconds"]

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-import profiler
 from profiler.records import read_records
+from tests.profiler.build import make_profiler
 
 try:
     import triton
@@ -58,7 +58,7 @@ def test_real_autotune_windows_are_spans_and_an_oom_inside_one_names_the_kernel(
         except torch.OutOfMemoryError as exc:   # the wrapper tags it; the thread reports it
             errors.append(exc)
 
-    with profiler.Profiler(tmp_path, device=torch.device("cuda"), interval_s=3600.0, console=False,
+    with make_profiler(tmp_path, device=torch.device("cuda"), interval_s=3600.0,
                            control=False, measure_floors=False, detail_steps=5, background=False) as prof:
         prof.set_step(0)
         out = _launch(dflash_scale_kernel, 5000)

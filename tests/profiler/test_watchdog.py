@@ -8,12 +8,15 @@ import threading
 import time
 
 import pytest
+
+from exporters.console import ConsoleExporter
 import torch
 
 import profiler
 from profiler.forensics import CudaMemoryHistory, format_open_spans, install_autotune_spans, is_oom
 from profiler.runlog import read_records
 from profiler.watchdog import SignalWatch, Watchdog
+from tests.profiler.build import make_profiler
 
 
 class FakeClock:
@@ -38,11 +41,10 @@ class Exits:
 
 def make_prof(tmp_path, **kw):
     kw.setdefault("interval_s", 3600.0)
-    kw.setdefault("console", False)
     kw.setdefault("control", False)
     kw.setdefault("measure_floors", False)
     kw.setdefault("poll_s", 0.05)
-    return profiler.Profiler(tmp_path, **kw)
+    return make_profiler(tmp_path, **kw)
 
 
 def log(tmp_path) -> list:
@@ -105,7 +107,7 @@ def test_a_hung_rank_dumps_its_open_spans_and_stacks_writes_run_end_and_exits_1(
 def test_intervals_and_the_console_show_spans_still_open(tmp_path):
     import io
     out = io.StringIO()
-    with make_prof(tmp_path, console=True, console_stream=out, background=False) as prof:
+    with make_prof(tmp_path, exporters=[ConsoleExporter(out)], background=False) as prof:
         with profiler.span("target.fwd"):
             prof.close_interval()
             time.sleep(0.05)

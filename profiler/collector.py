@@ -1,0 +1,164 @@
+"""The collector: drains the span logs, keeps the interval clock and aggregates, off the training threads.
+
+One object owns the three, so an interval ends along one path, `close()`, whether the collector thread's clock
+passed the boundary, a caller forced it (Profiler.close_interval) or the run ended (`final`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+logger = logging.getLogger("profiler")
+
+
+class Collector:
+    """`poll()` drains the recorder into the aggregator (profiler/intervals.py) and reads back the non-finite
+    checks; `close()` ends the interval: its aggregates and `sections` (functions duration_s -> dict of more
+    fields: memory, threads, exporters) as one `interval` record, after the detail window's `spans` record,
+    both handed to `write`. The thread `profiler.collector` polls every `poll_s` and closes when `clock`
+    passes the boundary; `tick()` runs one such iteration in the caller (tests drive a fake clock)."""
+
+    def __init__(self, recorder, aggregator, nonfinite, gpu_sampler, *, interval_s: float, clock, perf_clock: bool,
+                 poll_s: float, header, write, step_fn, sections=(), detail_burst: int = 0):
+        self.recorder, self.aggregator, self.nonfinite, self.gpu_sampler = recorder, aggregator, nonfinite, gpu_sampler
+        self.interval_s, self.clock, self.perf_clock, self.poll_s = interval_s, clock, perf_clock, poll_s
+        self._header, self._write, self._step_fn, self._sections = header, write, step_fn, tuple(sections)
+        self._detail_burst = detail_burst
+        self.lock = threading.RLock()        # one drain or close at a time; records keep index order
+        self.start_ns = time.perf_counter_ns()
+        self.run_start_s = self.start_s = self._clock_s(self.start_ns)
+        self.next_boundary_s = clock() + interval_s
+        self.intervals_closed = 0
+        self.last_interval: dict | None = None
+        self.spans_finished = 0              # spans drained so far (the hang watchdog's progress)
+        self.last_finished: dict = {}        # thread name -> (span name, end perf_counter_ns)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged = False
+
+    # ---- the thread ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="profiler.collector", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (RuntimeError when called on it: forensics leaving from the collector)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            # Wake at the boundary itself when it comes before the next poll (accurate durations).
+            try:
+                wait_s = min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))
+            except Exception:   # noqa: BLE001 - a broken injected clock: fall back to polling
+                wait_s = self.poll_s
+            if self._stop.wait(wait_s):
+                return
+            self.tick()
+
+    def tick(self) -> bool:
+        """One iteration: close the interval if its boundary passed, else poll. True if it closed. A failure is
+        logged once and the collector goes on (telemetry never kills training)."""
+        try:
+            if self.clock() >= self.next_boundary_s:
+                self.close()
+                return True
+            self.poll()
+        except Exception:   # noqa: BLE001
+            if not self._logged:
+                self._logged = True
+                logger.exception("profiler: interval collection failed (logged once; continuing)")
+        return False
+
+    # ---- draining --------------------------------------------------------------------------------
+    def poll(self) -> None:
+        self.nonfinite.poll()   # Event.query() only: never a wait
+        with self.lock:
+            self._drain(None)
+
+    def _drain(self, boundary_ns: int | None) -> None:
+        """The span logs into the aggregator; `boundary_ns` when closing an interval there."""
+        drained = self.recorder.drain()
+        for thread_name, spans, _ in drained:
+            if spans:   # finished in end order: the last one ended last (an OOM's span, unwinding)
+                self.spans_finished += len(spans)
+                self.last_finished[thread_name] = (spans[-1][0], spans[-1][2])
+        self.aggregator.add_drained(drained, boundary_ns)
+
+    def last_finished_span(self, thread_name: str) -> dict | None:
+        """The span that ended last on a thread, and how long ago (forensics: the span an exception unwound
+        through, once drained)."""
+        self.poll()
+        found = self.last_finished.get(thread_name)
+        if found is None:
+            return None
+        return {"name": found[0], "ended_seconds_ago": (time.perf_counter_ns() - found[1]) / 1e9}
+
+    def _clock_s(self, perf_ns: int) -> float:
+        """The interval clock's reading for a bound read at `perf_ns` (the same instant on the default clock;
+        an injected clock is read now)."""
+        return perf_ns / 1e9 if self.perf_clock else self.clock()
+
+    def _wait_pending(self, timeout_s: float) -> None:
+        """At run end, give queued GPU work a moment by polling Event.query() (never a synchronize); pairs
+        still pending after timeout_s count CPU-only (the span's "gpu_unresolved")."""
+        deadline = time.monotonic() + timeout_s
+        while self.aggregator.resolve_pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.aggregator.add_unresolved()
+
+    # ---- closing ---------------------------------------------------------------------------------
+    def close(self, final: bool = False, gpu_drain_timeout_s: float = 0.0) -> dict:
+        """End the interval now: write its `spans` (detail window) and `interval` records; returns the latter.
+        A close at or past the boundary keeps the interval grid; an earlier one restarts the clock."""
+        with self.lock:
+            # The boundary is read before the drain: a span that ends after it but is drained now has the part
+            # past it carried to the next interval; every span begun before it is in the open stacks (or
+            # finished) once the drain is done.
+            end_ns = time.perf_counter_ns()
+            self._drain(end_ns)
+            if final:
+                self.recorder.release_tails()   # span() is a no-op now: no begin will share them
+                self._wait_pending(gpu_drain_timeout_s)
+            rec = self._interval_record(end_ns, final)
+            detail = self.aggregator.detail.take(time.perf_counter_ns())
+            self.gpu_sampler.interval_closed(rec["duration_seconds"], self._detail_burst)
+            if detail is not None:
+                self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
+            self.start_s, self.start_ns = rec["end_s"], end_ns
+            self.intervals_closed += 1
+            self._next_boundary()
+            self.last_interval = rec = self._write(rec)
+        return rec
+
+    def _interval_record(self, end_ns: int, final: bool) -> dict:
+        end_s = self._clock_s(end_ns)
+        duration_s = (end_ns - self.start_ns) / 1e9 if self.perf_clock else end_s - self.start_s
+        open_spans = self.recorder.open_spans(ids=True)
+        rec = {**self._header("interval"), "index": self.intervals_closed, "step": self._step_fn(),
+               "start_s": self.start_s, "end_s": end_s, "duration_seconds": duration_s,
+               **self.aggregator.close_parts(duration_s, end_ns, open_spans)}
+        for section in self._sections:
+            rec.update(section(duration_s))
+        rec["open_spans"] = _without_ids(open_spans)
+        if final:
+            rec["final"] = True
+        return rec
+
+    def _next_boundary(self) -> None:
+        now_s = self.clock()
+        if now_s < self.next_boundary_s:       # closed early: a whole interval from now
+            self.next_boundary_s = now_s + self.interval_s
+        while self.next_boundary_s <= now_s:   # on the grid; missed boundaries (a stalled thread) skipped
+            self.next_boundary_s += self.interval_s
+
+
+def _without_ids(open_spans: list) -> list:
+    """open_spans(ids=True) as the run log documents it: the span ids and begin times (which only the aggregator
+    needs) left out."""
+    return [{**entry, "spans": [{k: v for k, v in s.items() if k not in ("id", "t0_ns")} for s in entry["spans"]]}
+            for entry in open_spans]

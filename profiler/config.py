@@ -1,0 +1,90 @@
+"""What a Profiler is set up with (ProfilerConfig) and what it is built from (ProfilerDeps, which tests swap).
+
+The profiler reads no environment: its caller (the trainer: dflash/config.py) resolves every setting and hands
+them over here.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def check_interval_s(interval_s) -> float:
+    """interval_s as a float; ValueError unless it is a positive number of seconds."""
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+    return float(interval_s)
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """The profiler's settings; checked when made (ValueError naming the field)."""
+
+    interval_s: float = 60.0
+    """Seconds between `interval` records."""
+    detail_steps: int = 3
+    """Steps at the start of each interval kept as raw spans (the `spans` record: profiler/detail.py); 0: none."""
+    gpu_steps_per_s: float = 0.0
+    """> 0: CUDA spans time the GPU on about this many steps a second at most, chosen at random, and on every
+    detail-window step (profiler/cuda_timing.py GpuSampler); 0: every step."""
+    hang_timeout_s: float = 0.0
+    """> 0: a rank with no progress (no span finished, no step change) this long is stopped with a dump
+    (profiler/watchdog.py); 0: no hang watchdog."""
+    memory_history: int = 0
+    """CUDA allocator history entries kept for an OOM's memory snapshot; 0: none kept."""
+    export_timeout_s: float = 5.0
+    """Seconds the run's end gives the exporters to drain their queue and close."""
+    gpu_drain_timeout_s: float = 2.0
+    """Seconds the run's end polls CUDA event pairs still pending before counting them CPU-only."""
+    faults: str = ""
+    """Fault-injection spec "KIND@SPAN[:step=N][:rank=R];..." (profiler/faults.py); "": no faults."""
+    control: bool = True
+    """Serve the rank's control endpoint (profiler/control.py), which `dflash-profile snapshot` asks."""
+    measure_floors: bool = True
+    """Measure the copy floors (profiler/floors.py) at start, against which transfer bandwidths are read."""
+    background: bool = True
+    """Run the collector thread; False: the caller drives collection with Profiler.tick() (tests)."""
+    poll_s: float = 0.25
+    """Seconds between the collector's drains of the span logs."""
+    run_id: str | None = None
+    """The run's id in run_start and the exporters; None: the run directory's name."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
+        for name in ("detail_steps", "memory_history"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        for name in ("hang_timeout_s", "export_timeout_s", "gpu_drain_timeout_s", "poll_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+
+@dataclass
+class ProfilerDeps:
+    """What the profiler is built from; None makes the real one for the device."""
+
+    clock: Callable[[], float] | None = None
+    """The interval clock, in seconds; None: time.perf_counter, with interval bounds read once in span time
+    (perf_counter_ns), so a span open for a whole interval holds exactly 100% of it."""
+    wall_clock: Callable[[], float] = time.time
+    """Source of every record's time_unix."""
+    memory_sampler: Any = None
+    """The NVML sampler (profiler/memory.py: start, stop, interval_summary, latest, headroom_history)."""
+    nvml: Any = None
+    """The pynvml module the default memory sampler uses; None: imported when needed."""
+    event_pool: Any = None
+    """The CUDA event pool spans record on (profiler/cuda_timing.py EventPool, or a fake)."""
+    floors: dict | None = None
+    """Copy floors to use instead of measuring them."""
+    fault_plan: Any = None
+    """A FaultPlan (profiler/faults.py) instead of the one config.faults gives."""
+    stack_sampler: Any = None
+    """In-run py-spy sampling (profiler/stacks.py); None: none."""
+    exit_fn: Callable[[int], None] = os._exit
+    """How forensics leave a stuck or crashed rank."""
+    rng: Any = None
+    """The random.Random the GPU sampler draws its timed steps from."""
