@@ -122,8 +122,8 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="bench_span_", dir=os.environ.get("OUT") or None)
     # background=False: the timed loop measures the training thread's hot path alone (the collector's
     # share of a real run is its `profiler_share`).
-    prof = profiler.Profiler(run_dir, interval_s=3600.0, console=False, measure_floors=False, control=False,
-                             background=False)
+    prof = profiler.Profiler(run_dir, config=profiler.ProfilerConfig(interval_s=3600.0, measure_floors=False,
+                                                                     control=False, background=False))
     results: dict = {k: [] for k in ["span active (cpu)", "active, bytes=", *cases]}
     for _ in range(REPEATS):   # alternate cases within each repeat so drift hits all of them alike
         for name, fn in cases.items():

@@ -48,8 +48,9 @@ def setup(torch):
 
 
 def make_prof(torch, profiler, run_root, tag, dev, background=True):
-    return profiler.Profiler(os.path.join(run_root, tag), device=dev, interval_s=1.0, console=False,
-                             control=False, floors={}, background=background)
+    config = profiler.ProfilerConfig(interval_s=1.0, control=False, background=background)
+    return profiler.Profiler(os.path.join(run_root, tag), device=dev, config=config,
+                             deps=profiler.ProfilerDeps(floors={}))
 
 
 def slowdown(torch, profiler, run_root, dev, mm_chain, per_span):
