@@ -1,16 +1,10 @@
-"""The Grafana dashboard for DFlash training, generated from code.
+"""The Grafana dashboard for DFlash training, generated from code: `python -m monitoring.dashboard`
+writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
 
-`python -m monitoring.dashboard` writes `grafana/dflash.json`; `--check` exits 1 when the committed file
-differs from what this module generates (the committed JSON must equal the generator's output).
-
-Panels are plain data (`Panel`, `Query`) grouped in rows; `build_dashboard()` turns them into Grafana's
-JSON model with grafana-foundation-sdk, imported there only, so `panel_queries` and
-`substitute_variables` (used by the integration test that evaluates every query against a real
-Prometheus) need nothing beyond the standard library. Metric names come from `monitoring.catalog`.
-
-Every query follows grafana/dashboard-linter's rules: the templated `${datasource}`, `job=~"$job"` and
-`instance=~"$instance"` in every selector (plus run, role, rank, and gpu or clock where the family has
-them), `$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
+Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes Grafana's JSON model with
+grafana-foundation-sdk (imported there only). Queries follow grafana/dashboard-linter's rules: the
+templated datasource, `job`/`instance` (and run, role, rank, gpu, clock) matchers in every selector,
+`$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
 """
 from __future__ import annotations
 
@@ -66,12 +60,8 @@ class Panel:
 
 
 def sel(key: str, suffix: str = "", **fixed: str) -> str:
-    """`name{...}` for a catalog family: the dashboard's variable matchers plus fixed `label="value"` ones.
-
-    Per-GPU families also filter on `$gpu`, span-time histograms on `$clock`, unless a fixed value is given
-    for that label. A fixed label the family does not carry is a ValueError, so a typo fails when the
-    dashboard is built.
-    """
+    """`name{...}` for a catalog family: the variable matchers (plus `$gpu`/`$clock` where the family has
+    them) and fixed `label="value"` ones; a label the family lacks is a ValueError, so a typo fails here."""
     family = FAMILIES[key]
     labels = COMMON_LABELS + family.labels
     matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES]
@@ -83,18 +73,13 @@ def sel(key: str, suffix: str = "", **fixed: str) -> str:
     return f"{family.name}{suffix}{{{', '.join(matchers)}}}"
 
 
-def _other_role(role: str) -> str:
-    """The role on the other side of the pipeline."""
-    return ROLES[1 - ROLES.index(role)]
-
-
 def _overview() -> list[Panel]:
     """Throughput, step time and which side of the pipeline waits on the other."""
     step_time = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
                  f" / increase({sel('steps', role='drafter')}[{RATE}]))"
                  f" / ({sel('tokens_rate', role='drafter')} > 0)")
     bound = tuple(Query(f"avg({sel('wait_share', role=role, span=span)})",
-                        f"{role}s wait: {_other_role(role)}-bound")
+                        f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound")
                   for span, role in WAIT_SPANS.items())
     return [
         Panel("Tokens per second by role",
@@ -310,16 +295,6 @@ def _variables() -> list:
     return out
 
 
-def _thresholds(panel: Panel):
-    """Absolute threshold steps: the base colour, then the panel's (value, color) steps."""
-    from grafana_foundation_sdk.builders import dashboard as db
-    from grafana_foundation_sdk.models import dashboard as dm
-
-    steps = [dm.Threshold(value=None, color=panel.base_color)]
-    steps += [dm.Threshold(value=value, color=color) for value, color in panel.thresholds]
-    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)
-
-
 def _target(query: Query, ref_id: str, table: bool):
     """The SDK builder for one Prometheus target."""
     from grafana_foundation_sdk.builders import prometheus
@@ -354,7 +329,7 @@ def _timeseries_options(builder, panel: Panel):
 
 def _panel(panel: Panel, panel_id: int):
     """The SDK builder for one panel."""
-    from grafana_foundation_sdk.builders import bargauge, common as cb, stat, table, timeseries
+    from grafana_foundation_sdk.builders import bargauge, common as cb, dashboard as db, stat, table, timeseries
     from grafana_foundation_sdk.models import common as cm, dashboard as dm
 
     kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel,
@@ -362,7 +337,9 @@ def _panel(panel: Panel, panel_id: int):
     builder = kinds[panel.kind]()
     builder = (builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
                .datasource(_datasource_ref()).height(panel.height).span(panel.width)
-               .thresholds(_thresholds(panel)))
+               .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+                   [dm.Threshold(value=None, color=panel.base_color)]
+                   + [dm.Threshold(value=value, color=color) for value, color in panel.thresholds])))
     for i, query in enumerate(panel.queries):
         builder = builder.with_target(_target(query, chr(ord("A") + i), panel.kind == "table"))
     if panel.max is not None:
@@ -381,19 +358,6 @@ def _panel(panel: Panel, panel_id: int):
     return builder
 
 
-def events_annotation_expr() -> str:
-    """Run-log events as annotations on every time series: one mark per kind and rate window."""
-    return f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"
-
-
-def _events_annotation():
-    """The dashboard annotation that marks run events on every time series."""
-    from grafana_foundation_sdk.builders import dashboard as db
-
-    return (db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
-            .icon_color("red").expr(events_annotation_expr()))
-
-
 def build_dashboard() -> dict:
     """The dashboard's JSON model (what `grafana/dflash.json` holds)."""
     from grafana_foundation_sdk.builders import dashboard as db
@@ -407,7 +371,9 @@ def build_dashboard() -> dict:
                .timezone("browser"))
     for variable in _variables():
         builder = builder.with_variable(variable)
-    builder = builder.annotation(_events_annotation())
+    # run-log events as marks on every time series: one per kind and rate window
+    builder = builder.annotation(db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
+                                 .icon_color("red").expr(f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"))
     ids = itertools.count(1)
     for title, panels in rows():
         builder = builder.with_row(db.Row(title).id(next(ids)))
@@ -417,7 +383,7 @@ def build_dashboard() -> dict:
 
 
 def iter_panels(dashboard: dict):
-    """Every panel of the dashboard, rows included, and the panels a collapsed row holds."""
+    """Every panel, rows and the panels a collapsed row holds included."""
     for panel in dashboard.get("panels", []):
         yield panel
         yield from panel.get("panels", [])
@@ -434,12 +400,8 @@ _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]+)\}|\[\[([^\[\]]+)\]\]")
 
 
 def substitute_variables(expr: str, values: dict) -> str:
-    """`expr` with Grafana's variables replaced by `values`.
-
-    Keys are variable names; Grafana's globals go without their underscores (`rate_interval` for
-    `$__rate_interval`, also `interval`, `range`), or with them. A `${var:format}` takes the value as
-    given. A variable with no value is a KeyError.
-    """
+    """`expr` with Grafana's variables replaced by `values` (globals with or without their leading
+    underscores: `rate_interval` for `$__rate_interval`); a variable with no value is a KeyError."""
     def replace(match: re.Match) -> str:
         token = next(group for group in match.groups() if group is not None)
         name = token.split(":", 1)[0]
