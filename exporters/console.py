@@ -1,10 +1,5 @@
-"""Console text: the short per-interval summary and the end-of-run hotspot table.
-
-Both read run-log records only (profiler.runlog record dicts), so they work live and after the fact.
-Times shown for a span are GPU times when the span has them (what `share` uses), else CPU times;
-the `on` column says which. A span's CPU time is split across the intervals it overlaps, while its
-count, mean and p95 wait for its end (docs/RUNLOG.md): a row whose span was still open at the
-interval's end says so, with how long it had been open, and may show a share with no count.
+"""Console text: the short per-interval summary and the end-of-run hotspot table, from run-log records
+(so they work live and after the fact). Times are GPU times where measured, else CPU (the `on` column).
 """
 from __future__ import annotations
 

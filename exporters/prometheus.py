@@ -1,10 +1,8 @@
 """Prometheus: one HTTP endpoint per rank, fed from run-log records on the exporter thread.
 
-`export(record)` folds each record into plain values under a lock, once per interval (never per
-span); a scrape's `collect()` turns them into metric families. Span-time histograms are cumulative
-sums of the intervals' fixed bucket counts, so `histogram_quantile(0.95, sum by (le) (rate(...)))`
-aggregates across ranks. Families and names come from monitoring.catalog. Every series carries `rank`,
-`role` and `host`; Prometheus adds `job` and `instance`, and the run's file_sd targets add `run`.
+`export(record)` folds each record into plain values under a lock; a scrape turns them into families.
+Span-time histograms sum the intervals' fixed bucket counts, so `histogram_quantile` aggregates across
+ranks. Every series carries `rank`, `role` and `host` (Prometheus adds `job`, `instance`, and `run`).
 """
 from __future__ import annotations
 

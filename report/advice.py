@@ -1,23 +1,14 @@
 """Two answers from the measured rates and peaks: the target:drafter GPU split that balances the
 pipeline, and the largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
 
-The split. Each rank's capacity is its steady tokens/s over its busy share (1 - wait share, WAIT_SPANS):
-the rate it would reach if it never waited on the other side. A role's capacity per GPU is the mean over
-its ranks. dflash-train feeds drafter d from targets t with t mod D == d, splits each drafter's batches
-evenly among its producers, and steps the drafters in lock-step (allreduce), so with T targets and D
-drafters every drafter goes at the pace of the one with the fewest producers, floor(T/D):
+Split: a rank's capacity is its steady tokens/s over its busy share (what it would reach never waiting).
+Drafter d is fed by targets t with t mod D == d and the drafters step in lock-step, so every drafter goes
+at the pace of the one with floor(T/D) producers:
     tokens/s(T, D) = D * min(floor(T/D) * target capacity, drafter capacity),  1 <= D <= T.
-Assumes capacity per GPU does not change with the split (the drafters' allreduce grows with D: not modelled).
-
-The memory margin. Per GPU with NVML and allocator stats: the bytes that come and go with a batch are,
-summed over the ranks on it, each allocator's peak reserved minus its lowest allocated at an interval
-close (what stays between batches: weights, optimizer state; the cache a batch's peak leaves reserved
-counts as the batch's); the rest of the GPU's NVML peak used is fixed (CUDA contexts, weights, optimizer
-state). The per-batch bytes are assumed to grow linearly with tokens per batch, or with its square under
-dense attention (config attn_backend "dense"; measured on an H200, bench/RESULTS.md):
-    max tokens per batch = mean tokens per batch * ((0.95 * total - fixed) / per_batch) ** (1 / exponent),
-in tokens a batch holds (the drafters' tokens per step, measured; config tokens_per_batch without counters).
-Standard library only.
+Memory margin: per GPU, the bytes that come and go with a batch are each allocator's peak reserved minus
+its lowest allocated; the rest of the NVML peak used is fixed. Per-batch bytes grow linearly with tokens
+per batch, or with their square under dense attention:
+    max tokens per batch = mean tokens per batch * ((0.95 * total - fixed) / per_batch) ** (1 / exponent).
 """
 from __future__ import annotations
 

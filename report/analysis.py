@@ -1,12 +1,7 @@
-"""The report's analyses of one run: records in, answers out (JSON-able dicts, no formatting).
+"""The report's analyses of one run (a `report.runs.Run`): records in, JSON-able answers out.
 
-One function per analysis, each taking a `report.runs.Run`:
-    span_ranking   spans ranked by total time: share of their role's time, CPU and GPU time, p50/p95
-    role_shares    per role, the share of time spent waiting on the other side (WAIT_SPANS) and busy
-    verdict        target-, drafter- or transfer-bound (or balanced), with the evidence
-    bandwidth      achieved bandwidth of spans that declare bytes, against the floors measured at start
-    rank_table     per-rank rates and busy shares, and the straggler among a role's ranks
-Memory, events and stacks are in report.memory_events; advice (split, memory margin) in report.advice. Standard library only.
+span_ranking (spans by total time, with p50/p95), role_shares and verdict (which side bounds the
+pipeline), bandwidth (against the floors measured at start), rank_table (per-rank rates, the straggler).
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The report's analyses of memory, events and stacks: records in, answers out.
-
-    headroom     per GPU: its headroom low point, when, and the interval's dominant span; allocator trends
-    events       non-finite, OOM, crashes, signals, bad records, unreadable lines, runs without a run_end
-    hot_frames   per thread: the hottest frames of the stack samples, and what the snapshots caught
-Standard library only.
+"""The report's analyses of memory (headroom low points, allocator trends), events (problems first) and
+stacks (hot frames per thread): records in, answers out.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""`dflash-report hotspots --plot FILE`: a PNG of a run over time. One row per role of span time per
-interval stacked by span, then tokens/s per role, then the headroom of every GPU.
-
-`timeline` (standard library) puts every rank's intervals on one clock, seconds from the first run_start:
-the k-th intervals of a role's ranks are summed into one point at their mean time. matplotlib is imported inside
-`plot_run` only, so the rest of the report never loads it.
+"""`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per interval stacked by
+span per role, tokens/s per role, headroom per GPU). matplotlib is imported by `plot_run` only.
 """
 from __future__ import annotations
 

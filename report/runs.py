@@ -1,7 +1,5 @@
-"""A run directory's logs loaded once for the report: every rank's records split by kind, and the
-few helpers every analysis shares (which time a span is measured on, which intervals are steady).
-
-Standard library only: `dflash-report` reads run logs without importing torch (docs/RUNLOG.md).
+"""A run directory's logs loaded once for the report (every rank's records by kind), and the helpers every
+analysis shares. Standard library only: `dflash-report` reads run logs without importing torch.
 """
 from __future__ import annotations
 
