@@ -167,7 +167,7 @@ class OtelExporter:
     name = "otel"
 
     def __init__(self, endpoint: str | None = None, *, rank: int, role: str, run_id: str | None = None,
-                 host: str | None = None, resource_attributes: dict | None = None,
+                 host: str | None = None,
                  traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
                  span_exporter=None, metric_exporter=None):
@@ -190,7 +190,6 @@ class OtelExporter:
         resource = {"service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role,
                     "host.name": self._host, "dflash.run_id": run_id,
                     "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}
-        resource.update(resource_attributes or {})
         self._build_providers(_attributes(resource), span_exporter, metric_exporter, timeout_s,
                               metric_interval_s)
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
@@ -436,7 +435,7 @@ class OtelExporter:
             self._gate.attach(False)   # else an SDK thread is still exporting: keep its lines held back
 
     def _run_bounded(self, fn, timeout_s: float) -> bool:
-        """Run fn on a daemon thread, wait up to timeout_s; True when it finished in time."""
+        """Run fn on a daemon thread for up to timeout_s; True when it finished."""
         def run():
             try:
                 fn()

@@ -38,9 +38,8 @@ def role_capacity(ranks: list) -> dict:
 
 
 def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dict:
-    """The target:drafter split of n_gpus (default: the run's) with the highest predicted tokens/s,
-    every valid split's prediction, and the run's own split predicted and measured. `ranks`: the
-    rows of rank_table(run), when already computed."""
+    """The best target:drafter split of n_gpus (default: the run's), every split's prediction, and the
+    run's own predicted and measured. `ranks`: rank_table(run)'s rows, when already computed."""
     caps = role_capacity(ranks if ranks is not None else rank_table(run)["ranks"])
     t_now, d_now = (caps.get("target") or {}).get("ranks", 0), (caps.get("drafter") or {}).get("ranks", 0)
     n = n_gpus or t_now + d_now
@@ -66,9 +65,8 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
 
 
 def _rank_memory(log) -> dict | None:
-    """One rank's GPU (host:index), its NVML peak used and total, and its per-batch bytes: the allocator's
-    peak reserved (the cache a batch's peak leaves behind) minus its lowest allocated. None without NVML
-    and allocator stats."""
+    """One rank's GPU (host:index), NVML peak used and total, and per-batch bytes (allocator peak reserved
+    minus lowest allocated); None without NVML and allocator stats."""
     gpu = used_peak = total = alloc_floor = alloc_peak = None
     for rec in log.intervals:
         mem = rec.get("memory") or {}
@@ -112,8 +110,7 @@ def growth(config: dict) -> tuple[int, str]:
 
 
 def mean_tokens_per_batch(run: Run) -> float | None:
-    """Tokens the drafters trained on per step, from the counters of every interval (None without them).
-    A batch holds up to tokens_per_batch; short data fills it less, and memory follows what it holds."""
+    """Tokens the drafters trained on per step (short data fills a batch less; memory follows what it holds)."""
     tokens = steps = 0.0
     for log in run.by_role().get("drafter", []):
         tokens += counter_total(log.intervals, "tokens")
@@ -121,10 +118,10 @@ def mean_tokens_per_batch(run: Run) -> float | None:
     return tokens / steps if tokens and steps else None
 
 
-def memory_margin(run: Run, headroom_share: float = HEADROOM_SHARE) -> dict:
-    """{"max_tokens_per_batch": the largest tokens per batch keeping headroom_share free on every GPU,
-    "gpus": each GPU's model, "limited_by", "reason" when it cannot be said}. Linear model: see the
-    module doc; ranks that share a GPU add their per-batch bytes."""
+def memory_margin(run: Run) -> dict:
+    """{"max_tokens_per_batch": the largest keeping HEADROOM_SHARE free on every GPU, "gpus": each GPU's
+    model, "limited_by", "reason" when it cannot be said}; ranks that share a GPU add their per-batch bytes."""
+    headroom_share = HEADROOM_SHARE
     mean = mean_tokens_per_batch(run)
     tpb = mean or run.config.get("tokens_per_batch")
     exponent, why = growth(run.config)

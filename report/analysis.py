@@ -126,10 +126,8 @@ def _add_open(agg: dict, role: str, log, rec: dict) -> None:
 
 
 def span_ranking(run: Run, top: int | None = None) -> dict:
-    """Spans of every interval of every rank, per role, ranked by total time (GPU time when measured).
-    share = the span's time over its role's time (the role's ranks' interval lengths summed); a span's
-    CPU time is split at interval boundaries, its count, mean and quantiles are of whole spans; the
-    open_* fields say at how many interval ends a span was still open, for how long at most, and where."""
+    """Spans per role ranked by total time; share = over the role's ranks' summed interval time. Count,
+    mean and quantiles are of whole spans; open_* say how often, how long and where a span was open at an end."""
     bounds = run.histogram_bounds_seconds()
     roles, agg = {}, {}
     for role, logs in run.by_role().items():
@@ -283,9 +281,8 @@ def _trailing_idle(intervals: list) -> list:
 
 def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
     out: dict = {}
-    for r in intervals:
-        for n, e in (r.get("spans") or {}).items():
-            out[n] = out.get(n, 0.0) + basis_seconds(e)
+    for n, e in ((n, e) for r in intervals for n, e in (r.get("spans") or {}).items()):
+        out[n] = out.get(n, 0.0) + basis_seconds(e)
     return {n: s / tokens for n, s in out.items()} if tokens else {}
 
 
