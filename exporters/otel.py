@@ -85,55 +85,25 @@ class _SdkLogGate(logging.Filter):
             (logging.getLogger(name).addFilter if on else logging.getLogger(name).removeFilter)(self)
 
 
-def _counting_span_exporter(inner, on_result):
-    """A SpanExporter that delegates to `inner` and reports ("traces", spans, ok) for each batch."""
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+class _Counting:
+    """An SDK span or metric exporter that reports (signal, items, ok) after every export; the rest is the
+    inner exporter's (the metric reader takes its preferred temporality and aggregation)."""
 
-    class CountingSpanExporter(SpanExporter):
-        def export(self, spans):
-            try:
-                result = inner.export(spans)
-            except Exception:   # noqa: BLE001 - a backend error is a failed batch, never a crash
-                result = SpanExportResult.FAILURE
-            on_result("traces", len(spans), result is SpanExportResult.SUCCESS)
-            return result
+    def __init__(self, inner, signal: str, on_result):
+        self._inner, self._signal, self._on_result = inner, signal, on_result
 
-        def shutdown(self):
-            inner.shutdown()
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return inner.force_flush(timeout_millis)
-
-    return CountingSpanExporter()
-
-
-def _counting_metric_exporter(inner, on_result):
-    """A MetricExporter that delegates to `inner` and reports ("metrics", data points, ok) per export."""
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
-
-    class CountingMetricExporter(MetricExporter):
-        def __init__(self):
-            # The reader takes temporality/aggregation from its exporter: keep the inner one's choice.
-            super().__init__(preferred_temporality=inner._preferred_temporality,
-                             preferred_aggregation=inner._preferred_aggregation)
-
-        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-            try:
-                result = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-            except Exception:   # noqa: BLE001 - a backend error is a failed export, never a crash
-                result = MetricExportResult.FAILURE
-            points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics
-                         for sm in rm.scope_metrics for m in sm.metrics)
-            on_result("metrics", points, result is MetricExportResult.SUCCESS)
-            return result
-
-        def force_flush(self, timeout_millis: float = 10_000) -> bool:
-            return inner.force_flush(timeout_millis=timeout_millis)
-
-        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-            inner.shutdown(timeout_millis=timeout_millis)
-
-    return CountingMetricExporter()
+    def export(self, batch, *args, **kwargs):
+        try:
+            result = self._inner.export(batch, *args, **kwargs)
+        except Exception:   # noqa: BLE001 - a backend error is a failed export, never a crash
+            result = None
+        items = len(batch) if self._signal == "traces" else sum(
+            len(m.data.data_points) for rm in batch.resource_metrics for sm in rm.scope_metrics for m in sm.metrics)
+        self._on_result(self._signal, items, getattr(result, "name", None) == "SUCCESS")
+        return result
 
 
 def _unit(name: str) -> str:
@@ -211,10 +181,10 @@ class OtelExporter:
         resource = Resource.create(resource_attrs)
         self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self._tracer_provider.add_span_processor(BatchSpanProcessor(
-            _counting_span_exporter(span_exporter, self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
+            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
         self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
         reader = PeriodicExportingMetricReader(
-            _counting_metric_exporter(metric_exporter, self._on_result),
+            _Counting(metric_exporter, "metrics", self._on_result),
             export_interval_millis=interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
         self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader],
                                              shutdown_on_exit=False)
