@@ -81,8 +81,9 @@ class _SdkLogGate(logging.Filter):
         return held
 
     def attach(self, on: bool) -> None:
-        for name in SDK_LOGGERS:
-            (logging.getLogger(name).addFilter if on else logging.getLogger(name).removeFilter)(self)
+        """Gate the SDK's export loggers (on) or let them speak again (off)."""
+        for sdk_logger in map(logging.getLogger, SDK_LOGGERS):
+            (sdk_logger.addFilter if on else sdk_logger.removeFilter)(self)
 
 
 class _Counting:
