@@ -124,7 +124,8 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     for rec in run_end_records:
         role, key = rec.get("role"), (rec.get("role"), rec.get("rank"))
         walls[key] += rec.get("duration_seconds") or 0.0
-        totals[key].update({n: c["total"] for n, c in (rec.get("counters") or {}).items() if c.get("total") is not None})
+        totals[key].update({n: c["total"] for n, c in (rec.get("counters") or {}).items()
+                            if c.get("total") is not None})
         for sname, e in (rec.get("spans") or {}).items():
             a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95s": []})
             a["total"] += basis_seconds(e)
@@ -141,7 +142,8 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
                 r["rates"][cname] = r["rates"].get(cname, 0.0) + total / wall
     rows = [(role, sname, a["total"], a["total"] / wall if (wall := roles[role]["wall_seconds"]) > 0 else None,
              a["whole"] / a["count"] if a["count"] else None,
-             max((p for p in a["p95s"] if p is not None), default=None), a["count"]) for (role, sname), a in agg.items()]
+             max((p for p in a["p95s"] if p is not None), default=None), a["count"])
+            for (role, sname), a in agg.items()]
     return sorted(rows, key=lambda r: -r[2]), roles
 
 

@@ -138,8 +138,7 @@ class OtelExporter:
     name = "otel"
 
     def __init__(self, endpoint: str | None = None, *, rank: int, role: str, run_id: str | None = None,
-                 host: str | None = None,
-                 traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
+                 host: str | None = None, traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
                  span_exporter=None, metric_exporter=None):
         """endpoint: OTLP/HTTP base URL, overridden per signal by traces_/metrics_endpoint (None: the SDK's

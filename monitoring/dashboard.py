@@ -119,7 +119,8 @@ ROWS = (("Overview", (
         Panel("Span share of the last interval (busiest rank)",
               "Share of the last profile interval spent in each span on its busiest rank (GPU time when "
               "the span has it, else CPU): the hotspot table at a glance.", "percentunit",
-              (Query(f"sort_desc(max by (role, span) ({sel('span_share')}))", "{{role}} {{span}}", instant=True),), kind="bargauge", max=1.0),
+              (Query(f"sort_desc(max by (role, span) ({sel('span_share')}))", "{{role}} {{span}}", instant=True),),
+              kind="bargauge", max=1.0),
         Panel("p95 span time ($clock clock)",
               "95th percentile of span duration over all selected ranks of a role, from the span-time "
               "histogram (aggregated over ranks with sum by le).",
