@@ -147,12 +147,10 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     return sorted(rows, key=lambda r: -r[2]), roles
 
 
-def format_hotspots(run_end_records: list, top: int | None = None) -> str:
+def format_hotspots(run_end_records: list) -> str:
     """The end-of-run table: span, role, total s, share of the role's wall time, mean ms, p95 ms;
     then tokens/s (and every other counter's rate) per role."""
     rows, roles = hotspot_rows(run_end_records)
-    if top is not None:
-        rows = rows[:top]
     lines = [f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
         lines.append(f"{sname:<24} {str(role):<10} {total:>9.3f} {_pct(share):>7} {_ms(mean):>9} {_ms(p95):>9}")
