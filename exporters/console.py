@@ -1,14 +1,10 @@
-"""Console text: the short per-interval summary and the end-of-run hotspot table.
-
-Both read run-log records only (profiler.runlog record dicts), so they work live and after the fact.
-Times shown for a span are GPU times when the span has them (what `share` uses), else CPU times;
-the `on` column says which. A span's CPU time is split across the intervals it overlaps, while its
-count, mean and p95 wait for its end (docs/RUNLOG.md): a row whose span was still open at the
-interval's end says so, with how long it had been open, and may show a share with no count.
+"""Console text: the short per-interval summary and the end-of-run hotspot table, from run-log records
+(so they work live and after the fact). Times are GPU times where measured, else CPU (the `on` column).
 """
 from __future__ import annotations
 
 import sys
+from collections import Counter, defaultdict
 
 from profiler.windows import basis, basis_seconds, open_at_end, whole_seconds
 
@@ -121,53 +117,40 @@ def format_thread_cpu(record: dict, top: int = 4) -> list:
 
 
 def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
-    """Aggregate run_end records over ranks: rows (role, span, total_s, share, mean_s, p95_s, count)
-    sorted by total time, and per-role {"wall_seconds", "ranks", "rates": {counter: per_second}}.
-    A resumed run has one run_end per rank and segment: a rank's segments are summed (its wall time,
-    its counters), its rate is its total over its wall time, and a role's rate is the sum of its
-    ranks' rates. A role's wall time is the sum of its ranks'; p95 is the worst segment's p95. total_s is
-    the time spent in the span (CPU time split at interval boundaries), mean_s the mean whole span."""
-    roles: dict = {}
-    per_rank: dict = {}
-    agg: dict = {}
+    """run_end records summed over ranks and segments: rows (role, span, total_s, share, mean_s, p95_s,
+    count) by total time, and per role {"wall_seconds", "ranks", "rates"}. A rank's rate is its counter's
+    total over its wall time, a role's the sum of its ranks'; p95 is the worst segment's."""
+    walls, totals, agg = Counter(), defaultdict(Counter), {}
     for rec in run_end_records:
-        role = rec.get("role")
-        rank = per_rank.setdefault((role, rec.get("rank")), {"wall_seconds": 0.0, "totals": {}})
-        rank["wall_seconds"] += rec.get("duration_seconds") or 0.0
-        for cname, c in (rec.get("counters") or {}).items():
-            if c.get("total") is not None:
-                rank["totals"][cname] = rank["totals"].get(cname, 0.0) + c["total"]
+        role, key = rec.get("role"), (rec.get("role"), rec.get("rank"))
+        walls[key] += rec.get("duration_seconds") or 0.0
+        totals[key].update({n: c["total"] for n, c in (rec.get("counters") or {}).items()
+                            if c.get("total") is not None})
         for sname, e in (rec.get("spans") or {}).items():
-            stats, _ = basis(e)
-            a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95": None})
+            a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95s": []})
             a["total"] += basis_seconds(e)
             a["whole"] += whole_seconds(e)
             a["count"] += e.get("count") or 0
-            p95 = stats.get("p95_seconds")
-            if p95 is not None and (a["p95"] is None or p95 > a["p95"]):
-                a["p95"] = p95
-    for (role, rank_id), rank in per_rank.items():
+            a["p95s"].append(basis(e)[0].get("p95_seconds"))
+    roles: dict = {}
+    for (role, rank_id), wall in walls.items():
         r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "rates": {}})
-        r["wall_seconds"] += rank["wall_seconds"]
+        r["wall_seconds"] += wall
         r["ranks"].append(rank_id)
-        for cname, total in rank["totals"].items():
-            if rank["wall_seconds"] > 0:
-                r["rates"][cname] = r["rates"].get(cname, 0.0) + total / rank["wall_seconds"]
-    rows = []
-    for (role, sname), a in agg.items():
-        wall = roles[role]["wall_seconds"]
-        rows.append((role, sname, a["total"], a["total"] / wall if wall > 0 else None,
-                     a["whole"] / a["count"] if a["count"] else None, a["p95"], a["count"]))
-    rows.sort(key=lambda r: -r[2])
-    return rows, roles
+        for cname, total in totals[(role, rank_id)].items():
+            if wall > 0:
+                r["rates"][cname] = r["rates"].get(cname, 0.0) + total / wall
+    rows = [(role, sname, a["total"], a["total"] / wall if (wall := roles[role]["wall_seconds"]) > 0 else None,
+             a["whole"] / a["count"] if a["count"] else None,
+             max((p for p in a["p95s"] if p is not None), default=None), a["count"])
+            for (role, sname), a in agg.items()]
+    return sorted(rows, key=lambda r: -r[2]), roles
 
 
-def format_hotspots(run_end_records: list, top: int | None = None) -> str:
+def format_hotspots(run_end_records: list) -> str:
     """The end-of-run table: span, role, total s, share of the role's wall time, mean ms, p95 ms;
     then tokens/s (and every other counter's rate) per role."""
     rows, roles = hotspot_rows(run_end_records)
-    if top is not None:
-        rows = rows[:top]
     lines = [f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
         lines.append(f"{sname:<24} {str(role):<10} {total:>9.3f} {_pct(share):>7} {_ms(mean):>9} {_ms(p95):>9}")

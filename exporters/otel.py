@@ -1,32 +1,12 @@
 """OpenTelemetry exporter: run-log records in, OTel spans and metrics out over OTLP/HTTP.
 
-`OtelExporter` follows the exporter contract (`name`, `export(record)`, `close(timeout_s)`, `stats()`):
-the profiler calls `export()` on its exporter thread for every run-log record (docs/RUNLOG.md, schema 1)
-and `close()` once at run end. Nothing here touches the network on the caller's thread: spans go to the
-SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader, each with its own thread, and the
-OTLP/HTTP exporters use a short request timeout. `from_env()` builds one only when an OTLP endpoint is set.
-
-Traces: one trace per `spans` record (a detail window). Its root is a synthetic `profile.window` span from
-the window's first start to its last end; each raw span becomes a child of its `parent` when that span is
-in the record, else of the root. Real start/end times (`start_unix_ns`/`end_unix_ns`). Attributes:
-`thread.name`, `thread.id` (semantic conventions), `dflash.span_id`, `dflash.cpu_seconds`,
-`dflash.gpu_seconds`, `dflash.bytes`, `dflash.step_first`/`dflash.step_last` (the window), and each
-`attrs` entry as `dflash.<key>` (`dflash.flow` links a target's send to the drafter's receive).
-
-Metrics use the catalog's names (monitoring/catalog.py) and carry its common labels `rank`, `role`, `host`
-besides the resource, so dashboards work after an OTLP -> Prometheus hop. Counters drop the catalog's
-`_total` (OTel convention; the Prometheus translation adds it back) and are fed the interval's `total`, or
-the increase of a running count (allocator retries/OOMs, exporter drops). The span-time histogram becomes
-two counters, `dflash_span_seconds_sum` and `_count` by `span` and `clock`: the run log carries bucket
-counts, not the durations an OTel histogram needs. Gauges take the interval's value; a missing training
-scalar is NaN. `dflash_build_info` is not exported (the resource describes the process).
-
-Failures: export results are counted by wrapping the SDK exporters. `stats()` counts items, i.e. spans
-plus metric data points: `exported` were acknowledged by the collector, `dropped` were not (a failed
-export, or spans still unconfirmed when `close()` ends). The first failure logs one warning on the
-"exporters" logger, naming the SDK's reason; while the exporter is open the SDK's own export loggers are
-gated (their warnings are held back, the first one becomes that reason), so an unreachable collector gives
-one line, not one per batch. The gate covers those SDK loggers process-wide, for as long as it is open.
+The profiler calls `export()` on its exporter thread; spans go to the SDK's BatchSpanProcessor and
+metrics to a PeriodicExportingMetricReader (their own threads), so the caller never waits on the network.
+Each `spans` record becomes one trace under a synthetic `profile.window` root, each span under its parent.
+Metrics use the catalog's names and common labels (so dashboards work after an OTLP -> Prometheus hop);
+counters drop `_total` (OTel convention), and the span-time histogram becomes `_sum`/`_count` counters
+(the run log carries bucket counts, not durations). `stats()` counts spans plus data points acknowledged
+or not; the first failure logs one warning, with the SDK's own export warnings held back meanwhile.
 """
 from __future__ import annotations
 
@@ -58,10 +38,8 @@ _UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("
 
 
 def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
-    """An OtelExporter when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (and
-    OTEL_SDK_DISABLED is not "true"), else None. kwargs go to OtelExporter (rank, role, run_id, host, ...).
-    Signal-specific endpoints are full URLs; OTEL_METRIC_EXPORT_INTERVAL (ms) sets the metric period.
-    Headers, certificates and compression are read from os.environ by the SDK's OTLP exporters."""
+    """An OtelExporter when an OTLP endpoint is set (and OTEL_SDK_DISABLED is not "true"), else None;
+    kwargs go to OtelExporter. Headers, certificates and compression the SDK reads from os.environ."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     base, traces = env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -74,11 +52,8 @@ def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | N
 
 
 def _signal_url(endpoint, specific, path) -> str | None:
-    """A signal's URL: its specific endpoint as given, else the base endpoint plus /v1/<signal>, else None
-    (the SDK then resolves it from the environment, default http://localhost:4318)."""
-    if specific:
-        return specific
-    return f"{endpoint.rstrip('/')}/{path}" if endpoint else None
+    """The signal's own URL, else base + /v1/<signal>, else None (the SDK resolves it from the environment)."""
+    return specific or (f"{endpoint.rstrip('/')}/{path}" if endpoint else None)
 
 
 class _SdkLogGate(logging.Filter):
@@ -105,83 +80,43 @@ class _SdkLogGate(logging.Filter):
             held, self._held = self._held, None
         return held
 
-    def install(self) -> None:
-        for name in SDK_LOGGERS:
-            logging.getLogger(name).addFilter(self)
-
-    def remove(self) -> None:
-        for name in SDK_LOGGERS:
-            logging.getLogger(name).removeFilter(self)
+    def attach(self, on: bool) -> None:
+        """Gate the SDK's export loggers (on) or let them speak again (off)."""
+        for sdk_logger in map(logging.getLogger, SDK_LOGGERS):
+            (sdk_logger.addFilter if on else sdk_logger.removeFilter)(self)
 
 
-def _counting_span_exporter(inner, on_result):
-    """A SpanExporter that delegates to `inner` and reports ("traces", spans, ok) for each batch."""
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+class _Counting:
+    """An SDK span or metric exporter that reports (signal, items, ok) after every export; the rest is the
+    inner exporter's (the metric reader takes its preferred temporality and aggregation)."""
 
-    class CountingSpanExporter(SpanExporter):
-        def export(self, spans):
-            try:
-                result = inner.export(spans)
-            except Exception:   # noqa: BLE001 - a backend error is a failed batch, never a crash
-                result = SpanExportResult.FAILURE
-            on_result("traces", len(spans), result is SpanExportResult.SUCCESS)
-            return result
+    def __init__(self, inner, signal: str, on_result):
+        self._inner, self._signal, self._on_result = inner, signal, on_result
 
-        def shutdown(self):
-            inner.shutdown()
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return inner.force_flush(timeout_millis)
-
-    return CountingSpanExporter()
-
-
-def _counting_metric_exporter(inner, on_result):
-    """A MetricExporter that delegates to `inner` and reports ("metrics", data points, ok) per export."""
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
-
-    class CountingMetricExporter(MetricExporter):
-        def __init__(self):
-            # The reader takes temporality/aggregation from its exporter: keep the inner one's choice.
-            super().__init__(preferred_temporality=inner._preferred_temporality,
-                             preferred_aggregation=inner._preferred_aggregation)
-
-        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-            try:
-                result = inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-            except Exception:   # noqa: BLE001 - a backend error is a failed export, never a crash
-                result = MetricExportResult.FAILURE
-            points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics
-                         for sm in rm.scope_metrics for m in sm.metrics)
-            on_result("metrics", points, result is MetricExportResult.SUCCESS)
-            return result
-
-        def force_flush(self, timeout_millis: float = 10_000) -> bool:
-            return inner.force_flush(timeout_millis=timeout_millis)
-
-        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-            inner.shutdown(timeout_millis=timeout_millis)
-
-    return CountingMetricExporter()
+    def export(self, batch, *args, **kwargs):
+        try:
+            result = self._inner.export(batch, *args, **kwargs)
+        except Exception:   # noqa: BLE001 - a backend error is a failed export, never a crash
+            result = None
+        items = len(batch) if self._signal == "traces" else sum(
+            len(m.data.data_points) for rm in batch.resource_metrics for sm in rm.scope_metrics for m in sm.metrics)
+        self._on_result(self._signal, items, getattr(result, "name", None) == "SUCCESS")
+        return result
 
 
 def _unit(name: str) -> str:
-    for suffix, unit in _UNITS:
-        if name.endswith(suffix):
-            return unit
-    return ""
+    return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), "")
 
 
 def _clock_count(entry: dict, clock: str) -> int:
-    """Observations behind a span entry's `clock` histogram: every span on the CPU; on the GPU those GPU-timed
-    (gpu_count: `--profile-gpu-steps-per-s` times some steps only), or, in logs from before it, all but the
-    unresolved."""
+    """Observations behind a span entry's `clock` histogram: on the GPU only those GPU-timed."""
     count = entry.get("count") or 0
     if clock != "gpu":
         return count
-    if entry.get("gpu_count") is not None:
-        return entry["gpu_count"]
-    return count - (entry.get("gpu_unresolved") or 0)
+    return entry["gpu_count"] if entry.get("gpu_count") is not None else count - (entry.get("gpu_unresolved") or 0)
 
 
 def _attr(value):
@@ -203,15 +138,11 @@ class OtelExporter:
     name = "otel"
 
     def __init__(self, endpoint: str | None = None, *, rank: int, role: str, run_id: str | None = None,
-                 host: str | None = None, resource_attributes: dict | None = None,
-                 traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
+                 host: str | None = None, traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
                  span_exporter=None, metric_exporter=None):
-        """endpoint: OTLP/HTTP base URL (http://collector:4318); traces_endpoint/metrics_endpoint: full
-        per-signal URLs that override it; None everywhere lets the SDK resolve them from os.environ.
-        rank/role/run_id/host/resource_attributes: the resource (host defaults to this host's name).
-        timeout_s: per OTLP request. metric_interval_s: metric export period. span_exporter and
-        metric_exporter replace the OTLP/HTTP exporters (any SDK SpanExporter / MetricExporter)."""
+        """endpoint: OTLP/HTTP base URL, overridden per signal by traces_/metrics_endpoint (None: the SDK's
+        environment). span_exporter / metric_exporter replace the OTLP/HTTP ones (tests, other backends)."""
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -229,7 +160,6 @@ class OtelExporter:
         resource = {"service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role,
                     "host.name": self._host, "dflash.run_id": run_id,
                     "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}
-        resource.update(resource_attributes or {})
         self._build_providers(_attributes(resource), span_exporter, metric_exporter, timeout_s,
                               metric_interval_s)
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
@@ -239,7 +169,7 @@ class OtelExporter:
         self._alloc_gpu: str | None = None
         for kind in EVENT_KINDS:
             self._record("events", 0, kind=kind)
-        self._gate.install()
+        self._gate.attach(True)
 
     def _build_providers(self, resource_attrs, span_exporter, metric_exporter, timeout_s, interval_s):
         from opentelemetry.sdk.metrics import MeterProvider
@@ -251,10 +181,10 @@ class OtelExporter:
         resource = Resource.create(resource_attrs)
         self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self._tracer_provider.add_span_processor(BatchSpanProcessor(
-            _counting_span_exporter(span_exporter, self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
+            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
         self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
         reader = PeriodicExportingMetricReader(
-            _counting_metric_exporter(metric_exporter, self._on_result),
+            _Counting(metric_exporter, "metrics", self._on_result),
             export_interval_millis=interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
         self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader],
                                              shutdown_on_exit=False)
@@ -285,8 +215,7 @@ class OtelExporter:
                         "in stats(), no further warnings", what)
 
     def stats(self) -> dict:
-        """{"exported", "dropped", "failed"}: items are spans plus metric data points; `failed` stays
-        True once any export has failed."""
+        """{"exported", "dropped", "failed"}: items are spans plus metric data points."""
         with self._lock:
             c = self._counts
             return {"exported": c["spans_ok"] + c["points_ok"],
@@ -446,8 +375,7 @@ class OtelExporter:
     # ---- close ----
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Flush and shut down both providers within timeout_s (half of it at most for spans), then
-        freeze stats(): spans not acknowledged by then count as dropped. Later export() calls are ignored."""
+        """Flush and shut down both providers within timeout_s, then freeze stats() (unacknowledged spans: dropped)."""
         if self._closed:
             return
         self._closed = True
@@ -474,10 +402,10 @@ class OtelExporter:
             self._warn_once(f"close did not finish within {timeout_s:.1f} s "
                             f"({self._spans_lost} spans unconfirmed)")
         if spans_done and metrics_done:
-            self._gate.remove()   # else an SDK thread is still exporting: keep its lines held back
+            self._gate.attach(False)   # else an SDK thread is still exporting: keep its lines held back
 
     def _run_bounded(self, fn, timeout_s: float) -> bool:
-        """Run fn on a daemon thread, wait up to timeout_s; True when it finished in time."""
+        """Run fn on a daemon thread for up to timeout_s; True when it finished."""
         def run():
             try:
                 fn()

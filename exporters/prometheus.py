@@ -1,14 +1,13 @@
 """Prometheus: one HTTP endpoint per rank, fed from run-log records on the exporter thread.
 
-`export(record)` folds each record into plain values under a lock, once per interval (never per
-span); a scrape's `collect()` turns them into metric families. Span-time histograms are cumulative
-sums of the intervals' fixed bucket counts, so `histogram_quantile(0.95, sum by (le) (rate(...)))`
-aggregates across ranks. Families and names come from monitoring.catalog. Every series carries `rank`,
-`role` and `host`; Prometheus adds `job` and `instance`, and the run's file_sd targets add `run`.
+`export(record)` folds each record into plain values under a lock; a scrape turns them into families.
+Span-time histograms sum the intervals' fixed bucket counts, so `histogram_quantile` aggregates across
+ranks. Every series carries `rank`, `role` and `host` (Prometheus adds `job`, `instance`, and `run`).
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import threading
 
@@ -38,14 +37,15 @@ class MetricsState:
         for kind in EVENT_KINDS:
             self.set("events", 0, kind)
 
-    def set(self, family, value, *extra) -> None:
-        if value is not None:
-            self.values.setdefault(family, {})[tuple(str(e) for e in extra)] = float(value)
+    def collect(self):
+        """The families at scrape time (a prometheus_client collector; auto_describe off: no describe)."""
+        with self.lock:
+            return list(_families(self))
 
-    def add(self, family, value, *extra) -> None:
-        series = self.values.setdefault(family, {})
-        key = tuple(str(e) for e in extra)
-        series[key] = series.get(key, 0.0) + value
+    def set(self, family, value, *extra, add: bool = False) -> None:
+        if value is not None:
+            series, key = self.values.setdefault(family, {}), tuple(str(e) for e in extra)
+            series[key] = float(value) + (series.get(key, 0.0) if add else 0.0)
 
 
 class PrometheusExporter:
@@ -58,7 +58,7 @@ class PrometheusExporter:
 
         self.state = MetricsState(labels)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self.state))
+        self.registry.register(self.state)
         self.host, self.port = host, _bind(host, port, strict, self.registry, self)
         self.requested_port = port
 
@@ -103,7 +103,7 @@ def _fold_run_start(st: MetricsState, rec: dict) -> None:
 
 
 def _fold_interval(st: MetricsState, rec: dict) -> None:
-    st.add("intervals", 1)
+    st.set("intervals", 1, add=True)
     st.set("step", rec.get("step"))
     st.set("profiler_cpu", rec.get("profiler_share"))
     _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
@@ -139,7 +139,7 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
                 h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]
                 h[1] += stats.get("total_seconds") or 0.0
         if e.get("bytes") is not None:
-            st.add("span_bytes", e["bytes"], name)
+            st.set("span_bytes", e["bytes"], name, add=True)
             st.set("span_bandwidth", e.get("bandwidth_bytes_per_s"), name)
             st.set("span_floor", e.get("floor_bytes_per_s"), name, e.get("floor"))
             st.set("span_floor_ratio", e.get("floor_ratio"), name)
@@ -173,24 +173,10 @@ def _fold_memory(st: MetricsState, memory: dict) -> None:
 
 
 def _fold_event(st: MetricsState, rec: dict) -> None:
-    st.add("events", 1, rec.get("kind"))
+    st.set("events", 1, rec.get("kind"), add=True)
 
 
 _FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event}
-
-
-class _Collector:
-    """prometheus_client collector: builds the families from MetricsState at scrape time."""
-
-    def __init__(self, state: MetricsState):
-        self.state = state
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        with self.state.lock:
-            return list(_families(self.state))
 
 
 def _families(st: MetricsState):
@@ -207,13 +193,9 @@ def _families(st: MetricsState):
         yield mf
     hist = FAMILIES["span_seconds"]
     mf = HistogramMetricFamily(hist.name, hist.help, labels=base_names + list(hist.labels))
-    les = [_le(b) for b in st.bounds] + ["+Inf"]
+    les = [repr(float(b)) for b in st.bounds] + ["+Inf"]     # Prometheus' float format: 1 -> "1.0"
     for (span, clock), (counts, total) in st.histograms.items():
-        cumulative, run = [], 0
-        for le, n in zip(les, counts):
-            run += n
-            cumulative.append((le, run))
-        mf.add_metric(list(st.base) + [span, clock], cumulative, total)
+        mf.add_metric(list(st.base) + [span, clock], list(zip(les, itertools.accumulate(counts))), total)
     yield mf
     if st.info is not None:
         info = FAMILIES["build_info"]
@@ -221,7 +203,3 @@ def _families(st: MetricsState):
         mf.add_metric(list(st.base), st.info)
         yield mf
 
-
-def _le(bound: float) -> str:
-    """Prometheus' float formatting of a bucket bound (1 -> "1.0")."""
-    return repr(float(bound))

@@ -15,17 +15,10 @@ logger = logging.getLogger("exporters")
 
 
 class TraceExporter:
-    """RUN_DIR/trace/rank{R}.json, rewritten atomically at each `spans` record and at close.
-
-    Keeps the newest `max_events` slices (whole spans records, oldest evicted first). Each record's
-    slices are built once, but a rewrite lays out and serialises them all, so a rewrite waits until the
-    time since the last one ended is 1/WRITE_DUTY times that one's cost: the trace never takes over
-    WRITE_DUTY of a core, on the exporter thread and under the GIL the training thread wants. A record
-    that comes sooner goes into the next rewrite (or the final one at close).
-    stats(): `exported` = spans records that reached a written file; `dropped` = spans records
-    evicted by the bound, plus those never written when the final write failed; `failed` = a write
-    failed (logged once; the next one tries again). Flow arrows need both ranks: see report.trace.
-    """
+    """RUN_DIR/trace/rank{R}.json, rewritten atomically at `spans` records and at close, keeping the
+    newest `max_events` slices. A rewrite waits until it would take at most WRITE_DUTY of a core (the
+    exporter thread shares the GIL with training); records in between go into the next one.
+    stats(): spans records written (`exported`), evicted or never written (`dropped`), `failed` writes."""
 
     name = "trace"
     WRITE_DUTY = 0.005

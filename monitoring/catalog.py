@@ -1,9 +1,6 @@
-"""Every metric family the live sinks publish, and the one function that builds their names.
-
-Prometheus, OpenTelemetry and the Grafana dashboard all read this catalog, so a name is spelled in
-one place. Naming follows Prometheus' conventions: prefix `dflash_`, base unit in the name
-(`_seconds`, `_bytes`, `_ratio`, `_watts`, `_celsius`, `_hertz`), counters end in `_total`, info
-metrics in `_info`. Standard library only (the dashboard generator and reports import it).
+"""Every metric family the live sinks publish, and the one function that builds their names: Prometheus,
+OpenTelemetry and the dashboard read this catalog. Prometheus conventions: prefix `dflash_`, base unit
+in the name, counters end in `_total`, info metrics in `_info`. Standard library only.
 """
 from __future__ import annotations
 

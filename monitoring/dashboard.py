@@ -1,16 +1,10 @@
-"""The Grafana dashboard for DFlash training, generated from code.
+"""The Grafana dashboard for DFlash training, generated from code: `python -m monitoring.dashboard`
+writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
 
-`python -m monitoring.dashboard` writes `grafana/dflash.json`; `--check` exits 1 when the committed file
-differs from what this module generates (the committed JSON must equal the generator's output).
-
-Panels are plain data (`Panel`, `Query`) grouped in rows; `build_dashboard()` turns them into Grafana's
-JSON model with grafana-foundation-sdk, imported there only, so `panel_queries` and
-`substitute_variables` (used by the integration test that evaluates every query against a real
-Prometheus) need nothing beyond the standard library. Metric names come from `monitoring.catalog`.
-
-Every query follows grafana/dashboard-linter's rules: the templated `${datasource}`, `job=~"$job"` and
-`instance=~"$instance"` in every selector (plus run, role, rank, and gpu or clock where the family has
-them), `$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
+Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes Grafana's JSON model with
+grafana-foundation-sdk (imported there only). Queries follow grafana/dashboard-linter's rules: the
+templated datasource, `job`/`instance` (and run, role, rank, gpu, clock) matchers in every selector,
+`$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
 """
 from __future__ import annotations
 
@@ -66,12 +60,8 @@ class Panel:
 
 
 def sel(key: str, suffix: str = "", **fixed: str) -> str:
-    """`name{...}` for a catalog family: the dashboard's variable matchers plus fixed `label="value"` ones.
-
-    Per-GPU families also filter on `$gpu`, span-time histograms on `$clock`, unless a fixed value is given
-    for that label. A fixed label the family does not carry is a ValueError, so a typo fails when the
-    dashboard is built.
-    """
+    """`name{...}` for a catalog family: the variable matchers (plus `$gpu`/`$clock` where the family has
+    them) and fixed `label="value"` ones; a label the family lacks is a ValueError, so a typo fails here."""
     family = FAMILIES[key]
     labels = COMMON_LABELS + family.labels
     matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES]
@@ -83,20 +73,30 @@ def sel(key: str, suffix: str = "", **fixed: str) -> str:
     return f"{family.name}{suffix}{{{', '.join(matchers)}}}"
 
 
-def _other_role(role: str) -> str:
-    """The role on the other side of the pipeline."""
-    return ROLES[1 - ROLES.index(role)]
+def _share(role: str) -> Panel:
+    """A role's time share by span; on the GPU clock scaled by spans over GPU-timed spans."""
+    per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
+                 f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
+    expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
+    return Panel(f"{role.capitalize()} time share by span ($clock clock)",
+                 f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
+                 "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
+                 "GPU clock of a run that times only some steps (--profile-gpu-steps-per-s), the timed "
+                 "spans' time is scaled by spans over timed spans.",
+                 "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
 
-def _overview() -> list[Panel]:
-    """Throughput, step time and which side of the pipeline waits on the other."""
-    step_time = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
-                 f" / increase({sel('steps', role='drafter')}[{RATE}]))"
-                 f" / ({sel('tokens_rate', role='drafter')} > 0)")
-    bound = tuple(Query(f"avg({sel('wait_share', role=role, span=span)})",
-                        f"{role}s wait: {_other_role(role)}-bound")
-                  for span, role in WAIT_SPANS.items())
-    return [
+_STEP_TIME = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
+              f" / increase({sel('steps', role='drafter')}[{RATE}]))"
+              f" / ({sel('tokens_rate', role='drafter')} > 0)")
+_BOUND = tuple(Query(f"avg({sel('wait_share', role=role, span=span)})",
+                     f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound") for span, role in WAIT_SPANS.items())
+_P95 = f"histogram_quantile(0.95, sum by (le, role, span) (rate({sel('span_seconds', '_bucket')}[{RATE}])))"
+_MEAN = (f"sum by (role, span) (rate({sel('span_seconds', '_sum')}[{RATE}]))"
+         f" / sum by (role, span) (rate({sel('span_seconds', '_count')}[{RATE}]))")
+GPU = "{{role}} {{rank}} gpu {{gpu}}"
+# The dashboard's rows, top to bottom, each with its panels.
+ROWS = (("Overview", (
         Panel("Tokens per second by role",
               "Tokens per second over the last profile interval, summed over the role's ranks. Both roles "
               "handle the same tokens, so in a steady run the two lines meet; the lower one sets the pace.",
@@ -104,58 +104,30 @@ def _overview() -> list[Panel]:
         Panel("Drafter step time",
               "Seconds per drafter optimiser step: tokens per step (tokens and steps counters over the rate "
               "window) divided by tokens per second. Gaps mean the window held no profile interval boundary.",
-              "s", (Query(step_time, "rank {{rank}}"),), width=6),
+              "s", (Query(_STEP_TIME, "rank {{rank}}"),), width=6),
         Panel("Which role bounds the run",
               "Mean wait share of each role over its ranks. Targets waiting for a transfer slot means the "
               "drafters are the bottleneck; drafters waiting to receive means the targets are. Both high: "
               "the transfer itself bounds the run.",
-              "percentunit", bound, width=6, kind="stat", max=1.0,
+              "percentunit", _BOUND, width=6, kind="stat", max=1.0,
               thresholds=((0.1, "yellow"), (0.3, "red"))),
         Panel("Drafter step", "The drafters' current training step (highest over drafter ranks).",
               "none", (Query(f"max({sel('step', role='drafter')})", "step"),), width=4, kind="stat"),
-    ]
-
-
-def _step_breakdown() -> list[Panel]:
-    """Where each role's time goes, per span, on the clock picked by `$clock`."""
-    def share(role: str) -> Panel:
-        # spans per clock observation: 1 on the CPU clock; on the GPU clock, spans per GPU-timed span
-        per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
-                     f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
-        expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
-        return Panel(f"{role.capitalize()} time share by span ($clock clock)",
-                     f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
-                     "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
-                     "GPU clock of a run that times only some steps (--profile-gpu-steps-per-s), the timed "
-                     "spans' time is scaled by spans over timed spans.",
-                     "percentunit", (Query(expr, "{{span}}"),), stack=True)
-
-    p95 = (f"histogram_quantile(0.95, sum by (le, role, span) "
-           f"(rate({sel('span_seconds', '_bucket')}[{RATE}])))")
-    mean = (f"sum by (role, span) (rate({sel('span_seconds', '_sum')}[{RATE}]))"
-            f" / sum by (role, span) (rate({sel('span_seconds', '_count')}[{RATE}]))")
-    busiest = f"sort_desc(max by (role, span) ({sel('span_share')}))"
-    return [
-        share("target"),
-        share("drafter"),
+)), ("Step breakdown", (
+        _share("target"),
+        _share("drafter"),
         Panel("Span share of the last interval (busiest rank)",
               "Share of the last profile interval spent in each span on its busiest rank (GPU time when "
               "the span has it, else CPU): the hotspot table at a glance.", "percentunit",
-              (Query(busiest, "{{role}} {{span}}", instant=True),), kind="bargauge", max=1.0),
+              (Query(f"sort_desc(max by (role, span) ({sel('span_share')}))", "{{role}} {{span}}", instant=True),),
+              kind="bargauge", max=1.0),
         Panel("p95 span time ($clock clock)",
               "95th percentile of span duration over all selected ranks of a role, from the span-time "
               "histogram (aggregated over ranks with sum by le).",
-              "s", (Query(p95, "{{role}} {{span}}"),), width=12),
+              "s", (Query(_P95, "{{role}} {{span}}"),), width=12),
         Panel("Mean span time ($clock clock)", "Mean span duration per role: histogram sum over count.",
-              "s", (Query(mean, "{{role}} {{span}}"),), width=12),
-    ]
-
-
-def _pipeline_flow() -> list[Panel]:
-    """Queue, waits and transfers between target and drafter ranks."""
-    bandwidth = (Query(sel("span_bandwidth"), "{{role}} {{rank}} {{span}}"),
-                 Query(f"max by (span, floor) ({sel('span_floor')})", "floor {{floor}} ({{span}})"))
-    return [
+              "s", (Query(_MEAN, "{{role}} {{span}}"),), width=12),
+)), ("Pipeline flow", (
         Panel("Queue depth (drafters)",
               "Received batches waiting for each drafter: last, mean and max of the interval. Near zero "
               "means the drafter starves (target-bound); at its bound means the targets wait.",
@@ -172,83 +144,63 @@ def _pipeline_flow() -> list[Panel]:
                             "{{role}} {{span}}"),)),
         Panel("Transfer bandwidth against its floor",
               "Achieved bandwidth of each byte-moving span in the last interval, and the floor measured at "
-              "start for its kind of copy.", "Bps", bandwidth),
+              "start for its kind of copy.", "Bps",
+              (Query(sel("span_bandwidth"), "{{role}} {{rank}} {{span}}"),
+               Query(f"max by (span, floor) ({sel('span_floor')})", "floor {{floor}} ({{span}})"))),
         Panel("Bandwidth as a share of its floor",
               "Achieved bandwidth over its floor: well below 100% means the copy is slower than this "
               "machine can do.", "percentunit",
               (Query(sel("span_floor_ratio"), "{{role}} {{rank}} {{span}}"),)),
-    ]
-
-
-def _memory() -> list[Panel]:
-    """Headroom per GPU with its low point, NVML and allocator memory, retries and OOMs."""
-    gpu = "{{role}} {{rank}} gpu {{gpu}}"
-    return [
+)), ("Memory", (
         Panel("GPU memory headroom and its low point",
               "Free GPU memory now, and its lowest point in the interval (total minus the interval's peak "
               "used, which the 2 Hz sampler catches between intervals too).", "bytes",
-              (Query(sel("gpu_headroom"), f"{gpu} now"), Query(sel("gpu_headroom_min"), f"{gpu} low point")),
+              (Query(sel("gpu_headroom"), f"{GPU} now"), Query(sel("gpu_headroom_min"), f"{GPU} low point")),
               width=12),
         Panel("Lowest headroom share", "The lowest headroom of any selected GPU in its last interval, as "
               "a share of its memory. Red below 5%.", "percentunit",
               (Query(f"min({sel('gpu_headroom_ratio')})", "lowest"),), width=4, kind="stat", max=1.0,
               base_color="red", thresholds=((0.05, "yellow"), (0.1, "green"))),
         Panel("GPU memory used, peak and size", "NVML memory: used now, the interval's peak, and the total.",
-              "bytes", (Query(sel("gpu_memory_used"), f"{gpu} used"),
-                        Query(sel("gpu_memory_peak"), f"{gpu} peak"),
-                        Query(sel("gpu_memory_total"), f"{gpu} total"))),
+              "bytes", (Query(sel("gpu_memory_used"), f"{GPU} used"),
+                        Query(sel("gpu_memory_peak"), f"{GPU} peak"),
+                        Query(sel("gpu_memory_total"), f"{GPU} total"))),
         Panel("Caching allocator", "PyTorch caching allocator: allocated and reserved now, and their peaks "
               "in the interval. Reserved far above allocated points at fragmentation.", "bytes",
-              tuple(Query(sel(key), f"{gpu} {what}") for key, what in (
+              tuple(Query(sel(key), f"{GPU} {what}") for key, what in (
                   ("alloc_allocated", "allocated"), ("alloc_reserved", "reserved"),
                   ("alloc_peak_allocated", "peak allocated"), ("alloc_peak_reserved", "peak reserved"))),
               width=12),
         Panel("Allocator retries and OOMs", "cudaMalloc retries after freeing cached blocks (fragmentation) "
               "and out-of-memory errors, per rate window.", "short",
-              (Query(f"increase({sel('alloc_retries')}[{RATE}])", f"{gpu} retries"),
-               Query(f"increase({sel('alloc_ooms')}[{RATE}])", f"{gpu} OOMs")), width=12, bars=True),
-    ]
-
-
-def _gpu() -> list[Panel]:
-    """NVML utilisation, power, temperature, SM clock and throttle reasons."""
-    gpu = "{{role}} {{rank}} gpu {{gpu}}"
-    return [
+              (Query(f"increase({sel('alloc_retries')}[{RATE}])", f"{GPU} retries"),
+               Query(f"increase({sel('alloc_ooms')}[{RATE}])", f"{GPU} OOMs")), width=12, bars=True),
+)), ("GPU", (
         Panel("GPU utilisation", "Share of time the GPU was busy (NVML), interval mean.", "percentunit",
-              (Query(sel("gpu_utilization"), gpu),), max=1.0),
-        Panel("GPU power", "Power draw (NVML), interval mean.", "watt", (Query(sel("gpu_power"), gpu),)),
+              (Query(sel("gpu_utilization"), GPU),), max=1.0),
+        Panel("GPU power", "Power draw (NVML), interval mean.", "watt", (Query(sel("gpu_power"), GPU),)),
         Panel("GPU temperature", "Temperature (NVML), interval max.", "celsius",
-              (Query(sel("gpu_temperature"), gpu),)),
+              (Query(sel("gpu_temperature"), GPU),)),
         Panel("SM clock", "SM clock (NVML), last sample. A drop under load usually comes with a throttle "
-              "reason.", "hertz", (Query(sel("gpu_sm_clock"), gpu),), width=12),
+              "reason.", "hertz", (Query(sel("gpu_sm_clock"), GPU),), width=12),
         Panel("Throttle reasons", "Number of selected GPUs with each NVML clock-event (throttle) reason "
               "active.", "short",
               (Query(f"sum by (reason) ({sel('gpu_throttle')})", "{{reason}}"),), width=12),
-    ]
-
-
-def _training() -> list[Panel]:
-    """Drafter loss, per-position accuracy, acceptance length, learning rate and grad norm."""
-    tau = (Query(f"avg({sel('train_tau')})", "tau (simulated acceptance)"),
-           Query(f"avg({sel('train_tau_prefix')})", "tau_prefix (teacher-forced prefix)"))
-    return [
+)), ("Training", (
         Panel("Loss", "Drafter loss per drafter rank, interval mean.", "none",
               (Query(sel("train_loss"), "rank {{rank}}"),)),
         Panel("Accuracy by block position (acc_k)", "Drafter top-1 accuracy at block position k, interval "
               "mean, averaged over drafter ranks.", "percentunit",
               (Query(f"avg by (position) ({sel('train_accuracy')})", "acc_{{position}}"),), max=1.0),
         Panel("Acceptance length (tau)", "Tokens produced per verify step: tau simulated from acc_k, and "
-              "tau_prefix from teacher-forced accepted prefixes; means over drafter ranks.", "none", tau),
+              "tau_prefix from teacher-forced accepted prefixes; means over drafter ranks.", "none",
+              (Query(f"avg({sel('train_tau')})", "tau (simulated acceptance)"),
+               Query(f"avg({sel('train_tau_prefix')})", "tau_prefix (teacher-forced prefix)"))),
         Panel("Learning rate", "Learning rate, last of the interval (highest over drafter ranks).", "sci",
               (Query(f"max({sel('train_learning_rate')})", "lr"),), width=12),
         Panel("Gradient norm", "Gradient norm before clipping per drafter rank, interval mean.", "none",
               (Query(sel("train_grad_norm"), "rank {{rank}}"),), width=12),
-    ]
-
-
-def _health() -> list[Panel]:
-    """Liveness, events, exporter drops, the profiler's own CPU and versions."""
-    return [
+)), ("Health", (
         Panel("Heartbeat age", "Seconds since each rank's last run-log record. Rising means the rank has "
               "stopped writing (hung); a line that ends means its endpoint is gone.", "s",
               (Query(f"time() - {sel('heartbeat')}", "{{role}} {{rank}}"),), width=6,
@@ -270,14 +222,7 @@ def _health() -> list[Panel]:
               (Query(sel("profiler_cpu"), "{{role}} {{rank}}"),), width=24, thresholds=((0.02, "orange"),)),
         Panel("Build info", "Versions and device of each rank.", "none",
               (Query(sel("build_info"), instant=True),), width=24, kind="table", height=6),
-    ]
-
-
-def rows() -> list[tuple[str, list[Panel]]]:
-    """The dashboard's rows, top to bottom, each with its panels."""
-    return [("Overview", _overview()), ("Step breakdown", _step_breakdown()),
-            ("Pipeline flow", _pipeline_flow()), ("Memory", _memory()), ("GPU", _gpu()),
-            ("Training", _training()), ("Health", _health())]
+)))
 
 
 def _datasource_ref():
@@ -308,16 +253,6 @@ def _variables() -> list:
                .description("Span times on GPU events or CPU wall clock (CPU-only runs have only cpu).")
                .current(dm.VariableOption(text="gpu", value="gpu")).options(clocks))
     return out
-
-
-def _thresholds(panel: Panel):
-    """Absolute threshold steps: the base colour, then the panel's (value, color) steps."""
-    from grafana_foundation_sdk.builders import dashboard as db
-    from grafana_foundation_sdk.models import dashboard as dm
-
-    steps = [dm.Threshold(value=None, color=panel.base_color)]
-    steps += [dm.Threshold(value=value, color=color) for value, color in panel.thresholds]
-    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)
 
 
 def _target(query: Query, ref_id: str, table: bool):
@@ -354,7 +289,7 @@ def _timeseries_options(builder, panel: Panel):
 
 def _panel(panel: Panel, panel_id: int):
     """The SDK builder for one panel."""
-    from grafana_foundation_sdk.builders import bargauge, common as cb, stat, table, timeseries
+    from grafana_foundation_sdk.builders import bargauge, common as cb, dashboard as db, stat, table, timeseries
     from grafana_foundation_sdk.models import common as cm, dashboard as dm
 
     kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel,
@@ -362,7 +297,9 @@ def _panel(panel: Panel, panel_id: int):
     builder = kinds[panel.kind]()
     builder = (builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
                .datasource(_datasource_ref()).height(panel.height).span(panel.width)
-               .thresholds(_thresholds(panel)))
+               .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+                   [dm.Threshold(value=None, color=panel.base_color)]
+                   + [dm.Threshold(value=value, color=color) for value, color in panel.thresholds])))
     for i, query in enumerate(panel.queries):
         builder = builder.with_target(_target(query, chr(ord("A") + i), panel.kind == "table"))
     if panel.max is not None:
@@ -381,19 +318,6 @@ def _panel(panel: Panel, panel_id: int):
     return builder
 
 
-def events_annotation_expr() -> str:
-    """Run-log events as annotations on every time series: one mark per kind and rate window."""
-    return f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"
-
-
-def _events_annotation():
-    """The dashboard annotation that marks run events on every time series."""
-    from grafana_foundation_sdk.builders import dashboard as db
-
-    return (db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
-            .icon_color("red").expr(events_annotation_expr()))
-
-
 def build_dashboard() -> dict:
     """The dashboard's JSON model (what `grafana/dflash.json` holds)."""
     from grafana_foundation_sdk.builders import dashboard as db
@@ -407,9 +331,11 @@ def build_dashboard() -> dict:
                .timezone("browser"))
     for variable in _variables():
         builder = builder.with_variable(variable)
-    builder = builder.annotation(_events_annotation())
+    # run-log events as marks on every time series: one per kind and rate window
+    builder = builder.annotation(db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
+                                 .icon_color("red").expr(f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"))
     ids = itertools.count(1)
-    for title, panels in rows():
+    for title, panels in ROWS:
         builder = builder.with_row(db.Row(title).id(next(ids)))
         for panel in panels:
             builder = builder.with_panel(_panel(panel, next(ids)))
@@ -417,7 +343,7 @@ def build_dashboard() -> dict:
 
 
 def iter_panels(dashboard: dict):
-    """Every panel of the dashboard, rows included, and the panels a collapsed row holds."""
+    """Every panel, rows and the panels a collapsed row holds included."""
     for panel in dashboard.get("panels", []):
         yield panel
         yield from panel.get("panels", [])
@@ -434,12 +360,8 @@ _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]+)\}|\[\[([^\[\]]+)\]\]")
 
 
 def substitute_variables(expr: str, values: dict) -> str:
-    """`expr` with Grafana's variables replaced by `values`.
-
-    Keys are variable names; Grafana's globals go without their underscores (`rate_interval` for
-    `$__rate_interval`, also `interval`, `range`), or with them. A `${var:format}` takes the value as
-    given. A variable with no value is a KeyError.
-    """
+    """`expr` with Grafana's variables replaced by `values` (globals with or without their leading
+    underscores: `rate_interval` for `$__rate_interval`); a variable with no value is a KeyError."""
     def replace(match: re.Match) -> str:
         token = next(group for group in match.groups() if group is not None)
         name = token.split(":", 1)[0]

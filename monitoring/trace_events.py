@@ -1,28 +1,11 @@
-"""Perfetto / Chrome trace: per-thread span timelines of the detail windows (docs/RUNLOG.md, `spans`).
+"""Perfetto / Chrome trace-event JSON of the detail windows' spans (docs/RUNLOG.md, `spans`).
 
-Trace-event JSON (Chrome's JSON Object Format), viewable in ui.perfetto.dev and chrome://tracing:
-
-  process  pid = rank + 1 (Perfetto treats pid 0 as the kernel's idle process, so rank 0 cannot be
-           pid 0), named "rank R (role) host", ordered by rank
-  thread   tid = the span's OS thread id (`tid`), named after the thread; a span's GPU time goes on a
-           second track of that thread, tid + GPU_TID_OFFSET, named "<thread> (GPU)". Tids are unique
-           across the file (ranks on different hosts may share an OS thread id: the later one gets a
-           synthetic tid and "(tid N)" in its name)
-  slice    "X" per span, ts/dur in integer Unix microseconds (so every rank shares one timebase; both
-           ends are floored, so spans nested on a thread stay nested); args: id, parent, depth, steps,
-           cpu_seconds, gpu_seconds, bytes, achieved GB/s, attrs. A GPU slice starts at the span's
-           `gpu_start_unix_ns` when the record has one, else at its CPU start, and says so in its args
-  flow     "s" at the start of a `transfer.send` tagged `flow`, "f" (bp "e") at the start of the
-           `drafter.recv` with the same flow string, each listed right after its slice: Perfetto binds a
-           v1 flow event to the slice most recently begun on its track; id = a stable 48-bit hash of
-           the string, name "batch", cat "transfer"
-
-A track whose slices would overlap without nesting (GPU slices placed at their CPU start can) gets
-extra lanes ("<track> [overlap N]"), so every track holds properly nested "X" events.
-
-Two producers build on this module: `exporters.trace.TraceExporter` (the live per-rank file
-RUN_DIR/trace/rank{R}.json) and `report.trace.merge_traces` (one file for every rank, rebuilt from the
-run logs, so it works after a crash too). Standard library only.
+One process per rank (pid = rank + 1: Perfetto treats pid 0 as the idle process), one track per OS
+thread plus a "(GPU)" track for GPU times (tid + GPU_TID_OFFSET), tids unique across the file. Slices
+are "X" events in integer Unix microseconds (one timebase for every rank; both ends floored so nested
+spans stay nested); a track whose slices would overlap without nesting gets "[overlap N]" lanes. Flow
+arrows ("s"/"f") join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string.
+Built on by exporters.trace (live, per rank) and report.trace (all ranks, from the logs). Stdlib only.
 """
 from __future__ import annotations
 
@@ -255,8 +238,7 @@ def _claim(taken: set, preferred) -> int:
 
 def _flow_events(flows: list) -> tuple[list, int, int]:
     """Flow event pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched,
-    unmatched).
-    The i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse
+    unmatched). The i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse
     a batch id); a half with no partner (the other rank's log is absent) is counted, not drawn."""
     by_flow = {}
     for flow, is_start, ev in flows:

@@ -1,9 +1,7 @@
-"""The time a span entry of an interval (or run_end) record stands for, computed one way for everyone
-who reads records: the console, the report, the exporters. Standard library only.
+"""The time a span entry of an interval (or run_end) record stands for, one way for every reader.
 
-A span's times are GPU times when measured (what `share` uses), else CPU times. A CPU total is the time
-inside the interval (a long span is split at its boundaries, docs/RUNLOG.md); a GPU total is never split,
-and when only some spans were GPU-timed (`--profile-gpu-steps-per-s`) it is scaled to all of them.
+GPU times when measured (what `share` uses), else CPU. A CPU total is cut at the window's edges; a GPU
+total is never cut, and is scaled to all spans when only some were GPU-timed. Standard library only.
 """
 from __future__ import annotations
 

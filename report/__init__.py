@@ -1,12 +1,6 @@
-"""`dflash-report`'s facade: a run directory in, the report's answers out, each usable from Python.
-
-    hotspots(run_dir, top=None, n_gpus=None) -> Report   every analysis of one run (docs/REPORT.md)
-    compare(run_dir_a, run_dir_b) -> dict                 the A/B table (report.compare)
-    plot(run_dir, png_path) -> str                        span time, tokens/s and headroom over time
-    format_hotspots(report) / format_compare(table)       the human text of either
-Each analysis is one function of a loaded run (report.runs.load_run) in report.analysis, report.memory_events,
-report.advice, report.flight_recorder or report.compare; report.findings reads their answers. Standard
-library only; matplotlib is imported by the plot alone. A run directory it cannot read raises ReportError.
+"""`dflash-report`'s facade: a run directory in, the report's answers out, each usable from Python:
+hotspots (every analysis of one run, docs/REPORT.md), compare (the A/B table), plot (a PNG over time),
+format_hotspots / format_compare (their text). A run directory it cannot read raises ReportError.
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """Two answers from the measured rates and peaks: the target:drafter GPU split that balances the
 pipeline, and the largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
 
-The split. Each rank's capacity is its steady tokens/s over its busy share (1 - wait share, WAIT_SPANS):
-the rate it would reach if it never waited on the other side. A role's capacity per GPU is the mean over
-its ranks. dflash-train feeds drafter d from targets t with t mod D == d, splits each drafter's batches
-evenly among its producers, and steps the drafters in lock-step (allreduce), so with T targets and D
-drafters every drafter goes at the pace of the one with the fewest producers, floor(T/D):
+Split: a rank's capacity is its steady tokens/s over its busy share (what it would reach never waiting).
+Drafter d is fed by targets t with t mod D == d and the drafters step in lock-step, so every drafter goes
+at the pace of the one with floor(T/D) producers:
     tokens/s(T, D) = D * min(floor(T/D) * target capacity, drafter capacity),  1 <= D <= T.
-Assumes capacity per GPU does not change with the split (the drafters' allreduce grows with D: not modelled).
-
-The memory margin. Per GPU with NVML and allocator stats: the bytes that come and go with a batch are,
-summed over the ranks on it, each allocator's peak reserved minus its lowest allocated at an interval
-close (what stays between batches: weights, optimizer state; the cache a batch's peak leaves reserved
-counts as the batch's); the rest of the GPU's NVML peak used is fixed (CUDA contexts, weights, optimizer
-state). The per-batch bytes are assumed to grow linearly with tokens per batch, or with its square under
-dense attention (config attn_backend "dense"; measured on an H200, bench/RESULTS.md):
-    max tokens per batch = mean tokens per batch * ((0.95 * total - fixed) / per_batch) ** (1 / exponent),
-in tokens a batch holds (the drafters' tokens per step, measured; config tokens_per_batch without counters).
-Standard library only.
+Memory margin: per GPU, the bytes that come and go with a batch are each allocator's peak reserved minus
+its lowest allocated; the rest of the NVML peak used is fixed. Per-batch bytes grow linearly with tokens
+per batch, or with their square under dense attention:
+    max tokens per batch = mean tokens per batch * ((0.95 * total - fixed) / per_batch) ** (1 / exponent).
 """
 from __future__ import annotations
 
@@ -47,9 +38,8 @@ def role_capacity(ranks: list) -> dict:
 
 
 def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dict:
-    """The target:drafter split of n_gpus (default: the run's) with the highest predicted tokens/s,
-    every valid split's prediction, and the run's own split predicted and measured. `ranks`: the
-    rows of rank_table(run), when already computed."""
+    """The best target:drafter split of n_gpus (default: the run's), every split's prediction, and the
+    run's own predicted and measured. `ranks`: rank_table(run)'s rows, when already computed."""
     caps = role_capacity(ranks if ranks is not None else rank_table(run)["ranks"])
     t_now, d_now = (caps.get("target") or {}).get("ranks", 0), (caps.get("drafter") or {}).get("ranks", 0)
     n = n_gpus or t_now + d_now
@@ -75,9 +65,8 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
 
 
 def _rank_memory(log) -> dict | None:
-    """One rank's GPU (host:index), its NVML peak used and total, and its per-batch bytes: the allocator's
-    peak reserved (the cache a batch's peak leaves behind) minus its lowest allocated. None without NVML
-    and allocator stats."""
+    """One rank's GPU (host:index), NVML peak used and total, and per-batch bytes (allocator peak reserved
+    minus lowest allocated); None without NVML and allocator stats."""
     gpu = used_peak = total = alloc_floor = alloc_peak = None
     for rec in log.intervals:
         mem = rec.get("memory") or {}
@@ -121,8 +110,7 @@ def growth(config: dict) -> tuple[int, str]:
 
 
 def mean_tokens_per_batch(run: Run) -> float | None:
-    """Tokens the drafters trained on per step, from the counters of every interval (None without them).
-    A batch holds up to tokens_per_batch; short data fills it less, and memory follows what it holds."""
+    """Tokens the drafters trained on per step (short data fills a batch less; memory follows what it holds)."""
     tokens = steps = 0.0
     for log in run.by_role().get("drafter", []):
         tokens += counter_total(log.intervals, "tokens")
@@ -130,10 +118,10 @@ def mean_tokens_per_batch(run: Run) -> float | None:
     return tokens / steps if tokens and steps else None
 
 
-def memory_margin(run: Run, headroom_share: float = HEADROOM_SHARE) -> dict:
-    """{"max_tokens_per_batch": the largest tokens per batch keeping headroom_share free on every GPU,
-    "gpus": each GPU's model, "limited_by", "reason" when it cannot be said}. Linear model: see the
-    module doc; ranks that share a GPU add their per-batch bytes."""
+def memory_margin(run: Run) -> dict:
+    """{"max_tokens_per_batch": the largest keeping HEADROOM_SHARE free on every GPU, "gpus": each GPU's
+    model, "limited_by", "reason" when it cannot be said}; ranks that share a GPU add their per-batch bytes."""
+    headroom_share = HEADROOM_SHARE
     mean = mean_tokens_per_batch(run)
     tpb = mean or run.config.get("tokens_per_batch")
     exponent, why = growth(run.config)

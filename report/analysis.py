@@ -1,12 +1,7 @@
-"""The report's analyses of one run: records in, answers out (JSON-able dicts, no formatting).
+"""The report's analyses of one run (a `report.runs.Run`): records in, JSON-able answers out.
 
-One function per analysis, each taking a `report.runs.Run`:
-    span_ranking   spans ranked by total time: share of their role's time, CPU and GPU time, p50/p95
-    role_shares    per role, the share of time spent waiting on the other side (WAIT_SPANS) and busy
-    verdict        target-, drafter- or transfer-bound (or balanced), with the evidence
-    bandwidth      achieved bandwidth of spans that declare bytes, against the floors measured at start
-    rank_table     per-rank rates and busy shares, and the straggler among a role's ranks
-Memory, events and stacks are in report.memory_events; advice (split, memory margin) in report.advice. Standard library only.
+span_ranking (spans by total time, with p50/p95), role_shares and verdict (which side bounds the
+pipeline), bandwidth (against the floors measured at start), rank_table (per-rank rates, the straggler).
 """
 from __future__ import annotations
 
@@ -60,58 +55,37 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
     return min(max(estimate, min(values)), max(values))
 
 
-def _add_span(acc: dict, entry: dict, rank: int) -> None:
-    stats, on = basis(entry)
-    count = entry.get("count") or 0
-    acc["count"] += count
-    acc["intervals"] += 1
-    acc["cpu_seconds"] += (entry.get("cpu") or {}).get("total_seconds") or 0.0
-    if entry.get("gpu"):
-        acc["gpu_seconds"] = (acc["gpu_seconds"] or 0.0) + (entry["gpu"].get("total_seconds") or 0.0) * gpu_scale(entry)
-        acc["gpu_timed"] += entry.get("gpu_count", count)
-    acc["total_seconds"] += basis_seconds(entry)
-    acc["whole_seconds"] += whole_seconds(entry)
-    acc["on"].add(on)
-    acc["ranks"].add(rank)
-    acc["max_seconds"] = max(acc["max_seconds"], stats.get("max_seconds") or 0.0)
-    acc["p50s"].append((stats.get("p50_seconds"), count))
-    acc["p95s"].append((stats.get("p95_seconds"), count))
-    buckets = stats.get("buckets")
-    if buckets is None or (acc["buckets"] is not None and len(buckets) != len(acc["buckets"])):
-        acc["buckets_complete"] = False
-    elif acc["buckets"] is None:
-        acc["buckets"] = list(buckets)
-    else:
-        acc["buckets"] = [a + b for a, b in zip(acc["buckets"], buckets)]
-
-
-def _new_acc() -> dict:
-    return {"count": 0, "intervals": 0, "cpu_seconds": 0.0, "gpu_seconds": None, "gpu_timed": 0, "total_seconds": 0.0,
-            "on": set(), "whole_seconds": 0.0, "ranks": set(), "max_seconds": 0.0, "p50s": [], "p95s": [],
-            "buckets": None, "buckets_complete": True, "open_intervals": 0, "open_max_seconds": None,
-            "open_where": None, "open_at_end": False}
-
-
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
+    """One ranked span from its entries in every interval of the role's ranks."""
+    entries = a["entries"]
+    stats = [basis(e)[0] for e in entries]
+    timed = [e for e in entries if e.get("gpu")]
+    count = sum(e.get("count") or 0 for e in entries)
+    total = sum((basis_seconds(e) for e in entries), 0.0)
+    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st in stats])
+    p50s = [(st.get("p50_seconds"), e.get("count") or 0) for st, e in zip(stats, entries)]
+    p95s = [(st.get("p95_seconds"), e.get("count") or 0) for st, e in zip(stats, entries)]
+    buckets = [st.get("buckets") for st in stats]
     # one interval's own percentiles are exact; across intervals, interpolate in the summed histogram
-    from_histogram = a["intervals"] > 1 and bool(bounds) and a["buckets_complete"] \
-        and a["buckets"] is not None and len(a["buckets"]) == len(bounds) + 1
+    from_histogram = len(entries) > 1 and bool(bounds) and all(b is not None and len(b) == len(bounds) + 1
+                                                               for b in buckets)
     if from_histogram:
-        p50 = _clamp(_histogram_quantile(bounds, a["buckets"], 0.50, a["max_seconds"]), a["p50s"])
-        p95 = _clamp(_histogram_quantile(bounds, a["buckets"], 0.95, a["max_seconds"]), a["p95s"])
+        summed = [sum(column) for column in zip(*buckets)]
+        p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
+        p95 = _clamp(_histogram_quantile(bounds, summed, 0.95, max_seconds), p95s)
     else:
-        p50, p95 = _weighted_quantile(a["p50s"], 0.50), _weighted_quantile(a["p95s"], 0.95)
-    return {"role": role, "span": name, "count": a["count"], "on": "gpu" if "gpu" in a["on"] else "cpu",
-            "total_seconds": a["total_seconds"], "cpu_seconds": a["cpu_seconds"], "gpu_seconds": a["gpu_seconds"],
-            "gpu_timed": a["gpu_timed"] if a["gpu_seconds"] is not None else None,
-            "share": a["total_seconds"] / role_wall if role_wall > 0 else None,
-            "mean_seconds": a["whole_seconds"] / a["count"] if a["count"] else None,
-            "p50_seconds": p50, "p95_seconds": p95, "max_seconds": a["max_seconds"],
+        p50, p95 = _weighted_quantile(p50s, 0.50), _weighted_quantile(p95s, 0.95)
+    return {"role": role, "span": name, "count": count, "on": "gpu" if timed else "cpu", "total_seconds": total,
+            "cpu_seconds": sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0),
+            "gpu_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
+            if timed else None,
+            "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
+            "share": total / role_wall if role_wall > 0 else None,
+            "mean_seconds": sum((whole_seconds(e) for e in entries), 0.0) / count if count else None,
+            "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds,
             "quantiles_from": "histogram" if from_histogram else "interval percentiles",
-            "intervals": a["intervals"],
-            "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
-            "open_intervals": a["open_intervals"], "open_max_seconds": a["open_max_seconds"],
-            "open_where": a["open_where"], "open_at_end": a["open_at_end"]}
+            "intervals": len(entries), "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
+            **{k: a[k] for k in ("open_intervals", "open_max_seconds", "open_where", "open_at_end")}}
 
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
@@ -131,10 +105,8 @@ def _add_open(agg: dict, role: str, log, rec: dict) -> None:
 
 
 def span_ranking(run: Run, top: int | None = None) -> dict:
-    """Spans of every interval of every rank, per role, ranked by total time (GPU time when measured).
-    share = the span's time over its role's time (the role's ranks' interval lengths summed); a span's
-    CPU time is split at interval boundaries, its count, mean and quantiles are of whole spans; the
-    open_* fields say at how many interval ends a span was still open, for how long at most, and where."""
+    """Spans per role ranked by total time; share = over the role's ranks' summed interval time. Count,
+    mean and quantiles are of whole spans; open_* say how often, how long and where a span was open at an end."""
     bounds = run.histogram_bounds_seconds()
     roles, agg = {}, {}
     for role, logs in run.by_role().items():
@@ -143,7 +115,11 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
         for log in logs:
             for rec in log.intervals:
                 for name, entry in (rec.get("spans") or {}).items():
-                    _add_span(agg.setdefault((role, name), _new_acc()), entry, log.rank)
+                    acc = agg.setdefault((role, name), {"entries": [], "ranks": set(), "open_intervals": 0,
+                                                        "open_max_seconds": None, "open_where": None,
+                                                        "open_at_end": False})
+                    acc["entries"].append(entry)
+                    acc["ranks"].add(log.rank)
                 _add_open(agg, role, log, rec)
     rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds) for (role, name), a in agg.items()]
     rows.sort(key=lambda r: -r["total_seconds"])
@@ -288,9 +264,8 @@ def _trailing_idle(intervals: list) -> list:
 
 def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
     out: dict = {}
-    for r in intervals:
-        for n, e in (r.get("spans") or {}).items():
-            out[n] = out.get(n, 0.0) + basis_seconds(e)
+    for n, e in ((n, e) for r in intervals for n, e in (r.get("spans") or {}).items()):
+        out[n] = out.get(n, 0.0) + basis_seconds(e)
     return {n: s / tokens for n, s in out.items()} if tokens else {}
 
 

@@ -1,12 +1,8 @@
-"""A/B comparison of two runs: spans, tokens/s and GPU memory, run A the baseline. Records in, answers out.
+"""A/B comparison of two runs (A the baseline): spans, tokens/s and GPU memory. Records in, answers out.
 
-Each quantity is sampled once per steady interval of every rank (a span's mean time per call, a rank's
-tokens/s, a GPU's peak used bytes). Its spread in a run is the 10th-to-90th percentile range of those
-samples (about the range for a handful of intervals). A change is called a regression (or an
-improvement) only when the difference of the means exceeds the larger of the two runs' spreads;
-otherwise it is within spread. A span's change that exceeds the spread but costs under MIN_EFFECT_SHARE
-of its role's time (the change per call times the calls per second) is negligible. Wait spans
-(WAIT_SPANS) follow the other side's speed: they are shown as waits, never called regressions. Standard library only.
+Each quantity is sampled once per steady interval of every rank; its spread is the 10th-90th percentile
+range. A change is a regression (or improvement) only beyond the larger spread, and negligible when it
+costs under MIN_EFFECT_SHARE of its role's time. Wait spans follow the other side: shown as waits.
 """
 from __future__ import annotations
 

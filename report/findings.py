@@ -1,7 +1,4 @@
-"""Findings: the few things in a report worth acting on, each with its evidence and the next
-experiment to try. Answers in (the analyses' dicts, as report.hotspots assembles them), answers out.
-Standard library only.
-"""
+"""Findings: the few things in a report worth acting on, each with its evidence and the next experiment."""
 from __future__ import annotations
 
 from report.analysis import WAIT_BOUND_SHARE

@@ -1,10 +1,7 @@
-"""The transfer flight recorders of a failed run, lined up: records in, answers out. Standard library only.
+"""The transfer flight recorders of a failed run, lined up: records in, answers out.
 
-A hang, crash, OOM, forced stop or lost peer dumps each rank's last transfer-protocol steps (`dflash.transfer`'s
-ring, registered as the `transfer_ring` forensics source) in its event's `extra`. Per target -> drafter
-link this says how far each side got: the last batch the target submitted and saw completed, the last
-one the drafter received from it, and so which batches were in flight (sent, not received) when the
-run stopped, or whether one side never got as far as the other expected.
+A hang, crash, OOM, forced stop or lost peer dumps each rank's last transfer-protocol steps in its event's
+`extra`; per target -> drafter link this says how far each side got, and which batches were in flight.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The report's analyses of memory, events and stacks: records in, answers out.
-
-    headroom     per GPU: its headroom low point, when, and the interval's dominant span; allocator trends
-    events       non-finite, OOM, crashes, signals, bad records, unreadable lines, runs without a run_end
-    hot_frames   per thread: the hottest frames of the stack samples, and what the snapshots caught
-Standard library only.
+"""The report's analyses of memory (headroom low points, allocator trends), events (problems first) and
+stacks (hot frames per thread): records in, answers out.
 """
 from __future__ import annotations
 
@@ -52,9 +48,8 @@ def _allocator_trend(log) -> dict | None:
 
 
 def headroom(run: Run) -> dict:
-    """{"measured", "reason", "gpus": [per GPU (host:index): total, low point, last headroom, intervals
-    per NVML throttle reason], "allocator": [per rank trend]}. Headroom = total minus the interval's
-    NVML peak used."""
+    """{"measured", "reason", "gpus": [per GPU (host:index): low point, last headroom, throttle intervals],
+    "allocator": [per rank trend]}; headroom = total minus the interval's NVML peak used."""
     gpus: dict = {}
     reasons = set()
     for log in run.ranks.values():
@@ -81,25 +76,19 @@ def headroom(run: Run) -> dict:
                 if acc["low_point"] is None or g["headroom_bytes"] < acc["low_point"]["headroom_bytes"]:
                     acc["low_point"] = _low_point(log, rec, g, t0)
     allocator = [t for log in run.ranks.values() if (t := _allocator_trend(log))]
-    measured = bool(gpus)
-    reason = None if measured else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
-    return {"measured": measured, "reason": reason, "gpus": list(gpus.values()), "allocator": allocator}
+    reason = None if gpus else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
+    return {"measured": bool(gpus), "reason": reason, "gpus": list(gpus.values()), "allocator": allocator}
 
 
 def _example(rec: dict) -> dict:
-    out = {}
-    for k, v in rec.items():
-        if k in ("type", "time_unix", "role"):
-            continue
-        out[k] = v[:_TEXT_LIMIT] + "..." if isinstance(v, str) and len(v) > _TEXT_LIMIT else v
-    out["time_unix"] = rec.get("time_unix")
-    return out
+    out = {k: v[:_TEXT_LIMIT] + "..." if isinstance(v, str) and len(v) > _TEXT_LIMIT else v
+           for k, v in rec.items() if k not in ("type", "time_unix", "role")}
+    return {**out, "time_unix": rec.get("time_unix")}
 
 
 def events(run: Run) -> dict:
-    """{"kinds": {kind: {"count", "ranks", "examples"}}, "problems": kinds that mean trouble, in
-    PROBLEM_KINDS order}. Unparsable lines count as `bad_lines`, a failed segment as `run_failed`,
-    a log without run_end as `no_run_end` (crashed, killed, or still running)."""
+    """{"kinds": {kind: {"count", "ranks", "examples"}}, "problems": the kinds that mean trouble}, with
+    unparsable lines as `bad_lines`, failed segments `run_failed`, logs without run_end `no_run_end`."""
     kinds: dict = {}
 
     def add(kind: str, rank: int, example: dict, count: int = 1) -> None:
@@ -121,8 +110,7 @@ def events(run: Run) -> dict:
             add("no_run_end", log.rank, {"rank": log.rank, "last_step": max(
                 (r.get("step") or 0 for r in log.intervals), default=None)})
     order = (*PROBLEM_KINDS, "run_failed", "no_run_end", "bad_lines")
-    problems = [k for k in order if k in kinds]
-    return {"kinds": kinds, "problems": problems}
+    return {"kinds": kinds, "problems": [k for k in order if k in kinds]}
 
 
 def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
@@ -133,9 +121,8 @@ def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
 
 
 def hot_frames(run: Run) -> dict:
-    """Per thread, hottest first: frames by sample count over every interval's stack_samples (share =
-    count over the thread's samples), and from snapshots the innermost frames, how often it was stuck
-    and its open spans."""
+    """Per thread, hottest first: its stack samples' top frames, and its snapshots' innermost frames,
+    stuck count and open spans."""
     threads: dict = {}
     for log in run.ranks.values():
         for rec in log.intervals:

@@ -1,9 +1,5 @@
-"""`dflash-report hotspots --plot FILE`: a PNG of a run over time. One row per role of span time per
-interval stacked by span, then tokens/s per role, then the headroom of every GPU.
-
-`timeline` (standard library) puts every rank's intervals on one clock, seconds from the first run_start:
-the k-th intervals of a role's ranks are summed into one point at their mean time. matplotlib is imported inside
-`plot_run` only, so the rest of the report never loads it.
+"""`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per interval stacked by
+span per role, tokens/s per role, headroom per GPU). matplotlib is imported by `plot_run` only.
 """
 from __future__ import annotations
 
@@ -18,9 +14,8 @@ def timeline(run: Run) -> dict:
     """{"interval_s", "roles": {role: {"ranks", "seconds", "spans": {name: [seconds]}, "tokens_per_s"}},
     "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run started."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
-    t0 = min((s["time_unix"] for s in starts), default=None)
-    if t0 is None:
-        t0 = min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
+    t0 = min((s["time_unix"] for s in starts), default=None) or \
+        min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
     step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
     roles: dict = {}
     headroom: dict = {}

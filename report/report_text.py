@@ -1,7 +1,4 @@
-"""The human text of `dflash-report`: one formatter per section of a report dict (report.hotspots).
-Never computes an answer, only prints the ones it is given; a missing number prints as "-".
-Standard library only.
-"""
+"""The human text of `dflash-report`: one formatter per section of a report dict; a missing number is "-"."""
 from __future__ import annotations
 
 GIB = 1024 ** 3

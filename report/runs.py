@@ -1,7 +1,5 @@
-"""A run directory's logs loaded once for the report: every rank's records split by kind, and the
-few helpers every analysis shares (which time a span is measured on, which intervals are steady).
-
-Standard library only: `dflash-report` reads run logs without importing torch (docs/RUNLOG.md).
+"""A run directory's logs loaded once for the report (every rank's records by kind), and the helpers every
+analysis shares. Standard library only: `dflash-report` reads run logs without importing torch.
 """
 from __future__ import annotations
 
@@ -53,11 +51,8 @@ class Run:
         return next((log.config for log in self.ranks.values() if log.config), {})
 
     def histogram_bounds_seconds(self) -> list | None:
-        for log in self.ranks.values():
-            for start in log.run_starts:
-                if start.get("histogram_buckets_seconds"):
-                    return start["histogram_buckets_seconds"]
-        return None
+        return next((s["histogram_buckets_seconds"] for log in self.ranks.values() for s in log.run_starts
+                     if s.get("histogram_buckets_seconds")), None)
 
 
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
@@ -105,8 +100,7 @@ def paused_gc():
 
 
 def load_run(run_dir, with_spans: bool = False) -> Run:
-    """Every rank's log of RUN_DIR (its detail-window `spans` records too with_spans); ReportError (one
-    line) for a directory the report cannot read."""
+    """Every rank's log of RUN_DIR (with its `spans` records with_spans); ReportError if it cannot be read."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -134,9 +128,8 @@ def _did_work(rec: dict) -> bool:
 
 
 def steady_intervals(log: RankLog) -> list:
-    """The rank's intervals without each segment's start (its intervals up to and including the first
-    that did work: loading, first-call compilation) and without the final one (evaluation, checkpoint,
-    a partial length); all of them when that would leave none."""
+    """The rank's intervals without each segment's start (up to the first that did work: loading,
+    compilation) and the final one (evaluation, checkpoint); all of them when that leaves none."""
     steady, starting = [], True
     for rec in log.intervals:
         if rec.get("index") == 0:

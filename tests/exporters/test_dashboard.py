@@ -250,7 +250,7 @@ def test_panel_ids_and_grid(model):
                        and g["y"] < o["y"] + o["h"] and o["y"] < g["y"] + g["h"])
             assert not overlap, (panel["title"], other)
         boxes.append((panel["title"], g))
-    assert [p["title"] for p in panels if p["type"] == "row"] == [title for title, _ in dash.rows()]
+    assert [p["title"] for p in panels if p["type"] == "row"] == [title for title, _ in dash.ROWS]
 
 
 def test_template_variables(model):
