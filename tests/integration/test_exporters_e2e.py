@@ -50,10 +50,11 @@ def prom_get(base: str, path: str, **params) -> dict:
 
 
 @pytest.fixture(scope="module")
-def live(healthy_run):
+def live(request):
     """The session's healthy run (tests/conftest.py), finished, as Prometheus and the receiver saw it."""
-    if healthy_run.prometheus is None or shutil.which("promtool") is None:
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.skip("prometheus/promtool not installed (scripts/test.sh installs Debian's package as root)")
+    healthy_run = request.getfixturevalue("healthy_run")
     assert healthy_run.returncode == 0, healthy_run.stderr[-3000:]
     return {"base": healthy_run.prometheus, "run": healthy_run.run, "receiver": healthy_run.receiver,
             "scrapes": healthy_run.scrapes, "stdout": healthy_run.stdout, "port": healthy_run.port,
