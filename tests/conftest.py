@@ -237,6 +237,7 @@ def healthy_run(tmp_path_factory) -> HealthyRun:
     it; Prometheus, when installed, scrapes it through its file_sd targets and stays up for queries."""
     tmp = tmp_path_factory.mktemp("healthy")
     runs = tmp / "runs"
+    runs.mkdir()
     receiver = OtlpReceiver()
     prom, base = (start_prometheus(tmp, runs / "prometheus-sd" / "*.json") if shutil.which("prometheus")
                   else (None, None))
