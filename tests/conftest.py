@@ -103,8 +103,6 @@ def prebuilt(small_builtin):
 def _keep_bytecode_settings():
     """dflash.launch, called in-process by CLI tests, may point this interpreter's bytecode at the
     compile cache (launch.use_bytecode_cache); put it back after every test."""
-    import sys
-
     saved = sys.pycache_prefix, sys.dont_write_bytecode
     yield
     sys.pycache_prefix, sys.dont_write_bytecode = saved
@@ -179,7 +177,7 @@ def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
 class HealthyRun:
     """The session's shared run, finished: the README default run (`dflash-train --run-dir RUN` on the
     built-ins, every default) with 1 s profile intervals, metrics on a chosen port and OTLP export to a
-    live receiver, so that the report, trace, Prometheus, dashboard and run-log checks read one run."""
+    live receiver, so that the default-run, Prometheus, dashboard-panel, OTLP and trace checks read one run."""
 
     run: Path
     """Its run directory, RUNS/run (the Prometheus file_sd copy is RUNS/prometheus-sd/run.json)."""
@@ -224,7 +222,7 @@ def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str |
                         scrapes[rank] = text
                 time.sleep(1.0)
         finally:
-            if train.poll() is None:   # past its time: kill it with its ranks (the tests say what failed)
+            if train.poll() is None:   # past its time, or interrupted: kill it with its ranks
                 os.killpg(train.pid, signal.SIGKILL)
             train.wait()
     return HealthyRun(run, train.returncode, out.read_text(), err.read_text(), time.monotonic() - t0, started,
