@@ -1,13 +1,25 @@
-"""Fixtures shared across test packages: a real OTLP/HTTP receiver, and the built-ins of the small
-CPU runs, built once per session."""
+"""Fixtures shared across test packages: a real OTLP/HTTP receiver, the built-ins of the small CPU
+runs, built once per session, `dflash.cli.main` called in-process for the cases refused with exit 2,
+and ONE healthy default run (watched live by Prometheus and the receiver) that every check which
+only reads a healthy run reads."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class OtlpReceiver:
@@ -91,8 +103,146 @@ def prebuilt(small_builtin):
 def _keep_bytecode_settings():
     """dflash.launch, called in-process by CLI tests, may point this interpreter's bytecode at the
     compile cache (launch.use_bytecode_cache); put it back after every test."""
-    import sys
-
     saved = sys.pycache_prefix, sys.dont_write_bytecode
     yield
     sys.pycache_prefix, sys.dont_write_bytecode = saved
+
+
+@pytest.fixture
+def train_main(capfd, monkeypatch):
+    """train_main(args, env=None) -> CompletedProcess of `dflash-train ARGS` run as dflash.cli.main(ARGS)
+    in this process, `env` added to os.environ for the call. For the cases refused before any rank
+    trains (exit 2): the launcher still starts its gated ranks, so the captured stdout/stderr are this
+    process's and theirs (file descriptors, not sys.stdout), as a subprocess's would be."""
+    from dflash import cli
+
+    def call(args: list, env: dict | None = None) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as m:
+            for var, value in (env or {}).items():
+                m.setenv(var, value)
+            capfd.readouterr()
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:   # argparse: --help, a bad flag
+                code = e.code
+            out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return call
+
+
+def free_port_pair() -> int:
+    """A base port P with P and P + 1 free on loopback (one metrics endpoint per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus scraping every target in the file_sd files `sd_glob` each second; (process,
+    base URL) once it answers /-/ready."""
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
+        f"      - files: ['{sd_glob}']\n        refresh_interval: 1s\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "wb"))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"prometheus exited; see {tmp / 'prometheus.log'}"
+        try:
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=1):
+                return proc, base
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("prometheus did not become ready")
+
+
+@dataclasses.dataclass
+class HealthyRun:
+    """The session's shared run, finished: the README default run (`dflash-train --run-dir RUN` on the
+    built-ins, every default) with 1 s profile intervals, metrics on a chosen port and OTLP export to a
+    live receiver, so that the default-run, Prometheus, dashboard-panel, OTLP and trace checks read one run."""
+
+    run: Path
+    """Its run directory, RUNS/run (the Prometheus file_sd copy is RUNS/prometheus-sd/run.json)."""
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_seconds: float
+    """From the command's start to its exit."""
+    started_unix: float
+    port: int
+    """The metrics base port it was given: rank r served on port + r."""
+    scrapes: dict
+    """{rank: /metrics text} fetched while training, from the last scrape whose intervals carried tokens."""
+    receiver: OtlpReceiver
+    """The OTLP/HTTP receiver its ranks exported to (still open, for the session)."""
+    prometheus: str | None
+    """Base URL of the real Prometheus that scraped it (still up), None where none is installed."""
+
+
+HEALTHY_ARGS = ["--profile-interval", "1"]   # short intervals: several within the rate windows
+
+
+def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str | None) -> HealthyRun:
+    """The healthy run, its ranks' /metrics fetched each second while it trains; returns once it exits."""
+    out, err = run.parent / "train.out", run.parent / "train.err"
+    started, t0 = time.time(), time.monotonic()
+    with open(out, "w") as o, open(err, "w") as e:
+        train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), *HEALTHY_ARGS,
+                                  "--metrics-port", str(port)], cwd=REPO, stdout=o, stderr=e,
+                                 env=dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url),
+                                 start_new_session=True)
+        scrapes: dict = {}
+        try:
+            while train.poll() is None and time.monotonic() - t0 < 420:
+                for rank in (0, 1):
+                    try:
+                        text = urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics",
+                                                      timeout=2).read().decode()
+                    except OSError:
+                        continue
+                    if "dflash_tokens_total{" in text and "dflash_span_seconds_bucket{" in text:
+                        scrapes[rank] = text
+                time.sleep(1.0)
+        finally:
+            if train.poll() is None:   # past its time, or interrupted: kill it with its ranks
+                os.killpg(train.pid, signal.SIGKILL)
+            train.wait()
+    return HealthyRun(run, train.returncode, out.read_text(), err.read_text(), time.monotonic() - t0, started,
+                      port, scrapes, receiver, prometheus)
+
+
+@pytest.fixture(scope="session")
+def healthy_run(tmp_path_factory) -> HealthyRun:
+    """The shared healthy run (HealthyRun), made once, on first use, and finished before any test reads
+    it; Prometheus, when installed, scrapes it through its file_sd targets and stays up for queries."""
+    tmp = tmp_path_factory.mktemp("healthy")
+    runs = tmp / "runs"
+    runs.mkdir()
+    receiver = OtlpReceiver()
+    prom, base = (start_prometheus(tmp, runs / "prometheus-sd" / "*.json") if shutil.which("prometheus")
+                  else (None, None))
+    try:
+        yield _run_watched(runs / "run", free_port_pair(), receiver, base)
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=30)
+        receiver.close()

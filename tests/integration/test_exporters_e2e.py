@@ -1,4 +1,5 @@
-"""The exporters against real components, over ONE real two-rank dflash-train run on CPU:
+"""The exporters against real components, over the session's healthy run (tests/conftest.py: the
+README default run, two ranks on CPU, watched live):
 
 - a real Prometheus (Debian's package) scrapes both ranks through the run's file_sd targets, and
   every panel query of the shipped Grafana dashboard (variables substituted) returns data from it;
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,38 +38,7 @@ CATALOG_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.w
 # with DFLASH_E2E_DEVICE=cuda (the H200 run in bench/RESULTS.md) they must return data too.
 GPU_FAMILIES = {f.name for f in FAMILIES.values() if "gpu" in f.labels} if DEVICE == "cpu" else set()
 RATE_INTERVAL = "20s"
-SCRAPED_S = 12.0   # seconds of both ranks scraped before the run is stopped
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
-
-
-def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
-    config = tmp / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
-        f"      - files: ['{sd_glob}']\n        refresh_interval: 1s\n")
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={config}",
-                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "wb"))
-    return proc, f"http://127.0.0.1:{port}"
+SCRAPED_S = 12.0   # seconds of both ranks scraped training, at least
 
 
 def prom_get(base: str, path: str, **params) -> dict:
@@ -80,72 +49,22 @@ def prom_get(base: str, path: str, **params) -> dict:
     return body["data"]
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "prometheus exited"
-        try:
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError("prometheus did not become ready")
-
-
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, otlp_receiver_cls, prebuilt):
+def live(request):
+    """The session's healthy run (tests/conftest.py), finished, as Prometheus and the receiver saw it."""
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.skip("prometheus/promtool not installed (scripts/test.sh installs Debian's package as root)")
-    tmp = tmp_path_factory.mktemp("exporters")
-    runs = tmp / "runs"
-    prom, base = start_prometheus(tmp, runs / "prometheus-sd" / "*.json")
-    receiver = otlp_receiver_cls()
-    port = free_port_pair()
-    run = prebuilt(runs / "run")
-    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
-    try:
-        wait_ready(base, prom)
-        # Long enough to outlast any scheduling delay; stopped by SIGTERM (a graceful stop, exit 0)
-        # once Prometheus has scraped both ranks training for SCRAPED_S.
-        train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "5000",
-                                  "--profile-interval", "1", "--metrics-port", str(port), *SMALL],
-                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            scrapes = scrape_while_running(train, port, base)
-        finally:
-            train.send_signal(signal.SIGTERM)
-        out, err = train.communicate(timeout=300)
-        assert train.returncode == 0, err[-3000:]
-        yield {"base": base, "run": run, "receiver": receiver, "scrapes": scrapes, "stdout": out,
-               "sd_file": runs / "prometheus-sd" / "run.json", "port": port}
-    finally:
-        prom.terminate()
-        prom.wait(timeout=30)
-        receiver.close()
+    healthy_run = request.getfixturevalue("healthy_run")
+    assert healthy_run.returncode == 0, healthy_run.stderr[-3000:]
+    return {"base": healthy_run.prometheus, "run": healthy_run.run, "receiver": healthy_run.receiver,
+            "scrapes": healthy_run.scrapes, "stdout": healthy_run.stdout, "port": healthy_run.port,
+            "sd_file": healthy_run.run.parent / "prometheus-sd" / "run.json", "since": healthy_run.started_unix}
 
 
-def scrape_while_running(train: subprocess.Popen, port: int, base: str) -> dict:
-    """Fetch each rank's /metrics once its intervals carry tokens (a live scrape, for promtool), and
-    return once Prometheus has seen both ranks with tokens for SCRAPED_S (rate windows have data)."""
-    scrapes: dict = {}
-    both_since = None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert train.poll() is None, "the run ended before Prometheus had scraped it: " + train.stderr.read()[-3000:]
-        for rank in (0, 1):
-            try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=2).read().decode()
-            except OSError:
-                continue
-            if "dflash_tokens_total{" in text and "dflash_span_seconds_bucket{" in text:
-                scrapes[rank] = text
-        seen = prom_get(base, "/api/v1/query", query='count(dflash_tokens_total{job="dflash"} > 0)')["result"]
-        if seen and float(seen[0]["value"][1]) == 2:
-            both_since = both_since or time.monotonic()
-            if len(scrapes) == 2 and time.monotonic() - both_since >= SCRAPED_S:
-                return scrapes
-        time.sleep(0.5)
-    raise TimeoutError(f"Prometheus did not see both ranks training for {SCRAPED_S} s within 240 s")
+def both_ranks_times(base: str, since: float, query: str) -> list[float]:
+    """Evaluation times (1 s apart) since `since` at which `query` counted both ranks."""
+    data = prom_get(base, "/api/v1/query_range", query=query, start=since, end=time.time(), step="1s")
+    return sorted(float(t) for series in data["result"] for t, v in series["values"] if float(v) == 2)
 
 
 def shipped_dashboard() -> dict:
@@ -153,18 +72,18 @@ def shipped_dashboard() -> dict:
     return json.loads((REPO / "grafana" / "dflash.json").read_text())
 
 
-def last_live_time(base: str, run: Path) -> float:
+def last_live_time(live: dict) -> float:
     """The newest evaluation time at which both ranks' series were still being scraped."""
-    now = time.time()
-    data = prom_get(base, "/api/v1/query_range", query='count(dflash_step{job="dflash"})',
-                    start=now - 600, end=now, step="1s")
-    times = [float(t) for series in data["result"] for t, v in series["values"] if float(v) == 2]
+    times = both_ranks_times(live["base"], live["since"], 'count(dflash_step{job="dflash"})')
     assert times, "Prometheus never saw both ranks"
     return max(times)
 
 
 def test_live_scrape_passes_promtool_and_carries_the_families(live):
     assert set(live["scrapes"]) == {0, 1}, "both ranks served /metrics while training"
+    # Prometheus scraped both ranks training for SCRAPED_S at least: the rate windows below have data
+    training = both_ranks_times(live["base"], live["since"], 'count(dflash_tokens_total{job="dflash"} > 0)')
+    assert training and training[-1] - training[0] >= SCRAPED_S, training
     for rank, text in live["scrapes"].items():
         r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert r.returncode == 0, (rank, r.stdout, r.stderr)
@@ -183,7 +102,7 @@ def test_targets_file_lists_every_rank_and_is_withdrawn_at_the_end(live):
 def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
     from monitoring.dashboard import panel_queries, substitute_variables
 
-    at = last_live_time(live["base"], live["run"])
+    at = last_live_time(live)
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": "run", "role": ".*",
               "rank": ".*", "gpu": ".*", "clock": "cpu", "rate_interval": RATE_INTERVAL, "interval": "1s",
               "range": "60s"}
@@ -204,7 +123,7 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
 def test_every_template_variable_finds_values(live):
     from monitoring.dashboard import substitute_variables
 
-    at = last_live_time(live["base"], live["run"])
+    at = last_live_time(live)
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".+", "run": ".+", "role": ".+",
               "rank": ".+", "gpu": ".+", "clock": "cpu"}
     checked = set()
@@ -250,14 +169,13 @@ def test_trace_files_and_merged_trace_hold_every_span_and_matched_flows(live, tm
     assert starts and starts == ends
 
 
-def test_a_requested_metrics_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path):
+def test_a_requested_metrics_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path, train_main):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(tmp_path / "run"), "--metrics-port",
-                            str(port), *SMALL], cwd=REPO, capture_output=True, text=True, timeout=120)
+        r = train_main(["--run-dir", tmp_path / "run", "--metrics-port", port, *SMALL])
     assert r.returncode == 2 and time.monotonic() - t0 < 30
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and f"--metrics-port {port}: port {port} on 127.0.0.1" in lines[0] and "in use" in lines[0]
@@ -270,9 +188,8 @@ def test_shared_targets_directory_is_readable_by_another_user_and_the_run_stays_
     assert (live["run"] / "prometheus" / "targets.json").stat().st_mode & 0o777 == 0o600
 
 
-def test_a_metrics_host_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(tmp_path / "run"), "--metrics-host",
-                        "192.0.2.1", *SMALL], cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_a_metrics_host_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path, train_main):
+    r = train_main(["--run-dir", tmp_path / "run", "--metrics-host", "192.0.2.1", *SMALL])
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--metrics-host 192.0.2.1: cannot serve metrics there" in lines[0]
     assert not (tmp_path / "run").exists()

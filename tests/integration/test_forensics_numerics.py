@@ -147,8 +147,9 @@ def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path, p
     (None, ["--on-nonfinite", "ignore"],
      "dflash-train: error: config field 'reliability.on_nonfinite': must be stop, skip-step or warn (got 'ignore')"),
 ])
-def test_a_fault_that_could_never_fire_or_a_bad_policy_is_refused_before_any_rank(tmp_path, fault, args, line):
-    r = train(tmp_path / "run", args, fault)
+def test_a_fault_that_could_never_fire_or_a_bad_policy_is_refused_before_any_rank(tmp_path, fault, args, line,
+                                                                                   train_main):
+    r = train_main(["--run-dir", tmp_path / "run", *SMALL, *args], {"DFLASH_FAULT": fault or ""})
     assert r.returncode == 2 and r.stderr.splitlines() == [line], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 

@@ -35,15 +35,20 @@ def train(args: list[str], env: dict | None = None, timeout: float = 240) -> sub
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
-def refused(args: list[str], env: dict | None = None, code: int = 2) -> str:
-    """Run, expect `code` and exactly one stderr line (no traceback); return that line. No process of
-    the run outlives it (the launcher starts its ranks behind a gate before its preflight)."""
-    mark = f"DFLASH_TEST_MARK={uuid.uuid4().hex}"
-    r = train(args, dict(env or {}, DFLASH_TEST_MARK=mark.split("=", 1)[1]))
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code and len(lines) == 1, (r.returncode, r.stderr[-3000:])
-    assert not processes_with(mark.encode())
-    return lines[0]
+@pytest.fixture
+def refused(train_main):
+    """refused(args, env=None, code=2): run dflash-train in-process, expect `code` and exactly one
+    stderr line (no traceback); return that line. No process of the run outlives it (the launcher
+    starts its ranks behind a gate before its preflight)."""
+    def call(args: list, env: dict | None = None, code: int = 2) -> str:
+        mark = uuid.uuid4().hex
+        r = train_main(args, dict(env or {}, DFLASH_TEST_MARK=mark))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == code and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+        assert not set(processes_with(f"DFLASH_TEST_MARK={mark}".encode())) - {os.getpid()}
+        return lines[0]
+
+    return call
 
 
 def processes_with(env_entry: bytes) -> list[int]:
@@ -97,7 +102,7 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_resume_refuses_a_training_state_that_would_run_code(tmp_path):
+def test_resume_refuses_a_training_state_that_would_run_code(tmp_path, refused):
     run, marker = tmp_path / "run", tmp_path / "pwned"
     ckpt = run / "checkpoints" / "step_0000004"
     ckpt.mkdir(parents=True)
@@ -178,7 +183,7 @@ def test_a_live_run_listens_on_loopback_only_keeps_its_files_private_and_records
 
 
 # ---------------------------------------------------------------------- bad input before any work
-def test_target_with_an_unknown_model_type_is_refused_before_any_rank(tmp_path, tiny_target):
+def test_target_with_an_unknown_model_type_is_refused_before_any_rank(tmp_path, tiny_target, refused):
     def unknown(d):
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps(dict(cfg, model_type="not_a_model")))
@@ -190,7 +195,7 @@ def test_target_with_an_unknown_model_type_is_refused_before_any_rank(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def test_target_without_weights_is_refused_before_any_rank(tmp_path, tiny_target):
+def test_target_without_weights_is_refused_before_any_rank(tmp_path, tiny_target, refused):
     target = target_variant(tiny_target, tmp_path, lambda d: (d / "model.safetensors").unlink())
     args = ["--run-dir", str(tmp_path / "run"), "--target-model", str(target), "--data", str(DATA), *SMALL]
     assert refused(args) == (f"dflash-train: error: --target-model {target}: no model.safetensors or "
@@ -218,7 +223,7 @@ def test_a_valid_target_directory_passes_preflight(tmp_path, tiny_target):
     (["--transfer", "nccl"], "--transfer nccl: needs CUDA devices; this run is on the CPU"),
     (["--profile-interval", "inf"], "config field 'profile.interval_s': must be a finite number (got inf)"),
 ])
-def test_impossible_choices_on_this_machine_are_refused_before_any_rank(tmp_path, flags, line):
+def test_impossible_choices_on_this_machine_are_refused_before_any_rank(tmp_path, flags, line, refused):
     assert refused(["--run-dir", str(tmp_path / "run"), *SMALL, *flags]) == f"dflash-train: error: {line}"
     assert not (tmp_path / "run").exists()
 
@@ -233,7 +238,7 @@ def test_a_read_only_run_directory_is_refused_before_any_rank(tmp_path):
                                              f"read-only file system (nearest existing directory {ro})"]
 
 
-def test_bad_bytes_and_huge_lines_are_named_by_file_and_line_before_any_rank(tmp_path):
+def test_bad_bytes_and_huge_lines_are_named_by_file_and_line_before_any_rank(tmp_path, refused):
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(good.replace("yo", "y\u00f6").encode("latin-1") + b"\n" + good.encode() + b"\n")
@@ -247,8 +252,8 @@ def test_bad_bytes_and_huge_lines_are_named_by_file_and_line_before_any_rank(tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_no_resume_is_documented_the_last_wins():
-    r = subprocess.run([sys.executable, "-m", "dflash.cli", "--help"], cwd=REPO, capture_output=True, text=True)
+def test_resume_no_resume_is_documented_the_last_wins(train_main):
+    r = train_main(["--help"])
     assert r.returncode == 0 and "(--resume --no-resume), the last one wins" in " ".join(r.stdout.split())
 
 

@@ -111,7 +111,7 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path, prebuilt):
     run = prebuilt(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "3",
-                        *SMALL], cwd=REPO, capture_output=True, text=True, timeout=240)
+                        *SMALL, "--eval-prompts", "0"], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert spans_seen(records(run, 0)) >= {"drafter.fwd_bwd"}
     assert spans_seen(records(run, 1)) >= {"target.fwd"}
@@ -121,13 +121,13 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path, prebuilt):
     assert up["omp_wait_policy"] is None and up["intra_op_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path, eight_step_run):
+def test_resume_matches_an_uninterrupted_run(tmp_path, eight_step_run, train_main):
     common = [*EIGHT_STEPS, *SMALL, "--eval-prompts", "0"]
     full, r = eight_step_run
     assert r.returncode == 0, r.stderr[-3000:]
     # A new run (no --resume) into a directory holding one is refused before touching it.
     before = (full / "profile" / "rank0.jsonl").read_bytes()
-    r = train(["--run-dir", str(full), *common])
+    r = train_main(["--run-dir", full, *common])
     assert r.returncode == 2 and "pass --resume" in r.stderr and "Traceback" not in r.stderr
     assert (full / "profile" / "rank0.jsonl").read_bytes() == before
     cut = tmp_path / "cut"
@@ -169,26 +169,25 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, prebuilt):
     assert "run directory:" in out
 
 
-def test_bad_data_exits_2_naming_file_and_line(tmp_path):
+def test_bad_data_exits_2_naming_file_and_line(tmp_path, train_main):
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                     "{oops\n")
-    r = train(["--run-dir", str(tmp_path / "run"), "--data", str(data), "--on-bad-record", "fail", *SMALL])
+    r = train_main(["--run-dir", tmp_path / "run", "--data", data, "--on-bad-record", "fail", *SMALL])
     assert r.returncode == 2
     assert f"{data}:2:" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_default_run_learns_and_real_acceptance_matches_simulated(tmp_path):
-    """The README's main job, with only a run directory and a shorter interval: loss halves within the
-    first minute, and real draft-and-verify acceptance on held-out prompts is within 15% of the
-    teacher-forced simulation on the same conversations."""
-    run = tmp_path / "run"
-    t0 = time.monotonic()
-    r = train(["--run-dir", str(run), "--profile-interval", "5"], timeout=420)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert time.monotonic() - t0 < 300  # the issue's budget for the default run on 2 cores
+def test_default_run_learns_and_real_acceptance_matches_simulated(healthy_run):
+    """The README's main job, with only a run directory and a shorter interval (the shared healthy run,
+    which also serves metrics and exports OTLP): loss halves within the first minute, and real
+    draft-and-verify acceptance on held-out prompts is within 15% of the teacher-forced simulation on
+    the same conversations."""
+    run = healthy_run.run
+    assert healthy_run.returncode == 0, healthy_run.stderr[-3000:]
+    assert healthy_run.wall_seconds < 300  # the issue's budget for the default run on 2 cores
     recs = records(run, 0)
     start = recs[0]["time_unix"]
     losses = [(x["time_unix"] - start, x["metrics"]["loss"]["mean"]) for x in recs
