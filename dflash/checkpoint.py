@@ -53,12 +53,8 @@ def nonfinite_parameter(model: torch.nn.Module) -> str | None:
     return named[bad[0]][0] if bad else None
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """A file's or a directory's data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -88,12 +84,12 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
                 torch.save(extra_state, f)
             names.append(STATE_NAME)
         for name in names:
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            _fsync(tmp / name)
+        _fsync(tmp)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():

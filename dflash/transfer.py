@@ -112,10 +112,9 @@ def _header(kind: int, msg: Message | None) -> torch.Tensor:
         h[2] = p.dim()
         h[3:3 + p.dim()] = torch.tensor(p.shape)
         h[6], h[7] = msg.meta.shape
-        ints = list(msg.ints)
-        if len(ints) > _INTS.stop - _INTS.start:
-            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(ints)}")
-        h[8:8 + len(ints)] = torch.tensor(ints, dtype=torch.int64) if ints else h[8:8]
+        if len(msg.ints) > _INTS.stop - _INTS.start:
+            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(msg.ints)}")
+        h[_INTS.start:_INTS.start + len(msg.ints)] = torch.tensor(msg.ints, dtype=torch.int64)
         h[_HAS_FINGERPRINT] = int(msg.fingerprint is not None)
     return h
 
