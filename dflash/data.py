@@ -1,14 +1,10 @@
 """JSONL conversations -> tokenised samples with an assistant loss mask -> token-budget batches.
 
-Records are `{"messages": [...]}` or `{"conversations": [...]}`; turns are OpenAI style
-(`{"role": "system"|"user"|"assistant", "content": str}`) or ShareGPT style
-(`{"from": "system"|"human"|"gpt", "value": str}`). Tokenisation goes through the tokenizer's
-chat template; the loss mask is 1 exactly on each assistant turn's content and its end-of-turn
-token, found by rendering the conversation prefix by prefix and diffing token counts.
-
-Bounded work per record: a line longer than MAX_LINE_BYTES is a bad record (read past, never held
-whole), and only the part of a conversation that can reach the first `max_length` tokens is
-rendered and tokenised. Bytes that are not UTF-8 make the line a bad record, never replaced.
+Records are `{"messages": [...]}` or `{"conversations": [...]}` of OpenAI-style (role/content) or
+ShareGPT-style (from/value) turns. The loss mask is 1 exactly on each assistant turn's content and its
+end-of-turn token, found by rendering the chat template prefix by prefix. Bounded work per record: a
+line over MAX_LINE_BYTES is a bad record (never held whole), as is one that is not UTF-8, and only
+what can reach the first `max_length` tokens is rendered.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ import torch
 ROLE_ALIASES = {"system": "system", "user": "user", "assistant": "assistant",
                 "human": "user", "gpt": "assistant"}
 MAX_EXAMPLES = 20
-# One JSONL line at most (newline excluded). 16 MiB of text is millions of tokens, far past any
-# max_length; a longer line is a malformed file (a missing newline, an embedded blob).
+# One JSONL line at most (newline excluded): millions of tokens, so a longer line is a malformed file.
 MAX_LINE_BYTES = 16 * 1024 * 1024
 _SKIP_CHUNK_BYTES = 1024 * 1024   # how an over-long line is read past
 

@@ -20,6 +20,12 @@ from dflash.attention import BlockLayout, MaskSet, resolve_backend
 from dflash.blocks import MLP, RMSNorm, RotaryEmbedding
 
 
+_QWEN3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                 "attention_bias", "attention_dropout", "initializer_range")
+"""DFlashConfig fields that are Qwen3Config's own, under the same names."""
+
+
 @dataclass
 class DFlashConfig:
     """Drafter hyper-parameters; names as in the reference checkpoint's config.json."""
@@ -93,33 +99,18 @@ class DFlashConfig:
         """The Qwen3Config the building blocks (dflash.blocks: RMSNorm, MLP, RoPE) are made from."""
         sliding = "sliding_attention" in self.layer_types
         return Qwen3Config(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
-            attention_bias=self.attention_bias, attention_dropout=self.attention_dropout,
+            **{name: getattr(self, name) for name in _QWEN3_FIELDS}, rope_parameters=dict(self.rope_parameters),
             use_sliding_window=sliding, sliding_window=self.sliding_window if sliding else None,
-            max_window_layers=self.num_hidden_layers, layer_types=list(self.layer_types),
-            initializer_range=self.initializer_range, tie_word_embeddings=False)
+            max_window_layers=self.num_hidden_layers, layer_types=list(self.layer_types), tie_word_embeddings=False)
 
     def to_json_dict(self) -> dict:
         """config.json content the reference DFlashDraftModel (a Qwen3Config) loads."""
-        d = self.hf_config().to_dict()
-        d.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            # The reference treats sliding layers as causal unless is_causal says otherwise;
-            # draft blocks are bidirectional.
-            "is_causal": False,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
-            "use_cache": False,
-        })
-        return d
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                  "block_size": self.block_size}
+        # is_causal: the reference treats sliding layers as causal unless told; draft blocks are bidirectional.
+        return {**self.hf_config().to_dict(), "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                "block_size": self.block_size, "num_target_layers": self.num_target_layers, "is_causal": False,
+                "dflash_config": dflash, "use_cache": False}
 
     @classmethod
     def from_json_dict(cls, d: dict, attn_backend: str = "auto") -> "DFlashConfig":
