@@ -89,7 +89,8 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
         # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
-        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir), create=device.type == "cuda")
+        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir),
+                                  create=device.type == "cuda")
         timeline.mark("device")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
