@@ -13,21 +13,13 @@ than `window` positions away, as the reference's non-causal window) and nothing 
 use document -2 and padding context tokens document -1, so padding never matches anything but a
 padding block's own keys: no query row is fully masked, so neither backend produces NaNs.
 
-`flex` runs torch.nn.attention.flex_attention with a BlockMask (compiled on CUDA); `dense` runs SDPA
-with a boolean [Q, KV] mask (CPU and CUDA). Both evaluate the same mask_mod, so their semantics cannot
-drift apart. The BlockMask's tile tables are read off the layout (`tile_block_mask`, the same tensors
-create_block_mask builds, checked in tests/dflash/test_model.py): a restart then has one compile fewer
-to re-trace. A block size that does not divide the 128-row tile falls back to create_block_mask.
+`flex` runs flex_attention with a BlockMask (compiled on CUDA), its tiles read off the layout
+(`tile_block_mask`); `dense` runs SDPA with a boolean [Q, KV] mask. Both evaluate one mask semantics.
 
-One compile for every batch. Packed batches change N and M every step. Left to itself, torch.compile
-compiles the first shape static and recompiles dynamic at the next, two long compiles. So the lengths that vary are declared dynamic before
-the first call: `maybe_mark_dynamic` on the query/key lengths, the BlockMask's block-count dims and the
-mask_mod's tables, and `torch.compiler.config.dynamic_sources` for the two ints a BlockMask carries
-(seq_lengths) and create_block_mask's Q_LEN/KV_LEN. Everything else (heads, head dim, block size, window,
-scale) stays static, as in the recompile torch would make. A size-1 dim is always specialised by dynamo,
-so the layout pads queries to at least two 128-row tiles. As in torch's own dynamic recompile, inductor
-then bounds-checks the lengths in the kernel (IS_DIVISIBLE off), though every padded length is a
-multiple of 128.
+One compile for every batch: packed batches change N and M every step, so the varying lengths are
+declared dynamic before the first call (`maybe_mark_dynamic` on tensors, `dynamic_sources` for the
+BlockMask's ints); the rest stays static. Dynamo specialises size-1 dims, so queries are padded to at
+least two 128-row tiles.
 """
 
 from __future__ import annotations
@@ -89,11 +81,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def build_layout(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, anchor_doc: torch.Tensor,
                  anchor_limit: torch.Tensor, anchor_pos: torch.Tensor, block_size: int) -> BlockLayout:
-    """Pad the per-token and per-anchor tables; all inputs on the device the drafter runs on.
-
-    ctx_doc/ctx_pos: [N]; anchor_doc/anchor_limit/anchor_pos: [M]. No host-device sync: sizes
-    come from shapes, and everything else is device-side arithmetic.
-    """
+    """Pad the per-token [N] and per-anchor [M] tables, on their device; no host-device sync."""
     device = ctx_doc.device
     n, m = ctx_doc.shape[0], anchor_doc.shape[0]
     # Anchor padding so that the query length Mp*B is a multiple of 128 for any block size: flex
@@ -103,19 +91,16 @@ def build_layout(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, anchor_doc: torch
     mp = _round_up(max(m, -(-MIN_QUERY_TILES * PAD_MULTIPLE // block_size)), anchor_step)
     q = mp * block_size
     i32, i64 = torch.int32, torch.int64
-    a_doc = torch.full((mp,), -2, dtype=i32, device=device)
-    a_doc[:m] = anchor_doc.to(i32)
-    a_lim = torch.zeros((mp,), dtype=i64, device=device)
-    a_lim[:m] = anchor_limit.to(i64)
-    a_pos = torch.zeros((mp,), dtype=i64, device=device)
-    a_pos[:m] = anchor_pos.to(i64)
-    offsets = torch.arange(block_size, device=device, dtype=i64)
-    q_pos = (a_pos[:, None] + offsets[None, :]).reshape(q)
-    kv_doc = torch.full((np_ + q,), -1, dtype=i32, device=device)
-    kv_doc[:n] = ctx_doc.to(i32)
-    kv_pos = torch.zeros((np_ + q,), dtype=i64, device=device)
-    kv_pos[:n] = ctx_pos.to(i64)
-    kv_pos[np_:] = q_pos
+
+    def padded(t: torch.Tensor, size: int, fill: int, dtype) -> torch.Tensor:
+        out = torch.full((size,), fill, dtype=dtype, device=device)
+        out[:t.shape[0]] = t.to(dtype)
+        return out
+
+    a_doc, a_lim = padded(anchor_doc, mp, -2, i32), padded(anchor_limit, mp, 0, i64)
+    a_pos = padded(anchor_pos, mp, 0, i64)
+    kv_doc, kv_pos = padded(ctx_doc, np_ + q, -1, i32), padded(ctx_pos, np_ + q, 0, i64)
+    kv_pos[np_:] = (a_pos[:, None] + torch.arange(block_size, device=device, dtype=i64)[None, :]).reshape(q)
     kv_block = torch.full((np_ + q,), -1, dtype=i64, device=device)
     kv_block[np_:] = torch.arange(q, device=device, dtype=i64) // block_size
     return BlockLayout(block_size, n, m, kv_doc, kv_pos, kv_block, a_doc, a_lim, a_pos)
@@ -161,10 +146,9 @@ def dense_mask(layout: BlockLayout, sliding_window: int | None) -> torch.Tensor:
 
 
 def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bool | None = None):
-    """The layout's BlockMask, its varying dims declared dynamic. When the block size divides the 128-row
-    tile (every block size DFlash trains with), `tile_block_mask` reads the tiles off the layout's tables:
-    nothing to compile, so a restart does not re-trace it. Otherwise create_block_mask evaluates the
-    mask_mod tile by tile, compiled when `compile` (None: on CUDA) instead of materialising [Q, KV]."""
+    """The layout's BlockMask, its varying dims declared dynamic: read off the tables when the block
+    size divides the tile (nothing to compile), else create_block_mask (compiled when `compile`,
+    None: on CUDA)."""
     for table in (layout.kv_doc, layout.kv_pos, layout.kv_block, layout.anchor_doc, layout.anchor_limit,
                   layout.anchor_pos):
         torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -184,10 +168,8 @@ def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bo
 
 def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
     """The BlockMask create_block_mask would build for `mask_mod` (same tensors), from the tables, for a
-    block size that divides the tile: each 128-row query tile holds whole blocks. A block sees a context
-    key for some row (any) or every row (all) of it; the window's distance grows with the row, so rows 0
-    and B-1 decide. A block's own keys lie in the query tile's diagonal key tile, the same pattern in
-    every tile. Device ops only (no sync), over at most TILE_CHUNK_ELEMS block-key pairs at a time."""
+    block size that divides the tile. Rows 0 and B-1 decide a block's window; its own keys lie in the
+    diagonal key tile. Device ops only (no sync)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     bs, tile = layout.block_size, PAD_MULTIPLE
@@ -199,8 +181,7 @@ def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
                          torch.cat([full, diag * own_full], dim=1)])           # [partial/full, qt, kvt]
     kv_num, kv_idx = _dense_to_ordered(tiles)
     q_num, q_idx = _dense_to_ordered(tiles.transpose(1, 2))
-    # The constructor, not from_kv_blocks: that one derives the query-side tables through two vmapped
-    # eager conversions on the host; here they are the same sort of the transpose.
+    # The constructor, not from_kv_blocks (which derives the query side through host-side vmaps).
     return BlockMask(seq_lengths=(qt * tile, (ct + qt) * tile), kv_num_blocks=kv_num[0], kv_indices=kv_idx[0],
                      full_kv_num_blocks=kv_num[1], full_kv_indices=kv_idx[1], q_num_blocks=q_num[0],
                      q_indices=q_idx[0], full_q_num_blocks=q_num[1], full_q_indices=q_idx[1],
@@ -250,16 +231,12 @@ def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mark_block_mask_dynamic(mask) -> None:
-    """Declare a BlockMask's query- and key-tile dims dynamic ([B, H, tiles(, tiles)]; B and H stay 1)."""
-    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-        t = getattr(mask, name, None)
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 2)
-    for name in ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices"):
-        t = getattr(mask, name, None)
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 2)
-            torch._dynamo.maybe_mark_dynamic(t, 3)
+    """Declare a BlockMask's tile dims dynamic ([B, H, tiles(, tiles)]; B and H stay 1)."""
+    for side in ("kv", "full_kv", "q", "full_q"):
+        for name, dims in ((f"{side}_num_blocks", (2,)), (f"{side}_indices", (2, 3))):
+            t = getattr(mask, name, None)
+            for dim in dims if t is not None else ():
+                torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def mark_lengths_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -272,8 +249,7 @@ _compiled: dict = {}
 
 
 def compiled(fn, backend: str = "inductor"):
-    """torch.compile(fn), made once per process and backend. The varying ints are declared dynamic
-    (DYNAMIC_INTS) first; everything else starts static, so what is marked dynamic is all that is."""
+    """torch.compile(fn), made once per process and backend, after DYNAMIC_INTS are declared."""
     key = (fn, backend)
     if key not in _compiled:
         _declare_dynamic_ints()
@@ -282,8 +258,7 @@ def compiled(fn, backend: str = "inductor"):
 
 
 def _declare_dynamic_ints() -> None:
-    """Add DYNAMIC_INTS to torch.compiler.config.dynamic_sources (keeping what is there). A torch
-    without that setting recompiles once when the lengths first change, and goes on from there."""
+    """Add DYNAMIC_INTS to torch.compiler.config.dynamic_sources (a torch without it recompiles once)."""
     config = torch.compiler.config
     if not hasattr(config, "dynamic_sources"):
         return
@@ -292,8 +267,7 @@ def _declare_dynamic_ints() -> None:
 
 
 def _flex_fn(device: torch.device):
-    """flex_attention, compiled on CUDA; eager (reference math) on CPU, where inductor's flex template
-    cannot take a dynamic query length (torch 2.13: its C++ does not compile)."""
+    """flex_attention, compiled on CUDA; eager on CPU (inductor's CPU flex cannot take a dynamic length)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return compiled(flex_attention) if device.type == "cuda" else flex_attention

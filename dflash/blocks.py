@@ -1,20 +1,15 @@
 """The three transformers Qwen3 building blocks the drafter is made of (RMSNorm, MLP, rotary
-embedding), written out so that a drafter rank never imports transformers' modelling code.
-
-Importing `transformers.models.qwen3.modeling_qwen3` pulls in modeling_utils, generation and the hub
-integrations, about a third of a drafter rank's imports, on the path from launch to the first step of
-every (re)start. What stays imported from transformers is light:
-Qwen3Config, and the RoPE tables (`modeling_rope_utils`, every rope type as transformers computes it).
-
-Each class is transformers' own, op for op, with the same parameter and buffer names, so checkpoints
-and the reference loaders see the same modules: tests/dflash/test_blocks.py compares outputs, state
-dicts and gradients against Qwen3RMSNorm, Qwen3MLP and Qwen3RotaryEmbedding.
+embedding), written out so that a drafter rank never imports transformers' modelling code (a third of
+its imports). Each is transformers' own op for op, with the same parameter and buffer names:
+tests/dflash/test_blocks.py compares outputs, state dicts and gradients against Qwen3's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+from dflash.fused import rms_norm_math
 
 
 class RMSNorm(nn.Module):
@@ -26,19 +21,14 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        return rms_norm_math(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 def activation(name: str) -> nn.Module:
-    """transformers' ACT2FN[name]. SiLU (every Qwen3) is torch's own, which transformers' SiLUActivation
-    calls; anything else comes from transformers.activations, imported only then."""
+    """transformers' ACT2FN[name]; SiLU (every Qwen3) without importing transformers.activations."""
     if name == "silu":
         return nn.SiLU()
     from transformers.activations import ACT2FN
@@ -47,8 +37,7 @@ def activation(name: str) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """Qwen3MLP: down(act(gate(x)) * up(x)), no biases. `config` needs hidden_size,
-    intermediate_size and hidden_act."""
+    """Qwen3MLP: down(act(gate(x)) * up(x)), no biases."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -65,8 +54,8 @@ class MLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Qwen3RotaryEmbedding: (cos, sin) of positions, from the config's rope_parameters; the rope types
-    that change with the sequence (dynamic, longrope) update through transformers' own decorator."""
+    """Qwen3RotaryEmbedding: (cos, sin) of positions, from the config's rope_parameters (dynamic types
+    update through transformers' own decorator)."""
 
     def __init__(self, config) -> None:
         super().__init__()

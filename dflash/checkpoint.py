@@ -1,13 +1,9 @@
 """Drafter checkpoints a DFlash inference stack loads: config.json + model.safetensors (+ training state).
 
-Writing: into PATH.tmp-PID, every file fsynced, then renamed into place; a failure at any point
-removes the temporary directory, so PATH is either the previous checkpoint or the new one, never
-half-written. Replacing an existing PATH moves the old one aside first and deletes it afterwards.
-A run's checkpoints live in RUN_DIR/checkpoints/step_N, and the file `latest` names the newest.
-
-Reading: the one loader of training state. `training_state.pt` is loaded with
-`torch.load(weights_only=True)`: tensors, numbers, strings and containers only, so a crafted file
-cannot run code; it is refused with a one-line CheckpointError (the CLI exits 2).
+Writing: into PATH.tmp-PID, every file fsynced, then renamed into place (an old PATH moved aside
+first), so PATH is never half-written. RUN_DIR/checkpoints/step_N; the file `latest` names the newest.
+Reading: `training_state.pt` with `torch.load(weights_only=True)`, so a crafted file cannot run code
+(a one-line CheckpointError, exit 2).
 """
 
 from __future__ import annotations
@@ -48,9 +44,7 @@ class NonfiniteCheckpointError(CheckpointWriteError):
 
 
 def nonfinite_parameter(model: torch.nn.Module) -> str | None:
-    """The name of the first parameter holding a NaN or Inf, or None. One isfinite reduction per
-    parameter on its device, then one deliberate sync (reading the flags): a save is rare, and the
-    guard must be exact, not a step or two late like the training-time checks."""
+    """The name of the first parameter holding a NaN or Inf, or None: exact, so one deliberate sync."""
     named = list(model.named_parameters())
     if not named:
         return None
@@ -59,12 +53,8 @@ def nonfinite_parameter(model: torch.nn.Module) -> str | None:
     return named[bad[0]][0] if bad else None
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """A file's or a directory's data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -94,12 +84,12 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
                 torch.save(extra_state, f)
             names.append(STATE_NAME)
         for name in names:
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            _fsync(tmp / name)
+        _fsync(tmp)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
@@ -110,19 +100,21 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
 
 
 def save_run_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, extra_state: dict) -> Path:
-    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A model with a
-    non-finite parameter is refused first (NonfiniteCheckpointError: nothing written). A failure of the
-    file system (a full disk, a read-only mount, a quota) becomes a CheckpointWriteError that says
-    so and which checkpoint is still latest; anything else keeps its traceback."""
+    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A non-finite parameter is
+    refused first (NonfiniteCheckpointError); a file-system failure becomes a CheckpointWriteError that
+    says which checkpoint is still latest; anything else keeps its traceback."""
     path = ckpt_dir / f"step_{step:07d}"
     latest = ckpt_dir / LATEST_NAME
     tmp = latest.with_name(f"{LATEST_NAME}.tmp-{os.getpid()}")
+
+    def kept() -> str:
+        last = latest_checkpoint(ckpt_dir)
+        return f"kept {last}" if last else "no earlier checkpoint"
+
     bad = nonfinite_parameter(model)
     if bad is not None:
-        kept = latest_checkpoint(ckpt_dir)
-        raise NonfiniteCheckpointError(
-            f"checkpoint {path} not written: parameter {bad} holds NaN/Inf; "
-            f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'} as latest")
+        raise NonfiniteCheckpointError(f"checkpoint {path} not written: parameter {bad} holds NaN/Inf; "
+                                       f"{kept()} as latest")
     try:
         save_draft_checkpoint(path, model, extra_state=extra_state)
         tmp.write_text(path.name + "\n")
@@ -132,16 +124,14 @@ def save_run_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, extr
         if code is None:
             raise
         tmp.unlink(missing_ok=True)
-        kept = latest_checkpoint(ckpt_dir)
         raise CheckpointWriteError(
             f"checkpoint {path} not written: {os.strerror(code).lower()} ({errno.errorcode.get(code, code)}); "
-            f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'} as latest") from None
+            f"{kept()} as latest") from None
     return path
 
 
 def _errno_of(exc: BaseException | None) -> int | None:
-    """The OS error behind an exception: an OSError in its chain, or the "(os error N)" that
-    safetensors writes into its own exception's message."""
+    """The errno of an OSError in the chain, or of safetensors' "(os error N)" message."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno:
             return exc.errno
@@ -167,14 +157,13 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:   # someone else's live process
-        return True
+        pass
     return True
 
 
 def remove_stale_partials(ckpt_dir: Path) -> list[str]:
-    """Clean what writers that died mid-save left in `ckpt_dir` (names ending .tmp-PID or
-    .old-PID, PID not alive on this host): a partial new checkpoint is deleted; a previous one moved
-    aside whose replacement never arrived is put back. Returns the names handled."""
+    """Clean what dead writers left in `ckpt_dir` (.tmp-PID / .old-PID, PID not alive): a partial new
+    checkpoint is deleted, a moved-aside one whose replacement never arrived put back. Returns the names."""
     handled = []
     if not Path(ckpt_dir).is_dir():
         return handled

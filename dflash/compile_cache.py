@@ -1,22 +1,14 @@
 """torch.compile around the trainer: the compile cache that survives restarts, and compile time as its
 own span.
 
-The cache. Inductor keeps its FX graph cache and AOTAutograd cache under TORCHINDUCTOR_CACHE_DIR, and
-Triton its compiled kernels under TRITON_CACHE_DIR; both are read when the first compile runs, so a
-rank sets them (`setup_cache`) before it builds anything. A restart then loads the kernels instead of
-compiling them again (dynamo still traces the Python, a few seconds). A cached kernel is code this
-process loads and runs, so the directory must be this user's alone: `cache_dir_problem` refuses a
-symlink, another owner, or group/world write permission (preflight, exit 2), and the rank creates a
-missing one with mode 0700 and checks it again after creating it.
+The cache: inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) are read at the
+first compile, so a rank sets them (`setup_cache`) before it builds anything; a restart then loads the
+kernels instead of compiling them. A cached kernel is code this process runs, so the directory must be
+this user's alone (`cache_dir_problem`: no symlink, no other owner, no group/world write).
 
-The span. torch runs the callbacks registered on `torch._dynamo.callback_handler` when a compile
-starts and ends: a frame that dynamo traces (trigger DYNAMO) and a backward that AOTAutograd compiles
-at its first call (LAZY_BACKWARD; on CUDA that runs on autograd's device thread). `install_compile_spans`
-registers a pair that opens a `drafter.compile` span on the compiling thread and closes it there, tagged
-with the trigger, the compile id ("frame/recompile") and the compiled function's name, so the time shows
-as a child of the span that triggered it (`drafter.fwd_bwd`) and never inside its self time. torch runs
-the pair once per process-wide compile window: a compile that starts while another thread's is open
-gets no span of its own (dflash compiles on one thread at a time).
+The span: torch calls `torch._dynamo.callback_handler`'s callbacks when a compile (a dynamo frame, or a
+lazy AOTAutograd backward) starts and ends; `install_compile_spans` opens a `drafter.compile` span on
+the compiling thread there, so compile time is a child of the span that triggered it, never its self time.
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ import profiler
 from dflash.config import ConfigError
 
 SPAN = "drafter.compile"
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-"""Where inductor (FX graph and AOTAutograd caches) and Triton (kernels) keep their compiled code."""
 
 
 # ------------------------------------------------------------------------------------------- cache
@@ -79,9 +69,8 @@ def check_cache_dir(path: Path) -> None:
 
 
 def setup_cache(path: Path, create: bool, env: dict | None = None) -> None:
-    """Point inductor's and Triton's caches at `path` (in `env`, default os.environ) before the first
-    compile. `create`: make the directory now (mode 0700) and check it again, so a directory swapped
-    in since preflight is refused too; without it the first compile creates it under the rank's umask."""
+    """Point inductor's and Triton's caches at `path` (in `env`, default os.environ). `create`: make it
+    now (mode 0700) and check it again, so a directory swapped in since preflight is refused too."""
     env = os.environ if env is None else env
     if create:
         try:
@@ -115,14 +104,10 @@ def bytecode_missing(packages=BYTECODE_PROBES) -> bool:
 
 def bytecode_env(enabled: bool, cache_dir: str | None, env: Mapping[str, str] | None = None,
                  dont_write: bool | None = None, missing: bool | None = None) -> dict[str, str | None]:
-    """The environment changes that give the ranks a bytecode cache: {} unless `enabled`, Python is told
-    not to write bytecode beside its sources (`dont_write`: default sys.flags.dont_write_bytecode or
-    PYTHONDONTWRITEBYTECODE in `env`), the heavy packages have none there (`missing`: default
-    `bytecode_missing()`), and no PYTHONPYCACHEPREFIX is set: then every start compiles their source
-    again. The changes: PYTHONPYCACHEPREFIX is CACHE/pycache, created
-    0700, and PYTHONDONTWRITEBYTECODE is dropped (value None). Bytecode is code the ranks load: a cache
-    directory `cache_dir_problem` refuses (checked before and after creating) gives {} here, and
-    preflight's one-line error later."""
+    """The environment changes that give the ranks a bytecode cache (PYTHONPYCACHEPREFIX=CACHE/pycache,
+    made 0700, and PYTHONDONTWRITEBYTECODE dropped: value None) when `enabled`, Python is told not to
+    write bytecode (`dont_write`), the heavy packages have none (`missing`) and no prefix is set; else {}.
+    A directory `cache_dir_problem` refuses (before and after creating) gives {} (preflight says why)."""
     env = os.environ if env is None else env
     dont_write = (sys.flags.dont_write_bytecode or bool(env.get("PYTHONDONTWRITEBYTECODE"))
                   if dont_write is None else dont_write)
@@ -146,8 +131,7 @@ def bytecode_env(enabled: bool, cache_dir: str | None, env: Mapping[str, str] | 
 
 # -------------------------------------------------------------------------------------------- span
 class CompileSpans:
-    """The callback pair behind `install_compile_spans`; one per process. Each thread keeps the span
-    it opened, so an end on another thread never closes it."""
+    """The callback pair behind `install_compile_spans`; each thread keeps the span it opened."""
 
     def __init__(self):
         self._open = threading.local()
@@ -155,8 +139,6 @@ class CompileSpans:
         """Ends on a thread that opened no span (a window that another thread started)."""
 
     def start(self, args=None) -> None:
-        """torch's start callback: open the span on this thread (torch 2.6+ passes CallbackArgs;
-        earlier ones nothing)."""
         span = profiler.span(SPAN)
         span.__enter__()
         self._open.span = span
@@ -166,7 +148,6 @@ class CompileSpans:
         profiler.tag(**{k: v for k, v in tags.items() if v is not None})
 
     def end(self, args=None) -> None:
-        """torch's end callback: close this thread's span."""
         span = getattr(self._open, "span", None)
         if span is None:
             self.unmatched_ends += 1
@@ -179,9 +160,8 @@ _spans = CompileSpans()
 
 
 def install_compile_spans() -> bool:
-    """Register the `drafter.compile` callbacks with torch (once; again after torch._dynamo.reset(),
-    which clears them). With no active profiler each span is the no-op. False, with one line on stderr,
-    when this torch has no compile callbacks: compile time then stays inside the spans around it."""
+    """Register the `drafter.compile` callbacks with torch (once; again after torch._dynamo.reset()).
+    False, with one line on stderr, when this torch has no compile callbacks."""
     try:
         from torch._dynamo import callback_handler
         register_start, register_end = callback_handler.register_start_callback, callback_handler.register_end_callback
@@ -207,8 +187,7 @@ def uninstall_compile_spans() -> None:
 
 
 def _compiling_frame_name() -> str | None:
-    """The name of the function dynamo is compiling, read from its `compile_inner(code, ...)` frame a
-    few levels up the callback's stack; None when this torch lays its frames out differently."""
+    """The function dynamo is compiling, from its `compile_inner(code, ...)` frame up the stack, or None."""
     frame = sys._getframe(1)
     for _ in range(12):
         if frame is None:

@@ -1,11 +1,9 @@
 """Training configuration: one dataclass per section (model, data, optim, parallel, profile, telemetry,
 reliability) under TrainConfig, resolved from file < env < flags and validated by `section.field`.
 
-Every field carries a docstring (the string under it); `field_docs()` reads them, so `--help` (one
-argument group per section) and the docs say the same thing as the code. Each field has one flag, its
-name unless the field says otherwise (`flag=`: profile.interval_s is --profile-interval);
-users' scripts use the flags. A config file is a mapping of sections ({"optim": {"lr": 0.001}}), or of
-the flags' keys ({"lr": 0.001}, unambiguous: every flag names one field), or a mix of both.
+Every field's docstring (the string under it) is its `--help` text (`field_docs()`); each field has one
+flag, its name unless `flag=` says otherwise. A config file maps sections ({"optim": {"lr": 0.001}}),
+flag keys ({"lr": 0.001}), or both.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ class ConfigError(ValueError):
 
 
 def _f(default, flag: str | None = None, **rules):
-    """A field with its checks: `ge`, `gt`, `le` (bounds, None always passes) or `choices`; `flag` when
-    its command-line flag (and flat config-file key) is not its own name."""
+    """A field with its checks (`ge`, `gt`, `le`, `choices`; None always passes) and its `flag` key."""
     return field(default=default, metadata={**rules, **({"flag": flag} if flag else {})})
 
 
@@ -59,9 +56,8 @@ class ModelConfig:
     block_size: int = _f(16, ge=2)
     """Draft block size B: one anchor token plus B-1 masked positions."""
     target_dtype: str = _f("auto", choices=("auto", "bfloat16", "float32"))
-    """Target (and shared embedding/LM head) dtype: auto (bfloat16 for a real target on CUDA, float32
-    for the built-in tiny target and on CPU), bfloat16 or float32. Evaluation uses the same dtype, so
-    the drafter is scored on the features it was trained on."""
+    """Target (and shared embedding/LM head) dtype, also at evaluation: auto (bfloat16 for a real target
+    on CUDA, else float32), bfloat16 or float32."""
     attn_backend: str = _f("auto", choices=("auto", "flex", "dense"))
     """Drafter attention: auto (flex on CUDA, dense on CPU), flex, or dense."""
     fused_elementwise: bool = True
@@ -71,16 +67,12 @@ class ModelConfig:
     """On CUDA, the loss's softmax/gradient/argmax per chunk as one torch.compile'd kernel
     (dflash/lm_loss.py); False: eager passes. Env DFLASH_FUSED_CE."""
     compile_cache_dir: str | None = None
-    """Directory of the compile caches kept across runs (inductor's FX graph and AOTAutograd caches and
-    Triton's kernels; each rank sets TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR to it), so a restart
-    loads the drafter's compiled kernels instead of compiling them again. None: $XDG_CACHE_HOME/dflash/compile,
-    else ~/.cache/dflash/compile. Created with mode 0700; a symlink, another user's directory or a
-    group/world-writable one is refused (exit 2): the kernels in it run in this process."""
+    """Compile caches kept across runs (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), so a restart loads
+    the compiled kernels. None: $XDG_CACHE_HOME/dflash/compile, else ~/.cache/dflash/compile. Created
+    0700; a symlink, another user's or a group/world-writable directory is refused (exit 2)."""
     bytecode_cache: bool = True
-    """When the environment tells Python not to write bytecode beside its sources (PYTHONDONTWRITEBYTECODE,
-    set in many container images), the ranks keep it in COMPILE_CACHE_DIR/pycache instead
-    (PYTHONPYCACHEPREFIX, same ownership checks): otherwise a package installed without bytecode
-    is compiled from source at every start. False: honour the environment."""
+    """Under PYTHONDONTWRITEBYTECODE, keep the ranks' bytecode in COMPILE_CACHE_DIR/pycache
+    (PYTHONPYCACHEPREFIX) rather than compile from source at every start. False: honour the environment."""
 
     def check(self, need) -> None:
         need(self.target_model is None or Path(self.target_model).is_dir(), "target_model", "no such directory")
@@ -165,11 +157,9 @@ class ProfileConfig:
     detail_steps: int = _f(3, flag="profile_detail_steps", ge=0)
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
     gpu_steps_per_s: float = _f(5.0, flag="profile_gpu_steps_per_s", ge=0)
-    """On a GPU, spans time the device (CUDA events) on about this many training steps a second at most, chosen
-    at random (every step when steps take longer than 1 / this), and on every detail-window step; the others
-    are timed on the CPU only, because events cost a launch-bound run more than their own record time. 0 =
-    every step. Each span's `gpu_count` says how many carry GPU times, and shares and reports scale by
-    count / gpu_count."""
+    """On a GPU, spans time the device (CUDA events) on at most about this many random steps a second
+    and every detail-window step; the rest on the CPU only. 0 = every step. A span's `gpu_count` says
+    how many carry GPU times; reports scale by count / gpu_count."""
     stack_samples_per_interval: int = _f(0, ge=0)
     """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
     thread in the interval record); 0 = none."""
@@ -199,15 +189,13 @@ class ReliabilityConfig:
     resume: bool = False
     """Continue from the run directory's latest checkpoint."""
     hang_timeout_s: float = _f(300.0, ge=0)
-    """Seconds without progress (no span finished, step unchanged) after which a rank dumps every
-    thread's stack and its open spans to RUN_DIR/forensics/ and stops the run (exit 1). Armed at the
-    first step change, so a rank's own start-up and first-step compile never count (a target that
-    waits on its drafter's first-step compile does count that wait: keep it above it); 0 = off."""
+    """Seconds without progress after which a rank dumps its stacks and open spans to RUN_DIR/forensics/
+    and stops the run (exit 1); armed at the first step change (keep it above the drafter's first
+    compile, which a target waits on); 0 = off."""
     on_nonfinite: str = _f("stop", choices=("stop", "skip-step", "warn"))
-    """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (a
-    `nonfinite` event names span, step, rank and tensor first): stop (exit 1, no checkpoint of that
-    step), skip-step (that batch's optimizer step is skipped, training goes on) or warn (go on). With
-    --no-profile nothing is read back, so stop acts like skip-step; no non-finite checkpoint is ever written."""
+    """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (after a
+    `nonfinite` event): stop (exit 1), skip-step (skip that optimizer step) or warn. With --no-profile
+    stop acts like skip-step; a non-finite checkpoint is never written."""
     fault: str = ""
     """Faults to inject, for tests: KIND@SPAN[:step=N][:rank=R], several separated by ';'
     (profiler/faults.py); checked by the preflight against the spans where they can fire. Env DFLASH_FAULT."""

@@ -1,14 +1,10 @@
 """JSONL conversations -> tokenised samples with an assistant loss mask -> token-budget batches.
 
-Records are `{"messages": [...]}` or `{"conversations": [...]}`; turns are OpenAI style
-(`{"role": "system"|"user"|"assistant", "content": str}`) or ShareGPT style
-(`{"from": "system"|"human"|"gpt", "value": str}`). Tokenisation goes through the tokenizer's
-chat template; the loss mask is 1 exactly on each assistant turn's content and its end-of-turn
-token, found by rendering the conversation prefix by prefix and diffing token counts.
-
-Bounded work per record: a line longer than MAX_LINE_BYTES is a bad record (read past, never held
-whole), and only the part of a conversation that can reach the first `max_length` tokens is
-rendered and tokenised. Bytes that are not UTF-8 make the line a bad record, never replaced.
+Records are `{"messages": [...]}` or `{"conversations": [...]}` of OpenAI-style (role/content) or
+ShareGPT-style (from/value) turns. The loss mask is 1 exactly on each assistant turn's content and its
+end-of-turn token, found by rendering the chat template prefix by prefix. Bounded work per record: a
+line over MAX_LINE_BYTES is a bad record (never held whole), as is one that is not UTF-8, and only
+what can reach the first `max_length` tokens is rendered.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ import torch
 ROLE_ALIASES = {"system": "system", "user": "user", "assistant": "assistant",
                 "human": "user", "gpt": "assistant"}
 MAX_EXAMPLES = 20
-# One JSONL line at most (newline excluded). 16 MiB of text is millions of tokens, far past any
-# max_length; a longer line is a malformed file (a missing newline, an embedded blob).
+# One JSONL line at most (newline excluded): millions of tokens, so a longer line is a malformed file.
 MAX_LINE_BYTES = 16 * 1024 * 1024
 _SKIP_CHUNK_BYTES = 1024 * 1024   # how an over-long line is read past
 
@@ -117,10 +112,8 @@ class ChatTokenizer:
 
     def encode(self, messages: list[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a conversation, cut to max_length; _BadRecord if the template
-        misbehaves. Only the turns and characters that can reach the first max_length tokens are
-        rendered: each turn renders at least one token (its content is not empty), and no token
-        covers more than max_token_chars characters, so twice that bound per token is left intact
-        (a safety margin for the word the cut splits)."""
+        misbehaves. Only what can reach the first max_length tokens is rendered: each turn is at least
+        one token and no token covers more than max_token_chars characters (twice that is kept)."""
         if max_length is None:
             return self._encode(messages, None)
         budget_chars = 2 * (max_length + 1) * self.max_token_chars
@@ -209,29 +202,28 @@ def _parse_line(raw: bytes | None, line_no: int, source: str, chat: ChatTokenize
     return Sample(input_ids, loss_mask, source)
 
 
-def iter_records(path: Path, chat: ChatTokenizer, max_length: int) -> Iterator[tuple[str, Sample | str]]:
-    """("FILE:LINE", Sample) for each usable record and ("FILE:LINE", reason) for each bad one, in
-    file order; blank lines are skipped. OSError if the file cannot be read."""
+def iter_samples(path: Path, chat: ChatTokenizer, max_length: int, on_bad_record: str,
+                 bad: BadRecords) -> Iterator[Sample]:
+    """Each usable record in file order; a bad one is added to `bad` ("skip") or raises ValueError
+    "FILE:LINE: reason" ("fail"). Blank lines are skipped; OSError if the file cannot be read."""
     with open(path, "rb") as f:
         for line_no, raw in _read_lines(f):
             source = f"{path}:{line_no}"
             try:
                 sample = _parse_line(raw, line_no, source, chat, max_length)
             except _BadRecord as exc:
-                yield source, str(exc)
+                if on_bad_record == "fail":
+                    raise ValueError(f"{source}: {exc}") from None
+                bad.add(f"{source}: {exc}")
                 continue
             if sample is not None:
-                yield source, sample
+                yield sample
 
 
 def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "skip",
                        chat_template: str | None = None) -> tuple[list[Sample], BadRecords]:
-    """Read and tokenise a JSONL file of conversations.
-
-    on_bad_record "skip" counts bad records (BadRecords) and keeps going; "fail" raises ValueError
-    with the first one's "FILE:LINE: reason". A missing file or one with no usable record raises
-    ValueError naming it.
-    """
+    """Read and tokenise a JSONL file of conversations (bad records: see iter_samples). A missing file
+    or one with no usable record raises ValueError naming it."""
     if on_bad_record not in ("skip", "fail"):
         raise ValueError(f"on_bad_record must be 'skip' or 'fail', got {on_bad_record!r}")
     if max_length < 2:
@@ -239,35 +231,20 @@ def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "s
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data file not found: {path}")
-    chat = ChatTokenizer(tokenizer, chat_template)
-    samples: list[Sample] = []
     bad = BadRecords()
-    for source, item in iter_records(path, chat, max_length):
-        if isinstance(item, Sample):
-            samples.append(item)
-            continue
-        message = f"{source}: {item}"
-        if on_bad_record == "fail":
-            raise ValueError(message)
-        bad.add(message)
+    samples = list(iter_samples(path, ChatTokenizer(tokenizer, chat_template), max_length, on_bad_record, bad))
     if not samples:
         raise _no_usable_records(path, bad)
     return samples, bad
 
 
 def first_usable_record(path, tokenizer, max_length: int, on_bad_record: str = "skip") -> Sample:
-    """Read only up to the first usable record (a launch's preflight): with "fail", a bad record
-    before it raises ValueError("FILE:LINE: reason"); no usable record at all raises too."""
-    path = Path(path)
-    chat = ChatTokenizer(tokenizer)
-    bad = BadRecords()
-    for source, item in iter_records(path, chat, max_length):
-        if isinstance(item, Sample):
-            return item
-        if on_bad_record == "fail":
-            raise ValueError(f"{source}: {item}")
-        bad.add(f"{source}: {item}")
-    raise _no_usable_records(path, bad)
+    """Read only up to the first usable record (a launch's preflight); none at all raises ValueError."""
+    path, bad = Path(path), BadRecords()
+    sample = next(iter_samples(path, ChatTokenizer(tokenizer), max_length, on_bad_record, bad), None)
+    if sample is None:
+        raise _no_usable_records(path, bad)
+    return sample
 
 
 def _no_usable_records(path: Path, bad: BadRecords) -> ValueError:
@@ -303,13 +280,9 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
 
 
 class TokenBatcher:
-    """Infinite iterator of Batches under a token budget, deterministic and resumable.
-
-    Each epoch draws a permutation of all samples from (seed, epoch); shard r of n takes every
-    n-th sample of it, so shards are disjoint and together cover the data every epoch. Samples
-    are taken in that order (no sorting) while batch_size * longest <= tokens_per_batch; a
-    sample longer than the budget alone makes a batch of one.
-    """
+    """Infinite iterator of Batches under a token budget, deterministic and resumable: each epoch a
+    permutation from (seed, epoch), shard r of n taking every n-th sample (disjoint shards covering the
+    data); samples in that order while batch_size * longest <= tokens_per_batch."""
 
     def __init__(self, samples: list[Sample], tokens_per_batch: int, pad_token_id: int, seed: int,
                  shard: int = 0, num_shards: int = 1):
@@ -319,14 +292,9 @@ class TokenBatcher:
             raise ValueError(f"shard must be in [0, num_shards), got shard={shard} num_shards={num_shards}")
         if len(samples) < num_shards:
             raise ValueError(f"{len(samples)} samples cannot be split into {num_shards} non-empty shards")
-        self.samples = samples
-        self.tokens_per_batch = tokens_per_batch
-        self.pad_token_id = pad_token_id
-        self.seed = seed
-        self.shard = shard
-        self.num_shards = num_shards
-        self.epoch = 0
-        self.batch_index = 0
+        self.samples, self.tokens_per_batch, self.pad_token_id = samples, tokens_per_batch, pad_token_id
+        self.seed, self.shard, self.num_shards = seed, shard, num_shards
+        self.epoch = self.batch_index = 0
         self._plan: tuple[int, list[list[int]]] | None = None
 
     def epoch_plan(self, epoch: int) -> list[list[int]]:

@@ -1,12 +1,9 @@
 """Greedy decoding and lossless greedy draft-and-verify with a DFlash drafter (batch size 1).
 
-Speculative step, as the reference dflash_generate: the last known token sits at position `start`;
-the drafter gets the target's context features for positions < start and the block
-[token[start], MASK x (B-1)] at positions start..start+B-1 and proposes B-1 tokens; the target
-verifies the block in one forward; the longest prefix agreeing with the target's argmax is kept plus
-the target's own next token (the bonus). Every kept token is the target's greedy choice, so the
-output equals greedy_generate. Target forwards recompute the whole sequence (no KV cache): simple
-and exact, fine for the small targets evaluation decodes with.
+As the reference dflash_generate: the drafter proposes B-1 tokens after the last known one from the
+target's features, the target verifies the block in one forward, and the longest agreeing prefix
+plus the target's own next token is kept, so the output equals greedy_generate. Target forwards
+recompute the whole sequence (no KV cache): exact, and fine for the small targets evaluation uses.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ def _device(model) -> torch.device:
 @torch.no_grad()
 def greedy_generate(target_model, input_ids: torch.Tensor, max_new_tokens: int,
                     stop_token_ids=()) -> torch.Tensor:
-    """[1, T] -> [1, T + up to max_new_tokens], argmax of a full forward per token; stops after
-    emitting any of stop_token_ids (end of turn), as a serving stack would."""
+    """[1, T] -> [1, T + up to max_new_tokens], argmax per token; stops after any of stop_token_ids."""
     _check_input(input_ids, max_new_tokens)
     seq = input_ids.to(_device(target_model))
     stops = set(int(t) for t in stop_token_ids)
@@ -62,8 +58,7 @@ def _features(out, layer_ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def draft_block(drafter, context: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
-    """One draft block: context [n, K*H] for positions 0..n-1, last_token = token[n] (0-dim).
-    Returns the B-1 proposed tokens for positions n+1..n+B-1."""
+    """The B-1 tokens proposed for positions n+1.. from context [n, K*H] and token[n] (0-dim)."""
     n, device, bs = context.shape[0], context.device, drafter.block_size
     layout = build_layout(torch.zeros(n, dtype=torch.int32, device=device),
                           torch.arange(n, device=device),

@@ -1,8 +1,6 @@
-"""End-of-run evaluation on held-out conversations: real greedy draft-and-verify decoding against the
-target (lossless: it must equal target-only greedy decoding) and the simulated acceptance length on
-the same conversations, side by side. Simulated: `tau_prefix`, each anchor's accepted prefix
-teacher-forced; `tau` (1 + sum_k prod acc_i) assumes positions fail independently, which
-underestimates acceptance on targets whose easy stretches are easy all the way."""
+"""End-of-run evaluation on held-out conversations: real greedy draft-and-verify decoding (lossless:
+it must equal target-only greedy decoding) beside the simulated acceptance length (`tau_prefix`
+teacher-forced; `tau`, which assumes positions fail independently) on the same conversations."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ def _prompt_length(sample) -> int:
 
 @contextlib.contextmanager
 def one_thread_on_cpu(device: torch.device):
-    """Decoding is latency-bound (batch 1, a few tokens a forward): on the CPU a drafter rank's extra
-    intra-op threads (dflash.topology.cpu_threads) only add their wake-ups."""
+    """Decoding is latency-bound (batch 1): on the CPU extra intra-op threads only add wake-ups."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -68,8 +65,7 @@ def _run_eval(ctx, model, heldout: list, tokenizer) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"
                               and ctx.dtype == torch.bfloat16)
     with profiler.span("eval.decode"), autocast:
-        # The training dtype: the drafter is scored on the features it learned from. (In bf16,
-        # forwards of different lengths can flip near-tie argmaxes, which shows up as mismatches.)
+        # The training dtype: the drafter is scored on the features it learned from.
         target = AutoModelForCausalLM.from_pretrained(str(ctx.target_dir), dtype=ctx.dtype).to(device).eval()
         layer_ids = list(model.config.target_layer_ids)
         stops = _stop_token_ids(tokenizer, target)

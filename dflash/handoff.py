@@ -1,12 +1,10 @@
 """The launcher/rank hand-off protocol, shared by dflash.launch (which starts the ranks) and the ranks
 (dflash.rank, dflash.worker), so neither side imports the other.
 
-A rank's process starts at once and imports torch behind a gate (a pipe, ENV_GATE_FD) while the launcher
-runs the preflight; the run's config arrives there as JSON once the preflight passed (EOF: it did not).
-Rank 0 also inherits the store's listening socket (ENV_STORE_FD), which the launcher bound on loopback:
-TCPStore's own server binds every interface. Ranks started by hand on several hosts (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set) serve the store on MASTER_ADDR only; under torchrun the store is
-torchrun's (README, "Security: what a run exposes").
+A rank imports torch behind a gate (a pipe, ENV_GATE_FD) while the launcher runs the preflight; the
+config arrives there as JSON once it passed (EOF: it did not). Rank 0 inherits the store's socket
+(ENV_STORE_FD), bound on loopback (TCPStore's own server binds every interface); ranks started by hand
+serve it on MASTER_ADDR only; under torchrun the store is torchrun's.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ ENV_GATE_FD = "DFLASH_GATE_FD"
 """The read end of a rank's gate: the run's config arrives there once the preflight passed."""
 RUN_UMASK = 0o077
 """Files a run writes are readable by this user only (README, "Security: what a run exposes")."""
-# A rank that has waited this long at the rendezvous says what it waits for (never before half
-# the timeout). Long enough that ranks importing torch side by side on a busy host stay quiet.
+# A rank that has waited this long at the rendezvous (or half the timeout) says what it waits for.
 _ANNOUNCE_AFTER_S = 15.0
 
 
@@ -39,11 +36,9 @@ class RendezvousError(RuntimeError):
 
 @contextlib.contextmanager
 def long_lived():
-    """For a burst of allocations that will live as long as the process (the imports of torch and
-    transformers, some 350,000 objects): the cyclic collector is off inside, so none of its full passes
-    walks them while they are created; at the end what is alive is frozen (gc.freeze) so later passes
-    skip it, and only then is the collector on again (as it was before), else its next young pass would
-    walk everything created inside."""
+    """For allocations that live as long as the process (the imports of torch and transformers): the
+    cyclic collector is off inside, and what is alive at the end is frozen (gc.freeze) before it is on
+    again, so no pass walks those objects."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -55,8 +50,7 @@ def long_lived():
 
 
 def write_gate(fd: int, data: bytes) -> None:
-    """Launcher side: the config into one rank's gate, then close it (a rank already gone, e.g. a
-    failed import, is the supervisor's to report)."""
+    """Launcher side: the config into one rank's gate, then close it (a rank gone is the supervisor's)."""
     try:
         view = memoryview(data)
         while view:
@@ -80,9 +74,8 @@ def read_gate(environ=os.environ) -> bytes:
 
 
 def rendezvous_store(rank: int, world: int, timeout_s: float):
-    """The store a rank passes to init_process_group, once all `world` ranks have joined it; None
-    under torchrun (its agent's store, through env://). RendezvousError after `timeout_s`; a rank
-    still waiting after _ANNOUNCE_AFTER_S (or half the timeout) says what it waits for."""
+    """The store a rank passes to init_process_group once all `world` ranks joined (None under
+    torchrun: its agent's store); RendezvousError after `timeout_s`."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
     addr, port = _master_address()
@@ -98,8 +91,7 @@ def rendezvous_store(rank: int, world: int, timeout_s: float):
                  else _join_store(addr, port, world, timeout_s))
     finally:
         announce.cancel()
-    # From here on the store serves process-group set-up, which may wait on a slow rank's model
-    # load (a lazily created NCCL communicator): torch's default timeout, not the rendezvous one.
+    # Process-group set-up may wait on a slow rank's model load: torch's default timeout from here.
     store.set_timeout(timedelta(minutes=30))
     return store
 

@@ -21,15 +21,13 @@ from dflash.compile_cache import bytecode_env
 from dflash.config import TrainConfig
 from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, write_gate
 
-# After a rank fails (or a second signal), how long the others get to exit before SIGKILL. A rank
-# blocked in a collective or a transfer writes its run_end and exits 2 s after SIGTERM by itself
-# (dflash.worker._forensics), so the whole job stops within about 5 s of the first failure.
+# After a rank fails (or a second signal), how long the others get to exit before SIGKILL (a blocked
+# rank exits 2 s after SIGTERM by itself: dflash.worker._forensics).
 _GRACE_SECONDS = 3.0
 
+
 def guess_gpus(cfg: TrainConfig) -> int:
-    """torch_gpus without importing torch: the CUDA driver's device count (CUDA_VISIBLE_DEVICES
-    applies) through ctypes. A guess: launch() checks it against preflight.torch_gpus
-    after the preflight."""
+    """torch_gpus without importing torch (the CUDA driver's count): a guess launch() checks later."""
     return 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
 
 
@@ -43,9 +41,8 @@ def world_for(cfg: TrainConfig, gpus: int) -> int:
 
 
 def threads_env(gpus: int, environ=os.environ) -> dict:
-    """A CPU run's ranks share the host's cores, and a drafter rank takes more threads than its share
-    (dflash.topology.cpu_threads): OpenMP's threads then wait asleep (OMP_WAIT_POLICY=PASSIVE)
-    rather than spinning on cores the other ranks compute on. Set before the ranks start: OpenMP reads it once, when torch loads it. A value the user set is kept."""
+    """A CPU run's ranks share the host's cores: OpenMP's threads wait asleep (OMP_WAIT_POLICY=PASSIVE)
+    rather than spin on the others' cores. Read once when torch loads; a value the user set is kept."""
     return {"OMP_WAIT_POLICY": "PASSIVE"} if gpus == 0 and "OMP_WAIT_POLICY" not in environ else {}
 
 
@@ -64,11 +61,9 @@ def cuda_driver_device_count() -> int:
 
 
 def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
-    """One worker process per rank, started at once behind a gate: the ranks import torch and the model
-    code while this process runs the preflight, and get the run's config only once it has passed.
-    Bad input: the gated ranks are killed (they have imported modules, nothing more) and the
-    ConfigError goes up: one line, exit 2, nothing created. `started_ns` (unix ns, default now) is
-    when the command began: the origin of the ranks' start-up timeline (dflash/startup.py)."""
+    """One worker process per rank, started at once behind a gate: the ranks import while this process
+    runs the preflight, and get the config once it has passed; on bad input they are killed and the
+    ConfigError goes up (exit 2, nothing created). `started_ns`: the start-up timeline's origin."""
     started_ns = started_ns or time.time_ns()
     gpus = guess_gpus(cfg)
     bytecode = use_bytecode_cache(bytecode_env(cfg.model.bytecode_cache, cfg.model.compile_cache_dir))
@@ -99,8 +94,7 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
 
 
 def use_bytecode_cache(changes: dict) -> dict:
-    """Apply `bytecode_env`'s changes to this process too (sys.pycache_prefix and sys.dont_write_bytecode
-    are read at every import), so the launcher's preflight imports use the same cache; returns them."""
+    """Apply `bytecode_env`'s changes to this process too, so the preflight's imports share the cache."""
     if changes:
         sys.pycache_prefix = changes["PYTHONPYCACHEPREFIX"]
         sys.dont_write_bytecode = False
@@ -108,9 +102,8 @@ def use_bytecode_cache(changes: dict) -> dict:
 
 
 class GatedRanks:
-    """`world` worker processes, each blocked at its gate (a pipe) after its imports, until open()
-    writes the config there, or abort() kills them. Rank 0 holds the store's listening socket, which
-    this process binds on loopback."""
+    """`world` worker processes, each blocked at its gate (a pipe) after its imports until open() writes
+    the config there or abort() kills them; rank 0 gets the store's socket, bound here on loopback."""
 
     def __init__(self, world: int, started_ns: int, env_changes: dict | None = None):
         store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
@@ -149,7 +142,6 @@ class GatedRanks:
         return self.procs
 
     def abort(self) -> None:
-        """Kill the ranks still behind their gates and close the gates."""
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -169,10 +161,8 @@ def _spawn(env: dict, rank: int, store_socket: socket.socket | None, gate_fd: in
 
 
 class Supervisor:
-    """Waits for all ranks. The first non-zero exit stops the rest (SIGTERM, then SIGKILL after
-    `grace_s`) and decides the exit code. SIGINT/SIGTERM are forwarded to every live rank; a second
-    one escalates: forwarded again (a rank stops at once on its second signal) and SIGKILL for any
-    rank still alive `grace_s` later. `clock` and `poll_s` are injected for tests."""
+    """Waits for all ranks; the first non-zero exit stops the rest (SIGTERM, SIGKILL after `grace_s`)
+    and decides the exit code. Signals are forwarded; a second one also SIGKILLs `grace_s` later."""
 
     def __init__(self, procs: list[subprocess.Popen], grace_s: float = _GRACE_SECONDS, clock=time.monotonic,
                  poll_s: float = 0.1, stderr=None):
@@ -208,7 +198,6 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     def stop_all(self) -> None:
-        """SIGTERM every live rank; SIGKILL those still alive after grace_s."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -1,26 +1,12 @@
 """Weighted cross entropy through the frozen LM head, in row chunks: the [rows, vocab] logits are
 never held whole.
 
-`linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight)` returns
-`sum_i row_weight[i] * CE(hidden[i] @ weight.T + bias, targets[i]) / total_weight` (differentiable
-w.r.t. `hidden` only: the head is frozen, so no weight gradient is ever formed) and, per row, whether
-the logits' argmax is the target. Over chunks of rows it computes the chunk's logits exactly as
-`DFlashDraftModel.logits` does (hidden cast to the head weight's dtype; under autocast the matmul runs
-in the autocast dtype and yields logits of that dtype), then the float32 math of today's
-`F.cross_entropy(logits.float())`: log-softmax, the target's CE, and already in the forward the
-gradient w.r.t. the chunk's rows,
-`((softmax - onehot) * row_weight / total_weight).to(logits dtype) @ weight`, which is what autograd
-would have produced for a loss gradient of 1. Only that [rows, H] gradient is saved; backward scales
-it by the loss gradient. Peak memory is a few chunks of logits instead of ~4 copies of all of them.
-
-Chunk size: `CHUNK_LOGIT_BYTES` of logits (in the matmul's dtype) per chunk, 1 GiB by default (the
-fastest of the sizes tried: bench/RESULTS.md). Results do not depend on it beyond floating-point
-reassociation inside the matmul.
-
-The softmax/gradient/argmax part runs either as a few eager in-place passes (`fused=False`; always
-the default on the CPU) or as one `torch.compile`d function that Inductor fuses into a single kernel
-per chunk (`fused=True`; the default for CUDA tensors; the trainer passes its config's `fused_ce`),
-which reads each chunk's logits once instead of several times. Row counts come from tensor shapes on the host: no host-device sync.
+Per chunk of rows: the logits exactly as `DFlashDraftModel.logits` computes them (under the caller's
+autocast), then the float32 math of `F.cross_entropy(logits.float())` and already in the forward the
+gradient w.r.t. the rows, `((softmax - onehot) * row_weight / total_weight).to(logits dtype) @ weight`
+(what autograd gives for a loss gradient of 1). Only that [rows, H] gradient is saved; backward scales
+it. The softmax/gradient/argmax runs as eager in-place passes, or on CUDA as one torch.compile'd
+kernel per chunk (`fused`, the config's `fused_ce`). Row counts come from shapes: no host-device sync.
 """
 
 from __future__ import annotations
@@ -45,10 +31,8 @@ def _matmul_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
 
 
 def _ce_grad_eager(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
-    """Per row: CE (float32), d(sum scale*CE)/d logits in logits' dtype, argmax == target.
-
-    Same math as F.cross_entropy(logits.float()) and its backward (log_softmax, then
-    exp(logp) * g - g at the target), with the float32 buffers reused in place."""
+    """Per row: CE (float32), d(sum scale*CE)/d logits in logits' dtype, argmax == target; the math of
+    F.cross_entropy(logits.float()) and its backward, buffers reused in place."""
     correct = logits.argmax(-1) == targets
     logp = torch.log_softmax(logits.float(), -1)
     ce = -logp.gather(1, targets[:, None]).squeeze(1)
@@ -72,9 +56,7 @@ _ce_grad_compiled = None
 
 
 def _ce_grad_fused(logits, targets, scale):
-    """`_ce_grad_math` through torch.compile, compiled on first use with the row count dynamic from
-    the start (the ragged last chunk changes size every step; vocab stays static), so shapes alone
-    never recompile, except Dynamo's own specialisation of a 1-row chunk."""
+    """`_ce_grad_math` compiled on first use, the row count dynamic (the last chunk is ragged)."""
     global _ce_grad_compiled
     if _ce_grad_compiled is None:
         _ce_grad_compiled = torch.compile(_ce_grad_math)
@@ -84,12 +66,10 @@ def _ce_grad_fused(logits, targets, scale):
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """Forward computes loss, correct flags and (when asked) d loss / d hidden chunk by chunk;
-    backward only scales the saved gradient."""
+    """Forward: loss, correct flags and d loss / d hidden chunk by chunk; backward scales the latter."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weight, total_weight, chunk_rows, fused, need_grad):
-        """(loss, correct); saves d loss / d hidden [R, H] in the matmul dtype when need_grad."""
         device = hidden.device
         dtype = _matmul_dtype(device.type, weight.dtype)
         step = _ce_grad_fused if fused else _ce_grad_eager
@@ -120,7 +100,6 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_correct):
-        """The saved gradient, in hidden's dtype, times the loss gradient; nothing for the rest."""
         (grad,) = ctx.saved_tensors
         return grad.to(ctx.hidden_dtype) * grad_loss, None, None, None, None, None, None, None, None
 
@@ -128,13 +107,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, row_weight: torch.Tensor, total_weight: float, *,
                          chunk_rows: int | None = None, fused: bool | None = None):
-    """(loss, correct): `sum_i row_weight[i] * CE(logits_i, targets[i]) / total_weight` as a scalar
-    float32 tensor differentiable w.r.t. `hidden` [R, H], and [R] bool argmax(logits_i) == targets[i],
-    where logits = F.linear(hidden.to(weight.dtype), weight, bias) under the caller's autocast.
-
-    `weight` [V, H] / `bias` [V] must be frozen (no gradient is formed for them). `row_weight` [R] is
-    on hidden's device; `total_weight` a host float. `chunk_rows` defaults to CHUNK_LOGIT_BYTES' worth
-    of logits; `fused` to True for CUDA tensors, False otherwise."""
+    """(loss, correct): `sum_i row_weight[i] * CE(logits_i, targets[i]) / total_weight`, differentiable
+    w.r.t. `hidden` [R, H], and [R] argmax(logits_i) == targets[i], logits = F.linear(hidden, weight,
+    bias) under the caller's autocast. The head must be frozen; `total_weight` is a host float;
+    `chunk_rows` defaults to CHUNK_LOGIT_BYTES' worth of logits, `fused` to hidden.is_cuda."""
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}")
@@ -156,8 +132,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def reference_linear_cross_entropy(hidden, weight, bias, targets, row_weight, total_weight, **_):
-    """compute_loss's LM-head loss before chunking, verbatim: all logits at once, autograd backward.
-    The baseline that tests/dflash/test_lm_loss.py checks against and bench_drafter.py's `--loss unchunked`."""
+    """The unchunked loss (all logits at once, autograd backward): the tests' and bench's baseline."""
     logits = F.linear(hidden.to(weight.dtype), weight, bias)
     ce = F.cross_entropy(logits.float(), targets, reduction="none")
     loss = (ce * row_weight).sum() / total_weight

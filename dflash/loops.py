@@ -1,10 +1,7 @@
-"""The two roles' loops. Each step function reads top to bottom like DESIGN.md's data-flow lines:
+"""The two roles' loops; each step function reads top to bottom like DESIGN.md's data-flow lines:
 
     target rank:  target.fetch -> target.fwd -> target.pack_hidden -> [d2h_copy] -> transfer.send
-    drafter rank: drafter.recv -> [h2d_copy] -> drafter.fwd_bwd -> drafter.allreduce -> drafter.optim
-
-plus `drafter.unpack` between drafter.recv and drafter.fwd_bwd (the payload's arrival, its fingerprint check,
-its metadata to the device: docs/ARCHITECTURE.md, departures).
+    drafter rank: drafter.recv -> [h2d_copy] -> drafter.unpack -> drafter.fwd_bwd -> drafter.allreduce -> drafter.optim
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ class NonfiniteStop(RuntimeError):
 
 
 def stop_if_nonfinite(cfg: TrainConfig) -> None:
-    """At a step boundary, under --on-nonfinite stop: the first finding read back so far. The checks
-    come back asynchronously (profiler/nonfinite.py), so this stops after the bad step by the device's lag
-    (a step or two) plus one to two collector polls."""
+    """At a step boundary, under --on-nonfinite stop: the first finding read back so far (the checks come
+    back asynchronously, so a step or two after the bad one)."""
     found = profiler.nonfinite_found()
     if found is not None and cfg.reliability.on_nonfinite == "stop":
         raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "
@@ -84,9 +80,8 @@ class WorkerContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The target's dtype. The built-in tiny target stays float32 on GPUs too: its random
-        weights amplify bf16 rounding, so bf16 features would differ from the float32 ones its
-        corpus was generated with, and a drafter trained on them would be scored on others."""
+        """The target's dtype. The built-in tiny target stays float32 on GPUs too: its random weights
+        amplify bf16 rounding, so bf16 features would differ from those its corpus was made with."""
         if self.cfg.model.target_dtype != "auto":
             return getattr(torch, self.cfg.model.target_dtype)
         real_target_on_gpu = self.device.type == "cuda" and self.cfg.model.target_model is not None
@@ -258,22 +253,19 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
-    profiler.metric("loss", loss.detach())   # as trained on (nan@drafter.fwd_bwd included)
-    profiler.metric("tau", out.tau.detach())
-    profiler.metric("tau_prefix", out.tau_prefix.detach())
-    profiler.metric("lr", state.scheduler.get_last_lr()[0])
-    for k in range(min(4, out.acc.numel())):
-        profiler.metric(f"acc_{k + 1}", out.acc[k].detach())
-    if grad_norm is not None:
-        profiler.metric("grad_norm", grad_norm.detach())
+    # The loss as trained on (nan@drafter.fwd_bwd included).
+    metrics = {"loss": loss, "tau": out.tau, "tau_prefix": out.tau_prefix, "lr": state.scheduler.get_last_lr()[0],
+               **{f"acc_{k + 1}": out.acc[k] for k in range(min(4, out.acc.numel()))}, "grad_norm": grad_norm}
+    for name, value in metrics.items():
+        if value is not None:
+            profiler.metric(name, value.detach() if isinstance(value, torch.Tensor) else value)
     return loss.detach(), out.tau.detach()
 
 
 def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int,
                    batch_index: int) -> None:
-    """Compare the received payload's fingerprint with the target's, on the device: flags
-    `payload.packed` (the pack made NaN/Inf) or `payload.transfer` (d2h_copy, transfer.send or h2d_copy
-    changed it); read back off this thread like every check."""
+    """Compare the received payload's fingerprint with the target's, on the device: `payload.packed`
+    (the pack made NaN/Inf) or `payload.transfer` (the copies or the wire changed it)."""
     if msg.fingerprint is None:
         return
     flags = transfer.fingerprint_flags(msg.fingerprint, transfer.fingerprint(hidden), hidden.numel())
@@ -282,9 +274,8 @@ def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tens
 
 
 def _optimizer_step(ctx: WorkerContext, state: DrafterState, loss: torch.Tensor, grad_norm) -> None:
-    """The update. The loss and the gradient norm are checked on the device; under stop and skip-step
-    a non-finite one skips this update on the device too (nonfinite.step_unless), so the weights stay
-    finite; under warn it is applied."""
+    """The update; a non-finite loss or gradient norm skips it on the device (nonfinite.step_unless)
+    under stop and skip-step, so the weights stay finite; under warn it is applied."""
     watched = {"loss": loss.detach()} if grad_norm is None else {"loss": loss.detach(), "grad_norm": grad_norm}
     flags = torch.stack([~torch.isfinite(t).all() for t in watched.values()])
     gate = ctx.cfg.reliability.on_nonfinite != "warn"

@@ -1,9 +1,8 @@
 """The DFlash training loss over all draft blocks of a packed batch.
 
-Everything data-dependent (anchors, which block positions have a valid target, the weight sum,
-per-position counts) is decided on the CPU from the PackedBatch's CPU metadata, then shipped to the
-device as index tensors: no device->host sync, and the LM head only runs on rows with a target,
-through dflash.lm_loss in row chunks, so the [rows, vocab] logits are never held whole.
+Everything data-dependent (anchors, valid block positions, weights, counts) is decided on the CPU
+from the batch's CPU metadata and shipped as index tensors: no device->host sync; the LM head runs
+only on rows with a target (dflash.lm_loss, chunked).
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ class LossOutput:
     num_targets: int
     """Valid (anchor, k) targets the loss averaged over (known on the CPU)."""
     tau_prefix: torch.Tensor | None = None
-    """Scalar: 1 + mean over anchors of the leading run of correct predictions, i.e. what a
-    verify step would accept teacher-forced. Unlike `tau` it keeps the correlation between
-    positions (easy blocks are right all the way), so it is the one to compare with real decoding."""
+    """Scalar: 1 + mean over anchors of the leading run of correct predictions (what a verify step
+    would accept teacher-forced; unlike `tau` it keeps the correlation between positions)."""
 
 
 def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
@@ -78,8 +76,7 @@ def block_targets(anchors: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
 def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors: int, gamma: float,
                  generator: torch.Generator, fused_ce: bool = True) -> LossOutput:
     """The weighted block loss, per-position accuracy and tau over up to `num_anchors` anchors per
-    document of `packed`, drawn with the CPU `generator`; `context` is the drafter's [N, K*H] input;
-    `fused_ce`: the compiled cross-entropy kernel on CUDA (dflash.lm_loss)."""
+    document (CPU `generator`); `context`: the drafter's [N, K*H] input."""
     meta = packed.meta()
     bs = model.block_size
     device = context.device

@@ -1,15 +1,9 @@
-"""The DFlash drafter, parameter-compatible with z-lab's reference `DFlashDraftModel`.
-
-State-dict names follow the reference: fc, hidden_norm, layers.N.self_attn.{q,k,v,o}_proj,
-layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj, layers.N.input_layernorm,
-layers.N.post_attention_layernorm, norm. As in the reference, the context features (K target
-layer outputs, hidden_states[i+1] in HF numbering) go through fc + hidden_norm once and are then
-projected by every layer's own k/v projections; queries come from the block only; RoPE uses
-absolute positions; the target's embedding and LM head are frozen and not part of the drafter.
-
-Unlike the reference (one block at inference), forward() runs every draft block of a packed batch
-at once, with a mask (dflash.attention) giving each block exactly what one reference inference
-step would see.
+"""The DFlash drafter, parameter-compatible with z-lab's reference `DFlashDraftModel` (same state-dict
+names). As in the reference, the K target layers' features go through fc + hidden_norm once and are
+projected by every layer's own k/v; queries come from the block only; RoPE uses absolute positions;
+the target's embedding and LM head are frozen and not part of the drafter. Unlike the reference,
+forward() runs every draft block of a packed batch at once, masked (dflash.attention) so that each
+block sees exactly what one reference inference step would.
 """
 
 from __future__ import annotations
@@ -24,6 +18,12 @@ from transformers import Qwen3Config
 from dflash import fused
 from dflash.attention import BlockLayout, MaskSet, resolve_backend
 from dflash.blocks import MLP, RMSNorm, RotaryEmbedding
+
+
+_QWEN3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                 "attention_bias", "attention_dropout", "initializer_range")
+"""DFlashConfig fields that are Qwen3Config's own, under the same names."""
 
 
 @dataclass
@@ -99,33 +99,18 @@ class DFlashConfig:
         """The Qwen3Config the building blocks (dflash.blocks: RMSNorm, MLP, RoPE) are made from."""
         sliding = "sliding_attention" in self.layer_types
         return Qwen3Config(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
-            attention_bias=self.attention_bias, attention_dropout=self.attention_dropout,
+            **{name: getattr(self, name) for name in _QWEN3_FIELDS}, rope_parameters=dict(self.rope_parameters),
             use_sliding_window=sliding, sliding_window=self.sliding_window if sliding else None,
-            max_window_layers=self.num_hidden_layers, layer_types=list(self.layer_types),
-            initializer_range=self.initializer_range, tie_word_embeddings=False)
+            max_window_layers=self.num_hidden_layers, layer_types=list(self.layer_types), tie_word_embeddings=False)
 
     def to_json_dict(self) -> dict:
         """config.json content the reference DFlashDraftModel (a Qwen3Config) loads."""
-        d = self.hf_config().to_dict()
-        d.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            # The reference treats sliding layers as causal unless is_causal says otherwise;
-            # draft blocks are bidirectional.
-            "is_causal": False,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
-            "use_cache": False,
-        })
-        return d
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                  "block_size": self.block_size}
+        # is_causal: the reference treats sliding layers as causal unless told; draft blocks are bidirectional.
+        return {**self.hf_config().to_dict(), "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                "block_size": self.block_size, "num_target_layers": self.num_target_layers, "is_causal": False,
+                "dflash_config": dflash, "use_cache": False}
 
     @classmethod
     def from_json_dict(cls, d: dict, attn_backend: str = "auto") -> "DFlashConfig":
@@ -165,15 +150,11 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """norm(x): one compiled kernel on the fused path (dflash.fused), else the eager module."""
-    if fused.active(x):
-        return fused.rms_norm(x, norm)
-    return norm(x)
+    return fused.rms_norm(x, norm) if fused.active(x) else norm(x)
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm):
-    """(s, norm(s)) for the residual stream s = x + delta (s = x when delta is None): the add and
-    the norm that reads it are one compiled kernel on the fused path, else eager as before."""
+    """(s, norm(s)) for the residual stream s = x + delta (x when delta is None), one kernel when fused."""
     if delta is None:
         return x, _norm(norm, x)
     if fused.active(x):
@@ -183,7 +164,6 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm):
 
 
 def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward (Qwen3MLP's), with SiLU(gate) * up as one compiled kernel on the fused path."""
     if fused.active(x) and mlp.config.hidden_act == "silu":
         return mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     return mlp(x)
@@ -229,17 +209,15 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, delta, ctx, cos, sin, masks):
-        """x: [Q, H] residual stream; delta: the previous layer's MLP output, not yet added to x
-        (None before the first layer), so that the add fuses with this layer's first norm.
-        Returns (x, delta) of this layer: its output is x + delta."""
+        """(x, delta) -> (x, delta): the residual stream and the previous MLP output not yet added to
+        it (None at first), so the add fuses with the next norm."""
         x, h = _add_norm(x, delta, self.input_layernorm)
         x, h = _add_norm(x, self.self_attn(h, ctx, cos, sin, masks), self.post_attention_layernorm)
         return x, _mlp(self.mlp, h)
 
 
 class _FrozenHead:
-    """Holds the target's embedding and LM head outside the module tree: not trained, not saved,
-    not moved by drafter.to()."""
+    """The target's embedding and LM head, outside the module tree: not trained, saved or moved."""
 
     def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         for m in (embed_tokens, lm_head):
@@ -285,14 +263,12 @@ class DFlashDraftModel(nn.Module):
                 m.weight.fill_(1.0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The frozen LM head's logits of [R, H] block states. The training loss does not call this:
-        dflash.lm_loss forms the same logits (same casts, same autocast) chunk by chunk; keep them in step."""
+        """The frozen LM head's logits of [R, H] block states (dflash.lm_loss forms the same, chunked)."""
         return self.head.lm_head(hidden.to(self.head.lm_head.weight.dtype))
 
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        """context: [N, K*H] target features; block_ids: [M, B] block tokens; layout from
-        dflash.attention.build_layout. Returns final-normed block states [Mp*B, H] (padded; rows
-        of block j are j*B .. j*B+B-1)."""
+        """context [N, K*H], block_ids [M, B], layout (build_layout) -> final-normed block states
+        [Mp*B, H], padded; block j's rows are j*B .. j*B+B-1."""
         dtype = self.fc.weight.dtype
         bs, np_, mp = layout.block_size, layout.num_ctx_padded, layout.anchor_doc.shape[0]
         if block_ids.shape != (layout.num_anchors, bs) or context.shape[0] != layout.num_ctx:
@@ -314,6 +290,5 @@ class DFlashDraftModel(nn.Module):
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, ctx, cos[0], sin[0], masks)
-        # An eager add: a fused add+norm would return a sum nothing reads, whose gradient
-        # AOTAutograd would then materialise as zeros.
+        # An eager add: a fused add+norm's unread sum would get a materialised zero gradient.
         return _norm(self.norm, x if delta is None else x + delta)

@@ -1,15 +1,10 @@
 """pack_hidden: drop padding, lay the K captured layers out per token, carry positions/docs/loss mask.
 
-Each row of a Batch is one document (right-padded), so a packed token's document id is its row and
-its position is its index among the row's real tokens. Flat indices of real tokens are computed on
-the CPU from batch.attention_mask (boolean-mask indexing on the device would sync) and gathered with
-index_select written straight into the output: each hidden element is read once and written once,
-the device-memory floor. The metadata rides to the device in one small copy; CPU copies are kept
-(not part of tensors()) so the drafter can sample anchors without a device->host sync.
-
-Noise (--hidden-noise) is uniform in [-s, s], drawn in float32 by a generator on the hidden's
-device seeded with noise_seed, and added by _add_noise on whichever side owns the concatenated
-context: the target (concat) or the drafter (split). Same function, same op order, same result.
+A Batch row is one document, so a token's document id is its row and its position its index among
+the row's real tokens. Flat indices are computed on the CPU (boolean indexing on the device would
+sync) and gathered with index_select straight into the output (each element read and written once);
+the metadata rides to the device in one copy, and CPU copies stay for anchor sampling. Noise is
+uniform in [-s, s], drawn in float32 from noise_seed on whichever side concatenates the context.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ META_DTYPES = (torch.int64, torch.int64, torch.int32, torch.bool)
 
 
 class WireHeader(NamedTuple):
-    """The small integers a packed batch's transfer header carries, by name (dflash.transfer moves
-    them as Message.ints; the first is the batch index it tags flows and its flight recorder with)."""
+    """The integers a packed batch's transfer header carries (Message.ints; the first is the batch index)."""
     batch_index: int
     noise_seed: int
     """Seed of the hidden-state noise (PackedBatch.noise_seed)."""
@@ -77,9 +71,8 @@ class PackedBatch:
 
     @classmethod
     def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
-        """The batch to_wire() described: `hidden` as received (on `device`), the metadata rows and
-        the header's ints (as received: slots past WireHeader's fields are padding). The device copies
-        of the metadata go up in one H2D copy; the CPU ones stay for anchor sampling."""
+        """The batch to_wire() described, from the payload (on `device`), the metadata rows and the
+        header's ints (slots past WireHeader's fields are padding); the metadata goes up in one copy."""
         header = WireHeader(*ints[:len(WireHeader._fields)])
         if rows.shape[0] != len(META_FIELDS):
             raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
@@ -90,8 +83,7 @@ class PackedBatch:
         return batch, header
 
     def meta(self) -> dict[str, torch.Tensor]:
-        """CPU metadata for anchor sampling. Carried from pack_hidden (or from_wire);
-        without it this copies from the device, a deliberate host-device sync."""
+        """CPU metadata for anchor sampling (carried from pack_hidden or from_wire)."""
         if self.cpu is None:
             self.cpu = {k: getattr(self, k).cpu() for k in META_FIELDS}  # sync: no CPU copy given
         return self.cpu
@@ -120,10 +112,8 @@ def _flat_indices(attention_mask: torch.Tensor):
 
 def pack_hidden(layers: list[torch.Tensor], batch, noise_scale: float, noise_seed: int,
                 split: bool) -> PackedBatch:
-    """K x [B, T, H] captured layers + the CPU batch -> PackedBatch on the layers' device.
-
-    Runs on the current stream (the one that ran the forward), so it is ordered after it.
-    """
+    """K x [B, T, H] captured layers + the CPU batch -> PackedBatch on the layers' device (on the
+    forward's stream, so ordered after it)."""
     if not layers:
         raise ValueError("pack_hidden: no layers given")
     b, t, h = layers[0].shape
@@ -141,8 +131,7 @@ def pack_hidden(layers: list[torch.Tensor], batch, noise_scale: float, noise_see
         "doc_ids": doc_ids,
         "loss_mask": batch.loss_mask.reshape(-1)[flat].to(torch.bool),
     }
-    # One H2D copy for the index and all metadata (pageable source: the async copy stages it
-    # immediately, no device sync).
+    # One H2D copy for the index and all metadata (pageable source: staged at once, no device sync).
     stacked = torch.stack([flat, cpu_meta["input_ids"], position_ids, doc_ids.to(torch.int64),
                            cpu_meta["loss_mask"].to(torch.int64)])
     on_dev = stacked.to(device, non_blocking=True)

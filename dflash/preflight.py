@@ -1,15 +1,8 @@
 """Everything a launch can check before any rank does work (the ranks only import meanwhile, behind
-their gates: dflash/launch.py). Each problem is one ConfigError line (the CLI exits 2) that names the
-field or FILE:LINE. It reads and never writes: no run directory is created, so a corrected retry
-starts clean.
-
-Checked, cheapest first: a DFLASH_FAULT names only faults that can fire; the device, transfer and attention choices are possible on this machine,
-and the rank split works; a --metrics-port given is free for every local rank; the compile cache directory, if it
-exists, is a real directory of this user's that nobody else can write (its kernels are loaded and run); the run directory can be written, holds no other run unless --resume, and
-on --resume has a checkpoint whose training state loads as plain data; a --target-model directory
-has a config transformers knows as a causal LM, a tokenizer with a chat template, and safetensors
-weights; the --data file reads and parses up to its first usable record. The built-in target is
-never built here: it has nothing to check beyond the device choices.
+their gates: dflash/launch.py). Each problem is one ConfigError line (exit 2) naming the field or
+FILE:LINE. It reads and never writes, so a corrected retry starts clean. Checked, cheapest first: the
+faults, devices and rank split, the metrics ports, the compile cache directory, the run directory
+(and --resume's checkpoint), a --target-model directory, and the --data file up to its first record.
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ RUN_MARKERS = ("checkpoints", "profile")
 
 def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = None) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host, `gpus`
-    the GPUs the run uses (0: a CPU run; None: ask torch). dflash-train's launcher passes `gpus`, so a
-    `--device cpu` run's preflight imports neither torch nor the trainer, whose imports would compete
-    for the CPU with the ranks' own."""
+    the GPUs the run uses (0: a CPU run; None: ask torch, which a CPU run's launcher never imports)."""
     _check_faults(cfg.reliability.fault)
     _check_devices(cfg, world, local_world, torch_gpus(cfg) if gpus is None else gpus)
     _check_metrics_ports(cfg, local_world)
@@ -83,8 +74,8 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int, gpus: int) ->
 
 
 def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
-    """A --metrics-port the user gave must be free for every local rank (base + local rank); with the
-    default port (a busy one falls back to a free port at start-up) the address must be bindable."""
+    """A --metrics-port given must be free for every local rank (base + local rank); with the default
+    (which falls back to a free port) the address must be bindable."""
     if cfg.telemetry.metrics_port == 0 or not cfg.profile.enabled:
         return
     if cfg.telemetry.metrics_port is None:   # the default port may fall back, but the address must be bindable
@@ -107,8 +98,7 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:
-    """A new run refuses a directory that already holds one: its run log would continue the old
-    one's, and checkpoints at steps the old run reached would be kept instead of the new ones."""
+    """A new run refuses a directory that already holds one (its log and checkpoints would mix)."""
     if resume:
         return None
     held = [name for name in RUN_MARKERS if (path / name).is_dir() and any((path / name).iterdir())]
@@ -125,7 +115,7 @@ def _check_run_dir(cfg: TrainConfig) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path}: exists and is not a directory")
     _check_writable(path)
-    for name in ("checkpoints", "profile"):
+    for name in RUN_MARKERS:
         if (path / name).is_dir():
             _check_writable(path / name)
     if cfg.run_dir is None:
@@ -181,8 +171,7 @@ def _check_target(cfg: TrainConfig):
 
 
 def _check_target_config(target: Path) -> None:
-    """config.json parses, names a model_type transformers knows, and that type is a causal LM.
-    Never trust_remote_code: nothing from the directory runs."""
+    """config.json names a model_type transformers knows as a causal LM (no trust_remote_code)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -9,10 +9,9 @@ import torch
 
 
 class LazyScalar:
-    """A 0-dim tensor whose value reaches the host without a host-device sync. Making one does no
-    device work: `start()` queues a non-blocking copy into pinned memory behind an event (CUDA), and
-    `value()` (which starts it if needed) is None until the copy has landed. So a caller can wrap every
-    step's scalars and only those the progress line shows are ever copied."""
+    """A 0-dim tensor whose value reaches the host without a sync: `start()` queues a non-blocking copy
+    into pinned memory behind an event, `value()` is None until it has landed. Making one costs nothing,
+    so only the scalars the progress line shows are ever copied."""
 
     def __init__(self, t: torch.Tensor):
         self._t = t.detach()
@@ -20,9 +19,7 @@ class LazyScalar:
         self._ready = None
 
     def start(self) -> None:
-        """Queue the copy (once). Pinned destination: a non-blocking copy into pageable memory would
-        block the host. The device tensor is released after queuing: its memory is reused only by
-        work queued after the copy on the same stream."""
+        """Queue the copy once (pinned: a non-blocking copy into pageable memory would block the host)."""
         if self._host is not None:
             return
         t, self._t = self._t, None
@@ -57,9 +54,7 @@ class Progress:
         self._printed_step = -1
 
     def observe(self, loss: LazyScalar, tau: LazyScalar) -> None:
-        """Called every step. At most one (loss, tau) copy is in flight, started at most every
-        `refresh_s` seconds with that step's scalars; the other steps' are never copied (two pinned
-        copies and two events per step cost the drafter's thread tens of microseconds on a GPU)."""
+        """Called every step: at most one (loss, tau) copy in flight, started at most every `refresh_s`."""
         self._take_landed()
         now = self.clock()
         if self._in_flight is None and (self._started_at is None or now - self._started_at >= self.refresh_s):
@@ -70,7 +65,6 @@ class Progress:
             self._take_landed()
 
     def _take_landed(self) -> None:
-        """Show the in-flight values once both have landed (on the CPU at once)."""
         if self._in_flight is not None:
             loss_value, tau_value = self._in_flight[0].value(), self._in_flight[1].value()
             if loss_value is not None and tau_value is not None:

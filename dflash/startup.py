@@ -1,11 +1,9 @@
 """Where a rank's start-up goes before the profiler can time spans: a timeline of marks.
 
-From `dflash-train`'s start (the launcher's `main`, passed to each rank in DFLASH_LAUNCH_UNIX_NS) or,
-under torchrun, from the rank's own process start: the spawn, the rank's imports, the wait at its
-gate for the launcher's preflight (which runs side by side with the imports: dflash/launch.py), the
-device, the rendezvous, the process groups, the built-ins, the data and the profiler's start. The phases are the gaps between consecutive marks, in seconds; the rank writes
-them as one `startup` event once its profiler runs (docs/RUNLOG.md), and rank 0 prints one line.
-Standard library only: the worker takes its first mark before it imports torch.
+From `dflash-train`'s start (DFLASH_LAUNCH_UNIX_NS) or, under torchrun, the rank's own process start:
+spawn, imports, preflight, device, rendezvous, groups, built-ins, data, profiler. The phases are the
+gaps between marks, written as one `startup` event once the profiler runs; rank 0 prints one line.
+Standard library only: the first mark comes before torch is imported.
 """
 
 from __future__ import annotations
@@ -59,9 +57,7 @@ class StartupTimeline:
 
 
 def bytecode_source() -> str:
-    """Where this process keeps Python bytecode: the cache folder (sys.pycache_prefix: dflash.compile_cache's
-    `bytecode_env`), `beside sources` (__pycache__), or `not written` (PYTHONDONTWRITEBYTECODE: a package
-    installed without bytecode is compiled from source at every start)."""
+    """Where this process keeps Python bytecode: the cache folder, `beside sources` or `not written`."""
     if sys.pycache_prefix:
         return sys.pycache_prefix
     return "not written" if sys.dont_write_bytecode else "beside sources"

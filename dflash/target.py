@@ -81,8 +81,7 @@ class TargetCapture:
         return hook
 
     @classmethod
-    def from_pretrained(cls, model_dir, layer_ids=None, num_layers: int = 5, device="cpu",
-                        dtype=None) -> "TargetCapture":
+    def from_pretrained(cls, model_dir, num_layers: int = 5, device="cpu", dtype=None) -> "TargetCapture":
         from transformers import AutoModelForCausalLM
 
         device = torch.device(device)
@@ -90,9 +89,7 @@ class TargetCapture:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         model.to(device)
-        if layer_ids is None:
-            layer_ids = default_layer_ids(model.config.num_hidden_layers, num_layers)
-        return cls(model, layer_ids)
+        return cls(model, default_layer_ids(model.config.num_hidden_layers, num_layers))
 
     @property
     def device(self) -> torch.device:

@@ -1,10 +1,8 @@
 """The drafter's throughput meter, with or without the profiler: RUN_DIR/throughput/rank{R}.json.
 
-`tokens_per_s`: from a few warm-up steps (compilation, first allocations) to the end, between two
-device syncs. It also counts batches that queued up during warm-up, so when the target bounds the
-run it reads high. `tail_tokens_per_s`: over the last half of those steps, from the host's step-end
-times; by then the start-up backlog has drained and each step waits for its batch, so it is the
-pipeline's steady rate whichever side bounds it.
+`tokens_per_s`: from the end of warm-up to the end, between two device syncs (it counts batches
+queued during warm-up, so it reads high when the target bounds the run). `tail_tokens_per_s`: over
+the last half of those steps, from host step-end times: the pipeline's steady rate.
 """
 
 from __future__ import annotations

@@ -49,9 +49,8 @@ WORDS = ["user", "assistant", "system", "you", "are", "a", "helpful", "tiny", "m
          ".", ",", "?", "!", ":"]
 VOCAB_WORDS = WORDS + NUMBERS + LETTERS + COLORS + ANIMALS + FRUITS
 
-# Tokens the random target must never emit (their LM-head rows are zeroed: with a few hundred
-# Gaussian logits the max is positive, so a zero logit never wins): they would not round-trip
-# through the corpus text. <|im_end|> stays generable: it is the target's own end of turn.
+# Tokens the target must never emit (they would not round-trip through the corpus text): their
+# LM-head rows are zeroed, and a zero logit never wins. <|im_end|> stays: it ends the turn.
 NON_GENERABLE = [PAD, EOS, IM_START, MASK, UNK]
 
 
@@ -66,9 +65,6 @@ def build_tiny_tokenizer():
     # Whitespace-only splitting: decode joins words with one space, so decode -> encode round-trips.
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    # <|im_start|>/<|im_end|> are special added tokens of the backend (not split, skipped by
-    # decode(skip_special_tokens=True)); no extra_special_tokens kwarg, whose form changed across
-    # transformers versions.
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token=UNK, pad_token=PAD, eos_token=EOS, mask_token=MASK)
     tokenizer.chat_template = CHATML_TEMPLATE
@@ -87,15 +83,10 @@ def _tiny_config(tokenizer):
         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids, bos_token_id=None)
 
 
-# Weight init scales, chosen by measurement (600 conversations, seed 0; drafter trained 60 steps):
-#   std 0.02: next token = f(previous token) 96% of the time, 216/600 distinct continuations;
-#   std 0.03: 94%, 350/600 distinct, a drafter reaches acc ~0.45 and tau ~1.9 in 60 CPU steps;
-#   std 0.05: 71%, acc ~0.25;  std 0.08: 36%, 596/600 distinct, but acc stays ~0.05 (chaotic).
-# 0.03 keeps context-dependent continuations while staying learnable in a CPU-minutes run.
+# Weight init scales: 0.03 keeps continuations context-dependent yet learnable in a CPU-minutes
+# run (smaller is a bigram table, larger chaotic). The LM head is larger so the softmax is not near
+# uniform (a drafter sharing the frozen head could not express confidence); it changes no argmax.
 INIT_STD = 0.03
-# The LM head gets a larger scale: with 0.03 its logits have std ~0.3, a nearly uniform softmax no
-# trained model has, and a drafter sharing that frozen head cannot express confidence. Scaling the
-# head changes no argmax, so the target's greedy continuations are the same as without it.
 LM_HEAD_STD = 0.25
 EMBED_STD = 1.0
 
@@ -138,11 +129,8 @@ _OWN_FILES = {"config.json", "generation_config.json", "model.safetensors", "tok
 
 
 def build_tiny_target(out_dir, seed: int = 0) -> Path:
-    """Build (once) a randomly initialised Qwen3ForCausalLM + tokenizer in HF format at `out_dir`.
-
-    Idempotent: a marker file records seed and build version; a complete matching build is reused,
-    anything else of ours is rebuilt. Written to a temporary sibling and renamed into place.
-    """
+    """Build (once) a random Qwen3ForCausalLM + tokenizer in HF format at `out_dir`: a complete build
+    whose marker matches seed and version is reused; written to a sibling and renamed into place."""
     out_dir = Path(out_dir)
     expected = {"seed": seed, "version": BUILD_VERSION}
     marker = out_dir / MARKER_NAME
@@ -201,13 +189,8 @@ GENERATE_BATCH = 256
 def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int,
                          exclude_from=None, num_threads: int = 1) -> Path:
     """Write `num_conversations` JSONL conversations whose assistant turn is the target's greedy
-    continuation of the templated prompt (32-96 new tokens, ending early at <|im_end|>).
-
-    Prompts that occur in `exclude_from` (another corpus) are skipped, for a held-out split.
-    Generation is batched (left-padded, KV cache), chunked by budget so little compute is wasted.
-    It runs on `num_threads` intra-op threads: this model's ops are tiny, and with a second
-    thread on a shared CPU, OpenMP barriers spin while the other core is busy.
-    """
+    continuation (32-96 new tokens, or up to <|im_end|>); prompts in `exclude_from` are skipped (a
+    held-out split). On `num_threads` intra-op threads: the ops are tiny, extra threads only spin."""
     if num_conversations < 1:
         raise ValueError(f"num_conversations must be >= 1, got {num_conversations}")
     previous_threads = torch.get_num_threads()
@@ -245,12 +228,10 @@ def _build_corpus(target_dir, out_path: Path, num_conversations: int, seed: int,
         generated = [None] * len(prompts)
         for start in range(0, len(by_budget), GENERATE_BATCH):
             chunk = by_budget[start:start + GENERATE_BATCH]
-            # Left padding, masked: the standard batched-generation layout. A row's continuation
-            # equals that of the prompt alone up to float rounding (test_tiny re-checks rows).
+            # Left padding, masked; greedy continuations are prefix-consistent, so one call with the
+            # chunk's largest budget, cut per row, equals a call per row (test_tiny re-checks rows).
             enc = tokenizer([texts[i] for i in chunk], add_special_tokens=False, padding=True,
                             padding_side="left", return_tensors="pt")
-            # Greedy continuations are prefix-consistent, so one call with the chunk's largest
-            # budget, cut per row, equals a call per row with its own budget.
             out = model.generate(
                 input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                 max_new_tokens=prompts[chunk[-1]][1], do_sample=False,
@@ -271,10 +252,7 @@ def _build_corpus(target_dir, out_path: Path, num_conversations: int, seed: int,
 
 def _cut_continuation(ids: list[int], stop_ids: set[int]) -> list[int]:
     """Content tokens of a greedy continuation: up to (not incl.) the first stop token."""
-    for i, tok in enumerate(ids):
-        if tok in stop_ids:
-            return ids[:i]
-    return ids
+    return next((ids[:i] for i, tok in enumerate(ids) if tok in stop_ids), ids)
 
 
 @dataclass

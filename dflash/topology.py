@@ -57,12 +57,9 @@ def host_cores() -> int:
 
 
 def cpu_threads(topo: Topology, rank: int, cores: int, waits_asleep: bool) -> int:
-    """Intra-op threads of a CPU rank on a host with `cores` cores: an equal share by rank count. But
-    the drafter ranks are the bound stage (a forward and a backward against the target's forward
-    alone: in the built-in run the target waits for a free slot 80% of its time), so when OpenMP's
-    waiting threads sleep (`waits_asleep`: OMP_WAIT_POLICY=PASSIVE, which the launcher sets for a CPU
-    run) each drafter takes an equal share of all the cores. The sum then passes `cores`, which costs
-    little with sleeping threads and much with spinning ones."""
+    """Intra-op threads of a CPU rank: an equal share of `cores` by rank count; but the drafters are the
+    bound stage (forward and backward against a forward), so when OpenMP's waiting threads sleep
+    (`waits_asleep`) each drafter takes a share of all the cores."""
     if waits_asleep and topo.role(rank) == "drafter":
         return max(1, cores // topo.num_drafters)
     return max(1, cores // topo.world_size)

@@ -1,34 +1,19 @@
 """Target -> drafter transfer over torch.distributed.
 
-A message is a small CPU header and CPU metadata (always over the gloo control group: they come from
-the CPU batch, so no device tensor is ever read on the host), plus one payload tensor, the packed
-hidden states: device-to-device over NCCL on GPUs, or host-staged through reused pinned buffers
-(`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path.
+A message is a CPU header and CPU metadata over the gloo control group (no device tensor is read on
+the host) plus one payload, the packed hidden states: device to device over NCCL, or host-staged
+through reused pinned buffers (`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path.
 
-Flow control: a target has at most `max_in_flight` messages queued or in transit. A sender thread
-("target.sender") sends them in order and releases a slot only when the send has completed, so the
-buffers it sends stay alive until then. The drafter's receiver thread ("drafter.receiver") receives
-from whichever of its producers is ready (any-source on the header) into a bounded queue.
+A target has at most `max_in_flight` messages queued or in transit; its sender thread frees a slot
+only once a send has completed, so the buffers stay alive until then. On the NCCL path the target's
+main thread launches the send right after the pack (so before the next forward's kernels) on the
+Sender's own stream; the receiver thread posts receives on its own stream and hands the drafter a
+tensor with a `ready` event, so no transfer queues behind compute.
 
-Streams (GPU): no transfer queues behind compute. On the NCCL path the target's main thread launches
-the send itself, right after the pack and so before the next forward's kernels, on a stream of the
-Sender's that waits (device-side) for the pack's event; `transfer.send` is timed there, so its CUDA
-events bracket the NCCL transfer (launched from the sender thread, the send's kernel would land
-wherever that thread got the GIL). The receiver posts NCCL receives, or the host
-path's `h2d_copy`, on its own stream and hands the drafter a device tensor with a `ready` event; the
-drafter's stream waits on that event and `record_stream`s the tensor so the allocator cannot hand
-its memory to the next receive while the drafter still reads it.
-
-Shutdown: every target ends its stream with an END header; every drafter, when it stops, sends STOP
-to each producer and drains until all producers have ended. A target polls STOP between batches.
-
-Integrity: a message may carry its payload's fingerprint (`fingerprint()`: finite
-count and sum, float64, computed by the target right after the pack); the header says so, and the
-fingerprint follows the payload on the payload's path, so the drafter can compare it with the
-payload it received (`fingerprint_flags()`: the pack made NaN/Inf, or the copy or the wire changed it).
-Flight recorder: each rank keeps a ring of its last `RING_ENTRIES` protocol
-steps (headers, slot and queue states, event states); `dump_flight_recorder()` returns it, and the
-Sender and Receiver register it as the profiler's `transfer_ring` forensics source.
+Shutdown: a target ends with an END header; a drafter sends STOP to each producer and drains until
+all have ended. A message may carry its payload's `fingerprint()`, compared on receipt by
+`fingerprint_flags()`. Each rank keeps a ring of its last `RING_ENTRIES` protocol steps
+(`dump_flight_recorder()`, the profiler's `transfer_ring` forensics source).
 """
 
 from __future__ import annotations
@@ -63,42 +48,36 @@ class Message:
     meta: torch.Tensor
     """[rows, N] int64 CPU metadata (dflash.pack.META_FIELDS)."""
     ints: list[int] = field(default_factory=list)
-    """Small integers carried in the header, at most four; what they mean is the sender's
-    (dflash.pack.WireHeader). The first is read here as the batch index, to tag flows and the flight recorder."""
+    """At most four header ints (dflash.pack.WireHeader); the first is the batch index."""
     src: int = -1
     """Sender rank (set on receipt)."""
     ready: object = None
-    """CUDA event after which the payload is complete: on the target, recorded after the pack (NCCL
-    path) or after the staged D2H copy (host path); on the drafter, after the receive (and H2D)."""
+    """CUDA event after which the payload is complete (pack or D2H on the target, receive on the drafter)."""
     release: object = None
     """Called once the payload buffer may be reused (after the send completed)."""
     work: object = None
-    """NCCL path: the send's work handle, set by Sender.submit()."""
+    """NCCL path: the send's work handles, set by Sender.submit()."""
     launched: object = None
     """NCCL path: a threading.Event set once submit() has launched (or failed to launch) the send."""
     fingerprint: object = None
-    """[finite count, sum] float64 of the payload as packed (`fingerprint()`), or None:
-    on the payload's device when sent, where the payload arrived when received."""
+    """[finite count, sum] float64 of the payload as packed, or None."""
 
 
-# A float64 sum casts its input first (a temporary of 8 bytes per element: 4x a bf16 payload, every
-# batch). Chunks bound the temporaries to 128 MiB (+16 MiB).
+# A float64 sum casts its input first (8 bytes per element); chunks bound that temporary to 128 MiB.
 FINGERPRINT_CHUNK_ELEMENTS = 1 << 24
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """[finite count, sum], float64, on t's device; no host read. Summed chunk by chunk (the same
-    order on both sides, so equal bytes give equal sums); the sum is NaN when t holds one: the count
-    tells."""
+    """[finite count, sum], float64, on t's device; no host read. Chunked in the same order on both
+    sides, so equal bytes give equal sums."""
     parts = [torch.stack([torch.count_nonzero(torch.isfinite(c)).to(torch.float64), c.sum(dtype=torch.float64)])
              for c in t.reshape(-1).split(FINGERPRINT_CHUNK_ELEMENTS)]
     return torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device)
 
 
 def fingerprint_flags(sent: torch.Tensor, received: torch.Tensor, numel: int) -> torch.Tensor:
-    """Bool flags [pack, transfer] on the device: the sender's fingerprint counts non-finite values
-    (the pack made them), or the receiver's differs from the sender's (the copy or the wire changed
-    the payload). Sums agree to float64 rounding for the same bytes: 1e-9 relative."""
+    """Bool flags [pack, transfer] on the device: the pack made non-finite values, or the copy or the
+    wire changed the payload (equal bytes agree to float64 rounding: 1e-9 relative)."""
     sent = sent.to(received.device, non_blocking=True)
     pack_bad = sent[0] != numel
     moved = (received[0] != sent[0]) | ~torch.isclose(received[1], sent[1], rtol=1e-9, atol=1e-6, equal_nan=True)
@@ -109,7 +88,6 @@ _RING: collections.deque = collections.deque(maxlen=RING_ENTRIES)
 
 
 def _ring(kind: str, **fields) -> None:
-    """One flight-recorder entry (a deque append: thread-safe, bounded, no lock)."""
     _RING.append({"time_unix": time.time(), "kind": kind, "thread": threading.current_thread().name, **fields})
 
 
@@ -122,7 +100,6 @@ flight_recorder = dump_flight_recorder
 
 
 def _event_state(ev) -> str | None:
-    """"done"/"pending" for a CUDA event (Event.query(): never waits), None without one."""
     return None if ev is None else ("done" if ev.query() else "pending")
 
 
@@ -135,10 +112,9 @@ def _header(kind: int, msg: Message | None) -> torch.Tensor:
         h[2] = p.dim()
         h[3:3 + p.dim()] = torch.tensor(p.shape)
         h[6], h[7] = msg.meta.shape
-        ints = list(msg.ints)
-        if len(ints) > _INTS.stop - _INTS.start:
-            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(ints)}")
-        h[8:8 + len(ints)] = torch.tensor(ints, dtype=torch.int64) if ints else h[8:8]
+        if len(msg.ints) > _INTS.stop - _INTS.start:
+            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(msg.ints)}")
+        h[_INTS.start:_INTS.start + len(msg.ints)] = torch.tensor(msg.ints, dtype=torch.int64)
         h[_HAS_FINGERPRINT] = int(msg.fingerprint is not None)
     return h
 
@@ -149,20 +125,15 @@ def _as_wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wait_completed(work) -> None:
-    """Block this (background) thread until an NCCL p2p work has completed on the device.
-
-    Deliberate host wait: it runs on the sender thread, never on the forward's thread, and is what
-    lets us release a buffer (and its in-flight slot) only after its transfer has finished."""
+    """Deliberate host wait, on the sender thread only: a buffer (and its slot) is released only after
+    its NCCL transfer has completed."""
     while not work.is_completed():
         time.sleep(_POLL_SECONDS)
 
 
 def _bind_device(device: torch.device | None):
-    """Bind this thread to the rank's device and give it a stream of its own; returns the stream
-    (None off CUDA). The current device and stream are per thread, and new threads start on device
-    0's default stream, which the rank's compute uses: NCCL orders a p2p op after the caller's
-    current stream, and spans record their events on it, so a transfer thread on the default
-    stream would queue behind the forward or the drafter step."""
+    """Bind this thread to the rank's device and a stream of its own (None off CUDA): a new thread
+    starts on device 0's default stream, where its NCCL ops would queue behind the compute."""
     if device is None or device.type != "cuda":
         return None
     torch.cuda.set_device(device)
@@ -172,8 +143,7 @@ def _bind_device(device: torch.device | None):
 
 
 class PinnedPool:
-    """Reused pinned host buffers for the host-staged path. Allocating pinned memory costs ~0.7 s/GiB,
-    so buffers are made once (rounded up) and recycled, never allocated per batch."""
+    """Reused pinned host buffers for the host-staged path (pinning is slow: never per batch)."""
 
     def __init__(self, count: int, round_bytes: int = 16 << 20):
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
@@ -203,13 +173,9 @@ def staged_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Staging:
-    """What the sender gets for a packed batch: (payload, ready event, release callback).
-
-    NCCL path: the packed tensor itself and an event after the pack; the sender's stream waits on
-    it. Host-staged path on a GPU: `d2h_copy` into a reused pinned buffer on a copy stream of its
-    own, so the next forward does not queue behind the copy; the copy stream first waits for the
-    pack, and the packed tensor is `record_stream`ed there so the allocator cannot give its memory
-    to the next forward before the copy has read it. CPU: the payload goes as it is."""
+    """(payload, ready event, release callback) for a packed batch: NCCL sends the tensor itself after
+    an event; host-staged copies it (`d2h_copy`) into a pinned buffer on a copy stream of its own, the
+    tensor `record_stream`ed there so the next forward cannot take its memory; CPU sends it as it is."""
 
     def __init__(self, device: torch.device, device_payload: bool, count: int):
         on_gpu = device.type == "cuda"
@@ -235,13 +201,9 @@ class Staging:
 
 
 class Sender:
-    """Target side. `acquire()` takes an in-flight slot (the caller wraps it in transfer.wait_slot);
-    `submit()` queues a message (and on the NCCL path launches its payload's send); the sender thread
-    sends the header and metadata, waits for the payload's send to complete, and then frees the slot.
-    `close()` sends END after everything queued and waits for completion.
-
-    Every NCCL call on the data group comes from the submitting thread; the sender thread only polls
-    the works, so the two threads never race on one communicator."""
+    """Target side: `acquire()` takes an in-flight slot, `submit()` queues a message (NCCL: and
+    launches its send), the sender thread sends header and metadata, waits for the send, frees the
+    slot; `close()` sends END. Only the submitting thread calls NCCL, so no two threads race on it."""
 
     def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
@@ -281,12 +243,8 @@ class Sender:
             msg.launched.set()
 
     def _launch(self, msg: Message):
-        """Enqueue the NCCL send on the producing thread, right after the pack, so its kernel is
-        launched before the next forward's (module docstring). The stream waits for the pack on the
-        device; the span's events on it bracket the transfer (work.wait() orders the stream after
-        NCCL's without blocking the host). The kernel starts once the pack is done: if the drafter
-        has not posted its receive yet (it is behind: `transfer.wait_slot` grows too), the wait for
-        it is inside the span's GPU time."""
+        """Enqueue the NCCL send right after the pack, before the next forward's kernels; the span's
+        events bracket the transfer (work.wait() orders the stream, it does not block the host)."""
         if msg.ready is not None:
             self._stream.wait_event(msg.ready)
         with torch.cuda.stream(self._stream), \
@@ -302,7 +260,6 @@ class Sender:
         return works
 
     def close(self) -> None:
-        """Send END after all queued messages, and wait until the thread has sent everything."""
         self._q.put(None)
         while self._thread.is_alive():
             self._thread.join(timeout=0.5)
@@ -313,17 +270,13 @@ class Sender:
             raise RuntimeError(f"target.sender thread failed: {self._error!r}") from self._error
 
     def _handshake(self, msg: Message) -> None:
-        """Header and metadata over gloo. A gloo send returns once the receiver has taken it, so
-        this blocks while the drafter's queue is full: back-pressure, kept out of `transfer.send`
-        (which would otherwise read as a slow link). The receiver posts the payload's receive right
-        after the metadata."""
+        """Header and metadata over gloo: blocks while the drafter's queue is full (back-pressure, kept
+        out of `transfer.send`, which would otherwise read as a slow link)."""
         dist.send(_header(KIND_BATCH, msg), self.dst, group=self._ctrl, tag=TAG_HEADER)
         dist.send(msg.meta, self.dst, group=self._ctrl, tag=TAG_META)
         _ring("header_sent", dst=self.dst, batch=_batch(msg), shape=list(msg.payload.shape))
 
     def _send_device(self, msg: Message) -> None:
-        """NCCL payload, launched by submit(): handshake, then hold the payload (and the slot)
-        until the transfer has completed."""
         self._handshake(msg)
         msg.launched.wait()
         if msg.work is None:
@@ -332,7 +285,6 @@ class Sender:
             _wait_completed(work)
 
     def _send_host(self, msg: Message) -> None:
-        """gloo payload (host-staged on GPUs, plain on CPU); the span's CPU time is the send."""
         if msg.ready is not None:
             # Deliberate wait, on this thread only: the staged D2H copy must have landed
             # before gloo reads the pinned buffer.
@@ -374,9 +326,8 @@ class Sender:
 
 
 class StopSignal:
-    """Target side: a posted receive for the drafter's STOP, waited on by a small thread, so that
-    `requested()` never blocks. (A gloo p2p work only completes inside wait(): is_completed() alone
-    would never turn true.)"""
+    """Target side: the drafter's STOP, waited on by a thread so `requested()` never blocks (a gloo
+    p2p work completes only inside wait())."""
 
     def __init__(self, drafter: int, ctrl_group):
         self._buf = torch.zeros(1, dtype=torch.int64)
@@ -403,19 +354,15 @@ class StopSignal:
 
 
 def _record_event():
-    """An event on the current stream (timing off: recording one costs a few microseconds)."""
     ev = torch.cuda.Event()
     ev.record()
     return ev
 
 
 def wait_ready(msg: Message) -> torch.Tensor:
-    """Drafter side: make the current stream wait (on the device) for the payload to have arrived,
-    and tell the allocator the payload and its fingerprint are used on this stream too, so their
-    memory is not reused by the receiver's next allocation until this stream's work on them has run.
-    (Without it on the fingerprint, the receiver's next 16-byte fingerprint landed in the block the
-    drafter's queued comparison was about to read: a false `payload.transfer` on a GPU-bound run.)
-    Returns the payload."""
+    """Drafter side: the current stream waits (on the device) for the payload, and payload and
+    fingerprint are `record_stream`ed so the receiver's next allocation cannot reuse their memory
+    while this stream still reads them. Returns the payload."""
     if msg.ready is not None:
         stream = torch.cuda.current_stream()
         stream.wait_event(msg.ready)
@@ -432,13 +379,12 @@ def send_stop(producers: list[int], ctrl_group) -> None:
 
 
 def _batch(msg: Message) -> int | None:
-    """The batch index a message carries (its first header int), for faults and the flight recorder."""
     return msg.ints[0] if msg.ints else None
 
 
 class Receiver:
-    """Drafter side: a thread receiving from any producer into a bounded queue until all have ended.
-    `get()` returns the next Message, or None once every producer has sent END."""
+    """Drafter side: a thread receiving from any producer into a bounded queue; `get()` returns the
+    next Message, or None once every producer has sent END."""
 
     def __init__(self, producers: list[int], ctrl_group, data_group, device: torch.device,
                  device_payload: bool, pool: PinnedPool | None, queue_size: int = 2):
@@ -472,7 +418,6 @@ class Receiver:
             return item
 
     def drain(self) -> int:
-        """Receive and drop everything until all producers have ended; returns how many were dropped."""
         dropped = 0
         while self.get() is not None:
             dropped += 1
@@ -516,7 +461,6 @@ class Receiver:
         return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)
 
     def _recv_fingerprint(self, src: int, has_fp: bool) -> torch.Tensor | None:
-        """The host paths' fingerprint (gloo, after the payload), or None when none was sent."""
         if not has_fp:
             return None
         fp = torch.empty(2, dtype=torch.float64)

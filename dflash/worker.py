@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,8 +34,8 @@ from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loops stop at the next step boundary. The handler only sets a flag:
-    writing the run log from a signal handler could deadlock on the log's lock."""
+    """Set by SIGTERM/SIGINT; the loops stop at the next step boundary. Only a flag: writing the run log
+    from a signal handler could deadlock on the log's lock."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -43,10 +44,7 @@ class _StopFlag:
 
     def install(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.note(signum)
+            signal.signal(s, lambda signum, frame: self.note(signum))
 
     def note(self, signum: int) -> None:
         """Also called by the signal watch's thread, for a main thread blocked where no handler runs."""
@@ -59,7 +57,6 @@ class _StopFlag:
         return self.signum is not None
 
     def wait(self, timeout_s: float) -> bool:
-        """True once a signal has arrived, polling for up to timeout_s (no lock a handler could need)."""
         deadline = time.monotonic() + timeout_s
         while self.signum is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -77,8 +74,8 @@ def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 
 def run(cfg: TrainConfig, marks: tuple = ()) -> int:
-    """Entry for one rank. Exit codes: 0 ok, 1 failure at run time, 2 bad input. `marks`: start-up
-    phases so far as (name, unix ns) (default: the imports, ending now)."""
+    """Entry for one rank: 0 ok, 1 failure at run time, 2 bad input. `marks`: start-up phases so far
+    as (name, unix ns) (default: the imports, ending now)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     stop = _StopFlag()
@@ -93,7 +90,8 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         device = pick_device(cfg, local_rank)
         # Before anything compiles: inductor and Triton read these at the first compile. Created (and
         # checked again) only where kernels are compiled; a CPU run never compiles the drafter.
-        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir), create=device.type == "cuda")
+        compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir),
+                                  create=device.type == "cuda")
         timeline.mark("device")
         topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
         if device.type == "cpu":
@@ -121,8 +119,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
     except Exception as e:
         lost = _peer_lost(e)
         if lost:
-            # A consequence of another rank's end. The launcher (or torchrun) stops us at once and that
-            # rank has said why; only if no stop comes is there something to add.
+            # Another rank's end, which has said why; the launcher stops us at once, else we say it.
             if not stop.wait(timeout_s=3.0):
                 print(f"dflash-train: rank {rank}: stopped, another rank is gone ({lost})", file=sys.stderr)
             return 1
@@ -167,7 +164,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         stop_requested=stop, resume_state=resume_state, device_payload=device_payload)
     if rank == 0:
         _write_resolved_config(cfg, topo, run_dir, device, device_payload)
-    threading_name(f"{role}.main")
+    threading.current_thread().name = f"{role}.main"
     tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
             if cfg.profile.enabled else telemetry.Telemetry())
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
@@ -193,8 +190,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
 
 
 def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
-    """The start-up phases, up to now (the profiler runs): a `startup` event, and rank 0's console line
-    (not under --no-profile, whose runs print nothing of the profiler's)."""
+    """The start-up phases up to now: a `startup` event, and rank 0's console line (not under --no-profile)."""
     timeline.mark("profiler")
     fields = dict(timeline.fields(), intra_op_threads=torch.get_num_threads(),
                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
@@ -224,10 +220,9 @@ _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.Nonfini
 
 @contextlib.contextmanager
 def _forensics(stop: _StopFlag, rank: int):
-    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`, not
-    a lost peer's consequence); a SIGTERM/SIGINT that no loop sees while nothing progresses for 2 s
-    (the rank is blocked in a collective or a transfer), or a second one, stops the rank with a dump and run_end
-    "killed: SIGNAL" (profiler/watchdog.py SignalWatch)."""
+    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`), and a
+    signal no loop sees within 2 s (the rank is blocked), or a second one, stops the rank with a dump
+    and run_end "killed: SIGNAL" (profiler.watchdog.SignalWatch)."""
     prof = profiler.active()
     if prof is None:   # --no-profile: nothing to record into
         yield
@@ -249,12 +244,10 @@ def _forensics(stop: _StopFlag, rank: int):
 
 
 def _record_peer_lost(prof, exc: BaseException) -> bool:
-    """True when `exc` is a lost peer's consequence. Then this rank's side of it goes in its log, quietly
-    (no console line, no crash record): a `peer_lost` dump with the open spans, the stacks and the
-    transfer ring, so a peer that hung or crashed and exited first still has its counterpart's flight
-    recorder to line up with. The dump never raises (Forensics._safely)."""
+    """True when `exc` is a lost peer's consequence; then this rank's side goes in its log, quietly: a
+    `peer_lost` dump (open spans, stacks, transfer ring) to line up with the peer's. Never raises."""
     lost = _peer_lost(exc)
-    if lost:   # not when this rank's own hang or crash abort is already dumping (dump_final)
+    if lost:
         prof.dumper.dump_final("peer_lost", reason=lost)
     return bool(lost)
 
@@ -264,8 +257,8 @@ _PENDING_EVENTS: list[tuple[str, dict]] = []
 
 
 def _load_samples(path: Path, tokenizer, cfg: TrainConfig, announce: bool) -> list:
-    """`announce`: this rank reports bad records, and fails on them with --on-bad-record fail; the
-    other ranks that read the same file only count them (one line, not one per rank)."""
+    """`announce`: this rank reports bad records (and fails on them with --on-bad-record fail); the other
+    ranks reading the same file only count them."""
     try:
         samples, bad = load_conversations(path, tokenizer, cfg.data.max_length,
                                           cfg.data.on_bad_record if announce else "skip")
@@ -297,12 +290,6 @@ def _peer_lost(exc: BaseException) -> str | None:
     return found.group(0) if found and isinstance(exc, RuntimeError) else None
 
 
-def threading_name(name: str) -> None:
-    import threading
-
-    threading.current_thread().name = name
-
-
 def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:
     """NCCL device-to-device unless told otherwise or impossible (CPU, or two ranks on one GPU)."""
     if device.type != "cuda":
@@ -317,8 +304,7 @@ def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> b
 
 
 def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
-    """Rank 0 names and checks the run directory; every rank gets its answer (ConfigError on all
-    ranks alike, so all exit 2)."""
+    """Rank 0 names and checks the run directory; every rank gets its answer (so all exit 2 alike)."""
     box = [None, None]
     if rank == 0:
         path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
@@ -354,8 +340,8 @@ def _print_final(run_dir: Path) -> None:
 
 
 def main() -> int:
-    """A rank started by dflash.launch: its imports are done; wait at the gate for the config, which
-    comes once the launcher's preflight passed (EOF: it did not, or the launcher is gone; exit quietly)."""
+    """A rank started by dflash.launch, its imports done: the config from the gate once the preflight
+    passed (EOF: it did not, or the launcher is gone; exit quietly)."""
     imported_ns = time.time_ns()
     try:
         data = read_gate()
