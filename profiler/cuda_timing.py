@@ -16,61 +16,14 @@ that end event as its start (one record instead of two). GPU work launched in th
 a few microseconds of host time) counts toward the later span. An event can then belong to two
 records, so the pool counts references (collector side only) and takes an event back when the last
 record using it was resolved, and when the thread's "last end" no longer points at it.
-
-Sampling (`GpuSampler`): a fast run times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`);
-the other steps' spans are CPU spans, which cuts the collector's work per span (figures: bench/RESULTS.md).
 """
 from __future__ import annotations
 
-import random
 import threading
 
 SHARE_GAP_NS = 50_000
 """A span that begins more than this after the previous one ended records its own start event, so
 a host-side pause between two spans never counts as GPU time of the second."""
-
-
-class GpuSampler:
-    """Which steps' CUDA spans record events. `timed[0]` is read by every CudaSpan's enter; `next_step()`,
-    called by `set_step` on the training thread, decides it for the new step: timed while `burst` steps are
-    left (the collector sets it when a detail window opens, so the trace's steps have GPU times), else with
-    probability `p`, at random, so no periodic pattern of steps (an accumulation cycle) is always missed.
-
-    `max_steps_per_s` (> 0) bounds the timed steps a second: at each interval close (`interval_closed`) the
-    collector sets p = min(1, max_steps_per_s / the interval's steps a second), so steps longer than
-    1 / max_steps_per_s are all timed and a fast run times about max_steps_per_s of them a second. p changes
-    only at closes, so within an interval every step has the same chance and the timed spans are a uniform
-    sample (what scaling by count / gpu_count assumes). 0 times every step; so does a loop without set_step.
-    `rng` (a random.Random) for tests."""
-
-    def __init__(self, max_steps_per_s: float = 0.0, burst: int = 0, rng=None):
-        if isinstance(max_steps_per_s, bool) or not isinstance(max_steps_per_s, (int, float)) \
-                or not max_steps_per_s >= 0 or max_steps_per_s == float("inf"):
-            raise ValueError(f"gpu_steps_per_s must be a finite number >= 0, got {max_steps_per_s!r}")
-        self.max_steps_per_s = float(max_steps_per_s)
-        self.timed = [True]
-        self.burst = burst
-        self.p = 1.0
-        self.steps = 0          # set_step calls since the last interval close
-        self._random = (rng or random.Random()).random
-
-    def next_step(self) -> None:
-        """A new step began: is it GPU-timed? (A lost update racing the collector's writes times a step more
-        or less, or miscounts one; both are harmless.)"""
-        self.steps += 1
-        if self.burst > 0:
-            self.burst -= 1
-            self.timed[0] = True
-        else:
-            self.timed[0] = self.p >= 1.0 or self._random() < self.p
-
-    def interval_closed(self, duration_s: float, burst: int) -> None:
-        """On the collector at an interval close: the next interval's p from this one's step rate, and the
-        next detail window's burst."""
-        rate = self.steps / duration_s if duration_s > 0 else 0.0
-        self.steps = 0
-        self.p = min(1.0, self.max_steps_per_s / rate) if self.max_steps_per_s > 0 and rate > 0 else 1.0
-        self.burst = burst
 
 
 class EventPool:

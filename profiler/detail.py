@@ -14,13 +14,7 @@ from __future__ import annotations
 
 MAX_DETAIL_SPANS = 20000
 DETAIL_ALIGN = 8
-"""Windows start on a multiple of this step (module doc); the GPU sampler times that many steps more."""
-
-
-def detail_burst(steps: int) -> int:
-    """Steps to GPU-time whole from an interval's start: enough to cover its detail window of `steps` steps,
-    which begins on the first step that is a multiple of DETAIL_ALIGN."""
-    return steps + DETAIL_ALIGN if steps > 0 else 0
+"""Windows start on a multiple of this step (module doc)."""
 
 
 class StepMarks:

@@ -31,15 +31,6 @@ from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
 
-def sampled_share(share: float, count: int, gpu_count: int, threads: int) -> float:
-    """The GPU share of the `gpu_count` spans of `count` that were GPU-timed (GpuSampler), as an estimate for
-    all `count`: scaled by count / gpu_count and, when scaled, capped at the threads that ran the span (each
-    at most its whole wall). Unscaled when every span was timed."""
-    if gpu_count >= count:
-        return share
-    return min(share * count / gpu_count, float(max(1, threads)))
-
-
 class _SpanAcc:
     """One span name's records in the current interval."""
     __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths",
@@ -212,16 +203,14 @@ class IntervalAggregator:
 
     # ---- output --------------------------------------------------------------------------------
     def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
-        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes. With GPU times for only some
-        of its spans (GpuSampler), its share scales their total by count / gpu_count (capped at its threads)."""
+        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes; `gpu_count`: the spans whose
+        CUDA pair resolved."""
         cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
         gpu, gpu_count = None, 0
         if gpu_stats is not None and gpu_stats["count"]:
             gpu, gpu_count = {k: v for k, v in gpu_stats.items() if k != "count"}, gpu_stats["count"]
         own_total = (gpu or cpu_stats)["total_seconds"] or 0.0
         share = own_total / duration_s if duration_s > 0 else None
-        if gpu is not None and share is not None:
-            share = sampled_share(share, count, gpu_count, len(threads))
         entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu, "share": share}
         if gpu is not None:
             entry["gpu_count"] = gpu_count
@@ -282,9 +271,8 @@ class IntervalAggregator:
             entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
                                      summarize(gpu_s, buckets=True) if acc.gpu else None, acc, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
-            if entry["gpu"] is not None and duration_s > 0:   # windowed, then scaled as _span_entry does
-                windowed = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
-                entry["share"] = sampled_share(windowed, acc.count, len(acc.gpu), len(entry["threads"]))
+            if entry["gpu"] is not None and duration_s > 0:   # each span's GPU time capped at its host window
+                entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
             if len(acc.gpu) < acc.timed:
                 entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry

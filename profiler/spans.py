@@ -12,7 +12,6 @@ collector side) to get nesting depth and finished records, off the hot path.
 Event-log items (all appended by the owning thread only):
   begin     `tag` then `t0_ns` (two items: the collector pairs them, also across drains) /
             CUDA `(tag, t0_ns, start_event[, True if shared])`; tag = name, or (name, bytes)
-            (a CUDA span on a step the GpuSampler leaves untimed logs the CPU items)
   end       `t1_ns` (an int) / CUDA `(t1_ns, end_event)`
   cancel    `None`: the enter raised after logging its begin (fault injection)
   tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
@@ -35,7 +34,7 @@ import re
 import threading
 import time
 
-from profiler.cuda_timing import SHARE_GAP_NS, GpuSampler
+from profiler.cuda_timing import SHARE_GAP_NS
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _now_ns = time.perf_counter_ns
@@ -166,30 +165,17 @@ class CudaSpan(CpuSpan):
 
     A span that begins on the stream where its thread's previous span just ended (within
     cuda_timing.SHARE_GAP_NS, nothing begun in between) takes that end event as its start: one record
-    instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared.
-
-    On a step the recorder's GpuSampler leaves untimed (`--profile-gpu-steps-per-s`), the span logs as a CPU
-    span does. `_modes` holds, per open use of this object (nesting of one name included), whether it was
-    entered timed, so its exit matches its enter."""
-    __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams", "_timed", "_modes")
+    instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared."""
+    __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
         super().__init__(recorder, st, name, nbytes)
         pool = self._pool = recorder.event_pool
         self._st, self._free, self._streams = st, pool.free_list, pool.streams
         self._getraw, self._dev, self._record = pool.getraw, pool.device_index, pool.record
-        self._timed, self._modes = recorder.gpu_sampler.timed, []
 
     def __enter__(self):
         st = self._st
-        if not self._timed[0]:      # a step the GpuSampler left untimed: a CPU span, and no tail to share
-            st.tail = None
-            self._modes.append(False)
-            buf = self._buf
-            buf.append(self._tag)
-            buf.append(_now_ns())
-            return self
-        self._modes.append(True)
         raw = self._getraw(self._dev)
         prev = st.tail
         st.tail = None
@@ -208,9 +194,6 @@ class CudaSpan(CpuSpan):
 
     def __exit__(self, et, ev, tb):
         t1 = _now_ns()
-        if not self._modes.pop():   # entered untimed
-            self._buf.append(t1)
-            return
         raw = self._getraw(self._dev)
         try:
             end = self._free.pop()
@@ -230,8 +213,6 @@ def _fault_enter(span, base_enter):
         rec.fault_plan.on_enter(span.name, rec.step_fn())
     except BaseException:
         span._buf.append(None)   # cancel the begin just logged
-        if isinstance(span, CudaSpan):
-            span._modes.pop()    # no exit will pop it
         raise
     return span
 
@@ -257,9 +238,8 @@ class SpanRecorder:
     """Per-profiler recording state: thread states (registered on first use per thread), span
     objects, counters/gauges/metrics buffers, and the drain."""
 
-    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0, gpu_sampler=None):
+    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0):
         self.event_pool = event_pool
-        self.gpu_sampler = gpu_sampler or GpuSampler()   # which steps CUDA spans time (cuda_timing)
         self.fault_plan = fault_plan
         self.step_fn = step_fn
         faulty = fault_plan is not None and not fault_plan.empty
