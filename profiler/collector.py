@@ -121,7 +121,6 @@ class Collector:
             end_ns = time.perf_counter_ns()
             self._drain(end_ns)
             if final:
-                self.recorder.release_tails()   # span() is a no-op now: no begin will share them
                 self._wait_pending(gpu_drain_timeout_s)
             rec = self._interval_record(end_ns, final)
             detail = self.aggregator.detail.take(time.perf_counter_ns())

@@ -11,7 +11,7 @@ collector side) to get nesting depth and finished records, off the hot path.
 
 Event-log items (all appended by the owning thread only):
   begin     `tag` then `t0_ns` (two items: the collector pairs them, also across drains) /
-            CUDA `(tag, t0_ns, start_event[, True if shared])`; tag = name, or (name, bytes)
+            CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
   end       `t1_ns` (an int) / CUDA `(t1_ns, end_event)`
   cancel    `None`: the enter raised after logging its begin (fault injection)
   tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
@@ -33,8 +33,6 @@ import itertools
 import re
 import threading
 import time
-
-from profiler.cuda_timing import SHARE_GAP_NS
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _now_ns = time.perf_counter_ns
@@ -58,7 +56,7 @@ class SpanAttrs(dict):
 
 class ThreadState:
     """One thread's event log, counter buffer, span objects and (collector side) open-span stack."""
-    __slots__ = ("thread", "buf", "misc", "spans", "open", "tail", "held", "begun")
+    __slots__ = ("thread", "buf", "misc", "spans", "open", "begun")
 
     def __init__(self, thread: threading.Thread):
         self.thread = thread
@@ -66,8 +64,6 @@ class ThreadState:
         self.misc: list = []    # (kind, name, value): 0 counter, 1 gauge, 2 metric; owner appends
         self.spans: dict = {}   # name -> this thread's span object (bytes=None)
         self.open: list = []    # collector side: [name, t0_ns, bytes, id, attrs(, start_event)] per open span
-        self.tail = None        # owner side, CUDA: (end_event, raw_stream, t1_ns) of the span that just ended
-        self.held = None        # collector side, CUDA: that end event as replayed (the tail's hold on it)
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
@@ -160,48 +156,34 @@ def fast_enter_class(buf: list, tag) -> type:
 
 
 class CudaSpan(CpuSpan):
-    """Active span that also times the GPU with CUDA events on the current stream. CPU times exclude
-    the event records' own cost (t0 after the start record, t1 before the end record).
-
-    A span that begins on the stream where its thread's previous span just ended (within
-    cuda_timing.SHARE_GAP_NS, nothing begun in between) takes that end event as its start: one record
-    instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared."""
-    __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams")
+    """Active span that also times the GPU with its own start and end CUDA event on the current stream. CPU
+    times exclude the event records' own cost (t0 after the start record, t1 before the end record)."""
+    __slots__ = ("_pool", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
         super().__init__(recorder, st, name, nbytes)
         pool = self._pool = recorder.event_pool
-        self._st, self._free, self._streams = st, pool.free_list, pool.streams
+        self._free, self._streams = pool.free_list, pool.streams
         self._getraw, self._dev, self._record = pool.getraw, pool.device_index, pool.record
 
-    def __enter__(self):
-        st = self._st
+    def _recorded(self):
+        """An event from the pool, recorded on the current stream: an asynchronous enqueue, no sync."""
         raw = self._getraw(self._dev)
-        prev = st.tail
-        st.tail = None
-        t0 = _now_ns()
-        if prev is not None and prev[1] == raw and t0 - prev[2] <= SHARE_GAP_NS:
-            self._buf.append((self._tag, t0, prev[0], True))
-            return self
         try:
             ev = self._free.pop()
         except IndexError:          # pool empty: grow (the collector returns events once resolved)
-            ev = self._pool.grow()
-        # An asynchronous enqueue on the current stream; no sync.
+            ev = self._pool.take()
         self._record(ev, self._streams.get(raw) or self._pool.stream_for(raw))
+        return ev
+
+    def __enter__(self):
+        ev = self._recorded()
         self._buf.append((self._tag, _now_ns(), ev))
         return self
 
     def __exit__(self, et, ev, tb):
         t1 = _now_ns()
-        raw = self._getraw(self._dev)
-        try:
-            end = self._free.pop()
-        except IndexError:
-            end = self._pool.grow()
-        self._record(end, self._streams.get(raw) or self._pool.stream_for(raw))
-        self._buf.append((t1, end))
-        self._st.tail = (end, raw, t1)
+        self._buf.append((t1, self._recorded()))
 
 
 def _fault_enter(span, base_enter):
@@ -230,7 +212,7 @@ class FaultCudaSpan(CudaSpan):
     __slots__ = ()
 
     def __enter__(self):
-        # A CUDA start event was taken and recorded; on a raised fault it is simply dropped.
+        # A CUDA start event was taken and recorded; on a raised fault the replay gives it back.
         return _fault_enter(self, CudaSpan.__enter__)
 
 
@@ -315,33 +297,19 @@ class SpanRecorder:
                 if spans or misc:
                     out.append((st.thread.name, spans, misc))
                 if not st.thread.is_alive() and not st.buf and not st.misc and not st.open:
-                    if st.held is not None:
-                        self.event_pool.release(st.held)   # the dead thread's tail
                     dead.append(st)
             if dead:
                 with self._reg_lock:
                     self._states = [s for s in self._states if s not in dead]
         return out
 
-    def release_tails(self) -> None:
-        """At run end (span() already a no-op): the collector's hold on each live thread's last CUDA
-        end event goes back to the pool, and the owner's tail is dropped, so no later begin shares it."""
-        with self.drain_lock:
-            with self._reg_lock:
-                states = list(self._states)
-            for st in states:
-                st.tail = None
-                held, st.held = st.held, None
-                if held is not None:
-                    self.event_pool.release(held)
-
     def _replay(self, st: ThreadState, events) -> list:
         """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
-        spans still open across drains, `st.held` the CUDA end event a next begin may share."""
+        spans still open across drains."""
         open_, out = st.open, []
-        begun, next_id, held = st.begun, self._next_id, st.held   # locals in the loop; written back below
+        begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
         pop, push, emit = open_.pop, open_.append, out.append
-        retained, released = [], []   # the pool's reference changes, applied in one call after the loop
+        unused = []   # events of cancelled or unmatched CUDA spans, back to the pool after the loop
         for e in events:
             te = type(e)
             if te is int:
@@ -361,33 +329,26 @@ class SpanRecorder:
                 if open_:
                     b = pop()
                     if len(b) > 5:
-                        released.append(b[5])
+                        unused.append(b[5])
             elif te is SpanAttrs:                       # profiler.tag(): for the innermost open span
                 if open_:
                     open_[-1][4] = {**(open_[-1][4] or {}), **e}
-            elif type(e[0]) is int:                     # CUDA end: (t1, end_event); the tail now points at it
-                if held is not None:
-                    released.append(held)               # the tail moved on without sharing it
-                held = e[1]
+            elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
                 if open_:
-                    retained.append(held)               # the record's hold plus the tail's
                     b = pop()
                     emit((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
                           b[5], e[1]))
                 else:
+                    unused.append(e[1])
                     self.unmatched += 1
-            else:                                       # begin: (tag, t0[, start_event[, shared]])
-                if len(e) > 2:                          # CUDA: a shared start takes the tail's hold over
-                    if held is not None and not (len(e) > 3 and e[2] is held):
-                        released.append(held)
-                    held = None
+            else:                                       # begin: (tag, t0[, start_event])
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
                 push([name, e[1], nbytes, next_id, None, *e[2:3]])
                 next_id += 1
-        st.begun, self._next_id, st.held = begun, next_id, held
-        if retained or released:
-            self.event_pool.adjust(retained, released)
+        st.begun, self._next_id = begun, next_id
+        if unused:
+            self.event_pool.put(*unused)
         return out
 
     def open_spans(self, now_ns=None, ids: bool = False):
