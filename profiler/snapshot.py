@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from profiler.control import default_discovery_dir, discover, discover_all, query
+from profiler.control import default_discovery_dir, discover, discover_all, pid_alive, query
 from profiler.records import INTERVAL, read_records
 from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
 
@@ -193,20 +193,10 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
 
 
 # ---- a whole run -----------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
     """Discovery records of the run's live processes, in rank order."""
     wanted = str(Path(run_dir).resolve())
-    found = [r for r in discover_all(discovery_dir) if r.get("run_dir") == wanted and _alive(r["pid"])]
+    found = [r for r in discover_all(discovery_dir) if r.get("run_dir") == wanted and pid_alive(r["pid"])]
     return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
 
 

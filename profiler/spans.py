@@ -1,30 +1,22 @@
 """Span recording: per-thread event logs, lock-free on the worker side, replayed by the collector.
 
-Hot path (one `with span(name):`): in api.span, one threading.local read and a dict lookup; on
-enter, the tag and then `t0_ns` appended to the thread's event log (by C calls only: see
-fast_enter_class); on exit, `t1_ns` appended. Two
-`time.perf_counter_ns()` calls, no stack pop, no lock, no dict building, no string formatting, and
-no new container: a tuple per span would be a GC-tracked allocation, and every 700 of them trigger
-a young-generation collection.
-The collector replays each thread's log against that thread's open-span stack (kept on the
-collector side) to get nesting depth and finished records, off the hot path.
+Hot path (one `with span(name):`): a threading.local read and a dict lookup (api.span), then the tag and
+`t0_ns` appended on enter and `t1_ns` on exit: C calls only, no lock and no new container (a tuple per
+span would be a GC-tracked allocation). The collector replays each thread's log against that thread's
+open-span stack to get nesting and finished records, off the hot path.
 
-Event-log items (all appended by the owning thread only):
-  begin     `tag` then `t0_ns` (two items: the collector pairs them, also across drains) /
-            CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
-  end       `t1_ns` (an int) / CUDA `(t1_ns, end_event)`
+Event-log items (appended by the owning thread only):
+  begin     `tag` then `t0_ns` / CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
+  end       `t1_ns` / CUDA `(t1_ns, end_event)`
   cancel    `None`: the enter raised after logging its begin (fault injection)
   tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
 Finished records (what drain() returns): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`;
-CUDA adds `(start_event, end_event)`. `depth` is 0 for an outermost span; `id` numbers the recorder's
-spans in begin order, `parent` is the enclosing span's id on the same thread (or None), `attrs` the
-tags (or None).
+CUDA adds `(start_event, end_event)`. `id` numbers the recorder's spans in begin order, `parent` is the
+enclosing span's id on the same thread (or None).
 
-Hand-over without a lock: a worker only ever *appends* to its own log; the collector (one at a
-time, under the recorder's drain lock) takes `n = len(log)`, copies `log[:n]` and deletes
-`log[:n]`. Each of those list operations is atomic (GIL; per-object lock on free-threaded
-builds), appends only add at the end and only the collector removes from the front, so every item
-is taken exactly once, however appends interleave with the drain.
+Hand-over without a lock: a worker only appends to its own log; the collector (under the drain lock) takes
+`n = len(log)`, copies `log[:n]` and deletes `log[:n]`, each an atomic list operation, so every item is
+taken exactly once however appends interleave.
 """
 from __future__ import annotations
 
@@ -92,10 +84,8 @@ def _decorate(name, nbytes, fn):
 class NoopSpan:
     """What span() returns with no active profiler: one shared object per name (bytes=None).
 
-    __enter__/__exit__ are the C-level bound method `"".format`: `with` looks special methods up
-    on the type and calls a non-descriptor as is, so enter is `"".format()` and exit is
-    `"".format(et, ev, tb)`, both returning "" — falsy, so exceptions propagate. That skips two
-    Python frames. The `as` target of a no-op span is ""."""
+    __enter__/__exit__ are the C-level `"".format` (no Python frame); it returns "", falsy, so exceptions
+    propagate. The `as` target of a no-op span is ""."""
     __slots__ = ("name", "bytes")
 
     def __init__(self, name: str, nbytes=None):
@@ -113,10 +103,8 @@ class NoopSpan:
 
 
 class CpuSpan:
-    """Active span with CPU timing only. One object per (thread, name): it holds its thread's event
-    log directly, so enter/exit touch no thread-local and no lock. Do not share one span object
-    between threads; call span() where it is used (the decorator does). `SpanRecorder` makes each
-    one through `fast_enter_class`, whose enter runs no Python frame."""
+    """Active span with CPU timing only. One object per (thread, name), holding its thread's event log, so
+    enter/exit touch no thread-local and no lock: do not share one between threads."""
     __slots__ = ("name", "bytes", "_tag", "_buf", "_recorder")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
@@ -143,14 +131,9 @@ class CpuSpan:
 
 
 def fast_enter_class(buf: list, tag) -> type:
-    """A CpuSpan subclass for one (thread, name), whose __enter__ is a chain of C calls with the same
-    effect as CpuSpan.__enter__: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))`
-    takes the tag and a fresh perf_counter_ns() (the clock never returns the None sentinel) and
-    extends the log by both. `with` looks __enter__ up on the type; staticmethod hands the partial
-    over unbound (Python 3.13 warns when a partial is looked up as a method, 3.14 binds it), so the
-    enter runs no Python frame. zip reuses its result tuple once extend has let go of it, so the enter
-    allocates only the int. The `as` target is None. __exit__ (called with three arguments) stays a
-    Python method."""
+    """A CpuSpan subclass for one (thread, name) whose __enter__ is a chain of C calls with CpuSpan.__enter__'s
+    effect: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` extends the log by the tag and
+    a fresh perf_counter_ns(). staticmethod keeps the partial unbound. The `as` target is None."""
     enter = functools.partial(next, map(buf.extend, zip(itertools.repeat(tag), iter(_now_ns, None))))
     return type("CpuSpan", (CpuSpan,), {"__slots__": (), "__enter__": staticmethod(enter), "__module__": __name__})
 
@@ -236,10 +219,7 @@ class SpanRecorder:
         self._names: set = set()           # span names validated so far (make_span)
         self._reg_lock = threading.Lock()
         self.drain_lock = threading.Lock()
-        # Per-thread view: `st` (the ThreadState) and `d` (its name -> span cache). While active,
-        # api.span() looks names up through `local.d`: one thread-local read and a dict lookup, and
-        # the span objects it returns hold their thread's event log directly (no lookup in
-        # enter/exit). A plain threading.local: a subclass's attribute reads cost more.
+        # Per-thread `st` (the ThreadState) and `d` (its name -> span cache), which api.span() reads.
         self.local = threading.local()
 
     def thread_state(self) -> ThreadState:
@@ -353,9 +333,8 @@ class SpanRecorder:
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
-        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" (as in finished
-        records) and "t0_ns" (its begin, perf_counter_ns): what the interval aggregator needs to split an
-        open span's time at a boundary. Call drain() first for an up-to-date view (Profiler.state() does)."""
+        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" and "t0_ns" (its
+        begin), which the interval aggregator splits an open span's time with."""
         now_ns = _now_ns() if now_ns is None else now_ns
         out = []
         with self.drain_lock:   # the open stacks belong to the collector side
