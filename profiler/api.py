@@ -9,7 +9,7 @@ object every time, and a bad name raises ValueError whether or not a profiler is
 """
 from __future__ import annotations
 
-from profiler.spans import NoopSpan, bind_lookup, check_name
+from profiler.spans import NoopSpan, bind_lookup, check_bytes, check_name
 
 _noop_spans: dict = {}
 
@@ -48,8 +48,7 @@ def _make_span(name, nbytes):
     rec = _recorder
     if rec is not None:
         return rec.make_span(name, nbytes)
-    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
-        raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+    check_bytes(name, nbytes)
     s = NoopSpan(check_name(name), nbytes)
     if nbytes is None:
         _noop_spans[name] = s

@@ -131,7 +131,7 @@ class IntervalAggregator:
                 acc.bytes += rec[4]
                 acc.bytes_n += 1
                 acc.bytes_cpu += (t1 - t0) / 1e9
-        self.detail.offer_cpu(thread_name, cpu_records)
+        self.detail.offer([(thread_name, rec, None) for rec in cpu_records])
 
     def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time from the boundary it was last credited up to (else its begin) to its
@@ -194,7 +194,7 @@ class IntervalAggregator:
                 if gpu_s is not None:
                     acc.bytes_gpu += gpu_s
                     acc.bytes_timed += nbytes
-        self.detail.offer_resolved(done)
+        self.detail.offer(done)
 
     def add_unresolved(self) -> None:
         """At run end: the pairs still pending count CPU-only (their span's "gpu_unresolved" says how many)."""
@@ -304,44 +304,23 @@ class IntervalAggregator:
 
 
 def to_floats(values) -> list:
-    """Python numbers stay; tensors (0-dim, or one element) are converted here, at interval close, long
-    after their steps finished: stacked as they are, in one call over the list (stack promotes mixed
-    dtypes), then ONE .tolist(). On a CUDA device that is a deliberate device->host read which waits for
-    the stacked copy (a tiny kernel queued behind the current work on that stream), once per interval,
-    never per step. Tensors on several devices, or of mixed shapes, are grouped by device and reshaped
-    first (one stack and read per device). Call it once over all of an interval's values
-    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants."""
+    """Python numbers as floats; tensors (one element each) converted at interval close, long after their
+    steps finished: per device, stacked and read with ONE .tolist(). On a CUDA device that is a deliberate
+    device->host read, waiting for the stacked copy (a tiny kernel queued behind the current work), once per
+    interval and device, never per step."""
     torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
     tensor_type = torch.Tensor if torch is not None else ()
-    out, idx = [None] * len(values), []
-    for i, v in enumerate(values):
+    out, by_device = list(values), {}
+    for i, v in enumerate(out):
         if isinstance(v, tensor_type):
-            idx.append(i)
+            by_device.setdefault(v.device, []).append(i)
         else:
             out[i] = float(v)
-    if idx:
-        with torch.no_grad():
-            for i, f in zip(idx, _stacked_floats(torch, [values[i] for i in idx])):
-                out[i] = f
-    return out
-
-
-def _stacked_floats(torch, ts: list) -> list:
-    """Floats of one-element tensors, in order: one stack and read when they share a device and a shape
-    (the one deliberate sync), else one per device of the tensors reshaped to 0-dim."""
-    try:
-        stacked = torch.stack(ts)
-    except RuntimeError:   # several devices, or mixed shapes
-        stacked = None
-    if stacked is not None and stacked.dim() == 1:
-        return stacked.float().tolist()
-    by_device: dict = {}
-    for j, t in enumerate(ts):
-        by_device.setdefault(t.device, []).append(j)
-    out = [None] * len(ts)
-    for js in by_device.values():
-        for j, f in zip(js, torch.stack([ts[j].reshape(()) for j in js]).float().tolist()):   # a sync per device
-            out[j] = f
+    for idx in by_device.values():
+        with torch.no_grad():   # the deliberate sync, one per device
+            floats = torch.stack([out[i].detach().reshape(()) for i in idx]).float().tolist()
+        for i, f in zip(idx, floats):
+            out[i] = f
     return out
 
 
@@ -349,5 +328,5 @@ def to_floats_by_name(*groups: dict) -> list:
     """`to_floats` over every list of every {name: values} group at once (one stack and one read per
     device for the whole interval); returns the groups with float lists, in order."""
     flat = [v for g in groups for values in g.values() for v in values]
-    floats = iter(to_floats(flat) if flat else [])
+    floats = iter(to_floats(flat))
     return [{name: [next(floats) for _ in values] for name, values in g.items()} for g in groups]

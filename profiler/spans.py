@@ -38,6 +38,12 @@ def check_name(name, what: str = "span") -> str:
     return name
 
 
+def check_bytes(name: str, nbytes) -> None:
+    """ValueError unless a span's bytes= is None or a non-negative int."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+
+
 CPU_RECORD_LEN = 8    # a finished record longer than this carries a CUDA event pair at [8], [9]
 
 
@@ -237,8 +243,7 @@ class SpanRecorder:
     def make_span(self, name: str, nbytes=None):
         """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
         cache this thread's object when bytes is None."""
-        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
-            raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+        check_bytes(name, nbytes)
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
         st, cls = self.thread_state(), self._span_cls
