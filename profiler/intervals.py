@@ -1,24 +1,17 @@
 """Interval aggregation, off the hot path (the collector feeds it: profiler/collector.py).
 
-Two things are kept per span name and interval, and they differ for a span that crosses a boundary:
+Per span name and interval, two things that differ for a span crossing a boundary:
 
-- *Time* (the CPU block's `total_seconds`, and `share` when there is no GPU time) is split across the
-  intervals a span overlaps. When an interval closes at boundary B, every span still open on any thread
-  is credited the part of its wall time inside the interval, from max(its begin, the previous boundary)
-  to B (`open_cpu_seconds` says how much of the total that is); when it ends, only the rest, from the
-  last boundary it was credited up to, to its end, goes to the interval it ends in. Summed over a run's
-  intervals, the pieces equal the span's duration, and a span on one thread never holds more than 100%
-  of an interval.
-- *Whole spans* (count, mean, percentiles, max, histogram buckets, bytes and bandwidth, the detail
-  window) see each span once, with its whole duration, in the interval in which it is *collected
-  complete*: its CPU part has ended and, under CUDA, both its events have completed. CUDA pairs still
-  unresolved when an interval closes are carried, whole, into the next one (so per-interval cpu and gpu
-  counts agree). GPU time cannot be split (the events resolve after the span ends, and only their
-  difference is known): it lands whole where the pair resolved. For `share` only, each resolved
-  span's GPU time is capped at the host window it can have run in within the interval: from max(its
-  begin, the interval's start) to min(when it was seen resolved, the interval's end). The GPU work
-  of a span lies between its begin and its resolution, so the cap never drops time that ran in
-  the interval; it keeps a long first step (compilation) from giving a share of 287%.
+- *Time* (the CPU block's `total_seconds`, and `share` without GPU time) is split across the intervals a
+  span overlaps: at a close, every open span is credited its wall time inside the interval
+  (`open_cpu_seconds`); when it ends, the rest goes to the interval it ends in. Summed over the run, the
+  pieces equal the span's duration, and a span on one thread never holds more than 100% of an interval.
+- *Whole spans* (count, mean, percentiles, max, buckets, bytes and bandwidth, the detail window) see each
+  span once, in the interval in which it is collected complete: its CPU part ended and, under CUDA, both
+  its events completed (unresolved pairs are carried, whole, into the next interval). GPU time lands whole
+  where the pair resolved; for `share` only, it is capped at the host window the span can have run in
+  within the interval, max(begin, interval start) .. min(seen resolved, interval end), which never drops
+  time that ran in the interval.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """`dflash-profile snapshot`: a live process's own state (control endpoint) merged with its py-spy stacks.
 
-Standard library only, so the CLI starts without torch. For one pid: find the control endpoint
-through the discovery file, ask it for `state` (rank, role, step, open spans per thread with their
-age, last interval, memory), run `py-spy dump --json` on the same pid, and join the two per thread
-on the OS thread id (py-spy's `os_thread_id`, the profiler's `native_id`). A Python process without
-an endpoint still gets its stacks, with a note saying so. For a run directory: every live rank at
-once, side by side, plus who waits on whom.
+Standard library only. For one pid: the endpoint's `state` (open spans per thread with their age, last
+interval, memory) and `py-spy dump --json`, joined per thread on the OS thread id. A process without an
+endpoint still gets its stacks, with a note. For a run directory: every live rank at once, plus who waits
+on whom.
 
-Stuck rule: an open span is stuck when it has been open longer than
-max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S), i.e. max(10 x p95, 5 s). Its recent p95 is the larger
-of its CPU and GPU p95 in the most recent closed interval in which it finished: the live
-last_interval first, else the rank's run log (a span that hangs stops finishing, so the intervals
-after it no longer carry it). Without such an interval (none closed yet, or the span never finished)
-the span is not judged (`stuck` false) and `stuck_basis` says why: no guessing.
+Stuck rule: an open span is stuck when open longer than max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S); its
+recent p95 is the larger of its CPU and GPU p95 in the latest closed interval in which it finished (the live
+last_interval, else the rank's run log). Without one the span is not judged and `stuck_basis` says why.
 
-What is kept (keep_snapshot): the snapshot as JSON in RUN_DIR/snapshots/, and a `snapshot` record in
-the rank's own run log, written by the process itself through the endpoint's `record` command (the
-process stays its log's single writer). Record fields: pid, step, native, file, stuck, stuck_rule,
-note, threads: [{name, native_id, open_spans: [{name, open_seconds, p95_seconds, limit_seconds,
-stuck}], stuck, stuck_span, stuck_frame, frames (innermost first)}].
+keep_snapshot writes the snapshot to RUN_DIR/snapshots/ and has the process write a `snapshot` record in
+its own run log through the endpoint's `record` command (the process stays its log's single writer).
 """
 from __future__ import annotations
 
