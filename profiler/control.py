@@ -197,15 +197,9 @@ class ControlServer:
         else:
             if removed:
                 logger.debug("control endpoint: removed %d stale discovery files", len(removed))
-        record = {
-            "pid": self.pid,
-            "rank": self.rank,
-            "role": self.role,
-            "run_dir": str(self.run_dir),
-            "socket_path": self.socket_path,
-            "socket_fallback": self.socket_fallback,
-            "start_time_unix": self._started_unix,
-        }
+        record = {"pid": self.pid, "rank": self.rank, "role": self.role, "run_dir": str(self.run_dir),
+                  "socket_path": self.socket_path, "socket_fallback": self.socket_fallback,
+                  "start_time_unix": self._started_unix}
         tmp = f"{self.discovery_path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

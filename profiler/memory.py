@@ -207,14 +207,9 @@ class NvmlMemorySampler:
                     entry["reason"] = "no NVML sample yet"
                 else:
                     used = sample["used_bytes"]
-                    entry.update(
-                        used_bytes=used,
-                        headroom_bytes=gpu["total_bytes"] - used if used is not None else None,
-                        util_percent=sample["util_percent"],
-                        power_watts=sample["power_watts"],
-                        temperature_c=sample["temperature_c"],
-                        age_seconds=now - sample["time_s"],
-                    )
+                    entry.update({k: sample[k] for k in ("used_bytes", "util_percent", "power_watts", "temperature_c")},
+                                 headroom_bytes=gpu["total_bytes"] - used if used is not None else None,
+                                 age_seconds=now - sample["time_s"])
                 gpus.append(entry)
             errors = self._errors
         return {"available": True, "gpus": gpus, "sampler_errors": errors}
@@ -294,6 +289,11 @@ def make_memory_sampler(device, nvml=None, period_s: float = 0.5, env=os.environ
 
 
 _logged_allocator_error = False
+_ALLOCATOR_STATS = {"allocated_bytes": "allocated_bytes.all.current",
+                    "reserved_bytes": "reserved_bytes.all.current", "peak_allocated_bytes": "allocated_bytes.all.peak",
+                    "peak_reserved_bytes": "reserved_bytes.all.peak", "num_alloc_retries": "num_alloc_retries",
+                    "num_ooms": "num_ooms", "inactive_split_bytes": "inactive_split_bytes.all.current"}
+"""The `allocator` block's fields and the torch.cuda.memory_stats keys they read."""
 
 
 def allocator_summary(device, reset_peak: bool = True) -> dict:
@@ -307,23 +307,13 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
         stats = torch.cuda.memory_stats(device)
         if not stats:  # memory_stats returns {} before CUDA is initialised in this process
             return {"available": False, "reason": "CUDA is not initialised in this process yet"}
-        summary = {
-            "available": True,
-            "allocated_bytes": stats.get("allocated_bytes.all.current"),
-            "reserved_bytes": stats.get("reserved_bytes.all.current"),
-            "peak_allocated_bytes": stats.get("allocated_bytes.all.peak"),
-            "peak_reserved_bytes": stats.get("reserved_bytes.all.peak"),
-            "num_alloc_retries": stats.get("num_alloc_retries"),
-            "num_ooms": stats.get("num_ooms"),
-            "inactive_split_bytes": stats.get("inactive_split_bytes.all.current"),
-        }
+        summary = {"available": True, **{field: stats.get(key) for field, key in _ALLOCATOR_STATS.items()}}
         backend = torch.cuda.get_allocator_backend()
         if backend != "native":
             # Under cudaMallocAsync these stats are not tracked and read as 0: report them unmeasured.
-            for key in ("num_alloc_retries", "inactive_split_bytes"):
-                summary[key] = None
-            summary["reasons"] = {"num_alloc_retries": f"not tracked by the {backend} allocator",
-                                  "inactive_split_bytes": f"not tracked by the {backend} allocator"}
+            untracked = ("num_alloc_retries", "inactive_split_bytes")
+            summary.update(dict.fromkeys(untracked), reasons=dict.fromkeys(untracked,
+                                                                           f"not tracked by the {backend} allocator"))
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(device)
         return summary
