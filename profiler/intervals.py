@@ -24,10 +24,13 @@ from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
 
+_BYTES_FIELDS = ("bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "bytes_timed")
+
+
 class _SpanAcc:
     """One span name's records in the current interval."""
-    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths",
-                 "gpu_windows", "timed", "bytes_timed")
+    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "gpu_windows",
+                 "timed", "bytes_timed")
 
     def __init__(self):
         self.count = 0
@@ -38,7 +41,6 @@ class _SpanAcc:
         self.bytes_n = 0          # how many spans gave bytes=
         self.bytes_cpu = 0.0      # their CPU seconds
         self.bytes_gpu = 0.0      # their GPU seconds
-        self.depths: set = set()
         self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
         self.timed = 0            # spans that recorded CUDA events (resolved or not)
         self.bytes_timed = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
@@ -118,7 +120,6 @@ class IntervalAggregator:
                 acc = spans[name] = _SpanAcc()
             acc.count += 1
             acc.cpu.append((t1 - t0) / 1e9)
-            acc.depths.add(rec[3])
             acc.threads.add(thread_name)
             if rec[4] is not None:
                 acc.bytes += rec[4]
@@ -176,7 +177,6 @@ class IntervalAggregator:
             acc.timed += 1
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
-            acc.depths.add(rec[3])
             if gpu_s is not None:
                 acc.gpu.append(gpu_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
@@ -253,11 +253,8 @@ class IntervalAggregator:
             run.cpu.add(cpu_s)
             run.gpu.add(gpu_s)
             run.threads |= acc.threads | open_threads
-            run.bytes += acc.bytes
-            run.bytes_n += acc.bytes_n
-            run.bytes_cpu += acc.bytes_cpu
-            run.bytes_gpu += acc.bytes_gpu
-            run.bytes_timed += acc.bytes_timed
+            for field in _BYTES_FIELDS:
+                setattr(run, field, getattr(run, field) + getattr(acc, field))
             run.time_ns += time_ns
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
