@@ -300,10 +300,10 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
     """The caching allocator's stats for the interval, from ONE torch.cuda.memory_stats call
     (~150 us: call it once per interval, never per span); resets the peaks when reset_peak."""
     global _logged_allocator_error
-    if device is None or torch.device(device).type != "cuda":
-        return {"available": False, "reason": "allocator stats need a CUDA device"}
-    device = torch.device(device)
     try:
+        if device is None or torch.device(device).type != "cuda":
+            return {"available": False, "reason": "allocator stats need a CUDA device"}
+        device = torch.device(device)
         stats = torch.cuda.memory_stats(device)
         if not stats:  # memory_stats returns {} before CUDA is initialised in this process
             return {"available": False, "reason": "CUDA is not initialised in this process yet"}
@@ -333,8 +333,5 @@ def memory_state(sampler, device, interval: bool) -> dict:
         memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
     except Exception as exc:   # noqa: BLE001
         memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
-    try:
-        memory["allocator"] = allocator_summary(device, reset_peak=interval)
-    except Exception as exc:   # noqa: BLE001
-        memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    memory["allocator"] = allocator_summary(device, reset_peak=interval)   # says why, never raises
     return memory
