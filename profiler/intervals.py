@@ -103,8 +103,8 @@ class IntervalAggregator:
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
         """One thread's drained records: each one's time credited (_credit, inlined for the common
         case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
-        CPU ones added, in one loop (no call per record)."""
-        credited, time_ns, spans, cpu_records = self._credited, self._time_ns, self._spans, []
+        CPU ones added whole."""
+        credited, time_ns, cpu_records = self._credited, self._time_ns, []
         for rec in records:
             name, t0, t1 = rec[0], rec[1], rec[2]
             if boundary_ns is None and not credited:
@@ -113,19 +113,9 @@ class IntervalAggregator:
                 self._credit(name, rec[5], t0, t1, boundary_ns)
             if len(rec) > CPU_RECORD_LEN:
                 self.pending.append((thread_name, rec))
-                continue
-            cpu_records.append(rec)
-            acc = spans.get(name)
-            if acc is None:
-                acc = spans[name] = _SpanAcc()
-            acc.count += 1
-            acc.cpu.append((t1 - t0) / 1e9)
-            acc.threads.add(thread_name)
-            if rec[4] is not None:
-                acc.bytes += rec[4]
-                acc.bytes_n += 1
-                acc.bytes_cpu += (t1 - t0) / 1e9
-        self.detail.offer([(thread_name, rec, None) for rec in cpu_records])
+            else:
+                cpu_records.append((thread_name, rec, None))
+        self._add_whole(cpu_records, timed=False)
 
     def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time from the boundary it was last credited up to (else its begin) to its
@@ -160,12 +150,12 @@ class IntervalAggregator:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
         done, self.pending = resolve(self.pending, self.event_pool)
         if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
-            self._add_resolved(done, time.perf_counter_ns())
+            self._add_whole(done, timed=True, seen_ns=time.perf_counter_ns())
         return len(self.pending)
 
-    def _add_resolved(self, done: list, seen_ns: int) -> None:
-        """Add a batch of CUDA records, (thread_name, record, gpu_seconds or None when never resolved), in one
-        loop (no method call per record)."""
+    def _add_whole(self, done: list, timed: bool, seen_ns: int = 0) -> None:
+        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop (no call per record), and
+        offer them to the detail window. `timed`: CUDA records (resolved, or at run end never resolved)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -174,7 +164,7 @@ class IntervalAggregator:
                 acc = spans[name] = _SpanAcc()
             cpu_s = (t1 - t0) / 1e9
             acc.count += 1
-            acc.timed += 1
+            acc.timed += timed
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
             if gpu_s is not None:
@@ -192,7 +182,7 @@ class IntervalAggregator:
     def add_unresolved(self) -> None:
         """At run end: the pairs still pending count CPU-only (their span's "gpu_unresolved" says how many)."""
         done, self.pending = [(thread_name, rec, None) for thread_name, rec in self.pending], []
-        self._add_resolved(done, 0)
+        self._add_whole(done, timed=True)
 
     # ---- output --------------------------------------------------------------------------------
     def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
