@@ -72,32 +72,26 @@ def interval_p95_seconds(interval: dict, name: str) -> float | None:
     return max(values) if values else None
 
 
-class RecentP95:
-    """name -> (recent p95 or None, why not): the live last interval first, then the run log."""
+def recent_p95(last_interval: dict | None, log_path: Path | None):
+    """name -> (recent p95 or None, why not): the live last interval first, then the run log (read once, when
+    first needed, newest interval first)."""
+    logged: list = []
 
-    def __init__(self, last_interval: dict | None, log_path: Path | None):
-        self.last_interval, self.log_path = last_interval, log_path
-        self._logged: list | None = None
-
-    def _log_intervals(self) -> list:
-        if self._logged is None:
-            try:
-                self._logged = [r for r in read_records(self.log_path)[0] if r.get("type") == INTERVAL][::-1]
-            except (OSError, TypeError):
-                self._logged = []
-        return self._logged
-
-    def __call__(self, name: str):
-        if self.last_interval is None:
+    def lookup(name: str):
+        if last_interval is None:
             return None, "no interval closed yet: no recent p95 to judge against"
-        p95_s = interval_p95_seconds(self.last_interval, name)
-        for interval in self._log_intervals() if p95_s is None else ():
-            p95_s = interval_p95_seconds(interval, name)
-            if p95_s is not None:
-                break
+        p95_s = interval_p95_seconds(last_interval, name)
+        if p95_s is None and not logged:
+            try:
+                logged.append([r for r in read_records(log_path)[0] if r.get("type") == INTERVAL][::-1])
+            except (OSError, TypeError):
+                logged.append([])
+        if p95_s is None:
+            p95_s = next((p for p in map(lambda i: interval_p95_seconds(i, name), logged[0]) if p is not None), None)
         if p95_s is None:
             return None, f"{name} has not finished in any closed interval: no recent p95 to judge against"
         return p95_s, None
+    return lookup
 
 
 def judge_span(name: str, open_s: float, p95_lookup) -> dict:
@@ -173,7 +167,7 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
     rank, role = state.get("rank", record.get("rank")), state.get("role", record.get("role"))
     run_dir = state.get("run_dir") or record.get("run_dir")
     last = state.get("last_interval")
-    p95 = RecentP95(last, rank_log_path(run_dir, rank))
+    p95 = recent_p95(last, rank_log_path(run_dir, rank))
     threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
     basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
     return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
