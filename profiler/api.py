@@ -9,20 +9,14 @@ object every time, and a bad name raises ValueError whether or not a profiler is
 """
 from __future__ import annotations
 
-from profiler.spans import NoopSpan, bind_lookup, check_name
+from types import SimpleNamespace
+
+from profiler.spans import NoopSpan, bind_lookup, check_bytes, check_name
 
 _noop_spans: dict = {}
 
 
-class _NoopView:
-    """What `_spans` is with no profiler: the same `d` attribute as the recorder's thread-local view."""
-    __slots__ = ("d",)
-
-    def __init__(self, d: dict):
-        self.d = d
-
-
-_noop_view = _NoopView(_noop_spans)
+_noop_view = SimpleNamespace(d=_noop_spans)   # with no profiler: the `d` of the recorder's thread-local view
 _spans = _noop_view            # swapped by activate()/deactivate()
 _active = None                 # the active Profiler
 _recorder = None               # its SpanRecorder
@@ -48,8 +42,7 @@ def _make_span(name, nbytes):
     rec = _recorder
     if rec is not None:
         return rec.make_span(name, nbytes)
-    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
-        raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+    check_bytes(name, nbytes)
     s = NoopSpan(check_name(name), nbytes)
     if nbytes is None:
         _noop_spans[name] = s

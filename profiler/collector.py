@@ -19,12 +19,11 @@ class Collector:
     both handed to `write`. The thread `profiler.collector` polls every `poll_s` and closes when `clock`
     passes the boundary; `tick()` runs one such iteration in the caller (tests drive a fake clock)."""
 
-    def __init__(self, recorder, aggregator, nonfinite, gpu_sampler, *, interval_s: float, clock, perf_clock: bool,
-                 poll_s: float, header, write, step_fn, sections=(), detail_burst: int = 0):
-        self.recorder, self.aggregator, self.nonfinite, self.gpu_sampler = recorder, aggregator, nonfinite, gpu_sampler
+    def __init__(self, recorder, aggregator, nonfinite, *, interval_s: float, clock, perf_clock: bool,
+                 poll_s: float, header, write, step_fn, sections=()):
+        self.recorder, self.aggregator, self.nonfinite = recorder, aggregator, nonfinite
         self.interval_s, self.clock, self.perf_clock, self.poll_s = interval_s, clock, perf_clock, poll_s
         self._header, self._write, self._step_fn, self._sections = header, write, step_fn, tuple(sections)
-        self._detail_burst = detail_burst
         self.lock = threading.RLock()        # one drain or close at a time; records keep index order
         self.start_ns = time.perf_counter_ns()
         self.run_start_s = self.start_s = self._clock_s(self.start_ns)
@@ -122,11 +121,9 @@ class Collector:
             end_ns = time.perf_counter_ns()
             self._drain(end_ns)
             if final:
-                self.recorder.release_tails()   # span() is a no-op now: no begin will share them
                 self._wait_pending(gpu_drain_timeout_s)
             rec = self._interval_record(end_ns, final)
             detail = self.aggregator.detail.take(time.perf_counter_ns())
-            self.gpu_sampler.interval_closed(rec["duration_seconds"], self._detail_burst)
             if detail is not None:
                 self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
             self.start_s, self.start_ns = rec["end_s"], end_ns

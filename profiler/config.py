@@ -26,9 +26,6 @@ class ProfilerConfig:
     """Seconds between `interval` records."""
     detail_steps: int = 3
     """Steps at the start of each interval kept as raw spans (the `spans` record: profiler/detail.py); 0: none."""
-    gpu_steps_per_s: float = 0.0
-    """> 0: CUDA spans time the GPU on about this many steps a second at most, chosen at random, and on every
-    detail-window step (profiler/cuda_timing.py GpuSampler); 0: every step."""
     hang_timeout_s: float = 0.0
     """> 0: a rank with no progress (no span finished, no step change) this long is stopped with a dump
     (profiler/watchdog.py); 0: no hang watchdog."""
@@ -86,5 +83,3 @@ class ProfilerDeps:
     """In-run py-spy sampling (profiler/stacks.py); None: none."""
     exit_fn: Callable[[int], None] = os._exit
     """How forensics leave a stuck or crashed rank."""
-    rng: Any = None
-    """The random.Random the GPU sampler draws its timed steps from."""

@@ -49,18 +49,6 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
-def _socket_is_live(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 def _nobody_listens(path: str) -> bool:
     """True only when connecting is refused or the socket file is gone: nobody will ever answer.
     A timeout (a listener too busy to accept, e.g. a hung process) is not proof of death."""
@@ -77,14 +65,15 @@ def _nobody_listens(path: str) -> bool:
         probe.close()
 
 
-def _pid_is_dead(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """The process exists (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return False
     except PermissionError:
-        return False  # alive, another user's
-    return False
+        return True
+    return True
 
 
 def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
@@ -104,7 +93,7 @@ def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
         except (OSError, ValueError):
             record = None
         socket_path = record.get("socket_path") if isinstance(record, dict) else None
-        dead = _pid_is_dead(int(pid_text)) or (isinstance(socket_path, str) and _nobody_listens(socket_path))
+        dead = not pid_alive(int(pid_text)) or (isinstance(socket_path, str) and _nobody_listens(socket_path))
         if not dead:
             continue
         stale = [path]
@@ -176,7 +165,7 @@ class ControlServer:
             _private_dir(self.discovery_dir)
         else:
             (self.run_dir / "control").mkdir(parents=True, exist_ok=True)
-            if os.path.exists(self.socket_path) and _socket_is_live(self.socket_path):
+            if os.path.exists(self.socket_path) and not _nobody_listens(self.socket_path):
                 # Another live process (same run dir and rank) owns it: do not steal it.
                 logger.warning("control socket %s is in use by another process; using a /tmp path", self.socket_path)
                 _private_dir(self.discovery_dir)
@@ -208,15 +197,9 @@ class ControlServer:
         else:
             if removed:
                 logger.debug("control endpoint: removed %d stale discovery files", len(removed))
-        record = {
-            "pid": self.pid,
-            "rank": self.rank,
-            "role": self.role,
-            "run_dir": str(self.run_dir),
-            "socket_path": self.socket_path,
-            "socket_fallback": self.socket_fallback,
-            "start_time_unix": self._started_unix,
-        }
+        record = {"pid": self.pid, "rank": self.rank, "role": self.role, "run_dir": str(self.run_dir),
+                  "socket_path": self.socket_path, "socket_fallback": self.socket_fallback,
+                  "start_time_unix": self._started_unix}
         tmp = f"{self.discovery_path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -12,8 +12,7 @@ from profiler import api
 from profiler.collector import Collector
 from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.control import ControlServer, NullControlServer
-from profiler.cuda_timing import GpuSampler
-from profiler.detail import DetailWindow, NullDetailWindow, StepMarks, detail_burst
+from profiler.detail import DetailWindow, NullDetailWindow, StepMarks
 from profiler.export import ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors
@@ -56,7 +55,6 @@ class Profiler:
         self.log_path = self.run_dir / "profile" / f"rank{rank}.jsonl"
         self.run_id = self.cfg.run_id or self.run_dir.resolve().name
         self.hub = ExportHub(exporters)
-        self.gpu_sampler = GpuSampler(self.cfg.gpu_steps_per_s, detail_burst(self.cfg.detail_steps), self.deps.rng)
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self.step, self._first_step, self._step_changed = 0, None, False
@@ -86,7 +84,7 @@ class Profiler:
             from profiler.cuda_timing import EventPool
             self.event_pool = EventPool(device_index=self.device.index)   # None: the current device
         self.recorder = SpanRecorder(event_pool=self.event_pool, fault_plan=self.fault_plan,
-                                     step_fn=lambda: self.step, gpu_sampler=self.gpu_sampler)
+                                     step_fn=lambda: self.step)
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
                                           readback=make_readback(self.is_cuda, self.device, self.event_pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
@@ -123,10 +121,10 @@ class Profiler:
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
                     threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
                     self._stack_samples)
-        return Collector(self.recorder, aggregator, self.nonfinite, self.gpu_sampler, interval_s=self.interval_s,
+        return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
-                         sections=sections, detail_burst=detail_burst(self.cfg.detail_steps))
+                         sections=sections)
 
     def _stack_samples(self, duration_s: float) -> dict:
         summary = self.stack_sampler.interval_summary(reset=True)
@@ -207,7 +205,6 @@ class Profiler:
         elif self.step != self._first_step:
             self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
         self.marks.mark(time.perf_counter_ns(), self.step)
-        self.gpu_sampler.next_step()
 
     def progress(self) -> tuple:
         """(armed, token) for the hang watchdog: armed once the step changed; the token changes
@@ -233,7 +230,7 @@ class Profiler:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
-                "gpu_steps_per_s": self.gpu_sampler.max_steps_per_s, "world_size": self.world_size,
+                "world_size": self.world_size,
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
                 "config": self.run_config}
 

@@ -1,5 +1,8 @@
-"""CUDA event timing for spans: a reused event pool with shared boundary events, and the
-collector-side resolver.
+"""CUDA event timing for spans: a pool of reused events, and the collector-side resolver.
+
+Each CUDA span records its own start and end event on the current stream, so its GPU window (from when the
+stream reached the start event to when it reached the end event) is its own: no idle time moves in from the
+span before it.
 
 Host-device syncs: NONE. The only CUDA calls here are creating `torch.cuda.Event(enable_timing=True)`,
 recording one (an asynchronous enqueue, in the span hot path), and on the collector `Event.query()` on both
@@ -9,73 +12,13 @@ Event.synchronize(), Event.wait() or .item().
 Hot path: the public `Event.record()` looks the current stream up in Python on every call (it builds a
 Stream object); a span instead reads the current stream's raw handle, maps it to a cached Stream object, and
 calls the C record directly.
-
-Sharing: adjacent spans on one thread and stream share a boundary event: a span that begins within
-`SHARE_GAP_NS` of the previous span's end, on the same stream, with nothing begun in between, takes
-that end event as its start (one record instead of two). GPU work launched in that gap (at most
-a few microseconds of host time) counts toward the later span. An event can then belong to two
-records, so the pool counts references (collector side only) and takes an event back when the last
-record using it was resolved, and when the thread's "last end" no longer points at it.
-
-Sampling (`GpuSampler`): a fast run times the GPU on a few steps a second only (`--profile-gpu-steps-per-s`);
-the other steps' spans are CPU spans, which cuts the collector's work per span (figures: bench/RESULTS.md).
 """
 from __future__ import annotations
 
-import random
-import threading
-
-SHARE_GAP_NS = 50_000
-"""A span that begins more than this after the previous one ended records its own start event, so
-a host-side pause between two spans never counts as GPU time of the second."""
-
-
-class GpuSampler:
-    """Which steps' CUDA spans record events. `timed[0]` is read by every CudaSpan's enter; `next_step()`,
-    called by `set_step` on the training thread, decides it for the new step: timed while `burst` steps are
-    left (the collector sets it when a detail window opens, so the trace's steps have GPU times), else with
-    probability `p`, at random, so no periodic pattern of steps (an accumulation cycle) is always missed.
-
-    `max_steps_per_s` (> 0) bounds the timed steps a second: at each interval close (`interval_closed`) the
-    collector sets p = min(1, max_steps_per_s / the interval's steps a second), so steps longer than
-    1 / max_steps_per_s are all timed and a fast run times about max_steps_per_s of them a second. p changes
-    only at closes, so within an interval every step has the same chance and the timed spans are a uniform
-    sample (what scaling by count / gpu_count assumes). 0 times every step; so does a loop without set_step.
-    `rng` (a random.Random) for tests."""
-
-    def __init__(self, max_steps_per_s: float = 0.0, burst: int = 0, rng=None):
-        if isinstance(max_steps_per_s, bool) or not isinstance(max_steps_per_s, (int, float)) \
-                or not max_steps_per_s >= 0 or max_steps_per_s == float("inf"):
-            raise ValueError(f"gpu_steps_per_s must be a finite number >= 0, got {max_steps_per_s!r}")
-        self.max_steps_per_s = float(max_steps_per_s)
-        self.timed = [True]
-        self.burst = burst
-        self.p = 1.0
-        self.steps = 0          # set_step calls since the last interval close
-        self._random = (rng or random.Random()).random
-
-    def next_step(self) -> None:
-        """A new step began: is it GPU-timed? (A lost update racing the collector's writes times a step more
-        or less, or miscounts one; both are harmless.)"""
-        self.steps += 1
-        if self.burst > 0:
-            self.burst -= 1
-            self.timed[0] = True
-        else:
-            self.timed[0] = self.p >= 1.0 or self._random() < self.p
-
-    def interval_closed(self, duration_s: float, burst: int) -> None:
-        """On the collector at an interval close: the next interval's p from this one's step rate, and the
-        next detail window's burst."""
-        rate = self.steps / duration_s if duration_s > 0 else 0.0
-        self.steps = 0
-        self.p = min(1.0, self.max_steps_per_s / rate) if self.max_steps_per_s > 0 and rate > 0 else 1.0
-        self.burst = burst
-
 
 class EventPool:
-    """Timing events reused across spans. Workers take events with `take()` (a list pop: atomic);
-    the collector hands references out and back with `adjust()`/`release()` under a lock.
+    """Timing events reused across spans. Workers take events with a list pop and the collector gives
+    resolved ones back with `put()` (a list extend): both atomic, so no lock.
 
     `event_factory` makes an event (default: a timing `torch.cuda.Event`); with a factory (tests),
     `record_fn(ev, stream)` defaults to `ev.record(stream)` and streams are a constant 0."""
@@ -90,20 +33,15 @@ class EventPool:
         self.free_list = [event_factory() for _ in range(prealloc)]
         self.created = prealloc
         self.streams: dict = {}             # raw stream handle -> Stream object to record on
-        self._refs: dict = {}               # id(event) -> references held by records and tails
-        self._lock = threading.Lock()
 
-    def grow(self):
-        """A new event, when the free list is empty (the collector returns events once resolved)."""
-        self.created += 1
-        return self._factory()
-
-    def get(self):
-        """An event from the free list (or a new one)."""
+    def take(self):
+        """An event from the free list, or a new one when it is empty (the collector returns events once
+        resolved)."""
         try:
             return self.free_list.pop()
         except IndexError:
-            return self.grow()
+            self.created += 1
+            return self._factory()
 
     def stream_for(self, raw):
         """The Stream object of the current stream whose raw handle is `raw` (cached)."""
@@ -115,34 +53,10 @@ class EventPool:
     def current(self):
         """The calling thread's current Stream object, through the raw handle (torch.cuda.current_stream() would
         build a new object); what a non-finite check queues its flags with."""
-        raw = self.getraw(self.device_index)
-        return self.streams.get(raw) or self.stream_for(raw)
-
-    def release(self, *events) -> None:
-        """Collector side: one holder of each event is done; an event nobody holds is free again."""
-        refs, free = self._refs, self.free_list
-        with self._lock:
-            for ev in events:
-                key = id(ev)
-                left = refs.pop(key, 1) - 1    # absent: its one record held it
-                if left > 0:
-                    refs[key] = left
-                else:
-                    free.append(ev)
-
-    def adjust(self, retained, released) -> None:
-        """Collector side, one replay's changes in one call: a holder more for each event in `retained`,
-        then one fewer for each in `released` (an event freed here cannot have been taken again and
-        retained in the same replay, so applying the retains first gives the same counts as in order)."""
-        refs = self._refs
-        with self._lock:
-            for ev in retained:
-                refs[id(ev)] = refs.get(id(ev), 1) + 1   # absent: its one record holds it
-        if released:
-            self.release(*released)
+        return self.stream_for(self.getraw(self.device_index))
 
     def put(self, *events) -> None:
-        """Give events nobody holds back (e.g. taken and never recorded)."""
+        """Give events back once nothing reads them (resolved, or taken and never recorded)."""
         self.free_list.extend(events)
 
     @property
@@ -166,8 +80,8 @@ def _stream_functions(event_factory, device_index):
 def resolve(pending: list, pool: EventPool):
     """Resolve CUDA span records in order. `pending` holds (thread_name, record) pairs. Returns
     (resolved, still_pending): `resolved` holds (thread_name, record, gpu_seconds) for records whose
-    events both completed (the records' holds on their events are released, in one call); the rest are
-    kept, in order, for a later call (carried into the next interval)."""
+    events both completed (their events go back to the pool, in one call); the rest are kept, in order,
+    for a later call (carried into the next interval)."""
     if not pending:
         return [], []
     resolved, still, freed = [], [], []
@@ -181,7 +95,7 @@ def resolve(pending: list, pool: EventPool):
         else:
             still.append(item)
     if freed:
-        pool.release(*freed)
+        pool.put(*freed)
     return resolved, still
 
 

@@ -14,13 +14,7 @@ from __future__ import annotations
 
 MAX_DETAIL_SPANS = 20000
 DETAIL_ALIGN = 8
-"""Windows start on a multiple of this step (module doc); the GPU sampler times that many steps more."""
-
-
-def detail_burst(steps: int) -> int:
-    """Steps to GPU-time whole from an interval's start: enough to cover its detail window of `steps` steps,
-    which begins on the first step that is a multiple of DETAIL_ALIGN."""
-    return steps + DETAIL_ALIGN if steps > 0 else 0
+"""Windows start on a multiple of this step (module doc)."""
 
 
 class StepMarks:
@@ -72,46 +66,26 @@ class DetailWindow:
         if self.lo is not None and self.hi is None and len(marks) > self._lo_index + self.steps:
             self.hi = marks[self._lo_index + self.steps]
 
-    def offer_cpu(self, thread_name: str, records: list) -> None:
-        """offer() for a batch of one thread's CPU records (no GPU time), the window's bounds read once."""
-        if self.hi is None:
-            self._bounds()
-        if self.lo is None:
-            return
-        lo, hi = self.lo[0], self.hi[0] if self.hi is not None else None
-        for rec in records:
-            if rec[1] >= lo and (hi is None or rec[1] < hi):
-                self.offer(thread_name, rec, None)
-
-    def offer_resolved(self, done: list) -> None:
-        """offer() for a batch of resolved CUDA pairs, (thread_name, record, gpu_seconds) each, the
-        window's bounds read once."""
+    def offer(self, done) -> None:
+        """Keep each finished span, (thread_name, record, gpu_seconds or None), that began inside the window."""
         if self.hi is None:
             self._bounds()
         if self.lo is None:
             return
         lo, hi = self.lo[0], self.hi[0] if self.hi is not None else None
         for thread_name, rec, gpu_s in done:
-            if rec[1] >= lo and (hi is None or rec[1] < hi):
-                self.offer(thread_name, rec, gpu_s)
-
-    def offer(self, thread_name: str, rec: tuple, gpu_s) -> None:
-        """Keep a finished span record if it began inside the window."""
-        if self.hi is None:
-            self._bounds()
-        t0 = rec[1]
-        if self.lo is None or t0 < self.lo[0] or (self.hi is not None and t0 >= self.hi[0]):
-            return
-        if len(self.spans) >= self.max_spans:
-            self.dropped += 1
-            return
-        entry = {"id": rec[5], "parent": rec[6], "name": rec[0], "thread": thread_name,
-                 "tid": self.native_ids.get(thread_name), "depth": rec[3],
-                 "start_unix_ns": self.to_unix_ns(rec[1]), "end_unix_ns": self.to_unix_ns(rec[2]),
-                 "cpu_seconds": (rec[2] - rec[1]) / 1e9, "gpu_seconds": gpu_s, "bytes": rec[4]}
-        if rec[7]:
-            entry["attrs"] = rec[7]
-        self.spans.append(entry)
+            if rec[1] < lo or (hi is not None and rec[1] >= hi):
+                continue
+            if len(self.spans) >= self.max_spans:
+                self.dropped += 1
+                continue
+            entry = {"id": rec[5], "parent": rec[6], "name": rec[0], "thread": thread_name,
+                     "tid": self.native_ids.get(thread_name), "depth": rec[3],
+                     "start_unix_ns": self.to_unix_ns(rec[1]), "end_unix_ns": self.to_unix_ns(rec[2]),
+                     "cpu_seconds": (rec[2] - rec[1]) / 1e9, "gpu_seconds": gpu_s, "bytes": rec[4]}
+            if rec[7]:
+                entry["attrs"] = rec[7]
+            self.spans.append(entry)
 
     def take(self, next_start_ns: int) -> dict | None:
         """The finished window's `spans` fields (None when it kept nothing); opens the next one."""
@@ -130,13 +104,7 @@ class DetailWindow:
 class NullDetailWindow:
     """Stands in when no detail window is wanted (detail_steps=0)."""
 
-    def offer(self, thread_name, rec, gpu_s) -> None:
-        pass
-
-    def offer_cpu(self, thread_name, records) -> None:
-        pass
-
-    def offer_resolved(self, done) -> None:
+    def offer(self, done) -> None:
         pass
 
     def take(self, next_start_ns: int) -> None:

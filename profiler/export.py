@@ -27,15 +27,10 @@ _STOP = object()
 
 @runtime_checkable
 class Exporter(Protocol):
-    """What the profiler feeds, in the style of the OpenTelemetry SDK's `SpanExporter`: one object per sink
-    (Prometheus, OTel, the trace, the console), called on the exporter thread only, one record at a time.
-
-    Where SpanExporter.export(spans) returns SUCCESS or FAILURE, `export(record)` returns nothing and raises
-    on failure (the hub counts the record as dropped, logs the first failure and keeps feeding); where
-    SpanExporter has shutdown() and force_flush(timeout_millis), `close(timeout_s)` is both: flush what is
-    buffered and release the sink within timeout_s, once, at the run's end. Records are the run log's, as
-    written (docs/RUNLOG.md): every type (run_start, interval, spans, event, snapshot, run_end) reaches every
-    exporter, which keeps the types it serves."""
+    """What the profiler feeds, in the style of the OpenTelemetry SDK's `SpanExporter`: one object per sink,
+    called on the exporter thread only, one record at a time. `export(record)` raises on failure (the hub
+    counts the record dropped and keeps feeding); `close(timeout_s)` is shutdown and flush in one, at the
+    run's end. Every record type of the run log (docs/RUNLOG.md) reaches every exporter."""
 
     name: str
     """The exporter's key in the `exporters` stats of interval and run_end records."""

@@ -1,24 +1,17 @@
 """Interval aggregation, off the hot path (the collector feeds it: profiler/collector.py).
 
-Two things are kept per span name and interval, and they differ for a span that crosses a boundary:
+Per span name and interval, two things that differ for a span crossing a boundary:
 
-- *Time* (the CPU block's `total_seconds`, and `share` when there is no GPU time) is split across the
-  intervals a span overlaps. When an interval closes at boundary B, every span still open on any thread
-  is credited the part of its wall time inside the interval, from max(its begin, the previous boundary)
-  to B (`open_cpu_seconds` says how much of the total that is); when it ends, only the rest, from the
-  last boundary it was credited up to, to its end, goes to the interval it ends in. Summed over a run's
-  intervals, the pieces equal the span's duration, and a span on one thread never holds more than 100%
-  of an interval.
-- *Whole spans* (count, mean, percentiles, max, histogram buckets, bytes and bandwidth, the detail
-  window) see each span once, with its whole duration, in the interval in which it is *collected
-  complete*: its CPU part has ended and, under CUDA, both its events have completed. CUDA pairs still
-  unresolved when an interval closes are carried, whole, into the next one (so per-interval cpu and gpu
-  counts agree). GPU time cannot be split (the events resolve after the span ends, and only their
-  difference is known): it lands whole where the pair resolved. For `share` only, each resolved
-  span's GPU time is capped at the host window it can have run in within the interval: from max(its
-  begin, the interval's start) to min(when it was seen resolved, the interval's end). The GPU work
-  of a span lies between its begin and its resolution, so the cap never drops time that ran in
-  the interval; it keeps a long first step (compilation) from giving a share of 287%.
+- *Time* (the CPU block's `total_seconds`, and `share` without GPU time) is split across the intervals a
+  span overlaps: at a close, every open span is credited its wall time inside the interval
+  (`open_cpu_seconds`); when it ends, the rest goes to the interval it ends in. Summed over the run, the
+  pieces equal the span's duration, and a span on one thread never holds more than 100% of an interval.
+- *Whole spans* (count, mean, percentiles, max, buckets, bytes and bandwidth, the detail window) see each
+  span once, in the interval in which it is collected complete: its CPU part ended and, under CUDA, both
+  its events completed (unresolved pairs are carried, whole, into the next interval). GPU time lands whole
+  where the pair resolved; for `share` only, it is capped at the host window the span can have run in
+  within the interval, max(begin, interval start) .. min(seen resolved, interval end), which never drops
+  time that ran in the interval.
 """
 from __future__ import annotations
 
@@ -31,19 +24,13 @@ from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
 
-def sampled_share(share: float, count: int, gpu_count: int, threads: int) -> float:
-    """The GPU share of the `gpu_count` spans of `count` that were GPU-timed (GpuSampler), as an estimate for
-    all `count`: scaled by count / gpu_count and, when scaled, capped at the threads that ran the span (each
-    at most its whole wall). Unscaled when every span was timed."""
-    if gpu_count >= count:
-        return share
-    return min(share * count / gpu_count, float(max(1, threads)))
+_BYTES_FIELDS = ("bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "bytes_timed")
 
 
 class _SpanAcc:
     """One span name's records in the current interval."""
-    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "depths",
-                 "gpu_windows", "timed", "bytes_timed")
+    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "gpu_windows",
+                 "timed", "bytes_timed")
 
     def __init__(self):
         self.count = 0
@@ -54,7 +41,6 @@ class _SpanAcc:
         self.bytes_n = 0          # how many spans gave bytes=
         self.bytes_cpu = 0.0      # their CPU seconds
         self.bytes_gpu = 0.0      # their GPU seconds
-        self.depths: set = set()
         self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
         self.timed = 0            # spans that recorded CUDA events (resolved or not)
         self.bytes_timed = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
@@ -117,8 +103,8 @@ class IntervalAggregator:
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
         """One thread's drained records: each one's time credited (_credit, inlined for the common
         case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
-        CPU ones added, in one loop (no call per record)."""
-        credited, time_ns, spans, cpu_records = self._credited, self._time_ns, self._spans, []
+        CPU ones added whole."""
+        credited, time_ns, cpu_records = self._credited, self._time_ns, []
         for rec in records:
             name, t0, t1 = rec[0], rec[1], rec[2]
             if boundary_ns is None and not credited:
@@ -127,20 +113,9 @@ class IntervalAggregator:
                 self._credit(name, rec[5], t0, t1, boundary_ns)
             if len(rec) > CPU_RECORD_LEN:
                 self.pending.append((thread_name, rec))
-                continue
-            cpu_records.append(rec)
-            acc = spans.get(name)
-            if acc is None:
-                acc = spans[name] = _SpanAcc()
-            acc.count += 1
-            acc.cpu.append((t1 - t0) / 1e9)
-            acc.depths.add(rec[3])
-            acc.threads.add(thread_name)
-            if rec[4] is not None:
-                acc.bytes += rec[4]
-                acc.bytes_n += 1
-                acc.bytes_cpu += (t1 - t0) / 1e9
-        self.detail.offer_cpu(thread_name, cpu_records)
+            else:
+                cpu_records.append((thread_name, rec, None))
+        self._add_whole(cpu_records, timed=False)
 
     def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time from the boundary it was last credited up to (else its begin) to its
@@ -175,12 +150,12 @@ class IntervalAggregator:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
         done, self.pending = resolve(self.pending, self.event_pool)
         if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
-            self._add_resolved(done, time.perf_counter_ns())
+            self._add_whole(done, timed=True, seen_ns=time.perf_counter_ns())
         return len(self.pending)
 
-    def _add_resolved(self, done: list, seen_ns: int) -> None:
-        """Add a batch of CUDA records, (thread_name, record, gpu_seconds or None when never resolved), in one
-        loop (no method call per record)."""
+    def _add_whole(self, done: list, timed: bool, seen_ns: int = 0) -> None:
+        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop (no call per record), and
+        offer them to the detail window. `timed`: CUDA records (resolved, or at run end never resolved)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -189,10 +164,9 @@ class IntervalAggregator:
                 acc = spans[name] = _SpanAcc()
             cpu_s = (t1 - t0) / 1e9
             acc.count += 1
-            acc.timed += 1
+            acc.timed += timed
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
-            acc.depths.add(rec[3])
             if gpu_s is not None:
                 acc.gpu.append(gpu_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
@@ -203,25 +177,23 @@ class IntervalAggregator:
                 if gpu_s is not None:
                     acc.bytes_gpu += gpu_s
                     acc.bytes_timed += nbytes
-        self.detail.offer_resolved(done)
+        self.detail.offer(done)
 
     def add_unresolved(self) -> None:
         """At run end: the pairs still pending count CPU-only (their span's "gpu_unresolved" says how many)."""
         done, self.pending = [(thread_name, rec, None) for thread_name, rec in self.pending], []
-        self._add_resolved(done, 0)
+        self._add_whole(done, timed=True)
 
     # ---- output --------------------------------------------------------------------------------
     def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
-        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes. With GPU times for only some
-        of its spans (GpuSampler), its share scales their total by count / gpu_count (capped at its threads)."""
+        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes; `gpu_count`: the spans whose
+        CUDA pair resolved."""
         cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
         gpu, gpu_count = None, 0
         if gpu_stats is not None and gpu_stats["count"]:
             gpu, gpu_count = {k: v for k, v in gpu_stats.items() if k != "count"}, gpu_stats["count"]
         own_total = (gpu or cpu_stats)["total_seconds"] or 0.0
         share = own_total / duration_s if duration_s > 0 else None
-        if gpu is not None and share is not None:
-            share = sampled_share(share, count, gpu_count, len(threads))
         entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu, "share": share}
         if gpu is not None:
             entry["gpu_count"] = gpu_count
@@ -271,20 +243,16 @@ class IntervalAggregator:
             run.cpu.add(cpu_s)
             run.gpu.add(gpu_s)
             run.threads |= acc.threads | open_threads
-            run.bytes += acc.bytes
-            run.bytes_n += acc.bytes_n
-            run.bytes_cpu += acc.bytes_cpu
-            run.bytes_gpu += acc.bytes_gpu
-            run.bytes_timed += acc.bytes_timed
+            for field in _BYTES_FIELDS:
+                setattr(run, field, getattr(run, field) + getattr(acc, field))
             run.time_ns += time_ns
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
             entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
                                      summarize(gpu_s, buckets=True) if acc.gpu else None, acc, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
-            if entry["gpu"] is not None and duration_s > 0:   # windowed, then scaled as _span_entry does
-                windowed = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
-                entry["share"] = sampled_share(windowed, acc.count, len(acc.gpu), len(entry["threads"]))
+            if entry["gpu"] is not None and duration_s > 0:   # each span's GPU time capped at its host window
+                entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
             if len(acc.gpu) < acc.timed:
                 entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry
@@ -316,44 +284,23 @@ class IntervalAggregator:
 
 
 def to_floats(values) -> list:
-    """Python numbers stay; tensors (0-dim, or one element) are converted here, at interval close, long
-    after their steps finished: stacked as they are, in one call over the list (stack promotes mixed
-    dtypes), then ONE .tolist(). On a CUDA device that is a deliberate device->host read which waits for
-    the stacked copy (a tiny kernel queued behind the current work on that stream), once per interval,
-    never per step. Tensors on several devices, or of mixed shapes, are grouped by device and reshaped
-    first (one stack and read per device). Call it once over all of an interval's values
-    (`to_floats_by_name`): it runs on the collector thread, under the GIL the training thread wants."""
+    """Python numbers as floats; tensors (one element each) converted at interval close, long after their
+    steps finished: per device, stacked and read with ONE .tolist(). On a CUDA device that is a deliberate
+    device->host read, waiting for the stacked copy (a tiny kernel queued behind the current work), once per
+    interval and device, never per step."""
     torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
     tensor_type = torch.Tensor if torch is not None else ()
-    out, idx = [None] * len(values), []
-    for i, v in enumerate(values):
+    out, by_device = list(values), {}
+    for i, v in enumerate(out):
         if isinstance(v, tensor_type):
-            idx.append(i)
+            by_device.setdefault(v.device, []).append(i)
         else:
             out[i] = float(v)
-    if idx:
-        with torch.no_grad():
-            for i, f in zip(idx, _stacked_floats(torch, [values[i] for i in idx])):
-                out[i] = f
-    return out
-
-
-def _stacked_floats(torch, ts: list) -> list:
-    """Floats of one-element tensors, in order: one stack and read when they share a device and a shape
-    (the one deliberate sync), else one per device of the tensors reshaped to 0-dim."""
-    try:
-        stacked = torch.stack(ts)
-    except RuntimeError:   # several devices, or mixed shapes
-        stacked = None
-    if stacked is not None and stacked.dim() == 1:
-        return stacked.float().tolist()
-    by_device: dict = {}
-    for j, t in enumerate(ts):
-        by_device.setdefault(t.device, []).append(j)
-    out = [None] * len(ts)
-    for js in by_device.values():
-        for j, f in zip(js, torch.stack([ts[j].reshape(()) for j in js]).float().tolist()):   # a sync per device
-            out[j] = f
+    for idx in by_device.values():
+        with torch.no_grad():   # the deliberate sync, one per device
+            floats = torch.stack([out[i].detach().reshape(()) for i in idx]).float().tolist()
+        for i, f in zip(idx, floats):
+            out[i] = f
     return out
 
 
@@ -361,5 +308,5 @@ def to_floats_by_name(*groups: dict) -> list:
     """`to_floats` over every list of every {name: values} group at once (one stack and one read per
     device for the whole interval); returns the groups with float lists, in order."""
     flat = [v for g in groups for values in g.values() for v in values]
-    floats = iter(to_floats(flat) if flat else [])
+    floats = iter(to_floats(flat))
     return [{name: [next(floats) for _ in values] for name, values in g.items()} for g in groups]

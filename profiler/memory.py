@@ -36,28 +36,21 @@ def throttle_names(mask: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
 
 
-class _GpuAggregate:
-    """Running aggregates of one GPU over the current interval (mutated under the sampler's lock)."""
-
-    def __init__(self) -> None:
-        self.samples = 0
-        self.used_bytes_last: int | None = None
-        self.used_bytes_peak: int | None = None
-        self.util_sum = 0.0
-        self.util_n = 0
-        self.power_watts_sum = 0.0
-        self.power_n = 0
-        self.temperature_c_max: float | None = None
-        self.sm_clock_hz_last: float | None = None
-        self.throttle_reasons: list | None = None
+_MEMORY, _UTIL, _POWER, _TEMP, _CLOCK, _REASONS = (
+    "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetClockInfo", "nvmlDeviceGetCurrentClocksEventReasons")
+_FIELD_QUERY = {"used_bytes_last": _MEMORY, "used_bytes_peak": _MEMORY, "headroom_bytes": _MEMORY,
+                "util_percent_mean": _UTIL, "power_watts_mean": _POWER, "temperature_c_max": _TEMP,
+                "sm_clock_hz_last": _CLOCK, "throttle_reasons": _REASONS}
+"""The NVML query each interval field comes from (what its reason names when it is None)."""
 
 
 class NvmlMemorySampler:
     """A daemon thread reading NVML every period_s for each GPU given (NVML index, or UUID string).
 
-    Reads memory used/total, utilisation, power (mW -> W) and temperature; keeps per-interval
-    aggregates (peak used, mean util, mean power, max temperature, sample count) and the last
-    HEADROOM_HISTORY_LEN interval headroom low points. The caller (make_memory_sampler) has already
+    Reads memory used/total, utilisation, power (mW -> W), temperature, SM clock and throttle reasons; keeps
+    the current interval's samples (aggregated at its close) and the last HEADROOM_HISTORY_LEN interval
+    headroom low points. The caller (make_memory_sampler) has already
     called nvmlInit; the sampler does not shut NVML down (nvmlInit is reference counted and the
     process exit releases it).
     """
@@ -85,7 +78,7 @@ class NvmlMemorySampler:
             total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
             self._gpus.append({"index": index, "handle": handle, "name": name, "total_bytes": total_bytes})
         self._lock = threading.Lock()
-        self._aggregates = [_GpuAggregate() for _ in self._gpus]
+        self._samples: list[list] = [[] for _ in self._gpus]   # the current interval's samples, per GPU
         self._latest: list[dict | None] = [None for _ in self._gpus]
         self._headroom_history: collections.deque = collections.deque(maxlen=HEADROOM_HISTORY_LEN)
         self._errors = 0
@@ -139,112 +132,67 @@ class NvmlMemorySampler:
             return None
 
     def sample_once(self) -> None:
-        """Read every GPU once and fold the sample into the current interval (the thread's body)."""
-        nvml = self._nvml
-        now = self._clock()
+        """Read every GPU once and add the sample to the current interval (the thread's body)."""
+        nvml, now, q = self._nvml, self._clock(), self._query
         for i, gpu in enumerate(self._gpus):
             handle = gpu["handle"]
-            mem = self._query("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, handle)
-            util = self._query("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, handle)
-            power_mw = self._query("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, handle)
-            temp_c = self._query(
-                "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, handle, self._temperature_sensor
-            )
-            clock_mhz = self._query("nvmlDeviceGetClockInfo", nvml.nvmlDeviceGetClockInfo, handle,
-                                    getattr(nvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM))
-            reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", _clock_event_reasons(nvml), handle)
-            used_bytes = int(mem.used) if mem is not None else None
-            util_percent = float(util.gpu) if util is not None else None
-            power_watts = power_mw / 1000.0 if power_mw is not None else None
-            temperature_c = float(temp_c) if temp_c is not None else None
+            mem = q(_MEMORY, nvml.nvmlDeviceGetMemoryInfo, handle)
+            util = q(_UTIL, nvml.nvmlDeviceGetUtilizationRates, handle)
+            power_mw = q(_POWER, nvml.nvmlDeviceGetPowerUsage, handle)
+            temp_c = q(_TEMP, nvml.nvmlDeviceGetTemperature, handle, self._temperature_sensor)
+            clock_mhz = q(_CLOCK, nvml.nvmlDeviceGetClockInfo, handle, getattr(nvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM))
+            reasons = q(_REASONS, _clock_event_reasons(nvml), handle)
+            sample = {"time_s": now, "used_bytes": int(mem.used) if mem is not None else None,
+                      "util_percent": float(util.gpu) if util is not None else None,
+                      "power_watts": power_mw / 1000.0 if power_mw is not None else None,
+                      "temperature_c": float(temp_c) if temp_c is not None else None,
+                      "sm_clock_hz": float(clock_mhz) * 1e6 if clock_mhz is not None else None,
+                      "throttle_reasons": throttle_names(int(reasons)) if reasons is not None else None}
             with self._lock:
-                agg = self._aggregates[i]
-                agg.samples += 1
-                if used_bytes is not None:
-                    agg.used_bytes_last = used_bytes
-                    if agg.used_bytes_peak is None or used_bytes > agg.used_bytes_peak:
-                        agg.used_bytes_peak = used_bytes
-                if util_percent is not None:
-                    agg.util_sum += util_percent
-                    agg.util_n += 1
-                if power_watts is not None:
-                    agg.power_watts_sum += power_watts
-                    agg.power_n += 1
-                if temperature_c is not None and (
-                    agg.temperature_c_max is None or temperature_c > agg.temperature_c_max
-                ):
-                    agg.temperature_c_max = temperature_c
-                if clock_mhz is not None:
-                    agg.sm_clock_hz_last = float(clock_mhz) * 1e6
-                if reasons is not None:
-                    agg.throttle_reasons = throttle_names(int(reasons))
-                self._latest[i] = {
-                    "time_s": now,
-                    "used_bytes": used_bytes,
-                    "util_percent": util_percent,
-                    "power_watts": power_watts,
-                    "temperature_c": temperature_c,
-                }
+                self._samples[i].append(sample)
+                self._latest[i] = sample
 
     # ---- reading ------------------------------------------------------------------------------
-    def _reason(self, query: str, n_samples: int) -> str:
-        if n_samples == 0:
-            return "no NVML sample in this interval"
-        return self._error_reasons.get(query, "not measured")
+    def _gpu_entry(self, gpu: dict, samples: list) -> dict:
+        """One GPU's interval aggregates; a field that was never measured is None, with its reason."""
+        def values(key):
+            return [s[key] for s in samples if s[key] is not None]
+        used, util, power, temp = values("used_bytes"), values("util_percent"), values("power_watts"), \
+            values("temperature_c")
+        peak = max(used) if used else None
+        entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"],
+                 "used_bytes_last": used[-1] if used else None, "used_bytes_peak": peak,
+                 "headroom_bytes": gpu["total_bytes"] - peak if peak is not None else None,
+                 "util_percent_mean": sum(util) / len(util) if util else None,
+                 "power_watts_mean": sum(power) / len(power) if power else None,
+                 "temperature_c_max": max(temp) if temp else None,
+                 "sm_clock_hz_last": (values("sm_clock_hz") or [None])[-1],
+                 "throttle_reasons": (values("throttle_reasons") or [None])[-1], "samples": len(samples)}
+        reasons = {field: "no NVML sample in this interval" if not samples else
+                   self._error_reasons.get(query, "not measured")
+                   for field, query in _FIELD_QUERY.items() if entry[field] is None}
+        if reasons:
+            entry["reasons"] = reasons
+        return entry
 
     def interval_summary(self, reset: bool = True) -> dict:
         """Aggregates since the last reset. An interval with no sample yet takes one now, so every
         reported number is a measured one."""
         with self._lock:
-            need_sample = any(agg.samples == 0 for agg in self._aggregates)
+            need_sample = not all(self._samples)
         if need_sample:
             try:
                 self.sample_once()
             except Exception as exc:  # noqa: BLE001
                 self._record_error("sample", exc)
         now = self._clock()
-        gpus = []
         with self._lock:
-            for gpu, agg in zip(self._gpus, self._aggregates):
-                total = gpu["total_bytes"]
-                entry = {
-                    "index": gpu["index"],
-                    "name": gpu["name"],
-                    "total_bytes": total,
-                    "used_bytes_last": agg.used_bytes_last,
-                    "used_bytes_peak": agg.used_bytes_peak,
-                    "headroom_bytes": total - agg.used_bytes_peak if agg.used_bytes_peak is not None else None,
-                    "util_percent_mean": agg.util_sum / agg.util_n if agg.util_n else None,
-                    "power_watts_mean": agg.power_watts_sum / agg.power_n if agg.power_n else None,
-                    "temperature_c_max": agg.temperature_c_max,
-                    "sm_clock_hz_last": agg.sm_clock_hz_last,
-                    "throttle_reasons": agg.throttle_reasons,
-                    "samples": agg.samples,
-                }
-                reasons = {}
-                if entry["used_bytes_peak"] is None:
-                    reason = self._reason("nvmlDeviceGetMemoryInfo", agg.samples)
-                    reasons.update(used_bytes_last=reason, used_bytes_peak=reason, headroom_bytes=reason)
-                if entry["util_percent_mean"] is None:
-                    reasons["util_percent_mean"] = self._reason("nvmlDeviceGetUtilizationRates", agg.samples)
-                if entry["power_watts_mean"] is None:
-                    reasons["power_watts_mean"] = self._reason("nvmlDeviceGetPowerUsage", agg.samples)
-                if entry["temperature_c_max"] is None:
-                    reasons["temperature_c_max"] = self._reason("nvmlDeviceGetTemperature", agg.samples)
-                if entry["sm_clock_hz_last"] is None:
-                    reasons["sm_clock_hz_last"] = self._reason("nvmlDeviceGetClockInfo", agg.samples)
-                if entry["throttle_reasons"] is None:
-                    reasons["throttle_reasons"] = self._reason("nvmlDeviceGetCurrentClocksEventReasons",
-                                                               agg.samples)
-                if reasons:
-                    entry["reasons"] = reasons
-                gpus.append(entry)
+            gpus = [self._gpu_entry(gpu, samples) for gpu, samples in zip(self._gpus, self._samples)]
             if reset:
                 self._headroom_history.append(
                     {"time_s": now, "gpus": [{"index": g["index"], "headroom_bytes_min": g["headroom_bytes"]}
-                                             for g in gpus]}
-                )
-                self._aggregates = [_GpuAggregate() for _ in self._gpus]
+                                             for g in gpus]})
+                self._samples = [[] for _ in self._gpus]
             errors = self._errors
         return {"available": True, "gpus": gpus, "sampler_errors": errors}
 
@@ -259,14 +207,9 @@ class NvmlMemorySampler:
                     entry["reason"] = "no NVML sample yet"
                 else:
                     used = sample["used_bytes"]
-                    entry.update(
-                        used_bytes=used,
-                        headroom_bytes=gpu["total_bytes"] - used if used is not None else None,
-                        util_percent=sample["util_percent"],
-                        power_watts=sample["power_watts"],
-                        temperature_c=sample["temperature_c"],
-                        age_seconds=now - sample["time_s"],
-                    )
+                    entry.update({k: sample[k] for k in ("used_bytes", "util_percent", "power_watts", "temperature_c")},
+                                 headroom_bytes=gpu["total_bytes"] - used if used is not None else None,
+                                 age_seconds=now - sample["time_s"])
                 gpus.append(entry)
             errors = self._errors
         return {"available": True, "gpus": gpus, "sampler_errors": errors}
@@ -346,36 +289,31 @@ def make_memory_sampler(device, nvml=None, period_s: float = 0.5, env=os.environ
 
 
 _logged_allocator_error = False
+_ALLOCATOR_STATS = {"allocated_bytes": "allocated_bytes.all.current",
+                    "reserved_bytes": "reserved_bytes.all.current", "peak_allocated_bytes": "allocated_bytes.all.peak",
+                    "peak_reserved_bytes": "reserved_bytes.all.peak", "num_alloc_retries": "num_alloc_retries",
+                    "num_ooms": "num_ooms", "inactive_split_bytes": "inactive_split_bytes.all.current"}
+"""The `allocator` block's fields and the torch.cuda.memory_stats keys they read."""
 
 
 def allocator_summary(device, reset_peak: bool = True) -> dict:
     """The caching allocator's stats for the interval, from ONE torch.cuda.memory_stats call
     (~150 us: call it once per interval, never per span); resets the peaks when reset_peak."""
     global _logged_allocator_error
-    if device is None or torch.device(device).type != "cuda":
-        return {"available": False, "reason": "allocator stats need a CUDA device"}
-    device = torch.device(device)
     try:
+        if device is None or torch.device(device).type != "cuda":
+            return {"available": False, "reason": "allocator stats need a CUDA device"}
+        device = torch.device(device)
         stats = torch.cuda.memory_stats(device)
         if not stats:  # memory_stats returns {} before CUDA is initialised in this process
             return {"available": False, "reason": "CUDA is not initialised in this process yet"}
-        summary = {
-            "available": True,
-            "allocated_bytes": stats.get("allocated_bytes.all.current"),
-            "reserved_bytes": stats.get("reserved_bytes.all.current"),
-            "peak_allocated_bytes": stats.get("allocated_bytes.all.peak"),
-            "peak_reserved_bytes": stats.get("reserved_bytes.all.peak"),
-            "num_alloc_retries": stats.get("num_alloc_retries"),
-            "num_ooms": stats.get("num_ooms"),
-            "inactive_split_bytes": stats.get("inactive_split_bytes.all.current"),
-        }
+        summary = {"available": True, **{field: stats.get(key) for field, key in _ALLOCATOR_STATS.items()}}
         backend = torch.cuda.get_allocator_backend()
         if backend != "native":
             # Under cudaMallocAsync these stats are not tracked and read as 0: report them unmeasured.
-            for key in ("num_alloc_retries", "inactive_split_bytes"):
-                summary[key] = None
-            summary["reasons"] = {"num_alloc_retries": f"not tracked by the {backend} allocator",
-                                  "inactive_split_bytes": f"not tracked by the {backend} allocator"}
+            untracked = ("num_alloc_retries", "inactive_split_bytes")
+            summary.update(dict.fromkeys(untracked), reasons=dict.fromkeys(untracked,
+                                                                           f"not tracked by the {backend} allocator"))
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(device)
         return summary
@@ -395,8 +333,5 @@ def memory_state(sampler, device, interval: bool) -> dict:
         memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
     except Exception as exc:   # noqa: BLE001
         memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
-    try:
-        memory["allocator"] = allocator_summary(device, reset_peak=interval)
-    except Exception as exc:   # noqa: BLE001
-        memory["allocator"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    memory["allocator"] = allocator_summary(device, reset_peak=interval)   # says why, never raises
     return memory

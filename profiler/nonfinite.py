@@ -1,32 +1,18 @@
 """Non-finite checks without a host sync.
 
-A span hands tensors to `NonfiniteMonitor.check(span, step, {name: tensor})`. On the device, each
-tensor is reduced to one flag (`not isfinite(t).all()`), and the flags tensor is queued with the
-current stream: the training thread makes no other CUDA call for a check (`check_flags` is a list
-append). The collector thread calls `poll()`, which reads back the batches that have landed and sends
-off the checks queued since its last poll as one batch (`CudaReadback`): on a side stream that first
-waits for each stream the checks were queued on, their flags are concatenated and copied non-blocking
-into a pinned buffer allocated once at start, and an event is recorded after the copy. A later poll
-asks that event `query()` and reads the flags once it says done. Nothing waits. Until then the batch
-holds the flags tensors, so their memory is not reused before the side stream has read them; a
-caller must not modify a flags tensor after handing it over. When QUEUE_MAX checks are queued and not
-read back (the collector stalled) a check is counted in `dropped`, never waited for. The first
-non-finite flag found becomes `first` (span, step, rank, tensor) and is handed to `on_found`, which
-writes the `nonfinite` event; later ones are counted and handed on too.
+`NonfiniteMonitor.check(span, step, {name: tensor})` reduces each tensor on the device to one flag
+(`not isfinite(t).all()`) and queues the flags with the current stream (a list append). The collector's
+`poll()` sends the checks queued since its last poll as one batch (`CudaReadback`: on a side stream that
+waits for each stream they were queued on, concatenated, copied non-blocking into a pinned buffer, an event
+recorded after the copy) and reads a batch once its event's `query()` says done: nothing waits, and a poll
+makes a few CUDA calls whatever the number of checks. A batch holds its flags tensors until read, so their
+memory is not reused early; a check past QUEUE_MAX unread ones is counted in `dropped`, never waited for.
+Each finding goes to `on_found` (the `nonfinite` event); the first is kept as `first`.
 
-Why batched: a copy and an event per check would cost the training thread CPU beside the kernels it
-launches, and the collector a query per check; a batch makes 4-5 CUDA calls a poll on the collector,
-whatever the number of checks.
-
-How far behind: a batch is on the host once the device has run everything queued before the poll
-that sent it (on a GPU the training thread runs ahead by the queued kernels, a step or two at most),
-and it is read at the poll after that: one to two collector polls (`poll_s`, 0.25 s by default). A
-training loop that acts on `first` at its step boundaries therefore acts that long after the bad step;
-exact guards (the checkpoint's) must check for themselves; `settle()` is the deliberate wait for such
-rare points.
-
-On the CPU there is no device: the flags are computed where they are, and `poll()` reads them.
-`step_unless()` skips an optimizer step on a device flag, without reading it where the optimizer allows.
+Findings come one to two collector polls after the step (exact guards, the checkpoint's, check for
+themselves; `settle()` is the deliberate wait for such rare points). On the CPU the flags are read where
+they are. `step_unless()` skips an optimizer step on a device flag, without reading it where the optimizer
+allows.
 """
 from __future__ import annotations
 

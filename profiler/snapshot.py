@@ -1,24 +1,16 @@
 """`dflash-profile snapshot`: a live process's own state (control endpoint) merged with its py-spy stacks.
 
-Standard library only, so the CLI starts without torch. For one pid: find the control endpoint
-through the discovery file, ask it for `state` (rank, role, step, open spans per thread with their
-age, last interval, memory), run `py-spy dump --json` on the same pid, and join the two per thread
-on the OS thread id (py-spy's `os_thread_id`, the profiler's `native_id`). A Python process without
-an endpoint still gets its stacks, with a note saying so. For a run directory: every live rank at
-once, side by side, plus who waits on whom.
+Standard library only. For one pid: the endpoint's `state` (open spans per thread with their age, last
+interval, memory) and `py-spy dump --json`, joined per thread on the OS thread id. A process without an
+endpoint still gets its stacks, with a note. For a run directory: every live rank at once, plus who waits
+on whom.
 
-Stuck rule: an open span is stuck when it has been open longer than
-max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S), i.e. max(10 x p95, 5 s). Its recent p95 is the larger
-of its CPU and GPU p95 in the most recent closed interval in which it finished: the live
-last_interval first, else the rank's run log (a span that hangs stops finishing, so the intervals
-after it no longer carry it). Without such an interval (none closed yet, or the span never finished)
-the span is not judged (`stuck` false) and `stuck_basis` says why: no guessing.
+Stuck rule: an open span is stuck when open longer than max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S); its
+recent p95 is the larger of its CPU and GPU p95 in the latest closed interval in which it finished (the live
+last_interval, else the rank's run log). Without one the span is not judged and `stuck_basis` says why.
 
-What is kept (keep_snapshot): the snapshot as JSON in RUN_DIR/snapshots/, and a `snapshot` record in
-the rank's own run log, written by the process itself through the endpoint's `record` command (the
-process stays its log's single writer). Record fields: pid, step, native, file, stuck, stuck_rule,
-note, threads: [{name, native_id, open_spans: [{name, open_seconds, p95_seconds, limit_seconds,
-stuck}], stuck, stuck_span, stuck_frame, frames (innermost first)}].
+keep_snapshot writes the snapshot to RUN_DIR/snapshots/ and has the process write a `snapshot` record in
+its own run log through the endpoint's `record` command (the process stays its log's single writer).
 """
 from __future__ import annotations
 
@@ -28,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from profiler.control import default_discovery_dir, discover, discover_all, query
+from profiler.control import default_discovery_dir, discover, discover_all, pid_alive, query
 from profiler.records import INTERVAL, read_records
 from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
 
@@ -80,32 +72,26 @@ def interval_p95_seconds(interval: dict, name: str) -> float | None:
     return max(values) if values else None
 
 
-class RecentP95:
-    """name -> (recent p95 or None, why not): the live last interval first, then the run log."""
+def recent_p95(last_interval: dict | None, log_path: Path | None):
+    """name -> (recent p95 or None, why not): the live last interval first, then the run log (read once, when
+    first needed, newest interval first)."""
+    logged: list = []
 
-    def __init__(self, last_interval: dict | None, log_path: Path | None):
-        self.last_interval, self.log_path = last_interval, log_path
-        self._logged: list | None = None
-
-    def _log_intervals(self) -> list:
-        if self._logged is None:
-            try:
-                self._logged = [r for r in read_records(self.log_path)[0] if r.get("type") == INTERVAL][::-1]
-            except (OSError, TypeError):
-                self._logged = []
-        return self._logged
-
-    def __call__(self, name: str):
-        if self.last_interval is None:
+    def lookup(name: str):
+        if last_interval is None:
             return None, "no interval closed yet: no recent p95 to judge against"
-        p95_s = interval_p95_seconds(self.last_interval, name)
-        for interval in self._log_intervals() if p95_s is None else ():
-            p95_s = interval_p95_seconds(interval, name)
-            if p95_s is not None:
-                break
+        p95_s = interval_p95_seconds(last_interval, name)
+        if p95_s is None and not logged:
+            try:
+                logged.append([r for r in read_records(log_path)[0] if r.get("type") == INTERVAL][::-1])
+            except (OSError, TypeError):
+                logged.append([])
+        if p95_s is None:
+            p95_s = next((p for p in map(lambda i: interval_p95_seconds(i, name), logged[0]) if p is not None), None)
         if p95_s is None:
             return None, f"{name} has not finished in any closed interval: no recent p95 to judge against"
         return p95_s, None
+    return lookup
 
 
 def judge_span(name: str, open_s: float, p95_lookup) -> dict:
@@ -181,7 +167,7 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
     rank, role = state.get("rank", record.get("rank")), state.get("role", record.get("role"))
     run_dir = state.get("run_dir") or record.get("run_dir")
     last = state.get("last_interval")
-    p95 = RecentP95(last, rank_log_path(run_dir, rank))
+    p95 = recent_p95(last, rank_log_path(run_dir, rank))
     threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
     basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
     return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
@@ -193,20 +179,10 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
 
 
 # ---- a whole run -----------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
     """Discovery records of the run's live processes, in rank order."""
     wanted = str(Path(run_dir).resolve())
-    found = [r for r in discover_all(discovery_dir) if r.get("run_dir") == wanted and _alive(r["pid"])]
+    found = [r for r in discover_all(discovery_dir) if r.get("run_dir") == wanted and pid_alive(r["pid"])]
     return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
 
 

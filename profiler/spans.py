@@ -1,31 +1,22 @@
 """Span recording: per-thread event logs, lock-free on the worker side, replayed by the collector.
 
-Hot path (one `with span(name):`): in api.span, one threading.local read and a dict lookup; on
-enter, the tag and then `t0_ns` appended to the thread's event log (by C calls only: see
-fast_enter_class); on exit, `t1_ns` appended. Two
-`time.perf_counter_ns()` calls, no stack pop, no lock, no dict building, no string formatting, and
-no new container: a tuple per span would be a GC-tracked allocation, and every 700 of them trigger
-a young-generation collection.
-The collector replays each thread's log against that thread's open-span stack (kept on the
-collector side) to get nesting depth and finished records, off the hot path.
+Hot path (one `with span(name):`): a threading.local read and a dict lookup (api.span), then the tag and
+`t0_ns` appended on enter and `t1_ns` on exit: C calls only, no lock and no new container (a tuple per
+span would be a GC-tracked allocation). The collector replays each thread's log against that thread's
+open-span stack to get nesting and finished records, off the hot path.
 
-Event-log items (all appended by the owning thread only):
-  begin     `tag` then `t0_ns` (two items: the collector pairs them, also across drains) /
-            CUDA `(tag, t0_ns, start_event[, True if shared])`; tag = name, or (name, bytes)
-            (a CUDA span on a step the GpuSampler leaves untimed logs the CPU items)
-  end       `t1_ns` (an int) / CUDA `(t1_ns, end_event)`
+Event-log items (appended by the owning thread only):
+  begin     `tag` then `t0_ns` / CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
+  end       `t1_ns` / CUDA `(t1_ns, end_event)`
   cancel    `None`: the enter raised after logging its begin (fault injection)
   tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
 Finished records (what drain() returns): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`;
-CUDA adds `(start_event, end_event)`. `depth` is 0 for an outermost span; `id` numbers the recorder's
-spans in begin order, `parent` is the enclosing span's id on the same thread (or None), `attrs` the
-tags (or None).
+CUDA adds `(start_event, end_event)`. `id` numbers the recorder's spans in begin order, `parent` is the
+enclosing span's id on the same thread (or None).
 
-Hand-over without a lock: a worker only ever *appends* to its own log; the collector (one at a
-time, under the recorder's drain lock) takes `n = len(log)`, copies `log[:n]` and deletes
-`log[:n]`. Each of those list operations is atomic (GIL; per-object lock on free-threaded
-builds), appends only add at the end and only the collector removes from the front, so every item
-is taken exactly once, however appends interleave with the drain.
+Hand-over without a lock: a worker only appends to its own log; the collector (under the drain lock) takes
+`n = len(log)`, copies `log[:n]` and deletes `log[:n]`, each an atomic list operation, so every item is
+taken exactly once however appends interleave.
 """
 from __future__ import annotations
 
@@ -34,8 +25,6 @@ import itertools
 import re
 import threading
 import time
-
-from profiler.cuda_timing import SHARE_GAP_NS, GpuSampler
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _now_ns = time.perf_counter_ns
@@ -49,6 +38,12 @@ def check_name(name, what: str = "span") -> str:
     return name
 
 
+def check_bytes(name: str, nbytes) -> None:
+    """ValueError unless a span's bytes= is None or a non-negative int."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+
+
 CPU_RECORD_LEN = 8    # a finished record longer than this carries a CUDA event pair at [8], [9]
 
 
@@ -59,7 +54,7 @@ class SpanAttrs(dict):
 
 class ThreadState:
     """One thread's event log, counter buffer, span objects and (collector side) open-span stack."""
-    __slots__ = ("thread", "buf", "misc", "spans", "open", "tail", "held", "begun")
+    __slots__ = ("thread", "buf", "misc", "spans", "open", "begun")
 
     def __init__(self, thread: threading.Thread):
         self.thread = thread
@@ -67,8 +62,6 @@ class ThreadState:
         self.misc: list = []    # (kind, name, value): 0 counter, 1 gauge, 2 metric; owner appends
         self.spans: dict = {}   # name -> this thread's span object (bytes=None)
         self.open: list = []    # collector side: [name, t0_ns, bytes, id, attrs(, start_event)] per open span
-        self.tail = None        # owner side, CUDA: (end_event, raw_stream, t1_ns) of the span that just ended
-        self.held = None        # collector side, CUDA: that end event as replayed (the tail's hold on it)
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
@@ -97,10 +90,8 @@ def _decorate(name, nbytes, fn):
 class NoopSpan:
     """What span() returns with no active profiler: one shared object per name (bytes=None).
 
-    __enter__/__exit__ are the C-level bound method `"".format`: `with` looks special methods up
-    on the type and calls a non-descriptor as is, so enter is `"".format()` and exit is
-    `"".format(et, ev, tb)`, both returning "" — falsy, so exceptions propagate. That skips two
-    Python frames. The `as` target of a no-op span is ""."""
+    __enter__/__exit__ are the C-level `"".format` (no Python frame); it returns "", falsy, so exceptions
+    propagate. The `as` target of a no-op span is ""."""
     __slots__ = ("name", "bytes")
 
     def __init__(self, name: str, nbytes=None):
@@ -118,10 +109,8 @@ class NoopSpan:
 
 
 class CpuSpan:
-    """Active span with CPU timing only. One object per (thread, name): it holds its thread's event
-    log directly, so enter/exit touch no thread-local and no lock. Do not share one span object
-    between threads; call span() where it is used (the decorator does). `SpanRecorder` makes each
-    one through `fast_enter_class`, whose enter runs no Python frame."""
+    """Active span with CPU timing only. One object per (thread, name), holding its thread's event log, so
+    enter/exit touch no thread-local and no lock: do not share one between threads."""
     __slots__ = ("name", "bytes", "_tag", "_buf", "_recorder")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
@@ -148,77 +137,42 @@ class CpuSpan:
 
 
 def fast_enter_class(buf: list, tag) -> type:
-    """A CpuSpan subclass for one (thread, name), whose __enter__ is a chain of C calls with the same
-    effect as CpuSpan.__enter__: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))`
-    takes the tag and a fresh perf_counter_ns() (the clock never returns the None sentinel) and
-    extends the log by both. `with` looks __enter__ up on the type; staticmethod hands the partial
-    over unbound (Python 3.13 warns when a partial is looked up as a method, 3.14 binds it), so the
-    enter runs no Python frame. zip reuses its result tuple once extend has let go of it, so the enter
-    allocates only the int. The `as` target is None. __exit__ (called with three arguments) stays a
-    Python method."""
+    """A CpuSpan subclass for one (thread, name) whose __enter__ is a chain of C calls with CpuSpan.__enter__'s
+    effect: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` extends the log by the tag and
+    a fresh perf_counter_ns(). staticmethod keeps the partial unbound. The `as` target is None."""
     enter = functools.partial(next, map(buf.extend, zip(itertools.repeat(tag), iter(_now_ns, None))))
     return type("CpuSpan", (CpuSpan,), {"__slots__": (), "__enter__": staticmethod(enter), "__module__": __name__})
 
 
 class CudaSpan(CpuSpan):
-    """Active span that also times the GPU with CUDA events on the current stream. CPU times exclude
-    the event records' own cost (t0 after the start record, t1 before the end record).
-
-    A span that begins on the stream where its thread's previous span just ended (within
-    cuda_timing.SHARE_GAP_NS, nothing begun in between) takes that end event as its start: one record
-    instead of two. The begin then carries a 4th item, True, so the collector knows the event is shared.
-
-    On a step the recorder's GpuSampler leaves untimed (`--profile-gpu-steps-per-s`), the span logs as a CPU
-    span does. `_modes` holds, per open use of this object (nesting of one name included), whether it was
-    entered timed, so its exit matches its enter."""
-    __slots__ = ("_pool", "_st", "_free", "_getraw", "_dev", "_record", "_streams", "_timed", "_modes")
+    """Active span that also times the GPU with its own start and end CUDA event on the current stream. CPU
+    times exclude the event records' own cost (t0 after the start record, t1 before the end record)."""
+    __slots__ = ("_pool", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
         super().__init__(recorder, st, name, nbytes)
         pool = self._pool = recorder.event_pool
-        self._st, self._free, self._streams = st, pool.free_list, pool.streams
+        self._free, self._streams = pool.free_list, pool.streams
         self._getraw, self._dev, self._record = pool.getraw, pool.device_index, pool.record
-        self._timed, self._modes = recorder.gpu_sampler.timed, []
 
-    def __enter__(self):
-        st = self._st
-        if not self._timed[0]:      # a step the GpuSampler left untimed: a CPU span, and no tail to share
-            st.tail = None
-            self._modes.append(False)
-            buf = self._buf
-            buf.append(self._tag)
-            buf.append(_now_ns())
-            return self
-        self._modes.append(True)
+    def _recorded(self):
+        """An event from the pool, recorded on the current stream: an asynchronous enqueue, no sync."""
         raw = self._getraw(self._dev)
-        prev = st.tail
-        st.tail = None
-        t0 = _now_ns()
-        if prev is not None and prev[1] == raw and t0 - prev[2] <= SHARE_GAP_NS:
-            self._buf.append((self._tag, t0, prev[0], True))
-            return self
         try:
             ev = self._free.pop()
         except IndexError:          # pool empty: grow (the collector returns events once resolved)
-            ev = self._pool.grow()
-        # An asynchronous enqueue on the current stream; no sync.
+            ev = self._pool.take()
         self._record(ev, self._streams.get(raw) or self._pool.stream_for(raw))
+        return ev
+
+    def __enter__(self):
+        ev = self._recorded()
         self._buf.append((self._tag, _now_ns(), ev))
         return self
 
     def __exit__(self, et, ev, tb):
         t1 = _now_ns()
-        if not self._modes.pop():   # entered untimed
-            self._buf.append(t1)
-            return
-        raw = self._getraw(self._dev)
-        try:
-            end = self._free.pop()
-        except IndexError:
-            end = self._pool.grow()
-        self._record(end, self._streams.get(raw) or self._pool.stream_for(raw))
-        self._buf.append((t1, end))
-        self._st.tail = (end, raw, t1)
+        self._buf.append((t1, self._recorded()))
 
 
 def _fault_enter(span, base_enter):
@@ -230,8 +184,6 @@ def _fault_enter(span, base_enter):
         rec.fault_plan.on_enter(span.name, rec.step_fn())
     except BaseException:
         span._buf.append(None)   # cancel the begin just logged
-        if isinstance(span, CudaSpan):
-            span._modes.pop()    # no exit will pop it
         raise
     return span
 
@@ -249,7 +201,7 @@ class FaultCudaSpan(CudaSpan):
     __slots__ = ()
 
     def __enter__(self):
-        # A CUDA start event was taken and recorded; on a raised fault it is simply dropped.
+        # A CUDA start event was taken and recorded; on a raised fault the replay gives it back.
         return _fault_enter(self, CudaSpan.__enter__)
 
 
@@ -257,9 +209,8 @@ class SpanRecorder:
     """Per-profiler recording state: thread states (registered on first use per thread), span
     objects, counters/gauges/metrics buffers, and the drain."""
 
-    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0, gpu_sampler=None):
+    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0):
         self.event_pool = event_pool
-        self.gpu_sampler = gpu_sampler or GpuSampler()   # which steps CUDA spans time (cuda_timing)
         self.fault_plan = fault_plan
         self.step_fn = step_fn
         faulty = fault_plan is not None and not fault_plan.empty
@@ -274,10 +225,7 @@ class SpanRecorder:
         self._names: set = set()           # span names validated so far (make_span)
         self._reg_lock = threading.Lock()
         self.drain_lock = threading.Lock()
-        # Per-thread view: `st` (the ThreadState) and `d` (its name -> span cache). While active,
-        # api.span() looks names up through `local.d`: one thread-local read and a dict lookup, and
-        # the span objects it returns hold their thread's event log directly (no lookup in
-        # enter/exit). A plain threading.local: a subclass's attribute reads cost more.
+        # Per-thread `st` (the ThreadState) and `d` (its name -> span cache), which api.span() reads.
         self.local = threading.local()
 
     def thread_state(self) -> ThreadState:
@@ -295,8 +243,7 @@ class SpanRecorder:
     def make_span(self, name: str, nbytes=None):
         """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
         cache this thread's object when bytes is None."""
-        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
-            raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
+        check_bytes(name, nbytes)
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
         st, cls = self.thread_state(), self._span_cls
@@ -335,33 +282,19 @@ class SpanRecorder:
                 if spans or misc:
                     out.append((st.thread.name, spans, misc))
                 if not st.thread.is_alive() and not st.buf and not st.misc and not st.open:
-                    if st.held is not None:
-                        self.event_pool.release(st.held)   # the dead thread's tail
                     dead.append(st)
             if dead:
                 with self._reg_lock:
                     self._states = [s for s in self._states if s not in dead]
         return out
 
-    def release_tails(self) -> None:
-        """At run end (span() already a no-op): the collector's hold on each live thread's last CUDA
-        end event goes back to the pool, and the owner's tail is dropped, so no later begin shares it."""
-        with self.drain_lock:
-            with self._reg_lock:
-                states = list(self._states)
-            for st in states:
-                st.tail = None
-                held, st.held = st.held, None
-                if held is not None:
-                    self.event_pool.release(held)
-
     def _replay(self, st: ThreadState, events) -> list:
         """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
-        spans still open across drains, `st.held` the CUDA end event a next begin may share."""
+        spans still open across drains."""
         open_, out = st.open, []
-        begun, next_id, held = st.begun, self._next_id, st.held   # locals in the loop; written back below
+        begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
         pop, push, emit = open_.pop, open_.append, out.append
-        retained, released = [], []   # the pool's reference changes, applied in one call after the loop
+        unused = []   # events of cancelled or unmatched CUDA spans, back to the pool after the loop
         for e in events:
             te = type(e)
             if te is int:
@@ -381,40 +314,32 @@ class SpanRecorder:
                 if open_:
                     b = pop()
                     if len(b) > 5:
-                        released.append(b[5])
+                        unused.append(b[5])
             elif te is SpanAttrs:                       # profiler.tag(): for the innermost open span
                 if open_:
                     open_[-1][4] = {**(open_[-1][4] or {}), **e}
-            elif type(e[0]) is int:                     # CUDA end: (t1, end_event); the tail now points at it
-                if held is not None:
-                    released.append(held)               # the tail moved on without sharing it
-                held = e[1]
+            elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
                 if open_:
-                    retained.append(held)               # the record's hold plus the tail's
                     b = pop()
                     emit((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
                           b[5], e[1]))
                 else:
+                    unused.append(e[1])
                     self.unmatched += 1
-            else:                                       # begin: (tag, t0[, start_event[, shared]])
-                if len(e) > 2:                          # CUDA: a shared start takes the tail's hold over
-                    if held is not None and not (len(e) > 3 and e[2] is held):
-                        released.append(held)
-                    held = None
+            else:                                       # begin: (tag, t0[, start_event])
                 tag = e[0]
                 name, nbytes = (tag, None) if type(tag) is str else tag
                 push([name, e[1], nbytes, next_id, None, *e[2:3]])
                 next_id += 1
-        st.begun, self._next_id, st.held = begun, next_id, held
-        if retained or released:
-            self.event_pool.adjust(retained, released)
+        st.begun, self._next_id = begun, next_id
+        if unused:
+            self.event_pool.put(*unused)
         return out
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
-        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" (as in finished
-        records) and "t0_ns" (its begin, perf_counter_ns): what the interval aggregator needs to split an
-        open span's time at a boundary. Call drain() first for an up-to-date view (Profiler.state() does)."""
+        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" and "t0_ns" (its
+        begin), which the interval aggregator splits an open span's time with."""
         now_ns = _now_ns() if now_ns is None else now_ns
         out = []
         with self.drain_lock:   # the open stacks belong to the collector side

@@ -2,16 +2,9 @@
 
 Standard library only (py-spy is its own executable), so `dflash-profile` uses it without torch.
 
-Runner protocol, the one seam tests swap: `runner(pid, native=False, nonblocking=False)` returns
-py-spy's JSON thread objects (`thread_name`, `os_thread_id`, `active`, `owns_gil`, `frames`
-innermost first) or raises StackError, whose `kind` says what went wrong and whose message is one
-line. `PySpy` is the real runner.
-
-Hot frame (what StackSampler counts): in one sample, a thread's innermost frame counts once when
-py-spy reports the thread active, i.e. on a CPU rather than waiting (py-spy reads the OS thread
-state). A waiting thread's sample counts in its `idle_samples` only, so a thread parked in
-`queue.get` has no hot frames however often it is sampled. `top_frames` are a thread's
-TOP_FRAMES most counted hot frames.
+A runner (`PySpy`, or a test's) is `runner(pid, native=False, nonblocking=False)` -> py-spy's JSON thread
+objects, or StackError with a `kind` and a one-line message. StackSampler counts a thread's innermost frame
+as hot when py-spy reports the thread active (on a CPU); a waiting thread's sample counts as idle only.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """CPU time of this process's threads, per interval: where the process's CPU went, and what the
 profiler's own threads cost.
 
-Each live Python thread's CPU clock (Linux's per-thread clock by its native id: user + system time,
-nanoseconds) is read when an interval closes; the interval record's `threads_cpu_seconds` holds each
-thread name's CPU seconds since the previous reading (threads of one name summed; a thread that ended
-in between is counted up to its last reading). `profiler_share` is the CPU of the profiler's own
-threads and its exporters' (`PROFILER_PREFIXES`) over the interval's wall time: the background work
-an on/off A/B pays for, which under the GIL mostly runs while the training thread waits for it.
-Reading one clock is one syscall; nothing here touches the training thread.
+At each interval close every live thread's CPU clock (Linux's per-thread clock by native id) is read; the
+record's `threads_cpu_seconds` holds each thread name's CPU seconds since the previous reading.
+`profiler_share` is the CPU of the profiler's and its exporters' threads (`PROFILER_PREFIXES`) over the
+interval's wall time. One syscall per thread; nothing here touches the training thread.
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ exporter's and SDK's (`dflash-otel-close`, `OtelBatch...`, `OtelPeriodicExportin
 
 
 def _cpu_ns(native_id: int) -> int | None:
-    """The CPU time of the kernel thread `native_id`, or None where it cannot be read (ended, or not
-    Linux). The clock id is Linux's per-thread CPU clock made from the thread id, as glibc makes it
-    (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)): for a thread that has just exited the kernel answers
-    EINVAL, where pthread_getcpuclockid() on a finished (detached) Python thread would read freed memory."""
+    """The CPU time of the kernel thread `native_id`, or None where it cannot be read (ended, or not Linux).
+    The clock id is glibc's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): an exited thread gives EINVAL, where
+    pthread_getcpuclockid() on a finished Python thread would read freed memory."""
     try:
         return time.clock_gettime_ns(((~native_id) << 3) | 6)
     except (OSError, OverflowError, AttributeError):

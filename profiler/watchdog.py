@@ -4,14 +4,11 @@ Watchdog: progress is "some span finished or the step changed" (a token the prof
 keeps current). It arms at the first step change, so start-up and the first step's compile/build
 never trip it; after `timeout_s` without progress it calls `on_hang(stalled_s)` once.
 
-SignalWatch: SIGTERM/SIGINT reach the process's C-level handler even while the main thread is
-blocked in a collective, where a Python handler would never run. signal.set_wakeup_fd hands every
-signal to this watch's thread, which notes it and waits for the rank to reach a step boundary
-(`observed()` turns true); a rank that makes no progress (`progress()` unchanged) for `grace_s`
-meanwhile is blocked: `on_blocked(signame, why)`. A rank still working (evaluating, say) is left to
-finish. A second signal at
-least `repeat_after_s` after the first (Ctrl-C delivers one to the launcher's process group and
-the launcher forwards another) calls `on_blocked` at once.
+SignalWatch: SIGTERM/SIGINT reach the C-level handler even while the main thread is blocked in a
+collective, where a Python handler would never run: signal.set_wakeup_fd hands each signal to this
+watch's thread, which waits for the rank to reach a step boundary (`observed()`); a rank without progress
+for `grace_s` meanwhile is blocked: `on_blocked(signame, why)`. A second signal at least `repeat_after_s`
+after the first (Ctrl-C reaches the group and the launcher forwards another) calls it at once.
 """
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class Watchdog:
     def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float | None = None):
         if not timeout_s > 0:
             raise ValueError(f"Watchdog: timeout_s must be > 0, got {timeout_s!r}")
-        # A twentieth of the timeout (at most 5 s): a hang is declared within 5% of it, and at the 300 s
-        # default the thread wakes every 5 s instead of twice a second (each wakeup takes the GIL).
+        # A twentieth of the timeout (at most 5 s): a hang is declared within 5% of it, waking rarely.
         self.timeout_s = float(timeout_s)
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, self.timeout_s / 20))
         self._progress_fn, self._on_hang, self._clock = progress_fn, on_hang, clock

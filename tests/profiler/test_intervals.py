@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import profiler
-from profiler import spans as spans_mod
 from profiler.cuda_timing import EventPool, resolve
 from profiler.memory import UnavailableMemorySampler, make_memory_sampler
 from tests.profiler.build import make_profiler
@@ -179,8 +178,7 @@ class FakeEvent:
         return end.t - self.t
 
 
-def test_cuda_pairs_resolve_in_order_and_unresolved_are_carried(tmp_path, monkeypatch):
-    monkeypatch.setattr(spans_mod, "SHARE_GAP_NS", 0)   # every span its own pair (sharing: test_cuda_sharing.py)
+def test_cuda_pairs_resolve_in_order_and_unresolved_are_carried(tmp_path):
     gpu = FakeGpu()
     pool = EventPool(lambda: FakeEvent(gpu), prealloc=2)
     clock = FakeClock()
@@ -222,7 +220,7 @@ def test_resolve_keeps_order():
     pool = EventPool(lambda: FakeEvent(gpu), prealloc=0)
     recs = []
     for i in range(4):
-        s, e = pool.get(), pool.get()
+        s, e = pool.take(), pool.take()
         s.record()
         gpu.now_ms += 1
         e.record()
