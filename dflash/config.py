@@ -156,10 +156,6 @@ class ProfileConfig:
     """Seconds between profile intervals. Env DFLASH_PROFILE_INTERVAL."""
     detail_steps: int = _f(3, flag="profile_detail_steps", ge=0)
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
-    gpu_steps_per_s: float = _f(5.0, flag="profile_gpu_steps_per_s", ge=0)
-    """On a GPU, spans time the device (CUDA events) on at most about this many random steps a second
-    and every detail-window step; the rest on the CPU only. 0 = every step. A span's `gpu_count` says
-    how many carry GPU times; reports scale by count / gpu_count."""
     stack_samples_per_interval: int = _f(0, ge=0)
     """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
     thread in the interval record); 0 = none."""
