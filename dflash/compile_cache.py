@@ -176,16 +176,6 @@ def install_compile_spans() -> bool:
     return True
 
 
-def uninstall_compile_spans() -> None:
-    """Remove the callbacks (tests; a no-op when they are not registered)."""
-    from torch._dynamo import callback_handler
-
-    for callbacks, fn in ((callback_handler.start_callbacks, _spans.start),
-                          (callback_handler.end_callbacks, _spans.end)):
-        while fn in callbacks:
-            callbacks.remove(fn)
-
-
 def _compiling_frame_name() -> str | None:
     """The function dynamo is compiling, from its `compile_inner(code, ...)` frame up the stack, or None."""
     frame = sys._getframe(1)

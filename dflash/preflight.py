@@ -78,23 +78,19 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
     (which falls back to a free port) the address must be bindable."""
     if cfg.telemetry.metrics_port == 0 or not cfg.profile.enabled:
         return
-    if cfg.telemetry.metrics_port is None:   # the default port may fall back, but the address must be bindable
+    base, host = cfg.telemetry.metrics_port, cfg.telemetry.metrics_host
+    for local_rank in range(local_world if base is not None else 1):
+        port = 0 if base is None else base + local_rank   # the default may fall back: the address must bind
         try:
-            with socket.create_server((cfg.telemetry.metrics_host, 0)):
-                return
-        except OSError as exc:
-            raise ConfigError(f"--metrics-host {cfg.telemetry.metrics_host}: cannot serve metrics there "
-                              f"({exc.strerror or exc})") from None
-    for local_rank in range(local_world):
-        port = cfg.telemetry.metrics_port + local_rank
-        try:
-            with socket.create_server((cfg.telemetry.metrics_host, port)):
+            with socket.create_server((host, port)):
                 pass
         except OSError as exc:
+            if base is None:
+                raise ConfigError(f"--metrics-host {host}: cannot serve metrics there "
+                                  f"({exc.strerror or exc})") from None
             why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-            raise ConfigError(f"--metrics-port {cfg.telemetry.metrics_port}: port {port} on "
-                              f"{cfg.telemetry.metrics_host} (base + local "
-                              f"rank {local_rank}) {why}; choose another base port, or 0 for no endpoint") from None
+            raise ConfigError(f"--metrics-port {base}: port {port} on {host} (base + local rank {local_rank}) "
+                              f"{why}; choose another base port, or 0 for no endpoint") from None
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:

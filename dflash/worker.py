@@ -66,8 +66,6 @@ class _StopFlag:
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if cfg.parallel.device == "cpu" or (cfg.parallel.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -292,9 +290,7 @@ def _peer_lost(exc: BaseException) -> str | None:
 
 def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:
     """NCCL device-to-device unless told otherwise or impossible (CPU, or two ranks on one GPU)."""
-    if device.type != "cuda":
-        if cfg.parallel.transfer == "nccl":
-            raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
+    if device.type != "cuda":   # --transfer nccl on the CPU: refused by the preflight
         return False
     distinct = torch.cuda.device_count() >= topo.world_size
     if cfg.parallel.transfer == "nccl" and not distinct:

@@ -17,8 +17,19 @@ from dflash import preflight
 from dflash.attention import BlockLayout, MaskSet, build_layout, compiled, flex_block_mask, mark_lengths_dynamic
 from dflash.cli import main
 from dflash.compile_cache import (_compiling_frame_name, bytecode_env, bytecode_missing, cache_dir_problem,
-                                  install_compile_spans, resolve_cache_dir, setup_cache, uninstall_compile_spans)
+                                  _spans, install_compile_spans, resolve_cache_dir, setup_cache)
 from dflash.config import ConfigError, resolve_config
+
+
+def uninstall_compile_spans() -> None:
+    """Remove the compile-span callbacks (a no-op when they are not registered)."""
+    from torch._dynamo import callback_handler
+
+    for callbacks, fn in ((callback_handler.start_callbacks, _spans.start),
+                          (callback_handler.end_callbacks, _spans.end)):
+        while fn in callbacks:
+            callbacks.remove(fn)
+
 
 REPO = Path(__file__).resolve().parents[2]
 

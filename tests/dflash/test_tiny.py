@@ -2,13 +2,60 @@
 
 import json
 import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from dflash.data import load_conversations
 from dflash.tiny import (IM_END, MAX_NEW_TOKENS, MIN_NEW_TOKENS, MARKER_NAME, build_builtin_corpus,
-                         build_tiny_target, corpus_stats, ensure_builtin, make_tiny_model)
+                         build_tiny_target, ensure_builtin, make_tiny_model)
+
+
+
+@dataclass
+class CorpusStats:
+    """How interesting the target's continuations are (a degenerate target makes a useless corpus)."""
+    num_conversations: int
+    """Conversations in the corpus."""
+    distinct_continuations: int
+    """Distinct assistant turns."""
+    mean_new_tokens: float
+    """Mean assistant-turn length in tokens."""
+    repeat_fraction: float
+    """Fraction of assistant tokens equal to the token before them."""
+    bigram_determinism: float
+    """Fraction of assistant tokens predicted by the most frequent successor of the previous token:
+    1.0 means the target is a bigram table and context does not matter."""
+    ended_fraction: float
+    """Fraction of assistant turns the target ended itself with <|im_end|> before its budget."""
+
+
+def corpus_stats(path, tokenizer) -> CorpusStats:
+    """Statistics of a built-in corpus's assistant turns (tokenised with `tokenizer`)."""
+    turns = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                messages = json.loads(line)["messages"]
+                turns.append(tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"])
+    successors: dict[int, Counter] = defaultdict(Counter)
+    repeats = pairs = 0
+    for ids in turns:
+        for prev, nxt in zip(ids, ids[1:]):
+            successors[prev][nxt] += 1
+            repeats += prev == nxt
+            pairs += 1
+    top = sum(c.most_common(1)[0][1] for c in successors.values())
+    return CorpusStats(
+        num_conversations=len(turns),
+        distinct_continuations=len({tuple(t) for t in turns}),
+        mean_new_tokens=sum(map(len, turns)) / max(len(turns), 1),
+        repeat_fraction=repeats / max(pairs, 1),
+        bigram_determinism=top / max(pairs, 1),
+        ended_fraction=sum(len(t) < MIN_NEW_TOKENS for t in turns) / max(len(turns), 1),
+    )
 
 
 def test_tokenizer_has_specials_chat_template_and_round_trips(tiny_tokenizer):
