@@ -191,30 +191,33 @@ def verdict(run: Run) -> dict:
 
 # ---- bandwidth -------------------------------------------------------------------------------
 
+def _bandwidth_row(role: str, name: str, pairs: list) -> dict:
+    """One byte-moving span from its (interval entry, run's floors) pairs: the seconds are of the whole spans
+    that moved the bytes; the floor is the last one named."""
+    floor = floor_bps = None
+    for e, floors in pairs:
+        floor = e.get("floor") or floor
+        floor_bps = e.get("floor_bytes_per_s") or floors.get(floor) or floor_bps
+    moved_bytes, seconds = sum(e["bytes"] for e, _ in pairs), sum((whole_seconds(e) for e, _ in pairs), 0.0)
+    achieved = moved_bytes / seconds if seconds > 0 else None
+    at_floor = moved_bytes / floor_bps if floor_bps else None
+    return {"role": role, "span": name, "bytes": moved_bytes, "seconds": seconds, "bandwidth_bytes_per_s": achieved,
+            "floor": floor, "floor_bytes_per_s": floor_bps,
+            "floor_ratio": achieved / floor_bps if achieved and floor_bps else None, "seconds_at_floor": at_floor,
+            "seconds_over_floor": seconds - at_floor if at_floor is not None else None}
+
+
 def bandwidth(run: Run) -> list:
     """Per (role, span) that declares bytes: bytes moved, seconds, achieved bytes/s, its floor and the
     ratio, and the seconds it would have taken at the floor. Sorted by the seconds lost to the floor."""
-    agg: dict = {}
+    moved: dict = {}
     for log in run.ranks.values():
         floors = next((s.get("floors") or {} for s in log.run_starts if s.get("floors")), {})
         for rec in log.intervals:
             for name, e in (rec.get("spans") or {}).items():
-                if not e.get("bytes"):
-                    continue
-                a = agg.setdefault((log.role, name), {"bytes": 0, "seconds": 0.0, "floor": None, "floor_bps": None})
-                a["bytes"] += e["bytes"]
-                a["seconds"] += whole_seconds(e)   # the spans that moved those bytes, whole
-                a["floor"] = e.get("floor") or a["floor"]
-                a["floor_bps"] = e.get("floor_bytes_per_s") or floors.get(a["floor"]) or a["floor_bps"]
-    rows = []
-    for (role, name), a in agg.items():
-        achieved = a["bytes"] / a["seconds"] if a["seconds"] > 0 else None
-        at_floor = a["bytes"] / a["floor_bps"] if a["floor_bps"] else None
-        rows.append({"role": role, "span": name, "bytes": a["bytes"], "seconds": a["seconds"],
-                     "bandwidth_bytes_per_s": achieved, "floor": a["floor"], "floor_bytes_per_s": a["floor_bps"],
-                     "floor_ratio": achieved / a["floor_bps"] if achieved and a["floor_bps"] else None,
-                     "seconds_at_floor": at_floor,
-                     "seconds_over_floor": a["seconds"] - at_floor if at_floor is not None else None})
+                if e.get("bytes"):
+                    moved.setdefault((log.role, name), []).append((e, floors))
+    rows = [_bandwidth_row(role, name, pairs) for (role, name), pairs in moved.items()]
     rows.sort(key=lambda r: -(r["seconds_over_floor"] or 0.0))
     return rows
 

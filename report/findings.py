@@ -213,7 +213,10 @@ def _profiler_cost(report: dict) -> list:
                      "records' threads_cpu_seconds for the thread that costs it")]
 
 
+# The rules, problems first: each reads the assembled report and returns its findings.
+RULES = (_events, _stalls, _headroom, _allocator, _straggler, _waits, _split, _bandwidth, _profiler_cost)
+
+
 def findings(report: dict) -> list:
-    """Every finding of an assembled report (report.hotspots), problems first."""
-    return [*_events(report), *_stalls(report), *_headroom(report), *_allocator(report), *_straggler(report),
-            *_waits(report), *_split(report), *_bandwidth(report), *_profiler_cost(report)]
+    """Every finding of an assembled report (report.hotspots), in RULES order."""
+    return [f for rule in RULES for f in rule(report)]

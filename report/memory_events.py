@@ -47,10 +47,23 @@ def _allocator_trend(log) -> dict | None:
             "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs]}
 
 
+def _gpu_row(key: str, samples: list) -> dict:
+    """One GPU from its (log, interval, gpu entry, run start time) samples: the low point is the first least
+    headroom."""
+    log, _, g, _ = samples[0]
+    entries = [s[2] for s in samples]
+    return {"gpu": key, "host": log.hostname, "index": g.get("index"), "name": g.get("name"),
+            "total_bytes": g["total_bytes"], "ranks": sorted({s[0].rank for s in samples}), "intervals": len(samples),
+            "low_point": _low_point(*min(samples, key=lambda s: s[2]["headroom_bytes"])),
+            "used_bytes_peak": max([0] + [e.get("used_bytes_peak") or 0 for e in entries]),
+            "throttle_intervals": dict(Counter(r for e in entries for r in e.get("throttle_reasons") or [])),
+            "last_headroom_bytes": entries[-1]["headroom_bytes"]}
+
+
 def headroom(run: Run) -> dict:
     """{"measured", "reason", "gpus": [per GPU (host:index): low point, last headroom, throttle intervals],
     "allocator": [per rank trend]}; headroom = total minus the interval's NVML peak used."""
-    gpus: dict = {}
+    samples: dict = {}
     reasons = set()
     for log in run.ranks.values():
         t0 = next((s.get("time_unix") for s in log.run_starts), None)
@@ -60,24 +73,12 @@ def headroom(run: Run) -> dict:
                 reasons.add(mem.get("reason") or "no memory record")
                 continue
             for g in mem.get("gpus") or []:
-                if g.get("headroom_bytes") is None or not g.get("total_bytes"):
-                    continue
-                key = gpu_key(log, g)
-                acc = gpus.setdefault(key, {"gpu": key, "host": log.hostname, "index": g.get("index"),
-                                            "name": g.get("name"), "total_bytes": g["total_bytes"], "ranks": [],
-                                            "intervals": 0, "low_point": None, "used_bytes_peak": 0,
-                                            "throttle_intervals": {}})
-                acc["intervals"] += 1
-                for reason in g.get("throttle_reasons") or []:
-                    acc["throttle_intervals"][reason] = acc["throttle_intervals"].get(reason, 0) + 1
-                acc["ranks"] = sorted(set(acc["ranks"]) | {log.rank})
-                acc["used_bytes_peak"] = max(acc["used_bytes_peak"], g.get("used_bytes_peak") or 0)
-                acc["last_headroom_bytes"] = g["headroom_bytes"]
-                if acc["low_point"] is None or g["headroom_bytes"] < acc["low_point"]["headroom_bytes"]:
-                    acc["low_point"] = _low_point(log, rec, g, t0)
+                if g.get("headroom_bytes") is not None and g.get("total_bytes"):
+                    samples.setdefault(gpu_key(log, g), []).append((log, rec, g, t0))
+    gpus = [_gpu_row(key, s) for key, s in samples.items()]
     allocator = [t for log in run.ranks.values() if (t := _allocator_trend(log))]
     reason = None if gpus else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
-    return {"measured": bool(gpus), "reason": reason, "gpus": list(gpus.values()), "allocator": allocator}
+    return {"measured": bool(gpus), "reason": reason, "gpus": gpus, "allocator": allocator}
 
 
 def _example(rec: dict) -> dict:

@@ -14,6 +14,7 @@ import yaml
 
 from monitoring import dashboard as dash
 from monitoring.catalog import COMMON_LABELS, FAMILIES
+from tests.exporters.grafana_model import iter_panels, panel_queries, substitute_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -45,13 +46,13 @@ def all_queries(model) -> list[tuple[str, str, str]]:
     """Panel targets and annotation queries: every PromQL expression the dashboard runs."""
     annotations = [(f"annotation {a['name']}", "annotation", a["expr"])
                    for a in model["annotations"]["list"] if "expr" in a]
-    return dash.panel_queries(model) + annotations
+    return panel_queries(model) + annotations
 
 
 def parsed(model):
     """(title, refId, expr, AST) per query, variables replaced by sentinels."""
     values = sentinels(model)
-    return [(title, ref, expr, promql_parser.parse(dash.substitute_variables(expr, values)))
+    return [(title, ref, expr, promql_parser.parse(substitute_variables(expr, values)))
             for title, ref, expr in all_queries(model)]
 
 
@@ -131,7 +132,7 @@ def test_every_query_is_valid_promql(model):
     queries = all_queries(model)
     assert len(queries) >= 40
     for title, ref, expr in queries:
-        text = dash.substitute_variables(expr, values)
+        text = substitute_variables(expr, values)
         assert "$" not in text and "[[" not in text, (title, ref, text)
         promql_parser.parse(text)   # raises ValueError with the position on bad PromQL
 
@@ -144,7 +145,7 @@ def test_datasource_is_templated(model):
     assert (source["name"], source["label"], source["query"]) == ("datasource", "Data source", "prometheus")
     assert source["current"]["value"] == dash.DATASOURCE_UID
     templated = {"type": "prometheus", "uid": "${datasource}"}
-    for panel in dash.iter_panels(model):
+    for panel in iter_panels(model):
         if panel["type"] != "row":
             assert panel["datasource"] == templated, panel["title"]
             assert panel["targets"] and all(t["datasource"] == templated for t in panel["targets"])
@@ -153,7 +154,7 @@ def test_datasource_is_templated(model):
 
 def test_every_panel_has_a_unit_title_and_description(model):
     """dashboard-linter panel-units and panel-title-description rules; titles are unique too."""
-    panels = [p for p in dash.iter_panels(model) if p["type"] != "row"]
+    panels = [p for p in iter_panels(model) if p["type"] != "row"]
     for panel in panels:
         assert panel["fieldConfig"]["defaults"].get("unit") in VALID_UNITS, panel["title"]
         assert panel["title"] and panel.get("description"), panel["title"]
@@ -220,7 +221,7 @@ def test_metrics_labels_and_legends_come_from_the_catalog(model):
             if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
                 assert set(node.modifier.labels) <= result_labels(node.expr), (title, expr)
     legends = {(p["title"], t["refId"]): t.get("legendFormat", "")
-               for p in dash.iter_panels(model) for t in p.get("targets", [])}
+               for p in iter_panels(model) for t in p.get("targets", [])}
     for title, ref, expr, ast in parsed(model):
         if ref != "annotation":
             legend_labels = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legends[(title, ref)]))
@@ -235,7 +236,7 @@ def test_every_catalog_family_is_on_the_dashboard(model):
 
 
 def test_panel_ids_and_grid(model):
-    panels = list(dash.iter_panels(model))
+    panels = list(iter_panels(model))
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids)
     boxes = []
@@ -265,7 +266,7 @@ def test_template_variables(model):
         assert v["label"] == dash.VARIABLE_LABELS[name]
         match = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"])
         assert match and match.group(2) == name, v["query"]
-        selector = promql_parser.parse(dash.substitute_variables(match.group(1), values))
+        selector = promql_parser.parse(substitute_variables(match.group(1), values))
         assert name in series_labels(selector.name), v["query"]
     assert variables["job"]["label"] == "Job" and variables["instance"]["label"] == "Instance"
     clock = variables["clock"]
@@ -276,13 +277,13 @@ def test_template_variables(model):
 def test_substitute_variables_all_syntaxes():
     values = {"job": "dflash", "rank": "0|1", "rate_interval": "10s", "interval": "5s", "__range": "1h"}
     expr = 'rate(x{job=~"$job", rank=~"${rank:regex}", a="[[job]]"}[$__rate_interval]) $__interval $__range'
-    assert dash.substitute_variables(expr, values) == \
+    assert substitute_variables(expr, values) == \
         'rate(x{job=~"dflash", rank=~"0|1", a="dflash"}[10s]) 5s 1h'
-    assert dash.substitute_variables("${job}_x", values) == "dflash_x"
+    assert substitute_variables("${job}_x", values) == "dflash_x"
     with pytest.raises(KeyError, match=r"\$instance"):
-        dash.substitute_variables('x{instance=~"$instance"}', values)
+        substitute_variables('x{instance=~"$instance"}', values)
     with pytest.raises(KeyError, match="__rate_interval"):   # the whole name, never a $__rate prefix
-        dash.substitute_variables("x[$__rate_interval]", {"rate": "1m"})
+        substitute_variables("x[$__rate_interval]", {"rate": "1m"})
 
 
 def test_panel_queries_walks_collapsed_rows():
@@ -290,7 +291,7 @@ def test_panel_queries_walks_collapsed_rows():
     inner = {"type": "stat", "title": "inner", "targets": [{**target, "refId": "B"}]}
     model = {"panels": [{"type": "timeseries", "title": "top", "targets": [target]},
                         {"type": "row", "title": "r", "collapsed": True, "panels": [inner]}]}
-    assert dash.panel_queries(model) == [("top", "A", "up"), ("inner", "B", "up")]
+    assert panel_queries(model) == [("top", "A", "up"), ("inner", "B", "up")]
 
 
 def test_selector_rejects_labels_a_family_lacks():
@@ -344,7 +345,6 @@ def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package prometheus)")
-    from monitoring.dashboard import panel_queries, substitute_variables
     (expr,) = [e for t, _, e in panel_queries(json.loads((GRAFANA / "dflash.json").read_text()))
                if t.startswith("Drafter time share")]
     labels = 'job="dflash", run="r", instance="h:1", role="drafter", rank="0", span="drafter.fwd_bwd"'

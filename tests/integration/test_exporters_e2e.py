@@ -100,7 +100,7 @@ def test_targets_file_lists_every_rank_and_is_withdrawn_at_the_end(live):
 
 
 def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
-    from monitoring.dashboard import panel_queries, substitute_variables
+    from tests.exporters.grafana_model import panel_queries, substitute_variables
 
     at = last_live_time(live)
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": "run", "role": ".*",
@@ -121,7 +121,7 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
 
 
 def test_every_template_variable_finds_values(live):
-    from monitoring.dashboard import substitute_variables
+    from tests.exporters.grafana_model import substitute_variables
 
     at = last_live_time(live)
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".+", "run": ".+", "role": ".+",
