@@ -96,12 +96,12 @@ def format_interval(record: dict) -> str:
 
 
 def _gpu_sample_note(spans: dict) -> list:
-    """One line when the GPU times come from some steps only (--profile-gpu-steps-per-s), else none."""
+    """One line when some spans carry no GPU time (their event pairs resolve in a later interval), else none."""
     timed = [(e["gpu_count"], e.get("count") or 0) for e in spans.values() if e.get("gpu_count") is not None]
     n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
     if n >= total:
         return []
-    return [f"  gpu times from sampled steps: {n} of {total} spans (shares scale them by count / timed)"]
+    return [f"  gpu times for {n} of {total} spans, the others not yet resolved (shares scale them by count / timed)"]
 
 
 def format_thread_cpu(record: dict, top: int = 4) -> list:

@@ -80,8 +80,8 @@ def _share(role: str) -> Panel:
     return Panel(f"{role.capitalize()} time share by span ($clock clock)",
                  f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
                  "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
-                 "GPU clock of a run that times only some steps (--profile-gpu-steps-per-s), the timed "
-                 "spans' time is scaled by spans over timed spans.",
+                 "GPU clock, spans that carry no GPU time yet (or sampled steps in an older run's log) are "
+                 "scaled in by spans over timed spans.",
                  "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
 

@@ -41,12 +41,14 @@ def _spans(rep: dict) -> list:
 
 
 def _gpu_sampled(rows: list) -> list:
-    """A line when GPU times come from sampled steps (--profile-gpu-steps-per-s): the gpu figures are estimates."""
+    """A line when some spans carry no GPU time (a log of an older run that timed sampled steps, or pairs left
+    unresolved): the gpu figures are then estimates."""
     timed = [(r["gpu_timed"], r["count"]) for r in rows if r.get("gpu_timed") is not None]
     n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
     if n >= total:
         return []
-    return [f"  GPU times from sampled steps: {n} of {total} spans timed; gpu s, total s and share on the GPU "
+    return [f"  GPU times for {n} of {total} spans (sampled steps in an older run, or pairs left unresolved); gpu s, "
+            "total s and share on the GPU "
             "scale them by count / timed"]
 
 

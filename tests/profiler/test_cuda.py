@@ -41,7 +41,9 @@ def test_a_pair_resolves_only_once_both_events_are_done_and_then_agrees_with_tor
     end.record()
     assert elapsed_ms(start, end) is None                  # still running: "not ready", no wait
     end.synchronize()                                      # the test's own sync
-    assert elapsed_ms(start, end) == pytest.approx(start.elapsed_time(end), abs=1e-3) > 1.0
+    ms = elapsed_ms(start, end)
+    assert ms == pytest.approx(start.elapsed_time(end), abs=1e-3)
+    assert ms > 1.0
     side = torch.cuda.Stream()                             # now only the start is pending, behind a side stream
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     end.record()
