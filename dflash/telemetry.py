@@ -7,6 +7,7 @@ targets once every rank has bound its port (an all-gather over the gloo control 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -89,17 +90,48 @@ def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_gr
     targets = [t for t in everyone if t is not None]
     if rank != 0 or not targets:
         return
-    groups = [{"targets": targets, "labels": {"run": run_dir.name}}]
+    text = json.dumps([{"targets": targets, "labels": {"run": run_dir.name}}], indent=2) + "\n"
+    _write_private(run_dir / "prometheus" / "targets.json", text, 0o700, 0o600)
+    # The shared copy holds only endpoint addresses and the run's name, and is made readable on purpose:
+    # a Prometheus (a container, a service user) runs as another user. The run's own stays private.
     shared = run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"
-    for path, dir_mode, file_mode in ((run_dir / "prometheus" / "targets.json", 0o700, 0o600),
-                                      (shared, 0o755, 0o644)):
-        # The shared copy holds only endpoint addresses and the run's name, and is made readable on
-        # purpose: a Prometheus (a container, a service user) runs as another user. The run's own stays private.
-        path.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(groups, indent=2) + "\n")
-        os.chmod(tmp, file_mode)
-        tmp.replace(path)   # Prometheus re-reads file_sd files on change: never show it half a file
-    if shared.parent.stat().st_uid == os.getuid():
-        os.chmod(shared.parent, 0o755)
+    try:
+        _write_private(shared, text, 0o755, 0o644)
+    except PermissionError as exc:
+        print(f"dflash-train: warning: no shared file_sd copy: {exc}", file=sys.stderr, flush=True)
+        return
     tele.sd_files.append(shared)
+
+
+def _own_dir_fd(path: Path, mode: int) -> int:
+    """An open descriptor of directory `path` (created with `mode` when missing), opened without
+    following a link and refused (PermissionError) unless it is a real directory of this user; then
+    given `mode`. Nothing is written in a directory another user planted or a link points to."""
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise PermissionError(f"{path} is not a real directory (a symlink or a file): refused") from exc
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): refused")
+    os.fchmod(fd, mode)
+    return fd
+
+
+def _write_private(path: Path, text: str, dir_mode: int, file_mode: int) -> None:
+    """Write `path` whole: a temporary file created exclusively (O_EXCL, no link followed) in the checked
+    directory, then renamed over `path` (Prometheus re-reads file_sd files on change: never half a file)."""
+    dir_fd = _own_dir_fd(path.parent, dir_mode)
+    tmp = f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)   # our own leftover: the directory is ours alone to write
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode, dir_fd=dir_fd)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), file_mode)   # past the ranks' umask 077
+            f.write(text)
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)

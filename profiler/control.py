@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -39,13 +40,27 @@ def default_discovery_dir() -> Path:
 
 
 def _private_dir(path: Path) -> Path:
-    """Create `path` (mode 0700) or check that an existing one is ours, then make it 0700."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
-    if st.st_mode & 0o777 != 0o700:
-        os.chmod(path, 0o700)
+    """Create `path` (mode 0700), or take an existing one only when it is a real directory (not a
+    symlink) owned by this user, then make it 0700. It is opened without following links and checked
+    and chmodded through that descriptor, so a link or a directory another user planted at the name is
+    refused (PermissionError) and nothing it points to is changed, read or removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise PermissionError(f"{path} is not a real directory (a symlink or a file): refused") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+        if st.st_mode & 0o777 != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 
@@ -82,6 +97,12 @@ def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
     endpoints, and of `own_pid` are left alone; a file that does not parse is removed only when the
     pid in its name is dead."""
     directory, removed = Path(directory), []
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return removed
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return removed   # a link or another user's directory: nothing in it is ours to remove
     for path in sorted(directory.glob("*.json*")):
         pid_text = path.name.split(".", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == own_pid:
@@ -189,7 +210,14 @@ class ControlServer:
         self._thread.start()
 
     def _write_discovery(self) -> None:
-        _private_dir(self.discovery_dir)
+        """The discovery file; a discovery directory that is not this user's own real directory is
+        said in one line and the endpoint serves on without one (`--pid` cannot find it then)."""
+        try:
+            _private_dir(self.discovery_dir)
+        except OSError as exc:
+            logger.warning("control endpoint: no discovery file: %s", exc)
+            self.discovery_path = None
+            return
         try:
             removed = clean_stale_discovery(self.discovery_dir, own_pid=self.pid)
         except OSError as exc:
@@ -222,6 +250,8 @@ class ControlServer:
             self._sock = None
             # Only files this server created: the socket it bound and its own discovery file.
             for path in (self.socket_path, self.discovery_path):
+                if path is None:
+                    continue
                 try:
                     os.unlink(path)
                 except OSError:

@@ -229,3 +229,36 @@ def test_clean_stale_discovery_keeps_other_uids_files(tmp_path):
     os.chown(theirs, 12345, 12345)  # as root: a file of another uid, dead pid
     assert clean_stale_discovery(directory) == []
     assert theirs.exists()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "other_user"])
+def test_a_planted_discovery_dir_is_refused_and_the_endpoint_serves_without_it(tmp_path, caplog, planted):
+    """Issue 34 row 3: a link (or another user's directory) planted at the discovery path is never
+    chmodded or cleaned; the endpoint says so in one line and still answers on its run-dir socket."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    os.chmod(victim, 0o755)
+    (victim / "123.json").write_text("{}")        # a dead pid's name: clean_stale_discovery would take it
+    disc = tmp_path / "disc"
+    if planted == "symlink":
+        disc.symlink_to(victim)
+    else:
+        if os.getuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        disc.mkdir(mode=0o755)
+        (disc / "123.json").write_text("{}")
+        os.chown(disc, 65534, 65534)
+        victim = disc
+    server = ControlServer(tmp_path / "run", rank=0, role="main", state_fn=lambda: {"step": 1}, discovery_dir=disc)
+    with caplog.at_level("WARNING", logger="profiler"):
+        server.start()
+    try:
+        assert query(server.socket_path) == {"ok": True, "state": {"step": 1}}
+        assert server.discovery_path is None
+        warned = [r.getMessage() for r in caplog.records if "discovery" in r.getMessage()]
+        assert len(warned) == 1 and str(disc) in warned[0]
+    finally:
+        server.close()
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755
+    assert (victim / "123.json").exists()
+    assert clean_stale_discovery(disc) == [] and (victim / "123.json").exists()
