@@ -38,9 +38,36 @@ def resolve_cache_dir(value: str | None, env: Mapping[str, str] | None = None) -
     return (base / "dflash" / "compile").absolute()
 
 
+def _ancestor_problem(path: Path) -> str | None:
+    """Why a directory on the way to `path` would let another user swap what is loaded from it, or None.
+    Every ancestor, as written and as resolved, must be owned by you or root and be writable by nobody
+    else unless sticky (in a sticky directory only an entry's owner may rename or remove it)."""
+    me = os.geteuid()
+    for start in {Path(os.path.abspath(path)).parent, Path(os.path.realpath(path)).parent}:
+        for d in (start, *start.parents):
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                return f"its parent {d} cannot be examined ({e.strerror or e})"
+            if st.st_uid not in (0, me):
+                return (f"its parent {d} is owned by uid {st.st_uid}, who could swap what is loaded from it; "
+                        "compiled kernels and bytecode must live under directories of yours or root's")
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
+                    and not st.st_mode & stat.S_ISVTX:
+                return (f"its parent {d} is writable by others and not sticky (mode {stat.S_IMODE(st.st_mode):04o}), "
+                        "so what is loaded from it could be swapped")
+    return None
+
+
 def cache_dir_problem(path: Path) -> str | None:
     """Why `path` may not hold compiled code that this process will load, or None when it may (or
-    does not exist yet). Reads only; the link itself is examined, never its target."""
+    does not exist yet). Reads only; the link itself is examined, never its target, and so is every
+    directory above it (`_ancestor_problem`)."""
+    problem = _ancestor_problem(path)
+    if problem:
+        return problem
     try:
         st = os.lstat(path)
     except FileNotFoundError:

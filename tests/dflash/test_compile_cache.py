@@ -383,3 +383,27 @@ def test_bytecode_missing_looks_beside_the_package_sources(tmp_path, monkeypatch
     (pkg / "__pycache__").mkdir()
     (pkg / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc").write_bytes(b"")
     assert not bytecode_missing(("probe_pkg",)) and "probe_pkg" not in sys.modules   # found, never imported
+
+
+@pytest.mark.parametrize("parent_mode,owner", [(0o777, None), (0o755, 65534), (0o1777, 65534)])
+def test_a_cache_under_a_directory_another_user_could_swap_is_refused(tmp_path, parent_mode, owner):
+    """Issue 34 row 1: every ancestor must be yours or root's and writable by nobody else unless sticky;
+    a world-writable sticky directory of ANOTHER user is refused too (its owner may rename entries)."""
+    from dflash.compile_cache import bytecode_env, cache_dir_problem
+
+    if owner is not None and os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    cache = parent / "cache"
+    cache.mkdir(mode=0o700)
+    os.chmod(parent, parent_mode)
+    if owner is not None:
+        os.chown(parent, owner, owner)
+    problem = cache_dir_problem(cache)
+    assert problem and str(parent) in problem, problem
+    assert cache_dir_problem(cache / "pycache") is not None        # a path below it, not yet made
+    assert bytecode_env(True, str(cache), env={}, dont_write=True, missing=True) == {}
+    os.chown(parent, os.getuid(), os.getgid())
+    os.chmod(parent, 0o1777)                                           # sticky and ours (like /tmp): fine
+    assert cache_dir_problem(cache) is None
