@@ -30,7 +30,7 @@ _BYTES_FIELDS = ("bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "bytes_timed")
 class _SpanAcc:
     """One span name's records in the current interval."""
     __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "gpu_windows",
-                 "timed", "bytes_timed")
+                 "timed", "bytes_timed", "gpu_self")
 
     def __init__(self):
         self.count = 0
@@ -44,14 +44,18 @@ class _SpanAcc:
         self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
         self.timed = 0            # spans that recorded CUDA events (resolved or not)
         self.bytes_timed = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
+        self.gpu_self = 0.0       # their GPU seconds less their children's (self time)
 
 
 class _RunSpan:
-    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns", "bytes_timed")
+    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns", "bytes_timed",
+                 "self_ns", "gpu_self")
 
     def __init__(self):
         self.cpu, self.gpu = RunStats(), RunStats()
         self.time_ns = 0          # CPU time credited over the run (the intervals' split totals, summed)
+        self.self_ns = 0          # the same less the children's time (self time)
+        self.gpu_self = 0.0
         self.threads: set = set()
         self.bytes, self.bytes_n, self.bytes_cpu, self.bytes_gpu = 0, 0, 0.0, 0.0
         self.bytes_timed = 0
@@ -76,8 +80,13 @@ class IntervalAggregator:
         self._gauges: dict = {}          # name -> [values]
         self._metrics: dict = {}         # name -> [values (floats or 0-dim tensors)]
         self._time_ns: dict = {}         # name -> CPU ns credited to the current interval (split time)
+        self._self_ns: dict = {}         # name -> the same less the children's pieces (split self time)
         self._carry_ns: dict = {}        # name -> ns of spans that ended past a closing boundary: next interval's
+        self._carry_self_ns: dict = {}   # name -> their self part
         self._credited: dict = {}        # open span id -> boundary (perf_counter_ns) its time is credited up to
+        self._kids_ns: dict = {}         # span id -> its children's pieces credited to the current interval
+        self._kids_carry_ns: dict = {}   # span id -> its children's pieces carried to the next interval
+        self._kids_basis_s: dict = {}    # span id -> its finished children's whole seconds (GPU, else CPU)
         self._start_ns: int | None = None   # the current interval's start boundary (perf_counter_ns), once known
 
     # ---- feeding -------------------------------------------------------------------------------
@@ -101,48 +110,59 @@ class IntervalAggregator:
             self.resolve_pending()
 
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
-        """One thread's drained records: each one's time credited (_credit, inlined for the common
-        case: no close in progress, nothing credited at a boundary), CUDA ones queued for their pair,
+        """One thread's drained records: each one's time credited (_credit), CUDA ones queued for their pair,
         CPU ones added whole."""
-        credited, time_ns, cpu_records = self._credited, self._time_ns, []
+        cpu_records = []
         for rec in records:
-            name, t0, t1 = rec[0], rec[1], rec[2]
-            if boundary_ns is None and not credited:
-                time_ns[name] = time_ns.get(name, 0) + max(0, t1 - t0)
-            else:
-                self._credit(name, rec[5], t0, t1, boundary_ns)
+            self._credit(rec[0], rec[5], rec[6], rec[1], rec[2], boundary_ns)
             if len(rec) > CPU_RECORD_LEN:
                 self.pending.append((thread_name, rec))
             else:
                 cpu_records.append((thread_name, rec, None))
         self._add_whole(cpu_records, timed=False)
 
-    def _credit(self, name: str, span_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
+    def _piece(self, name: str, span_id, parent_id, piece_ns: int) -> None:
+        """Credit `piece_ns` of a span to the current interval: to its name's time, to its self time less
+        its children's pieces credited so far, and to its parent's children."""
+        self._time_ns[name] = self._time_ns.get(name, 0) + piece_ns
+        self._self_ns[name] = self._self_ns.get(name, 0) + max(0, piece_ns - self._kids_ns.pop(span_id, 0))
+        if parent_id is not None:
+            self._kids_ns[parent_id] = self._kids_ns.get(parent_id, 0) + piece_ns
+
+    def _credit(self, name: str, span_id, parent_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time from the boundary it was last credited up to (else its begin) to its
         end; with `boundary_ns` (a close in progress), the part after that boundary is carried."""
         start_ns = self._credited.pop(span_id, t0_ns)
         cut_ns = t1_ns if boundary_ns is None else min(t1_ns, max(start_ns, boundary_ns))
-        self._time_ns[name] = self._time_ns.get(name, 0) + max(0, cut_ns - start_ns)
+        self._piece(name, span_id, parent_id, max(0, cut_ns - start_ns))
         if t1_ns > cut_ns:
-            self._carry_ns[name] = self._carry_ns.get(name, 0) + (t1_ns - cut_ns)
+            carry = t1_ns - cut_ns
+            self._carry_ns[name] = self._carry_ns.get(name, 0) + carry
+            self._carry_self_ns[name] = (self._carry_self_ns.get(name, 0)
+                                         + max(0, carry - self._kids_carry_ns.pop(span_id, 0)))
+            if parent_id is not None:
+                self._kids_carry_ns[parent_id] = self._kids_carry_ns.get(parent_id, 0) + carry
 
     def _credit_open(self, boundary_ns: int | None, open_spans) -> dict:
         """Credit every span still open at the boundary with its time inside the interval (from max(its
-        begin, the boundary it was last credited up to) to `boundary_ns`); returns {name: (ns, threads)}
-        of those pieces. `open_spans` is SpanRecorder.open_spans(ids=True)."""
+        begin, the boundary it was last credited up to) to `boundary_ns`), innermost first so a parent's
+        self time leaves out its children's; returns {name: (ns, threads)} of those pieces. `open_spans` is
+        SpanRecorder.open_spans(ids=True) (outermost first per thread)."""
         out: dict = {}
         credited: dict = {}
         if boundary_ns is None:
             return out
         for entry in open_spans:
-            for s in entry["spans"]:
+            stack = entry["spans"]
+            for i in range(len(stack) - 1, -1, -1):
+                s = stack[i]
                 if s["t0_ns"] >= boundary_ns:   # began after the boundary was read: nothing to credit yet
                     continue
                 piece_ns = boundary_ns - self._credited.get(s["id"], s["t0_ns"])
                 credited[s["id"]] = boundary_ns
                 ns, threads = out.get(s["name"], (0, set()))
                 out[s["name"]] = (ns + piece_ns, threads | {entry["thread"]})
-                self._time_ns[s["name"]] = self._time_ns.get(s["name"], 0) + piece_ns
+                self._piece(s["name"], s["id"], stack[i - 1]["id"] if i else None, piece_ns)
         self._credited = credited   # only spans open now; ended ones were popped when credited
         return out
 
@@ -167,8 +187,12 @@ class IntervalAggregator:
             acc.timed += timed
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
+            kids_s = self._kids_basis_s.pop(rec[5], 0.0)
+            if rec[6] is not None:   # the parent's children, on their own clock (GPU when timed)
+                self._kids_basis_s[rec[6]] = self._kids_basis_s.get(rec[6], 0.0) + (cpu_s if gpu_s is None else gpu_s)
             if gpu_s is not None:
                 acc.gpu.append(gpu_s)
+                acc.gpu_self += max(0.0, gpu_s - kids_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
             if nbytes is not None:
                 acc.bytes += nbytes
@@ -246,10 +270,15 @@ class IntervalAggregator:
             for field in _BYTES_FIELDS:
                 setattr(run, field, getattr(run, field) + getattr(acc, field))
             run.time_ns += time_ns
+            run.self_ns += self._self_ns.get(name, 0)
+            run.gpu_self += acc.gpu_self
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
-            entry = self._span_entry(acc.count, acc.threads | open_threads, cpu,
-                                     summarize(gpu_s, buckets=True) if acc.gpu else None, acc, duration_s, name)
+            cpu["self_seconds"] = self._self_ns.get(name, 0) / 1e9
+            gpu = summarize(gpu_s, buckets=True) if acc.gpu else None
+            if gpu is not None:
+                gpu["self_seconds"] = acc.gpu_self
+            entry = self._span_entry(acc.count, acc.threads | open_threads, cpu, gpu, acc, duration_s, name)
             entry["open_cpu_seconds"] = open_ns / 1e9
             if entry["gpu"] is not None and duration_s > 0:   # each span's GPU time capped at its host window
                 entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
@@ -257,7 +286,17 @@ class IntervalAggregator:
                 entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry
         self._spans, self._time_ns, self._carry_ns = {}, self._carry_ns, {}
+        self._self_ns, self._carry_self_ns = self._carry_self_ns, {}
+        self._kids_ns, self._kids_carry_ns = self._kids_carry_ns, {}
+        self._prune_kids()
         return spans
+
+    def _prune_kids(self) -> None:
+        """Forget the children's seconds noted for parents that finished before them (a CPU span whose CUDA
+        child resolved later): only pending records and open spans can still take them."""
+        if len(self._kids_basis_s) > 4 * len(self.pending) + 1024:
+            keep = {rec[5] for _, rec in self.pending} | set(self._credited)
+            self._kids_basis_s = {k: v for k, v in self._kids_basis_s.items() if k in keep}
 
     def _gpu_share_seconds(self, windows: list, boundary_ns: int | None) -> float:
         """GPU seconds for `share`: each span's capped at the host window it can have run in within this
@@ -275,9 +314,11 @@ class IntervalAggregator:
         spans = {}
         for name, run in self._run_spans.items():
             cpu = run.cpu.summary()
-            cpu["total_seconds"] = run.time_ns / 1e9
-            spans[name] = self._span_entry(cpu["count"], run.threads, cpu,
-                                           run.gpu.summary() if run.gpu.count else None, run, duration_s, name)
+            cpu["total_seconds"], cpu["self_seconds"] = run.time_ns / 1e9, run.self_ns / 1e9
+            gpu = run.gpu.summary() if run.gpu.count else None
+            if gpu is not None:
+                gpu["self_seconds"] = run.gpu_self
+            spans[name] = self._span_entry(cpu["count"], run.threads, cpu, gpu, run, duration_s, name)
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}

@@ -235,3 +235,31 @@ def test_a_cuda_span_longer_than_the_interval_never_holds_more_than_all_of_it(tm
     assert a["count"] == 0 and a["share"] <= 1.0
     assert b["count"] == 1 and b["gpu"]["total_seconds"] == pytest.approx(0.045)
     assert b["share"] <= 1.0 and b["share"] * second["duration_seconds"] <= 0.045
+
+
+def test_self_time_leaves_out_children_in_every_interval_and_adds_up(tmp_path):
+    """A parent open across a boundary, its child crossing the same boundary, and a second child: in each
+    interval the parent's self time is its piece less its children's pieces, and parent self plus child
+    time is the parent's time (a stack of self times never puts a child on its parent)."""
+    parent, child = "drafter.fwd_bwd", LONG
+    with make_prof(tmp_path) as prof:
+        with profiler.span(parent):
+            time.sleep(0.01)
+            with profiler.span(child):
+                time.sleep(0.02)
+                recs = [prof.close_interval()]          # both open at this boundary
+                time.sleep(0.02)
+            time.sleep(0.01)
+            with profiler.span(child):
+                time.sleep(0.01)
+        recs.append(prof.close_interval())
+    log, _ = profiler.read_records(prof.log_path)
+    end = [r for r in log if r["type"] == "run_end"][-1]["spans"]
+    for rec in recs:
+        p, c = rec["spans"][parent]["cpu"], rec["spans"][child]["cpu"]
+        assert c["self_seconds"] == c["total_seconds"]   # the child has no children
+        assert ns(p["self_seconds"]) + ns(c["total_seconds"]) == ns(p["total_seconds"])
+        assert p["self_seconds"] >= 0.009
+    p, c = end[parent]["cpu"], end[child]["cpu"]
+    assert abs(p["self_seconds"] + c["total_seconds"] - p["total_seconds"]) < 1e-6
+    assert 0.019 <= p["self_seconds"] < p["total_seconds"] - 0.04

@@ -47,7 +47,7 @@ def test_run_log_records(tmp_path):
     assert end["status"] == "ok" and end["step"] == 4 and end["duration_seconds"] > 0
     assert end["spans"]["drafter.fwd_bwd"]["count"] == 1
     assert set(end["spans"]["drafter.fwd_bwd"]["cpu"]) == {
-        "total_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds", "max_seconds"}
+        "total_seconds", "self_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds", "max_seconds"}
     assert end["counters"]["tokens"]["total"] == 10
     assert profiler.active() is None
 
