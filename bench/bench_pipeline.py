@@ -136,8 +136,8 @@ def steady_span(run_dir: Path, name: str, rank: int = 1) -> dict:
 
 
 def tail_rate(run_dir: Path) -> float:
-    """The drafter meter's steady rate (last half of the steps), measured with or without profiling."""
-    return json.loads((run_dir / "throughput" / "rank0.json").read_text())["tail_tokens_per_s"]
+    """The drafter meter's steady rate (after warm-up, phases left out), measured with or without profiling."""
+    return json.loads((run_dir / "throughput" / "rank0.json").read_text())["steady_tokens_per_s"]
 
 
 def main() -> None:

@@ -1,13 +1,14 @@
 """What profiling costs a whole run: dflash-train with the profiler on against `--no-profile`, in pairs.
 
-    python3 bench/overhead_ab.py [--pairs 6] [--aa] [--metric tail_tokens_per_s] [--workdir DIR]
+    python3 bench/overhead_ab.py [--pairs 6] [--aa] [--metric steady_tokens_per_s] [--workdir DIR]
                                  [--keep-runs] [-- DFLASH-TRAIN ARGS...]
 
 Each run is `python -m dflash.cli --run-dir RUN ARGS` (this interpreter, this checkout first on
 PYTHONPATH), the two arms differing only in `--no-profile`. Pairs alternate their order (ABBA: on, off,
 off, on, ...), so a drift of the machine over the session enters both arms alike. A run's figure is the
-drafter tokens/s summed over its RUN_DIR/throughput/rank*.json (the meter writes one per drafter rank,
-with or without the profiler; `tail_tokens_per_s` is the steady rate over the run's last half). Printed:
+drafter tokens/s summed over its drafter ranks' RUN_DIR/throughput/rank*.json (the meter writes one per
+rank, with or without the profiler; `steady_tokens_per_s` is the steady state: after warm-up, compile and
+checkpoint time left out). Printed:
 each pair's on/off ratio, their median, min..max and a bootstrap 95% interval of the median (10,000
 resamples of the pairs). `--aa` adds, after each A/B pair, a pair of two identical `--no-profile` runs:
 the floor, what this harness reads on this machine when nothing differs. A ratio below 1 is a cost.
@@ -28,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-METRICS = ("tail_tokens_per_s", "tokens_per_s")
+METRICS = ("steady_tokens_per_s", "steady_steps_per_s")
 OWNED_FLAGS = ("--run-dir", "--profile", "--no-profile")   # set by this script, per arm
 DEFAULT_TRAIN = ["--device", "cpu", "--max-steps", "40", "--eval-prompts", "0", "--builtin-conversations", "64"]
 
@@ -45,9 +46,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def drafter_tokens_per_s(run_dir: Path, metric: str) -> float:
-    """The run's drafter tokens/s: `metric` summed over every rank file the meter wrote."""
-    files = sorted((run_dir / "throughput").glob("rank*.json"))
-    values = [json.loads(f.read_text()).get(metric) for f in files]
+    """The run's drafter tokens/s: `metric` summed over every drafter rank file the meter wrote."""
+    files = [json.loads(f.read_text()) for f in sorted((run_dir / "throughput").glob("rank*.json"))]
+    values = [d.get(metric) for d in files if d.get("role") == "drafter"]
     if not values or None in values:
         raise RuntimeError(f"{run_dir}: no {metric} in throughput/rank*.json (too few steps for the meter?)")
     return float(sum(values))

@@ -17,6 +17,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -164,11 +165,13 @@ class CompileSpans:
         self._open = threading.local()
         self.unmatched_ends = 0
         """Ends on a thread that opened no span (a window that another thread started)."""
+        self.seconds = 0.0
+        """Wall seconds spent compiling so far, every thread (the throughput meter leaves them out)."""
 
     def start(self, args=None) -> None:
         span = profiler.span(SPAN)
         span.__enter__()
-        self._open.span = span
+        self._open.span, self._open.t0_s = span, time.perf_counter()
         trigger = getattr(getattr(args, "callback_trigger", None), "name", None)
         tags = {"trigger": trigger.lower() if trigger else None, "compile_id": getattr(args, "compile_id", None),
                 "frame": _compiling_frame_name() if trigger in (None, "DYNAMO") else None}
@@ -181,9 +184,15 @@ class CompileSpans:
             return
         self._open.span = None
         span.__exit__(None, None, None)
+        self.seconds += time.perf_counter() - self._open.t0_s
 
 
 _spans = CompileSpans()
+
+
+def compile_seconds() -> float:
+    """Wall seconds spent in `drafter.compile` windows so far in this process."""
+    return _spans.seconds
 
 
 def install_compile_spans() -> bool:

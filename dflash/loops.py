@@ -21,6 +21,7 @@ from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
 from dflash.model import DFlashDraftModel, draft_config_for_target
+from dflash.compile_cache import compile_seconds
 from dflash.optim import build_optimizer
 from dflash.pack import PackedBatch, pack_hidden
 from dflash.progress import LazyScalar, Progress
@@ -35,6 +36,14 @@ FAULT_SPANS = ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "
                "transfer.send", "drafter.recv", "h2d_copy", "drafter.unpack", "drafter.fwd_bwd", "drafter.allreduce",
                "drafter.optim", "ckpt.save", "eval.decode")
 NAN_FAULT_SPANS = ("target.pack_hidden", "transfer.send", "drafter.fwd_bwd")
+PHASE_SPANS = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
+"""Spans whose time is a phase, not steady work: steady-state figures leave them out (dflash/throughput.py,
+profiler/windows.py)."""
+
+
+def warmup_steps(cfg: TrainConfig) -> int:
+    """Steps (batches on a target) that are warm-up: the first compile and the pipeline filling."""
+    return min(5, cfg.optim.max_steps // 4)
 
 
 class NonfiniteStop(RuntimeError):
@@ -108,18 +117,25 @@ def run_target(ctx: WorkerContext) -> None:
     sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.parallel.max_in_flight, ctx.device_payload,
                              ctx.device)
     staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.parallel.max_in_flight + 1)
+    meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg),
+                            start_step=consumed, compile_seconds_fn=compile_seconds)
+    done, tokens_total = consumed, 0
     for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
         if stop.requested() or ctx.stop_requested():
             break
         stop_if_nonfinite(cfg)
         profiler.set_step(batch_index)
-        target_step(ctx, target, batches, sender, staging, shard, batch_index)
+        tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
+        done = batch_index + 1
+        meter.after_step(done, tokens_total)
     sender.close()   # END after everything queued; returns once all sends completed
+    meter.finish(done, tokens_total)
     stop.wait()      # the drafter always sends STOP when it is done with us
 
 
 def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
-                staging: transfer.Staging, shard: int, batch_index: int) -> None:
+                staging: transfer.Staging, shard: int, batch_index: int) -> int:
+    """One batch through the target and onto the wire; returns its token count."""
     cfg = ctx.cfg
     with profiler.span("target.fetch"):
         batch = next(batches)
@@ -145,6 +161,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
                                    fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
+    return batch.num_tokens
 
 
 # ---------------------------------------------------------------------------------------- drafter
@@ -196,8 +213,8 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     stopped_by = None
     if ctx.rank == 0:
         _remove_stale_partials(ctx.run_dir / "checkpoints")
-    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, warm_steps=min(5, cfg.optim.max_steps // 4),
-                            start_step=state.step)
+    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg),
+                            start_step=state.step, compile_seconds_fn=compile_seconds)
     while state.step < cfg.optim.max_steps:
         stop_if_nonfinite(cfg)
         profiler.set_step(state.step)
@@ -213,7 +230,9 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         meter.after_step(state.step, state.tokens_total)
         every = cfg.reliability.checkpoint_every
         if every and state.step % every == 0 and state.step < cfg.optim.max_steps:
+            t0_s = time.perf_counter()
             save_checkpoint(ctx, state)
+            meter.phase("ckpt.save", time.perf_counter() - t0_s)
     meter.finish(state.step, state.tokens_total)
     transfer.send_stop(producers, ctx.ctrl_group)
     dropped = rx.drain()

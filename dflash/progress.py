@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -38,6 +39,10 @@ class LazyScalar:
         return float(self._host)
 
 
+RECENT_S = 30.0
+"""The progress line's rate window: tokens/s over the last this many seconds, labelled as such."""
+
+
 class Progress:
     """One line, rewritten in place on a terminal; on a pipe or file, a line every `every_s` seconds."""
 
@@ -52,6 +57,7 @@ class Progress:
         self._in_flight: tuple | None = None   # (loss, tau) being copied to the host
         self._started_at = None
         self._printed_step = -1
+        self._recent: collections.deque = collections.deque()                # (time, tokens so far) within the last RECENT_S
 
     def observe(self, loss: LazyScalar, tau: LazyScalar) -> None:
         """Called every step: at most one (loss, tau) copy in flight, started at most every `refresh_s`."""
@@ -70,10 +76,20 @@ class Progress:
             if loss_value is not None and tau_value is not None:
                 self._loss, self._tau, self._in_flight = loss_value, tau_value, None
 
+    def _recent_rate(self, now: float, tokens_total: int) -> str:
+        """Tokens/s over the last RECENT_S seconds (or since the start, when shorter), with its window."""
+        self._recent.append((now, tokens_total))
+        while len(self._recent) > 2 and now - self._recent[1][0] >= RECENT_S:
+            self._recent.popleft()
+        t_a, n_a = self._recent[0] if len(self._recent) > 1 else (self.t0, 0)
+        span_s = max(now - t_a, 1e-9)
+        return f"{(tokens_total - n_a) / span_s:,.0f} tok/s (last {span_s:.0f} s)"
+
     def update(self, step: int, tokens_total: int, force: bool = False) -> None:
         now = self.clock()
         if step == self._printed_step:
             return
+        rate = self._recent_rate(now, tokens_total)
         if not force and not self.tty and now - self._last_print < self.every_s and step < self.total:
             return
         self._last_print, self._printed_step = now, step
@@ -83,7 +99,7 @@ class Progress:
         loss = "  -  " if self._loss is None else f"{self._loss:.3f}"
         tau = "  -  " if self._tau is None else f"{self._tau:.2f}"
         line = (f"[{bar}] step {step}/{self.total} | loss {loss} | tau {tau} | "
-                f"{tokens_total / elapsed:,.0f} tok/s | {elapsed:.0f}s")
+                f"{rate} | {elapsed:.0f}s")
         if self.tty:
             self.stream.write("\r" + line + ("\n" if step >= self.total or force else ""))
         else:

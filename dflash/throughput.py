@@ -1,8 +1,11 @@
-"""The drafter's throughput meter, with or without the profiler: RUN_DIR/throughput/rank{R}.json.
+"""A rank's steady-state rate (a drafter's steps, a target's batches), with or without the profiler: RUN_DIR/throughput/rank{R}.json.
 
-`tokens_per_s`: from the end of warm-up to the end, between two device syncs (it counts batches
-queued during warm-up, so it reads high when the target bounds the run). `tail_tokens_per_s`: over
-the last half of those steps, from host step-end times: the pipeline's steady rate.
+`steady_tokens_per_s` is the one definition of a rank's steady rate (docs/REPORT.md, "Windows"): the
+tokens of the steps after the warm-up steps, over the wall time from the end of the last warm-up step to
+the end of the last step, less the phases inside that window (compilation, checkpoints; evaluation runs
+after the last step). The two ends are read after a device sync, so the window holds finished work. The
+same fields go into the run log as a `throughput` event, which `dflash-report` and the end-of-run line
+read: every surface shows this figure, none recomputes it.
 """
 
 from __future__ import annotations
@@ -13,17 +16,25 @@ from pathlib import Path
 
 import torch
 
+import profiler
+
+WINDOW = "steady state"
+
 
 class ThroughputMeter:
-    """Call `after_step` after every optimiser step and `finish` once at the end."""
+    """Call `after_step` after every step (a drafter's optimiser step, a target's batch sent), `phase()` around a phase the loop runs (a checkpoint),
+    and `finish` once at the end. `compile_seconds_fn` gives the process's compile seconds so far."""
 
-    def __init__(self, run_dir: Path, rank: int, device: torch.device, warm_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, rank: int, device: torch.device, role: str, warm_steps: int,
+                 start_step: int, compile_seconds_fn=lambda: 0.0):
         self.path = Path(run_dir) / "throughput" / f"rank{rank}.json"
-        self.device = device
-        self.mark_step = start_step + warm_steps
+        self.device, self.role = device, role
+        self.warm_steps, self.mark_step = warm_steps, start_step + warm_steps
+        self.compile_seconds_fn = compile_seconds_fn
         self.t0_s: float | None = None
         self.tokens0 = 0
-        self.stamps: list[tuple[float, int]] = []   # (step-end time in s, tokens so far) after warm-up
+        self.compile0_s = 0.0
+        self.phases_s = {"ckpt.save": 0.0}
 
     def _now_s(self) -> float:
         if self.device.type == "cuda":
@@ -32,21 +43,28 @@ class ThroughputMeter:
 
     def after_step(self, step: int, tokens_total: int) -> None:
         if step == self.mark_step:
-            self.t0_s, self.tokens0 = self._now_s(), tokens_total
-        if self.t0_s is not None:
-            self.stamps.append((time.perf_counter(), tokens_total))
+            self.t0_s, self.tokens0, self.compile0_s = self._now_s(), tokens_total, self.compile_seconds_fn()
 
-    def finish(self, step: int, tokens_total: int) -> None:
-        """Write the file; nothing when the run ended before warm-up was over."""
+    def phase(self, name: str, seconds: float) -> None:
+        """Leave `seconds` of phase `name` out of the window (only once the window has begun)."""
+        if self.t0_s is not None:
+            self.phases_s[name] = self.phases_s.get(name, 0.0) + seconds
+
+    def finish(self, step: int, tokens_total: int) -> dict | None:
+        """Write the file and the `throughput` event; None (nothing written) when the run ended before
+        warm-up was over."""
         if self.t0_s is None or step <= self.mark_step:
-            return
-        seconds = self._now_s() - self.t0_s
+            return None
+        wall_s = self._now_s() - self.t0_s
+        phases = {**self.phases_s, "drafter.compile": self.compile_seconds_fn() - self.compile0_s}
+        seconds = wall_s - sum(phases.values())
         tokens = tokens_total - self.tokens0
-        steps = step - self.mark_step
-        (t_a, n_a), (t_b, n_b) = self.stamps[len(self.stamps) // 2], self.stamps[-1]
+        out = {"window": WINDOW, "role": self.role, "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
+               "steady_steps_per_s": (step - self.mark_step) / seconds if seconds > 0 else None,
+               "steady_tokens": tokens, "steady_steps": step - self.mark_step, "steady_seconds": seconds,
+               "window_seconds": wall_s, "phases_seconds": phases, "warmup_steps": self.warm_steps,
+               "first_step": self.mark_step + 1, "last_step": step}
         self.path.parent.mkdir(exist_ok=True)
-        self.path.write_text(json.dumps({
-            "steps": steps, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "steps_per_s": steps / seconds,
-            "tail_steps": len(self.stamps) - 1 - len(self.stamps) // 2,
-            "tail_tokens_per_s": (n_b - n_a) / (t_b - t_a) if t_b > t_a else None}) + "\n")
+        self.path.write_text(json.dumps(out) + "\n")
+        profiler.event("throughput", **out)
+        return out

@@ -206,7 +206,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     compile_cache.install_compile_spans()
     config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
-                            memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "")
+                            memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
+                            warmup_steps=loops.warmup_steps(cfg), phase_spans=loops.PHASE_SPANS)
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,
@@ -326,12 +327,13 @@ def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, devi
 def _print_final(run_dir: Path) -> None:
     from exporters.console import format_hotspots
 
-    ends = []
+    ends, steady = [], []
     for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
         records, _ = profiler.read_records(path)
         ends += [r for r in records if r.get("type") == "run_end"]
+        steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
     if ends:
-        print(format_hotspots(ends))
+        print(format_hotspots(ends, steady))
     print(f"run directory: {run_dir}")
 
 

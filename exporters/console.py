@@ -60,7 +60,8 @@ def format_interval(record: dict) -> str:
     """A short block for one interval record: spans by share (with how long each span still open at the
     interval's end had been open), counters' rates, gauges, metrics, memory."""
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
-            f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s")
+            f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s"
+            f"{'  (warm-up)' if record.get('warmup') else ''}  [every figure: this interval]")
     lines = [head]
     spans = record.get("spans") or {}
     opened = open_at_end(record.get("open_spans"))
@@ -79,6 +80,9 @@ def format_interval(record: dict) -> str:
                 line += _open_note(opened[name])
             lines.append(line)
         lines.extend(_gpu_sample_note(spans))
+        if any(e.get("gpu") for e in spans.values()):
+            lines.append("  on gpu: mean/p95/share of the GPU window (CUDA events: stream reached start to end, "
+                         "idle gaps included)")
     else:
         lines.append("  (no spans finished in this interval)")
     for name, c in (record.get("counters") or {}).items():
@@ -147,11 +151,12 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     return sorted(rows, key=lambda r: -r[2]), roles
 
 
-def format_hotspots(run_end_records: list) -> str:
-    """The end-of-run table: span, role, total s, share of the role's wall time, mean ms, p95 ms;
-    then tokens/s (and every other counter's rate) per role."""
+def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
+    """The end-of-run table over the whole run (each rank's profiler start to its end): span, role, total s,
+    share of the role's wall time, mean ms, p95 ms; every counter's rate per role; then each role's steady
+    state from its ranks' `throughput` events (dflash/throughput.py, the one definition)."""
     rows, roles = hotspot_rows(run_end_records)
-    lines = [f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
+    lines = ["whole run:", f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
         lines.append(f"{sname:<24} {str(role):<10} {total:>9.3f} {_pct(share):>7} {_ms(mean):>9} {_ms(p95):>9}")
     if not rows:
@@ -159,8 +164,29 @@ def format_hotspots(run_end_records: list) -> str:
     for role, r in roles.items():
         rates = ", ".join(f"{n} {v:.1f}/s" for n, v in sorted(r["rates"].items())) or "no counters"
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "
-                     f"{r['wall_seconds']:.1f} s): {rates}")
+                     f"{r['wall_seconds']:.1f} s, whole run): {rates}")
+    lines.extend(format_steady(throughput_events))
     return "\n".join(lines)
+
+
+def format_steady(throughput_events: list) -> list:
+    """One line per role: its ranks' steady tokens/s summed, with the window, steps and phases left out."""
+    by_role: dict = {}
+    for e in throughput_events:
+        if e.get("steady_tokens_per_s") is not None:
+            by_role.setdefault(e.get("role"), []).append(e)
+    lines = []
+    for role, evs in by_role.items():
+        phases = {}
+        for e in evs:
+            for n, v in (e.get("phases_seconds") or {}).items():
+                phases[n] = phases.get(n, 0.0) + (v or 0.0)
+        left = ", ".join(f"{n} {v:.1f} s" for n, v in phases.items() if v > 0.05) or "none"
+        lines.append(f"{role} steady state: {sum(e['steady_tokens_per_s'] for e in evs):,.0f} tokens/s "
+                     f"(steady_tokens_per_s; {sum(e.get('steady_steps') or 0 for e in evs)} steps after "
+                     f"{evs[0].get('warmup_steps')} warm-up, over {max(e['steady_seconds'] for e in evs):.1f} s; "
+                     f"phases left out: {left})")
+    return lines
 
 
 class ConsoleExporter:

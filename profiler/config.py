@@ -47,10 +47,17 @@ class ProfilerConfig:
     """Seconds between the collector's drains of the span logs."""
     run_id: str | None = None
     """The run's id in run_start and the exporters; None: the run directory's name."""
+    warmup_steps: int = 0
+    """Steps from the segment's first `set_step` that are warm-up: an interval that began before they were done
+    is marked `warmup` and left out of steady-state figures (profiler/windows.py)."""
+    phase_spans: tuple = ()
+    """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
+    seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
 
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
-        for name in ("detail_steps", "memory_history"):
+        object.__setattr__(self, "phase_spans", tuple(self.phase_spans))
+        for name in ("detail_steps", "memory_history", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -58,6 +58,7 @@ class Profiler:
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self.step, self._first_step, self._step_changed = 0, None, False
+        self._interval_start_step = None   # the step when the current interval began (None: before any)
         self._started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -120,11 +121,20 @@ class Profiler:
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, detail)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
                     threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
-                    self._stack_samples)
+                    self._stack_samples, self._warmup_section)
         return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
                          sections=sections)
+
+    def _warmup_section(self, duration_s: float) -> dict:
+        """{"warmup": True} for an interval that began before the first `warmup_steps` steps were done."""
+        began_at, self._interval_start_step = self._interval_start_step, self.step
+        if self.cfg.warmup_steps <= 0:
+            return {}
+        done = self._first_step is not None and began_at is not None and (
+            began_at >= self._first_step + self.cfg.warmup_steps)
+        return {} if done else {"warmup": True}
 
     def _stack_samples(self, duration_s: float) -> dict:
         summary = self.stack_sampler.interval_summary(reset=True)
@@ -230,7 +240,8 @@ class Profiler:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
-                "world_size": self.world_size,
+                "world_size": self.world_size, "warmup_steps": self.cfg.warmup_steps,
+                "phase_spans": list(self.cfg.phase_spans),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
                 "config": self.run_config}
 

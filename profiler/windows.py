@@ -44,3 +44,59 @@ def open_at_end(open_spans: list | None) -> dict:
         for s in entry.get("spans") or ():
             out.setdefault(s.get("name"), []).append((entry.get("thread"), s.get("open_seconds") or 0.0))
     return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}
+
+
+# ---- windows: one definition per quantity (docs/REPORT.md, "Windows") --------------------------------
+
+def span_clock(entries) -> str:
+    """"gpu" when any of a span's entries (one span name over a run) has GPU times, else "cpu": a span is
+    read on one clock over the whole run, so its time is never counted as open CPU credit in one interval
+    and again as GPU time in the next."""
+    return "gpu" if any(e.get("gpu") for e in entries) else "cpu"
+
+
+def clock_seconds(entry: dict, on: str) -> float:
+    """The entry's time on clock `on`: the split CPU total, or the GPU total (0 where no pair resolved in
+    the entry's window: that time lands whole where it resolves)."""
+    if on == "gpu":
+        return basis_seconds(entry) if entry.get("gpu") else 0.0
+    return (entry.get("cpu") or {}).get("total_seconds") or 0.0
+
+
+def self_seconds(entry: dict, on: str) -> float:
+    """The entry's self (exclusive) time on clock `on`, its children left out; the total for logs written
+    before self time was recorded."""
+    stats = entry.get("gpu") if on == "gpu" else entry.get("cpu")
+    if not stats:
+        return 0.0
+    own = stats.get("self_seconds")
+    return clock_seconds(entry, on) if own is None else own * (gpu_scale(entry) if on == "gpu" else 1.0)
+
+
+def phase_seconds(intervals: list, phase_spans) -> dict:
+    """{phase span: self CPU seconds} summed over `intervals` (the phases' own time, nesting left out)."""
+    out: dict = {}
+    for rec in intervals:
+        for name in phase_spans:
+            entry = (rec.get("spans") or {}).get(name)
+            if entry:
+                out[name] = out.get(name, 0.0) + self_seconds(entry, "cpu")
+    return out
+
+
+def steady_throughput(events: list) -> dict | None:
+    """A rank's steady state from its `throughput` events (one per segment; dflash/throughput.py), segments
+    combined: their tokens over their seconds. None when no segment got past warm-up."""
+    segs = [e for e in events if e.get("kind") == "throughput" and e.get("steady_seconds")]
+    if not segs:
+        return None
+    seconds = sum(e["steady_seconds"] for e in segs)
+    tokens = sum(e.get("steady_tokens") or 0 for e in segs)
+    phases: dict = {}
+    for e in segs:
+        for name, s in (e.get("phases_seconds") or {}).items():
+            phases[name] = phases.get(name, 0.0) + (s or 0.0)
+    return {"window": "steady state", "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": sum(e.get("steady_steps") or 0
+                                                                                   for e in segs),
+            "segments": len(segs), "phases_seconds": phases}

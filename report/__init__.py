@@ -8,7 +8,7 @@ from typing import TypedDict
 
 from report import compare as _compare
 from report.advice import memory_margin, split
-from report.analysis import bandwidth, rank_table, span_ranking, verdict
+from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
 from report.findings import findings
 from report.flight_recorder import transfer_rings
 from report.memory_events import events, headroom, hot_frames
@@ -30,6 +30,8 @@ class Report(TypedDict):
     log_schema: int | None
     segments: int
     config: dict
+    steady_tokens_per_s: float | None
+    steady: dict
     spans: dict
     verdict: dict
     bandwidth: list
@@ -46,13 +48,15 @@ class Report(TypedDict):
 def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> Report:
     """Every analysis of a loaded run, then the findings drawn from them."""
     ranks = rank_table(run)
+    steady = steady_state(run)
     starts = [s for log in run.ranks.values() for s in log.run_starts]
     report = Report(
         report_schema=REPORT_SCHEMA, run_dir=run.run_dir,
         run_id=next((s["run_id"] for s in starts if s.get("run_id")), None),
         log_schema=max((s.get("schema", 0) for s in starts), default=None),
         segments=max((len(log.run_starts) for log in run.ranks.values()), default=0),
-        config=run.config, spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
+        config=run.config, steady_tokens_per_s=steady["steady_tokens_per_s"], steady=steady,
+        spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
         memory=headroom(run), events=events(run), transfer_rings=transfer_rings(run), hot_frames=hot_frames(run),
         ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])
     report["findings"] = findings(report)

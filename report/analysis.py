@@ -8,8 +8,9 @@ from __future__ import annotations
 import statistics
 
 from monitoring.catalog import WAIT_SPANS
-from profiler.windows import basis, basis_seconds, gpu_scale, open_at_end, whole_seconds
-from report.runs import Run, counter_total, steady_intervals, wall_seconds
+from profiler.windows import (basis, basis_seconds, clock_seconds, gpu_scale, open_at_end, phase_seconds,
+                              self_seconds, span_clock, steady_throughput, whole_seconds)
+from report.runs import Run, counter_total, phase_spans, steady_intervals, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -58,34 +59,49 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
     """One ranked span from its entries in every interval of the role's ranks."""
     entries = a["entries"]
-    stats = [basis(e)[0] for e in entries]
+    on = span_clock(entries)
     timed = [e for e in entries if e.get("gpu")]
+    measured = timed if on == "gpu" else entries   # the entries whose statistics are on the span's clock
+    stats = [e["gpu"] if on == "gpu" else e.get("cpu") or {} for e in measured]
+    weights = [(e.get("gpu_count") or e.get("count") or 0) if on == "gpu" else e.get("count") or 0 for e in measured]
     count = sum(e.get("count") or 0 for e in entries)
-    total = sum((basis_seconds(e) for e in entries), 0.0)
+    total = sum((clock_seconds(e, on) for e in entries), 0.0)
     max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st in stats])
-    p50s = [(st.get("p50_seconds"), e.get("count") or 0) for st, e in zip(stats, entries)]
-    p95s = [(st.get("p95_seconds"), e.get("count") or 0) for st, e in zip(stats, entries)]
+    p50s = [(st.get("p50_seconds"), w) for st, w in zip(stats, weights)]
+    p95s = [(st.get("p95_seconds"), w) for st, w in zip(stats, weights)]
     buckets = [st.get("buckets") for st in stats]
     # one interval's own percentiles are exact; across intervals, interpolate in the summed histogram
-    from_histogram = len(entries) > 1 and bool(bounds) and all(b is not None and len(b) == len(bounds) + 1
-                                                               for b in buckets)
+    from_histogram = len(measured) > 1 and bool(bounds) and all(b is not None and len(b) == len(bounds) + 1
+                                                                for b in buckets)
     if from_histogram:
         summed = [sum(column) for column in zip(*buckets)]
         p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
         p95 = _clamp(_histogram_quantile(bounds, summed, 0.95, max_seconds), p95s)
     else:
         p50, p95 = _weighted_quantile(p50s, 0.50), _weighted_quantile(p95s, 0.95)
-    return {"role": role, "span": name, "count": count, "on": "gpu" if timed else "cpu", "total_seconds": total,
+    if p50 is not None and p95 is not None and p95 < p50:   # order statistics stay ordered (coarse buckets)
+        p95 = p50
+    return {"role": role, "span": name, "count": count, "on": on, "total_seconds": total,
+            "self_seconds": sum((self_seconds(e, on) for e in entries), 0.0),
             "cpu_seconds": sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0),
             "gpu_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
             if timed else None,
             "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
             "share": total / role_wall if role_wall > 0 else None,
-            "mean_seconds": sum((whole_seconds(e) for e in entries), 0.0) / count if count else None,
+            "mean_seconds": _mean_seconds(measured, on, sum(weights)),
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds,
             "quantiles_from": "histogram" if from_histogram else "interval percentiles",
             "intervals": len(entries), "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
             **{k: a[k] for k in ("open_intervals", "open_max_seconds", "open_where", "open_at_end")}}
+
+
+def _mean_seconds(measured: list, on: str, n: int) -> float | None:
+    """The mean whole span on the span's clock: GPU totals over the GPU-timed spans, or whole CPU spans."""
+    if not n:
+        return None
+    if on == "gpu":
+        return sum((e["gpu"].get("total_seconds") or 0.0) for e in measured) / n
+    return sum((whole_seconds(e) for e in measured), 0.0) / n
 
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
@@ -129,7 +145,13 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
 # ---- verdict ---------------------------------------------------------------------------------
 
 def _span_seconds(intervals: list, names) -> float:
-    return sum(basis_seconds(e) for r in intervals for n, e in (r.get("spans") or {}).items() if n in names)
+    """The seconds of spans `names` over `intervals`, each name on its one clock (windows.span_clock)."""
+    total = 0.0
+    for name in names:
+        entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
+        on = span_clock(entries)
+        total += sum((clock_seconds(e, on) for e in entries), 0.0)
+    return total
 
 
 def role_shares(run: Run) -> dict:
@@ -231,13 +253,17 @@ def _rank_row(log) -> dict:
     wait = _span_seconds(steady, waits) / wall if wall > 0 else None
     collective = _span_seconds(steady, COLLECTIVE_SPANS) / wall if wall > 0 else None
     tokens = counter_total(steady, "tokens")
-    rate = tokens / wall if wall > 0 else None
+    meter = steady_throughput(log.events)
+    # the rank's steady rate: its throughput meter's (one definition: dflash/throughput.py) where it wrote one
+    rate = meter["steady_tokens_per_s"] if meter else (tokens / wall if wall > 0 else None)
     work = None if wait is None else max(0.0, 1.0 - wait - collective)
     ends = log.run_ends
     stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
             "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
-            "steady_seconds": wall, "tokens_per_s": rate, "wait_share": wait, "collective_share": collective,
+            "steady_seconds": meter["steady_seconds"] if meter else wall, "tokens_per_s": rate,
+            "steady_tokens_per_s": rate, "rate_window": "steady state" if meter else "steady intervals",
+            "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": rate / work if rate and work else None,
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
@@ -266,10 +292,8 @@ def _trailing_idle(intervals: list) -> list:
 
 
 def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
-    out: dict = {}
-    for n, e in ((n, e) for r in intervals for n, e in (r.get("spans") or {}).items()):
-        out[n] = out.get(n, 0.0) + basis_seconds(e)
-    return {n: s / tokens for n, s in out.items()} if tokens else {}
+    names = {n for r in intervals for n in (r.get("spans") or {})}
+    return {n: _span_seconds(intervals, (n,)) / tokens for n in names} if tokens else {}
 
 
 def _straggler(rows: list) -> dict | None:
@@ -309,3 +333,29 @@ def rank_table(run: Run) -> dict:
     multi = any(sum(1 for r in rows if r["role"] == role) >= 2 for role in {r["role"] for r in rows})
     return {"ranks": rows, "straggler": _straggler(rows),
             "reason": None if multi else "no role has two ranks to compare"}
+
+
+# ---- the steady state ------------------------------------------------------------------------
+
+def steady_state(run: Run) -> dict:
+    """{"steady_tokens_per_s": the drafters' summed steady rate, "roles": {role: {...}}, "phases_seconds"}.
+    A role's rate is the sum of its ranks' throughput meters (dflash/throughput.py: the one definition);
+    the phases (run_start `phase_spans`: compile, evaluation, checkpoints) are their self time over the whole
+    run, and `warmup_seconds` the intervals marked warm-up, beside the steady figures they are left out of."""
+    phases = phase_spans(run)
+    roles: dict = {}
+    for role, logs in run.by_role().items():
+        meters = [(log.rank, steady_throughput(log.events)) for log in logs]
+        got = [m for _, m in meters if m and m["steady_tokens_per_s"] is not None]
+        roles[role] = {"window": "steady state", "ranks": [r for r, _ in meters],
+                       "ranks_measured": len(got),
+                       "steady_tokens_per_s": sum(m["steady_tokens_per_s"] for m in got) if got else None,
+                       "steady_seconds": max((m["steady_seconds"] for m in got), default=None),
+                       "steady_steps": sum(m["steady_steps"] for m in got) if got else None,
+                       "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
+                       "warmup_seconds": wall_seconds([r for log in logs for r in log.intervals if r.get("warmup")]),
+                       "reason": None if got else "no rank of this role wrote a throughput event (a run that ended "
+                                                  "during warm-up, or one not written by dflash-train)"}
+    drafter = roles.get("drafter") or {}
+    return {"steady_tokens_per_s": drafter.get("steady_tokens_per_s"), "window": "steady state",
+            "roles": roles, "phase_spans": list(phases)}

@@ -128,10 +128,16 @@ def _did_work(rec: dict) -> bool:
 
 
 def steady_intervals(log: RankLog) -> list:
-    """The rank's intervals without each segment's start (up to the first that did work: loading,
-    compilation) and the final one (evaluation, checkpoint); all of them when that leaves none."""
+    """The rank's steady-state intervals: not warm-up (the profiler marks those `warmup` when the run gives
+    warm-up steps), not the final one (evaluation, the last checkpoint). Logs written before the mark leave
+    out each segment's start up to the first interval that did work. All of them when that leaves none."""
+    marked = any((s.get("warmup_steps") or 0) > 0 for s in log.run_starts)
     steady, starting = [], True
     for rec in log.intervals:
+        if marked:
+            if not rec.get("warmup") and not rec.get("final"):
+                steady.append(rec)
+            continue
         if rec.get("index") == 0:
             starting = True
         if starting:
@@ -139,6 +145,12 @@ def steady_intervals(log: RankLog) -> list:
         elif not rec.get("final"):
             steady.append(rec)
     return steady or list(log.intervals)
+
+
+def phase_spans(run) -> tuple:
+    """The span names the run's profiler called phases (run_start `phase_spans`)."""
+    return tuple(next((s["phase_spans"] for log in run.ranks.values() for s in log.run_starts
+                       if s.get("phase_spans")), ()))
 
 
 def gpus(rec: dict) -> list:

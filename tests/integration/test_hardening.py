@@ -344,5 +344,5 @@ def test_summary_of_segments_counts_ranks_once_and_rates_per_rank():
             "counters": {"tokens": {"total": n, "per_second": n / d}}} for d, n in ((10.0, 1000), (30.0, 1000))]
     other = {"type": "run_end", "rank": 2, "role": "target", "duration_seconds": 20.0, "spans": {},
              "counters": {"tokens": {"total": 400, "per_second": 20.0}}}
-    assert "target (1 rank, 40.0 s): tokens 50.0/s" in format_hotspots(seg)
-    assert "target (2 ranks, 60.0 s): tokens 70.0/s" in format_hotspots([*seg, other])
+    assert "target (1 rank, 40.0 s, whole run): tokens 50.0/s" in format_hotspots(seg)
+    assert "target (2 ranks, 60.0 s, whole run): tokens 70.0/s" in format_hotspots([*seg, other])

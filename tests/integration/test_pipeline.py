@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import report
 import torch
 from safetensors.torch import load_file
 
@@ -87,9 +89,14 @@ def test_two_process_run_records_every_span_of_the_cpu_path(eight_step_run):
     assert json.loads((run / "config.json").read_text())["resolved"]["transfer"] == "host"
     assert (run / "builtin" / "tiny-target" / "config.json").is_file()  # the target travels with the run
     meter = json.loads((run / "throughput" / "rank0.json").read_text())
-    # 8 steps, 2 warm-up: the tail is steps 5..8, timed between its own step ends
-    assert meter["steps"] == 6 and meter["tail_steps"] == 3
-    assert 0 < meter["tail_tokens_per_s"] and 0 < meter["tokens_per_s"]
+    # 8 steps, 2 warm-up: the steady state is steps 3..8, one definition on every surface
+    assert meter["window"] == "steady state" and meter["role"] == "drafter"
+    assert meter["steady_steps"] == 6 and meter["first_step"] == 3 and meter["last_step"] == 8
+    assert 0 < meter["steady_seconds"] <= meter["window_seconds"] and 0 < meter["steady_tokens_per_s"]
+    (event,) = [x for x in drafter if x["type"] == "event" and x["kind"] == "throughput"]
+    assert event["steady_tokens_per_s"] == meter["steady_tokens_per_s"]
+    rep = report.hotspots(run)
+    assert rep["steady_tokens_per_s"] == meter["steady_tokens_per_s"]
     # where each rank's start-up went, from the command's start, in order and adding up
     for recs in (drafter, target):
         (up,) = [x for x in recs if x["type"] == "event" and x["kind"] == "startup"]

@@ -179,13 +179,19 @@ def test_format_hotspots_over_ranks():
              "counters": {"tokens": {"total": 1000, "per_second": 10.0}}},
             {"type": "run_end", "rank": 2, "role": "drafter", "duration_seconds": 100.0,
              "spans": {"drafter.fwd_bwd": _span(90.0, 100, 1.0, gpu=None)}, "counters": {}}]
-    text = format_hotspots(ends)
+    steady = [{"type": "event", "kind": "throughput", "rank": 2, "role": "drafter", "steady_tokens_per_s": 1234.5,
+               "steady_steps": 90, "warmup_steps": 5, "steady_seconds": 80.0,
+               "phases_seconds": {"ckpt.save": 2.0, "drafter.compile": 0.0}}]
+    text = format_hotspots(ends, steady)
     lines = text.splitlines()
-    assert lines[1].split()[:2] == ["drafter.fwd_bwd", "drafter"] and "90.0%" in lines[1]
-    tf = lines[2].split()
+    assert lines[0] == "whole run:"
+    assert lines[2].split()[:2] == ["drafter.fwd_bwd", "drafter"] and "90.0%" in lines[2]
+    tf = lines[3].split()
     assert tf[:3] == ["target.fwd", "target", "80.000"] and tf[3] == "40.0%"   # 80 s of 200 s
     assert tf[4] == "400.00" and tf[5] == "900.00"     # mean 80/200 spans; worst rank's p95
-    assert "target (2 ranks, 200.0 s): tokens 20.0/s" in text
+    assert "target (2 ranks, 200.0 s, whole run): tokens 20.0/s" in text
+    assert ("drafter steady state: 1,234 tokens/s (steady_tokens_per_s; 90 steps after 5 warm-up, over 80.0 s; "
+            "phases left out: ckpt.save 2.0 s)") in text
     json.dumps(ends)
 
 
