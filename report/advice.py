@@ -1,5 +1,6 @@
-"""Two answers from the measured rates and peaks: the target:drafter GPU split that balances the
-pipeline, and the largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
+"""Answers from the measured rates and peaks: the run's topology (its devices, and what the trainer accepts
+on them), the target:drafter GPU split that balances the pipeline (only for two GPUs or more), and the
+largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
 
 Split: a rank's capacity is its steady tokens/s over its busy share (what it would reach never waiting).
 Drafter d is fed by targets t with t mod D == d and the drafters step in lock-step, so every drafter goes
@@ -16,6 +17,7 @@ import statistics
 
 from report.analysis import rank_table
 from report.runs import Run, counter_total, gpu_key
+from report.runs import gpus as nvml_gpus
 
 HEADROOM_SHARE = 0.05
 
@@ -37,21 +39,88 @@ def role_capacity(ranks: list) -> dict:
     return out
 
 
+def _rank_device(log) -> tuple[str | None, str | None]:
+    """(kind, GPU key) of one rank: its run_start's `device` ("cuda:1", "cpu"), else the GPU its NVML entries
+    name (logs without `device`); (None, None) when the records say neither."""
+    device = str((log.run_starts[-1].get("device") or "") if log.run_starts else "")
+    kind = device.split(":")[0] or None
+    if kind == "cuda":
+        return "cuda", f"{log.hostname or '?'}:{device.partition(':')[2] or '?'}"
+    if kind is not None:
+        return kind, None
+    nvml = next((g for rec in log.intervals for g in nvml_gpus(rec)), None)
+    return ("cuda", gpu_key(log, nvml)) if nvml is not None else (None, None)
+
+
+def _effective_transfer(flag: str | None, device: str | None, distinct: bool, host_copies: bool) -> str | None:
+    """The path batches took, by dflash/worker.py's rule (read, not imported): NCCL when asked for, or on
+    auto when every rank has its own GPU; else through the host. A target's d2h_copy spans are the host path."""
+    if device != "cuda":
+        return "host" if device else None
+    if flag in ("nccl", "host"):
+        return flag
+    return "host" if host_copies or not distinct else "nccl"
+
+
+def run_topology(run: Run) -> dict:
+    """The run's devices as its records say, and what the trainer accepts on them (dflash/preflight.py's
+    rule, read, not imported: --transfer nccl needs CUDA and one GPU per rank on every host)."""
+    hosts: dict = {}
+    kinds = set()
+    for log in run.ranks.values():
+        kind, gpu = _rank_device(log)
+        kinds.add(kind)
+        h = hosts.setdefault(log.hostname or "?", {"host": log.hostname, "ranks": 0, "gpus": set()})
+        h["ranks"] += 1
+        if gpu is not None:
+            h["gpus"].add(gpu)
+    device = "cuda" if "cuda" in kinds else next((k for k in kinds if k), None)
+    rows = [{**h, "gpus": len(h["gpus"])} for h in hosts.values()]
+    n_gpus, world = sum(h["gpus"] for h in rows), sum(h["ranks"] for h in rows)
+    short = [h for h in rows if h["gpus"] < h["ranks"]]
+    refused = ("this run is on the CPU" if device == "cpu" else "the records do not say the run had GPUs"
+               if device is None else "; ".join(f"{h['ranks']} ranks on {h['gpus']} GPU(s) of host {h['host']}"
+                                                 for h in short) or None)
+    host_copies = any("d2h_copy" in (rec.get("spans") or {}) for log in run.by_role().get("target", [])
+                      for rec in log.intervals)
+    flag = run.config.get("transfer")
+    roles = run.by_role()
+    return {"device": device, "gpus": n_gpus, "ranks": world, "hosts": rows,
+            "target_ranks": len(roles.get("target", [])), "drafter_ranks": len(roles.get("drafter", [])),
+            "ranks_share_gpus": device == "cuda" and bool(short), "transfer_flag": flag,
+            "transfer": _effective_transfer(flag, device, all(h["gpus"] >= world for h in rows), host_copies),
+            "nccl_allowed": refused is None, "nccl_refused": refused}
+
+
+def _too_few_gpus(topo: dict) -> str:
+    """Why a run without --gpus N has no split (fewer than two GPUs of its own)."""
+    ask = "dflash-report hotspots --gpus N gives the split of N GPUs"
+    if topo["device"] == "cpu":
+        return f"a CPU run has no GPUs to split; {ask}"
+    if topo["device"] is None:
+        return f"the records do not say which GPUs the ranks used; {ask}"
+    return (f"the run's {topo['ranks']} ranks share {topo['gpus']} GPU: a split needs at least 2 GPUs; {ask}"
+            if topo["gpus"] == 1 else f"a split needs at least 2 GPUs, the run had {topo['gpus']}; {ask}")
+
+
 def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dict:
-    """The best target:drafter split of n_gpus (default: the run's), every split's prediction, and the
-    run's own predicted and measured. `ranks`: rank_table(run)'s rows, when already computed."""
+    """The best target:drafter split of n_gpus (default: the GPUs the run's ranks used), every split's
+    prediction, and the run's own predicted and measured (steady state). No split below 2 GPUs: `reason`
+    says why. `ranks`: rank_table(run)'s rows, when already computed."""
+    topo = run_topology(run)
     caps = role_capacity(ranks if ranks is not None else rank_table(run)["ranks"])
     t_now, d_now = (caps.get("target") or {}).get("ranks", 0), (caps.get("drafter") or {}).get("ranks", 0)
-    n = n_gpus or t_now + d_now
+    n = n_gpus or topo["gpus"]
     cap_t = (caps.get("target") or {}).get("capacity_tokens_per_s_per_gpu")
     cap_d = (caps.get("drafter") or {}).get("capacity_tokens_per_s_per_gpu")
-    out = {"n_gpus": n, "roles": caps, "best": None, "splits": [], "current": None, "reason": None,
+    out = {"n_gpus": n, "n_gpus_from": "--gpus" if n_gpus else "the run", "topology": topo, "roles": caps,
+           "best": None, "splits": [], "current": None, "reason": None, "window": "steady state",
            "model": "tokens/s = D * min(floor(T/D) * target capacity, drafter capacity), 1 <= D <= T"}
+    if n < 2:
+        out["reason"] = _too_few_gpus(topo) if not n_gpus else f"a split needs at least 2 GPUs, got --gpus {n}"
+        return out
     if not cap_t or not cap_d:
         out["reason"] = "needs the steady tokens/s and busy share of both a target and a drafter rank"
-        return out
-    if n < 2:
-        out["reason"] = f"a split needs at least 2 GPUs, got {n}"
         return out
     out["targets_per_drafter_to_balance"] = cap_d / cap_t
     out["splits"] = [{"target_gpus": t, "drafter_gpus": n - t,

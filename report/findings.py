@@ -1,27 +1,65 @@
-"""Findings: the few things in a report worth acting on, each with its evidence and the next experiment."""
+"""Findings: the few things in a report worth acting on, each with its evidence (window and sample count
+said) and the next experiment. A finding's `flags` are the dflash-train flags its `next` names, added to the
+run's own; each is one the trainer accepts on the run's topology (report.advice.run_topology, the trainer's
+rules read from dflash/preflight.py and dflash/worker.py, not imported)."""
 from __future__ import annotations
 
 from report.analysis import WAIT_BOUND_SHARE
 
 FLOOR_RATIO_LOW = 0.25         # a span moving its bytes at under a quarter of the floor's bandwidth
 FLOOR_LOSS_SHARE = 0.01        # ... and losing at least this share of its role's time to it
-RESERVED_GROWTH = 0.10         # allocator reserved memory growing by more than this over the run
 LOW_HEADROOM_SHARE = 0.05
 SPLIT_GAIN = 0.10              # a better split must predict at least this much more throughput
 PROFILER_SHARE_HIGH = 0.02     # the profiler's threads using over 2% of a rank's wall time in CPU
 GIB = 1024 ** 3
 
-_NEXT_FOR_COPY = {
-    "transfer.send": "try the other transfer path (--transfer nccl or --transfer host) and time the bare link "
-                     "with bench/nccl_p2p.py",
-    "target.pack_hidden": "try --split-fc-layers (ship the layers, concatenate on the drafter)",
-    "d2h_copy": "check the host buffer is pinned and the copy non_blocking; compare with bench/nccl_p2p.py",
-    "h2d_copy": "check the host buffer is pinned and the copy non_blocking; compare with bench/nccl_p2p.py",
-}
+_PINNED = "check the host buffer is pinned and the copy non_blocking; compare with bench/nccl_p2p.py"
 
 
-def _finding(kind: str, summary: str, evidence: str, next_: str) -> dict:
-    return {"kind": kind, "summary": summary, "evidence": evidence, "next": next_}
+def _finding(kind: str, summary: str, evidence: str, next_: str, flags: list | None = None) -> dict:
+    return {"kind": kind, "summary": summary, "evidence": evidence, "next": next_, "flags": list(flags or [])}
+
+
+def _topology(report: dict) -> dict:
+    return report["split"].get("topology") or {}
+
+
+def _transfer_next(topo: dict) -> tuple[str, list]:
+    """The other transfer path, where the trainer accepts it on this run's devices; else why there is none."""
+    if topo.get("transfer") == "nccl":
+        return "try the host path (--transfer host) and time the bare link with bench/nccl_p2p.py", ["--transfer", "host"]
+    if topo.get("nccl_allowed"):
+        return ("try the device-to-device path (--transfer nccl) and time the bare link with bench/nccl_p2p.py",
+                ["--transfer", "nccl"])
+    why = topo.get("nccl_refused") or "the records do not say the run's devices"
+    return (f"the host path is the only one here (the NCCL path needs CUDA and one GPU per rank; here: {why}); time "
+            "the bare copies with bench/nccl_p2p.py", [])
+
+
+def _copy_next(report: dict, span: str) -> tuple[str, list]:
+    if span == "transfer.send":
+        return _transfer_next(_topology(report))
+    if span == "target.pack_hidden":
+        if report["config"].get("split_fc_layers"):
+            return "try --no-split-fc-layers (concatenate on the target, ship one tensor)", ["--no-split-fc-layers"]
+        return "try --split-fc-layers (ship the layers, concatenate on the drafter)", ["--split-fc-layers"]
+    if span in ("d2h_copy", "h2d_copy"):
+        return _PINNED, []
+    return "time the copy alone at this size against the floor", []
+
+
+def _batch_next(report: dict, otherwise: str) -> tuple[str, list]:
+    """Lower --tokens-per-batch to the memory margin, where the trainer accepts that value (at least
+    --max-length); else `otherwise`."""
+    margin = report["memory_margin"].get("max_tokens_per_batch")
+    max_length = report["config"].get("max_length") or 1
+    now = report["config"].get("tokens_per_batch")
+    if margin and margin >= max_length and (now is None or margin < now):
+        return f"lower --tokens-per-batch to {margin} (the memory margin)", ["--tokens-per-batch", str(margin)]
+    if margin is not None and margin < max_length:
+        return (f"{otherwise}: the memory margin ({margin} tokens) is under the run's max_length ({max_length}), "
+                "the least tokens per batch the trainer takes", [])
+    return otherwise, []
 
 
 def _bandwidth(report: dict) -> list:
@@ -35,11 +73,10 @@ def _bandwidth(report: dict) -> list:
             continue
         out.append(_finding(
             "below_floor", f"{b['span']} ({b['role']}) moves its bytes at {b['floor_ratio'] * 100:.2g}% of the "
-                           f"{b['floor']} floor",
-            f"{b['bytes'] / 1e9:.3g} GB in {b['seconds']:.3g} s = {b['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s vs "
-            f"{b['floor_bytes_per_s'] / 1e9:.3g} GB/s measured at start; {lost:.3g} s over the floor "
-            f"({lost / wall:.1%} of the {b['role']}'s time)",
-            _NEXT_FOR_COPY.get(b["span"], "time the copy alone at this size against the floor")))
+                           f"{b['floor']} floor over the whole run",
+            f"whole run: {b['bytes'] / 1e9:.3g} GB in {b['seconds']:.3g} s = {b['bandwidth_bytes_per_s'] / 1e9:.3g} "
+            f"GB/s vs {b['floor_bytes_per_s'] / 1e9:.3g} GB/s measured at start; {lost:.3g} s over the floor "
+            f"({lost / wall:.1%} of the {b['role']}'s whole-run time)", *_copy_next(report, b["span"])))
     return out
 
 
@@ -48,30 +85,57 @@ def _ranks_text(items: list) -> str:
 
 
 def _allocator(report: dict) -> list:
-    """One finding for every rank whose allocator retried, one for every rank whose reserved memory grew."""
+    """One finding for every rank whose allocator retried, one for every allocator series that leaks
+    (memory_events.memory_trend: sustained after warm-up, beyond the noise, large against the GPU)."""
     allocs = report["memory"]["allocator"]
     retried = [a for a in allocs if (a["alloc_retries_last"] or 0) > 0]
-    grew = [a for a in allocs if a["reserved_bytes_first"] and a["reserved_bytes_last"]
-            and a["reserved_bytes_last"] > (1 + RESERVED_GROWTH) * a["reserved_bytes_first"]
-            and a["reserved_bytes_last"] >= max(x or 0 for x in a["reserved_series_bytes"])]
     out = []
     if retried:
+        nxt, flags = _batch_next(report, "lower the tokens per batch")
         out.append(_finding(
             "alloc_retries", f"the allocator retried cudaMalloc on {len(retried)} rank(s)",
             "; ".join(f"rank {a['rank']} ({a['role']}): num_alloc_retries {a['alloc_retries_first'] or 0} at the "
-                      f"first interval, {a['alloc_retries_last']} at the last" for a in retried)
-            + ": it freed its cache to fit",
-            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower --tokens-per-batch toward the "
-            "memory margin"))
-    if grew:
-        out.append(_finding(
-            "reserved_growing", f"reserved memory grew over {RESERVED_GROWTH:.0%} and was at its high at the end on "
-                                f"{_ranks_text(grew)}",
-            "; ".join(f"rank {a['rank']}: {a['reserved_bytes_first'] / GIB:.2f} -> "
-                      f"{a['reserved_bytes_last'] / GIB:.2f} GiB" for a in grew),
-            "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); "
-            "take an allocator history snapshot over a few intervals"))
+                      f"first interval, {a['alloc_retries_last']} at the last (whole run, {a['intervals']} "
+                      "intervals)" for a in retried) + ": it freed its cache to fit",
+            f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {nxt}", flags))
+    out += [_leak(a, t) for a in allocs for t in (a.get("trends") or {}).values() if t["leak"]]
     return out
+
+
+def _leak(a: dict, t: dict) -> dict:
+    what = t["series"].replace("_bytes", "")
+    first, last = t["intervals"]
+    exhaust = (f"; at this slope the {t['headroom_bytes'] / GIB:.1f} GiB headroom of the last interval is gone in "
+               f"{t['seconds_to_exhaust'] / 60:.0f} min (the run so far: {t['run_seconds'] / 60:.0f} min)"
+               if t["seconds_to_exhaust"] is not None else "")
+    return _finding(
+        "memory_leak", f"{what} memory on rank {a['rank']} ({a['role']}) climbs "
+                       f"{t['slope_bytes_per_s'] * 60 / GIB:.3g} GiB/min in the steady state",
+        f"steady state after warm-up, intervals {first}-{last} ({t['samples']} samples, "
+        f"{t['window_seconds'] / 60:.1f} min): Theil-Sen slope {t['slope_bytes_per_s'] * 60 / GIB:.3g} GiB/min, "
+        f"{t['first_bytes'] / GIB:.2f} -> {t['last_bytes'] / GIB:.2f} GiB, rise {t['rise_bytes'] / GIB:.2f} GiB "
+        f"({t['rise_bytes'] / t['total_bytes']:.1%} of the GPU's {t['total_bytes'] / GIB:.0f} GiB) against a "
+        f"residual MAD of {t['mad_bytes'] / GIB:.3f} GiB{exhaust}",
+        "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); rerun with "
+        "--memory-history 100000 so an out-of-memory error leaves the allocator's history under RUN_DIR/forensics/",
+        ["--memory-history", "100000"])
+
+
+def _more_drafter(report: dict) -> tuple[str, list]:
+    """What to do about a slow drafter, given the split advice and the run's GPUs."""
+    sp, topo = report["split"], _topology(report)
+    best, now = sp.get("best"), sp.get("current")
+    if best and now and (best["target_gpus"], best["drafter_gpus"]) != (now["target_gpus"], now["drafter_gpus"]):
+        return (f"move GPUs to the drafters: the split advice for {sp['n_gpus']} GPUs says "
+                f"--target-gpus {best['target_gpus']} --drafter-gpus {best['drafter_gpus']}",
+                ["--target-gpus", str(best["target_gpus"]), "--drafter-gpus", str(best["drafter_gpus"])])
+    if best:
+        return (f"no split of {sp['n_gpus']} GPUs does better: make the drafter's step cheaper, or add a drafter GPU "
+                f"(dflash-report hotspots --gpus {sp['n_gpus'] + 1} shows that split)", [])
+    if topo.get("ranks_share_gpus"):
+        return ("the ranks share a GPU, so no split applies: make the drafter's step cheaper, or give each rank its "
+                f"own GPU (dflash-report hotspots --gpus {max(2, topo.get('ranks') or 2)} predicts that split)", [])
+    return "make the drafter's step cheaper (on GPUs, dflash-report hotspots --gpus N predicts the split)", []
 
 
 def _waits(report: dict) -> list:
@@ -83,16 +147,14 @@ def _waits(report: dict) -> list:
     in_flight = report["config"].get("max_in_flight")
     if v["verdict"] == "transfer-bound":
         nxt = (f"raise --max-in-flight from {in_flight} to {2 * in_flight}" if in_flight
-               else "raise --max-in-flight") + " and check transfer.send's bandwidth against its floor"
+               else "raise --max-in-flight to 4") + " and check transfer.send's bandwidth against its floor"
+        flags = ["--max-in-flight", str(2 * in_flight if in_flight else 4)]
     else:
-        best, now = report["split"].get("best"), report["split"].get("current")
-        if best and now and (best["target_gpus"], best["drafter_gpus"]) != (now["target_gpus"], now["drafter_gpus"]):
-            nxt = f"move GPUs to the drafters: the split advice says {best['target_gpus']}:{best['drafter_gpus']}"
-        else:
-            nxt = ("no split of this GPU count does better: make the drafter's step cheaper, or add a drafter GPU "
-                   "(--gpus N shows the split for N GPUs)")
-    return [_finding("target_waits_on_slots", f"the target waits {wait:.0%} of its time for a transfer slot",
-                     "; ".join(v["evidence"]), nxt)]
+        nxt, flags = _more_drafter(report)
+    return [_finding("target_waits_on_slots", f"the target waits {wait:.0%} of its steady-state time for a "
+                                              "transfer slot",
+                     f"steady state ({target['wall_seconds']:.0f} s of target intervals): " + "; ".join(v["evidence"]),
+                     nxt, flags)]
 
 
 STALL_INTERVALS = 3            # a rank's last intervals with no finished span: a stall
@@ -118,7 +180,7 @@ def _straggler(report: dict) -> list:
              f"{s['peers_span_seconds_per_token'] * 1e6:.1f} us/token on its peers" if s.get("span") else "")
     return [_finding("straggler",
                      f"rank {s['rank']} ({s['role']}) is {1 - s['capacity_ratio']:.0%} slower than its peers",
-                     f"capacity {s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
+                     f"steady state: capacity {s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
                      f"{s['peers_median_tokens_per_s']:.4g}{where}",
                      "compare its GPU's clocks and throttle reasons, then swap its GPU with a peer's "
                      "(CUDA_VISIBLE_DEVICES) to tell the device from the rank's work")]
@@ -126,41 +188,53 @@ def _straggler(report: dict) -> list:
 
 def _headroom(report: dict) -> list:
     out = []
-    margin = report["memory_margin"].get("max_tokens_per_batch")
     for g in report["memory"]["gpus"]:
         low = g["low_point"]
         if low["headroom_ratio"] >= LOW_HEADROOM_SHARE:
             continue
         when = f" at +{low['seconds_since_start']:.0f} s" if low["seconds_since_start"] is not None else ""
+        nxt, flags = _batch_next(report, "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         out.append(_finding(
             "low_headroom", f"gpu {g['gpu']} fell to {low['headroom_ratio']:.1%} headroom during "
             f"{low['dominant_span']} (the interval's dominant span)",
-            f"{low['headroom_bytes'] / GIB:.2f} GiB free of {g['total_bytes'] / GIB:.1f} GiB{when}, rank "
-            f"{low['rank']} interval {low['interval']} step {low['step']}",
-            f"lower --tokens-per-batch to {margin} (the memory margin)" if margin
-            else "lower --tokens-per-batch, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+            f"the whole run's low point over {g['intervals']} interval records: {low['headroom_bytes'] / GIB:.2f} GiB free "
+            f"of {g['total_bytes'] / GIB:.1f} GiB{when}, rank {low['rank']} interval {low['interval']} step "
+            f"{low['step']}", nxt, flags))
     for g in report["memory"]["gpus"]:
         for reason, n in g.get("throttle_intervals", {}).items():
             if reason not in ("gpu_idle", "applications_clocks_setting"):
                 out.append(_finding("throttled", f"gpu {g['gpu']} reported clock reason {reason} in {n} intervals",
-                                    "NVML throttle_reasons in the interval records",
+                                    f"NVML throttle_reasons in {n} of the whole run's {g['intervals']} interval records",
                                     "check cooling and power caps (nvidia-smi -q -d PERFORMANCE)"))
     return out
 
 
 _NEXT_FOR_EVENT = {
-    "nonfinite": "rerun to that step with --max-in-flight 1 and DFLASH_SPLIT_FC_LAYERS toggled: a NaN that goes "
-                 "away is a race between streams or a freed buffer, one that stays is the span's math",
-    "oom": "lower --tokens-per-batch to the memory margin, and read the OOM record's active spans and headroom history",
     "thread_crash": "read the traceback in the event, fix, and rerun to that step",
     "hang": "take dflash-profile snapshot --run-dir while it stalls and read which span each thread holds",
-    "signal": "nothing to fix if the stop was intended: resume with --resume",
-    "bad_records": "fix or drop the data lines the event names (--on-bad-record)",
+    "bad_records": "fix or drop the data lines the event names (its path and count)",
     "run_failed": "read the rank's stderr and its last event; rerun with the failing step's DFLASH_FAULT to reproduce",
     "no_run_end": "the rank died without closing its log: check the host's OOM killer (dmesg) and the launcher's "
                   "output",
     "bad_lines": "a truncated last line is a crash's signature: see run_failed / no_run_end",
 }
+
+
+def _event_next(report: dict, kind: str, first: dict) -> tuple[str, list]:
+    """The next experiment for an event kind, with the flags it names."""
+    if kind == "nonfinite":
+        step = first.get("step")
+        to = ["--max-steps", str(step)] if isinstance(step, int) and step >= 1 else []
+        flags = ["--max-in-flight", "1", *to]
+        return (f"rerun with {' '.join(flags)}, then with DFLASH_SPLIT_FC_LAYERS toggled: a NaN that goes away is a "
+                "race between streams or a freed buffer, one that stays is the span's math", flags)
+    if kind == "oom":
+        nxt, flags = _batch_next(report, "lower the tokens per batch")
+        return nxt + ", and read the OOM record's active spans and headroom history", flags
+    if kind == "signal":
+        return (f"nothing to fix if the stop was intended: continue it with --resume --run-dir {report['run_dir']}",
+                ["--resume", "--run-dir", report["run_dir"]])
+    return _NEXT_FOR_EVENT.get(kind, "read the event record"), []
 
 
 def _where(example: dict) -> str:
@@ -176,8 +250,8 @@ def _events(report: dict) -> list:
         k = ev["kinds"][kind]
         first = k["examples"][0] if k["examples"] else {}
         out.append(_finding(kind, f"{k['count']} {kind} on rank{'s' if len(k['ranks']) > 1 else ''} "
-                                  f"{', '.join(map(str, k['ranks']))}", f"first: {_where(first)}",
-                            _NEXT_FOR_EVENT.get(kind, "read the event record")))
+                                  f"{', '.join(map(str, k['ranks']))} over the whole run", f"first: {_where(first)}",
+                            *_event_next(report, kind, first)))
     return out
 
 
@@ -189,12 +263,14 @@ def _split(report: dict) -> list:
     gain = best["predicted_tokens_per_s"] / now["predicted_tokens_per_s"] - 1 if now["predicted_tokens_per_s"] else None
     if gain is None or gain < SPLIT_GAIN:
         return []
-    return [_finding("split", f"a {best['target_gpus']}:{best['drafter_gpus']} split is predicted {gain:.0%} faster "
-                              f"than this run's {now['target_gpus']}:{now['drafter_gpus']}",
-                     f"capacity per GPU: target {s['roles']['target']['capacity_tokens_per_s_per_gpu']:.4g}, drafter "
-                     f"{s['roles']['drafter']['capacity_tokens_per_s_per_gpu']:.4g} tokens/s; predicted "
+    flags = ["--target-gpus", str(best["target_gpus"]), "--drafter-gpus", str(best["drafter_gpus"])]
+    return [_finding("split", f"a {best['target_gpus']}:{best['drafter_gpus']} split of {s['n_gpus']} GPUs is "
+                              f"predicted {gain:.0%} faster than this run's {now['target_gpus']}:{now['drafter_gpus']}",
+                     f"steady state: capacity per GPU target {s['roles']['target']['capacity_tokens_per_s_per_gpu']:.4g},"
+                     f" drafter {s['roles']['drafter']['capacity_tokens_per_s_per_gpu']:.4g} tokens/s; predicted "
                      f"{best['predicted_tokens_per_s']:.4g} vs {now['predicted_tokens_per_s']:.4g} tokens/s",
-                     f"rerun with --target-gpus {best['target_gpus']} --drafter-gpus {best['drafter_gpus']}")]
+                     f"rerun with {' '.join(flags)}" + ("" if s.get("n_gpus_from") == "the run"
+                                                        else f" on {s['n_gpus']} GPUs"), flags)]
 
 
 def _profiler_cost(report: dict) -> list:
@@ -202,15 +278,18 @@ def _profiler_cost(report: dict) -> list:
     if not costly:
         return []
     interval = (report.get("config") or {}).get("profile_interval")
-    now = f" (now {interval:g} s)" if isinstance(interval, (int, float)) else ""
+    known = isinstance(interval, (int, float)) and interval > 0
+    longer = f"{2 * interval:g}" if known else "120"
+    flags = ["--profile-interval", longer, "--metrics-port", "0", "--stack-samples-per-interval", "0"]
+    now = f" (now {interval:g} s)" if known else ""
     who = ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%}" for r in costly)
-    return [_finding("profiler_cost", f"the profiler's own threads cost {who} of the wall time",
+    return [_finding("profiler_cost", f"the profiler's own threads cost {who} of the steady-state wall time",
                      "CPU seconds of the collector, exporter, NVML, stack and control threads and the exporters' "
                      "over the steady intervals' wall time (interval records' profiler_share); under the GIL the "
                      "training thread waits for much of it",
-                     f"raise --profile-interval{now}, drop exporters nobody reads (--metrics-port 0, no "
+                     f"raise --profile-interval{now} to {longer}, drop exporters nobody reads (--metrics-port 0, no "
                      "OTEL_EXPORTER_OTLP_ENDPOINT, --stack-samples-per-interval 0), and see the interval "
-                     "records' threads_cpu_seconds for the thread that costs it")]
+                     "records' threads_cpu_seconds for the thread that costs it", flags)]
 
 
 # The rules, problems first: each reads the assembled report and returns its findings.

@@ -1,17 +1,23 @@
-"""The report's analyses of memory (headroom low points, allocator trends), events (problems first) and
+"""The report's analyses of memory (headroom low points, allocator trends and leaks), events (problems first) and
 stacks (hot frames per thread): records in, answers out.
 """
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 
-from report.runs import Run, gpu_key
+from report.runs import Run, gpu_key, gpus, steady_intervals, wall_seconds
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
 EXAMPLES_PER_KIND = 3
 FRAMES_PER_THREAD = 5
 _TEXT_LIMIT = 300
+# A memory leak (memory_trend): a sustained climb after warm-up, beyond the noise, large against the GPU.
+TREND_MIN_SAMPLES = 6         # intervals after warm-up before a trend is read at all
+TREND_MAX_POINTS = 400        # pairwise slopes over at most this many points (160k pairs)
+NOISE_MADS = 3.0              # the rise over the window must exceed this many residual MADs
+LEAK_TOTAL_SHARE = 0.03       # ... and this share of the GPU's memory, or exhaust its headroom within the run
 
 
 def _dominant_span(rec: dict) -> tuple[str | None, float | None]:
@@ -34,17 +40,86 @@ def _low_point(log, rec: dict, g: dict, t0: float | None) -> dict:
             "dominant_span": name, "dominant_span_share": share}
 
 
+def theil_sen(xs: list, ys: list) -> tuple[float, float]:
+    """(slope, intercept): the median of the pairwise slopes, which one outlier interval cannot move (over
+    at most TREND_MAX_POINTS evenly strided points, so a day of intervals stays quick), and the median of
+    y - slope * x over every point."""
+    stride = max(1, -(-len(xs) // TREND_MAX_POINTS))
+    px, py = xs[::stride], ys[::stride]
+    slopes = [(py[j] - py[i]) / (px[j] - px[i]) for i in range(len(px)) for j in range(i + 1, len(px))
+              if px[j] != px[i]]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))
+
+
+def _after_warmup(log) -> list:
+    """The intervals a memory trend is read over: the last segment's steady ones (runs.steady_intervals)
+    less their first tenth (at least one), while the caching allocator still fills to the batches' high water."""
+    last_start = max((i for i, r in enumerate(log.intervals) if r.get("index") == 0), default=0)
+    segment = {id(r) for r in log.intervals[last_start:]}
+    steady = [r for r in steady_intervals(log) if id(r) in segment]
+    return steady[max(1, len(steady) // 10):]
+
+
+def _leak_test(t: dict) -> tuple[bool, str]:
+    """A leak: a rise over the window beyond NOISE_MADS x the residuals' MAD, still climbing in the window's
+    last half, and large against the GPU (over LEAK_TOTAL_SHARE of it, or gone with the headroom within the
+    run's length). (verdict, why)."""
+    if t["samples"] < TREND_MIN_SAMPLES:
+        return False, f"{t['samples']} samples after warm-up, under {TREND_MIN_SAMPLES}"
+    if t["rise_bytes"] <= NOISE_MADS * t["mad_bytes"] or t["slope_bytes_per_s"] <= 0:
+        return False, f"rise within {NOISE_MADS:g}x the interval-to-interval noise (residual MAD)"
+    if t["last_half_slope_bytes_per_s"] < 0.5 * t["slope_bytes_per_s"]:
+        return False, "not sustained: the last half of the window climbs at under half the slope"
+    if not t["total_bytes"]:
+        return False, "no GPU total to weigh it against (no NVML)"
+    exhausts = t["seconds_to_exhaust"] is not None and t["seconds_to_exhaust"] <= t["run_seconds"]
+    if t["rise_bytes"] < LEAK_TOTAL_SHARE * t["total_bytes"] and not exhausts:
+        return False, f"small: under {LEAK_TOTAL_SHARE:.0%} of the GPU and the headroom outlasts the run's length"
+    return True, "sustained, beyond the noise and large against the GPU"
+
+
+def memory_trend(log, allocs: list, key: str) -> dict:
+    """One allocator series (`allocated_bytes` or `reserved_bytes`) of a rank after warm-up: its Theil-Sen
+    slope, the residuals' MAD, the rise over the window, when the rank's GPU headroom would run out, and
+    whether that makes a leak (`leak`, `why`)."""
+    pts = [(r.get("end_s", r.get("time_unix")), a[key], r) for r, a in allocs
+           if a.get(key) is not None and r.get("end_s", r.get("time_unix")) is not None]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope, intercept = theil_sen(xs, ys) if pts else (0.0, 0.0)
+    resid = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
+    mid = statistics.median(resid) if resid else 0.0
+    half = len(pts) // 2
+    nvml = next((g for r in reversed([p[2] for p in pts]) for g in gpus(r) if g.get("total_bytes")), {})
+    headroom = nvml.get("headroom_bytes")
+    t = {"series": key, "window": "steady state after warm-up", "samples": len(pts),
+         "intervals": [pts[0][2].get("index"), pts[-1][2].get("index")] if pts else None,
+         "window_seconds": xs[-1] - xs[0] if pts else 0.0, "first_bytes": ys[0] if pts else None,
+         "last_bytes": ys[-1] if pts else None, "slope_bytes_per_s": slope,
+         "last_half_slope_bytes_per_s": theil_sen(xs[half:], ys[half:])[0] if half >= 2 else 0.0,
+         "mad_bytes": statistics.median(abs(r - mid) for r in resid) if resid else 0.0,
+         "rise_bytes": slope * (xs[-1] - xs[0]) if pts else 0.0, "total_bytes": nvml.get("total_bytes"),
+         "headroom_bytes": headroom, "run_seconds": wall_seconds(log.intervals),
+         "seconds_to_exhaust": headroom / slope if headroom is not None and slope > 0 else None}
+    t["leak"], t["why"] = _leak_test(t)
+    return t
+
+
 def _allocator_trend(log) -> dict | None:
-    allocs = [a for r in log.intervals if (a := (r.get("memory") or {}).get("allocator") or {}).get("available")]
-    if not allocs:
+    pairs = [(r, a) for r in log.intervals if (a := (r.get("memory") or {}).get("allocator") or {}).get("available")]
+    if not pairs:
         return None
+    allocs = [a for _, a in pairs]
     first, last = allocs[0], allocs[-1]
+    warm = {id(r) for r in _after_warmup(log)}
+    steady = [(r, a) for r, a in pairs if id(r) in warm]
     return {"rank": log.rank, "role": log.role, "intervals": len(allocs),
             "alloc_retries_first": first.get("num_alloc_retries"), "alloc_retries_last": last.get("num_alloc_retries"),
             "ooms_last": last.get("num_ooms"),
             "reserved_bytes_first": first.get("reserved_bytes"), "reserved_bytes_last": last.get("reserved_bytes"),
             "reserved_bytes_peak": max((a.get("peak_reserved_bytes") or a.get("reserved_bytes") or 0) for a in allocs),
-            "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs]}
+            "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs],
+            "trends": {key: memory_trend(log, steady, key) for key in ("allocated_bytes", "reserved_bytes")}}
 
 
 def _gpu_row(key: str, samples: list) -> dict:

@@ -1,4 +1,6 @@
-"""The human text of `dflash-report`: one formatter per section of a report dict; a missing number is "-"."""
+"""The human text of `dflash-report`: one formatter per section of a report dict; a missing number is "-".
+Every figure says its window in words (whole run, steady state, an interval, the last N intervals) and a
+statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
 GIB = 1024 ** 3
@@ -23,7 +25,8 @@ def _g(v, fmt: str = ".4g") -> str:
 
 def _spans(rep: dict) -> list:
     s = rep["spans"]
-    lines = ["Spans by total time (share of the role's time; GPU time where measured, else CPU)",
+    lines = ["Spans over the whole run by total time (share of the role's whole-run time; GPU time where measured, "
+             "else CPU; mean, p50 and p95 over the count whole spans)",
              f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'share':>6} {'cpu s':>9} "
              f"{'gpu s':>9} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"]
     for r in s["rows"]:
@@ -36,7 +39,7 @@ def _spans(rep: dict) -> list:
     if s["spans_total"] > len(s["rows"]):
         lines.append(f"  ... {s['spans_total'] - len(s['rows'])} more (--top)")
     for role, r in s["roles"].items():
-        lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals")
+        lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals over the whole run")
     return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"])
 
 
@@ -57,8 +60,8 @@ def _open_spans(rows: list) -> list:
     opened = sorted((r for r in rows if r.get("open_intervals")), key=lambda r: -(r["open_max_seconds"] or 0.0))
     if not opened:
         return []
-    lines = ["  Open at an interval's end (their time is split across intervals; count and percentiles wait "
-             "for the end):"]
+    lines = ["  Open at an interval's end, over the whole run (their time is split across intervals; count and "
+             "percentiles wait for the end):"]
     for r in opened:
         where = r.get("open_where") or {}
         lines.append(f"    {r['span']} ({r['role']}): at {r['open_intervals']} interval end(s), longest "
@@ -70,14 +73,16 @@ def _open_spans(rows: list) -> list:
 
 def _verdict(rep: dict) -> list:
     v = rep["verdict"]
-    return [f"Verdict: {v['verdict'] or 'none'}", *(f"  {e}" for e in v["evidence"])]
+    over = ", ".join(f"{role} {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
+    return [f"Verdict (steady state: {over or 'no intervals'} of intervals): {v['verdict'] or 'none'}",
+            *(f"  {e}" for e in v["evidence"])]
 
 
 def _bandwidth(rep: dict) -> list:
     rows = rep["bandwidth"]
     if not rows:
         return ["Bandwidth: no span declares bytes"]
-    lines = ["Bandwidth of spans that declare bytes (against the floors measured at start)",
+    lines = ["Bandwidth over the whole run of spans that declare bytes (against the floors measured at start)",
              f"  {'span':<22} {'role':<8} {'GB':>9} {'GB/s':>9} {'floor':<12} {'floor GB/s':>10} {'ratio':>7} "
              f"{'s over floor':>12}"]
     for b in rows:
@@ -93,28 +98,37 @@ def _memory(rep: dict) -> list:
     m = rep["memory"]
     if not m["measured"]:
         return [f"Memory headroom: {m['reason']}"]
-    lines = ["Memory headroom per GPU (low point = total minus the interval's peak used)"]
+    lines = ["Memory headroom per GPU over the whole run (low point = total minus an interval's peak used)"]
     for g in m["gpus"]:
         low = g["low_point"]
         when = f" at +{low['seconds_since_start']:.0f} s" if low["seconds_since_start"] is not None else ""
-        lines.append(f"  gpu {g['gpu']} {g['name'] or ''}: low {low['headroom_bytes'] / GIB:.2f} GiB "
+        lines.append(f"  gpu {g['gpu']} {g['name'] or ''}: low of {g['intervals']} interval records "
+                     f"{low['headroom_bytes'] / GIB:.2f} GiB "
                      f"({_pct(low['headroom_ratio'])} of {g['total_bytes'] / GIB:.1f} GiB){when}, rank {low['rank']} "
                      f"interval {low['interval']} step {low['step']}, during {low['dominant_span']} (the interval's "
                      f"dominant span, {_pct(low['dominant_span_share'])}); "
-                     f"last {g['last_headroom_bytes'] / GIB:.2f} GiB")
+                     f"last interval {g['last_headroom_bytes'] / GIB:.2f} GiB")
     for a in m["allocator"]:
         first, last = a["reserved_bytes_first"], a["reserved_bytes_last"]
-        lines.append(f"  allocator rank {a['rank']} ({a['role']}): retries {a['alloc_retries_first']} -> "
-                     f"{a['alloc_retries_last']}, reserved {_g(first and first / GIB, '.2f')} -> "
-                     f"{_g(last and last / GIB, '.2f')} GiB")
+        lines.append(f"  allocator rank {a['rank']} ({a['role']}), first -> last of {a['intervals']} intervals: "
+                     f"retries {a['alloc_retries_first']} -> {a['alloc_retries_last']}, reserved "
+                     f"{_g(first and first / GIB, '.2f')} -> {_g(last and last / GIB, '.2f')} GiB")
+        lines += [_trend(t) for t in (a.get("trends") or {}).values() if t["samples"]]
     return lines
+
+
+def _trend(t: dict) -> str:
+    """One allocator series' trend after warm-up: slope, spread, samples, and the leak verdict with its why."""
+    return (f"    {t['series'].replace('_bytes', '')}, {t['window']} (intervals {t['intervals'][0]}-{t['intervals'][1]},"
+            f" {t['samples']} samples): Theil-Sen slope {t['slope_bytes_per_s'] * 60 / GIB:+.3g} GiB/min, residual "
+            f"MAD {t['mad_bytes'] / GIB:.3g} GiB: {'leak' if t['leak'] else 'no leak'} ({t['why']})")
 
 
 def _events(rep: dict) -> list:
     ev = rep["events"]
     if not ev["kinds"]:
         return ["Events: none"]
-    lines = ["Events"]
+    lines = ["Events over the whole run"]
     for kind in ev["problems"]:
         k = ev["kinds"][kind]
         first = k["examples"][0] if k["examples"] else {}
@@ -165,27 +179,33 @@ def _frames(rep: dict) -> list:
 
 def _ranks(rep: dict) -> list:
     rt = rep["ranks"]
-    lines = ["Ranks (steady intervals)",
-             f"  {'rank':>4} {'role':<8} {'host':<12} {'tokens/s':>9} {'busy':>6} {'capacity':>9} {'steps':>6}  status"]
+    lines = ["Ranks (tokens/s, busy share and capacity over each rank's steady state; steps: the last interval's)",
+             f"  {'rank':>4} {'role':<8} {'host':<12} {'steady s':>8} {'tokens/s':>9} {'busy':>6} {'capacity':>9} "
+             f"{'steps':>6}  status"]
     for r in rt["ranks"]:
-        lines.append(f"  {r['rank']:>4} {r['role']:<8} {str(r['host'] or '-'):<12} {_g(r['tokens_per_s'], '.1f'):>9} "
+        lines.append(f"  {r['rank']:>4} {r['role']:<8} {str(r['host'] or '-'):<12} {r['steady_seconds']:>8.0f} "
+                     f"{_g(r['tokens_per_s'], '.1f'):>9} "
                      f"{_pct(r['busy_share']):>6} {_g(r['capacity_tokens_per_s'], '.1f'):>9} {_g(r['steps'], 'd'):>6}  "
                      f"{r['status']}" + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else ""))
     s = rt["straggler"]
     if s:
         lines.append(f"  straggler: rank {s['rank']} ({s['role']}) at {_pct(s['capacity_ratio'])} of its peers' "
-                     f"median capacity" + (f"; most excess in {s['span']}" if s.get("span") else ""))
+                     f"median steady-state capacity" + (f"; most excess in {s['span']}" if s.get("span") else ""))
     else:
         lines.append(f"  straggler: none ({rt['reason'] or 'every rank within 20% of its peers'})")
     return lines
 
 
 def _split(rep: dict) -> list:
+    """Absent below two GPUs (a CPU run, ranks sharing one GPU, without --gpus N): the JSON says why."""
     s = rep["split"]
+    if s["n_gpus"] < 2:
+        return []
     if not s["best"]:
         return [f"Split: {s['reason']}"]
     t, d = s["roles"]["target"], s["roles"]["drafter"]
-    lines = [f"Split of {s['n_gpus']} GPUs (capacity = steady tokens/s over busy share, per GPU)",
+    lines = [f"Split of {s['n_gpus']} GPUs{' (--gpus)' if s.get('n_gpus_from') == '--gpus' else ''} "
+             "(capacity = steady-state tokens/s over busy share, per GPU)",
              f"  capacity per GPU: target {t['capacity_tokens_per_s_per_gpu']:.4g}, drafter "
              f"{d['capacity_tokens_per_s_per_gpu']:.4g} tokens/s: {s['targets_per_drafter_to_balance']:.2f} targets "
              f"per drafter balance them",
@@ -194,7 +214,8 @@ def _split(rep: dict) -> list:
     if s["current"]:
         c = s["current"]
         lines.append(f"  this run: {c['target_gpus']}:{c['drafter_gpus']}, predicted "
-                     f"{c['predicted_tokens_per_s']:.4g}, measured {_g(c['measured_tokens_per_s'])} tokens/s")
+                     f"{c['predicted_tokens_per_s']:.4g}, measured {_g(c['measured_tokens_per_s'])} tokens/s over the "
+                     "steady state")
     lines.append("  every split: " + ", ".join(
         f"{x['target_gpus']}:{x['drafter_gpus']} {x['predicted_tokens_per_s']:.4g}" for x in s["splits"]))
     return lines
@@ -206,12 +227,12 @@ def _margin(rep: dict) -> list:
         return [f"Memory margin: {m['reason']}"]
     lim = m["limited_by"]
     g = next(x for x in m["gpus"] if x["gpu"] == lim["gpu"])
-    held = (f"batches held {m['mean_tokens_per_batch']:.0f} tokens on average at --tokens-per-batch "
+    held = (f"batches held {m['mean_tokens_per_batch']:.0f} tokens on average over the whole run at --tokens-per-batch "
             f"{m['tokens_per_batch']}" if m["mean_tokens_per_batch"] else f"--tokens-per-batch {m['tokens_per_batch']}")
     return [f"Memory margin: batches of at most {m['max_tokens_per_batch']} tokens keep {_pct(m['headroom_share'])} "
-            f"headroom on every GPU ({held})",
+            f"headroom on every GPU at the whole run's peaks ({held})",
             f"  limited by gpu {lim['gpu']} ({', '.join(lim['roles'])}, rank {', '.join(map(str, lim['ranks']))}): "
-            f"{g['fixed_bytes'] / GIB:.2f} GiB fixed + {g['per_batch_bytes'] / GIB:.2f} GiB per batch, of "
+            f"{g['fixed_bytes'] / GIB:.2f} GiB fixed + {g['per_batch_bytes'] / GIB:.2f} GiB per batch (whole run), of "
             f"{g['total_bytes'] / GIB:.1f} GiB; per-batch bytes assumed {m['growth']}"]
 
 
@@ -240,14 +261,17 @@ def _cmp_row(label: str, c: dict, scale: float, unit: str) -> str:
     def v(x):
         return "-" if x is None else f"{x * scale:.4g}"
     return (f"  {label:<32} {v(a['mean']):>10} {v(b['mean']):>10} {_pct(c['change_ratio']):>8} "
-            f"{v(a['spread']):>9} {v(b['spread']):>9} {unit:<9} {c['verdict']}")
+            f"{v(a['spread']):>9} {v(b['spread']):>9} {a['intervals']:>4} {b['intervals']:>4} {unit:<9} {c['verdict']}")
 
 
 def format_compare(table: dict) -> str:
     """The A/B table: spans (mean per call), tokens/s per role, peak GPU memory; then the regressions."""
-    head = f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'unit':<9} verdict"
+    head = (f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'n A':>4} {'n B':>4} "
+            f"{'unit':<9} verdict")
     lines = [f"dflash-report compare  A {table['a']}  B {table['b']}",
-             "(a change is called only when it exceeds both runs' interval-to-interval spread)", "", "Spans", head]
+             "(A and B: means over the steady state of one sample per steady interval and rank, n of them; spread: "
+             "their 10th-90th percentile range; a change is called only when it exceeds both runs' spread)",
+             "", "Spans (mean per call)", head]
     lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
     lines += ["", "Tokens/s", head]
     lines += [_cmp_row(role, c, 1.0, "tokens/s") for role, c in table["tokens_per_s"].items()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -150,7 +151,8 @@ def test_cli_json_compare_and_plot_without_torch(runs, tmp_path):
     assert rep["compare"]["regressions"] == ["target/target.fetch"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = _report_cli("hotspots", str(runs["base"]))
-    assert text.returncode == 0 and "Verdict: drafter-bound" in text.stdout
+    assert text.returncode == 0 and re.search(r"^Verdict \(steady state: .+ of intervals\): drafter-bound$",
+                                              text.stdout, re.M), text.stdout
     assert "matplotlib" not in {ln.split("|")[-1].strip() for ln in text.stderr.splitlines()}
 
 
@@ -307,8 +309,8 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
     ranks = {r["rank"]: r for r in rep["ranks"]["ranks"]}
     assert ranks[0]["profiler_share"] == pytest.approx((0.05 + 0.01 + 0.04) / 3) and ranks[1]["profiler_share"] is None
     (f,) = [f for f in rep["findings"] if f["kind"] == "profiler_cost"]
-    assert f["summary"] == "the profiler's own threads cost rank 0 (drafter) 3.3% of the wall time"
-    assert "raise --profile-interval (now 5 s)" in f["next"]
+    assert f["summary"] == "the profiler's own threads cost rank 0 (drafter) 3.3% of the steady-state wall time"
+    assert "raise --profile-interval (now 5 s) to 10" in f["next"] and f["flags"][:2] == ["--profile-interval", "10"]
     cheap = [_interval(0, "drafter", i, spans, 10_000, profiler_share=0.005) for i in range(4)]
     assert not [f for f in report.hotspots(_write_run(tmp_path / "cheap", {0: cheap}))["findings"]
                 if f["kind"] == "profiler_cost"]
