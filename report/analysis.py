@@ -254,15 +254,16 @@ def _rank_row(log) -> dict:
     collective = _span_seconds(steady, COLLECTIVE_SPANS) / wall if wall > 0 else None
     tokens = counter_total(steady, "tokens")
     meter = steady_throughput(log.events)
-    # the rank's steady rate: its throughput meter's (one definition: dflash/throughput.py) where it wrote one
-    rate = meter["steady_tokens_per_s"] if meter else (tokens / wall if wall > 0 else None)
+    # over the steady intervals, the window its wait and busy shares are read over (the capacity's two
+    # halves from one window); the steady state proper (dflash/throughput.py) is steady_tokens_per_s
+    rate = tokens / wall if wall > 0 else None
     work = None if wait is None else max(0.0, 1.0 - wait - collective)
     ends = log.run_ends
     stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
             "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
-            "steady_seconds": meter["steady_seconds"] if meter else wall, "tokens_per_s": rate,
-            "steady_tokens_per_s": rate, "rate_window": "steady state" if meter else "steady intervals",
+            "steady_seconds": wall, "tokens_per_s": rate, "rate_window": "steady intervals",
+            "steady_tokens_per_s": meter["steady_tokens_per_s"] if meter else None,
             "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": rate / work if rate and work else None,

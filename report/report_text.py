@@ -179,7 +179,7 @@ def _frames(rep: dict) -> list:
 
 def _ranks(rep: dict) -> list:
     rt = rep["ranks"]
-    lines = ["Ranks (tokens/s, busy share and capacity over each rank's steady state; steps: the last interval's)",
+    lines = ["Ranks (tokens/s, busy share and capacity over each rank's steady intervals; steps: the last interval's)",
              f"  {'rank':>4} {'role':<8} {'host':<12} {'steady s':>8} {'tokens/s':>9} {'busy':>6} {'capacity':>9} "
              f"{'steps':>6}  status"]
     for r in rt["ranks"]:
@@ -245,12 +245,27 @@ def _findings(rep: dict) -> list:
     return lines
 
 
+def _steady(rep: dict) -> list:
+    """Each role's steady state (steady_tokens_per_s, dflash/throughput.py), with the phases left out."""
+    st = rep.get("steady") or {}
+    lines = ["Steady state (after warm-up; compile, evaluation and checkpoint time left out)"]
+    for role, r in (st.get("roles") or {}).items():
+        if r.get("steady_tokens_per_s") is None:
+            lines.append(f"  {role}: - ({r.get('reason')})")
+            continue
+        phases = ", ".join(f"{n} {v:.1f} s" for n, v in (r.get("phases_seconds") or {}).items() if v > 0.05)
+        lines.append(f"  {role}: {r['steady_tokens_per_s']:,.0f} tokens/s (steady_tokens_per_s, {r['ranks_measured']} "
+                     f"rank(s), {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
+                     f"{phases or 'none'}; warm-up intervals {r['warmup_seconds']:.1f} s")
+    return lines
+
+
 def format_hotspots(rep: dict) -> str:
     """The whole report as text, findings last (where the eye lands)."""
     roles = ", ".join(f"{len(r['ranks'])} {role}" for role, r in rep["spans"]["roles"].items())
     head = [f"dflash-report hotspots {rep['run_dir']}" + (f"  (run {rep['run_id']})" if rep["run_id"] else ""),
             f"  ranks: {roles}; segments: {rep['segments']}"]
-    sections = [head, _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
+    sections = [head, _steady(rep), _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
                 _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
     return "\n\n".join("\n".join(s) for s in sections if s)
 
