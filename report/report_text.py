@@ -25,12 +25,14 @@ def _g(v, fmt: str = ".4g") -> str:
 
 def _spans(rep: dict) -> list:
     s = rep["spans"]
-    lines = ["Spans over the whole run by total time (share of the role's whole-run time; GPU time where measured, "
-             "else CPU; mean, p50 and p95 over the count whole spans)",
-             f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'share':>6} {'cpu s':>9} "
+    lines = ["Spans over the whole run by total time (share of the role's whole-run time; each span on one clock, "
+             "'on': gpu = its GPU window (CUDA events, idle gaps included), cpu = host wall time; self s leaves "
+             "its children out; mean, p50 and p95 over the whole spans on that clock)",
+             f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'self s':>9} {'share':>6} {'cpu s':>9} "
              f"{'gpu s':>9} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"]
     for r in s["rows"]:
         lines.append(f"  {r['span']:<22} {r['role']:<8} {r['count']:>7} {r['on']:>3} {r['total_seconds']:>9.3f} "
+                     f"{r['self_seconds']:>9.3f} "
                      f"{_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_seconds'], '.3f'):>9} "
                      f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}"
                      + ("  (wait)" if r["wait"] else ""))
