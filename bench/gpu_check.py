@@ -1,9 +1,9 @@
 """The GPU check to run before calling GPU work done: real runs on CUDA, every surface's figures side by side.
 
-    python3 bench/gpu_check.py [--out DIR] [--only main|gpu-bound] [--steps-main 300] [--steps-bound 60]
+    python3 bench/gpu_check.py [--out DIR] [--only main|gpu-bound] [--steps-main 800] [--steps-bound 60]
 
 Two runs of dflash-train on the GPU: the main job (the built-in target, target and drafter sharing the
-GPU) and a GPU-bound one (a random Qwen3-8B-shaped target cut to 4 layers, long sequences). While each
+GPU) and a GPU-bound one (a random Qwen3-8B-shaped target cut to 8 layers, long sequences). While each
 trains, every rank's /metrics is scraped twice 10 s apart (mid-run); after it ends, `dflash-report check`
 runs on its directory and the script prints, per run, each surface's drafter tokens/s with its window:
 the throughput file, the run log's throughput event, `dflash-report hotspots --json`, the end-of-run line,
@@ -144,7 +144,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-check"))
     ap.add_argument("--only", choices=("main", "gpu-bound"), default=None)
-    ap.add_argument("--steps-main", type=int, default=300)
+    ap.add_argument("--steps-main", type=int, default=800)
     ap.add_argument("--steps-bound", type=int, default=60)
     a = ap.parse_args()
     root = Path(a.out)
@@ -152,13 +152,13 @@ def main() -> int:
     ok = True
     if a.only in (None, "main"):
         run = root / "main"
-        res = train(run, ["--profile-interval", "10", "--max-steps", str(a.steps_main)], after_intervals=4)
+        res = train(run, ["--profile-interval", "10", "--max-steps", str(a.steps_main)], after_intervals=3)
         ok &= check_and_print("main job (built-in target, one GPU)", run, res)
     if a.only in (None, "gpu-bound"):
-        target = Path("/tmp/qwen3-8b-shape-4l")
+        target = Path("/tmp/qwen3-8b-shape-8l")
         if not (target / "config.json").is_file():
             subprocess.run([sys.executable, str(REPO / "bench/make_random_target.py"), "--out", str(target),
-                            "--layers", "4"], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            "--layers", "8"], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
         data = root / "long.jsonl"
         sys.path.insert(0, str(REPO / "bench"))
         from bench_pipeline import make_long_corpus
@@ -167,7 +167,7 @@ def main() -> int:
         res = train(run, ["--target-model", str(target), "--data", str(data), "--max-length", "2048",
                           "--tokens-per-batch", "4096", "--num-anchors", "256", "--eval-prompts", "0",
                           "--profile-interval", "5", "--max-steps", str(a.steps_bound)], after_intervals=4)
-        ok &= check_and_print("GPU-bound (Qwen3-8B-shaped target, 4 layers, 4096 tokens a batch)", run, res)
+        ok &= check_and_print("GPU-bound (Qwen3-8B-shaped target, 8 layers, 4096 tokens a batch)", run, res)
     return 0 if ok else 1
 
 

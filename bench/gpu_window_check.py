@@ -5,8 +5,8 @@
 Three spans run each step under our profiler and, inside each, a `record_function` of the same name, all
 inside one torch.profiler capture (CPU and CUDA activities):
   bench.matmul   8 bf16 matmuls 8192^3 (compute-bound, ~10 ms)
-  bench.copy     one 1 GiB device-to-device copy (memory-bound)
-  bench.launch   400 tiny kernels (launch-bound: the stream idles between them)
+  bench.copy     one 4 GiB device-to-device copy (memory-bound, ~2 ms)
+  bench.launch   2000 tiny kernels (launch-bound: the stream idles between them, ~4 ms)
 For every span instance it prints our GPU window (end event - start event), Kineto's window for the
 same range (its `gpu_user_annotation`: first kernel start to last kernel end) and Kineto's busy time
 (the union of the kernels inside), then per span the median window ratio ours/Kineto's and busy/window.
@@ -30,7 +30,7 @@ from profiler.config import ProfilerConfig
 def workloads(device):
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    src = torch.empty(1 << 29, device=device, dtype=torch.float16)   # 1 GiB
+    src = torch.empty(1 << 31, device=device, dtype=torch.float16)   # 4 GiB
     dst = torch.empty_like(src)
     tiny = torch.zeros(16, device=device)
 
@@ -42,7 +42,7 @@ def workloads(device):
         dst.copy_(src)
 
     def launch():
-        for _ in range(400):
+        for _ in range(2000):
             tiny.add_(1.0)
     return {"bench.matmul": matmul, "bench.copy": copy, "bench.launch": launch}
 

@@ -41,9 +41,16 @@ PHASE_SPANS = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
 profiler/windows.py)."""
 
 
-def warmup_steps(cfg: TrainConfig) -> int:
-    """Steps (batches on a target) that are warm-up: the first compile and the pipeline filling."""
-    return min(5, cfg.optim.max_steps // 4)
+AHEAD_BATCHES = 3
+"""Batches a target can make beyond its `max_in_flight` before its drafter takes any: the receiver's queue of
+two and the one its thread holds."""
+
+
+def warmup_steps(cfg: TrainConfig, role: str) -> int:
+    """Steps (batches on a target) that are warm-up: a drafter's first compile; a target's batches up to the one
+    its drafter takes when its own warm-up ends (the ones before only fill the queues ahead of the drafter)."""
+    drafter = min(5, cfg.optim.max_steps // 4)
+    return drafter + cfg.parallel.max_in_flight + AHEAD_BATCHES if role == "target" else drafter
 
 
 class NonfiniteStop(RuntimeError):
@@ -117,7 +124,7 @@ def run_target(ctx: WorkerContext) -> None:
     sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.parallel.max_in_flight, ctx.device_payload,
                              ctx.device)
     staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.parallel.max_in_flight + 1)
-    meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg),
+    meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
     done, tokens_total = consumed, 0
     for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
@@ -213,7 +220,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     stopped_by = None
     if ctx.rank == 0:
         _remove_stale_partials(ctx.run_dir / "checkpoints")
-    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg),
+    meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg, "drafter"),
                             start_step=state.step, compile_seconds_fn=compile_seconds)
     while state.step < cfg.optim.max_steps:
         stop_if_nonfinite(cfg)

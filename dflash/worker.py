@@ -207,7 +207,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
-                            warmup_steps=loops.warmup_steps(cfg), phase_spans=loops.PHASE_SPANS)
+                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS)
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,
