@@ -23,7 +23,7 @@ from dflash.loss import compute_loss
 from dflash.model import DFlashDraftModel, draft_config_for_target
 from dflash.compile_cache import compile_seconds
 from dflash.optim import build_optimizer
-from dflash.pack import PackedBatch, pack_hidden
+from dflash.pack import PackedBatch, WireHeader, pack_hidden
 from dflash.progress import LazyScalar, Progress
 from dflash.target import TargetCapture, default_layer_ids, load_target_head
 from dflash.throughput import ThroughputMeter
@@ -163,7 +163,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
-    rows, header = packed.to_wire(batch_index)
+    rows, header = packed.to_wire(batch_index, detail=profiler.api.in_detail())   # the drafter keeps it too
     sender.submit(transfer.Message(payload, rows, list(header), ready=ready, release=release,
                                    fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
@@ -227,6 +227,8 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
             msg = rx.get()
+        if msg is not None and WireHeader.from_ints(msg.ints).detail:
+            profiler.api.keep_step()   # the target's detail window holds this batch: so does ours
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
             stopped_by = "stream ended" if msg is None else "signal"

@@ -27,6 +27,14 @@ class WireHeader(NamedTuple):
     """Seed of the hidden-state noise (PackedBatch.noise_seed)."""
     split: int
     """1 when the K layers travel separately (PackedBatch.split)."""
+    detail: int = 0
+    """1 when the target's detail window holds the batch (profiler.in_detail() as it packed it), so the drafter
+    keeps the step that trains on it (profiler.keep_step()) and a trace holds both ends of its transfer."""
+
+    @classmethod
+    def from_ints(cls, ints) -> "WireHeader":
+        """The header from Message.ints (slots past its fields are padding; missing trailing ones default)."""
+        return cls(*ints[:len(cls._fields)])
 
 
 def _add_noise(ctx: torch.Tensor, noise_scale: float, noise_seed: int) -> torch.Tensor:
@@ -63,17 +71,17 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    def to_wire(self, batch_index: int) -> tuple[torch.Tensor, "WireHeader"]:
+    def to_wire(self, batch_index: int, detail: bool = False) -> tuple[torch.Tensor, "WireHeader"]:
         """What a transfer carries beside the payload (`hidden`): the CPU metadata rows
-        [len(META_FIELDS), N] int64, in META_FIELDS order, and the named header."""
+        [len(META_FIELDS), N] int64, in META_FIELDS order, and the named header (`detail`: WireHeader.detail)."""
         rows = torch.stack([self.meta()[name].to(torch.int64) for name in META_FIELDS])
-        return rows, WireHeader(batch_index, self.noise_seed, int(self.split))
+        return rows, WireHeader(batch_index, self.noise_seed, int(self.split), int(detail))
 
     @classmethod
     def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
         """The batch to_wire() described, from the payload (on `device`), the metadata rows and the
         header's ints (slots past WireHeader's fields are padding); the metadata goes up in one copy."""
-        header = WireHeader(*ints[:len(WireHeader._fields)])
+        header = WireHeader.from_ints(ints)
         if rows.shape[0] != len(META_FIELDS):
             raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
         cpu = {name: rows[i].to(dtype) for i, (name, dtype) in enumerate(zip(META_FIELDS, META_DTYPES))}

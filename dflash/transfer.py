@@ -249,7 +249,8 @@ class Sender:
             self._stream.wait_event(msg.ready)
         with torch.cuda.stream(self._stream), \
                 profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
-            profiler.tag(flow=self._flow + str(msg.ints[0]))
+            # detail: WireHeader.detail (the 4th int), so the trace keeps this send when it keeps the batch.
+            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1])
             # nan@transfer.send: the corrupted copy is made on this stream and kept by msg until sent.
             msg.payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))
             works = [dist.isend(msg.payload, self.dst, group=self._data)]
@@ -291,7 +292,7 @@ class Sender:
             msg.ready.synchronize()
         self._handshake(msg)
         with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
-            profiler.tag(flow=self._flow + str(msg.ints[0]))
+            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1])   # as in _launch
             payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))   # nan@transfer.send
             dist.send(_as_wire(payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
         if msg.fingerprint is not None:
@@ -414,7 +415,8 @@ class Receiver:
                 raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
             if item is not None and item.ints:
                 # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
-                profiler.tag(flow=f"{item.src}:{item.ints[0]}")
+                # detail (WireHeader.detail): kept in the detail window when the target kept its send.
+                profiler.tag(flow=f"{item.src}:{item.ints[0]}", detail=item.ints[3:4] == [1])
             return item
 
     def drain(self) -> int:

@@ -205,6 +205,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
     config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
+                            detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
                             warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS)

@@ -16,7 +16,7 @@ logger = logging.getLogger("exporters")
 
 class TraceExporter:
     """RUN_DIR/trace/rank{R}.json, rewritten atomically at `spans` records and at close, keeping the
-    newest `max_events` slices. A rewrite waits until it would take at most WRITE_DUTY of a core (the
+    newest `max_events` slices and the flow halves of this rank's sends and receives. A rewrite waits until it would take at most WRITE_DUTY of a core (the
     exporter thread shares the GIL with training); records in between go into the next one.
     stats(): spans records written (`exported`), evicted or never written (`dropped`), `failed` writes."""
 
@@ -70,12 +70,13 @@ class TraceExporter:
             self._last_write = (self._clock() - t0, self._clock())
 
     def _write_now(self) -> bool:
-        events, counts = build_trace([self._proc], [prep for _, prep in self._chunks])
+        events, counts = build_trace([self._proc], [prep for _, prep in self._chunks], halves=True)
         meta = {"source": "TraceExporter (live, this rank only)", "timebase": "Unix microseconds",
                 **{k: v for k, v in self._proc.items() if k != "rank"}, "rank": self.rank,
                 "status": self._status, **counts, "evicted_spans": self._evicted_spans,
                 "profiler_dropped_spans": self._profiler_dropped,
-                "flows": f"arrows need both ranks: dflash-report trace RUN_DIR"}
+                "flows": "this rank's flow halves, each under the id its pair has: the arrows need both ranks "
+                         "(dflash-report trace RUN_DIR joins them)"}
         try:
             write_trace(self.path, events, json_safe(meta))
         except OSError as exc:

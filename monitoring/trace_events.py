@@ -4,7 +4,8 @@ One process per rank (pid = rank + 1: Perfetto treats pid 0 as the idle process)
 thread plus a "(GPU)" track for GPU times (tid + GPU_TID_OFFSET), tids unique across the file. Slices
 are "X" events in integer Unix microseconds (one timebase for every rank; both ends floored so nested
 spans stay nested); a track whose slices would overlap without nesting gets "[overlap N]" lanes. Flow
-arrows ("s"/"f") join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string.
+arrows ("s"/"f") join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string; a
+one-rank file draws the halves it holds, under the ids the pairs get, so files put together join.
 Built on by exporters.trace (live, per rank) and report.trace (all ranks, from the logs). Stdlib only.
 """
 from __future__ import annotations
@@ -155,10 +156,10 @@ def prepare(rank: int, record: dict) -> dict:
     return {"items": items, "flows": flows, "spans": spans, "bad_spans": bad}
 
 
-def build_trace(procs: list, prepared: list) -> tuple[list, dict]:
+def build_trace(procs: list, prepared: list, halves: bool = False) -> tuple[list, dict]:
     """procs: [{"rank", "role", "host"}] (one process each); prepared: prepare() of their spans records
     -> (traceEvents, counts). Events: process and thread metadata, then each track's slices and flow
-    points in ts order."""
+    points in ts order. `halves`: draw flow halves without a partner too (_flow_events)."""
     tracks, flows, counts = {}, [], {"spans": 0, "bad_spans": 0}
     for prep in prepared:
         for key, ev in prep["items"]:
@@ -167,7 +168,9 @@ def build_trace(procs: list, prepared: list) -> tuple[list, dict]:
         counts["spans"] += prep["spans"]
         counts["bad_spans"] += prep["bad_spans"]
     meta, slices = _layout(tracks)
-    flow_events, counts["flows_matched"], counts["flows_unmatched"] = _flow_events(flows)
+    flow_events, counts["flows_matched"], counts["flows_unmatched"] = _flow_events(flows, halves)
+    counts["flow_sends"] = sum(1 for _, is_start, _ in flows if is_start)
+    counts["flow_receives"] = len(flows) - counts["flow_sends"]
     timed = slices + flow_events
     timed.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], e["ph"] != "X", -e.get("dur", 0),
                               e.get("args", {}).get("depth") or 0))
@@ -236,10 +239,11 @@ def _claim(taken: set, preferred) -> int:
     return tid
 
 
-def _flow_events(flows: list) -> tuple[list, int, int]:
+def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
     """Flow event pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched,
     unmatched). The i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse
-    a batch id); a half with no partner (the other rank's log is absent) is counted, not drawn."""
+    a batch id); a half with no partner (the other rank's log is absent) is counted, and drawn only with
+    `halves` (a one-rank file: its partner, in another rank's file, has the same id)."""
     by_flow = {}
     for flow, is_start, ev in flows:
         by_flow.setdefault(flow, ([], []))[0 if is_start else 1].append(ev)
@@ -250,10 +254,12 @@ def _flow_events(flows: list) -> tuple[list, int, int]:
         n = min(len(starts), len(ends))
         unmatched += len(starts) + len(ends) - 2 * n
         matched += n
-        for i in range(n):
+        for i in range(max(len(starts), len(ends)) if halves else n):
             fid = flow_id(flow if i == 0 else f"{flow}#{i}")
-            out.append(_flow_point("s", starts[i], fid, flow))
-            out.append(_flow_point("f", ends[i], fid, flow))
+            if i < len(starts):
+                out.append(_flow_point("s", starts[i], fid, flow))
+            if i < len(ends):
+                out.append(_flow_point("f", ends[i], fid, flow))
     return out, matched, unmatched
 
 

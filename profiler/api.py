@@ -1,5 +1,5 @@
-"""The module-level instrumentation API: span, count, gauge, metric, set_step, event, corrupt, and the
-forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, forensics.
+"""The module-level instrumentation API: span, count, gauge, metric, set_step, in_detail, keep_step, event,
+corrupt, and the forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, forensics.
 
 `span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `d` is
 the calling thread's name -> span-object cache), or a view of the shared no-op dict when no profiler
@@ -110,7 +110,8 @@ def _check_scalar(name, what, value) -> None:
 
 def tag(**attrs) -> None:
     """Attach attributes to the calling thread's innermost open span (e.g. `tag(flow="1:7")`); they
-    reach the span's entry in `spans` records (the trace's flow arrows, OTel span attributes)."""
+    reach the span's entry in `spans` records (the trace's flow arrows, OTel span attributes).
+    `detail=True`/`False` decides whether the detail window keeps the span, whatever step it begins in."""
     rec = _recorder
     if rec is not None:
         rec.tag(attrs)
@@ -121,6 +122,21 @@ def set_step(step: int) -> None:
     p = _active
     if p is not None:
         p.set_step(step)
+
+
+def in_detail() -> bool:
+    """Whether the current step is in this rank's detail window (its raw spans go into a `spans` record;
+    profiler/detail.py). A producer marks the batches it makes in it, so their consumer can keep them too."""
+    p = _active
+    return p is not None and p.in_detail()
+
+
+def keep_step() -> None:
+    """Keep the current step in the detail window (from its set_step on): a consumer whose profiler has
+    ProfilerConfig.detail_follows calls it for each step that trains on a batch its producer marked."""
+    p = _active
+    if p is not None:
+        p.keep_step()
 
 
 def event(kind: str, **fields) -> None:

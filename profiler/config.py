@@ -26,6 +26,9 @@ class ProfilerConfig:
     """Seconds between `interval` records."""
     detail_steps: int = 3
     """Steps at the start of each interval kept as raw spans (the `spans` record: profiler/detail.py); 0: none."""
+    detail_follows: bool = False
+    """The detail window keeps the steps the caller marks (`profiler.keep_step()`) instead of choosing its own,
+    so a consumer holds the same batches as its producer."""
     hang_timeout_s: float = 0.0
     """> 0: a rank with no progress (no span finished, no step change) this long is stopped with a dump
     (profiler/watchdog.py); 0: no hang watchdog."""
@@ -61,6 +64,8 @@ class ProfilerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.detail_follows, bool):
+            raise ValueError(f"detail_follows must be a bool, got {self.detail_follows!r}")
         for name in ("hang_timeout_s", "export_timeout_s", "gpu_drain_timeout_s", "poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

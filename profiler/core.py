@@ -116,7 +116,8 @@ class Profiler:
         return part
 
     def _make_collector(self) -> Collector:
-        detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids)
+        detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids,
+                               follows=self.cfg.detail_follows)
                   if self.cfg.detail_steps > 0 else NullDetailWindow())
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, detail)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
@@ -208,13 +209,22 @@ class Profiler:
         return self.collector.last_interval
 
     def set_step(self, step: int) -> None:
-        """The current training step; its change is marked in time for the detail window."""
+        """The current training step; its change is marked in time, and the detail window's choice made
+        (profiler/detail.py StepMarks)."""
         self.step = int(step)
         if self._first_step is None:
             self._first_step = self.step
         elif self.step != self._first_step:
             self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
         self.marks.mark(time.perf_counter_ns(), self.step)
+
+    def in_detail(self) -> bool:
+        """Whether the current step is in the detail window."""
+        return self.marks.in_window
+
+    def keep_step(self) -> None:
+        """Keep the current step in the detail window (a follower's choice: ProfilerConfig.detail_follows)."""
+        self.marks.keep_step()
 
     def progress(self) -> tuple:
         """(armed, token) for the hang watchdog: armed once the step changed; the token changes
@@ -240,8 +250,8 @@ class Profiler:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
-                "world_size": self.world_size, "warmup_steps": self.cfg.warmup_steps,
-                "phase_spans": list(self.cfg.phase_spans),
+                "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
+                "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
                 "config": self.run_config}
 

@@ -1,80 +1,120 @@
-"""The detail window: raw spans of the first few steps of each interval, for the `spans` record.
+"""The detail window: raw spans of a few steps per interval, for the `spans` record.
 
 Intervals keep aggregates only; traces and OTel spans need the spans themselves (start, end, thread,
-parent). Keeping every span of a long run would be unbounded, so each interval keeps those that
-*begin* during its first `steps` steps (a step begins at `profiler.set_step`), on any thread, up to
-`max_spans`; the rest are counted in `dropped`. All of it runs on the collector side: the hot path
-only pays for `set_step` appending one `(t_ns, step)` mark.
+parent). Keeping every span of a long run would be unbounded, so a rank keeps the spans of a few
+*window steps*, up to `max_spans` per record (the rest are counted in `dropped`).
 
-Windows start on a step that is a multiple of `align` when the previous interval ran at least
-2 x align steps, so ranks whose steps count the same batches (a target and the drafter it feeds, which
-runs a few batches behind) keep the same batches: the trace can draw a batch from send to receive.
+The choice is made on the training thread, at `profiler.set_step` (`StepMarks.mark`: a few attribute
+reads and, at a window's edges, one list append), so it can be asked about at once (`profiler.in_detail()`):
+- a producer (a target) starts a window of `steps` steps at the first step after an interval opens that
+  is a multiple of `align` (1 until an interval has run at least 2 x align steps, so short runs keep
+  their first steps), and marks the batches it makes in it (the trainer carries the mark with the batch);
+- a follower (`follows`: a drafter) chooses nothing: it keeps the steps its caller marks with
+  `profiler.keep_step()`, the ones that train on a marked batch, so both hold the same batches.
+A window step keeps every span, of any thread, that *begins* while it runs (from its `set_step` to the
+next). A span tagged `detail=...` (`profiler.tag`) is kept exactly when the tag is true, whatever step it
+begins in: a target's sender thread sends a batch later than the step that made it, and a send of a
+batch from before the window must not be kept beside it (its receive is not).
+
+Everything else runs on the collector side (`DetailWindow`): each finished span is matched against the
+window steps' time ranges, which are remembered for the last `MAX_RANGES` window steps, so a span is
+written in the `spans` record of the interval in which it *finishes*: a step longer than the interval
+loses nothing.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 MAX_DETAIL_SPANS = 20000
 DETAIL_ALIGN = 8
-"""Windows start on a multiple of this step (module doc)."""
+"""A producer's windows start on a multiple of this step (module doc)."""
+MAX_RANGES = 512
+"""Window steps whose time ranges are remembered: a span that began in an older one is not kept."""
 
 
 class StepMarks:
-    """`(perf_counter_ns, step)` of each step change, appended by the training thread."""
+    """The training thread's side of the window: `mark()` at each `set_step`, `keep_step()` from the
+    caller, `in_window` for `profiler.in_detail()`. Time ranges of window steps go to `edges`
+    (perf_counter_ns, open and close in turn, one range per window step: an odd length means the last one
+    is still open) and its step to `range_steps`; the collector (DetailWindow) reads and trims both."""
 
     def __init__(self):
-        self.marks: list = []
+        self.steps, self.align, self.follows = 0, DETAIL_ALIGN, False   # set by DetailWindow
+        self.edges: list = []
+        self.range_steps: list = []
+        self.opened = 0          # intervals opened so far: bumped by the collector (DetailWindow.take)
+        self.step_of = 1         # a producer's window starts on a multiple of this (set by the collector)
+        self.changes = 0         # step changes so far (the collector reads how many an interval ran)
         self.last_step = None
+        self.in_window = False   # the current step is a window step
+        self._t0_ns = 0          # when the current step began
+        self._left = 0           # window steps still to run, the current one included
+        self._armed = -1         # the `opened` count the producer last started a window for
 
     def mark(self, t_ns: int, step: int) -> None:
-        if step != self.last_step:
-            self.last_step = step
-            self.marks.append((t_ns, step))
+        """A step change at t_ns: close the window when its steps have run, and (producer) start one at
+        the first aligned step after an interval opened."""
+        if step == self.last_step:
+            return
+        self.last_step, self._t0_ns = step, t_ns
+        self.changes += 1
+        if self.in_window:   # the step that ends closes its range; a window step still to run opens its own
+            self.in_window = False
+            self.edges.append(t_ns)
+            if self._left > 1:
+                self._open(t_ns, step, self._left - 1)
+        if (not self.in_window and not self.follows and self.steps and self._armed != self.opened
+                and step % self.step_of == 0):
+            self._armed = self.opened
+            self._open(t_ns, step, self.steps)
 
-    def trim_before(self, t_ns: int) -> None:
-        """Forget marks older than t_ns (the collector calls this when a new window starts)."""
-        n = 0
-        marks = self.marks
-        while n < len(marks) - 1 and marks[n][0] < t_ns:
-            n += 1
-        if n:
-            del marks[:n]
+    def keep_step(self) -> None:
+        """Keep the current step, from its `set_step` on (a follower's only way to choose one)."""
+        if self.steps and not self.in_window and self.last_step is not None:
+            self._open(self._t0_ns, self.last_step, 1)
+
+    def _open(self, t_ns: int, step: int, steps: int) -> None:
+        self._left, self.in_window = steps, True
+        self.range_steps.append(step)   # before the edge: a reader that sees the range finds its step
+        self.edges.append(t_ns)
 
 
 class DetailWindow:
-    """Collects the window's spans as the aggregator finishes them; `take()` returns the record's
-    fields and opens the next window at the given time."""
+    """The collector's side: `offer()` keeps the finished spans the window holds, `take()` returns the
+    `spans` record's fields and starts the next record. It sets the rule its `marks` follow."""
 
     def __init__(self, steps: int, marks: StepMarks, to_unix_ns, native_ids: dict,
-                 max_spans: int = MAX_DETAIL_SPANS, align: int = DETAIL_ALIGN):
-        self.steps, self.marks, self.to_unix_ns = steps, marks, to_unix_ns
-        self.native_ids, self.max_spans, self.align = native_ids, max_spans, align
-        self._step_of = 1
-        self._open(0)
+                 max_spans: int = MAX_DETAIL_SPANS, align: int = DETAIL_ALIGN, follows: bool = False):
+        marks.steps, marks.align, marks.follows = steps, align, follows
+        self.marks, self.to_unix_ns, self.native_ids, self.max_spans = marks, to_unix_ns, native_ids, max_spans
+        self._changes = 0   # marks.changes at the last take
+        self._start_record()
 
-    def _open(self, start_ns: int) -> None:
-        self.start_ns = start_ns
-        self.lo = self.hi = None      # (t_ns, step) of the window's first step and of the step after it
+    def _start_record(self) -> None:
         self.spans: list = []
         self.dropped = 0
+        self.first = self.last = None   # the window steps the record's spans began in
 
-    def _bounds(self) -> None:
-        marks = self.marks.marks
-        if self.lo is None:
-            for i, (t, step) in enumerate(marks):
-                if t >= self.start_ns and step % self._step_of == 0:
-                    self.lo, self._lo_index = (t, step), i
-                    break
-        if self.lo is not None and self.hi is None and len(marks) > self._lo_index + self.steps:
-            self.hi = marks[self._lo_index + self.steps]
+    def _range_step(self, t_ns: int):
+        """The window step whose time range holds t_ns, or None."""
+        edges = self.marks.edges
+        if not edges or t_ns < edges[0]:
+            return None
+        i = bisect_right(edges, t_ns)
+        return self.marks.range_steps[i // 2] if i % 2 else None
 
     def offer(self, done) -> None:
-        """Keep each finished span, (thread_name, record, gpu_seconds or None), that began inside the window."""
-        if self.hi is None:
-            self._bounds()
-        if self.lo is None:
-            return
-        lo, hi = self.lo[0], self.hi[0] if self.hi is not None else None
+        """Keep each finished span, (thread_name, record, gpu_seconds or None), that the window holds."""
         for thread_name, rec, gpu_s in done:
-            if rec[1] < lo or (hi is not None and rec[1] >= hi):
+            attrs = rec[7]
+            tagged = attrs.get("detail") if attrs else None
+            if tagged is None:
+                step = self._range_step(rec[1])
+                if step is None:
+                    continue
+                self.first = step if self.first is None else min(self.first, step)
+                self.last = step if self.last is None else max(self.last, step)
+            elif not tagged:
                 continue
             if len(self.spans) >= self.max_spans:
                 self.dropped += 1
@@ -83,21 +123,28 @@ class DetailWindow:
                      "tid": self.native_ids.get(thread_name), "depth": rec[3],
                      "start_unix_ns": self.to_unix_ns(rec[1]), "end_unix_ns": self.to_unix_ns(rec[2]),
                      "cpu_seconds": (rec[2] - rec[1]) / 1e9, "gpu_seconds": gpu_s, "bytes": rec[4]}
-            if rec[7]:
-                entry["attrs"] = rec[7]
+            if attrs:
+                entry["attrs"] = attrs
             self.spans.append(entry)
 
     def take(self, next_start_ns: int) -> dict | None:
-        """The finished window's `spans` fields (None when it kept nothing); opens the next one."""
+        """The `spans` fields of the spans kept since the last take (None when none); the interval that
+        opens at next_start_ns is told to the training thread, whose next window step starts a window."""
         out = None
         if self.spans or self.dropped:
-            last = self.hi[1] - 1 if self.hi is not None else self.marks.last_step
             self.spans.sort(key=lambda s: s["start_unix_ns"])
-            out = {"steps": [self.lo[1] if self.lo else None, last], "spans": self.spans, "dropped": self.dropped}
-        ran = sum(1 for t, _ in self.marks.marks if self.start_ns <= t < next_start_ns)
-        self._step_of = self.align if ran >= 2 * self.align else 1
-        self.marks.trim_before(next_start_ns)
-        self._open(next_start_ns)
+            steps = None if self.first is None else [self.first, self.last]
+            out = {"steps": steps, "spans": self.spans, "dropped": self.dropped}
+        marks = self.marks
+        changes = marks.changes
+        ran, self._changes = changes - self._changes, changes
+        marks.step_of = marks.align if ran >= 2 * marks.align else 1
+        marks.opened += 1
+        extra = len(marks.range_steps) - MAX_RANGES
+        if extra > 0:   # the training thread only appends: deleting a prefix keeps edges and steps paired
+            del marks.edges[:2 * extra]
+            del marks.range_steps[:extra]
+        self._start_record()
         return out
 
 

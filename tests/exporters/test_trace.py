@@ -215,6 +215,31 @@ def test_merge_draws_every_rank_and_matches_flows(tmp_path):
         assert _bound_to(events, s)["args"]["attrs"]["flow"] == s["args"]["flow"]
 
 
+def test_each_rank_file_carries_its_flow_halves_under_the_ids_of_the_merged_pairs(tmp_path):
+    run = write_run(tmp_path)
+    summary = merge_traces(run)
+    assert (summary["flow_sends"], summary["flow_receives"]) == (2, 2)
+    merged = load(run / "trace" / "merged.json")["traceEvents"]
+    pairs = {(e["ph"], e["args"]["flow"]): e["id"] for e in merged if e["ph"] in "sf"}
+    halves = {}
+    for rank, ph, name in ((1, "s", "transfer.send"), (0, "f", "drafter.recv")):
+        exp = TraceExporter(tmp_path / f"live{rank}", rank)
+        for rec in rank_records(rank):
+            exp.export(rec)
+        exp.close(5.0)
+        doc = load(tmp_path / f"live{rank}" / "trace" / f"rank{rank}.json")
+        events = doc["traceEvents"]
+        points = [e for e in events if e["ph"] in "sf"]
+        assert {e["ph"] for e in points} == {ph} and len(points) == 2
+        for p in points:
+            assert _bound_to(events, p)["name"] == name and p["args"]["flow"] in ("1:0", "1:1")
+            halves[(ph, p["args"]["flow"])] = p["id"]
+        meta = doc["metadata"]
+        assert (meta["flows_matched"], meta["flows_unmatched"]) == (0, 2)
+        assert (meta["flow_sends"], meta["flow_receives"]) == ((2, 0) if rank == 1 else (0, 2))
+    assert halves == pairs and len(set(pairs.values())) == 2
+
+
 def _bound_to(events: list, point: dict) -> dict:
     """The slice a v1 flow event binds to in Perfetto: the last slice begun on its track before it (in
     ts order, which the file follows), provided the point lies inside that slice."""

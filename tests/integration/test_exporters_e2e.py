@@ -162,11 +162,18 @@ def test_trace_files_and_merged_trace_hold_every_span_and_matched_flows(live, tm
     r = subprocess.run([sys.executable, "-m", "dflash.report_cli", "trace", str(live["run"]), "-o", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    events = json.loads(out.read_text())["traceEvents"]
+    doc = json.loads(out.read_text())
+    events, meta = doc["traceEvents"], doc["metadata"]
     assert CATALOG_SPANS <= {e["name"] for e in events if e.get("ph") == "X"}
     starts = {e["id"] for e in events if e.get("ph") == "s"}
     ends = {e["id"] for e in events if e.get("ph") == "f"}
     assert starts and starts == ends
+    # The target's and the drafter's detail windows hold the same batches: >= 95% of the sends have their receive.
+    assert meta["flow_sends"] >= 10 and meta["flows_matched"] >= 0.95 * meta["flow_sends"], meta
+    assert f"flows {meta['flows_matched']} matched / {meta['flows_unmatched']} unmatched" in r.stdout
+    for rank, ph in ((0, "f"), (1, "s")):   # each rank's own file carries its halves
+        doc = json.loads((live["run"] / "trace" / f"rank{rank}.json").read_text())
+        assert len([e for e in doc["traceEvents"] if e.get("ph") == ph]) >= meta["flows_matched"]
 
 
 def test_a_requested_metrics_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path, train_main):
