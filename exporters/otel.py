@@ -1,15 +1,14 @@
 """OpenTelemetry exporter: run-log records in, OTel spans and metrics out over OTLP/HTTP.
 
-The profiler calls `export()` on its exporter thread; spans go to the SDK's BatchSpanProcessor and
-metrics to a PeriodicExportingMetricReader (their own threads), so the caller never waits on the network.
-Each `spans` record becomes one trace under a synthetic `profile.window` root, each span under its parent.
-Metrics use the catalog's names and common labels (so dashboards work after an OTLP -> Prometheus hop);
-counters drop `_total` (OTel convention), and the span-time histogram becomes `_sum`/`_count` counters
-(the run log carries bucket counts, not durations). `stats()` counts spans plus data points acknowledged
-or not; the first failure logs one warning, with the SDK's own export warnings held back meanwhile.
+Spans go to the SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader (their own threads),
+so `export()` never waits on the network. Each `spans` record becomes one trace under a `profile.window` root.
+Metrics take the catalog's names and labels; counters drop `_total` (OTel convention) and the span-time
+histogram becomes `_sum`/`_count` counters (the run log carries bucket counts, not durations). The first
+failed export logs one warning, the SDK's own export warnings held back meanwhile.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -38,8 +37,8 @@ _UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("
 
 
 def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
-    """An OtelExporter when an OTLP endpoint is set (and OTEL_SDK_DISABLED is not "true"), else None;
-    kwargs go to OtelExporter. Headers, certificates and compression the SDK reads from os.environ."""
+    """An OtelExporter (kwargs go to it) when an OTLP endpoint is set and OTEL_SDK_DISABLED is not "true";
+    headers, certificates and compression the SDK reads from os.environ."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     base, traces = env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -57,9 +56,8 @@ def _signal_url(endpoint, specific, path) -> str | None:
 
 
 class _SdkLogGate(logging.Filter):
-    """Holds back the SDK's warnings and errors on its export loggers; keeps the first one not yet
-    taken, so the exporter's single warning can say why. Records with a traceback pass: the exporters
-    here never raise, so one means a bug to see."""
+    """Holds back the SDK export loggers' warnings, keeping the first not yet taken for the exporter's single
+    warning to say why. Records with a traceback pass: the exporters here never raise, so one is a bug."""
 
     def __init__(self):
         super().__init__("dflash-otel-gate")
@@ -88,7 +86,7 @@ class _SdkLogGate(logging.Filter):
 
 class _Counting:
     """An SDK span or metric exporter that reports (signal, items, ok) after every export; the rest is the
-    inner exporter's (the metric reader takes its preferred temporality and aggregation)."""
+    inner exporter's."""
 
     def __init__(self, inner, signal: str, on_result):
         self._inner, self._signal, self._on_result = inner, signal, on_result
@@ -142,12 +140,12 @@ class OtelExporter:
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
                  span_exporter=None, metric_exporter=None):
         """endpoint: OTLP/HTTP base URL, overridden per signal by traces_/metrics_endpoint (None: the SDK's
-        environment). span_exporter / metric_exporter replace the OTLP/HTTP ones (tests, other backends)."""
+        environment); span_exporter / metric_exporter replace the OTLP/HTTP ones."""
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         self._lock = threading.Lock()
-        self._counts = {"spans_ok": 0, "spans_failed": 0, "points_ok": 0, "points_failed": 0}
+        self._counts = collections.Counter()   # (signal, ok) -> spans or data points exported
         self._spans_made = self._spans_lost = 0
         self._failed = self._warned = self._closed = self._frozen = False
         self._gate = _SdkLogGate()
@@ -197,15 +195,13 @@ class OtelExporter:
         with self._lock:
             if self._frozen:
                 return
-            key = ("spans_" if signal == "traces" else "points_") + ("ok" if ok else "failed")
-            self._counts[key] += items
-            if not ok:
-                self._failed = True
-        if not ok:
+            self._counts[signal, ok] += items
+            self._failed = self._failed or not ok
+        if ok:
+            self._gate.take()   # a held message belonged to a retry that then succeeded
+        else:
             self._warn_once(f"export of {signal} to {self.endpoints[signal] or 'the SDK default endpoint'} "
                             f"failed ({self._gate.take() or 'no reason given'})")
-        else:
-            self._gate.take()   # a held message belonged to a retry that then succeeded
 
     def _warn_once(self, what: str) -> None:
         with self._lock:
@@ -217,10 +213,8 @@ class OtelExporter:
     def stats(self) -> dict:
         """{"exported", "dropped", "failed"}: items are spans plus metric data points."""
         with self._lock:
-            c = self._counts
-            return {"exported": c["spans_ok"] + c["points_ok"],
-                    "dropped": c["spans_failed"] + c["points_failed"] + self._spans_lost,
-                    "failed": self._failed}
+            ok = self._counts["traces", True] + self._counts["metrics", True]
+            return {"exported": ok, "dropped": self._counts.total() - ok + self._spans_lost, "failed": self._failed}
 
     # ---- records ----
 
@@ -346,10 +340,9 @@ class OtelExporter:
                 count = _clock_count(e, clock)
                 self._record("span_seconds", stats.get("total_seconds"), "_sum", span=name, clock=clock)
                 self._record("span_seconds", count, "_count", span=name, clock=clock)
-        self._record("span_share", e.get("share"), span=name)
-        self._record("span_bytes", e.get("bytes"), span=name)
-        self._record("span_bandwidth", e.get("bandwidth_bytes_per_s"), span=name)
-        self._record("span_floor_ratio", e.get("floor_ratio"), span=name)
+        for key, field in (("span_share", "share"), ("span_bytes", "bytes"),
+                           ("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio")):
+            self._record(key, e.get(field), span=name)
         if e.get("floor"):
             self._record("span_floor", e.get("floor_bytes_per_s"), span=name, floor=e["floor"])
         if WAIT_SPANS.get(name) == self._role:
@@ -375,7 +368,7 @@ class OtelExporter:
     # ---- close ----
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Flush and shut down both providers within timeout_s, then freeze stats() (unacknowledged spans: dropped)."""
+        """Flush and shut down both providers within timeout_s, then freeze stats() (unconfirmed spans: dropped)."""
         if self._closed:
             return
         self._closed = True
@@ -395,9 +388,8 @@ class OtelExporter:
         spans_done = self._run_bounded(close_spans, timeout_s / 2)
         metrics_done = self._run_bounded(close_metrics, deadline - time.monotonic())
         with self._lock:
-            c = self._counts
-            self._spans_lost = max(0, self._spans_made - c["spans_ok"] - c["spans_failed"])
-            self._frozen = True
+            confirmed = self._counts["traces", True] + self._counts["traces", False]
+            self._spans_lost, self._frozen = max(0, self._spans_made - confirmed), True
         if self._spans_lost or not (spans_done and metrics_done):
             self._warn_once(f"close did not finish within {timeout_s:.1f} s "
                             f"({self._spans_lost} spans unconfirmed)")
