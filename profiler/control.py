@@ -124,18 +124,12 @@ def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
 
 
 def _read_line(conn: socket.socket, max_bytes: int = MAX_REQUEST_BYTES) -> bytes:
-    chunks, size = [], 0
-    while True:
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if b"\n" in chunk:
-            break
-        if size > max_bytes:
-            raise ValueError(f"message longer than {max_bytes} bytes without a newline")
-    return b"".join(chunks).split(b"\n", 1)[0]
+    """One message: the bytes up to its newline (or the end of the stream)."""
+    with conn.makefile("rb") as stream:
+        line = stream.readline(max_bytes + 1)
+    if len(line) > max_bytes and not line.endswith(b"\n"):
+        raise ValueError(f"message longer than {max_bytes} bytes without a newline")
+    return line.rstrip(b"\n")
 
 
 class ControlServer:
@@ -339,8 +333,7 @@ def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: 
 
 def discover(pid: int, discovery_dir=None) -> dict | None:
     """The discovery record of process `pid`, or None when it has none (no endpoint, or not ours)."""
-    directory = default_discovery_dir(discovery_dir)
-    path = directory / f"{int(pid)}.json"
+    path = default_discovery_dir(discovery_dir) / f"{int(pid)}.json"
     try:
         text = path.read_text()
     except FileNotFoundError:

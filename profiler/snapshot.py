@@ -138,10 +138,6 @@ def memory_now(state: dict) -> dict:
     return {"nvml": nvml or None, "allocator": allocator}
 
 
-def rank_log_path(run_dir, rank) -> Path | None:
-    return Path(run_dir) / "profile" / f"rank{rank}.jsonl" if run_dir is not None and rank is not None else None
-
-
 def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
                      clock=time.time) -> dict:
     """One process: its live state merged with its stacks. Raises StackError (one line) when the
@@ -156,7 +152,8 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
     rank, role = state.get("rank", record.get("rank")), state.get("role", record.get("role"))
     run_dir = state.get("run_dir") or record.get("run_dir")
     last = state.get("last_interval")
-    p95 = recent_p95(last, rank_log_path(run_dir, rank))
+    log = Path(run_dir) / "profile" / f"rank{rank}.jsonl" if run_dir is not None and rank is not None else None
+    p95 = recent_p95(last, log)
     threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
     basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
     return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
@@ -175,16 +172,6 @@ def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
     return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
 
 
-def require_live_ranks(run_dir, discovery_dir=None) -> list[dict]:
-    """live_ranks(), or SnapshotError (no_live_rank) saying why there are none."""
-    ranks = live_ranks(run_dir, discovery_dir)
-    if not ranks:
-        directory = default_discovery_dir(discovery_dir)
-        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names "
-                                          "it (the run ended, has not started, or runs with its endpoint off)")
-    return ranks
-
-
 def _snapshot_or_error(record: dict, **kwargs) -> dict:
     try:
         return snapshot_process(record["pid"], **kwargs)
@@ -197,8 +184,12 @@ def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = Fal
                  query_fn=query, clock=time.time) -> dict:
     """Every live rank of a run at once (one thread each, so the views are simultaneous). `waits_for_role`
     ({span name: role}, the caller's span contract) names the spans in which a rank waits on ranks of another
-    role: who waits on whom."""
-    ranks = require_live_ranks(run_dir, discovery_dir)
+    role: who waits on whom. SnapshotError (no_live_rank) when the run has no live rank."""
+    ranks = live_ranks(run_dir, discovery_dir)
+    if not ranks:
+        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in "
+                                          f"{default_discovery_dir(discovery_dir)} names it (the run ended, has "
+                                          "not started, or runs with its endpoint off)")
     kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
         snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))
