@@ -347,7 +347,7 @@ def render(dashboard: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the dashboard JSON, or with --check report whether the file on disk is current."""
+    """Write the dashboard JSON, or with --check say whether the file on disk is current (exit 1 if not)."""
     parser = argparse.ArgumentParser(prog="python -m monitoring.dashboard", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="dashboard JSON path (default: %(default)s)")
@@ -355,17 +355,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; exit 1 when --out differs from the generated dashboard")
     args = parser.parse_args(argv)
     text = render(build_dashboard())
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else None
-        if current != text:
-            print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}",
-                  file=sys.stderr)
-            return 1
+    if not args.check:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    elif (args.out.read_text() if args.out.exists() else None) != text:
+        print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}", file=sys.stderr)
+        return 1
+    else:
         print(f"{args.out} is up to date")
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
     return 0
 
 
