@@ -42,10 +42,8 @@ def _private_dir(path: Path) -> Path:
     then make it 0700. Checked and chmodded through a descriptor opened without following links, so a link
     or another user's directory at the name is refused (PermissionError) and nothing it points to touched."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -308,8 +306,7 @@ class NullControlServer:
     def start(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = start
 
 
 def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None) -> dict:

@@ -8,6 +8,7 @@ within one deadline; one still busy then is abandoned (the thread is a daemon). 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -95,10 +96,8 @@ class ExportHub:
         """Drain the queue and close every exporter within `timeout_s` overall; returns stats()."""
         deadline = time.monotonic() + timeout_s
         if self._thread is not None:
-            try:
+            with contextlib.suppress(queue.Full):
                 self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Full:
-                pass
             self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
                 logger.warning("exporters did not drain within %.1f s; %d records left behind",

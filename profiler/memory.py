@@ -203,8 +203,7 @@ class UnavailableMemorySampler:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
+    stop = start
 
     def interval_summary(self, reset: bool = True) -> dict:
         return {"available": False, "reason": self.reason}
