@@ -143,6 +143,11 @@ class OtelExporter:
         environment); span_exporter / metric_exporter replace the OTLP/HTTP ones."""
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self._lock = threading.Lock()
         self._counts = collections.Counter()   # (signal, ok) -> spans or data points exported
@@ -155,11 +160,18 @@ class OtelExporter:
         span_exporter = span_exporter or OTLPSpanExporter(endpoint=self.endpoints["traces"], timeout=timeout_s)
         metric_exporter = metric_exporter or OTLPMetricExporter(endpoint=self.endpoints["metrics"],
                                                                 timeout=timeout_s)
-        resource = {"service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role,
-                    "host.name": self._host, "dflash.run_id": run_id,
-                    "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}
-        self._build_providers(_attributes(resource), span_exporter, metric_exporter, timeout_s,
-                              metric_interval_s)
+        resource = Resource.create(_attributes({
+            "service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role, "host.name": self._host,
+            "dflash.run_id": run_id, "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}))
+        self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        self._tracer_provider.add_span_processor(BatchSpanProcessor(
+            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
+        self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
+        reader = PeriodicExportingMetricReader(
+            _Counting(metric_exporter, "metrics", self._on_result),
+            export_interval_millis=metric_interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+        self._meter = self._meter_provider.get_meter("dflash.profiler")
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
         self._instruments: dict = {}
         self._cumulative: dict = {}      # (key, labels) -> last cumulative value seen
@@ -169,27 +181,7 @@ class OtelExporter:
             self._record("events", 0, kind=kind)
         self._gate.attach(True)
 
-    def _build_providers(self, resource_attrs, span_exporter, metric_exporter, timeout_s, interval_s):
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        resource = Resource.create(resource_attrs)
-        self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self._tracer_provider.add_span_processor(BatchSpanProcessor(
-            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
-        self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
-        reader = PeriodicExportingMetricReader(
-            _Counting(metric_exporter, "metrics", self._on_result),
-            export_interval_millis=interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
-        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader],
-                                             shutdown_on_exit=False)
-        self._meter = self._meter_provider.get_meter("dflash.profiler")
-
-    # ---- failure accounting ----
-
+    # ---- failure accounting ----------------------------------------------------------------------
     def _on_result(self, signal: str, items: int, ok: bool) -> None:
         """Called by the SDK's export threads after every batch (spans) or collection (metrics)."""
         with self._lock:
@@ -216,8 +208,7 @@ class OtelExporter:
             ok = self._counts["traces", True] + self._counts["metrics", True]
             return {"exported": ok, "dropped": self._counts.total() - ok + self._spans_lost, "failed": self._failed}
 
-    # ---- records ----
-
+    # ---- records ---------------------------------------------------------------------------------
     def export(self, record: dict) -> None:
         """Turn one run-log record into spans and metric updates; never blocks on the network."""
         if self._closed:
@@ -271,8 +262,7 @@ class OtelExporter:
         attrs.update({f"dflash.{k}": v for k, v in (s.get("attrs") or {}).items()})
         return _attributes(attrs)
 
-    # ---- metrics ----
-
+    # ---- metrics ---------------------------------------------------------------------------------
     def _instrument(self, key: str, suffix: str = ""):
         """The instrument for a catalog family (histograms as `_sum`/`_count` counters), made once."""
         inst = self._instruments.get((key, suffix))
@@ -365,8 +355,7 @@ class OtelExporter:
             for key, field in ALLOCATOR_COUNTERS:
                 self._record_cumulative(key, alloc.get(field), **labels)
 
-    # ---- close ----
-
+    # ---- close -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush and shut down both providers within timeout_s, then freeze stats() (unconfirmed spans: dropped)."""
         if self._closed:
