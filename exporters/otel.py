@@ -85,8 +85,7 @@ class _SdkLogGate(logging.Filter):
 
 
 class _Counting:
-    """An SDK span or metric exporter that reports (signal, items, ok) after every export; the rest is the
-    inner exporter's."""
+    """An SDK span or metric exporter that reports (signal, items, ok) after every export."""
 
     def __init__(self, inner, signal: str, on_result):
         self._inner, self._signal, self._on_result = inner, signal, on_result

@@ -1,10 +1,9 @@
 """The Grafana dashboard for DFlash training, generated from code: `python -m monitoring.dashboard`
 writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
 
-Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes Grafana's JSON model with
-grafana-foundation-sdk (imported there only). Queries follow grafana/dashboard-linter's rules: the
-templated datasource, `job`/`instance` (and run, role, rank, gpu, clock) matchers in every selector,
-`$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
+Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes the JSON model with
+grafana-foundation-sdk. Queries follow grafana/dashboard-linter's rules: the templated datasource, the
+variable matchers in every selector, `$__rate_interval` in every rate/increase, a unit on every panel.
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "grafana" / "dflash.json"
 # Label variables every selector filters on (dashboard-linter requires job and instance).
 FILTER_VARIABLES = ("job", "run", "instance", "role", "rank")
 ROLES = ("target", "drafter")
-VARIABLE_LABELS = {"job": "Job", "instance": "Instance", "run": "Run", "role": "Role", "rank": "Rank",
-                   "gpu": "GPU"}
+VARIABLE_LABELS = {label: "GPU" if label == "gpu" else label.capitalize() for label in FILTER_VARIABLES + ("gpu",)}
 RATE = "$__rate_interval"
 PANEL_HEIGHT = 8
 

@@ -41,8 +41,7 @@ class EventPool:
         return stream
 
     def current(self):
-        """The calling thread's current Stream object, through the raw handle (torch.cuda.current_stream() would
-        build a new object); what a non-finite check queues its flags with."""
+        """The calling thread's current Stream object, cached by raw handle (non-finite checks queue on it)."""
         return self.stream_for(self.getraw(self.device_index))
 
     def put(self, *events) -> None:

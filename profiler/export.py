@@ -24,10 +24,8 @@ _STOP = object()
 
 @runtime_checkable
 class Exporter(Protocol):
-    """What the profiler feeds, in the style of the OpenTelemetry SDK's `SpanExporter`: one object per sink,
-    called on the exporter thread only, one record at a time. `export(record)` raises on failure (the hub
-    counts the record dropped and keeps feeding); `close(timeout_s)` is shutdown and flush in one, at the
-    run's end. Every record type of the run log (docs/RUNLOG.md) reaches every exporter."""
+    """What the profiler feeds, after the OpenTelemetry SDK's `SpanExporter`: one object per sink, fed every run
+    log record (docs/RUNLOG.md) one at a time; `close(timeout_s)` is shutdown and flush in one."""
 
     name: str
     """The exporter's key in the `exporters` stats of interval and run_end records."""

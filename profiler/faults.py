@@ -82,9 +82,8 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 def check_injection_points(faults: list[Fault], spans, nan_spans) -> None:
-    """ValueError (one line) for a fault that could never fire in this program: a span it never
-    enters (`spans`), or a nan fault on a span without a corrupt() hook (`nan_spans`). The program
-    passes its own lists; call it at start-up, before any work."""
+    """ValueError (one line) for a fault that could never fire: on a span the program never enters (`spans`),
+    or a nan fault on a span without a corrupt() hook (`nan_spans`). For start-up, before any work."""
     for fault in faults:
         points = nan_spans if fault.kind == "nan" else spans
         if fault.span in points:
@@ -151,8 +150,7 @@ class FaultPlan:
                     self._sleep(1.0)
 
     def corrupt(self, span: str, step: int, tensor):
-        """A NaN copy of `tensor` (same dtype and device, no sync) when a nan fault matches span and
-        step; the tensor itself otherwise."""
+        """A NaN copy of `tensor` (no sync) when a nan fault matches span and step, else the tensor."""
         faults = self._nan_by_span.get(span)
         if faults is None:
             return tensor

@@ -71,9 +71,8 @@ def _pinned_bytes_per_s(device) -> dict[str, float]:
 
 
 def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
-    """Bandwidth floors in bytes/s: "host_copy" always; on CUDA also "device_copy" (bytes read +
-    written), "pinned_d2h" and "pinned_h2d" (bytes transferred). A floor that fails to measure is
-    omitted and logged once; this never raises."""
+    """Floors in bytes/s: "host_copy"; on CUDA also "device_copy" (read + written), "pinned_d2h" and
+    "pinned_h2d" (transferred). A floor that fails to measure is logged and left out; never raises."""
     floors: dict[str, float] = {}
     is_cuda = device is not None and torch.device(device).type == "cuda"
     host_budget_s = budget_s / 4 if is_cuda else budget_s / 2

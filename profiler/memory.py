@@ -153,8 +153,7 @@ class NvmlMemorySampler:
         return entry
 
     def interval_summary(self, reset: bool = True) -> dict:
-        """Aggregates since the last reset. An interval with no sample yet takes one now, so every
-        reported number is a measured one."""
+        """Aggregates since the last reset; an interval with no sample yet takes one now."""
         with self._lock:
             need_sample = not all(self._samples)
         if need_sample:
@@ -258,8 +257,8 @@ _ALLOCATOR_STATS = {"allocated_bytes": "allocated_bytes.all.current",
 
 
 def allocator_summary(device, reset_peak: bool = True) -> dict:
-    """The caching allocator's stats for the interval, from ONE torch.cuda.memory_stats call
-    (~150 us: call it once per interval, never per span); resets the peaks when reset_peak."""
+    """The caching allocator's stats from ONE torch.cuda.memory_stats call (~150 us: once per interval, never
+    per span); resets the peaks when reset_peak."""
     global _logged_allocator_error
     try:
         if device is None or torch.device(device).type != "cuda":
@@ -287,9 +286,8 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
 
 
 def memory_state(sampler, device, interval: bool) -> dict:
-    """The `memory` block: the NVML sampler's interval aggregates and allocator stats with the peaks reset
-    (`interval`), else its latest sample and the stats as they stand (a snapshot; about 150 us). A failing part
-    says why instead: telemetry never kills training."""
+    """The `memory` block: the sampler's interval aggregates and the allocator's stats, peaks reset (`interval`),
+    else its latest sample and the stats as they stand (a snapshot). A failing part says why instead."""
     try:
         memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
     except Exception as exc:   # noqa: BLE001

@@ -13,9 +13,8 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 
 def parse_lines(data: bytes) -> tuple[list, int]:
-    """Records from a run log's bytes -> (records, n_bad). A line that does not parse as a JSON
-    object (a truncated last line after a crash, or one glued to a later run's first record) is
-    dropped and counted, never raised: the rest of the log is still good."""
+    """A run log's bytes -> (records, n_bad). A line that is not a JSON object (a truncated last line after a
+    crash, or one glued to a later run's first record) is dropped and counted, never raised."""
     records, bad = [], 0
     for raw in filter(bytes.strip, data.split(b"\n")):
         try:

@@ -19,11 +19,9 @@ def as_seconds(durations_seconds) -> np.ndarray:
 
 
 def summarize(durations_seconds, buckets: bool = False) -> dict:
-    """{"count", "total_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds",
-    "max_seconds"} of a sequence of durations; percentiles are numpy's (linear interpolation).
-    With `buckets`, also "buckets": counts per HISTOGRAM_BUCKETS_SECONDS bound (value <= bound,
-    Prometheus' `le`) plus one for +Inf, not cumulative. An empty input gives count 0 and None for
-    the rest (nothing measured is not zero)."""
+    """{"count", *STAT_KEYS} of a sequence of durations (empty: count 0 and None, nothing measured is not zero);
+    with `buckets`, also the counts per HISTOGRAM_BUCKETS_SECONDS bound (value <= bound, Prometheus' `le`)
+    plus one for +Inf, not cumulative."""
     a = as_seconds(durations_seconds)
     out = _summary(int(a.size), float(a.sum()), float(a.max()) if a.size else None, a)
     if buckets:
@@ -42,9 +40,8 @@ def _summary(count: int, total_s: float, max_s, sample: np.ndarray) -> dict:
 
 
 class RunStats:
-    """Whole-run aggregate of one duration series in bounded memory: count, total and max are
-    exact; percentiles come from a uniform reservoir sample of `capacity` values (exact while the
-    run has at most `capacity` values)."""
+    """Whole-run aggregate of one duration series in bounded memory: count, total and max exact, percentiles
+    from a uniform reservoir sample of `capacity` values."""
 
     def __init__(self, capacity: int = 65536, rng: random.Random | None = None):
         self.capacity = capacity

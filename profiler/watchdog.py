@@ -1,8 +1,5 @@
 """Two watchers that get a stuck rank out: the hang watchdog and the signal watch.
 
-Watchdog: progress is "some span finished or the step changed" (a token the collector keeps current); armed
-at the first step change, so start-up and the first step's compile never trip it.
-
 SignalWatch: SIGTERM/SIGINT reach the C-level handler even while the main thread is blocked in a collective,
 where a Python handler would never run: signal.set_wakeup_fd hands each signal to this watch's thread, which
 runs `on_signal(signum)` and waits for a step boundary (`observed()`); a rank without progress for `grace_s`
@@ -27,8 +24,9 @@ class NullWatchdog:
 
 
 class Watchdog:
-    """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress.
-    progress_fn() -> (armed, token): token changes whenever the rank made progress."""
+    """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress. progress_fn() -> (armed,
+    token): the collector arms it at the first step change (start-up and the first compile never trip it),
+    and the token changes whenever a span finished or the step changed."""
 
     def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float | None = None):
         if not timeout_s > 0:
