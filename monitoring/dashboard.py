@@ -267,32 +267,13 @@ def _target(query: Query, ref_id: str, table: bool):
     return target
 
 
-def _timeseries_options(builder, panel: Panel):
-    """Stacking, bars and threshold lines of a timeseries panel."""
-    from grafana_foundation_sdk.builders import common as cb
-    from grafana_foundation_sdk.models import common as cm
-
-    builder = builder.legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
-                             .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
-    if panel.stack:
-        builder = builder.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(40)
-    if panel.bars:
-        builder = builder.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(60)
-    if panel.thresholds:
-        builder = builder.thresholds_style(
-            cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED))
-    return builder
-
-
 def _panel(panel: Panel, panel_id: int):
     """The SDK builder for one panel."""
     from grafana_foundation_sdk.builders import bargauge, common as cb, dashboard as db, stat, table, timeseries
     from grafana_foundation_sdk.models import common as cm, dashboard as dm
 
-    kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel,
-             "table": table.Panel}
-    builder = kinds[panel.kind]()
-    builder = (builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
+    kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel, "table": table.Panel}
+    builder = (kinds[panel.kind]().id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
                .datasource(_datasource_ref()).height(panel.height).span(panel.width)
                .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
                    [dm.Threshold(value=None, color=panel.base_color)]
@@ -302,7 +283,14 @@ def _panel(panel: Panel, panel_id: int):
     if panel.max is not None:
         builder = builder.min(0).max(panel.max)
     if panel.kind == "timeseries":
-        builder = _timeseries_options(builder, panel)
+        builder = builder.legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
+                                 .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+        if panel.stack:
+            builder = builder.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(40)
+        if panel.bars:
+            builder = builder.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(60)
+        if panel.thresholds:   # drawn as dashed lines
+            builder = builder.thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED))
     elif panel.kind == "stat":
         builder = builder.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]))
     elif panel.kind == "bargauge":

@@ -148,7 +148,6 @@ class ControlServer:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._started_unix: float | None = None
         self.error: str | None = None  # why start() failed, if it did
 
     def _fallback_path(self) -> str:
@@ -188,7 +187,6 @@ class ControlServer:
             sock.close()
             raise
         self._sock = sock
-        self._started_unix = time.time()
         self._write_discovery()
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="profiler-control", daemon=True)
@@ -208,12 +206,10 @@ class ControlServer:
             logger.debug("control endpoint: cleaning stale discovery files failed: %s", exc)
         record = {"pid": self.pid, "rank": self.rank, "role": self.role, "run_dir": str(self.run_dir),
                   "socket_path": self.socket_path, "socket_fallback": self.socket_fallback,
-                  "start_time_unix": self._started_unix}
+                  "start_time_unix": time.time()}
         tmp = f"{self.discovery_path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.write("\n")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps(record) + "\n")
         os.replace(tmp, self.discovery_path)  # readers never see a half-written file
 
     def close(self) -> None:
