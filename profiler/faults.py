@@ -123,23 +123,18 @@ class FaultPlan:
 
     def on_enter(self, span: str, step: int) -> None:
         """Fire the faults of `span` at `step`: raise, sleep or hang. One dict lookup otherwise."""
-        faults = self._by_span.get(span)
-        if faults is None:
-            return
-        for fault in faults:
+        for fault in self._by_span.get(span, ()):
             if fault.step is not None and (fault.step != step if fault.kind == "slow"
                                            else step < fault.step or fault in self._fired):
                 continue
             if fault.step is not None and fault.kind != "slow":
                 self._fired.add(fault)
             where = f"at {span} step {step} rank {self.rank}"
-            if fault.kind == "crash":
-                self._log_once(fault, f"injected crash {where}")
-                raise InjectedFault(f"injected crash {where}")
-            if fault.kind == "oom":
-                self._log_once(fault, f"injected oom {where}")
+            if fault.kind in ("crash", "oom"):
+                self._log_once(fault, f"injected {fault.kind} {where}")
+                if fault.kind == "crash":
+                    raise InjectedFault(f"injected crash {where}")
                 import torch   # loaded already: a span that can OOM runs torch
-
                 raise torch.OutOfMemoryError(f"CUDA out of memory: injected oom {where}")
             if fault.kind == "slow":
                 self._log_once(fault, f"injected slow={fault.seconds:g} {where} (logged once)")
@@ -151,10 +146,7 @@ class FaultPlan:
 
     def corrupt(self, span: str, step: int, tensor):
         """A NaN copy of `tensor` (no sync) when a nan fault matches span and step, else the tensor."""
-        faults = self._nan_by_span.get(span)
-        if faults is None:
-            return tensor
-        for fault in faults:
+        for fault in self._nan_by_span.get(span, ()):
             if fault.step is None or fault.step == step:
                 if not tensor.is_floating_point():
                     raise ValueError(f"{ENV_VAR}: nan@{span} needs a floating-point tensor, got {tensor.dtype}")
