@@ -46,15 +46,10 @@ def thread_stacks(frames_fn=sys._current_frames, threads_fn=threading.enumerate)
     """Every Python thread's stack, outermost frame first: [{"thread", "native_id", "daemon",
     "stack": ["file:line in function: source", ...]}]. Threads without a Python frame are skipped."""
     frames = current_frames(frames_fn)
-    out = []
-    for t in threads_fn():
-        frame = frames.get(t.ident)
-        if frame is None:
-            continue
-        stack = [f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
-                 for fs in traceback.extract_stack(frame)]
-        out.append({"thread": t.name, "native_id": t.native_id, "daemon": t.daemon, "stack": stack})
-    return out
+    return [{"thread": t.name, "native_id": t.native_id, "daemon": t.daemon,
+             "stack": [f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
+                       for fs in traceback.extract_stack(frames[t.ident])]}
+            for t in threads_fn() if t.ident in frames]
 
 
 def is_oom(exc: BaseException) -> bool:
