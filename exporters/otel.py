@@ -1,15 +1,14 @@
 """OpenTelemetry exporter: run-log records in, OTel spans and metrics out over OTLP/HTTP.
 
-The profiler calls `export()` on its exporter thread; spans go to the SDK's BatchSpanProcessor and
-metrics to a PeriodicExportingMetricReader (their own threads), so the caller never waits on the network.
-Each `spans` record becomes one trace under a synthetic `profile.window` root, each span under its parent.
-Metrics use the catalog's names and common labels (so dashboards work after an OTLP -> Prometheus hop);
-counters drop `_total` (OTel convention), and the span-time histogram becomes `_sum`/`_count` counters
-(the run log carries bucket counts, not durations). `stats()` counts spans plus data points acknowledged
-or not; the first failure logs one warning, with the SDK's own export warnings held back meanwhile.
+Spans go to the SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader (their own threads),
+so `export()` never waits on the network. Each `spans` record becomes one trace under a `profile.window` root.
+Metrics take the catalog's names and labels; counters drop `_total` (OTel convention) and the span-time
+histogram becomes `_sum`/`_count` counters (the run log carries bucket counts, not durations). The first
+failed export logs one warning, the SDK's own export warnings held back meanwhile.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -38,8 +37,8 @@ _UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("
 
 
 def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
-    """An OtelExporter when an OTLP endpoint is set (and OTEL_SDK_DISABLED is not "true"), else None;
-    kwargs go to OtelExporter. Headers, certificates and compression the SDK reads from os.environ."""
+    """An OtelExporter (kwargs go to it) when an OTLP endpoint is set and OTEL_SDK_DISABLED is not "true";
+    headers, certificates and compression the SDK reads from os.environ."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     base, traces = env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -57,9 +56,8 @@ def _signal_url(endpoint, specific, path) -> str | None:
 
 
 class _SdkLogGate(logging.Filter):
-    """Holds back the SDK's warnings and errors on its export loggers; keeps the first one not yet
-    taken, so the exporter's single warning can say why. Records with a traceback pass: the exporters
-    here never raise, so one means a bug to see."""
+    """Holds back the SDK export loggers' warnings, keeping the first not yet taken for the exporter's single
+    warning to say why. Records with a traceback pass: the exporters here never raise, so one is a bug."""
 
     def __init__(self):
         super().__init__("dflash-otel-gate")
@@ -87,8 +85,7 @@ class _SdkLogGate(logging.Filter):
 
 
 class _Counting:
-    """An SDK span or metric exporter that reports (signal, items, ok) after every export; the rest is the
-    inner exporter's (the metric reader takes its preferred temporality and aggregation)."""
+    """An SDK span or metric exporter that reports (signal, items, ok) after every export."""
 
     def __init__(self, inner, signal: str, on_result):
         self._inner, self._signal, self._on_result = inner, signal, on_result
@@ -142,12 +139,17 @@ class OtelExporter:
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
                  span_exporter=None, metric_exporter=None):
         """endpoint: OTLP/HTTP base URL, overridden per signal by traces_/metrics_endpoint (None: the SDK's
-        environment). span_exporter / metric_exporter replace the OTLP/HTTP ones (tests, other backends)."""
+        environment); span_exporter / metric_exporter replace the OTLP/HTTP ones."""
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self._lock = threading.Lock()
-        self._counts = {"spans_ok": 0, "spans_failed": 0, "points_ok": 0, "points_failed": 0}
+        self._counts = collections.Counter()   # (signal, ok) -> spans or data points exported
         self._spans_made = self._spans_lost = 0
         self._failed = self._warned = self._closed = self._frozen = False
         self._gate = _SdkLogGate()
@@ -157,11 +159,18 @@ class OtelExporter:
         span_exporter = span_exporter or OTLPSpanExporter(endpoint=self.endpoints["traces"], timeout=timeout_s)
         metric_exporter = metric_exporter or OTLPMetricExporter(endpoint=self.endpoints["metrics"],
                                                                 timeout=timeout_s)
-        resource = {"service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role,
-                    "host.name": self._host, "dflash.run_id": run_id,
-                    "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}
-        self._build_providers(_attributes(resource), span_exporter, metric_exporter, timeout_s,
-                              metric_interval_s)
+        resource = Resource.create(_attributes({
+            "service.name": SERVICE_NAME, "dflash.rank": rank, "dflash.role": role, "host.name": self._host,
+            "dflash.run_id": run_id, "service.instance.id": f"{run_id}/rank{rank}" if run_id else None}))
+        self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        self._tracer_provider.add_span_processor(BatchSpanProcessor(
+            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
+        self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
+        reader = PeriodicExportingMetricReader(
+            _Counting(metric_exporter, "metrics", self._on_result),
+            export_interval_millis=metric_interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+        self._meter = self._meter_provider.get_meter("dflash.profiler")
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
         self._instruments: dict = {}
         self._cumulative: dict = {}      # (key, labels) -> last cumulative value seen
@@ -171,41 +180,19 @@ class OtelExporter:
             self._record("events", 0, kind=kind)
         self._gate.attach(True)
 
-    def _build_providers(self, resource_attrs, span_exporter, metric_exporter, timeout_s, interval_s):
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        resource = Resource.create(resource_attrs)
-        self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self._tracer_provider.add_span_processor(BatchSpanProcessor(
-            _Counting(span_exporter, "traces", self._on_result), max_queue_size=SPAN_QUEUE_SIZE))
-        self._tracer = self._tracer_provider.get_tracer("dflash.profiler")
-        reader = PeriodicExportingMetricReader(
-            _Counting(metric_exporter, "metrics", self._on_result),
-            export_interval_millis=interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
-        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader],
-                                             shutdown_on_exit=False)
-        self._meter = self._meter_provider.get_meter("dflash.profiler")
-
-    # ---- failure accounting ----
-
+    # ---- failure accounting ----------------------------------------------------------------------
     def _on_result(self, signal: str, items: int, ok: bool) -> None:
         """Called by the SDK's export threads after every batch (spans) or collection (metrics)."""
         with self._lock:
             if self._frozen:
                 return
-            key = ("spans_" if signal == "traces" else "points_") + ("ok" if ok else "failed")
-            self._counts[key] += items
-            if not ok:
-                self._failed = True
-        if not ok:
+            self._counts[signal, ok] += items
+            self._failed = self._failed or not ok
+        if ok:
+            self._gate.take()   # a held message belonged to a retry that then succeeded
+        else:
             self._warn_once(f"export of {signal} to {self.endpoints[signal] or 'the SDK default endpoint'} "
                             f"failed ({self._gate.take() or 'no reason given'})")
-        else:
-            self._gate.take()   # a held message belonged to a retry that then succeeded
 
     def _warn_once(self, what: str) -> None:
         with self._lock:
@@ -217,13 +204,10 @@ class OtelExporter:
     def stats(self) -> dict:
         """{"exported", "dropped", "failed"}: items are spans plus metric data points."""
         with self._lock:
-            c = self._counts
-            return {"exported": c["spans_ok"] + c["points_ok"],
-                    "dropped": c["spans_failed"] + c["points_failed"] + self._spans_lost,
-                    "failed": self._failed}
+            ok = self._counts["traces", True] + self._counts["metrics", True]
+            return {"exported": ok, "dropped": self._counts.total() - ok + self._spans_lost, "failed": self._failed}
 
-    # ---- records ----
-
+    # ---- records ---------------------------------------------------------------------------------
     def export(self, record: dict) -> None:
         """Turn one run-log record into spans and metric updates; never blocks on the network."""
         if self._closed:
@@ -277,8 +261,7 @@ class OtelExporter:
         attrs.update({f"dflash.{k}": v for k, v in (s.get("attrs") or {}).items()})
         return _attributes(attrs)
 
-    # ---- metrics ----
-
+    # ---- metrics ---------------------------------------------------------------------------------
     def _instrument(self, key: str, suffix: str = ""):
         """The instrument for a catalog family (histograms as `_sum`/`_count` counters), made once."""
         inst = self._instruments.get((key, suffix))
@@ -346,10 +329,9 @@ class OtelExporter:
                 count = _clock_count(e, clock)
                 self._record("span_seconds", stats.get("total_seconds"), "_sum", span=name, clock=clock)
                 self._record("span_seconds", count, "_count", span=name, clock=clock)
-        self._record("span_share", e.get("share"), span=name)
-        self._record("span_bytes", e.get("bytes"), span=name)
-        self._record("span_bandwidth", e.get("bandwidth_bytes_per_s"), span=name)
-        self._record("span_floor_ratio", e.get("floor_ratio"), span=name)
+        for key, field in (("span_share", "share"), ("span_bytes", "bytes"),
+                           ("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio")):
+            self._record(key, e.get(field), span=name)
         if e.get("floor"):
             self._record("span_floor", e.get("floor_bytes_per_s"), span=name, floor=e["floor"])
         if WAIT_SPANS.get(name) == self._role:
@@ -372,10 +354,9 @@ class OtelExporter:
             for key, field in ALLOCATOR_COUNTERS:
                 self._record_cumulative(key, alloc.get(field), **labels)
 
-    # ---- close ----
-
+    # ---- close -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
-        """Flush and shut down both providers within timeout_s, then freeze stats() (unacknowledged spans: dropped)."""
+        """Flush and shut down both providers within timeout_s, then freeze stats() (unconfirmed spans: dropped)."""
         if self._closed:
             return
         self._closed = True
@@ -395,9 +376,8 @@ class OtelExporter:
         spans_done = self._run_bounded(close_spans, timeout_s / 2)
         metrics_done = self._run_bounded(close_metrics, deadline - time.monotonic())
         with self._lock:
-            c = self._counts
-            self._spans_lost = max(0, self._spans_made - c["spans_ok"] - c["spans_failed"])
-            self._frozen = True
+            confirmed = self._counts["traces", True] + self._counts["traces", False]
+            self._spans_lost, self._frozen = max(0, self._spans_made - confirmed), True
         if self._spans_lost or not (spans_done and metrics_done):
             self._warn_once(f"close did not finish within {timeout_s:.1f} s "
                             f"({self._spans_lost} spans unconfirmed)")

@@ -1,8 +1,6 @@
-"""Prometheus: one HTTP endpoint per rank, fed from run-log records on the exporter thread.
-
-`export(record)` folds each record into plain values under a lock; a scrape turns them into families.
-Span-time histograms sum the intervals' fixed bucket counts, so `histogram_quantile` aggregates across
-ranks. Every series carries `rank`, `role` and `host` (Prometheus adds `job`, `instance`, and `run`).
+"""Prometheus: one HTTP endpoint per rank. `export(record)` folds each record into plain values under a lock; a
+scrape turns them into families. Span-time histograms sum the intervals' fixed bucket counts, so
+`histogram_quantile` aggregates across ranks. Every series carries `rank`, `role` and `host`.
 """
 from __future__ import annotations
 
@@ -59,8 +57,8 @@ class PrometheusExporter:
         self.state = MetricsState(labels)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.state)
-        self.host, self.port = host, _bind(host, port, strict, self.registry, self)
-        self.requested_port = port
+        self._server = _serve(host, port, strict, self.registry)
+        self.host, self.port = host, self._server.server_port
 
     # ---- exporter contract -----------------------------------------------------------------------
     def export(self, record: dict) -> None:
@@ -75,9 +73,9 @@ class PrometheusExporter:
         self._server.server_close()
 
 
-def _bind(host: str, port: int, strict: bool, registry, exporter) -> int:
-    """Start the endpoint on host:port; a busy port is MetricsPortInUse when strict, else a free
-    port is taken instead (the caller announces it). Returns the port actually bound."""
+def _serve(host: str, port: int, strict: bool, registry):
+    """The endpoint's server on host:port; a busy port is MetricsPortInUse when strict, else a free port is
+    taken instead (the caller announces it)."""
     from prometheus_client import start_http_server
 
     try:
@@ -89,17 +87,14 @@ def _bind(host: str, port: int, strict: bool, registry, exporter) -> int:
             raise MetricsPortInUse(exc.errno, f"port {port} on {host} is in use") from None
         server, thread = start_http_server(0, addr=host, registry=registry)
     thread.name = "metrics.http"
-    exporter._server = server
-    return server.server_port
+    return server
 
 
 # ---- folding records into values (on the exporter thread) -------------------------------------------
 def _fold_run_start(st: MetricsState, rec: dict) -> None:
     st.bounds = list(rec.get("histogram_buckets_seconds") or [])
-    st.info = {"version": rec.get("version") or "unknown", "schema": str(rec.get("schema", 0)),
-               "torch_version": rec.get("torch_version") or "unknown",
-               "python_version": rec.get("python_version") or "unknown",
-               "device_name": rec.get("device_name") or "unknown"}
+    info = {label: rec.get(label) or "unknown" for label in FAMILIES["build_info"].labels}
+    st.info = dict(info, schema=str(rec.get("schema", 0)))
 
 
 def _fold_interval(st: MetricsState, rec: dict) -> None:

@@ -1,6 +1,5 @@
-"""Every metric family the live sinks publish, and the one function that builds their names: Prometheus,
-OpenTelemetry and the dashboard read this catalog. Prometheus conventions: prefix `dflash_`, base unit
-in the name, counters end in `_total`, info metrics in `_info`. Standard library only.
+"""Every metric family the live sinks publish (Prometheus, OpenTelemetry and the dashboard read this catalog),
+named by Prometheus conventions: prefix `dflash_`, base unit in the name, `_total` counters, `_info` infos.
 """
 from __future__ import annotations
 
@@ -22,11 +21,7 @@ def metric_name(base: str, unit: str | None = None, kind: str = "gauge") -> str:
     name = f"{PREFIX}_{base.replace('.', '_')}"
     if unit and not name.endswith("_" + unit):
         name += "_" + unit
-    if kind == "counter":
-        name += "_total"
-    elif kind == "info":
-        name += "_info"
-    return name
+    return name + {"counter": "_total", "info": "_info"}.get(kind, "")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """The Grafana dashboard for DFlash training, generated from code: `python -m monitoring.dashboard`
 writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
 
-Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes Grafana's JSON model with
-grafana-foundation-sdk (imported there only). Queries follow grafana/dashboard-linter's rules: the
-templated datasource, `job`/`instance` (and run, role, rank, gpu, clock) matchers in every selector,
-`$__rate_interval` in every rate/increase, counters only under rate/increase, a unit on every panel.
+Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes the JSON model with
+grafana-foundation-sdk. Queries follow grafana/dashboard-linter's rules: the templated datasource, the
+variable matchers in every selector, `$__rate_interval` in every rate/increase, a unit on every panel.
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "grafana" / "dflash.json"
 # Label variables every selector filters on (dashboard-linter requires job and instance).
 FILTER_VARIABLES = ("job", "run", "instance", "role", "rank")
 ROLES = ("target", "drafter")
-VARIABLE_LABELS = {"job": "Job", "instance": "Instance", "run": "Run", "role": "Role", "rank": "Rank",
-                   "gpu": "GPU"}
+VARIABLE_LABELS = {label: "GPU" if label == "gpu" else label.capitalize() for label in FILTER_VARIABLES + ("gpu",)}
 RATE = "$__rate_interval"
 PANEL_HEIGHT = 8
 
@@ -269,32 +267,13 @@ def _target(query: Query, ref_id: str, table: bool):
     return target
 
 
-def _timeseries_options(builder, panel: Panel):
-    """Stacking, bars and threshold lines of a timeseries panel."""
-    from grafana_foundation_sdk.builders import common as cb
-    from grafana_foundation_sdk.models import common as cm
-
-    builder = builder.legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
-                             .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
-    if panel.stack:
-        builder = builder.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(40)
-    if panel.bars:
-        builder = builder.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(60)
-    if panel.thresholds:
-        builder = builder.thresholds_style(
-            cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED))
-    return builder
-
-
 def _panel(panel: Panel, panel_id: int):
     """The SDK builder for one panel."""
     from grafana_foundation_sdk.builders import bargauge, common as cb, dashboard as db, stat, table, timeseries
     from grafana_foundation_sdk.models import common as cm, dashboard as dm
 
-    kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel,
-             "table": table.Panel}
-    builder = kinds[panel.kind]()
-    builder = (builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
+    kinds = {"timeseries": timeseries.Panel, "stat": stat.Panel, "bargauge": bargauge.Panel, "table": table.Panel}
+    builder = (kinds[panel.kind]().id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
                .datasource(_datasource_ref()).height(panel.height).span(panel.width)
                .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
                    [dm.Threshold(value=None, color=panel.base_color)]
@@ -304,7 +283,14 @@ def _panel(panel: Panel, panel_id: int):
     if panel.max is not None:
         builder = builder.min(0).max(panel.max)
     if panel.kind == "timeseries":
-        builder = _timeseries_options(builder, panel)
+        builder = builder.legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
+                                 .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+        if panel.stack:
+            builder = builder.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(40)
+        if panel.bars:
+            builder = builder.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(60)
+        if panel.thresholds:   # drawn as dashed lines
+            builder = builder.thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED))
     elif panel.kind == "stat":
         builder = builder.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]))
     elif panel.kind == "bargauge":
@@ -347,7 +333,7 @@ def render(dashboard: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the dashboard JSON, or with --check report whether the file on disk is current."""
+    """Write the dashboard JSON, or with --check say whether the file on disk is current (exit 1 if not)."""
     parser = argparse.ArgumentParser(prog="python -m monitoring.dashboard", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="dashboard JSON path (default: %(default)s)")
@@ -355,17 +341,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; exit 1 when --out differs from the generated dashboard")
     args = parser.parse_args(argv)
     text = render(build_dashboard())
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else None
-        if current != text:
-            print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}",
-                  file=sys.stderr)
-            return 1
+    if not args.check:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    elif (args.out.read_text() if args.out.exists() else None) != text:
+        print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}", file=sys.stderr)
+        return 1
+    else:
         print(f"{args.out} is up to date")
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
     return 0
 
 

@@ -1,12 +1,7 @@
 """Instrumentation core: spans, CUDA event timers, intervals, memory sampling, run log, control.
 
-Public API (see README.md and docs/ARCHITECTURE.md):
-    Profiler (set up with a ProfilerConfig and ProfilerDeps), active, span, count, gauge, metric, set_step,
-    event, corrupt, tag, read_records, and the forensics hooks check_finite, check_flags, nonfinite_found,
-    settle_nonfinite, register_forensics, forensics.
-This package never imports `dflash` or `exporters`; it works in any training loop. `Profiler`
-(which needs torch) is imported on first use, so `profiler.records` and `profiler.snapshot` load
-without torch.
+The public API is `__all__` (README.md, docs/ARCHITECTURE.md). It imports nothing of ours, so it works in any
+training loop; `Profiler` (torch) loads on first use, so `profiler.records` and `profiler.snapshot` need no torch.
 """
 from profiler.api import (active, check_finite, check_flags, corrupt, count, event, forensics, gauge, metric,
                           nonfinite_found, register_forensics, set_step, settle_nonfinite, span, tag)
@@ -14,9 +9,8 @@ from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.records import read_records
 
 __all__ = ["Profiler", "ProfilerConfig", "ProfilerDeps", "active", "span", "count", "gauge", "metric", "set_step",
-           "event", "corrupt", "tag",
-           "read_records", "check_finite", "check_flags", "nonfinite_found", "settle_nonfinite",
-           "register_forensics", "forensics"]
+           "event", "corrupt", "tag", "read_records", "check_finite", "check_flags", "nonfinite_found",
+           "settle_nonfinite", "register_forensics", "forensics"]
 
 
 def __getattr__(name):

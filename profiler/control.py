@@ -1,19 +1,16 @@
-"""Per-rank control endpoint: a Unix socket a live process answers `state` queries on.
+"""Per-rank control endpoint: a Unix socket a live process answers queries on, found through the discovery
+file /tmp/dflash-$UID/PID.json (`dflash-profile snapshot --pid PID`).
 
-`dflash-profile snapshot --pid PID` finds the socket through the discovery file
-/tmp/dflash-$UID/PID.json and asks for the live state (open spans, last interval, memory).
-Protocol: one JSON line in, one JSON line out ({"ok": true, ...} or {"ok": false, "error": "..."}),
-then the server closes the connection. Commands:
-  {"cmd": "ping"}                    -> pid, rank, role
-  {"cmd": "state"}                   -> {"state": state_fn()}
-  {"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log
-                                        (the process stays the log's single writer)
-Only the owning user (or root) can connect: socket mode 0600, discovery dir 0700, the peer's uid checked.
-A starting server removes the discovery files of dead endpoints of this uid (see clean_stale_discovery).
+Protocol: one JSON line in, one out ({"ok": true, ...} or {"ok": false, "error": "..."}), then the server
+closes the connection. {"cmd": "ping"} -> pid, rank, role; {"cmd": "state"} -> {"state": state_fn()};
+{"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log (the
+process stays its log's single writer). Only the owning user (or root) can connect: socket 0600, discovery
+dir 0700, the peer's uid checked. A starting server removes this uid's discovery files of dead endpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -35,20 +32,18 @@ CLIENT_TIMEOUT_S = 2.0
 ACCEPT_RETRY_S = 0.2  # pause after a failed accept() (close() wakes a blocked one with shutdown())
 
 
-def default_discovery_dir() -> Path:
-    return Path("/tmp") / f"dflash-{os.getuid()}"
+def default_discovery_dir(directory=None) -> Path:
+    """`directory` when given, else /tmp/dflash-$UID."""
+    return Path(directory) if directory is not None else Path("/tmp") / f"dflash-{os.getuid()}"
 
 
 def _private_dir(path: Path) -> Path:
-    """Create `path` (mode 0700), or take an existing one only when it is a real directory (not a
-    symlink) owned by this user, then make it 0700. It is opened without following links and checked
-    and chmodded through that descriptor, so a link or a directory another user planted at the name is
-    refused (PermissionError) and nothing it points to is changed, read or removed."""
+    """Create `path` (0700), or take an existing one only when it is a real directory owned by this user,
+    then make it 0700. Checked and chmodded through a descriptor opened without following links, so a link
+    or another user's directory at the name is refused (PermissionError) and nothing it points to touched."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -92,10 +87,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
-    """Remove this uid's discovery files (and their /tmp fallback sockets) whose process is dead or
-    whose socket nobody listens on; returns the removed paths. Files of other uids, of live
-    endpoints, and of `own_pid` are left alone; a file that does not parse is removed only when the
-    pid in its name is dead."""
+    """Remove this uid's discovery files (and their fallback sockets) whose process is dead or whose socket
+    nobody listens on; returns the removed paths. A file that does not parse goes only when the pid in its
+    name is dead; other uids' files and `own_pid`'s stay."""
     directory, removed = Path(directory), []
     try:
         st = os.lstat(directory)
@@ -121,27 +115,19 @@ def clean_stale_discovery(directory, own_pid: int | None = None) -> list[str]:
         if isinstance(socket_path, str) and Path(socket_path).parent == directory:
             stale.append(Path(socket_path))  # a fallback socket: it lives in the discovery dir
         for item in stale:
-            try:
+            with contextlib.suppress(OSError):
                 item.unlink()
                 removed.append(str(item))
-            except OSError:
-                pass
     return removed
 
 
 def _read_line(conn: socket.socket, max_bytes: int = MAX_REQUEST_BYTES) -> bytes:
-    chunks, size = [], 0
-    while True:
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if b"\n" in chunk:
-            break
-        if size > max_bytes:
-            raise ValueError(f"message longer than {max_bytes} bytes without a newline")
-    return b"".join(chunks).split(b"\n", 1)[0]
+    """One message: the bytes up to its newline (or the end of the stream)."""
+    with conn.makefile("rb") as stream:
+        line = stream.readline(max_bytes + 1)
+    if len(line) > max_bytes and not line.endswith(b"\n"):
+        raise ValueError(f"message longer than {max_bytes} bytes without a newline")
+    return line.rstrip(b"\n")
 
 
 class ControlServer:
@@ -153,7 +139,7 @@ class ControlServer:
         self.role = str(role)
         self._state_fn = state_fn
         self._record_fn = record_fn  # fields -> writes a record (the profiler: write_record("snapshot", ...))
-        self.discovery_dir = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
+        self.discovery_dir = default_discovery_dir(discovery_dir)
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
         preferred = str(self.run_dir / "control" / f"rank{self.rank}.sock")
@@ -162,16 +148,14 @@ class ControlServer:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._started_unix: float | None = None
         self.error: str | None = None  # why start() failed, if it did
 
     def _fallback_path(self) -> str:
         return str(self.discovery_dir / f"rank{self.rank}-{self.pid}.sock")
 
     def start(self) -> None:
-        """Bind, write the discovery file and serve. Telemetry never kills training: a failure
-        (unwritable dir, path too long even in /tmp) logs once and leaves the endpoint off, with
-        the reason in self.error."""
+        """Bind, write the discovery file and serve. A failure logs once and leaves the endpoint off, with
+        the reason in self.error: telemetry never kills training."""
         if self._thread is not None:
             return
         try:
@@ -203,15 +187,13 @@ class ControlServer:
             sock.close()
             raise
         self._sock = sock
-        self._started_unix = time.time()
         self._write_discovery()
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="profiler-control", daemon=True)
         self._thread.start()
 
     def _write_discovery(self) -> None:
-        """The discovery file; a discovery directory that is not this user's own real directory is
-        said in one line and the endpoint serves on without one (`--pid` cannot find it then)."""
+        """The discovery file; without a discovery directory of our own the endpoint serves on without one."""
         try:
             _private_dir(self.discovery_dir)
         except OSError as exc:
@@ -219,29 +201,22 @@ class ControlServer:
             self.discovery_path = None
             return
         try:
-            removed = clean_stale_discovery(self.discovery_dir, own_pid=self.pid)
+            clean_stale_discovery(self.discovery_dir, own_pid=self.pid)
         except OSError as exc:
             logger.debug("control endpoint: cleaning stale discovery files failed: %s", exc)
-        else:
-            if removed:
-                logger.debug("control endpoint: removed %d stale discovery files", len(removed))
         record = {"pid": self.pid, "rank": self.rank, "role": self.role, "run_dir": str(self.run_dir),
                   "socket_path": self.socket_path, "socket_fallback": self.socket_fallback,
-                  "start_time_unix": self._started_unix}
+                  "start_time_unix": time.time()}
         tmp = f"{self.discovery_path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.write("\n")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps(record) + "\n")
         os.replace(tmp, self.discovery_path)  # readers never see a half-written file
 
     def close(self) -> None:
         self._stop.set()
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)   # wakes the server thread's blocked accept()
-            except OSError:
-                pass
         if self._thread is not None:
             self._thread.join(timeout=ACCEPT_RETRY_S + CLIENT_TIMEOUT_S + 1.0)
             self._thread = None
@@ -249,13 +224,9 @@ class ControlServer:
             self._sock.close()
             self._sock = None
             # Only files this server created: the socket it bound and its own discovery file.
-            for path in (self.socket_path, self.discovery_path):
-                if path is None:
-                    continue
-                try:
+            for path in filter(None, (self.socket_path, self.discovery_path)):
+                with contextlib.suppress(OSError):
                     os.unlink(path)
-                except OSError:
-                    pass
 
     # ---- server thread ------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -331,13 +302,11 @@ class NullControlServer:
     def start(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = start
 
 
 def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: dict | None = None) -> dict:
-    """Ask a live endpoint (`fields` go with cmd="record"). Never raises for a dead or missing endpoint: returns
-    ok=false with why."""
+    """Ask a live endpoint (`fields` go with cmd="record"); a dead or missing one gives ok=false with why."""
     request = {"cmd": cmd} if fields is None else {"cmd": cmd, "fields": fields}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
@@ -357,8 +326,7 @@ def query(socket_path: str, cmd: str = "state", timeout_s: float = 2.0, fields: 
 
 def discover(pid: int, discovery_dir=None) -> dict | None:
     """The discovery record of process `pid`, or None when it has none (no endpoint, or not ours)."""
-    directory = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
-    path = directory / f"{int(pid)}.json"
+    path = default_discovery_dir(discovery_dir) / f"{int(pid)}.json"
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -374,7 +342,7 @@ def discover(pid: int, discovery_dir=None) -> dict | None:
 
 def discover_all(discovery_dir=None) -> list[dict]:
     """Every readable discovery record in the directory (any state: callers check liveness)."""
-    directory = Path(discovery_dir) if discovery_dir is not None else default_discovery_dir()
+    directory = default_discovery_dir(discovery_dir)
     records = []
     for path in sorted(directory.glob("*.json")):
         try:

@@ -1,27 +1,18 @@
 """CUDA event timing for spans: a pool of reused events, and the collector-side resolver.
 
-Each CUDA span records its own start and end event on the current stream, so its GPU window (from when the
-stream reached the start event to when it reached the end event) is its own: no idle time moves in from the
-span before it.
-
-Host-device syncs: NONE. The only CUDA calls here are creating `torch.cuda.Event(enable_timing=True)`,
-recording one (an asynchronous enqueue, in the span hot path), and on the collector `Event.query()` on both
-events of a pair, then `elapsed_time()` once both said done (so it never waits). No synchronize(),
-Event.synchronize(), Event.wait() or .item().
-
-Hot path: the public `Event.record()` looks the current stream up in Python on every call (it builds a
-Stream object); a span instead reads the current stream's raw handle, maps it to a cached Stream object, and
-calls the C record directly.
+Each CUDA span records its own start and end event on the current stream, so its GPU window is its own.
+Host-device syncs: none. Events are created, recorded (an asynchronous enqueue) and, on the collector, read
+with `elapsed_time()` only once `query()` said both are done. A span records through the C `record` on a
+cached Stream object looked up by the current stream's raw handle: the public `Event.record()` builds a
+Stream object in Python on every call.
 """
 from __future__ import annotations
 
 
 class EventPool:
-    """Timing events reused across spans. Workers take events with a list pop and the collector gives
-    resolved ones back with `put()` (a list extend): both atomic, so no lock.
-
-    `event_factory` makes an event (default: a timing `torch.cuda.Event`); with a factory (tests),
-    `record_fn(ev, stream)` defaults to `ev.record(stream)` and streams are a constant 0."""
+    """Timing events reused across spans: workers take them with a list pop, the collector gives resolved
+    ones back with `put()` (a list extend), both atomic, so no lock. With an `event_factory` (tests) events
+    are the factory's, recorded with `ev.record(stream)` on a constant stream 0."""
 
     def __init__(self, event_factory=None, prealloc: int = 64, device_index: int | None = None):
         self.getraw, self.device_index, self.record, self._current_stream = _stream_functions(
@@ -35,8 +26,7 @@ class EventPool:
         self.streams: dict = {}             # raw stream handle -> Stream object to record on
 
     def take(self):
-        """An event from the free list, or a new one when it is empty (the collector returns events once
-        resolved)."""
+        """An event from the free list, or a new one when it is empty."""
         try:
             return self.free_list.pop()
         except IndexError:
@@ -51,8 +41,7 @@ class EventPool:
         return stream
 
     def current(self):
-        """The calling thread's current Stream object, through the raw handle (torch.cuda.current_stream() would
-        build a new object); what a non-finite check queues its flags with."""
+        """The calling thread's current Stream object, cached by raw handle (non-finite checks queue on it)."""
         return self.stream_for(self.getraw(self.device_index))
 
     def put(self, *events) -> None:
@@ -65,9 +54,8 @@ class EventPool:
 
 
 def _stream_functions(event_factory, device_index):
-    """(getraw(index), index, record(ev, stream), current_stream()) for real CUDA events, or trivial
-    ones for a test factory. The record bypasses torch.cuda.Event.record's per-call Python stream
-    lookup; `getraw` is the C call that returns the current stream's handle as an int."""
+    """(getraw(index) -> the current stream's handle as an int, index, record(ev, stream), current_stream())
+    for real CUDA events, trivial ones for a test factory."""
     if event_factory is not None:
         return (lambda idx: 0), 0, (lambda ev, stream: ev.record(stream)), (lambda: None)
     import torch
@@ -78,20 +66,15 @@ def _stream_functions(event_factory, device_index):
 
 
 def resolve(pending: list, pool: EventPool):
-    """Resolve CUDA span records in order. `pending` holds (thread_name, record) pairs. Returns
-    (resolved, still_pending): `resolved` holds (thread_name, record, gpu_seconds) for records whose
-    events both completed (their events go back to the pool, in one call); the rest are kept, in order,
-    for a later call (carried into the next interval)."""
-    if not pending:
-        return [], []
+    """(thread_name, record) pairs in -> (resolved: (thread_name, record, gpu_seconds) of the records whose
+    events both completed, their events back in the pool; still_pending: the rest, in order)."""
     resolved, still, freed = [], [], []
     for item in pending:
         rec = item[1]
-        start, end = rec[8], rec[9]
-        ms = elapsed_ms(start, end)
+        ms = elapsed_ms(rec[8], rec[9])   # the record's start and end events
         if ms is not None:
             resolved.append((item[0], rec, ms / 1000.0))   # ms -> seconds
-            freed += (start, end)
+            freed += (rec[8], rec[9])
         else:
             still.append(item)
     if freed:
@@ -100,8 +83,7 @@ def resolve(pending: list, pool: EventPool):
 
 
 def elapsed_ms(start, end) -> float | None:
-    """Milliseconds between two recorded events, None while either is not done. Event.query() never waits, and
-    elapsed_time() is asked only once both events completed: no host-device sync."""
+    """Milliseconds between two recorded events, None while either is not done (query() never waits)."""
     if end.query() and start.query():
         return start.elapsed_time(end)
     return None

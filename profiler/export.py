@@ -1,22 +1,19 @@
 """The exporter contract: records reach exporters on ONE exporter thread through a bounded queue.
 
-Never on a training thread, never under a profiler lock. The profiler calls `submit(record)` after a
-record is in the run log; that is one `put_nowait`, so a slow exporter costs the caller nothing. A
-full queue drops the record for every exporter (counted). On the exporter thread each exporter's
-`export(record)` runs in turn; one that raises is logged once, marked failed, counts the record as
-dropped, and keeps receiving records (a transient failure may pass). `close(timeout_s)` lets the
-queue drain and closes each exporter within one shared deadline; an exporter still busy then is
-abandoned (the thread is a daemon) and reported.
-
-An exporter is an `Exporter` (below); `stats()` (a dict with "exported", "dropped", "failed") is optional
-and merged into what the hub reports.
+Never on a training thread, never under a profiler lock: `submit(record)` is one `put_nowait` (a full queue
+drops the record for every exporter, counted). An exporter that raises is logged once, marked failed, counts
+the record dropped and keeps receiving records. `close(timeout_s)` drains the queue and closes each exporter
+within one deadline; one still busy then is abandoned (the thread is a daemon). An exporter's optional
+`stats()` ({"exported", "dropped", "failed"}) is merged into the hub's.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterable, Protocol, runtime_checkable
 
 logger = logging.getLogger("profiler")
@@ -27,10 +24,8 @@ _STOP = object()
 
 @runtime_checkable
 class Exporter(Protocol):
-    """What the profiler feeds, in the style of the OpenTelemetry SDK's `SpanExporter`: one object per sink,
-    called on the exporter thread only, one record at a time. `export(record)` raises on failure (the hub
-    counts the record dropped and keeps feeding); `close(timeout_s)` is shutdown and flush in one, at the
-    run's end. Every record type of the run log (docs/RUNLOG.md) reaches every exporter."""
+    """What the profiler feeds, after the OpenTelemetry SDK's `SpanExporter`: one object per sink, fed every run
+    log record (docs/RUNLOG.md) one at a time; `close(timeout_s)` is shutdown and flush in one."""
 
     name: str
     """The exporter's key in the `exporters` stats of interval and run_end records."""
@@ -42,14 +37,14 @@ class Exporter(Protocol):
         """Flush and release within timeout_s; no export() follows."""
 
 
+@dataclass
 class _Slot:
     """Book-keeping for one exporter."""
-    __slots__ = ("exporter", "exported", "dropped", "failed", "logged")
-
-    def __init__(self, exporter):
-        self.exporter = exporter
-        self.exported = self.dropped = 0
-        self.failed = self.logged = False
+    exporter: Exporter
+    exported: int = 0
+    dropped: int = 0
+    failed: bool = False
+    logged: bool = False
 
 
 class ExportHub:
@@ -60,13 +55,6 @@ class ExportHub:
         self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.queue_dropped = 0
         self._thread = None
-
-    def __bool__(self) -> bool:
-        return bool(self._slots)
-
-    def add(self, exporter: Exporter) -> None:
-        """Register an exporter before start() (or from the exporter thread itself)."""
-        self._slots.append(_Slot(exporter))
 
     def start(self) -> None:
         if self._slots and self._thread is None:
@@ -106,10 +94,8 @@ class ExportHub:
         """Drain the queue and close every exporter within `timeout_s` overall; returns stats()."""
         deadline = time.monotonic() + timeout_s
         if self._thread is not None:
-            try:
+            with contextlib.suppress(queue.Full):
                 self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Full:
-                pass
             self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
                 logger.warning("exporters did not drain within %.1f s; %d records left behind",
@@ -127,13 +113,10 @@ class ExportHub:
         """{exporter name: {"exported", "dropped", "failed"}}; queue drops count against every one."""
         out = {}
         for slot in self._slots:
-            own = {}
-            stats_fn = getattr(slot.exporter, "stats", None)
-            if stats_fn is not None:
-                try:
-                    own = dict(stats_fn())
-                except Exception:   # noqa: BLE001 - stats are telemetry too
-                    own = {}
+            try:
+                own = dict(getattr(slot.exporter, "stats", dict)())
+            except Exception:   # noqa: BLE001 - stats are telemetry too
+                own = {}
             out[_name(slot.exporter)] = {
                 "exported": slot.exported,
                 "dropped": slot.dropped + self.queue_dropped + int(own.get("dropped", 0) or 0),

@@ -1,14 +1,9 @@
-"""Fault injection for tests: a spec "KIND@SPAN[:step=N][:rank=R]", several separated by ';' (the trainer
-reads it from DFLASH_FAULT and hands it to the Profiler; this module reads no environment).
-
-KIND is one of nan, oom, crash, hang, slow=SECONDS. The faults go through the real code paths the
-forensics watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's output, a stuck span),
-so tests exercise exactly what a real failure would. Examples:
-    DFLASH_FAULT="nan@drafter.fwd_bwd:step=3"
-    DFLASH_FAULT="slow=0.5@target.fwd:rank=0;crash@drafter.optim:step=10:rank=1"
-`step=N`: nan and slow fire at step N; crash, oom and hang fire once, at the span's first entry at
-step N or later, since a background thread's span (transfer.send on the sender thread) can run while
-its role's step is already past N and never see N itself.
+"""Fault injection for tests: "KIND@SPAN[:step=N][:rank=R]" items separated by ';' (the trainer reads the spec
+from DFLASH_FAULT; this module reads no environment), KIND one of nan, oom, crash, hang, slow=SECONDS, e.g.
+"slow=0.5@target.fwd:rank=0;crash@drafter.optim:step=10:rank=1". Faults take the real paths the forensics
+watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's output, a stuck span). With `step=N`, nan
+and slow fire at step N; crash, oom and hang once, at the span's first entry at step N or later (a background
+thread's span, transfer.send on the sender thread, can run while its role's step is already past N).
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import math
 import re
 import time
 from dataclasses import dataclass
-
 
 logger = logging.getLogger("profiler")
 
@@ -46,35 +40,26 @@ class Fault:
     """How long a slow fault sleeps; None for every other kind."""
 
 
-def _parse_int(value: str, what: str, part: str) -> int:
-    if not re.fullmatch(r"[0-9]+", value):
-        raise ValueError(f"{ENV_VAR}: {what} must be a non-negative integer, got {value!r} in {part!r}")
-    return int(value)
-
-
 def parse_fault(part: str) -> Fault:
     """One KIND@SPAN[:step=N][:rank=R] item; ValueError naming the bad part."""
     if part.count("@") != 1:
         raise ValueError(f"{ENV_VAR}: bad fault {part!r} ({_EXPECTED})")
     kind_text, rest = part.split("@")
-    kind, seconds = kind_text, None
-    if kind_text.startswith("slow="):
-        kind = "slow"
-        seconds_text = kind_text[len("slow="):]
+    kind, _, seconds_text = kind_text.partition("=")
+    seconds = None
+    if kind_text == "slow":
+        raise ValueError(f"{ENV_VAR}: slow needs a number of seconds (slow=SECONDS) in {part!r}")
+    if kind == "slow":
         try:
             seconds = float(seconds_text)
         except ValueError:
-            seconds = None
-        if seconds is None or not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(
-                f"{ENV_VAR}: slow needs a non-negative number of seconds, got {seconds_text!r} in {part!r}"
-            )
-    elif kind == "slow":
-        raise ValueError(f"{ENV_VAR}: slow needs a number of seconds (slow=SECONDS) in {part!r}")
-    elif kind not in KINDS:
-        raise ValueError(
-            f"{ENV_VAR}: unknown fault kind {kind_text!r} in {part!r} (expected nan, oom, crash, hang, slow=SECONDS)"
-        )
+            seconds = math.nan   # refused below, with the negative and infinite ones
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"{ENV_VAR}: slow needs a non-negative number of seconds, got {seconds_text!r} "
+                             f"in {part!r}")
+    elif kind_text not in KINDS:
+        raise ValueError(f"{ENV_VAR}: unknown fault kind {kind_text!r} in {part!r} "
+                         "(expected nan, oom, crash, hang, slow=SECONDS)")
     span, *options = rest.split(":")
     if not _SPAN_RE.match(span):
         raise ValueError(f"{ENV_VAR}: bad span name {span!r} in {part!r} (expected e.g. drafter.fwd_bwd)")
@@ -85,7 +70,9 @@ def parse_fault(part: str) -> Fault:
             raise ValueError(f"{ENV_VAR}: unknown option {option!r} in {part!r} (expected step=N or rank=R)")
         if key in found:
             raise ValueError(f"{ENV_VAR}: {key} given twice in {part!r}")
-        found[key] = _parse_int(value, key, part)
+        if not re.fullmatch(r"[0-9]+", value):
+            raise ValueError(f"{ENV_VAR}: {key} must be a non-negative integer, got {value!r} in {part!r}")
+        found[key] = int(value)
     return Fault(kind=kind, span=span, step=found.get("step"), rank=found.get("rank"), seconds=seconds)
 
 
@@ -95,9 +82,8 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 def check_injection_points(faults: list[Fault], spans, nan_spans) -> None:
-    """ValueError (one line) for a fault that could never fire in this program: a span it never
-    enters (`spans`), or a nan fault on a span without a corrupt() hook (`nan_spans`). The program
-    passes its own lists; call it at start-up, before any work."""
+    """ValueError (one line) for a fault that could never fire: on a span the program never enters (`spans`),
+    or a nan fault on a span without a corrupt() hook (`nan_spans`). For start-up, before any work."""
     for fault in faults:
         points = nan_spans if fault.kind == "nan" else spans
         if fault.span in points:
@@ -113,15 +99,11 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], rank: int, sleep=time.sleep):
         self.rank = int(rank)
         self._sleep = sleep
-        mine = [f for f in faults if f.rank is None or f.rank == self.rank]
-        self.faults = tuple(mine)
-        by_span: dict[str, list[Fault]] = {}
-        nan_by_span: dict[str, list[Fault]] = {}
-        for fault in mine:
-            target = nan_by_span if fault.kind == "nan" else by_span
-            target.setdefault(fault.span, []).append(fault)
-        self._by_span = {span: tuple(fs) for span, fs in by_span.items()}
-        self._nan_by_span = {span: tuple(fs) for span, fs in nan_by_span.items()}
+        self.faults = tuple(f for f in faults if f.rank is None or f.rank == self.rank)
+        self._by_span: dict[str, list] = {}       # span -> faults fired on its entry
+        self._nan_by_span: dict[str, list] = {}   # span -> nan faults, fired by its corrupt() hook
+        for fault in self.faults:
+            (self._nan_by_span if fault.kind == "nan" else self._by_span).setdefault(fault.span, []).append(fault)
         self._logged: set[Fault] = set()
         self._fired: set[Fault] = set()     # one-shot faults (crash, oom, hang with a step) that fired
 
@@ -141,23 +123,18 @@ class FaultPlan:
 
     def on_enter(self, span: str, step: int) -> None:
         """Fire the faults of `span` at `step`: raise, sleep or hang. One dict lookup otherwise."""
-        faults = self._by_span.get(span)
-        if faults is None:
-            return
-        for fault in faults:
+        for fault in self._by_span.get(span, ()):
             if fault.step is not None and (fault.step != step if fault.kind == "slow"
                                            else step < fault.step or fault in self._fired):
                 continue
             if fault.step is not None and fault.kind != "slow":
                 self._fired.add(fault)
             where = f"at {span} step {step} rank {self.rank}"
-            if fault.kind == "crash":
-                self._log_once(fault, f"injected crash {where}")
-                raise InjectedFault(f"injected crash {where}")
-            if fault.kind == "oom":
-                self._log_once(fault, f"injected oom {where}")
+            if fault.kind in ("crash", "oom"):
+                self._log_once(fault, f"injected {fault.kind} {where}")
+                if fault.kind == "crash":
+                    raise InjectedFault(f"injected crash {where}")
                 import torch   # loaded already: a span that can OOM runs torch
-
                 raise torch.OutOfMemoryError(f"CUDA out of memory: injected oom {where}")
             if fault.kind == "slow":
                 self._log_once(fault, f"injected slow={fault.seconds:g} {where} (logged once)")
@@ -168,12 +145,8 @@ class FaultPlan:
                     self._sleep(1.0)
 
     def corrupt(self, span: str, step: int, tensor):
-        """A NaN copy of `tensor` (same dtype and device, no sync) when a nan fault matches span and
-        step; the tensor itself otherwise."""
-        faults = self._nan_by_span.get(span)
-        if faults is None:
-            return tensor
-        for fault in faults:
+        """A NaN copy of `tensor` (no sync) when a nan fault matches span and step, else the tensor."""
+        for fault in self._nan_by_span.get(span, ()):
             if fault.step is None or fault.step == step:
                 if not tensor.is_floating_point():
                     raise ValueError(f"{ENV_VAR}: nan@{span} needs a floating-point tensor, got {tensor.dtype}")

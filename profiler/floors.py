@@ -1,12 +1,10 @@
-"""Bandwidth floors: what this machine's copies achieve at best, measured once at profiler start.
-
-A span that declares the bytes it moves (`span("d2h_copy", bytes=n)`) is reported as achieved
-bandwidth against the matching floor, so "this copy runs at 40% of what the link can do" is a number,
-not a guess. Everything here runs once, at start-up, in well under a second.
+"""Bandwidth floors: what this machine's copies achieve at best, measured once at profiler start (well under
+a second), so a span that declares its bytes (`span("d2h_copy", bytes=n)`) reads as a share of its floor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -63,19 +61,18 @@ def _device_copy_bytes_per_s(device) -> float:
     return 2 * DEVICE_COPY_BYTES / seconds  # bytes read + bytes written
 
 
-def _pinned_bytes_per_s(device) -> tuple[float, float]:
-    """(d2h, h2d) bytes/s between one pinned host buffer and device memory (bytes transferred)."""
+def _pinned_bytes_per_s(device) -> dict[str, float]:
+    """{"pinned_d2h", "pinned_h2d"}: bytes/s between one pinned host buffer and device memory."""
     host = torch.empty(PINNED_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
     dev = torch.ones(PINNED_COPY_BYTES, dtype=torch.uint8, device=device)
     d2h_s = _cuda_best_seconds(lambda: host.copy_(dev, non_blocking=True), device)
     h2d_s = _cuda_best_seconds(lambda: dev.copy_(host, non_blocking=True), device)
-    return PINNED_COPY_BYTES / d2h_s, PINNED_COPY_BYTES / h2d_s
+    return {"pinned_d2h": PINNED_COPY_BYTES / d2h_s, "pinned_h2d": PINNED_COPY_BYTES / h2d_s}
 
 
 def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
-    """Bandwidth floors in bytes/s: "host_copy" always; on CUDA also "device_copy" (bytes read +
-    written), "pinned_d2h" and "pinned_h2d" (bytes transferred). A floor that fails to measure is
-    omitted and logged once; this never raises."""
+    """Floors in bytes/s: "host_copy"; on CUDA also "device_copy" (read + written), "pinned_d2h" and
+    "pinned_h2d" (transferred). A floor that fails to measure is logged and left out; never raises."""
     floors: dict[str, float] = {}
     is_cuda = device is not None and torch.device(device).type == "cuda"
     host_budget_s = budget_s / 4 if is_cuda else budget_s / 2
@@ -95,37 +92,19 @@ def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
     if is_cuda:
         device = torch.device(device)
         attempt("device_copy", lambda: _device_copy_bytes_per_s(device))
-
-        def pinned() -> dict[str, float]:
-            d2h, h2d = _pinned_bytes_per_s(device)
-            return {"pinned_d2h": d2h, "pinned_h2d": h2d}
-
-        attempt("pinned_d2h/pinned_h2d", pinned)
-        # Give the ~0.4 GiB of scratch buffers back to the driver so they do not sit in the caching
-        # allocator's reserved pool for the whole run (nothing of the run is allocated yet).
-        # Reset the allocator peaks too, so the first interval's peak is the run's, not these buffers'
-        # (the profiler resets them at every interval close anyway).
-        try:
+        attempt("pinned_d2h/pinned_h2d", lambda: _pinned_bytes_per_s(device))
+        # The ~0.4 GiB of scratch buffers go back to the driver rather than sit in the allocator's reserved
+        # pool for the run, and the peaks reset, so the first interval's peak is the run's, not theirs.
+        with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        except Exception:  # noqa: BLE001
-            pass
     return floors
 
 
 def floor_for_span(name: str, floors: dict, is_cuda: bool) -> tuple[str, float] | None:
-    """(floor name, bytes/s) to compare a span's achieved bandwidth against, or None if unmeasured.
-
-    On CUDA: "d2h" in the name -> pinned_d2h, "h2d" -> pinned_h2d, anything else -> device_copy.
-    On CPU there is no device, so a "d2h"/"h2d" span is a host copy too: host_copy for every span.
-    """
-    if not is_cuda:
-        key = "host_copy"
-    elif "d2h" in name:
-        key = "pinned_d2h"
-    elif "h2d" in name:
-        key = "pinned_h2d"
-    else:
-        key = "device_copy"
+    """(floor name, bytes/s) to compare a span's achieved bandwidth against, or None if unmeasured. On CUDA:
+    "d2h"/"h2d" in the name -> pinned_d2h/pinned_h2d, else device_copy; on the CPU every copy is host_copy."""
+    way = next((w for w in ("d2h", "h2d") if w in name), None)
+    key = "host_copy" if not is_cuda else f"pinned_{way}" if way else "device_copy"
     value = floors.get(key)
     return (key, value) if value is not None else None

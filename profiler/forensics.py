@@ -1,15 +1,10 @@
 """Forensics: what a failing rank leaves behind, in its run log and in RUN_DIR/forensics/.
 
-A dump holds every Python thread's stack (sys._current_frames, matched to threading's names and
-native ids), the profiler's open spans with how long each has been open, and the results of the
-callables registered with profiler.register_forensics. It is written as one `event` record of its
-kind (`hang`, `oom`, `thread_crash`, `signal`) and as a readable text file
-`RUN_DIR/forensics/rank{R}-{kind}-{unix_ms}.txt`.
-
-`Forensics.abort(kind, status)` is the way out of a rank that cannot stop by itself (a hung
-thread, a crashed worker thread, a signal while blocked): dump, write the final interval and
-`run_end`, flush stdio, and leave through the injected `exit_fn` (os._exit: a stuck thread cannot
-be interrupted, and a normal exit would wait for it).
+A dump (every Python thread's stack, the open spans with their ages, the sources registered with
+profiler.register_forensics) is one `event` record of its kind (`hang`, `oom`, `thread_crash`, `signal`) and
+a text file `RUN_DIR/forensics/rank{R}-{kind}-{unix_ms}.txt`. `Forensics.abort` is the way out of a rank
+that cannot stop by itself: dump, final interval and `run_end`, then `exit_fn` (os._exit: a stuck thread
+cannot be interrupted, and a normal exit would wait for it).
 """
 from __future__ import annotations
 
@@ -39,8 +34,7 @@ def current_frames(frames_fn=sys._current_frames) -> dict:
     """sys._current_frames() with the cyclic GC off meanwhile: on CPython 3.11 a collection started inside it
     can deadlock on the thread-list lock it holds (CPython gh-106883, fixed in 3.12)."""
     enabled = gc.isenabled()
-    if enabled:
-        gc.disable()
+    gc.disable()
     try:
         return frames_fn()
     finally:
@@ -52,15 +46,10 @@ def thread_stacks(frames_fn=sys._current_frames, threads_fn=threading.enumerate)
     """Every Python thread's stack, outermost frame first: [{"thread", "native_id", "daemon",
     "stack": ["file:line in function: source", ...]}]. Threads without a Python frame are skipped."""
     frames = current_frames(frames_fn)
-    out = []
-    for t in threads_fn():
-        frame = frames.get(t.ident)
-        if frame is None:
-            continue
-        stack = [f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
-                 for fs in traceback.extract_stack(frame)]
-        out.append({"thread": t.name, "native_id": t.native_id, "daemon": t.daemon, "stack": stack})
-    return out
+    return [{"thread": t.name, "native_id": t.native_id, "daemon": t.daemon,
+             "stack": [f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
+                       for fs in traceback.extract_stack(frames[t.ident])]}
+            for t in threads_fn() if t.ident in frames]
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -152,10 +141,8 @@ class Forensics:
             self.prof.collector.poll()   # replay the threads' logs so the open stacks are current
         return self.prof.recorder.open_spans()
 
-
     def exception(self, exc: BaseException, thread_name: str) -> dict:
-        """An `oom` record (allocator summary, headroom history, memory history snapshot) for an
-        out-of-memory error, a `thread_crash` record otherwise; both carry the traceback."""
+        """An `oom` record (with the memory state) for an out-of-memory error, else `thread_crash`."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         fields = {"thread": thread_name, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
         with contextlib.suppress(Exception):
@@ -203,8 +190,7 @@ class Forensics:
         self.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=timeout_s)
 
     def excepthook(self, args) -> None:
-        """threading.excepthook: an exception that ended a thread stops the rank (exit 1) after
-        its traceback and a dump of all threads went to the run log and RUN_DIR/forensics/."""
+        """threading.excepthook: an exception that ended a thread stops the rank (exit 1) after a dump."""
         if issubclass(args.exc_type, SystemExit):
             return
         name = args.thread.name if args.thread is not None else "unknown"
@@ -217,8 +203,8 @@ class Forensics:
         self.abort(kind, f"{kind}: {type(exc).__name__}", record=lambda: self.exception(exc, name))
 
     def abort(self, kind: str, status: str, record=None, **fields) -> None:
-        """Dump (or run `record`), write the final interval and run_end with `status`, exit 1.
-        The first caller wins; a second one (another thread failing meanwhile) returns at once."""
+        """Dump (or run `record`), write the final interval and run_end with `status`, exit 1. The first
+        caller wins; a second (another thread failing meanwhile) returns at once."""
         if not self._abort_lock.acquire(blocking=False):
             return
         if not self._final_dumped:   # a dump_final already holds this rank's state: no second one
@@ -231,9 +217,8 @@ class Forensics:
         self.exit_fn(1)
 
     def dump_final(self, kind: str, **fields) -> bool:
-        """A dump on the way out of a rank that ends by itself (not through abort), taken only when no
-        abort has begun. A later abort (the way out got stuck) still ends the rank, without dumping
-        again: one ending, one dump. True when it dumped."""
+        """A dump on the way out of a rank that ends by itself, unless an abort began (True when it dumped). A
+        later abort (the way out got stuck) still ends the rank, without a second dump."""
         if not self._abort_lock.acquire(blocking=False):
             return False
         try:
@@ -260,9 +245,8 @@ def kernel_name(tuner) -> str:
 
 
 def install_autotune_spans(autotuner_cls=None, peak_bytes_fn=None) -> bool:
-    """Time each of triton's autotune benchmarks as a `triton.autotune` span tagged with the
-    kernel's name, the config and the window's memory peak, so an OOM during autotune (often on a
-    background thread) names itself: the exception gets `dflash_span`/`dflash_kernel` and a note.
+    """Time each triton autotune benchmark as a `triton.autotune` span tagged with kernel, config and memory
+    peak, so an OOM during autotune names itself (`dflash_span`/`dflash_kernel` and a note on the exception).
     False when triton is not importable. Idempotent."""
     if autotuner_cls is None:
         try:

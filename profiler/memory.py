@@ -1,10 +1,9 @@
 """GPU memory telemetry: an NVML sampler thread and the caching allocator's per-interval stats.
 
-The sampler reads NVML at a fixed rate (default 2 Hz) so peaks between interval closes (a Triton
-autotune, a burst of activations) are seen, and keeps a short history of per-interval headroom low
-points for OOM forensics. It never uses NVML's process-list query (slow, and needs privileges on
-some hosts). Telemetry never kills training: a failing NVML call is counted and logged once.
-Reported numbers are only measured ones: a field that could not be measured is None, with a reason.
+The sampler reads NVML at a fixed rate (default 2 Hz) so peaks between interval closes (a Triton autotune) are
+seen, and keeps the last intervals' headroom low points for OOM forensics; it never asks NVML for the process
+list (slow, privileged on some hosts). A failing NVML call is counted and logged once; a field that could not
+be measured is None, with a reason.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import statistics
 import threading
 import time
 
@@ -19,41 +19,33 @@ import torch
 
 logger = logging.getLogger("profiler")
 
-# How many closed-interval headroom low points the sampler remembers (for OOM forensics).
-HEADROOM_HISTORY_LEN = 32
-
-# NVML_TEMPERATURE_GPU and NVML_CLOCK_SM in pynvml; used when a fake NVML module does not define them.
-_NVML_TEMPERATURE_GPU = 0
-_NVML_CLOCK_SM = 1
+HEADROOM_HISTORY_LEN = 32   # closed-interval headroom low points kept for OOM forensics
 # nvmlClocksEventReason* bits (formerly ClocksThrottleReason*), named as the dashboard shows them.
 THROTTLE_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
                     0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
                     0x100: "display_clocks"}
-
-
-def throttle_names(mask: int) -> list[str]:
-    """Names of the clock-event (throttle) reasons set in an NVML bitmask."""
-    return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
-
-
-_MEMORY, _UTIL, _POWER, _TEMP, _CLOCK, _REASONS = (
-    "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature",
-    "nvmlDeviceGetClockInfo", "nvmlDeviceGetCurrentClocksEventReasons")
-_FIELD_QUERY = {"used_bytes_last": _MEMORY, "used_bytes_peak": _MEMORY, "headroom_bytes": _MEMORY,
-                "util_percent_mean": _UTIL, "power_watts_mean": _POWER, "temperature_c_max": _TEMP,
-                "sm_clock_hz_last": _CLOCK, "throttle_reasons": _REASONS}
-"""The NVML query each interval field comes from (what its reason names when it is None)."""
+# sample field -> (NVML query, its constant argument as (pynvml name, value if a fake lacks it), reading -> value)
+_READS = {
+    "used_bytes": ("nvmlDeviceGetMemoryInfo", None, lambda m: int(m.used)),
+    "util_percent": ("nvmlDeviceGetUtilizationRates", None, lambda u: float(u.gpu)),
+    "power_watts": ("nvmlDeviceGetPowerUsage", None, lambda mw: mw / 1000.0),
+    "temperature_c": ("nvmlDeviceGetTemperature", ("NVML_TEMPERATURE_GPU", 0), float),
+    "sm_clock_hz": ("nvmlDeviceGetClockInfo", ("NVML_CLOCK_SM", 1), lambda mhz: float(mhz) * 1e6),
+    "throttle_reasons": ("nvmlDeviceGetCurrentClocksEventReasons", None,
+                         lambda mask: [name for bit, name in THROTTLE_REASONS.items() if int(mask) & bit]),
+}
+# interval field -> (sample field, how the interval's measured values aggregate)
+_AGGREGATES = {"used_bytes_last": ("used_bytes", lambda v: v[-1]), "used_bytes_peak": ("used_bytes", max),
+               "util_percent_mean": ("util_percent", statistics.fmean),
+               "power_watts_mean": ("power_watts", statistics.fmean),
+               "temperature_c_max": ("temperature_c", max), "sm_clock_hz_last": ("sm_clock_hz", lambda v: v[-1]),
+               "throttle_reasons": ("throttle_reasons", lambda v: v[-1])}
 
 
 class NvmlMemorySampler:
-    """A daemon thread reading NVML every period_s for each GPU given (NVML index, or UUID string).
-
-    Reads memory used/total, utilisation, power (mW -> W), temperature, SM clock and throttle reasons; keeps
-    the current interval's samples (aggregated at its close) and the last HEADROOM_HISTORY_LEN interval
-    headroom low points. The caller (make_memory_sampler) has already
-    called nvmlInit; the sampler does not shut NVML down (nvmlInit is reference counted and the
-    process exit releases it).
-    """
+    """A daemon thread reading every `_READS` field of each GPU given (NVML index, or UUID string) every
+    period_s; the current interval's samples are aggregated at its close. The caller (make_memory_sampler) has
+    called nvmlInit; the sampler never shuts NVML down (reference counted, released at exit)."""
 
     def __init__(self, gpu_indices: list, nvml=None, period_s: float = 0.5, clock=time.monotonic):
         if not gpu_indices:
@@ -62,28 +54,26 @@ class NvmlMemorySampler:
             raise ValueError(f"NvmlMemorySampler: period_s must be > 0, got {period_s!r}")
         if nvml is None:
             import pynvml as nvml  # noqa: PLC0415 - optional dependency, only needed on GPU hosts
-        self._nvml = nvml
-        self._period_s = float(period_s)
-        self._clock = clock
-        self._temperature_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", _NVML_TEMPERATURE_GPU)
+        self._period_s, self._clock = float(period_s), clock
+        # field -> (query name, function, extra arguments, conversion); older pynvml names the reasons
+        # query ...ClocksThrottleReasons.
+        self._reads = {field: (query, getattr(nvml, query, None) or getattr(nvml, query.replace("Event", "Throttle")),
+                               (getattr(nvml, *const),) if const else (), convert)
+                       for field, (query, const, convert) in _READS.items()}
         self._gpus = []  # dicts: index, handle, name, total_bytes
         for index in gpu_indices:
-            if isinstance(index, str):
-                handle = nvml.nvmlDeviceGetHandleByUUID(index)
-            else:
-                handle = nvml.nvmlDeviceGetHandleByIndex(int(index))
-            name = nvml.nvmlDeviceGetName(handle)
-            if isinstance(name, bytes):  # old pynvml versions return bytes
-                name = name.decode(errors="replace")
-            total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
-            self._gpus.append({"index": index, "handle": handle, "name": name, "total_bytes": total_bytes})
+            handle = (nvml.nvmlDeviceGetHandleByUUID(index) if isinstance(index, str)
+                      else nvml.nvmlDeviceGetHandleByIndex(int(index)))
+            name = nvml.nvmlDeviceGetName(handle)   # bytes from old pynvml versions
+            self._gpus.append({"index": index, "handle": handle,
+                               "name": name.decode(errors="replace") if isinstance(name, bytes) else name,
+                               "total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(handle).total)})
         self._lock = threading.Lock()
         self._samples: list[list] = [[] for _ in self._gpus]   # the current interval's samples, per GPU
         self._latest: list[dict | None] = [None for _ in self._gpus]
         self._headroom_history: collections.deque = collections.deque(maxlen=HEADROOM_HISTORY_LEN)
         self._errors = 0
         self._error_reasons: dict[str, str] = {}  # query name -> last error text
-        self._logged_queries: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -107,10 +97,7 @@ class NvmlMemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.sample_once()
-            except Exception as exc:  # noqa: BLE001 - telemetry never kills training
-                self._record_error("sample", exc)
+            self._sample_safely()
             self._stop.wait(self._period_s)
 
     # ---- sampling -----------------------------------------------------------------------------
@@ -118,73 +105,59 @@ class NvmlMemorySampler:
         text = f"{type(exc).__name__}: {exc}"
         with self._lock:
             self._errors += 1
+            first = query not in self._error_reasons
             self._error_reasons[query] = text
-            first = query not in self._logged_queries
-            self._logged_queries.add(query)
         if first:
             logger.warning("NVML %s failed (counted in sampler_errors, logged once): %s", query, text)
 
-    def _query(self, query: str, fn, *args):
+    def _read(self, handle, query: str, fn, args: tuple, convert):
         try:
-            return fn(*args)
+            return convert(fn(handle, *args))
         except Exception as exc:  # noqa: BLE001 - one failing query must not lose the others
             self._record_error(query, exc)
             return None
 
     def sample_once(self) -> None:
         """Read every GPU once and add the sample to the current interval (the thread's body)."""
-        nvml, now, q = self._nvml, self._clock(), self._query
+        now = self._clock()
         for i, gpu in enumerate(self._gpus):
-            handle = gpu["handle"]
-            mem = q(_MEMORY, nvml.nvmlDeviceGetMemoryInfo, handle)
-            util = q(_UTIL, nvml.nvmlDeviceGetUtilizationRates, handle)
-            power_mw = q(_POWER, nvml.nvmlDeviceGetPowerUsage, handle)
-            temp_c = q(_TEMP, nvml.nvmlDeviceGetTemperature, handle, self._temperature_sensor)
-            clock_mhz = q(_CLOCK, nvml.nvmlDeviceGetClockInfo, handle, getattr(nvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM))
-            reasons = q(_REASONS, _clock_event_reasons(nvml), handle)
-            sample = {"time_s": now, "used_bytes": int(mem.used) if mem is not None else None,
-                      "util_percent": float(util.gpu) if util is not None else None,
-                      "power_watts": power_mw / 1000.0 if power_mw is not None else None,
-                      "temperature_c": float(temp_c) if temp_c is not None else None,
-                      "sm_clock_hz": float(clock_mhz) * 1e6 if clock_mhz is not None else None,
-                      "throttle_reasons": throttle_names(int(reasons)) if reasons is not None else None}
+            sample = {"time_s": now, **{field: self._read(gpu["handle"], *read) for field, read in self._reads.items()}}
             with self._lock:
                 self._samples[i].append(sample)
                 self._latest[i] = sample
 
+    def _sample_safely(self) -> None:
+        try:
+            self.sample_once()
+        except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+            self._record_error("sample", exc)
+
     # ---- reading ------------------------------------------------------------------------------
     def _gpu_entry(self, gpu: dict, samples: list) -> dict:
         """One GPU's interval aggregates; a field that was never measured is None, with its reason."""
-        def values(key):
-            return [s[key] for s in samples if s[key] is not None]
-        used, util, power, temp = values("used_bytes"), values("util_percent"), values("power_watts"), \
-            values("temperature_c")
-        peak = max(used) if used else None
-        entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"],
-                 "used_bytes_last": used[-1] if used else None, "used_bytes_peak": peak,
-                 "headroom_bytes": gpu["total_bytes"] - peak if peak is not None else None,
-                 "util_percent_mean": sum(util) / len(util) if util else None,
-                 "power_watts_mean": sum(power) / len(power) if power else None,
-                 "temperature_c_max": max(temp) if temp else None,
-                 "sm_clock_hz_last": (values("sm_clock_hz") or [None])[-1],
-                 "throttle_reasons": (values("throttle_reasons") or [None])[-1], "samples": len(samples)}
-        reasons = {field: "no NVML sample in this interval" if not samples else
-                   self._error_reasons.get(query, "not measured")
-                   for field, query in _FIELD_QUERY.items() if entry[field] is None}
+        entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"]}
+        reasons = {}
+        for field, (key, aggregate) in _AGGREGATES.items():
+            values = [s[key] for s in samples if s[key] is not None]
+            entry[field] = aggregate(values) if values else None
+            if not values:
+                reasons[field] = (self._error_reasons.get(self._reads[key][0], "not measured") if samples
+                                  else "no NVML sample in this interval")
+        peak = entry["used_bytes_peak"]
+        entry["headroom_bytes"] = gpu["total_bytes"] - peak if peak is not None else None
+        if peak is None:
+            reasons["headroom_bytes"] = reasons["used_bytes_peak"]
+        entry["samples"] = len(samples)
         if reasons:
             entry["reasons"] = reasons
         return entry
 
     def interval_summary(self, reset: bool = True) -> dict:
-        """Aggregates since the last reset. An interval with no sample yet takes one now, so every
-        reported number is a measured one."""
+        """Aggregates since the last reset; an interval with no sample yet takes one now."""
         with self._lock:
             need_sample = not all(self._samples)
         if need_sample:
-            try:
-                self.sample_once()
-            except Exception as exc:  # noqa: BLE001
-                self._record_error("sample", exc)
+            self._sample_safely()
         now = self._clock()
         with self._lock:
             gpus = [self._gpu_entry(gpu, samples) for gpu, samples in zip(self._gpus, self._samples)]
@@ -220,12 +193,6 @@ class NvmlMemorySampler:
             return [dict(h, gpus=[dict(g) for g in h["gpus"]]) for h in self._headroom_history]
 
 
-def _clock_event_reasons(nvml):
-    """nvmlDeviceGetCurrentClocksEventReasons, or its older name (ClocksThrottleReasons)."""
-    fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-    return fn or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons")
-
-
 class UnavailableMemorySampler:
     """Stands in for the NVML sampler where NVML cannot be used; reports why, never numbers."""
 
@@ -235,14 +202,12 @@ class UnavailableMemorySampler:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
+    stop = start
 
     def interval_summary(self, reset: bool = True) -> dict:
         return {"available": False, "reason": self.reason}
 
-    def latest(self) -> dict:
-        return {"available": False, "reason": self.reason}
+    latest = interval_summary
 
     def headroom_history(self) -> list[dict]:
         return []
@@ -251,14 +216,13 @@ class UnavailableMemorySampler:
 def nvml_device_for(torch_index: int, env=os.environ) -> int | str:
     """The NVML index (int) or UUID (str) of torch's CUDA device `torch_index`, honouring
     CUDA_VISIBLE_DEVICES (NVML ignores it and always sees every GPU of the host)."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or visible.strip() == "":
-        return torch_index
+    visible = env.get("CUDA_VISIBLE_DEVICES") or ""
     entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not visible.strip():
+        return torch_index
     if torch_index >= len(entries):
-        raise ValueError(
-            f"CUDA device {torch_index} is not among CUDA_VISIBLE_DEVICES={visible!r} ({len(entries)} visible)"
-        )
+        raise ValueError(f"CUDA device {torch_index} is not among CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"({len(entries)} visible)")
     entry = entries[torch_index]
     try:
         return int(entry)
@@ -270,20 +234,16 @@ def make_memory_sampler(device, nvml=None, period_s: float = 0.5, env=os.environ
     """An NVML sampler for a CUDA device, or an UnavailableMemorySampler saying why not."""
     if device is None or torch.device(device).type != "cuda":
         return UnavailableMemorySampler("no CUDA device")
-    device = torch.device(device)
+    device, failed = torch.device(device), "NVML unavailable"
     try:
         if nvml is None:
             import pynvml as nvml  # noqa: PLC0415
         nvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - telemetry never kills training
-        reason = f"NVML unavailable: {type(exc).__name__}: {exc}"
-        logger.warning("memory sampler: %s", reason)
-        return UnavailableMemorySampler(reason)
-    try:
+        failed = "NVML device lookup failed"
         torch_index = device.index if device.index is not None else torch.cuda.current_device()
         return NvmlMemorySampler([nvml_device_for(torch_index, env)], nvml=nvml, period_s=period_s)
-    except Exception as exc:  # noqa: BLE001
-        reason = f"NVML device lookup failed: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+        reason = f"{failed}: {type(exc).__name__}: {exc}"
         logger.warning("memory sampler: %s", reason)
         return UnavailableMemorySampler(reason)
 
@@ -297,8 +257,8 @@ _ALLOCATOR_STATS = {"allocated_bytes": "allocated_bytes.all.current",
 
 
 def allocator_summary(device, reset_peak: bool = True) -> dict:
-    """The caching allocator's stats for the interval, from ONE torch.cuda.memory_stats call
-    (~150 us: call it once per interval, never per span); resets the peaks when reset_peak."""
+    """The caching allocator's stats from ONE torch.cuda.memory_stats call (~150 us: once per interval, never
+    per span); resets the peaks when reset_peak."""
     global _logged_allocator_error
     try:
         if device is None or torch.device(device).type != "cuda":
@@ -326,9 +286,8 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
 
 
 def memory_state(sampler, device, interval: bool) -> dict:
-    """The `memory` block: the NVML sampler's interval aggregates and allocator stats with the peaks reset
-    (`interval`), else its latest sample and the stats as they stand (a snapshot; about 150 us). A failing part
-    says why instead: telemetry never kills training."""
+    """The `memory` block: the sampler's interval aggregates and the allocator's stats, peaks reset (`interval`),
+    else its latest sample and the stats as they stand (a snapshot). A failing part says why instead."""
     try:
         memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
     except Exception as exc:   # noqa: BLE001

@@ -1,18 +1,11 @@
 """Non-finite checks without a host sync.
 
-`NonfiniteMonitor.check(span, step, {name: tensor})` reduces each tensor on the device to one flag
-(`not isfinite(t).all()`) and queues the flags with the current stream (a list append). The collector's
-`poll()` sends the checks queued since its last poll as one batch (`CudaReadback`: on a side stream that
-waits for each stream they were queued on, concatenated, copied non-blocking into a pinned buffer, an event
-recorded after the copy) and reads a batch once its event's `query()` says done: nothing waits, and a poll
-makes a few CUDA calls whatever the number of checks. A batch holds its flags tensors until read, so their
-memory is not reused early; a check past QUEUE_MAX unread ones is counted in `dropped`, never waited for.
-Each finding goes to `on_found` (the `nonfinite` event); the first is kept as `first`.
-
-Findings come one to two collector polls after the step (exact guards, the checkpoint's, check for
-themselves; `settle()` is the deliberate wait for such rare points). On the CPU the flags are read where
-they are. `step_unless()` skips an optimizer step on a device flag, without reading it where the optimizer
-allows.
+`NonfiniteMonitor.check(span, step, {name: tensor})` reduces each tensor on the device to one flag and queues
+the flags with the current stream. The collector's `poll()` sends the checks queued since its last poll as
+one batch (`CudaReadback`: a side stream waits for their streams and copies the flags into a pinned buffer,
+an event after the copy) and reads a batch once its event's `query()` says done: nothing waits. A check past
+QUEUE_MAX unread ones is counted in `dropped`. Findings go to `on_found` one or two polls after the step;
+`settle()` is the deliberate wait for rare points (a checkpoint). On the CPU flags are read where they are.
 """
 from __future__ import annotations
 
@@ -86,9 +79,8 @@ class CudaReadback:
 
 
 class NonfiniteMonitor:
-    """Device-side checks read back asynchronously. `on_found(finding)` is called on the polling
-    thread for every check that flagged something; `first` keeps the first one. `readback`: how device
-    flags come back (a `CudaReadback`; None on a CPU run, where every flags tensor is read directly)."""
+    """Device-side checks read back asynchronously; `on_found(finding)` runs on the polling thread for each
+    check that flagged something, `first` keeps the first. `readback`: a `CudaReadback`, None on a CPU run."""
 
     def __init__(self, rank: int, on_found, *, readback=None):
         self.rank = rank
@@ -129,10 +121,8 @@ class NonfiniteMonitor:
         return len(self._queued) + self._inflight_checks
 
     def poll(self) -> int:
-        """Read back, in order, every batch that has landed (stopping at the first still in flight), send the
-        checks queued since the last poll (one batch while buffers are free), and read again (a batch of host
-        flags is ready at once). Returns how many checks were read. Called off the training thread (the
-        profiler's collector), and by `settle()`."""
+        """Read back, in order, the batches that landed, send the checks queued since the last poll, and read
+        again (host flags are ready at once); returns how many checks were read. Off the training thread."""
         with self._poll_lock:
             read = self._read_landed()
             self._send()
@@ -209,17 +199,15 @@ class NonfiniteMonitor:
 
 
 def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
-    """optimizer.step(), skipped where the 0-dim flag `bad` is true. A fused optimizer (AdamW/Adam
-    fused=True, the trainer's on GPUs) skips on the device through its `found_inf` input, as under
-    GradScaler: no host read. Otherwise the host reads the flag: on the CPU that is a memory read;
-    a non-fused optimizer on a GPU pays one deliberate sync per step here."""
+    """optimizer.step(), skipped where the 0-dim flag `bad` is true: a fused optimizer skips on the device
+    through its `found_inf` input (as under GradScaler); otherwise the host reads the flag."""
     if optimizer.defaults.get("fused"):
         optimizer.found_inf = bad.to(torch.float32).reshape(())
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
-    elif not bool(bad):   # CPU: no device to wait for; GPU + non-fused: the deliberate sync above
+    elif not bool(bad):   # CPU: a memory read; GPU + non-fused: one deliberate host-device sync per step
         optimizer.step()
 
 
@@ -228,7 +216,6 @@ def make_readback(is_cuda: bool, device, pool):
     cached one, or torch's where a test's pool has no streams."""
     if not is_cuda:
         return None
-    import torch
     current = pool.current if pool is not None and pool.current() is not None else (
         lambda: torch.cuda.current_stream(device))
     return CudaReadback(device, current)

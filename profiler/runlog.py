@@ -13,8 +13,7 @@ from profiler.records import read_records  # noqa: F401 - the reader lives besid
 
 
 class RunLog:
-    """Appends records as whole lines from any thread: each is json.dumps(record) + "\\n" written
-    with ONE write call on a file opened in append mode (O_APPEND), under a lock, then flushed."""
+    """Appends records as whole lines from any thread: one write call per line, O_APPEND, under a lock."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -24,8 +23,7 @@ class RunLog:
         self._f = open(self.path, "ab", buffering=0)
 
     def write(self, record: dict) -> dict:
-        """Append one record; returns the record as written (non-finite floats made null, see
-        finite_only), so every consumer sees what the log holds."""
+        """Append one record; returns it as written (non-finite floats null), so every consumer sees the log's."""
         try:
             text = json.dumps(record, default=_json_default, allow_nan=False)
         except ValueError:   # a NaN/Inf somewhere: never write bare NaN (not JSON)
@@ -47,8 +45,8 @@ class RunLog:
 
 
 def finite_only(obj):
-    """A copy of `obj` with every NaN/Inf float replaced by None; each dict that held one gains
-    `"reasons": {key: "non-finite: nan"}` (a list element is named `key[i]`)."""
+    """A copy of `obj` with every NaN/Inf float None; each dict that held one gains `"reasons": {key:
+    "non-finite: nan"}` (a list element is named `key[i]`)."""
     if isinstance(obj, dict):
         out, reasons = {}, {}
         for k, v in obj.items():

@@ -1,19 +1,14 @@
 """`dflash-profile snapshot`: a live process's own state (control endpoint) merged with its py-spy stacks.
 
-Standard library only. For one pid: the endpoint's `state` (open spans per thread with their age, last
-interval, memory) and `py-spy dump --json`, joined per thread on the OS thread id. A process without an
-endpoint still gets its stacks, with a note. For a run directory: every live rank at once, plus who waits
-on whom.
-
-Stuck rule: an open span is stuck when open longer than max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S); its
-recent p95 is the larger of its CPU and GPU p95 in the latest closed interval in which it finished (the live
-last_interval, else the rank's run log). Without one the span is not judged and `stuck_basis` says why.
-
-keep_snapshot writes the snapshot to RUN_DIR/snapshots/ and has the process write a `snapshot` record in
-its own run log through the endpoint's `record` command (the process stays its log's single writer).
+Standard library only. For one pid: the endpoint's `state` and `py-spy dump --json`, joined per thread on the
+OS thread id (without an endpoint: stacks, with a note); for a run directory: every live rank at once, and
+who waits on whom. A span is stuck when open longer than max(STUCK_FACTOR x recent p95, STUCK_FLOOR_S), its
+recent p95 the larger of CPU and GPU in the latest closed interval in which it finished (the live last
+interval, else the run log); without one it is not judged and `stuck_basis` says why.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -38,17 +33,13 @@ class SnapshotError(StackError):
 def check_pid(pid: int) -> None:
     if not isinstance(pid, int) or pid <= 0:
         raise SnapshotError(NO_SUCH_PID, f"no such pid {pid!r} (a pid is a positive integer)")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        raise SnapshotError(NO_SUCH_PID, f"no such pid {pid}") from None
-    except PermissionError:
-        pass  # it exists; py-spy says whether we may trace it
+    if not pid_alive(pid):   # another user's process counts: py-spy says whether we may trace it
+        raise SnapshotError(NO_SUCH_PID, f"no such pid {pid}")
 
 
 def live_state(pid: int, discovery_dir=None, query_fn=query, timeout_s: float = 2.0):
     """(discovery record or None, state or None, note or None) of a process."""
-    directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
+    directory = default_discovery_dir(discovery_dir)
     try:
         record = discover(pid, directory)
     except ValueError as exc:
@@ -73,21 +64,21 @@ def interval_p95_seconds(interval: dict, name: str) -> float | None:
 
 
 def recent_p95(last_interval: dict | None, log_path: Path | None):
-    """name -> (recent p95 or None, why not): the live last interval first, then the run log (read once, when
-    first needed, newest interval first)."""
-    logged: list = []
+    """name -> (recent p95 or None, why not): the live last interval first, then the run log."""
+    @functools.cache
+    def logged() -> list:
+        """The run log's intervals, newest first, read once when first needed."""
+        try:
+            return [r for r in read_records(log_path)[0] if r.get("type") == INTERVAL][::-1]
+        except (OSError, TypeError):
+            return []
 
     def lookup(name: str):
         if last_interval is None:
             return None, "no interval closed yet: no recent p95 to judge against"
         p95_s = interval_p95_seconds(last_interval, name)
-        if p95_s is None and not logged:
-            try:
-                logged.append([r for r in read_records(log_path)[0] if r.get("type") == INTERVAL][::-1])
-            except (OSError, TypeError):
-                logged.append([])
         if p95_s is None:
-            p95_s = next((p for p in map(lambda i: interval_p95_seconds(i, name), logged[0]) if p is not None), None)
+            p95_s = next((p for p in (interval_p95_seconds(i, name) for i in logged()) if p is not None), None)
         if p95_s is None:
             return None, f"{name} has not finished in any closed interval: no recent p95 to judge against"
         return p95_s, None
@@ -96,12 +87,10 @@ def recent_p95(last_interval: dict | None, log_path: Path | None):
 
 def judge_span(name: str, open_s: float, p95_lookup) -> dict:
     p95_s, why_not = p95_lookup(name)
-    if p95_s is None:
-        return {"name": name, "open_seconds": open_s, "p95_seconds": None, "limit_seconds": None,
-                "stuck": False, "stuck_basis": why_not}
-    limit_s = max(STUCK_FACTOR * p95_s, STUCK_FLOOR_S)
-    return {"name": name, "open_seconds": open_s, "p95_seconds": p95_s, "limit_seconds": limit_s,
-            "stuck": open_s > limit_s}
+    limit_s = max(STUCK_FACTOR * p95_s, STUCK_FLOOR_S) if p95_s is not None else None
+    view = {"name": name, "open_seconds": open_s, "p95_seconds": p95_s, "limit_seconds": limit_s,
+            "stuck": limit_s is not None and open_s > limit_s}
+    return view if why_not is None else dict(view, stuck_basis=why_not)
 
 
 def thread_view(name: str, native_id, role, spans_entry: dict | None, stack: dict | None, p95_lookup) -> dict:
@@ -149,10 +138,6 @@ def memory_now(state: dict) -> dict:
     return {"nvml": nvml or None, "allocator": allocator}
 
 
-def rank_log_path(run_dir, rank) -> Path | None:
-    return Path(run_dir) / "profile" / f"rank{rank}.jsonl" if run_dir is not None and rank is not None else None
-
-
 def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
                      clock=time.time) -> dict:
     """One process: its live state merged with its stacks. Raises StackError (one line) when the
@@ -167,7 +152,8 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
     rank, role = state.get("rank", record.get("rank")), state.get("role", record.get("role"))
     run_dir = state.get("run_dir") or record.get("run_dir")
     last = state.get("last_interval")
-    p95 = recent_p95(last, rank_log_path(run_dir, rank))
+    log = Path(run_dir) / "profile" / f"rank{rank}.jsonl" if run_dir is not None and rank is not None else None
+    p95 = recent_p95(last, log)
     threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
     basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
     return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
@@ -186,16 +172,6 @@ def live_ranks(run_dir, discovery_dir=None) -> list[dict]:
     return sorted(found, key=lambda r: (r.get("rank", -1), r["pid"]))
 
 
-def require_live_ranks(run_dir, discovery_dir=None) -> list[dict]:
-    """live_ranks(), or SnapshotError (no_live_rank) saying why there are none."""
-    ranks = live_ranks(run_dir, discovery_dir)
-    if not ranks:
-        directory = discovery_dir if discovery_dir is not None else default_discovery_dir()
-        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in {directory} names "
-                                          "it (the run ended, has not started, or runs with its endpoint off)")
-    return ranks
-
-
 def _snapshot_or_error(record: dict, **kwargs) -> dict:
     try:
         return snapshot_process(record["pid"], **kwargs)
@@ -208,8 +184,12 @@ def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = Fal
                  query_fn=query, clock=time.time) -> dict:
     """Every live rank of a run at once (one thread each, so the views are simultaneous). `waits_for_role`
     ({span name: role}, the caller's span contract) names the spans in which a rank waits on ranks of another
-    role: who waits on whom."""
-    ranks = require_live_ranks(run_dir, discovery_dir)
+    role: who waits on whom. SnapshotError (no_live_rank) when the run has no live rank."""
+    ranks = live_ranks(run_dir, discovery_dir)
+    if not ranks:
+        raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in "
+                                          f"{default_discovery_dir(discovery_dir)} names it (the run ended, has "
+                                          "not started, or runs with its endpoint off)")
     kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
         snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))

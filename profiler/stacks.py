@@ -1,10 +1,6 @@
-"""Python stacks through py-spy: one `py-spy dump --json` of a pid, and the in-run stack sampler.
-
-Standard library only (py-spy is its own executable), so `dflash-profile` uses it without torch.
-
-A runner (`PySpy`, or a test's) is `runner(pid, native=False, nonblocking=False)` -> py-spy's JSON thread
-objects, or StackError with a `kind` and a one-line message. StackSampler counts a thread's innermost frame
-as hot when py-spy reports the thread active (on a CPU); a waiting thread's sample counts as idle only.
+"""Python stacks through py-spy (standard library only): one `py-spy dump --json` of a pid, and the in-run
+stack sampler. A runner (`PySpy`, or a test's) is `runner(pid, native=False, nonblocking=False)` -> py-spy's
+JSON thread objects, or StackError with a `kind` and a one-line message.
 """
 from __future__ import annotations
 
@@ -122,9 +118,9 @@ class _ThreadCounts:
 
 
 class StackSampler:
-    """Takes `samples_per_interval` non-blocking py-spy dumps of `pid` (its own process) every
-    `interval_s`, evenly spread, from a daemon thread; counts hot frames per thread (module doc).
-    Telemetry never kills training: a missing py-spy or a failing dump is logged once and counted."""
+    """Takes `samples_per_interval` non-blocking py-spy dumps of `pid` (its own process) every `interval_s`,
+    evenly spread, from a daemon thread. A thread's innermost frame counts as hot when py-spy reports the
+    thread active (on a CPU), else the sample counts as idle. A failing dump is logged once and counted."""
 
     def __init__(self, pid: int, samples_per_interval: int, interval_s: float, runner=None,
                  clock=time.monotonic):
@@ -170,9 +166,8 @@ class StackSampler:
             slot = max(slot + 1, int((self._clock() - start_s) / self.period_s + 0.5))
 
     def _dump(self) -> list:
-        """A non-blocking dump reads the process while it runs and can catch its thread list
-        mid-change ("Failed to get stack traces"): a dump that fails that way is taken once more
-        at once. A missing py-spy, a refused ptrace or a gone pid would fail again: not retried."""
+        """A non-blocking dump can catch the thread list mid-change ("Failed to get stack traces"): such a
+        failure is retried once at once; the other kinds would fail again."""
         try:
             return self._runner(self.pid, native=False, nonblocking=True)
         except StackError as exc:
@@ -181,8 +176,7 @@ class StackSampler:
         return self._runner(self.pid, native=False, nonblocking=True)
 
     def sample_once(self) -> bool:
-        """One dump (retried once, `_dump`), counted into the current interval; False (logged
-        once) when it failed."""
+        """One dump counted into the current interval; False (logged once) when it failed."""
         try:
             threads = read_threads(self._dump())
         except Exception as exc:  # noqa: BLE001 - StackError or anything else: counted, never raised
@@ -206,8 +200,8 @@ class StackSampler:
         return True
 
     def interval_summary(self, reset: bool = True) -> dict:
-        """{"samples", "failed", "threads": [{"name", "native_id", "samples", "idle_samples",
-        "top_frames": [{"frame", "count"}]}]} since the last reset (+ "error": the last failure)."""
+        """{"samples", "failed", "threads": [{"name", "native_id", "samples", "idle_samples", "top_frames"}]}
+        since the last reset (+ "error": the last failure)."""
         with self._lock:
             threads = [{"name": c.name, "native_id": native_id, "samples": c.samples, "idle_samples": c.idle,
                         "top_frames": [{"frame": f, "count": n} for f, n in c.hot.most_common(TOP_FRAMES)]}
@@ -226,15 +220,14 @@ class NullStackSampler:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
+    stop = start
 
     def interval_summary(self, reset: bool = True) -> None:
         return None
 
 
 def make_stack_sampler(pid: int, samples_per_interval: int, interval_s: float, runner=None):
-    """StackSampler for K >= 1, NullStackSampler for K = 0 (the profiler's one line of wiring)."""
+    """StackSampler for K >= 1, NullStackSampler for K = 0."""
     if samples_per_interval == 0:
         return NullStackSampler()
     return StackSampler(pid, samples_per_interval, interval_s, runner=runner)

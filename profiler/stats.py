@@ -19,36 +19,29 @@ def as_seconds(durations_seconds) -> np.ndarray:
 
 
 def summarize(durations_seconds, buckets: bool = False) -> dict:
-    """{"count", "total_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds",
-    "max_seconds"} of a sequence of durations; percentiles are numpy's (linear interpolation).
-    With `buckets`, also "buckets": counts per HISTOGRAM_BUCKETS_SECONDS bound (value <= bound,
-    Prometheus' `le`) plus one for +Inf, not cumulative. An empty input gives count 0 and None for
-    the rest (nothing measured is not zero)."""
+    """{"count", *STAT_KEYS} of a sequence of durations (empty: count 0 and None, nothing measured is not zero);
+    with `buckets`, also the counts per HISTOGRAM_BUCKETS_SECONDS bound (value <= bound, Prometheus' `le`)
+    plus one for +Inf, not cumulative."""
     a = as_seconds(durations_seconds)
-    if a.size == 0:
-        out = {"count": 0, **{k: None for k in STAT_KEYS}}
-        if buckets:
-            out["buckets"] = [0] * (len(HISTOGRAM_BUCKETS_SECONDS) + 1)
-        return out
-    p50, p95, p99 = _percentiles(a)
-    total = float(a.sum())
-    out = {"count": int(a.size), "total_seconds": total, "mean_seconds": total / a.size,
-           "p50_seconds": p50, "p95_seconds": p95, "p99_seconds": p99, "max_seconds": float(a.max())}
+    out = _summary(int(a.size), float(a.sum()), float(a.max()) if a.size else None, a)
     if buckets:
         idx = np.searchsorted(_BOUNDS, a, side="left")   # first bound >= value
         out["buckets"] = np.bincount(idx, minlength=len(_BOUNDS) + 1).tolist()
     return out
 
 
-def _percentiles(a: np.ndarray) -> list:
-    """p50, p95, p99 of a non-empty float64 array (numpy's default linear interpolation)."""
-    return np.percentile(a, [50, 95, 99]).tolist()
+def _summary(count: int, total_s: float, max_s, sample: np.ndarray) -> dict:
+    """The summary of `count` durations whose percentiles `sample` gives (numpy's linear interpolation)."""
+    if count == 0:
+        return {"count": 0, **dict.fromkeys(STAT_KEYS)}
+    p50, p95, p99 = np.percentile(sample, [50, 95, 99]).tolist()
+    return {"count": count, "total_seconds": total_s, "mean_seconds": total_s / count,
+            "p50_seconds": p50, "p95_seconds": p95, "p99_seconds": p99, "max_seconds": max_s}
 
 
 class RunStats:
-    """Whole-run aggregate of one duration series in bounded memory: count, total and max are
-    exact; percentiles come from a uniform reservoir sample of `capacity` values (exact while the
-    run has at most `capacity` values)."""
+    """Whole-run aggregate of one duration series in bounded memory: count, total and max exact, percentiles
+    from a uniform reservoir sample of `capacity` values."""
 
     def __init__(self, capacity: int = 65536, rng: random.Random | None = None):
         self.capacity = capacity
@@ -92,9 +85,4 @@ class RunStats:
         return self._gen
 
     def summary(self) -> dict:
-        if self.count == 0:
-            return {"count": 0, **{k: None for k in STAT_KEYS}}
-        p50, p95, p99 = _percentiles(np.asarray(self._sample, dtype=np.float64))
-        return {"count": self.count, "total_seconds": self.total, "mean_seconds": self.total / self.count,
-                "p50_seconds": p50, "p95_seconds": p95, "p99_seconds": p99,
-                "max_seconds": self.max}
+        return _summary(self.count, self.total, self.max, np.asarray(self._sample, dtype=np.float64))

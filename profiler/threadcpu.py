@@ -1,10 +1,5 @@
-"""CPU time of this process's threads, per interval: where the process's CPU went, and what the
-profiler's own threads cost.
-
-At each interval close every live thread's CPU clock (Linux's per-thread clock by native id) is read; the
-record's `threads_cpu_seconds` holds each thread name's CPU seconds since the previous reading.
-`profiler_share` is the CPU of the profiler's and its exporters' threads (`PROFILER_PREFIXES`) over the
-interval's wall time. One syscall per thread; nothing here touches the training thread.
+"""CPU time of this process's threads per interval (Linux's per-thread clock by native id, one syscall per
+thread, read at each interval close): where the process's CPU went, and what the profiler's threads cost.
 """
 
 from __future__ import annotations
@@ -19,8 +14,8 @@ exporter's and SDK's (`dflash-otel-close`, `OtelBatch...`, `OtelPeriodicExportin
 
 
 def _cpu_ns(native_id: int) -> int | None:
-    """The CPU time of the kernel thread `native_id`, or None where it cannot be read (ended, or not Linux).
-    The clock id is glibc's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): an exited thread gives EINVAL, where
+    """The CPU time of kernel thread `native_id`, or None where it cannot be read (ended, or not Linux). The clock
+    id is glibc's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): an exited thread gives EINVAL, where
     pthread_getcpuclockid() on a finished Python thread would read freed memory."""
     try:
         return time.clock_gettime_ns(((~native_id) << 3) | 6)
@@ -41,10 +36,8 @@ class ThreadCpu:
         now: dict[int, int] = {}
         by_name: dict[str, int] = {}
         for t in self._threads():
-            tid = getattr(t, "native_id", None)
-            if tid is None:    # not started yet
-                continue
-            ns = self._cpu_ns(tid)
+            tid = getattr(t, "native_id", None)   # None: not started yet
+            ns = self._cpu_ns(tid) if tid is not None else None
             if ns is None:
                 continue
             now[tid] = ns
@@ -54,8 +47,7 @@ class ThreadCpu:
 
 
 def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float | None:
-    """The profiler's and its exporters' threads' CPU seconds over the interval's wall seconds (None for
-    an empty interval)."""
+    """The profiler's and its exporters' threads' CPU seconds over the interval's wall seconds (None if empty)."""
     if not duration_seconds or duration_seconds <= 0:
         return None
     own = sum(v for n, v in threads_cpu_seconds.items() if n.startswith(PROFILER_PREFIXES))
@@ -63,8 +55,8 @@ def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float 
 
 
 def threads_section(native_ids: dict, thread_cpu: ThreadCpu | None = None):
-    """fn(duration_s) -> the interval record's "threads" (the span-recording threads' names and OS ids, from
-    `native_ids`), "threads_cpu_seconds" and "profiler_share", the CPU counted from this call on."""
+    """fn(duration_s) -> the interval record's "threads" (`native_ids`: the span-recording threads' names and OS
+    ids), "threads_cpu_seconds" and "profiler_share", the CPU counted from this call on."""
     thread_cpu = thread_cpu or ThreadCpu()
 
     def section(duration_s: float) -> dict:

@@ -1,14 +1,10 @@
 """Two watchers that get a stuck rank out: the hang watchdog and the signal watch.
 
-Watchdog: progress is "some span finished or the step changed" (a token the profiler's collector
-keeps current). It arms at the first step change, so start-up and the first step's compile/build
-never trip it; after `timeout_s` without progress it calls `on_hang(stalled_s)` once.
-
-SignalWatch: SIGTERM/SIGINT reach the C-level handler even while the main thread is blocked in a
-collective, where a Python handler would never run: signal.set_wakeup_fd hands each signal to this
-watch's thread, which waits for the rank to reach a step boundary (`observed()`); a rank without progress
-for `grace_s` meanwhile is blocked: `on_blocked(signame, why)`. A second signal at least `repeat_after_s`
-after the first (Ctrl-C reaches the group and the launcher forwards another) calls it at once.
+SignalWatch: SIGTERM/SIGINT reach the C-level handler even while the main thread is blocked in a collective,
+where a Python handler would never run: signal.set_wakeup_fd hands each signal to this watch's thread, which
+runs `on_signal(signum)` and waits for a step boundary (`observed()`); a rank without progress for `grace_s`
+meanwhile is blocked: `on_blocked(signame, why)`. A second signal at least `repeat_after_s` after the first
+(Ctrl-C reaches the group and the launcher forwards another) calls it at once.
 """
 from __future__ import annotations
 
@@ -24,13 +20,13 @@ class NullWatchdog:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
+    stop = start
 
 
 class Watchdog:
-    """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress.
-    progress_fn() -> (armed, token): token changes whenever the rank made progress."""
+    """Calls on_hang(stalled_s) once after `timeout_s` seconds without progress. progress_fn() -> (armed,
+    token): the collector arms it at the first step change (start-up and the first compile never trip it),
+    and the token changes whenever a span finished or the step changed."""
 
     def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float | None = None):
         if not timeout_s > 0:
@@ -76,9 +72,7 @@ class Watchdog:
 
 
 class SignalWatch:
-    """See the module doc. `on_signal(signum)` runs on the watch's thread for every signal (so a
-    stop flag is set even when the main thread cannot run its Python handler); `observed()` says
-    the rank reached a step boundary after the signal; `on_blocked(signame, why)` gets it out."""
+    """See the module doc."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
