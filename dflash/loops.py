@@ -163,7 +163,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
-    rows, header = packed.to_wire(batch_index, detail=profiler.api.in_detail())   # the drafter keeps it too
+    rows, header = packed.to_wire(batch_index, detail=profiler.in_detail())   # the drafter keeps it too
     sender.submit(transfer.Message(payload, rows, list(header), ready=ready, release=release,
                                    fingerprint=fingerprint))
     profiler.count("tokens", batch.num_tokens)
@@ -228,7 +228,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         with profiler.span("drafter.recv"):
             msg = rx.get()
         if msg is not None and WireHeader.from_ints(msg.ints).detail:
-            profiler.api.keep_step()   # the target's detail window holds this batch: so does ours
+            profiler.keep_step()   # the target's detail window holds this batch: so does ours
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
             stopped_by = "stream ended" if msg is None else "signal"
