@@ -39,10 +39,12 @@ def _f(key, base, unit, kind, help_, *labels) -> Family:
 
 FAMILIES = {f.key: f for f in (
     _f("span_seconds", "span", "seconds", "histogram",
-       "Span time per profile interval, CPU wall or GPU event time: buckets and count hold whole "
-       "spans; the CPU sum is time in the interval (a long span split across intervals).", "span", "clock"),
+       "Span time per profile interval (window: one interval, accumulated over the run), CPU wall time "
+       "or GPU window (CUDA events, idle gaps included): buckets and count hold whole spans; the CPU sum "
+       "is time in the interval (a long span split across intervals).", "span", "clock"),
     _f("span_share", "span_share", "ratio", "gauge",
-       "Share of the last interval spent in the span (GPU time when measured, else CPU).", "span"),
+       "Share of the last interval spent in the span (window: one interval; its GPU window when CUDA-timed, "
+       "else CPU wall time).", "span"),
     _f("span_bytes", "span_bytes", None, "counter", "Bytes moved by spans that declare bytes.", "span"),
     _f("span_bandwidth", "span_bandwidth", "bytes_per_second", "gauge",
        "Achieved bandwidth of the span in the last interval.", "span"),
@@ -52,9 +54,9 @@ FAMILIES = {f.key: f for f in (
        "Achieved bandwidth over its floor in the last interval.", "span"),
     _f("wait_share", "wait", "ratio", "gauge",
        "Share of the last interval a role spent waiting on the other side.", "span"),
-    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank."),
-    _f("samples", "samples", None, "counter", "Sequences processed by this rank."),
-    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank."),
+    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank (whole run; rate() gives any window)."),
+    _f("samples", "samples", None, "counter", "Sequences processed by this rank (whole run)."),
+    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank (whole run)."),
     _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval."),
     _f("step", "step", None, "gauge", "The rank's current training step."),
     _f("queue_depth", "queue_depth", None, "gauge",
