@@ -57,6 +57,16 @@ def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str
     return tele
 
 
+def _loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) resolves to loopback only."""
+    import ipaddress
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
 def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
     if cfg.telemetry.metrics_port == 0:
         return None
@@ -73,6 +83,10 @@ def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
     except OSError as exc:
         raise ConfigError(f"--metrics-host {cfg.telemetry.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
             from None
+    if not _loopback(cfg.telemetry.metrics_host):
+        print(f"dflash-train: rank {rank}: warning: the metrics endpoint http://{cfg.telemetry.metrics_host}:"
+              f"{exporter.port}/metrics has no authentication and is reachable from the network "
+              "(--metrics-host 127.0.0.1 keeps it on this machine)", file=sys.stderr, flush=True)
     if exporter.port != port:
         print(f"dflash-train: rank {rank}: metrics port {port} is busy; serving "
               f"http://{cfg.telemetry.metrics_host}:{exporter.port}/metrics instead", file=sys.stderr, flush=True)

@@ -73,21 +73,72 @@ class PrometheusExporter:
         self._server.server_close()
 
 
+MAX_CONNECTIONS = 16
+"""Scrapes served at once; a connection beyond them is closed at once (the scraper retries next time)."""
+READ_TIMEOUT_S = 5.0
+"""A connection that sends no full request within this is closed: idle connections cannot pile up threads."""
+
+
+def _server_class(family):
+    """A threading WSGI server with at most MAX_CONNECTIONS handler threads and a read timeout, quiet on a
+    client's error (prometheus_client's own server starts a thread per connection and waits forever)."""
+    import socketserver
+    from wsgiref.simple_server import WSGIServer
+
+    class BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+        address_family = family
+        daemon_threads = True
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+        def process_request(self, request, client_address):
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+        def handle_error(self, request, client_address):
+            pass   # a client that timed out or hung up: nothing to report
+    return BoundedServer
+
+
+def _start(host: str, port: int, registry):
+    import socket
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    class Handler(WSGIRequestHandler):
+        timeout = READ_TIMEOUT_S
+
+        def log_message(self, format, *args):   # noqa: A002 - the base class's name
+            pass
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server = make_server(host, port, make_wsgi_app(registry), _server_class(family), handler_class=Handler)
+    threading.Thread(target=server.serve_forever, name="metrics.http", daemon=True).start()
+    return server
+
+
 def _serve(host: str, port: int, strict: bool, registry):
     """The endpoint's server on host:port; a busy port is MetricsPortInUse when strict, else a free port is
     taken instead (the caller announces it)."""
-    from prometheus_client import start_http_server
-
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        return _start(host, port, registry)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
         if strict:
             raise MetricsPortInUse(exc.errno, f"port {port} on {host} is in use") from None
-        server, thread = start_http_server(0, addr=host, registry=registry)
-    thread.name = "metrics.http"
-    return server
+        return _start(host, 0, registry)
 
 
 # ---- folding records into values (on the exporter thread) -------------------------------------------

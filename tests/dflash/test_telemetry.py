@@ -45,3 +45,22 @@ def test_a_directory_we_do_not_own_is_refused(tmp_path, victim, planted):
         _write_private(sd / "run.json", "[]\n", 0o755, 0o644)
     assert victim.read_text() == "root only\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
     assert not os.path.lexists(sd / "run.json")
+
+
+def test_a_metrics_host_beyond_loopback_is_warned_about_once_per_rank(capsys):
+    """Issue 34 row 12: `--metrics-host 0.0.0.0` binds every interface; the rank says so in one line."""
+    from dflash import telemetry
+    from dflash.config import TrainConfig
+
+    assert telemetry._loopback("127.0.0.1") and telemetry._loopback("localhost") and telemetry._loopback("::1")
+    assert not telemetry._loopback("0.0.0.0")
+    for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        cfg = TrainConfig()
+        cfg.telemetry.metrics_host, cfg.telemetry.metrics_port = host, None   # None: the default port, or a free one
+        exp = telemetry._prometheus(cfg, {"rank": 0, "role": "drafter", "host": "h"}, rank=0, local_rank=0)
+        try:
+            err = capsys.readouterr().err
+            assert ("reachable from the network" in err) is warned
+            assert len(err.splitlines()) <= 2
+        finally:
+            exp.close(1.0)

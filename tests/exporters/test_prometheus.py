@@ -99,3 +99,28 @@ def test_busy_port_refused_when_requested_and_replaced_when_default():
             assert e.port != port and "dflash_events_total" in scrape(e)
         finally:
             e.close(1.0)
+
+
+def test_idle_connections_are_bounded_and_timed_out_and_scrapes_come_back(monkeypatch):
+    """Another local user's idle connections (issue 34 row 9): at most MAX_CONNECTIONS handler threads, each
+    closed after READ_TIMEOUT_S without a request, and then the endpoint serves scrapes again."""
+    import threading
+
+    from exporters import prometheus
+    monkeypatch.setattr(prometheus, "READ_TIMEOUT_S", 0.5)
+    exp = PrometheusExporter({"rank": 0, "role": "drafter", "host": "h"}, port=0)
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", exp.port)) for _ in range(60)]
+        time.sleep(0.3)
+        assert threading.active_count() - before <= prometheus.MAX_CONNECTIONS
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before   # every idle one timed out and its thread ended
+        body = urllib.request.urlopen(f"http://127.0.0.1:{exp.port}/metrics", timeout=5).read().decode()
+        assert "dflash_" in body
+        for s in idle:
+            s.close()
+    finally:
+        exp.close(1.0)
