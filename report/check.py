@@ -178,7 +178,7 @@ def _segments(log) -> list:
         lo = intervals[-1].get("time_unix") or 0.0
         hi = groups[k + 1][0].get("time_unix") if k + 1 < len(groups) else None
         end = next((e for e in log.run_ends if (e.get("time_unix") or 0.0) >= lo
-                    and (hi is None or e["time_unix"] < hi)), None)
+                    and (hi is None or (e.get("time_unix") or 0.0) < hi)), None)
         start = log.run_starts[k] if k < len(log.run_starts) else None
         out.append((start, intervals, end))
     return out
