@@ -2,9 +2,10 @@
 
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
     dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
+    dflash-report check RUN_DIR [--json]      the run's invariants (report.check): one line per violation
 
 Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback),
-1 when the trace cannot be written.
+1 when the trace cannot be written or an invariant does not hold.
 Never imports torch: it reads the run logs with the standard library.
 """
 from __future__ import annotations
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
     t.add_argument("-o", "--output", metavar="FILE", help="output file (default RUN_DIR/trace/merged.json)")
+    c = sub.add_parser("check", help="the invariants every figure of a run must keep: one line per violation")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("--json", action="store_true", help="print violations, notes and counts as JSON")
     return p
 
 
@@ -78,12 +82,32 @@ def _trace(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    """Exit 1 when an invariant does not hold; notes (what the log cannot hold) go to stderr."""
+    from report.check import check
+
+    res = check(args.run_dir)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=1, allow_nan=False))
+    else:
+        for v in res.violations:
+            print(f"check: {v}")
+        if not res.violations:
+            print(res.summary())
+        for line in res.notes:
+            print(f"check: note: {line}", file=sys.stderr)
+    return 1 if res.violations else 0
+
+
+COMMANDS = {"hotspots": _hotspots, "trace": _trace, "check": _check}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from report.runs import ReportError
 
     try:
-        return _trace(args) if args.command == "trace" else _hotspots(args)
+        return COMMANDS[args.command](args)
     except ReportError as e:
         print(f"dflash-report: error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,13 @@
 """`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per interval stacked by
 span per role, tokens/s per role, headroom per GPU). matplotlib is imported by `plot_run` only.
+
+The stacks are self (exclusive) CPU time: host wall time, children left out and split across intervals
+exactly, so a child is never stacked on its parent and a stack stays within the role's threads x interval
+(GPU windows are not split, and would land whole in the interval where they resolve).
 """
 from __future__ import annotations
 
-from profiler.windows import basis_seconds
+from profiler.windows import self_seconds
 from report.runs import Run, gpu_key, gpus
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
@@ -11,8 +15,9 @@ GIB = 1024 ** 3
 
 
 def timeline(run: Run) -> dict:
-    """{"interval_s", "roles": {role: {"ranks", "seconds", "spans": {name: [seconds]}, "tokens_per_s"}},
-    "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run started."""
+    """{"interval_s", "roles": {role: {"ranks", "start_seconds", "seconds", "spans": {name: [self CPU seconds]},
+    "tokens_per_s"}}, "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run
+    started, at each interval's end ("start_seconds": where the first interval began)."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
     t0 = min((s["time_unix"] for s in starts), default=None) or \
         min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
@@ -25,10 +30,11 @@ def timeline(run: Run) -> dict:
         for k, rec in enumerate(log.intervals):
             # the k-th interval of every rank of a role in one bin: ranks start a little apart, and a
             # final, partial interval must not fold into the one before it
-            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": []})
+            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": []})
             b["seconds"].append(rec["time_unix"] - t0)
+            b["starts"].append(rec["time_unix"] - t0 - (rec.get("duration_seconds") or 0.0))
             for name, e in (rec.get("spans") or {}).items():
-                b["spans"][name] = b["spans"].get(name, 0.0) + basis_seconds(e)
+                b["spans"][name] = b["spans"].get(name, 0.0) + self_seconds(e, "cpu")
             b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
             for g in gpus(rec):
                 if g.get("headroom_bytes") is not None:
@@ -43,8 +49,8 @@ def timeline(run: Run) -> dict:
 def _series(acc: dict) -> dict:
     keys = sorted(acc["bins"])
     names = sorted({n for b in acc["bins"].values() for n in b["spans"]})
-    return {"ranks": acc["ranks"], "seconds": [sum(acc["bins"][k]["seconds"]) / len(acc["bins"][k]["seconds"])
-                                               for k in keys],
+    return {"ranks": acc["ranks"], "start_seconds": min(acc["bins"][keys[0]]["starts"]) if keys else 0.0,
+            "seconds": [sum(acc["bins"][k]["seconds"]) / len(acc["bins"][k]["seconds"]) for k in keys],
             "spans": {n: [acc["bins"][k]["spans"].get(n, 0.0) for k in keys] for n in names},
             "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys]}
 
@@ -69,15 +75,18 @@ def _line_style(n_points: int) -> dict:
     return {"marker": ".", "markersize": 4} if n_points <= 120 else {"linewidth": 0.8}
 
 
-def _plot_role(ax, role: str, s: dict, x: list, colors: dict, interval_s: float) -> None:
+def _plot_role(ax, role: str, s: dict, per: float, colors: dict, interval_s: float) -> None:
+    """Steps drawn "pre" from each interval's end back to the previous one's, and the first from where it
+    began, so the first interval is drawn too."""
     layers = _top_spans(s["spans"])
     if layers:
-        ax.stackplot(x, *[v for _, v in layers], labels=[n for n, _ in layers], step="pre",
+        x = [t / per for t in [s["start_seconds"], *s["seconds"]]]
+        ax.stackplot(x, *[[v[0], *v] for _, v in layers], labels=[n for n, _ in layers], step="pre",
                      colors=[colors.get(n, "0.6") for n, _ in layers])
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
-    ax.set_ylabel("span seconds\nper interval")
-    ax.set_title(f"{role}: span time per {interval_s:g} s interval, stacked by span (GPU time where measured; "
-                 f"sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9, loc="left")
+    ax.set_ylabel("self CPU seconds\nper interval")
+    ax.set_title(f"{role}: self CPU time (host wall, children left out) per {interval_s:g} s interval, stacked by "
+                 f"span (sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9, loc="left")
 
 
 def plot_run(run: Run, png_path) -> str:
@@ -96,7 +105,7 @@ def plot_run(run: Run, png_path) -> str:
     fig, axes = plt.subplots(len(roles) + 2, 1, figsize=(12, 3.0 * (len(roles) + 2)), sharex=True, squeeze=False)
     axes = axes[:, 0]
     for ax, (role, s) in zip(axes, roles.items()):
-        _plot_role(ax, role, s, [t / per for t in s["seconds"]], colors, tl["interval_s"])
+        _plot_role(ax, role, s, per, colors, tl["interval_s"])
     ax = axes[len(roles)]
     for role, s in roles.items():
         ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))

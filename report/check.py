@@ -1,0 +1,393 @@
+"""`dflash-report check RUN_DIR`: the invariants of DESIGN.md "Windows, phases and invariants", evaluated on
+any run directory. Each broken one is a `Violation` naming its file, rank, interval and span; what a log
+cannot hold (logs written before self time, warm-up marks or phase lists) is skipped with a note.
+
+shares     a share is at most 100% of its threads' time; per thread, self time fits in the interval
+order      p50 <= p95 <= p99 <= max and mean <= max; counts non-negative
+agree      one quantity, one value: throughput file = its event = the report; run_end = its intervals summed
+once       a span's time over the run fits in its threads' wall time; self <= total
+phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
+flows      the merged trace matches at least FLOW_MATCH_MIN of its sends
+
+Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from monitoring.trace_events import MAX_EVENTS, build_trace, newest_within, prepare, proc_info
+from profiler.windows import clock_seconds, self_seconds, span_clock, steady_throughput
+from report import hotspots_of
+from report.runs import Run, load_run, paused_gc, wall_seconds
+
+PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
+"""The phase spans DESIGN.md names ("Phases"): a run that shows one must list it in run_start `phase_spans`."""
+SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
+RATE_TOLERANCE = 0.01    # the same steady rate on two surfaces (DESIGN.md: within 1%)
+TOTAL_REL, TOTAL_ABS_SECONDS = 0.01, 1e-3   # run_end CPU totals against their intervals summed
+FLOW_MATCH_MIN = 0.95
+STAT_KEYS = ("p50_seconds", "p95_seconds", "p99_seconds", "max_seconds")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant: which (`invariant`, one of the module doc's names), where, and what."""
+    invariant: str
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.where}: {self.message}"
+
+
+@dataclass
+class CheckResult:
+    """Everything `check` found: the violations, the notes on what it skipped, and how much it checked."""
+    run_dir: str
+    violations: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    checked: int = 0          # invariant instances evaluated
+    ranks: int = 0
+    intervals: int = 0
+
+    def expect(self, ok: bool, invariant: str, where: str, message) -> bool:
+        """Count one evaluated invariant; record a Violation (message: a str or a callable making one) if
+        it does not hold."""
+        self.checked += 1
+        if not ok:
+            self.violations.append(Violation(invariant, where, message() if callable(message) else message))
+        return ok
+
+    def note(self, line: str) -> None:
+        if line not in self.notes:
+            self.notes.append(line)
+
+    def to_json(self) -> dict:
+        return {"run_dir": self.run_dir, "ok": not self.violations, "invariants": self.checked,
+                "ranks": self.ranks, "intervals": self.intervals,
+                "violations": [asdict(v) for v in self.violations], "notes": list(self.notes)}
+
+    def summary(self) -> str:
+        return f"check: {self.checked} invariants over {self.ranks} ranks, {self.intervals} intervals: all hold"
+
+
+def _le(a, b, slack: float = 0.0) -> bool:
+    """a <= b (+ slack, + a relative 1e-9 for floating sums); True when either is unknown."""
+    return a is None or b is None or a <= b + slack + 1e-9 * abs(b)
+
+
+def _fmt(x) -> str:
+    return "null" if x is None else f"{x:.6g}"
+
+
+def check(run_dir) -> CheckResult:
+    """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command)."""
+    with paused_gc():
+        run = load_run(run_dir, with_spans=True)
+        res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
+                          intervals=sum(len(log.intervals) for log in run.ranks.values()))
+        report = hotspots_of(run)
+        files = {rank: _read_throughput(res, run, log) for rank, log in run.ranks.items()}
+        for log in run.ranks.values():
+            where = _log_name(log)
+            for rec in log.intervals:
+                _check_interval(res, where, rec)
+            for seg, (start, intervals, end) in enumerate(_segments(log)):
+                _check_segment(res, f"{where} segment {seg}", start, intervals, end)
+            _check_once(res, where, log)
+            _check_throughput(res, log, files[log.rank], report)
+        _check_report_rows(res, run, report)
+        _check_role_rates(res, run, files, report)
+        _check_flows(res, run)
+    return res
+
+
+def check_run(run_dir) -> list:
+    """The violations of RUN_DIR's invariants (empty: all hold); see `check` for the notes and counts."""
+    return check(run_dir).violations
+
+
+def _log_name(log) -> str:
+    return f"profile/rank{log.rank}.jsonl ({log.role})"
+
+
+# ---- per interval: shares, order statistics, self <= total ---------------------------------------
+
+def _check_interval(res: CheckResult, where: str, rec: dict) -> None:
+    at = f"{where} interval {rec.get('index')}"
+    duration = rec.get("duration_seconds") or 0.0
+    per_thread: dict = {}
+    for name, e in (rec.get("spans") or {}).items():
+        here = f"{at} span {name}"
+        threads = e.get("threads") or []
+        res.expect(_le(e.get("share"), max(1, len(threads)), SHARE_SLACK), "shares", here,
+                   lambda: f"share {_fmt(e.get('share'))} over {max(1, len(threads))} thread(s)")
+        _check_entry_stats(res, here, e)
+        own = (e.get("cpu") or {}).get("self_seconds")
+        if own is None:
+            res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
+                     "per-thread self-time sums not checked")
+        elif len(threads) == 1:
+            per_thread[threads[0]] = per_thread.get(threads[0], 0.0) + own
+    for thread, own in per_thread.items():
+        res.expect(_le(own, duration, SHARE_SLACK), "shares", f"{at} thread {thread}",
+                   lambda: f"self CPU time of its spans {_fmt(own)} s > the interval's {_fmt(duration)} s")
+
+
+def _check_entry_stats(res: CheckResult, here: str, e: dict) -> None:
+    """Order statistics, non-negative counts and self <= total of one span entry (interval or run_end)."""
+    for key in ("count", "gpu_count", "gpu_unresolved"):
+        if e.get(key) is not None:
+            res.expect(e[key] >= 0, "order", here, lambda: f"{key} {e[key]} < 0")
+    for clock in ("cpu", "gpu"):
+        stats = e.get(clock)
+        if not stats:
+            continue
+        _check_order(res, f"{here} {clock}", stats)
+        if "buckets" in stats and stats["buckets"] is not None:
+            res.expect(all(c >= 0 for c in stats["buckets"]), "order", f"{here} {clock}", "a negative bucket count")
+        own, total = stats.get("self_seconds"), stats.get("total_seconds")
+        if own is not None:
+            res.expect(own >= 0 and _le(own, total, 1e-9), "once", f"{here} {clock}",
+                       lambda: f"self {_fmt(own)} s not within 0..total {_fmt(total)} s")
+
+
+def _check_order(res: CheckResult, here: str, stats: dict) -> None:
+    """p50 <= p95 <= p99 <= max and mean <= max, over the keys the block has."""
+    chain = [(k, stats[k]) for k in STAT_KEYS if stats.get(k) is not None]
+    for (ka, a), (kb, b) in zip(chain, chain[1:]):
+        res.expect(_le(a, b), "order", here, lambda: f"{ka} {_fmt(a)} > {kb} {_fmt(b)}")
+    mean, top = stats.get("mean_seconds"), stats.get("max_seconds")
+    res.expect(_le(mean, top), "order", here, lambda: f"mean_seconds {_fmt(mean)} > max_seconds {_fmt(top)}")
+
+
+# ---- per segment: run_end against its intervals; warm-up marked; phases listed ----------------------
+
+def _segments(log) -> list:
+    """[(run_start or None, intervals, run_end or None)] in file order: a segment's intervals count from
+    index 0; its run_end is the first written at or after its last interval and before the next segment."""
+    groups: list = []
+    for rec in log.intervals:
+        if rec.get("index") == 0 or not groups:
+            groups.append([])
+        groups[-1].append(rec)
+    out = []
+    for k, intervals in enumerate(groups):
+        lo = intervals[-1].get("time_unix") or 0.0
+        hi = groups[k + 1][0].get("time_unix") if k + 1 < len(groups) else None
+        end = next((e for e in log.run_ends if (e.get("time_unix") or 0.0) >= lo
+                    and (hi is None or (e.get("time_unix") or 0.0) < hi)), None)
+        start = log.run_starts[k] if k < len(log.run_starts) else None
+        out.append((start, intervals, end))
+    return out
+
+
+def _check_segment(res: CheckResult, where: str, start, intervals: list, end) -> None:
+    if start is not None:
+        _check_phases_tagged(res, where, start, intervals)
+    if end is None:
+        res.note(f"{where}: no run_end (the rank stopped without one): its totals not checked")
+        return
+    res.expect(end.get("intervals") in (None, len(intervals)), "agree", f"{where} run_end",
+               lambda: f"says {end.get('intervals')} intervals, the log holds {len(intervals)}")
+    for name, e in (end.get("spans") or {}).items():
+        here = f"{where} run_end span {name}"
+        _check_entry_stats(res, here, e)
+        entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
+        count = sum(x.get("count") or 0 for x in entries)
+        res.expect(e.get("count") == count, "agree", here,
+                   lambda: f"count {e.get('count')} != its intervals' {count}")
+        total = (e.get("cpu") or {}).get("total_seconds") or 0.0
+        summed = sum((x.get("cpu") or {}).get("total_seconds") or 0.0 for x in entries)
+        res.expect(abs(total - summed) <= TOTAL_REL * abs(summed) + TOTAL_ABS_SECONDS, "agree", here,
+                   lambda: f"cpu.total_seconds {_fmt(total)} != its intervals' {_fmt(summed)}")
+    for name, c in (end.get("counters") or {}).items():
+        summed = sum(((r.get("counters") or {}).get(name) or {}).get("total") or 0 for r in intervals)
+        total = c.get("total") or 0
+        res.expect(abs(total - summed) <= 1e-9 * max(abs(total), 1.0), "agree", f"{where} run_end counter {name}",
+                   lambda: f"total {_fmt(total)} != its intervals' {_fmt(summed)}")
+
+
+def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: list) -> None:
+    """A segment with warm-up steps marks its first interval warm-up; every phase span that shows is listed."""
+    if "warmup_steps" not in start:
+        res.note(f"{where}: run_start without warmup_steps (written before warm-up marks): not checked")
+    elif (start.get("warmup_steps") or 0) > 0 and intervals:
+        res.expect(bool(intervals[0].get("warmup")), "phases", f"{where} interval {intervals[0].get('index')}",
+                   lambda: f"not marked warmup, though run_start gives warmup_steps {start['warmup_steps']}")
+    if "phase_spans" not in start:
+        res.note(f"{where}: run_start without phase_spans (written before phases were listed): not checked")
+        return
+    listed = set(start.get("phase_spans") or ())
+    seen = {n for r in intervals for n in (r.get("spans") or {}) if n in PHASES}
+    for name in sorted(seen - listed):
+        res.expect(False, "phases", f"{where} span {name}", "a phase span not listed in run_start phase_spans")
+    res.checked += len(seen & listed)
+
+
+# ---- per rank: nothing counted twice; the throughput file, its event and the report -----------------
+
+def _check_once(res: CheckResult, where: str, log) -> None:
+    """Per span name, its time over the rank's intervals on its one clock fits in the rank's wall time times
+    the threads that ran it (a span counted as open CPU time and again as GPU time would not)."""
+    wall = wall_seconds(log.intervals)
+    by_name: dict = {}
+    for rec in log.intervals:
+        for name, e in (rec.get("spans") or {}).items():
+            by_name.setdefault(name, []).append(e)
+    for name, entries in by_name.items():
+        on = span_clock(entries)
+        total = sum((clock_seconds(e, on) for e in entries), 0.0)
+        threads = max(1, len({t for e in entries for t in e.get("threads") or ()}))
+        res.expect(_le(total, wall * threads, SHARE_SLACK * max(1, len(entries))), "once", f"{where} span {name}",
+                   lambda: f"{_fmt(total)} s on the {on} clock over the run > {threads} thread(s) x its "
+                           f"wall {_fmt(wall)} s")
+
+
+def _read_throughput(res: CheckResult, run: Run, log) -> dict | None:
+    """RUN_DIR/throughput/rank{R}.json, or None when absent; an unreadable one is a violation."""
+    path = Path(run.run_dir) / "throughput" / f"rank{log.rank}.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        res.expect(False, "agree", f"throughput/rank{log.rank}.json", f"unreadable: {e}")
+        return None
+
+
+def _throughput_events(log) -> list:
+    return [e for e in log.events if e.get("kind") == "throughput"]
+
+
+def _marks_phases(log) -> bool:
+    """Whether the rank's log was written with warm-up marks, phase lists and throughput events (6042c1f)."""
+    return any("warmup_steps" in s for s in log.run_starts)
+
+
+def _check_throughput(res: CheckResult, log, got: dict | None, report: dict) -> None:
+    """The file says what the rank's last throughput event says (exactly), the report's rank row what its
+    events say (within RATE_TOLERANCE), and a drafter past warm-up wrote one."""
+    name = f"throughput/rank{log.rank}.json"
+    events = _throughput_events(log)
+    meter = steady_throughput(events)
+    if not _marks_phases(log) and not events:
+        res.note(f"{_log_name(log)}: written before throughput events: {name} not checked against it")
+        return
+    if got is not None or events:
+        res.expect(got is not None and bool(events), "agree", name, lambda: "the throughput file is missing"
+                   if got is None else f"no throughput event in {_log_name(log)}")
+    if got is not None and events:
+        last = events[-1].get("steady_tokens_per_s")
+        res.expect(got.get("steady_tokens_per_s") == last, "agree", name,
+                   lambda: f"steady_tokens_per_s {_fmt(got.get('steady_tokens_per_s'))} != its last throughput "
+                           f"event's {_fmt(last)} ({_log_name(log)})")
+    if len(events) > 1:
+        res.note(f"{name}: holds the last of {len(events)} segments; the report's rate (all segments) is "
+                 "checked against the run log's throughput events")
+    row = next((r for r in report["ranks"]["ranks"] if r["rank"] == log.rank), None)
+    if meter is not None and row is not None:
+        want = meter["steady_tokens_per_s"] if len(events) > 1 else (got or events[-1]).get("steady_tokens_per_s")
+        res.expect(_close(row.get("steady_tokens_per_s"), want), "agree", f"hotspots ranks rank {log.rank}",
+                   lambda: f"steady_tokens_per_s {_fmt(row.get('steady_tokens_per_s'))} != {name}'s {_fmt(want)}")
+    if log.role == "drafter":
+        _check_past_warmup(res, log, events)
+
+
+def _close(a, b, rel: float = RATE_TOLERANCE) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def _check_past_warmup(res: CheckResult, log, events: list) -> None:
+    """Each segment that ended `ok` more than warmup_steps past where it began has a throughput event
+    (ThroughputMeter.finish). A segment's steps start where the previous segment's last step left off."""
+    begin_step, after_unix = 0, None
+    for k, (start, _intervals, end) in enumerate(_segments(log)):
+        if end is None or start is None:
+            begin_step, after_unix = None, None
+            continue
+        warm, step = start.get("warmup_steps"), end.get("step") or 0
+        if warm is not None and begin_step is not None and end.get("status") == "ok" and step > begin_step + warm:
+            mine = [e for e in events if (after_unix is None or e.get("time_unix", 0.0) > after_unix)
+                    and e.get("time_unix", 0.0) <= end.get("time_unix", 0.0)]
+            res.expect(bool(mine), "phases", f"{_log_name(log)} segment {k}",
+                       lambda: f"ran to step {step}, past {warm} warm-up steps from step {begin_step}, "
+                               "and wrote no throughput event")
+        begin_step, after_unix = step + 1, end.get("time_unix")
+
+
+# ---- the report: its rows and its per-role steady rates ---------------------------------------------
+
+def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
+    """Each hotspots row: share at most its threads' (share x role wall <= threads x wall), order
+    statistics in order, self <= total."""
+    threads: dict = {}
+    for log in run.ranks.values():
+        for rec in log.intervals:
+            for name, e in (rec.get("spans") or {}).items():
+                key = (log.role, name)
+                threads[key] = max(threads.get(key, 1), len(e.get("threads") or ()))
+    for row in report["spans"]["rows"]:
+        here = f"hotspots row {row['role']} {row['span']}"
+        n = threads.get((row["role"], row["span"]), 1)
+        res.expect(_le(row.get("share"), n, SHARE_SLACK), "shares", here,
+                   lambda: f"share {_fmt(row.get('share'))} over {n} thread(s)")
+        _check_order(res, here, row)
+        res.expect(row.get("count", 0) >= 0, "order", here, lambda: f"count {row.get('count')} < 0")
+        res.expect(_le(row.get("self_seconds"), row.get("total_seconds"), 1e-9), "once", here,
+                   lambda: f"self {_fmt(row.get('self_seconds'))} s > total {_fmt(row.get('total_seconds'))} s")
+
+
+def _check_role_rates(res: CheckResult, run: Run, files: dict, report: dict) -> None:
+    """The report's steady rate per role is its ranks' throughput files summed (a resumed rank: its events,
+    all segments), and the headline `steady_tokens_per_s` the drafters'."""
+    roles = report["steady"]["roles"]
+    for role, logs in run.by_role().items():
+        if not any(_marks_phases(log) or _throughput_events(log) for log in logs):
+            continue   # written before throughput events: noted per rank
+        rates = []
+        for log in logs:
+            events = _throughput_events(log)
+            rate = (steady_throughput(events) or {}).get("steady_tokens_per_s") if len(events) > 1 else \
+                (files[log.rank] or {}).get("steady_tokens_per_s")
+            if rate is not None:
+                rates.append(rate)
+        mine = (roles.get(role) or {}).get("steady_tokens_per_s")
+        if not rates and mine is None:
+            continue
+        want = sum(rates) if rates else None
+        res.expect(_close(mine, want), "agree", f"hotspots steady {role}",
+                   lambda: f"steady_tokens_per_s {_fmt(mine)} != its ranks' throughput files summed {_fmt(want)}")
+    drafter = (roles.get("drafter") or {}).get("steady_tokens_per_s")
+    res.expect(report.get("steady_tokens_per_s") == drafter, "agree", "hotspots steady_tokens_per_s",
+               lambda: f"{_fmt(report.get('steady_tokens_per_s'))} != the drafters' {_fmt(drafter)}")
+
+
+# ---- flows in the merged trace ---------------------------------------------------------------------
+
+def _check_flows(res: CheckResult, run: Run) -> None:
+    """In the merged trace (built as report.trace.merge_traces builds it, in memory), at least
+    FLOW_MATCH_MIN of the sends have their receive, when the run has a target and a drafter that sent."""
+    if not {"target", "drafter"} <= set(run.by_role()):
+        res.note("flows: the run lacks a target or a drafter rank: not checked")
+        return
+    budget = max(1, MAX_EVENTS // len(run.ranks))
+    procs, prepared = [], []
+    for rank, log in run.ranks.items():
+        proc = proc_info(rank, log.run_starts[-1] if log.run_starts else {"role": log.role})
+        kept, _, _ = newest_within(log.spans, budget)
+        procs.append(proc)
+        prepared += [prepare(rank, r) for r in kept]
+    sends = sum(1 for p in prepared for _flow, is_send, _ev in p["flows"] if is_send)
+    if not sends:
+        res.note("flows: no transfer.send with a flow in any detail window: not checked")
+        return
+    _, counts = build_trace(procs, prepared)
+    matched = counts["flows_matched"]
+    res.expect(matched >= FLOW_MATCH_MIN * sends, "flows", "merged trace",
+               lambda: f"{matched} of {sends} sends have their receive ({matched / sends:.0%}; "
+                       f"at least {FLOW_MATCH_MIN:.0%} must)")

@@ -1,0 +1,329 @@
+"""dflash-report check (report/check.py): run logs written as docs/RUNLOG.md says, a clean one (a compile
+outlier among GPU-timed steps, nested spans, a span crossing an interval boundary, a resumed run) that keeps
+every invariant, then one broken invariant at a time, which the check names with its place; the CLI's exit
+codes; the plot's stacks of self time; and the suite's shared real run."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+import report.check as check_mod
+from dflash import report_cli
+from report.check import PHASES, check, check_run
+from report.plot import timeline
+from report.runs import load_run
+
+T0 = 1_000_000.0           # Unix seconds the crafted run starts at
+D, T = "drafter.main", "target.main"
+
+
+def stats(values: list, total: float | None = None, own: float | None = None) -> dict:
+    """A cpu/gpu block of whole span `values`, its split `total` and self time `own` (default: their sum)."""
+    v = sorted(values)
+    total = sum(v) if total is None else total
+
+    def q(p):
+        return v[min(len(v) - 1, int(p * len(v)))] if v else None
+
+    return {"total_seconds": total, "self_seconds": total if own is None else own,
+            "mean_seconds": sum(v) / len(v) if v else None, "p50_seconds": q(0.5), "p95_seconds": q(0.95),
+            "p99_seconds": q(0.99), "max_seconds": v[-1] if v else None}
+
+
+def entry(values: list, thread: str, total=None, own=None, gpu: list | None = None, open_s: float = 0.0) -> dict:
+    """A span entry of a 1 s interval; GPU-timed when `gpu` (its share capped at the interval)."""
+    e = {"count": len(values), "threads": [thread], "cpu": stats(values, total, own), "open_cpu_seconds": open_s}
+    e["share"] = e["cpu"]["total_seconds"]
+    if gpu is not None:
+        e["gpu"], e["gpu_count"] = stats(gpu), len(gpu)
+        e["share"] = min(1.0, sum(gpu))
+    return e
+
+
+def interval(rank: int, role: str, index: int, step: int, spans: dict, tokens: int, t0: float, **marks) -> dict:
+    return {"type": "interval", "rank": rank, "role": role, "index": index, "step": step,
+            "time_unix": t0 + index + 1.0, "duration_seconds": 1.0, "spans": spans,
+            "counters": {"tokens": {"total": tokens, "per_second": float(tokens)}}, **marks}
+
+
+def drafter_intervals(t0: float = T0, warm: bool = True) -> list:
+    """Interval 0: the first step, compiling (a 0.7 s GPU outlier; drafter.compile nested in drafter.fwd_bwd:
+    0.85 s total, 0.25 s self); drafter.recv open across the 1->2 boundary (0.3 s, then 0.2 s, 0.5 s whole)."""
+    return [
+        interval(0, "drafter", 0, 1, {"drafter.recv": entry([0.1], D),
+                                      "drafter.fwd_bwd": entry([0.85], D, own=0.25, gpu=[0.7]),
+                                      "drafter.compile": entry([0.6], D)}, 100, t0, **({"warmup": True} if warm else {})),
+        interval(0, "drafter", 1, 5, {"drafter.fwd_bwd": entry([0.15] * 4, D, gpu=[0.05, 0.05, 0.06, 0.05]),
+                                      "drafter.optim": entry([0.02] * 4, D),
+                                      "drafter.recv": entry([], D, total=0.3, open_s=0.3)}, 400, t0,
+                 **({"warmup": True} if warm else {})),
+        interval(0, "drafter", 2, 8, {"drafter.recv": entry([0.5], D, total=0.2),
+                                      "drafter.fwd_bwd": entry([0.2] * 3, D, gpu=[0.05] * 3),
+                                      "ckpt.save": entry([0.1], D)}, 300, t0, final=True),
+    ]
+
+
+def target_intervals(t0: float = T0) -> list:
+    return [interval(1, "target", k, 3 * k + 3, {"target.fwd": entry([0.15] * 3, T),
+                                                  "transfer.send": entry([0.05] * 3, T)}, 300, t0,
+                     **({"warmup": True} if k == 0 else {}), **({"final": True} if k == 2 else {}))
+            for k in range(3)]
+
+
+def run_end(rank: int, role: str, intervals: list, step: int) -> dict:
+    """The segment's aggregates, as profiler/intervals.py sums them: counts, split CPU totals and self times."""
+    spans: dict = {}
+    for rec in intervals:
+        for name, e in rec["spans"].items():
+            s = spans.setdefault(name, {"count": 0, "threads": e["threads"], "cpu": {
+                "total_seconds": 0.0, "self_seconds": 0.0, "max_seconds": None}})
+            s["count"] += e["count"]
+            s["cpu"]["total_seconds"] += e["cpu"]["total_seconds"]
+            s["cpu"]["self_seconds"] += e["cpu"]["self_seconds"]
+            if e["cpu"]["max_seconds"] is not None:
+                s["cpu"]["max_seconds"] = max(s["cpu"]["max_seconds"] or 0.0, e["cpu"]["max_seconds"])
+    tokens = sum(r["counters"]["tokens"]["total"] for r in intervals)
+    return {"type": "run_end", "rank": rank, "role": role, "step": step, "status": "ok",
+            "time_unix": intervals[-1]["time_unix"] + 0.01, "duration_seconds": float(len(intervals)),
+            "intervals": len(intervals), "spans": spans, "counters": {"tokens": {"total": tokens}}}
+
+
+def throughput(rank: int, role: str, rate: float, at: float, steps: int = 6) -> dict:
+    return {"type": "event", "kind": "throughput", "rank": rank, "role": role, "time_unix": at,
+            "window": "steady state", "steady_tokens_per_s": rate, "steady_tokens": rate * 2.0,
+            "steady_seconds": 2.0, "steady_steps": steps, "phases_seconds": {"ckpt.save": 0.1}}
+
+
+def segment(rank: int, role: str, intervals: list, step: int, rate: float) -> list:
+    start = {"type": "run_start", "rank": rank, "role": role, "schema": 1, "run_id": "run", "hostname": "h",
+             "time_unix": intervals[0]["time_unix"] - 1.0, "interval_s": 1.0, "warmup_steps": 2,
+             "phase_spans": list(PHASES)}
+    return [start, *intervals, throughput(rank, role, rate, intervals[-1]["time_unix"] - 0.05),
+            run_end(rank, role, intervals, step)]
+
+
+def flows(rank: int, name: str, thread: str, batches: range, t0: float) -> dict:
+    """A detail window: one `name` span per batch, tagged with its flow (target rank 1's batch b)."""
+    ns = int(t0 * 1e9)
+    return {"type": "spans", "rank": rank, "index": 1, "steps": [1, 3], "dropped": 0, "spans": [
+        {"id": b, "parent": None, "name": name, "thread": thread, "tid": 100 + rank, "depth": 0,
+         "start_unix_ns": ns + b * 10_000_000, "end_unix_ns": ns + b * 10_000_000 + 5_000_000,
+         "cpu_seconds": 0.005, "gpu_seconds": None, "bytes": None, "attrs": {"flow": f"1:{b}"}} for b in batches]}
+
+
+def clean(resumed: bool = False) -> dict:
+    """{"logs": {rank: [records]}, "files": {rank: throughput file}}: a run that keeps every invariant."""
+    drafter = segment(0, "drafter", drafter_intervals(), 7, 350.0)
+    drafter.insert(4, flows(0, "drafter.recv", D, range(1, 5), T0 + 1.5))
+    if resumed:   # a second segment resumes at step 8: its intervals count from 0 again
+        drafter += segment(0, "drafter", drafter_intervals(T0 + 10.0, warm=True), 15, 330.0)
+    target = segment(1, "target", target_intervals(), 8, 360.0)
+    target.insert(3, flows(1, "transfer.send", T, range(1, 5), T0 + 1.4))
+    files = {rank: {k: v for k, v in [r for r in recs if r.get("kind") == "throughput"][-1].items()
+                    if k not in ("type", "kind", "rank", "time_unix")}
+             for rank, recs in ((0, drafter), (1, target))}
+    return {"logs": {0: drafter, 1: target}, "files": files}
+
+
+def write(run_dir: Path, run: dict) -> Path:
+    (run_dir / "profile").mkdir(parents=True)
+    (run_dir / "throughput").mkdir()
+    for rank, recs in run["logs"].items():
+        (run_dir / "profile" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for rank, f in run["files"].items():
+        (run_dir / "throughput" / f"rank{rank}.json").write_text(json.dumps(f) + "\n")
+    return run_dir
+
+
+def find(recs: list, kind: str, index: int | None = None) -> dict:
+    """The first record of type (or event kind) `kind`, with interval `index` when given."""
+    return next(r for r in recs if kind in (r["type"], r.get("kind")) and (index is None or r.get("index") == index))
+
+
+# ---- a clean run ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["one segment", "resumed"])
+def test_a_clean_run_keeps_every_invariant(tmp_path, resumed):
+    res = check(write(tmp_path / "run", clean(resumed)))
+    assert res.violations == []
+    assert res.ranks == 2 and res.intervals == (9 if resumed else 6) and res.checked > 100
+    assert res.summary() == f"check: {res.checked} invariants over 2 ranks, {res.intervals} intervals: all hold"
+
+
+def test_an_old_log_is_noted_not_violated(tmp_path):
+    """A log written before self time, warm-up marks and throughput events: what it cannot hold is a note."""
+    run = clean()
+    for recs in run["logs"].values():
+        recs[:] = [r for r in recs if r.get("kind") != "throughput"]
+        for r in recs:
+            r.pop("warmup_steps", None), r.pop("phase_spans", None), r.pop("warmup", None)
+            if r["type"] in ("interval", "run_end"):
+                for e in r["spans"].values():
+                    e["cpu"].pop("self_seconds", None)
+    res = check(write(tmp_path / "run", run))
+    assert res.violations == []
+    assert any("self_seconds" in n for n in res.notes) and any("warmup_steps" in n for n in res.notes)
+    assert any("written before throughput events" in n for n in res.notes)
+
+
+# ---- one broken invariant at a time -----------------------------------------------------------------
+
+def _drafter(run, kind, index=None):
+    return find(run["logs"][0], kind, index)
+
+
+def _set(path_fn, key, value):
+    def edit(run):
+        path_fn(run)[key] = value
+    return edit
+
+
+def _more_optim(run):
+    """drafter.optim given 0.45 s (its run_end too): with drafter.fwd_bwd's 0.6 s and drafter.recv's 0.3 s on
+    the same thread, 1.35 s of self time in a 1 s interval, though each share is below 1."""
+    e = _drafter(run, "interval", 1)["spans"]["drafter.optim"]
+    e["cpu"]["total_seconds"] = e["cpu"]["self_seconds"] = e["share"] = 0.45
+    end = _drafter(run, "run_end")["spans"]["drafter.optim"]["cpu"]
+    end["total_seconds"] = end["self_seconds"] = 0.45
+
+
+BROKEN = {
+    "an interval share above 1": (
+        _set(lambda r: _drafter(r, "interval", 1)["spans"]["drafter.optim"], "share", 1.2),
+        "shares", "rank0.jsonl (drafter) interval 1 span drafter.optim"),
+    "self time above the interval on a thread": (
+        _more_optim, "shares", "interval 1 thread drafter.main"),
+    "p50 above p95": (
+        _set(lambda r: _drafter(r, "interval", 1)["spans"]["drafter.fwd_bwd"]["cpu"], "p95_seconds", 0.01),
+        "order", "interval 1 span drafter.fwd_bwd cpu"),
+    "a GPU mean above its max (the compile outlier scaled)": (
+        _set(lambda r: _drafter(r, "interval", 0)["spans"]["drafter.fwd_bwd"]["gpu"], "mean_seconds", 2.8),
+        "order", "interval 0 span drafter.fwd_bwd gpu"),
+    "a negative count": (
+        _set(lambda r: _drafter(r, "interval", 2)["spans"]["drafter.fwd_bwd"], "gpu_unresolved", -1),
+        "order", "interval 2 span drafter.fwd_bwd"),
+    "the throughput file apart from its event": (
+        _set(lambda r: r["files"][0], "steady_tokens_per_s", 350.0 + 1e-9), "agree", "throughput/rank0.json"),
+    "run_end counting a span its intervals do not": (
+        _set(lambda r: _drafter(r, "run_end")["spans"]["drafter.optim"], "count", 5),
+        "agree", "segment 0 run_end span drafter.optim"),
+    "run_end CPU time its intervals do not hold": (
+        _set(lambda r: _drafter(r, "run_end")["spans"]["drafter.recv"]["cpu"], "total_seconds", 0.7),
+        "agree", "segment 0 run_end span drafter.recv"),
+    "a run_end counter apart from its intervals": (
+        _set(lambda r: _drafter(r, "run_end")["counters"]["tokens"], "total", 801),
+        "agree", "segment 0 run_end counter tokens"),
+    "GPU time counted beyond the rank's wall": (   # the report's row, over the same time, says so too
+        _set(lambda r: _drafter(r, "interval", 2)["spans"]["drafter.fwd_bwd"]["gpu"], "total_seconds", 2.5),
+        ("once", "shares"), "rank0.jsonl (drafter) span drafter.fwd_bwd"),
+    "a child's self time above its total": (
+        _set(lambda r: _drafter(r, "interval", 0)["spans"]["drafter.compile"]["cpu"], "self_seconds", 0.61),
+        "once", "interval 0 span drafter.compile cpu"),
+    "a warm-up interval not marked": (
+        lambda r: _drafter(r, "interval", 0).pop("warmup"), "phases", "segment 0 interval 0"),
+    "a phase span not listed": (
+        _set(lambda r: _drafter(r, "run_start"), "phase_spans", [p for p in PHASES if p != "ckpt.save"]),
+        "phases", "segment 0 span ckpt.save"),
+    "flows without their receives": (
+        lambda r: r["logs"][0].remove(_drafter(r, "spans")), "flows", "merged trace"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_each_broken_invariant_is_named_where_it_breaks(tmp_path, case):
+    edit, invariants, where = BROKEN[case]
+    invariants = (invariants,) if isinstance(invariants, str) else invariants
+    run = clean()
+    edit(run)
+    found = check_run(write(tmp_path / "run", run))
+    assert {v.invariant for v in found} == set(invariants), [str(v) for v in found]
+    assert any(v.invariant == invariants[0] and where in v.where for v in found), [str(v) for v in found]
+
+
+def test_a_drafter_past_warmup_without_a_throughput_event(tmp_path):
+    run = clean()
+    run["logs"][0].remove(_drafter(run, "throughput"))
+    del run["files"][0]
+    found = check_run(write(tmp_path / "run", run))
+    assert [(v.invariant, v.where) for v in found] == [("phases", "profile/rank0.jsonl (drafter) segment 0")]
+    assert "no throughput event" in found[0].message
+
+
+def test_a_resumed_run_checks_each_segment_against_its_own_run_end(tmp_path):
+    run = clean(resumed=True)
+    second = [r for r in run["logs"][0] if r["type"] == "run_end"][1]
+    second["spans"]["drafter.fwd_bwd"]["count"] += 1
+    found = check_run(write(tmp_path / "run", run))
+    assert [(v.invariant, v.where) for v in found] == [
+        ("agree", "profile/rank0.jsonl (drafter) segment 1 run_end span drafter.fwd_bwd")]
+
+
+def test_the_report_rows_and_rates_are_checked(tmp_path, monkeypatch):
+    """A report row out of order and over its thread, and a per-role steady rate apart from its files."""
+    real = check_mod.hotspots_of
+
+    def skewed(run):
+        rep = copy.deepcopy(real(run))
+        row = next(r for r in rep["spans"]["rows"] if r["span"] == "target.fwd")
+        row["share"], row["p50_seconds"] = 1.5, row["max_seconds"] * 2
+        rep["steady"]["roles"]["drafter"]["steady_tokens_per_s"] *= 1.02
+        return rep
+
+    monkeypatch.setattr(check_mod, "hotspots_of", skewed)
+    found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", clean()))}
+    assert found == {("shares", "hotspots row target target.fwd"), ("order", "hotspots row target target.fwd"),
+                     ("agree", "hotspots steady drafter"), ("agree", "hotspots steady_tokens_per_s")}
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------
+
+def test_cli_exit_codes(tmp_path, capsys):
+    good = write(tmp_path / "good", clean())
+    assert report_cli.main(["check", str(good)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].endswith("over 2 ranks, 6 intervals: all hold")
+    bad_run = clean()
+    BROKEN["p50 above p95"][0](bad_run)
+    BROKEN["a phase span not listed"][0](bad_run)
+    bad = write(tmp_path / "bad", bad_run)
+    assert report_cli.main(["check", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("check: order: ") and lines[1].startswith("check: phases: ")
+    assert report_cli.main(["check", str(bad), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["ok"] and [v["invariant"] for v in doc["violations"]] == ["order", "phases"]
+    assert report_cli.main(["check", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such directory" in err[0]
+
+
+# ---- the plot ---------------------------------------------------------------------------------------
+
+def test_plot_stacks_self_time_so_a_child_never_sits_on_its_parent(tmp_path):
+    """drafter.compile (0.6 s) inside drafter.fwd_bwd (0.85 s): stacked, the two hold the parent's 0.85 s,
+    not 1.45 s; every stack fits in its 1 s interval; the first interval starts where the run's did."""
+    run = load_run(write(tmp_path / "run", clean()))
+    role = timeline(run)["roles"]["drafter"]
+    first = {name: values[0] for name, values in role["spans"].items()}
+    assert first["drafter.fwd_bwd"] + first["drafter.compile"] == pytest.approx(0.85)
+    assert all(sum(v[k] for v in role["spans"].values()) <= 1.0 + 1e-9 for k in range(len(role["seconds"])))
+    assert role["start_seconds"] == pytest.approx(0.0) and role["seconds"][0] == pytest.approx(1.0)
+
+
+def test_plot_draws_the_first_interval(tmp_path):
+    pytest.importorskip("matplotlib")
+    import report
+
+    png = tmp_path / "run.png"
+    assert report.plot(write(tmp_path / "run", clean()), png) == str(png) and png.stat().st_size > 0
+
+
+# ---- the suite's shared real run --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_shared_healthy_run_keeps_every_invariant(healthy_run):
+    assert healthy_run.returncode == 0, healthy_run.stderr[-3000:]
+    assert [str(v) for v in check_run(healthy_run.run)] == []
