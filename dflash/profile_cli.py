@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from dflash.cli_output import cli_output
+
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
                                snapshot_run)
 from profiler.stacks import FAILED, StackError
@@ -61,12 +63,13 @@ def take(args, runner=None) -> dict:
 
 def main(argv: list[str] | None = None, runner=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        result = take(args, runner)
-    except StackError as exc:
-        print(f"dflash-profile: error: {exc}", file=sys.stderr)
-        return 1 if exc.kind == FAILED else 2
-    return _emit(args, result, format_run if "ranks" in result else format_process)
+    with cli_output():
+        try:
+            result = take(args, runner)
+        except StackError as exc:
+            print(f"dflash-profile: error: {exc}", file=sys.stderr)
+            return 1 if exc.kind == FAILED else 2
+        return _emit(args, result, format_run if "ranks" in result else format_process)
 
 
 def _emit(args, result: dict, formatter) -> int:

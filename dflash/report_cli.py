@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from dflash.cli_output import cli_output
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -106,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from report.runs import ReportError
 
-    try:
-        return COMMANDS[args.command](args)
-    except ReportError as e:
-        print(f"dflash-report: error: {e}", file=sys.stderr)
-        return 2
+    with cli_output():
+        try:
+            return COMMANDS[args.command](args)
+        except ReportError as e:
+            print(f"dflash-report: error: {e}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -49,3 +49,12 @@ def check_schema(run_start: dict, where: str = "run log") -> int:
         raise ValueError(f"{where}: schema {version!r} is newer than this reader's {SCHEMA_VERSION}; "
                          "upgrade dflash-observability")
     return version
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped (`\\x1b`...), newline and tab kept: a string from a log,
+    a socket or another process cannot move the cursor, retitle the window or write the clipboard."""
+    return text.translate(_CONTROL)

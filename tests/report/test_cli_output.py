@@ -1,0 +1,42 @@
+"""What the CLIs print (issue 34 row 6, issue 37): strings from a log reach the terminal with their control
+characters escaped, and a closed pipe ends the command quietly."""
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash import report_cli
+from profiler.records import printable
+from tests.report.test_check import clean, write
+
+REPO = Path(__file__).resolve().parents[2]
+NASTY = "\x1b]0;owned\x07\x1b[2J\x1b]52;c;cGF5bG9hZA==\x07\r\x9b1K"
+
+
+def test_printable_escapes_every_control_character_but_newline_and_tab():
+    assert printable("a\tb\nc") == "a\tb\nc"
+    out = printable(NASTY)
+    assert not any(ord(ch) < 0x20 and ch not in "\t\n" or 0x7F <= ord(ch) < 0xA0 for ch in out)
+    assert "\\x1b]0;owned\\x07" in out and "\\x9b" in out
+
+
+def test_hotspots_of_a_log_with_escapes_prints_none_of_them(tmp_path, capsys):
+    run = clean()
+    for recs in run["logs"].values():
+        for r in recs:
+            if r.get("type") == "interval":
+                r["threads_cpu_seconds"] = {f"evil{NASTY}": 0.5}
+                for e in (r.get("spans") or {}).values():
+                    e["threads"] = [f"main{NASTY}"]
+            if r.get("type") == "run_start":
+                r["hostname"] = f"host{NASTY}"
+    run_dir = write(tmp_path / "run", run)
+    assert report_cli.main(["hotspots", str(run_dir)]) == 0
+    out = capsys.readouterr()
+    assert "\x1b" not in out.out + out.err and "\x07" not in out.out and "\\x1b" in out.out
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    run_dir = write(tmp_path / "run", clean())
+    p = subprocess.run(f"{sys.executable} -m dflash.report_cli hotspots --json {run_dir} | true", shell=True,
+                       cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stderr == ""   # the reader is gone before the first write
