@@ -62,7 +62,7 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int, gpus: int) ->
     if cfg.parallel.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda: no CUDA device is visible")
     use_cuda = gpus > 0
-    resolve_topology(cfg, world, gpus)
+    resolve_topology(cfg, world)
     if cfg.parallel.transfer == "nccl" and not use_cuda:
         raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
     if cfg.parallel.transfer == "nccl" and gpus < local_world:

@@ -1,7 +1,5 @@
-"""One rank of a dflash-train run: process group, role, profiler, then the role's loop.
-
-Started by `dflash.launch` (one process per device on this host) or by torchrun; both set RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+"""One rank of a dflash-train run: process group, role, profiler, then the role's loop. Started by
+`dflash.launch` or torchrun; both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -31,6 +29,9 @@ from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
+
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
+"""Errors a rank says in one line (bad input: exit 2; a full disk, a non-finite stop: exit 1)."""
 
 
 class _StopFlag:
@@ -91,7 +92,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir),
                                   create=device.type == "cuda")
         timeline.mark("device")
-        topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
+        topo = resolve_topology(cfg, world)
         if device.type == "cpu":
             # Ranks share the host's cores: don't let each one spawn a thread per core.
             asleep = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
@@ -108,12 +109,9 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         return 1
     try:
         return _run_rank(cfg, topo, rank, device, stop, timeline)
-    except ConfigError as e:
+    except _SAID_IN_ONE_LINE as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
-        return 2
-    except (checkpoint.CheckpointWriteError, loops.NonfiniteStop) as e:   # said in one line, exit 1
-        print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except Exception as e:
         lost = _peer_lost(e)
         if lost:
@@ -213,14 +211,10 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                              run_config=cfg.flat_dict(), config=config, deps=deps, exporters=tele.exporters)
 
 
-_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
-
-
 @contextlib.contextmanager
 def _forensics(stop: _StopFlag, rank: int):
-    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`), and a
-    signal no loop sees within 2 s (the rank is blocked), or a second one, stops the rank with a dump
-    and run_end "killed: SIGNAL" (profiler.watchdog.SignalWatch)."""
+    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`); a signal
+    no loop sees within 2 s (a blocked rank), or a second one, stops the rank with a dump (SignalWatch)."""
     prof = profiler.active()
     if prof is None:   # --no-profile: nothing to record into
         yield
