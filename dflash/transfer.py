@@ -1,19 +1,13 @@
 """Target -> drafter transfer over torch.distributed.
 
-A message is a CPU header and CPU metadata over the gloo control group (no device tensor is read on
-the host) plus one payload, the packed hidden states: device to device over NCCL, or host-staged
-through reused pinned buffers (`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path.
+A message is a CPU header and metadata over the gloo control group (no device tensor read on the host)
+plus the packed hidden states: device to device over NCCL, or host-staged through reused pinned buffers
+(`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path. A target has at most `max_in_flight`
+messages in transit; a slot is freed only once its send completed, so the buffers live until then.
+NCCL sends and receives run on streams of their own, so no transfer queues behind compute.
 
-A target has at most `max_in_flight` messages queued or in transit; its sender thread frees a slot
-only once a send has completed, so the buffers stay alive until then. On the NCCL path the target's
-main thread launches the send right after the pack (so before the next forward's kernels) on the
-Sender's own stream; the receiver thread posts receives on its own stream and hands the drafter a
-tensor with a `ready` event, so no transfer queues behind compute.
-
-Shutdown: a target ends with an END header; a drafter sends STOP to each producer and drains until
-all have ended. A message may carry its payload's `fingerprint()`, compared on receipt by
-`fingerprint_flags()`. Each rank keeps a ring of its last `RING_ENTRIES` protocol steps
-(`dump_flight_recorder()`, the profiler's `transfer_ring` forensics source).
+Shutdown: a target ends with END; a drafter sends STOP to each producer and drains until all ended.
+Each rank keeps a ring of its last RING_ENTRIES protocol steps (`dump_flight_recorder()`).
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ _INTS = slice(8, 12)      # header slots of Message.ints
 _HAS_FINGERPRINT = 12     # header slot: 1 when a fingerprint follows the payload
 RING_ENTRIES = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Wait granularity when polling a completed-or-not NCCL work from a background thread.
-_POLL_SECONDS = 50e-6
+_POLL_SECONDS = 50e-6     # how often the sender thread polls an NCCL work for completion
 
 
 @dataclass
@@ -94,9 +87,6 @@ def _ring(kind: str, **fields) -> None:
 def dump_flight_recorder() -> list:
     """This rank's last RING_ENTRIES protocol steps, oldest first (the `transfer_ring` forensics source)."""
     return list(_RING)
-
-
-flight_recorder = dump_flight_recorder
 
 
 def _event_state(ev) -> str | None:
@@ -173,9 +163,8 @@ def staged_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Staging:
-    """(payload, ready event, release callback) for a packed batch: NCCL sends the tensor itself after
-    an event; host-staged copies it (`d2h_copy`) into a pinned buffer on a copy stream of its own, the
-    tensor `record_stream`ed there so the next forward cannot take its memory; CPU sends it as it is."""
+    """(payload, ready event, release callback) for a packed batch: NCCL and CPU send the tensor itself;
+    host-staged copies it (`d2h_copy`) into a pinned buffer on a copy stream of its own."""
 
     def __init__(self, device: torch.device, device_payload: bool, count: int):
         on_gpu = device.type == "cuda"
@@ -201,9 +190,8 @@ class Staging:
 
 
 class Sender:
-    """Target side: `acquire()` takes an in-flight slot, `submit()` queues a message (NCCL: and
-    launches its send), the sender thread sends header and metadata, waits for the send, frees the
-    slot; `close()` sends END. Only the submitting thread calls NCCL, so no two threads race on it."""
+    """Target side: `acquire()` a slot, `submit()` a message (NCCL: launched there, the only thread that
+    calls NCCL); the sender thread sends header and metadata, waits for the send, frees the slot."""
 
     def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
@@ -354,15 +342,12 @@ class StopSignal:
 
 
 def _record_event():
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
+    return torch.cuda.current_stream().record_event()
 
 
 def wait_ready(msg: Message) -> torch.Tensor:
-    """Drafter side: the current stream waits (on the device) for the payload, and payload and
-    fingerprint are `record_stream`ed so the receiver's next allocation cannot reuse their memory
-    while this stream still reads them. Returns the payload."""
+    """Drafter side: the payload, once the current stream waits (on the device) for it; it is
+    `record_stream`ed, so the receiver cannot reuse its memory while this stream reads it."""
     if msg.ready is not None:
         stream = torch.cuda.current_stream()
         stream.wait_event(msg.ready)
@@ -418,10 +403,8 @@ class Receiver:
             return item
 
     def drain(self) -> int:
-        dropped = 0
-        while self.get() is not None:
-            dropped += 1
-        return dropped
+        """Discard messages until every producer has ended; returns how many were dropped."""
+        return sum(1 for _ in iter(self.get, None))
 
     def _recv_one(self, header: torch.Tensor, src: int) -> Message:
         dtype = _DTYPES[int(header[1])]
@@ -436,7 +419,7 @@ class Receiver:
             payload = torch.empty(shape, dtype=dtype, device=self._device)
             dist.recv(payload, src, group=self._data)
             fp = torch.empty(2, dtype=torch.float64, device=self._device) if has_fp else None
-            if fp is not None:
+            if has_fp:
                 dist.recv(fp, src, group=self._data)
             return Message(payload, meta, ints, src, ready=_record_event(), fingerprint=fp)
         if self._pool is None:      # CPU: gloo straight into the tensor the drafter uses
@@ -444,9 +427,10 @@ class Receiver:
             dist.recv(_as_wire(payload), src, group=self._ctrl, tag=TAG_PAYLOAD)
             return Message(payload, meta, ints, src, fingerprint=self._recv_fingerprint(src, has_fp))
         # Host-staged on a GPU: gloo into a reused pinned buffer, then h2d_copy on this stream.
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        nbytes = like.numel() * like.element_size()
         buf = self._pool.take(nbytes)
-        staged = staged_view(buf, torch.empty(shape, dtype=dtype, device="meta"))
+        staged = staged_view(buf, like)
         dist.recv(_as_wire(staged), src, group=self._ctrl, tag=TAG_PAYLOAD)
         fp = self._recv_fingerprint(src, has_fp)
         with profiler.span("h2d_copy", bytes=nbytes):
