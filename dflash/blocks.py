@@ -1,7 +1,6 @@
-"""The three transformers Qwen3 building blocks the drafter is made of (RMSNorm, MLP, rotary
-embedding), written out so that a drafter rank never imports transformers' modelling code (a third of
-its imports). Each is transformers' own op for op, with the same parameter and buffer names:
-tests/dflash/test_blocks.py compares outputs, state dicts and gradients against Qwen3's.
+"""The transformers Qwen3 blocks the drafter is made of (RMSNorm, MLP, rotary embedding), written out
+so a drafter rank never imports transformers' modelling code (a third of its imports); each is
+transformers' own op for op, with the same parameter and buffer names (tests/dflash/test_blocks.py).
 """
 from __future__ import annotations
 

@@ -33,15 +33,10 @@ class DFlashConfig:
     hidden_size: int
     """Model width; equals the target's hidden size (context features and embeddings)."""
     intermediate_size: int
-    """MLP width."""
     num_hidden_layers: int
-    """Drafter decoder layers."""
     num_attention_heads: int
-    """Query heads."""
     num_key_value_heads: int
-    """Key/value heads (GQA)."""
     head_dim: int
-    """Per-head width."""
     vocab_size: int
     """Target vocabulary size (frozen LM head rows)."""
     target_layer_ids: list[int]
@@ -53,15 +48,12 @@ class DFlashConfig:
     block_size: int = 16
     """Tokens per draft block B (the anchor token plus B-1 predictions)."""
     rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
     """RoPE settings as transformers 5 spells them (copied from the target)."""
     max_position_embeddings: int = 40960
     """Largest position the RoPE tables are meant for."""
     hidden_act: str = "silu"
-    """MLP activation."""
     attention_bias: bool = False
-    """Bias on q/k/v/o projections."""
     attention_dropout: float = 0.0
     """Attention dropout (kept for config compatibility; training uses 0)."""
     layer_types: list[str] | None = None
@@ -134,17 +126,14 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
                             attn_backend: str = "auto") -> DFlashConfig:
     """A drafter as wide as the target (its embeddings and LM head are shared)."""
     t = target_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default",
-                                                   "rope_theta": getattr(t, "rope_theta", 1e6)}
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e6)}
+    same = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "rms_norm_eps", "max_position_embeddings", "hidden_act")
     return DFlashConfig(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=head_dim, vocab_size=t.vocab_size, target_layer_ids=list(layer_ids),
-        mask_token_id=mask_token_id, num_target_layers=t.num_hidden_layers, block_size=block_size,
-        rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(rope),
-        max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,
-        attention_bias=bool(getattr(t, "attention_bias", False)),
+        **{name: getattr(t, name) for name in same}, num_hidden_layers=num_layers,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        target_layer_ids=list(layer_ids), mask_token_id=mask_token_id, num_target_layers=t.num_hidden_layers,
+        block_size=block_size, rope_parameters=dict(rope), attention_bias=bool(getattr(t, "attention_bias", False)),
         layer_types=(["sliding_attention"] * num_layers) if sliding_window else None,
         sliding_window=sliding_window, attn_backend=attn_backend)
 

@@ -1,9 +1,6 @@
-"""Where a rank's start-up goes before the profiler can time spans: a timeline of marks.
-
-From `dflash-train`'s start (DFLASH_LAUNCH_UNIX_NS) or, under torchrun, the rank's own process start:
-spawn, imports, preflight, device, rendezvous, groups, built-ins, data, profiler. The phases are the
-gaps between marks, written as one `startup` event once the profiler runs; rank 0 prints one line.
-Standard library only: the first mark comes before torch is imported.
+"""Where a rank's start-up goes before the profiler can time spans: the phases are the gaps between
+marks from `dflash-train`'s start (else the rank's process start), written as one `startup` event once
+the profiler runs. Standard library only: the first mark comes before torch is imported.
 """
 
 from __future__ import annotations
