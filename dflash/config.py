@@ -282,6 +282,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Convert a value from a file, env var or flag to the field's type, or say precisely what is wrong."""
     ftype, name = str(_SPECS[key][1].type), _path(key)
@@ -292,11 +295,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: field '{name}' may not be empty")
     try:
         if ftype.startswith("bool"):
-            words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-                     "off": False}
             if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
                 return bool(value)
-            return words[value.lower()] if isinstance(value, str) else words[None]
+            return _BOOL_WORDS[value.lower() if isinstance(value, str) else None]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise ValueError
         if ftype.startswith("int"):
@@ -322,11 +323,9 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
             data = yaml.safe_load(text)
     except Exception as e:  # the parser's own message names line and column
         raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
+    if not isinstance(data, dict | None):
         raise ConfigError(f"{p}: top level must be a mapping of config sections or fields")
-    return data
+    return data or {}
 
 
 def _file_keys(file_values: Mapping[str, Any], file_name: str) -> dict[str, Any]:

@@ -95,9 +95,8 @@ class ChatTokenizer:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-        special = set(getattr(tokenizer, "all_special_ids", []))
-        special |= {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
-        self._special_ids = special
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", [])) | {
+            i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_token_chars = max((len(t) for t in vocab), default=64)
         """The longest token's text: no token covers more characters (unknown words aside)."""

@@ -27,10 +27,8 @@ def split_heldout(samples: list, n: int) -> tuple[list, list]:
 def _stop_token_ids(tokenizer, target) -> list[int]:
     """End-of-turn ids: the generation config's eos ids plus the tokenizer's eos."""
     eos = getattr(target.generation_config, "eos_token_id", None)
-    ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
+    ids = [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 def _prompt_length(sample) -> int:

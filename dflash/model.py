@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -109,9 +110,7 @@ class DFlashConfig:
         dc = d.get("dflash_config", {})
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        for k in ("mask_token_id", "target_layer_ids", "block_size"):
-            if k in dc:
-                kwargs[k] = dc[k]
+        kwargs.update({k: dc[k] for k in ("mask_token_id", "target_layer_ids", "block_size") if k in dc})
         if "rope_parameters" not in d and "rope_theta" in d:
             kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
         missing = [k for k in ("mask_token_id", "target_layer_ids", "num_target_layers") if k not in kwargs]
@@ -205,15 +204,6 @@ class DraftDecoderLayer(nn.Module):
         return x, _mlp(self.mlp, h)
 
 
-class _FrozenHead:
-    """The target's embedding and LM head, outside the module tree: not trained, saved or moved."""
-
-    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear):
-        for m in (embed_tokens, lm_head):
-            m.requires_grad_(False)
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
-
-
 class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
@@ -230,7 +220,9 @@ class DFlashDraftModel(nn.Module):
         self._rotary = [RotaryEmbedding(hf)]
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.head = _FrozenHead(embed_tokens, lm_head)
+        # The target's embedding and LM head, outside the module tree: not trained, saved or moved.
+        self.head = SimpleNamespace(embed_tokens=embed_tokens.requires_grad_(False),
+                                    lm_head=lm_head.requires_grad_(False))
         self.reset_parameters()
 
     @property

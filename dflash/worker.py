@@ -53,9 +53,8 @@ class _StopFlag:
             self.signum = signum
 
     def __call__(self) -> bool:
-        if self.signum is not None:
-            self.observed = True
-        return self.signum is not None
+        self.observed = self.observed or self.signum is not None
+        return self.observed
 
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
