@@ -237,7 +237,8 @@ class TrainConfig:
 
     def flat_dict(self) -> dict[str, Any]:
         """One key per flag (`profile_interval`, not `profile.interval_s`): the flat form."""
-        return {key: _get(self, spec) for key, spec in _SPECS.items()}
+        return {key: getattr(self if section is None else getattr(self, section), f.name)
+                for key, (section, f) in _SPECS.items()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
@@ -245,15 +246,11 @@ class TrainConfig:
         return cls(run_dir=d.get("run_dir"), **{name: sec(**d.get(name, {})) for name, sec in SECTIONS.items()})
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
-                             "parallel": ParallelConfig, "profile": ProfileConfig, "telemetry": TelemetryConfig,
-                             "reliability": ReliabilityConfig}
-"""The sections, in --help's order."""
-_SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fields(TrainConfig)[0])}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig) if f.name != "run_dir"}
+"""The sections (name -> dataclass), in --help's order."""
+_SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fields(TrainConfig)[0]), **{
+    f.metadata.get("flag", f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}}
 """Flag key -> (section, field); section None for the top-level run_dir."""
-for _name, _section in SECTIONS.items():
-    for _f in fields(_section):
-        _SPECS[_f.metadata.get("flag", _f.name)] = (_name, _f)
 _ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
         "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault"}
 """Every DFLASH_* environment variable the trainer reads, and the flag key it sets (file < env < flags)."""
@@ -262,11 +259,6 @@ _ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS":
 def _path(key: str) -> str:
     section, f = _SPECS[key]
     return f.name if section is None else f"{section}.{f.name}"
-
-
-def _get(cfg: TrainConfig, spec) -> Any:
-    section, f = spec
-    return getattr(cfg if section is None else getattr(cfg, section), f.name)
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -39,7 +39,6 @@ class Sample:
 class BadRecords:
     """Records that were rejected while loading, with the first few reasons."""
     count: int = 0
-    """Number of rejected records."""
     examples: list[str] = field(default_factory=list)
     """Up to MAX_EXAMPLES one-line reasons, "FILE:LINE: reason"."""
 
@@ -285,8 +284,7 @@ class TokenBatcher:
             return self._plan[1]
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
         batches: list[list[int]] = []
-        current: list[int] = []
-        longest = 0
+        current, longest = [], 0
         for index in order[self.shard::self.num_shards].tolist():
             n = len(self.samples[index].input_ids)
             if current and (len(current) + 1) * max(longest, n) > self.tokens_per_batch:

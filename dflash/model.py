@@ -116,8 +116,7 @@ class DFlashConfig:
         missing = [k for k in ("mask_token_id", "target_layer_ids", "num_target_layers") if k not in kwargs]
         if missing:
             raise ValueError(f"config.json: missing {missing[0]!r}")
-        kwargs["attn_backend"] = attn_backend
-        return cls(**kwargs)
+        return cls(**{**kwargs, "attn_backend": attn_backend})
 
 
 def draft_config_for_target(target_config, num_layers: int, block_size: int, layer_ids: list[int],

@@ -82,8 +82,7 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
     for local_rank in range(local_world if base is not None else 1):
         port = 0 if base is None else base + local_rank   # the default may fall back: the address must bind
         try:
-            with socket.create_server((host, port)):
-                pass
+            socket.create_server((host, port)).close()
         except OSError as exc:
             if base is None:
                 raise ConfigError(f"--metrics-host {host}: cannot serve metrics there "

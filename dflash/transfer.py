@@ -121,15 +121,12 @@ def _wait_completed(work) -> None:
         time.sleep(_POLL_SECONDS)
 
 
-def _bind_device(device: torch.device | None):
-    """Bind this thread to the rank's device and a stream of its own (None off CUDA): a new thread
-    starts on device 0's default stream, where its NCCL ops would queue behind the compute."""
-    if device is None or device.type != "cuda":
-        return None
-    torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device)
-    torch.cuda.set_stream(stream)
-    return stream
+def _bind_device(device: torch.device | None) -> None:
+    """Bind this thread to the rank's CUDA device and a stream of its own: a new thread starts on
+    device 0's default stream, where its NCCL ops would queue behind the compute."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 class PinnedPool:
@@ -290,16 +287,8 @@ class Sender:
     def _run(self) -> None:
         try:
             _bind_device(self._device)
-            while True:
-                msg = self._q.get()
-                if msg is None:
-                    dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
-                    _ring("end_sent", dst=self.dst, sent=self.sent)
-                    return
-                if self._device_payload:
-                    self._send_device(msg)
-                else:
-                    self._send_host(msg)
+            while (msg := self._q.get()) is not None:
+                (self._send_device if self._device_payload else self._send_host)(msg)
                 self.sent += 1
                 if msg.release is not None:
                     msg.release()
@@ -307,6 +296,8 @@ class Sender:
                 del msg  # drop our reference before freeing the slot: the buffer may now be reused
                 self.in_flight -= 1
                 self._slots.release()
+            dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
+            _ring("end_sent", dst=self.dst, sent=self.sent)
         except BaseException as e:  # surfaced on the main thread at its next acquire/submit/close
             _ring("sender_failed", dst=self.dst, error=repr(e)[:200])
             self._error = e

@@ -138,8 +138,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     tokenizer = builtin.load_tokenizer(paths.target_dir)
     timeline.mark("built-ins")
     resume_state = checkpoint.load_resume_state(run_dir) if cfg.reliability.resume else None
-    samples: list = []
-    heldout: list = []
+    samples, heldout = [], []
     wants_eval = rank == 0 and cfg.data.eval_prompts > 0
     if role == "target" or (wants_eval and paths.eval_data is None):
         samples = _load_samples(paths.data, tokenizer, cfg, announce=rank == topo.target_ranks[0])
