@@ -403,27 +403,27 @@ class Receiver:
         meta = torch.empty(int(header[6]), int(header[7]), dtype=torch.int64)
         dist.recv(meta, src, group=self._ctrl, tag=TAG_META)
         ints = [int(v) for v in header[_INTS]]
-        has_fp = bool(header[_HAS_FINGERPRINT])
+        fp_device = self._device if self._device_payload else "cpu"
+        fp = torch.empty(2, dtype=torch.float64, device=fp_device) if int(header[_HAS_FINGERPRINT]) else None
         if self._device_payload:
             # Allocated on, and received into on, this thread's stream; NCCL's wait() orders the
             # stream after the receive without blocking the host.
             payload = torch.empty(shape, dtype=dtype, device=self._device)
             dist.recv(payload, src, group=self._data)
-            fp = torch.empty(2, dtype=torch.float64, device=self._device) if has_fp else None
-            if has_fp:
+            if fp is not None:
                 dist.recv(fp, src, group=self._data)
             return Message(payload, meta, ints, src, ready=_record_event(), fingerprint=fp)
-        if self._pool is None:      # CPU: gloo straight into the tensor the drafter uses
-            payload = torch.empty(shape, dtype=dtype)
-            dist.recv(_as_wire(payload), src, group=self._ctrl, tag=TAG_PAYLOAD)
-            return Message(payload, meta, ints, src, fingerprint=self._recv_fingerprint(src, has_fp))
-        # Host-staged on a GPU: gloo into a reused pinned buffer, then h2d_copy on this stream.
+        # CPU: gloo straight into the tensor the drafter uses. Host-staged on a GPU: gloo into a reused
+        # pinned buffer, then h2d_copy on this stream.
         like = torch.empty(shape, dtype=dtype, device="meta")
         nbytes = like.numel() * like.element_size()
-        buf = self._pool.take(nbytes)
-        staged = staged_view(buf, like)
+        buf = None if self._pool is None else self._pool.take(nbytes)
+        staged = torch.empty(shape, dtype=dtype) if buf is None else staged_view(buf, like)
         dist.recv(_as_wire(staged), src, group=self._ctrl, tag=TAG_PAYLOAD)
-        fp = self._recv_fingerprint(src, has_fp)
+        if fp is not None:
+            dist.recv(fp, src, group=self._ctrl, tag=TAG_FINGERPRINT)
+        if buf is None:
+            return Message(staged, meta, ints, src, fingerprint=fp)
         with profiler.span("h2d_copy", bytes=nbytes):
             payload = staged.to(self._device, non_blocking=True)
             # 16 pageable bytes: this thread waits for them to be staged, the drafter never does.
@@ -434,13 +434,6 @@ class Receiver:
         ready.synchronize()
         self._pool.give(buf)
         return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)
-
-    def _recv_fingerprint(self, src: int, has_fp: bool) -> torch.Tensor | None:
-        if not has_fp:
-            return None
-        fp = torch.empty(2, dtype=torch.float64)
-        dist.recv(fp, src, group=self._ctrl, tag=TAG_FINGERPRINT)
-        return fp
 
     def _run(self) -> None:
         try:
