@@ -103,9 +103,7 @@ class TargetCapture:
                 raise RuntimeError("TargetCapture: the deepest hooked layer never ran")
             finally:
                 self._active = False
-        out = [self._captured[i] for i in self.layer_ids]
-        self._captured.clear()
-        return out
+        return [self._captured.pop(i) for i in self.layer_ids]
 
 
 @dataclass
@@ -148,10 +146,8 @@ def load_target_head(model_dir, device, dtype) -> TargetHead:
         with safe_open(str(model_dir / weight_map[key]), "pt", device="cpu") as f:
             return f.get_tensor(key).to(device=device, dtype=dtype)
 
-    embed_w = read(embed_key)
-    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], device="meta")
-    embed.weight = nn.Parameter(embed_w, requires_grad=False)
-    head_w = embed_w if tied else read(head_key)
+    embed = nn.Embedding.from_pretrained(read(embed_key), freeze=True)   # the tensor itself, not a copy
+    head_w = embed.weight.data if tied else read(head_key)
     lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     lm_head.weight = nn.Parameter(head_w, requires_grad=False)
     return TargetHead(embed, lm_head, config)
