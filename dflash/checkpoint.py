@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.config import ConfigError
 from dflash.model import DFlashConfig, DFlashDraftModel
+from profiler.control import pid_alive
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -148,16 +149,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's live process
-        pass
-    return True
-
-
 def remove_stale_partials(ckpt_dir: Path) -> list[str]:
     """Clean what dead writers left in `ckpt_dir` (.tmp-PID / .old-PID, PID not alive): a partial new
     checkpoint is deleted, a moved-aside one whose replacement never arrived put back. Returns the names."""
@@ -166,7 +157,7 @@ def remove_stale_partials(ckpt_dir: Path) -> list[str]:
         return handled
     for entry in sorted(Path(ckpt_dir).iterdir()):
         m = _PARTIAL.match(entry.name)
-        if m is None or _pid_alive(int(m["pid"])):
+        if m is None or pid_alive(int(m["pid"])):
             continue
         target = entry.with_name(m["name"])
         if m["kind"] == "old" and not target.exists():

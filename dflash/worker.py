@@ -26,6 +26,7 @@ from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
 from profiler.config import ProfilerConfig, ProfilerDeps
+from profiler.records import of_type, read_run_dir
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
@@ -318,10 +319,7 @@ def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, devi
 def _print_final(run_dir: Path) -> None:
     from exporters.console import format_hotspots
 
-    ends = []
-    for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
-        records, _ = profiler.read_records(path)
-        ends += [r for r in records if r.get("type") == "run_end"]
+    ends = [r for records, _ in read_run_dir(run_dir).values() for r in of_type(records, "run_end")]
     if ends:
         print(format_hotspots(ends))
     print(f"run directory: {run_dir}")
