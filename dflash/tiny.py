@@ -96,12 +96,9 @@ def _init_weights(model, seed: int, tokenizer) -> None:
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * EMBED_STD)
-            elif name.startswith("lm_head"):
-                param.copy_(torch.randn(param.shape, generator=gen) * LM_HEAD_STD)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+                std = EMBED_STD if "embed_tokens" in name else LM_HEAD_STD if name.startswith("lm_head") else INIT_STD
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
         banned = [tokenizer.convert_tokens_to_ids(t) for t in NON_GENERABLE]
         banned += list(range(len(tokenizer), model.config.vocab_size))   # rounding padding rows
         model.lm_head.weight[banned] = 0.0
@@ -115,9 +112,8 @@ def make_tiny_model(seed: int = 0):
     config = _tiny_config(tokenizer)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
     _init_weights(model, seed, tokenizer)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.do_sample = False
+    model.generation_config.update(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                                   do_sample=False)
     return model, tokenizer
 
 
