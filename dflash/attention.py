@@ -13,13 +13,9 @@ than `window` positions away, as the reference's non-causal window) and nothing 
 use document -2 and padding context tokens document -1, so padding never matches anything but a
 padding block's own keys: no query row is fully masked, so neither backend produces NaNs.
 
-`flex` runs flex_attention with a BlockMask (compiled on CUDA), its tiles read off the layout
-(`tile_block_mask`); `dense` runs SDPA with a boolean [Q, KV] mask. Both evaluate one mask semantics.
-
-One compile for every batch: packed batches change N and M every step, so the varying lengths are
-declared dynamic before the first call (`maybe_mark_dynamic` on tensors, `dynamic_sources` for the
-BlockMask's ints); the rest stays static. Dynamo specialises size-1 dims, so queries are padded to at
-least two 128-row tiles.
+`flex` runs flex_attention with a BlockMask (compiled on CUDA); `dense` runs SDPA with a boolean
+[Q, KV] mask. One compile serves every batch: the varying lengths are declared dynamic before the
+first call (`maybe_mark_dynamic` on tensors, DYNAMIC_INTS for the BlockMask's ints).
 """
 
 from __future__ import annotations
@@ -146,9 +142,8 @@ def dense_mask(layout: BlockLayout, sliding_window: int | None) -> torch.Tensor:
 
 
 def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bool | None = None):
-    """The layout's BlockMask, its varying dims declared dynamic: read off the tables when the block
-    size divides the tile (nothing to compile), else create_block_mask (compiled when `compile`,
-    None: on CUDA)."""
+    """The layout's BlockMask, its varying dims dynamic: read off the tables when the block size divides
+    the tile, else create_block_mask (compiled when `compile`, None: on CUDA)."""
     for table in (layout.kv_doc, layout.kv_pos, layout.kv_block, layout.anchor_doc, layout.anchor_limit,
                   layout.anchor_pos):
         torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -167,9 +162,8 @@ def flex_block_mask(layout: BlockLayout, sliding_window: int | None, compile: bo
 
 
 def tile_block_mask(layout: BlockLayout, sliding_window: int | None, mask_mod):
-    """The BlockMask create_block_mask would build for `mask_mod` (same tensors), from the tables, for a
-    block size that divides the tile. Rows 0 and B-1 decide a block's window; its own keys lie in the
-    diagonal key tile. Device ops only (no sync)."""
+    """The BlockMask create_block_mask would build for `mask_mod`, from the tables (device ops only), for
+    a block size that divides the tile: rows 0 and B-1 decide a block's window."""
     from torch.nn.attention.flex_attention import BlockMask
 
     bs, tile = layout.block_size, PAD_MULTIPLE
@@ -217,8 +211,7 @@ def _own_tile(block_size: int, window: int | None) -> tuple[bool, bool]:
     """(any, all) of a query tile's diagonal key tile: row r and key r' see each other iff they are in one
     block and |r - r'| < window. Within a block the offsets d = r - r' occur B - |d| times."""
     seen = sum(block_size - abs(d) for d in range(1 - block_size, block_size) if window is None or abs(d) < window)
-    cells_per_block = block_size * block_size
-    return seen > 0, PAD_MULTIPLE == block_size and seen == cells_per_block
+    return seen > 0, PAD_MULTIPLE == block_size and seen == block_size * block_size
 
 
 def _dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,9 +269,7 @@ def _flex_fn(device: torch.device):
 def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attn_backend: {name!r} is not one of {', '.join(BACKENDS)}")
-    if name == "auto":
-        return "flex" if device.type == "cuda" else "dense"
-    return name
+    return ("flex" if device.type == "cuda" else "dense") if name == "auto" else name
 
 
 class MaskSet:
@@ -299,10 +290,8 @@ class MaskSet:
         if self.backend == "flex":
             mark_lengths_dynamic(q, k, v)
             return _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        # Explicit repeat instead of enable_gqa: keeps SDPA on its masked memory-efficient kernel.
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
-            # Explicit repeat instead of enable_gqa: keeps SDPA on its masked memory-efficient
-            # kernel on every torch version we run.
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)

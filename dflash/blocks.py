@@ -1,7 +1,6 @@
-"""The three transformers Qwen3 building blocks the drafter is made of (RMSNorm, MLP, rotary
-embedding), written out so that a drafter rank never imports transformers' modelling code (a third of
-its imports). Each is transformers' own op for op, with the same parameter and buffer names:
-tests/dflash/test_blocks.py compares outputs, state dicts and gradients against Qwen3's.
+"""The transformers Qwen3 blocks the drafter is made of (RMSNorm, MLP, rotary embedding), written out
+so a drafter rank never imports transformers' modelling code (a third of its imports); each is
+transformers' own op for op, with the same parameter and buffer names (tests/dflash/test_blocks.py).
 """
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +61,8 @@ class RotaryEmbedding(nn.Module):
         self.original_max_seq_len = config.max_position_embeddings
         self.config = config
         self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        rope_init_fn = (self.compute_default_rope_parameters if self.rope_type == "default"
+                        else ROPE_INIT_FUNCTIONS[self.rope_type])
         inv_freq, self.attention_scaling = rope_init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)

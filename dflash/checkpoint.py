@@ -1,9 +1,8 @@
 """Drafter checkpoints a DFlash inference stack loads: config.json + model.safetensors (+ training state).
 
-Writing: into PATH.tmp-PID, every file fsynced, then renamed into place (an old PATH moved aside
-first), so PATH is never half-written. RUN_DIR/checkpoints/step_N; the file `latest` names the newest.
-Reading: `training_state.pt` with `torch.load(weights_only=True)`, so a crafted file cannot run code
-(a one-line CheckpointError, exit 2).
+Written into PATH.tmp-PID, fsynced, then renamed into place, so PATH is never half-written; `latest`
+names the newest RUN_DIR/checkpoints/step_N. `training_state.pt` is read with weights_only=True, so a
+crafted file cannot run code.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.config import ConfigError
 from dflash.model import DFlashConfig, DFlashDraftModel
+from profiler.control import pid_alive
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -66,8 +66,7 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     old = path.with_name(f"{path.name}.old-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         config = model.config.to_json_dict()
@@ -100,9 +99,8 @@ def save_draft_checkpoint(path, model: DFlashDraftModel, extra_state: dict | Non
 
 
 def save_run_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, extra_state: dict) -> Path:
-    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A non-finite parameter is
-    refused first (NonfiniteCheckpointError); a file-system failure becomes a CheckpointWriteError that
-    says which checkpoint is still latest; anything else keeps its traceback."""
+    """RUN_DIR/checkpoints/step_N, then `latest` pointed at it (both atomic). A non-finite parameter or a
+    file-system failure is a CheckpointWriteError saying which checkpoint is still latest."""
     path = ckpt_dir / f"step_{step:07d}"
     latest = ckpt_dir / LATEST_NAME
     tmp = latest.with_name(f"{LATEST_NAME}.tmp-{os.getpid()}")
@@ -151,16 +149,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's live process
-        pass
-    return True
-
-
 def remove_stale_partials(ckpt_dir: Path) -> list[str]:
     """Clean what dead writers left in `ckpt_dir` (.tmp-PID / .old-PID, PID not alive): a partial new
     checkpoint is deleted, a moved-aside one whose replacement never arrived put back. Returns the names."""
@@ -169,7 +157,7 @@ def remove_stale_partials(ckpt_dir: Path) -> list[str]:
         return handled
     for entry in sorted(Path(ckpt_dir).iterdir()):
         m = _PARTIAL.match(entry.name)
-        if m is None or _pid_alive(int(m["pid"])):
+        if m is None or pid_alive(int(m["pid"])):
             continue
         target = entry.with_name(m["name"])
         if m["kind"] == "old" and not target.exists():
@@ -233,8 +221,7 @@ def load_draft_checkpoint(path, head, device, attn_backend: str = "auto"):
     config = DFlashConfig.from_json_dict(json.loads(cfg_path.read_text()), attn_backend=attn_backend)
     state = load_file(str(w_path), device="cpu")
     model = DFlashDraftModel(config, head.embed_tokens, head.lm_head)
-    dtype = next(iter(state.values())).dtype
-    model.to(dtype=dtype)
+    model.to(dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{w_path}: missing {sorted(missing)[:3]} unexpected {sorted(unexpected)[:3]}")

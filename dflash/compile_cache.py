@@ -1,14 +1,7 @@
-"""torch.compile around the trainer: the compile cache that survives restarts, and compile time as its
-own span.
-
-The cache: inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) are read at the
-first compile, so a rank sets them (`setup_cache`) before it builds anything; a restart then loads the
-kernels instead of compiling them. A cached kernel is code this process runs, so the directory must be
-this user's alone (`cache_dir_problem`: no symlink, no other owner, no group/world write).
-
-The span: torch calls `torch._dynamo.callback_handler`'s callbacks when a compile (a dynamo frame, or a
-lazy AOTAutograd backward) starts and ends; `install_compile_spans` opens a `drafter.compile` span on
-the compiling thread there, so compile time is a child of the span that triggered it, never its self time.
+"""torch.compile around the trainer: a compile cache that survives restarts (inductor and Triton read
+it at the first compile, so a rank sets it up first; a cached kernel is code this process runs, so the
+directory must be this user's alone), and compile time as its own `drafter.compile` span, a child of
+the span that triggered the compile, never its self time.
 """
 
 from __future__ import annotations
@@ -40,9 +33,8 @@ def resolve_cache_dir(value: str | None, env: Mapping[str, str] | None = None) -
 
 
 def _ancestor_problem(path: Path) -> str | None:
-    """Why a directory on the way to `path` would let another user swap what is loaded from it, or None.
-    Every ancestor, as written and as resolved, must be owned by you or root and be writable by nobody
-    else unless sticky (in a sticky directory only an entry's owner may rename or remove it)."""
+    """Why a directory above `path` (as written and as resolved) would let another user swap what is
+    loaded from it: one not yours or root's, or writable by others and not sticky; else None."""
     me = os.geteuid()
     for start in {Path(os.path.abspath(path)).parent, Path(os.path.realpath(path)).parent}:
         for d in (start, *start.parents):
@@ -63,9 +55,8 @@ def _ancestor_problem(path: Path) -> str | None:
 
 
 def cache_dir_problem(path: Path) -> str | None:
-    """Why `path` may not hold compiled code that this process will load, or None when it may (or
-    does not exist yet). Reads only; the link itself is examined, never its target, and so is every
-    directory above it (`_ancestor_problem`)."""
+    """Why `path` may not hold compiled code that this process will load, or None when it may (or does
+    not exist yet). Reads only; a link itself is examined, never its target."""
     problem = _ancestor_problem(path)
     if problem:
         return problem
@@ -132,10 +123,9 @@ def bytecode_missing(packages=BYTECODE_PROBES) -> bool:
 
 def bytecode_env(enabled: bool, cache_dir: str | None, env: Mapping[str, str] | None = None,
                  dont_write: bool | None = None, missing: bool | None = None) -> dict[str, str | None]:
-    """The environment changes that give the ranks a bytecode cache (PYTHONPYCACHEPREFIX=CACHE/pycache,
-    made 0700, and PYTHONDONTWRITEBYTECODE dropped: value None) when `enabled`, Python is told not to
-    write bytecode (`dont_write`), the heavy packages have none (`missing`) and no prefix is set; else {}.
-    A directory `cache_dir_problem` refuses (before and after creating) gives {} (preflight says why)."""
+    """Env changes giving the ranks a bytecode cache (PYTHONPYCACHEPREFIX=CACHE/pycache, made 0700; None
+    drops PYTHONDONTWRITEBYTECODE) when `enabled`, bytecode is not written (`dont_write`), the heavy
+    packages have none (`missing`) and no prefix is set; else {}, also for an unsafe directory."""
     env = os.environ if env is None else env
     dont_write = (sys.flags.dont_write_bytecode or bool(env.get("PYTHONDONTWRITEBYTECODE"))
                   if dont_write is None else dont_write)
@@ -163,8 +153,6 @@ class CompileSpans:
 
     def __init__(self):
         self._open = threading.local()
-        self.unmatched_ends = 0
-        """Ends on a thread that opened no span (a window that another thread started)."""
         self.seconds = 0.0
         """Wall seconds spent compiling so far, every thread (the throughput meter leaves them out)."""
 
@@ -179,12 +167,10 @@ class CompileSpans:
 
     def end(self, args=None) -> None:
         span = getattr(self._open, "span", None)
-        if span is None:
-            self.unmatched_ends += 1
-            return
-        self._open.span = None
-        span.__exit__(None, None, None)
-        self.seconds += time.perf_counter() - self._open.t0_s
+        if span is not None:   # None: a compile window that another thread started
+            self._open.span = None
+            span.__exit__(None, None, None)
+            self.seconds += time.perf_counter() - self._open.t0_s
 
 
 _spans = CompileSpans()
@@ -196,8 +182,8 @@ def compile_seconds() -> float:
 
 
 def install_compile_spans() -> bool:
-    """Register the `drafter.compile` callbacks with torch (once; again after torch._dynamo.reset()).
-    False, with one line on stderr, when this torch has no compile callbacks."""
+    """Register the `drafter.compile` callbacks torch calls where a compile (a dynamo frame, a lazy
+    backward) starts and ends, once. False, with one line on stderr, when this torch has none."""
     try:
         from torch._dynamo import callback_handler
         register_start, register_end = callback_handler.register_start_callback, callback_handler.register_end_callback

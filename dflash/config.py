@@ -237,7 +237,8 @@ class TrainConfig:
 
     def flat_dict(self) -> dict[str, Any]:
         """One key per flag (`profile_interval`, not `profile.interval_s`): the flat form."""
-        return {key: _get(self, spec) for key, spec in _SPECS.items()}
+        return {key: getattr(self if section is None else getattr(self, section), f.name)
+                for key, (section, f) in _SPECS.items()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
@@ -245,15 +246,11 @@ class TrainConfig:
         return cls(run_dir=d.get("run_dir"), **{name: sec(**d.get(name, {})) for name, sec in SECTIONS.items()})
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
-                             "parallel": ParallelConfig, "profile": ProfileConfig, "telemetry": TelemetryConfig,
-                             "reliability": ReliabilityConfig}
-"""The sections, in --help's order."""
-_SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fields(TrainConfig)[0])}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig) if f.name != "run_dir"}
+"""The sections (name -> dataclass), in --help's order."""
+_SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fields(TrainConfig)[0]), **{
+    f.metadata.get("flag", f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}}
 """Flag key -> (section, field); section None for the top-level run_dir."""
-for _name, _section in SECTIONS.items():
-    for _f in fields(_section):
-        _SPECS[_f.metadata.get("flag", _f.name)] = (_name, _f)
 _ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
         "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault"}
 """Every DFLASH_* environment variable the trainer reads, and the flag key it sets (file < env < flags)."""
@@ -262,11 +259,6 @@ _ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS":
 def _path(key: str) -> str:
     section, f = _SPECS[key]
     return f.name if section is None else f"{section}.{f.name}"
-
-
-def _get(cfg: TrainConfig, spec) -> Any:
-    section, f = spec
-    return getattr(cfg if section is None else getattr(cfg, section), f.name)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -282,6 +274,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Convert a value from a file, env var or flag to the field's type, or say precisely what is wrong."""
     ftype, name = str(_SPECS[key][1].type), _path(key)
@@ -292,11 +287,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: field '{name}' may not be empty")
     try:
         if ftype.startswith("bool"):
-            words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-                     "off": False}
             if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
                 return bool(value)
-            return words[value.lower()] if isinstance(value, str) else words[None]
+            return _BOOL_WORDS[value.lower() if isinstance(value, str) else None]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise ValueError
         if ftype.startswith("int"):
@@ -322,11 +315,9 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
             data = yaml.safe_load(text)
     except Exception as e:  # the parser's own message names line and column
         raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
+    if not isinstance(data, dict | None):
         raise ConfigError(f"{p}: top level must be a mapping of config sections or fields")
-    return data
+    return data or {}
 
 
 def _file_keys(file_values: Mapping[str, Any], file_name: str) -> dict[str, Any]:

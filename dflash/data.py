@@ -2,9 +2,7 @@
 
 Records are `{"messages": [...]}` or `{"conversations": [...]}` of OpenAI-style (role/content) or
 ShareGPT-style (from/value) turns. The loss mask is 1 exactly on each assistant turn's content and its
-end-of-turn token, found by rendering the chat template prefix by prefix. Bounded work per record: a
-line over MAX_LINE_BYTES is a bad record (never held whole), as is one that is not UTF-8, and only
-what can reach the first `max_length` tokens is rendered.
+end-of-turn token, found by rendering the chat template prefix by prefix. Work per record is bounded.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 ROLE_ALIASES = {"system": "system", "user": "user", "assistant": "assistant",
                 "human": "user", "gpt": "assistant"}
@@ -40,7 +39,6 @@ class Sample:
 class BadRecords:
     """Records that were rejected while loading, with the first few reasons."""
     count: int = 0
-    """Number of rejected records."""
     examples: list[str] = field(default_factory=list)
     """Up to MAX_EXAMPLES one-line reasons, "FILE:LINE: reason"."""
 
@@ -96,9 +94,8 @@ class ChatTokenizer:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-        special = set(getattr(tokenizer, "all_special_ids", []))
-        special |= {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
-        self._special_ids = special
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", [])) | {
+            i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_token_chars = max((len(t) for t in vocab), default=64)
         """The longest token's text: no token covers more characters (unknown words aside)."""
@@ -112,8 +109,7 @@ class ChatTokenizer:
 
     def encode(self, messages: list[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a conversation, cut to max_length; _BadRecord if the template
-        misbehaves. Only what can reach the first max_length tokens is rendered: each turn is at least
-        one token and no token covers more than max_token_chars characters (twice that is kept)."""
+        misbehaves. Only what can reach max_length tokens is rendered (twice max_token_chars a token)."""
         if max_length is None:
             return self._encode(messages, None)
         budget_chars = 2 * (max_length + 1) * self.max_token_chars
@@ -147,14 +143,10 @@ class ChatTokenizer:
                 for what, prefix in (("header", start), ("turn", end)):
                     if full[:len(prefix)] != prefix:
                         raise _BadRecord(f"chat template is not prefix-stable at the {what} of messages[{i}]")
-                stop = len(end)
                 # Keep the end-of-turn token but not what the template writes after it (Qwen's "\n").
-                for j in range(len(end) - 1, len(start) - 1, -1):
-                    if end[j] in self._special_ids:
-                        stop = j + 1
-                        break
-                for j in range(len(start), stop):
-                    mask[j] = 1
+                stop = next((j + 1 for j in range(len(end) - 1, len(start) - 1, -1) if end[j] in self._special_ids),
+                            len(end))
+                mask[len(start):stop] = [1] * (stop - len(start))
         except _BadRecord:
             raise
         except Exception as exc:   # jinja errors ("roles must alternate ...") are record problems
@@ -165,18 +157,12 @@ class ChatTokenizer:
 def _read_lines(f) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes) for each line of a binary file; None for a line over MAX_LINE_BYTES,
     which is read past in chunks, never held whole."""
-    line_no = 0
-    while True:
-        raw = f.readline(MAX_LINE_BYTES + 1)
-        if not raw:
-            return
-        line_no += 1
+    for line_no, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
         if len(raw) > MAX_LINE_BYTES and raw[MAX_LINE_BYTES:] != b"\n":
             while raw and not raw.endswith(b"\n"):
                 raw = f.readline(_SKIP_CHUNK_BYTES)
-            yield line_no, None
-        else:
-            yield line_no, raw
+            raw = None
+        yield line_no, raw
 
 
 def _parse_line(raw: bytes | None, line_no: int, source: str, chat: ChatTokenizer,
@@ -267,22 +253,17 @@ class Batch:
 
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """Right-pad samples into a Batch."""
-    lengths = [len(s.input_ids) for s in samples]
-    width = max(lengths)
-    input_ids = torch.full((len(samples), width), pad_token_id, dtype=torch.int64)
-    attention_mask = torch.zeros((len(samples), width), dtype=torch.int64)
-    loss_mask = torch.zeros((len(samples), width), dtype=torch.int64)
-    for row, (sample, n) in enumerate(zip(samples, lengths)):
-        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.int64)
-        attention_mask[row, :n] = 1
-        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.int64)
-    return Batch(input_ids, attention_mask, loss_mask, num_tokens=sum(lengths))
+    def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+        return pad_sequence([torch.tensor(r, dtype=torch.int64) for r in rows], batch_first=True, padding_value=fill)
+
+    ids = [s.input_ids for s in samples]
+    return Batch(padded(ids, pad_token_id), padded([[1] * len(r) for r in ids], 0),
+                 padded([s.loss_mask for s in samples], 0), num_tokens=sum(map(len, ids)))
 
 
 class TokenBatcher:
-    """Infinite iterator of Batches under a token budget, deterministic and resumable: each epoch a
-    permutation from (seed, epoch), shard r of n taking every n-th sample (disjoint shards covering the
-    data); samples in that order while batch_size * longest <= tokens_per_batch."""
+    """Infinite, deterministic, resumable Batches with batch_size * longest <= tokens_per_batch: each epoch
+    a permutation from (seed, epoch), of which shard r of n takes every n-th sample."""
 
     def __init__(self, samples: list[Sample], tokens_per_batch: int, pad_token_id: int, seed: int,
                  shard: int = 0, num_shards: int = 1):
@@ -303,8 +284,7 @@ class TokenBatcher:
             return self._plan[1]
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
         batches: list[list[int]] = []
-        current: list[int] = []
-        longest = 0
+        current, longest = [], 0
         for index in order[self.shard::self.num_shards].tolist():
             n = len(self.samples[index].input_ids)
             if current and (len(current) + 1) * max(longest, n) > self.tokens_per_batch:

@@ -1,9 +1,6 @@
-"""Greedy decoding and lossless greedy draft-and-verify with a DFlash drafter (batch size 1).
-
-As the reference dflash_generate: the drafter proposes B-1 tokens after the last known one from the
-target's features, the target verifies the block in one forward, and the longest agreeing prefix
-plus the target's own next token is kept, so the output equals greedy_generate. Target forwards
-recompute the whole sequence (no KV cache): exact, and fine for the small targets evaluation uses.
+"""Greedy decoding and lossless greedy draft-and-verify with a DFlash drafter (batch size 1), as the
+reference dflash_generate: the target verifies each drafted block in one forward and keeps the longest
+agreeing prefix plus its own next token. No KV cache: exact, and fine for evaluation's small targets.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ teacher-forced; `tau`, which assumes positions fail independently) on the same c
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -15,6 +14,7 @@ from dflash.decode import greedy_generate, speculative_generate
 from dflash.loss import compute_loss
 from dflash.pack import pack_hidden
 from dflash.target import TargetCapture
+from dflash.topology import intra_op_threads
 
 
 def split_heldout(samples: list, n: int) -> tuple[list, list]:
@@ -27,10 +27,8 @@ def split_heldout(samples: list, n: int) -> tuple[list, list]:
 def _stop_token_ids(tokenizer, target) -> list[int]:
     """End-of-turn ids: the generation config's eos ids plus the tokenizer's eos."""
     eos = getattr(target.generation_config, "eos_token_id", None)
-    ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
+    ids = [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 def _prompt_length(sample) -> int:
@@ -38,25 +36,8 @@ def _prompt_length(sample) -> int:
     return next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.input_ids))
 
 
-@contextlib.contextmanager
-def one_thread_on_cpu(device: torch.device):
-    """Decoding is latency-bound (batch 1): on the CPU extra intra-op threads only add wake-ups."""
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @torch.no_grad()
 def run_eval(ctx, model, heldout: list, tokenizer) -> dict:
-    with one_thread_on_cpu(ctx.device):
-        return _run_eval(ctx, model, heldout, tokenizer)
-
-
-def _run_eval(ctx, model, heldout: list, tokenizer) -> dict:
     from transformers import AutoModelForCausalLM
 
     cfg, device = ctx.cfg, ctx.device
@@ -64,7 +45,8 @@ def _run_eval(ctx, model, heldout: list, tokenizer) -> dict:
     # A bf16 target feeds bf16 features to the float32 drafter, as in training: same autocast.
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"
                               and ctx.dtype == torch.bfloat16)
-    with profiler.span("eval.decode"), autocast:
+    # Decoding is latency-bound (batch 1): on the CPU extra intra-op threads only add wake-ups.
+    with intra_op_threads(1 if device.type == "cpu" else None), profiler.span("eval.decode"), autocast:
         # The training dtype: the drafter is scored on the features it learned from.
         target = AutoModelForCausalLM.from_pretrained(str(ctx.target_dir), dtype=ctx.dtype).to(device).eval()
         layer_ids = list(model.config.target_layer_ids)

@@ -1,14 +1,9 @@
 """Fused elementwise kernels for the drafter on CUDA: RMSNorm, residual add + RMSNorm, RMSNorm + RoPE
 (+ the cast to the attention dtype), and SiLU(gate) * up.
 
-Each `*_math` function states the eager math op for op (Qwen3RMSNorm.forward, the residual add, the
-rotate-half RoPE, Qwen3MLP's act * up) and is compiled once per process with
-`torch.compile(dynamic=True)`: the packed batch changes row counts every step, and a shape change must
-not recompile (tests/dflash/test_fused.py pins that). With `emulate_precision_casts` Inductor rounds
-each intermediate to its eager dtype, so results differ from eager only by float32 reassociation.
-
-`active(x)` is true for CUDA tensors while `ENABLED` holds (the config's `fused_elementwise`, read
-at every call so a benchmark may flip it between steps); elsewhere the eager modules run.
+Each `*_math` function is the eager math op for op, compiled once per process with dynamic shapes (the
+packed batch changes row counts every step, which must not recompile); Inductor rounds intermediates
+to their eager dtype, so results differ from eager only by float32 reassociation.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 ENABLED = True
-"""Use the compiled kernels for CUDA tensors (set from the config's `fused_elementwise`)."""
+"""Use the compiled kernels for CUDA tensors (the config's `fused_elementwise`; read at every call)."""
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 """Inductor options: round intermediates to the dtype eager would hold them in."""

@@ -1,10 +1,6 @@
-"""The launcher/rank hand-off protocol, shared by dflash.launch (which starts the ranks) and the ranks
-(dflash.rank, dflash.worker), so neither side imports the other.
-
-A rank imports torch behind a gate (a pipe, ENV_GATE_FD) while the launcher runs the preflight; the
-config arrives there as JSON once it passed (EOF: it did not). Rank 0 inherits the store's socket
-(ENV_STORE_FD), bound on loopback (TCPStore's own server binds every interface); ranks started by hand
-serve it on MASTER_ADDR only; under torchrun the store is torchrun's.
+"""The launcher/rank hand-off, shared by dflash.launch and the ranks so neither imports the other: the
+config through a gate (ENV_GATE_FD) once the preflight passed, and the rendezvous store, whose socket
+rank 0 inherits bound on loopback (TCPStore's own server binds every interface).
 """
 
 from __future__ import annotations
@@ -36,9 +32,8 @@ class RendezvousError(RuntimeError):
 
 @contextlib.contextmanager
 def long_lived():
-    """For allocations that live as long as the process (the imports of torch and transformers): the
-    cyclic collector is off inside, and what is alive at the end is frozen (gc.freeze) before it is on
-    again, so no pass walks those objects."""
+    """For allocations that live as long as the process (the heavy imports): the cyclic collector is off
+    inside, and what is alive at the end is frozen (gc.freeze), so no later pass walks those objects."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -1,9 +1,6 @@
-"""Launch one worker process per rank on this host (what torchrun would do, minus the elasticity),
-forward SIGINT/SIGTERM to them, and stop everyone as soon as one rank fails.
-
-Exposure: a single-host launch listens on loopback only: the store's socket is bound to 127.0.0.1
-here and handed to rank 0 (dflash/handoff.py), and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default
-to `lo`, so the connections gloo and NCCL open between ranks bind loopback too.
+"""Launch one worker process per rank on this host (torchrun minus the elasticity), forward SIGINT and
+SIGTERM to them, and stop everyone as soon as one rank fails. Loopback only: the store's socket is
+bound to 127.0.0.1 here, and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default to `lo`.
 """
 
 from __future__ import annotations
@@ -24,11 +21,6 @@ from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, wri
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL (a blocked
 # rank exits 2 s after SIGTERM by itself: dflash.worker._forensics).
 _GRACE_SECONDS = 3.0
-
-
-def guess_gpus(cfg: TrainConfig) -> int:
-    """torch_gpus without importing torch (the CUDA driver's count): a guess launch() checks later."""
-    return 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
 
 
 def world_for(cfg: TrainConfig, gpus: int) -> int:
@@ -61,11 +53,11 @@ def cuda_driver_device_count() -> int:
 
 
 def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
-    """One worker process per rank, started at once behind a gate: the ranks import while this process
-    runs the preflight, and get the config once it has passed; on bad input they are killed and the
-    ConfigError goes up (exit 2, nothing created). `started_ns`: the start-up timeline's origin."""
+    """One worker process per rank, each behind a gate: the ranks import while this process runs the
+    preflight, and get the config once it passed; on bad input they are killed and the ConfigError goes up."""
     started_ns = started_ns or time.time_ns()
-    gpus = guess_gpus(cfg)
+    # torch_gpus without importing torch (the CUDA driver's count): a guess checked below.
+    gpus = 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
     bytecode = use_bytecode_cache(bytecode_env(cfg.model.bytecode_cache, cfg.model.compile_cache_dir))
     ranks = GatedRanks(world_for(cfg, gpus), started_ns, {**bytecode, **threads_env(gpus)})
     try:
@@ -110,11 +102,8 @@ class GatedRanks:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
                    **{startup.ENV_LAUNCH_NS: str(started_ns)})
-        for var, value in (env_changes or {}).items():
-            if value is None:
-                env.pop(var, None)
-            else:
-                env[var] = value
+        # A change to None removes the variable.
+        env = {var: value for var, value in {**env, **(env_changes or {})}.items() if value is not None}
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env.setdefault(var, "lo")  # unless the user named an interface
         self.procs: list[subprocess.Popen] = []
@@ -142,10 +131,7 @@ class GatedRanks:
         return self.procs
 
     def abort(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_live(self.procs)
         for fd in self.gates:
             os.close(fd)
         self.gates = []
@@ -194,7 +180,7 @@ class Supervisor:
             if all(c == 0 for c in codes):
                 return 0
             if self.kill_at_s is not None and self.clock() >= self.kill_at_s:
-                self._kill_live()
+                _kill_live(self.procs)
             time.sleep(self.poll_s)
 
     def stop_all(self) -> None:
@@ -204,10 +190,11 @@ class Supervisor:
         deadline = self.clock() + self.grace_s
         while any(p.poll() is None for p in self.procs) and self.clock() < deadline:
             time.sleep(self.poll_s / 2)
-        self._kill_live()
+        _kill_live(self.procs)
 
-    def _kill_live(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+
+def _kill_live(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

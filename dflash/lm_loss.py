@@ -1,12 +1,8 @@
 """Weighted cross entropy through the frozen LM head, in row chunks: the [rows, vocab] logits are
-never held whole.
-
-Per chunk of rows: the logits exactly as `DFlashDraftModel.logits` computes them (under the caller's
-autocast), then the float32 math of `F.cross_entropy(logits.float())` and already in the forward the
-gradient w.r.t. the rows, `((softmax - onehot) * row_weight / total_weight).to(logits dtype) @ weight`
-(what autograd gives for a loss gradient of 1). Only that [rows, H] gradient is saved; backward scales
-it. The softmax/gradient/argmax runs as eager in-place passes, or on CUDA as one torch.compile'd
-kernel per chunk (`fused`, the config's `fused_ce`). Row counts come from shapes: no host-device sync.
+never held whole. Per chunk: the logits as `DFlashDraftModel.logits` computes them, the float32 math of
+`F.cross_entropy(logits.float())`, and already in the forward the [rows, H] gradient w.r.t. the rows
+(the only thing saved; backward scales it). On CUDA the softmax/gradient/argmax is one compiled kernel
+per chunk (`fused_ce`). Row counts come from shapes: no host-device sync.
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          targets: torch.Tensor, row_weight: torch.Tensor, total_weight: float, *,
                          chunk_rows: int | None = None, fused: bool | None = None):
     """(loss, correct): `sum_i row_weight[i] * CE(logits_i, targets[i]) / total_weight`, differentiable
-    w.r.t. `hidden` [R, H], and [R] argmax(logits_i) == targets[i], logits = F.linear(hidden, weight,
-    bias) under the caller's autocast. The head must be frozen; `total_weight` is a host float;
-    `chunk_rows` defaults to CHUNK_LOGIT_BYTES' worth of logits, `fused` to hidden.is_cuda."""
+    w.r.t. `hidden` [R, H], and [R] argmax(logits_i) == targets[i], logits = F.linear(hidden, weight, bias)
+    under the caller's autocast; the head frozen, `total_weight` a host float."""
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}")

@@ -1,8 +1,6 @@
-"""The DFlash training loss over all draft blocks of a packed batch.
-
-Everything data-dependent (anchors, valid block positions, weights, counts) is decided on the CPU
-from the batch's CPU metadata and shipped as index tensors: no device->host sync; the LM head runs
-only on rows with a target (dflash.lm_loss, chunked).
+"""The DFlash training loss over all draft blocks of a packed batch. Everything data-dependent (anchors,
+valid positions, weights, counts) is decided on the CPU from the batch's CPU metadata and shipped as
+index tensors: no device->host sync; the LM head runs only on rows with a target (dflash.lm_loss).
 """
 
 from __future__ import annotations
@@ -98,10 +96,8 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
     # Hidden row of (anchor j, position k) in the padded [Mp*B, H] output: j*B + k.
     hidden_rows = (rows // (bs - 1)) * bs + k_of_row + 1
     host = torch.cat([anchors, safe.reshape(-1)[rows], hidden_rows, k_of_row, rows])
-    dev = host.to(device, non_blocking=True)
     r = rows.shape[0]
-    a_dev, tgt_idx, h_rows = dev[:m], dev[m:m + r], dev[m + r:m + 2 * r]
-    k_dev, rows_dev = dev[m + 2 * r:m + 3 * r], dev[m + 3 * r:]
+    a_dev, tgt_idx, h_rows, k_dev, rows_dev = host.to(device, non_blocking=True).split([m, r, r, r, r])
     a_meta = torch.stack([meta["doc_ids"][anchors].to(torch.int64), meta["position_ids"][anchors]])
     a_meta = a_meta.to(device, non_blocking=True)
     weights_dev = row_weight.to(torch.float32).to(device, non_blocking=True)

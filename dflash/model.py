@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -33,15 +34,10 @@ class DFlashConfig:
     hidden_size: int
     """Model width; equals the target's hidden size (context features and embeddings)."""
     intermediate_size: int
-    """MLP width."""
     num_hidden_layers: int
-    """Drafter decoder layers."""
     num_attention_heads: int
-    """Query heads."""
     num_key_value_heads: int
-    """Key/value heads (GQA)."""
     head_dim: int
-    """Per-head width."""
     vocab_size: int
     """Target vocabulary size (frozen LM head rows)."""
     target_layer_ids: list[int]
@@ -53,15 +49,12 @@ class DFlashConfig:
     block_size: int = 16
     """Tokens per draft block B (the anchor token plus B-1 predictions)."""
     rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
     """RoPE settings as transformers 5 spells them (copied from the target)."""
     max_position_embeddings: int = 40960
     """Largest position the RoPE tables are meant for."""
     hidden_act: str = "silu"
-    """MLP activation."""
     attention_bias: bool = False
-    """Bias on q/k/v/o projections."""
     attention_dropout: float = 0.0
     """Attention dropout (kept for config compatibility; training uses 0)."""
     layer_types: list[str] | None = None
@@ -117,16 +110,13 @@ class DFlashConfig:
         dc = d.get("dflash_config", {})
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        for k in ("mask_token_id", "target_layer_ids", "block_size"):
-            if k in dc:
-                kwargs[k] = dc[k]
+        kwargs.update({k: dc[k] for k in ("mask_token_id", "target_layer_ids", "block_size") if k in dc})
         if "rope_parameters" not in d and "rope_theta" in d:
             kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
         missing = [k for k in ("mask_token_id", "target_layer_ids", "num_target_layers") if k not in kwargs]
         if missing:
             raise ValueError(f"config.json: missing {missing[0]!r}")
-        kwargs["attn_backend"] = attn_backend
-        return cls(**kwargs)
+        return cls(**{**kwargs, "attn_backend": attn_backend})
 
 
 def draft_config_for_target(target_config, num_layers: int, block_size: int, layer_ids: list[int],
@@ -134,17 +124,14 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
                             attn_backend: str = "auto") -> DFlashConfig:
     """A drafter as wide as the target (its embeddings and LM head are shared)."""
     t = target_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default",
-                                                   "rope_theta": getattr(t, "rope_theta", 1e6)}
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e6)}
+    same = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "rms_norm_eps", "max_position_embeddings", "hidden_act")
     return DFlashConfig(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=head_dim, vocab_size=t.vocab_size, target_layer_ids=list(layer_ids),
-        mask_token_id=mask_token_id, num_target_layers=t.num_hidden_layers, block_size=block_size,
-        rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(rope),
-        max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,
-        attention_bias=bool(getattr(t, "attention_bias", False)),
+        **{name: getattr(t, name) for name in same}, num_hidden_layers=num_layers,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        target_layer_ids=list(layer_ids), mask_token_id=mask_token_id, num_target_layers=t.num_hidden_layers,
+        block_size=block_size, rope_parameters=dict(rope), attention_bias=bool(getattr(t, "attention_bias", False)),
         layer_types=(["sliding_attention"] * num_layers) if sliding_window else None,
         sliding_window=sliding_window, attn_backend=attn_backend)
 
@@ -216,15 +203,6 @@ class DraftDecoderLayer(nn.Module):
         return x, _mlp(self.mlp, h)
 
 
-class _FrozenHead:
-    """The target's embedding and LM head, outside the module tree: not trained, saved or moved."""
-
-    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear):
-        for m in (embed_tokens, lm_head):
-            m.requires_grad_(False)
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
-
-
 class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
@@ -241,7 +219,9 @@ class DFlashDraftModel(nn.Module):
         self._rotary = [RotaryEmbedding(hf)]
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.head = _FrozenHead(embed_tokens, lm_head)
+        # The target's embedding and LM head, outside the module tree: not trained, saved or moved.
+        self.head = SimpleNamespace(embed_tokens=embed_tokens.requires_grad_(False),
+                                    lm_head=lm_head.requires_grad_(False))
         self.reset_parameters()
 
     @property

@@ -62,7 +62,7 @@ def _check_devices(cfg: TrainConfig, world: int, local_world: int, gpus: int) ->
     if cfg.parallel.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda: no CUDA device is visible")
     use_cuda = gpus > 0
-    resolve_topology(cfg, world, gpus)
+    resolve_topology(cfg, world)
     if cfg.parallel.transfer == "nccl" and not use_cuda:
         raise ConfigError("--transfer nccl: needs CUDA devices; this run is on the CPU")
     if cfg.parallel.transfer == "nccl" and gpus < local_world:
@@ -82,8 +82,7 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
     for local_rank in range(local_world if base is not None else 1):
         port = 0 if base is None else base + local_rank   # the default may fall back: the address must bind
         try:
-            with socket.create_server((host, port)):
-                pass
+            socket.create_server((host, port)).close()
         except OSError as exc:
             if base is None:
                 raise ConfigError(f"--metrics-host {host}: cannot serve metrics there "

@@ -1,6 +1,5 @@
-"""A rank's process, as dflash.launch starts it (`python -m dflash.rank`): the trainer's imports with
-Python's cyclic garbage collector paused, then those objects frozen out of later collections
-(dflash.handoff.long_lived); the launcher does the same around its preflight, which imports the same modules.
+"""A rank's process, as dflash.launch starts it (`python -m dflash.rank`): the trainer's imports inside
+dflash.handoff.long_lived (the cyclic collector paused, then those objects frozen out of it).
 """
 
 from __future__ import annotations

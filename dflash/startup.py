@@ -1,9 +1,6 @@
-"""Where a rank's start-up goes before the profiler can time spans: a timeline of marks.
-
-From `dflash-train`'s start (DFLASH_LAUNCH_UNIX_NS) or, under torchrun, the rank's own process start:
-spawn, imports, preflight, device, rendezvous, groups, built-ins, data, profiler. The phases are the
-gaps between marks, written as one `startup` event once the profiler runs; rank 0 prints one line.
-Standard library only: the first mark comes before torch is imported.
+"""Where a rank's start-up goes before the profiler can time spans: the phases are the gaps between
+marks from `dflash-train`'s start (else the rank's process start), written as one `startup` event once
+the profiler runs. Standard library only: the first mark comes before torch is imported.
 """
 
 from __future__ import annotations
@@ -16,18 +13,12 @@ ENV_LAUNCH_NS = "DFLASH_LAUNCH_UNIX_NS"
 """Unix ns at which the launcher's main() began (set by dflash.launch for its ranks)."""
 
 
-def _env_ns(name: str, env) -> int | None:
-    """A positive integer from the environment, or None (absent or not a number: ignored, never fatal)."""
-    raw = env.get(name, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
-
-
 class StartupTimeline:
     """Marks in time order: (phase name, unix ns at which that phase ended)."""
 
     def __init__(self, process_start_ns: int, env=None):
-        env = os.environ if env is None else env
-        launch_ns = _env_ns(ENV_LAUNCH_NS, env)
+        raw = (os.environ if env is None else env).get(ENV_LAUNCH_NS, "")
+        launch_ns = int(raw) if raw.isdigit() and int(raw) > 0 else None   # not a number: ignored, never fatal
         self.marks: list[tuple[str, int]] = []
         if launch_ns is not None and launch_ns <= process_start_ns:
             self.origin, self.origin_ns = "launch", launch_ns

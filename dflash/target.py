@@ -1,11 +1,10 @@
-"""The frozen target: capture K decoder-layer outputs and stop the forward after the deepest one.
-
-Decoder layers of transformers 5.x return a tensor (4.x returned a tuple); the hook accepts both.
-A layer's output is what HF calls hidden_states[i + 1], the feature the reference drafter reads.
+"""The frozen target: capture K decoder-layer outputs (HF's hidden_states[i + 1], the features the
+reference drafter reads) and stop the forward after the deepest one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,7 @@ class _StopForward(Exception):
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of a causal LM (model.model.layers) or a base model (model.layers)."""
     for path in ("model.layers", "layers", "model.language_model.layers", "language_model.model.layers"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
+        obj = functools.reduce(lambda o, name: getattr(o, name, None), path.split("."), model)
         if isinstance(obj, nn.ModuleList):
             return obj
     raise ValueError(f"target model {type(model).__name__}: no decoder layer list found")
@@ -75,7 +70,7 @@ class TargetCapture:
         def hook(module, args, output):
             if not self._active:
                 return None
-            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output   # 4.x: a tuple
             if stop:
                 raise _StopForward()
         return hook
@@ -87,8 +82,7 @@ class TargetCapture:
         device = torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-        model.to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
         return cls(model, default_layer_ids(model.config.num_hidden_layers, num_layers))
 
     @property
@@ -109,9 +103,7 @@ class TargetCapture:
                 raise RuntimeError("TargetCapture: the deepest hooked layer never ran")
             finally:
                 self._active = False
-        out = [self._captured[i] for i in self.layer_ids]
-        self._captured.clear()
-        return out
+        return [self._captured.pop(i) for i in self.layer_ids]
 
 
 @dataclass
@@ -154,10 +146,8 @@ def load_target_head(model_dir, device, dtype) -> TargetHead:
         with safe_open(str(model_dir / weight_map[key]), "pt", device="cpu") as f:
             return f.get_tensor(key).to(device=device, dtype=dtype)
 
-    embed_w = read(embed_key)
-    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], device="meta")
-    embed.weight = nn.Parameter(embed_w, requires_grad=False)
-    head_w = embed_w if tied else read(head_key)
+    embed = nn.Embedding.from_pretrained(read(embed_key), freeze=True)   # the tensor itself, not a copy
+    head_w = embed.weight.data if tied else read(head_key)
     lm_head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     lm_head.weight = nn.Parameter(head_w, requires_grad=False)
     return TargetHead(embed, lm_head, config)

@@ -1,9 +1,6 @@
-"""The built-in default: a tiny Qwen3 target and a synthetic corpus of its own greedy continuations.
-
-Needs no files and no network. `ensure_builtin(cache_dir)` builds (once) the target directory and
-a train / held-out eval JSONL pair that `dflash.data.load_conversations` reads. The assistant turns
-are the target's own greedy continuations (as DFlash training regenerates responses with the
-target), so simulated acceptance during training matches real draft-and-verify acceptance.
+"""The built-in default, needing no files and no network: a tiny Qwen3 target and a train / held-out
+corpus of its own greedy continuations (as DFlash training regenerates responses with the target), so
+simulated acceptance during training matches real draft-and-verify acceptance.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dflash.topology import intra_op_threads
 
 # Bump when anything below changes what gets built, so stale cached builds are rebuilt.
 BUILD_VERSION = 2
@@ -97,12 +96,9 @@ def _init_weights(model, seed: int, tokenizer) -> None:
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * EMBED_STD)
-            elif name.startswith("lm_head"):
-                param.copy_(torch.randn(param.shape, generator=gen) * LM_HEAD_STD)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+                std = EMBED_STD if "embed_tokens" in name else LM_HEAD_STD if name.startswith("lm_head") else INIT_STD
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
         banned = [tokenizer.convert_tokens_to_ids(t) for t in NON_GENERABLE]
         banned += list(range(len(tokenizer), model.config.vocab_size))   # rounding padding rows
         model.lm_head.weight[banned] = 0.0
@@ -116,9 +112,8 @@ def make_tiny_model(seed: int = 0):
     config = _tiny_config(tokenizer)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
     _init_weights(model, seed, tokenizer)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.do_sample = False
+    model.generation_config.update(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                                   do_sample=False)
     return model, tokenizer
 
 
@@ -187,17 +182,12 @@ GENERATE_BATCH = 256
 
 def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int,
                          exclude_from=None, num_threads: int = 1) -> Path:
-    """Write `num_conversations` JSONL conversations whose assistant turn is the target's greedy
-    continuation (32-96 new tokens, or up to <|im_end|>); prompts in `exclude_from` are skipped (a
-    held-out split). On `num_threads` intra-op threads: the ops are tiny, extra threads only spin."""
+    """Write JSONL conversations whose assistant turn is the target's greedy continuation, skipping the
+    prompts of `exclude_from` (a held-out split); on `num_threads` threads (the ops are tiny)."""
     if num_conversations < 1:
         raise ValueError(f"num_conversations must be >= 1, got {num_conversations}")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with intra_op_threads(num_threads):
         return _build_corpus(target_dir, Path(out_path), num_conversations, seed, exclude_from)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@ target ranks; target rank t feeds drafter t mod D; each drafter's producers get 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -57,34 +58,36 @@ def host_cores() -> int:
 
 
 def cpu_threads(topo: Topology, rank: int, cores: int, waits_asleep: bool) -> int:
-    """Intra-op threads of a CPU rank: an equal share of `cores` by rank count; but the drafters are the
-    bound stage (forward and backward against a forward), so when OpenMP's waiting threads sleep
-    (`waits_asleep`) each drafter takes a share of all the cores."""
+    """Intra-op threads of a CPU rank: an equal share of `cores`; but when OpenMP's waiting threads sleep,
+    each drafter (the bound stage: forward and backward) takes a share of all the cores."""
     if waits_asleep and topo.role(rank) == "drafter":
         return max(1, cores // topo.num_drafters)
     return max(1, cores // topo.world_size)
 
 
-def default_topology(num_gpus: int, target_gpus: int | None, drafter_gpus: int | None) -> Topology:
-    """CPU (num_gpus == 0): one of each unless told. GPUs: drafters max(1, n // 3), targets the rest."""
-    if num_gpus <= 1:
-        return Topology(target_gpus or 1, drafter_gpus or 1)
-    d = drafter_gpus or max(1, num_gpus // 3)
-    t = target_gpus or max(1, num_gpus - d)
-    return Topology(t, d)
+@contextlib.contextmanager
+def intra_op_threads(n: int | None):
+    """torch's intra-op threads set to `n` inside (None: left as they are), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
-def resolve_topology(cfg: TrainConfig, world: int, num_gpus: int) -> Topology:
-    """The run's Topology for `world` ranks and `num_gpus` GPUs; ConfigError for counts that make none."""
+def resolve_topology(cfg: TrainConfig, world: int) -> Topology:
+    """The run's Topology for `world` ranks: the counts given, the other one the rest of the world;
+    neither given: drafters max(1, world // 3) (one of each on two ranks). ConfigError for none."""
     t, d = cfg.parallel.target_gpus, cfg.parallel.drafter_gpus
-    if t is not None and d is None:
-        d = world - t
-    elif d is not None and t is None:
-        t = world - d
-    topo = Topology(t, d) if t is not None else default_topology(num_gpus if num_gpus > 1 else 0, None, None)
-    if t is None and topo.world_size != world:
-        d = max(1, world // 3) if world > 2 else 1
-        topo = Topology(world - d, d)
+    if t is None and d is None:
+        d = max(1, world // 3)
+    t = world - d if t is None else t
+    d = world - t if d is None else d
+    topo = Topology(t, d)
     if topo.world_size != world or topo.num_targets < 1 or topo.num_drafters < 1:
         raise ConfigError(f"--target-gpus/--drafter-gpus: {t} + {d} ranks do not make a world of {world}")
     if topo.num_drafters > topo.num_targets:

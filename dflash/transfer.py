@@ -1,19 +1,13 @@
 """Target -> drafter transfer over torch.distributed.
 
-A message is a CPU header and CPU metadata over the gloo control group (no device tensor is read on
-the host) plus one payload, the packed hidden states: device to device over NCCL, or host-staged
-through reused pinned buffers (`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path.
+A message is a CPU header and metadata over the gloo control group (no device tensor read on the host)
+plus the packed hidden states: device to device over NCCL, or host-staged through reused pinned buffers
+(`d2h_copy` -> gloo -> `h2d_copy`), which is also the CPU path. A target has at most `max_in_flight`
+messages in transit; a slot is freed only once its send completed, so the buffers live until then.
+NCCL sends and receives run on streams of their own, so no transfer queues behind compute.
 
-A target has at most `max_in_flight` messages queued or in transit; its sender thread frees a slot
-only once a send has completed, so the buffers stay alive until then. On the NCCL path the target's
-main thread launches the send right after the pack (so before the next forward's kernels) on the
-Sender's own stream; the receiver thread posts receives on its own stream and hands the drafter a
-tensor with a `ready` event, so no transfer queues behind compute.
-
-Shutdown: a target ends with an END header; a drafter sends STOP to each producer and drains until
-all have ended. A message may carry its payload's `fingerprint()`, compared on receipt by
-`fingerprint_flags()`. Each rank keeps a ring of its last `RING_ENTRIES` protocol steps
-(`dump_flight_recorder()`, the profiler's `transfer_ring` forensics source).
+Shutdown: a target ends with END; a drafter sends STOP to each producer and drains until all ended.
+Each rank keeps a ring of its last RING_ENTRIES protocol steps (`dump_flight_recorder()`).
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ _INTS = slice(8, 12)      # header slots of Message.ints
 _HAS_FINGERPRINT = 12     # header slot: 1 when a fingerprint follows the payload
 RING_ENTRIES = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Wait granularity when polling a completed-or-not NCCL work from a background thread.
-_POLL_SECONDS = 50e-6
+_POLL_SECONDS = 50e-6     # how often the sender thread polls an NCCL work for completion
 
 
 @dataclass
@@ -96,9 +89,6 @@ def dump_flight_recorder() -> list:
     return list(_RING)
 
 
-flight_recorder = dump_flight_recorder
-
-
 def _event_state(ev) -> str | None:
     return None if ev is None else ("done" if ev.query() else "pending")
 
@@ -131,15 +121,12 @@ def _wait_completed(work) -> None:
         time.sleep(_POLL_SECONDS)
 
 
-def _bind_device(device: torch.device | None):
-    """Bind this thread to the rank's device and a stream of its own (None off CUDA): a new thread
-    starts on device 0's default stream, where its NCCL ops would queue behind the compute."""
-    if device is None or device.type != "cuda":
-        return None
-    torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device)
-    torch.cuda.set_stream(stream)
-    return stream
+def _bind_device(device: torch.device | None) -> None:
+    """Bind this thread to the rank's CUDA device and a stream of its own: a new thread starts on
+    device 0's default stream, where its NCCL ops would queue behind the compute."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 class PinnedPool:
@@ -173,9 +160,8 @@ def staged_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Staging:
-    """(payload, ready event, release callback) for a packed batch: NCCL sends the tensor itself after
-    an event; host-staged copies it (`d2h_copy`) into a pinned buffer on a copy stream of its own, the
-    tensor `record_stream`ed there so the next forward cannot take its memory; CPU sends it as it is."""
+    """(payload, ready event, release callback) for a packed batch: NCCL and CPU send the tensor itself;
+    host-staged copies it (`d2h_copy`) into a pinned buffer on a copy stream of its own."""
 
     def __init__(self, device: torch.device, device_payload: bool, count: int):
         on_gpu = device.type == "cuda"
@@ -201,9 +187,8 @@ class Staging:
 
 
 class Sender:
-    """Target side: `acquire()` takes an in-flight slot, `submit()` queues a message (NCCL: and
-    launches its send), the sender thread sends header and metadata, waits for the send, frees the
-    slot; `close()` sends END. Only the submitting thread calls NCCL, so no two threads race on it."""
+    """Target side: `acquire()` a slot, `submit()` a message (NCCL: launched there, the only thread that
+    calls NCCL); the sender thread sends header and metadata, waits for the send, frees the slot."""
 
     def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
@@ -303,16 +288,8 @@ class Sender:
     def _run(self) -> None:
         try:
             _bind_device(self._device)
-            while True:
-                msg = self._q.get()
-                if msg is None:
-                    dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
-                    _ring("end_sent", dst=self.dst, sent=self.sent)
-                    return
-                if self._device_payload:
-                    self._send_device(msg)
-                else:
-                    self._send_host(msg)
+            while (msg := self._q.get()) is not None:
+                (self._send_device if self._device_payload else self._send_host)(msg)
                 self.sent += 1
                 if msg.release is not None:
                     msg.release()
@@ -320,6 +297,8 @@ class Sender:
                 del msg  # drop our reference before freeing the slot: the buffer may now be reused
                 self.in_flight -= 1
                 self._slots.release()
+            dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
+            _ring("end_sent", dst=self.dst, sent=self.sent)
         except BaseException as e:  # surfaced on the main thread at its next acquire/submit/close
             _ring("sender_failed", dst=self.dst, error=repr(e)[:200])
             self._error = e
@@ -355,15 +334,12 @@ class StopSignal:
 
 
 def _record_event():
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
+    return torch.cuda.current_stream().record_event()
 
 
 def wait_ready(msg: Message) -> torch.Tensor:
-    """Drafter side: the current stream waits (on the device) for the payload, and payload and
-    fingerprint are `record_stream`ed so the receiver's next allocation cannot reuse their memory
-    while this stream still reads them. Returns the payload."""
+    """Drafter side: the payload, once the current stream waits (on the device) for it; it is
+    `record_stream`ed, so the receiver cannot reuse its memory while this stream reads it."""
     if msg.ready is not None:
         stream = torch.cuda.current_stream()
         stream.wait_event(msg.ready)
@@ -420,10 +396,8 @@ class Receiver:
             return item
 
     def drain(self) -> int:
-        dropped = 0
-        while self.get() is not None:
-            dropped += 1
-        return dropped
+        """Discard messages until every producer has ended; returns how many were dropped."""
+        return sum(1 for _ in iter(self.get, None))
 
     def _recv_one(self, header: torch.Tensor, src: int) -> Message:
         dtype = _DTYPES[int(header[1])]
@@ -431,26 +405,27 @@ class Receiver:
         meta = torch.empty(int(header[6]), int(header[7]), dtype=torch.int64)
         dist.recv(meta, src, group=self._ctrl, tag=TAG_META)
         ints = [int(v) for v in header[_INTS]]
-        has_fp = bool(header[_HAS_FINGERPRINT])
+        fp_device = self._device if self._device_payload else "cpu"
+        fp = torch.empty(2, dtype=torch.float64, device=fp_device) if int(header[_HAS_FINGERPRINT]) else None
         if self._device_payload:
             # Allocated on, and received into on, this thread's stream; NCCL's wait() orders the
             # stream after the receive without blocking the host.
             payload = torch.empty(shape, dtype=dtype, device=self._device)
             dist.recv(payload, src, group=self._data)
-            fp = torch.empty(2, dtype=torch.float64, device=self._device) if has_fp else None
             if fp is not None:
                 dist.recv(fp, src, group=self._data)
             return Message(payload, meta, ints, src, ready=_record_event(), fingerprint=fp)
-        if self._pool is None:      # CPU: gloo straight into the tensor the drafter uses
-            payload = torch.empty(shape, dtype=dtype)
-            dist.recv(_as_wire(payload), src, group=self._ctrl, tag=TAG_PAYLOAD)
-            return Message(payload, meta, ints, src, fingerprint=self._recv_fingerprint(src, has_fp))
-        # Host-staged on a GPU: gloo into a reused pinned buffer, then h2d_copy on this stream.
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        buf = self._pool.take(nbytes)
-        staged = staged_view(buf, torch.empty(shape, dtype=dtype, device="meta"))
+        # CPU: gloo straight into the tensor the drafter uses. Host-staged on a GPU: gloo into a reused
+        # pinned buffer, then h2d_copy on this stream.
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        nbytes = like.numel() * like.element_size()
+        buf = None if self._pool is None else self._pool.take(nbytes)
+        staged = torch.empty(shape, dtype=dtype) if buf is None else staged_view(buf, like)
         dist.recv(_as_wire(staged), src, group=self._ctrl, tag=TAG_PAYLOAD)
-        fp = self._recv_fingerprint(src, has_fp)
+        if fp is not None:
+            dist.recv(fp, src, group=self._ctrl, tag=TAG_FINGERPRINT)
+        if buf is None:
+            return Message(staged, meta, ints, src, fingerprint=fp)
         with profiler.span("h2d_copy", bytes=nbytes):
             payload = staged.to(self._device, non_blocking=True)
             # 16 pageable bytes: this thread waits for them to be staged, the drafter never does.
@@ -461,13 +436,6 @@ class Receiver:
         ready.synchronize()
         self._pool.give(buf)
         return Message(payload, meta, ints, src, ready=ready, fingerprint=fp)
-
-    def _recv_fingerprint(self, src: int, has_fp: bool) -> torch.Tensor | None:
-        if not has_fp:
-            return None
-        fp = torch.empty(2, dtype=torch.float64)
-        dist.recv(fp, src, group=self._ctrl, tag=TAG_FINGERPRINT)
-        return fp
 
     def _run(self) -> None:
         try:

@@ -1,7 +1,5 @@
-"""One rank of a dflash-train run: process group, role, profiler, then the role's loop.
-
-Started by `dflash.launch` (one process per device on this host) or by torchrun; both set RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+"""One rank of a dflash-train run: process group, role, profiler, then the role's loop. Started by
+`dflash.launch` or torchrun; both set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -32,6 +30,9 @@ from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
 
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
+"""Errors a rank says in one line (bad input: exit 2; a full disk, a non-finite stop: exit 1)."""
+
 
 class _StopFlag:
     """Set by SIGTERM/SIGINT; the loops stop at the next step boundary. Only a flag: writing the run log
@@ -52,9 +53,8 @@ class _StopFlag:
             self.signum = signum
 
     def __call__(self) -> bool:
-        if self.signum is not None:
-            self.observed = True
-        return self.signum is not None
+        self.observed = self.observed or self.signum is not None
+        return self.observed
 
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -91,7 +91,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         compile_cache.setup_cache(compile_cache.resolve_cache_dir(cfg.model.compile_cache_dir),
                                   create=device.type == "cuda")
         timeline.mark("device")
-        topo = resolve_topology(cfg, world, torch.cuda.device_count() if device.type == "cuda" else 0)
+        topo = resolve_topology(cfg, world)
         if device.type == "cpu":
             # Ranks share the host's cores: don't let each one spawn a thread per core.
             asleep = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
@@ -108,12 +108,9 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
         return 1
     try:
         return _run_rank(cfg, topo, rank, device, stop, timeline)
-    except ConfigError as e:
+    except _SAID_IN_ONE_LINE as e:
         print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
-        return 2
-    except (checkpoint.CheckpointWriteError, loops.NonfiniteStop) as e:   # said in one line, exit 1
-        print(f"dflash-train: error: rank {rank}: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except Exception as e:
         lost = _peer_lost(e)
         if lost:
@@ -141,8 +138,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     tokenizer = builtin.load_tokenizer(paths.target_dir)
     timeline.mark("built-ins")
     resume_state = checkpoint.load_resume_state(run_dir) if cfg.reliability.resume else None
-    samples: list = []
-    heldout: list = []
+    samples, heldout = [], []
     wants_eval = rank == 0 and cfg.data.eval_prompts > 0
     if role == "target" or (wants_eval and paths.eval_data is None):
         samples = _load_samples(paths.data, tokenizer, cfg, announce=rank == topo.target_ranks[0])
@@ -215,14 +211,10 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                              run_config=cfg.flat_dict(), config=config, deps=deps, exporters=tele.exporters)
 
 
-_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
-
-
 @contextlib.contextmanager
 def _forensics(stop: _StopFlag, rank: int):
-    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`), and a
-    signal no loop sees within 2 s (the rank is blocked), or a second one, stops the rank with a dump
-    and run_end "killed: SIGNAL" (profiler.watchdog.SignalWatch)."""
+    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`); a signal
+    no loop sees within 2 s (a blocked rank), or a second one, stops the rank with a dump (SignalWatch)."""
     prof = profiler.active()
     if prof is None:   # --no-profile: nothing to record into
         yield
@@ -329,7 +321,7 @@ def _print_final(run_dir: Path) -> None:
     from exporters.console import format_hotspots
 
     ends, steady = [], []
-    for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
+    for path in sorted((run_dir / "profile").glob("rank*.jsonl"), key=lambda p: int(p.stem[4:] or 0)):
         records, _ = profiler.read_records(path)
         ends += [r for r in records if r.get("type") == "run_end"]
         steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]

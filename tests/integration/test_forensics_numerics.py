@@ -204,7 +204,7 @@ def _transfer_worker(rank: int, port: int, out) -> None:
             transfer.send_stop([1], ctrl)
             assert rx.drain() == 0
             out.put(("fingerprints", [m.fingerprint.tolist() for m in got]))
-        out.put((rank, transfer.flight_recorder()))
+        out.put((rank, transfer.dump_flight_recorder()))
     finally:
         dist.destroy_process_group()
 
