@@ -24,8 +24,9 @@ RUN_MARKERS = ("checkpoints", "profile")
 def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = None) -> None:
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host, `gpus`
     the GPUs the run uses (0: a CPU run; None: ask torch, which a CPU run's launcher never imports)."""
-    _check_faults(cfg.reliability.fault)
-    _check_devices(cfg, world, local_world, torch_gpus(cfg) if gpus is None else gpus)
+    gpus = torch_gpus(cfg) if gpus is None else gpus
+    _check_faults(cfg, world, gpus)
+    _check_devices(cfg, world, local_world, gpus)
     _check_metrics_ports(cfg, local_world)
     check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
     _check_run_dir(cfg)
@@ -34,18 +35,44 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
         _check_data(cfg, tokenizer)
 
 
-def _check_faults(spec: str) -> None:
-    """The fault spec (DFLASH_FAULT) parses, and each fault names a span where it can fire in this pipeline."""
+def _check_faults(cfg: TrainConfig, world: int, gpus: int) -> None:
+    """The fault spec (DFLASH_FAULT) parses, and each fault names a span where it can fire in this run."""
     from profiler.faults import check_injection_points, parse_faults
 
+    spec = cfg.reliability.fault or ""
     if not spec.strip():
         return
     from dflash.loops import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
 
     try:
-        check_injection_points(parse_faults(spec), FAULT_SPANS, NAN_FAULT_SPANS)
+        faults = parse_faults(spec)
+        check_injection_points(faults, FAULT_SPANS, NAN_FAULT_SPANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    never = spans_never_entered(cfg, world, gpus)
+    for f in faults:
+        if f.span in never:
+            raise ConfigError(f"DFLASH_FAULT: {f.kind}@{f.span}: this run never enters {f.span} ({never[f.span]}), "
+                              "so the fault could never fire")
+
+
+def spans_never_entered(cfg: TrainConfig, world: int, gpus: int) -> dict:
+    """{span: why} for the pipeline's spans this run's topology skips: the host-staged copies on a CPU run or
+    on NCCL transfers, the all-reduce with one drafter, the evaluation without prompts."""
+    never = {}
+    distinct = gpus >= world
+    if gpus == 0 or cfg.parallel.transfer == "nccl" or (cfg.parallel.transfer == "auto" and distinct):
+        why = "a CPU run has no host-device copies" if gpus == 0 else "NCCL sends device to device"
+        never.update({"d2h_copy": why, "h2d_copy": why})
+    try:
+        drafters = resolve_topology(cfg, world).num_drafters
+    except ConfigError:
+        drafters = None   # the rank split is refused just after, in its own words
+    if drafters == 1:
+        never["drafter.allreduce"] = "one drafter rank has nothing to all-reduce"
+    if cfg.data.eval_prompts == 0:
+        never["eval.decode"] = "--eval-prompts 0"
+    return never
 
 
 def torch_gpus(cfg: TrainConfig) -> int:

@@ -111,3 +111,18 @@ def test_every_dflash_variable_lands_in_the_config():
     assert (cfg.model.fused_elementwise, cfg.model.fused_ce) == (False, False)
     assert cfg.reliability.fault == "crash@target.fwd:step=2"
     assert resolve_config({}, {}, {}).to_dict()["model"]["fused_ce"] is True
+
+
+@pytest.mark.parametrize("fault, args, why", [
+    ("crash@h2d_copy", [], "a CPU run has no host-device copies"),
+    ("slow=1@d2h_copy:step=2", [], "a CPU run has no host-device copies"),
+    ("crash@drafter.allreduce", [], "one drafter rank has nothing to all-reduce"),
+    ("hang@eval.decode", ["--eval-prompts", "0"], "--eval-prompts 0"),
+])
+def test_a_fault_this_run_can_never_fire_is_refused_before_any_rank(tmp_path, train_main, fault, args, why):
+    """Issue 34 row 8: a fault on a span this run's topology never enters would be accepted and never fire."""
+    r = train_main(["--device", "cpu", "--run-dir", tmp_path / "run", *args], env={"DFLASH_FAULT": fault})
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if "DFLASH_FAULT" in ln]
+    assert f"this run never enters {fault.split('@')[1].split(':')[0]} ({why})" in line
+    assert not (tmp_path / "run").exists()
