@@ -108,6 +108,9 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
     base, host = cfg.telemetry.metrics_port, cfg.telemetry.metrics_host
     for local_rank in range(local_world if base is not None else 1):
         port = 0 if base is None else base + local_rank   # the default may fall back: the address must bind
+        if port > 65535:
+            raise ConfigError(f"--metrics-port {base}: local rank {local_rank} would serve on port {port} "
+                              f"(base + local rank), past 65535; choose a base of at most {65536 - local_world}")
         try:
             socket.create_server((host, port)).close()
         except OSError as exc:

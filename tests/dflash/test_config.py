@@ -126,3 +126,10 @@ def test_a_fault_this_run_can_never_fire_is_refused_before_any_rank(tmp_path, tr
     (line,) = [ln for ln in r.stderr.splitlines() if "DFLASH_FAULT" in ln]
     assert f"this run never enters {fault.split('@')[1].split(':')[0]} ({why})" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_metrics_port_that_leaves_no_room_for_every_local_rank_is_one_line(tmp_path, train_main):
+    """Issue 34 row 11: --metrics-port 65535 with two local ranks was an OverflowError traceback."""
+    r = train_main(["--device", "cpu", "--run-dir", tmp_path / "run", "--metrics-port", "65535"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--metrics-port 65535: local rank 1 would serve on port 65536 (base + local rank), past 65535" in r.stderr
