@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -170,10 +171,21 @@ def remove_stale_partials(ckpt_dir: Path) -> list[str]:
     return handled
 
 
+def _bare_pickle(path: Path) -> bool:
+    """A pickle outside torch.save's zip format (the legacy format, or pickle.dump): what we never write."""
+    if not path.is_file() or zipfile.is_zipfile(path):
+        return False
+    with path.open("rb") as f:
+        return f.read(1) == b"\x80"   # the pickle PROTO opcode
+
+
 def load_training_state(ckpt_path: Path, mmap: bool = False) -> dict:
     """training_state.pt of a checkpoint as plain data (weights_only=True; `mmap` maps tensors
     instead of reading them, for a cheap check). CheckpointError when unsafe or unreadable."""
     path = Path(ckpt_path) / STATE_NAME
+    if _bare_pickle(path):
+        raise CheckpointError(f"{path}: not a safe checkpoint file: refused (a bare pickle, not torch.save's zip "
+                              "format; code could run on load)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:

@@ -210,3 +210,14 @@ def test_stale_partials_of_dead_writers_are_cleaned(tmp_path, target_dir):
     assert sorted(p.name for p in d.iterdir()) == ["latest", "step_0000004", "step_0000006",
                                                    f"step_0000009.tmp-{os.getpid()}"]
     assert (d / "step_0000006" / "config.json").is_file()
+
+
+def test_a_training_state_in_the_old_plain_pickle_format_is_refused_as_unsafe(tmp_path, target_dir):
+    """Issue 34 row 17: torch.save's legacy (non-zip) format was refused with a misleading mmap message."""
+    path = _run_checkpoint(tmp_path, target_dir)
+    torch.save({"step": 1}, path / "training_state.pt", _use_new_zipfile_serialization=False)
+    for mmap in (False, True):
+        with pytest.raises(ckpt.CheckpointError, match=r"training_state.pt: not a safe checkpoint file: refused "
+                                                       r"\(a bare pickle, not torch.save's zip format; code could "
+                                                       r"run on load\)"):
+            ckpt.load_resume_state(tmp_path, mmap=mmap)
