@@ -152,8 +152,11 @@ def _check_run_dir(cfg: TrainConfig) -> None:
         from dflash import checkpoint   # torch: only a resumed run's preflight pays the import
 
         ckpt = checkpoint.latest_checkpoint(path / "checkpoints")
-        if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint in {path / 'checkpoints'}")
+        if ckpt is None:   # no run there, or one that ended before its first checkpoint: it starts from step 0
+            if not (path / "profile").is_dir():
+                raise ConfigError(f"--resume: no run in {path} (no profile/ and no checkpoint); drop --resume "
+                                  "to start one there")
+            return
         checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
         if not (ckpt / checkpoint.WEIGHTS_NAME).is_file():
             raise ConfigError(f"--resume: {ckpt} has no {checkpoint.WEIGHTS_NAME}")

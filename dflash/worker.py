@@ -137,7 +137,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
     tokenizer = builtin.load_tokenizer(paths.target_dir)
     timeline.mark("built-ins")
-    resume_state = checkpoint.load_resume_state(run_dir) if cfg.reliability.resume else None
+    resume_state = _resume_state(cfg, run_dir, rank)
     samples, heldout = [], []
     wants_eval = rank == 0 and cfg.data.eval_prompts > 0
     if role == "target" or (wants_eval and paths.eval_data is None):
@@ -280,6 +280,19 @@ def _peer_lost(exc: BaseException) -> str | None:
     """How a collective or transfer failed, when it failed because another rank's process ended."""
     found = re.search(r"Connection (closed|reset) by peer( \[[^\]]*\]:\d+)?|Broken pipe", str(exc))
     return found.group(0) if found and isinstance(exc, RuntimeError) else None
+
+
+def _resume_state(cfg: TrainConfig, run_dir: Path, rank: int) -> dict | None:
+    """--resume's training state; None for a fresh run, and for a run that ended before its first checkpoint
+    (it starts again from step 0, a new segment of the same run directory, and rank 0 says so)."""
+    if not cfg.reliability.resume:
+        return None
+    if checkpoint.latest_checkpoint(run_dir / "checkpoints") is None:
+        if rank == 0:
+            print(f"dflash-train: --resume: {run_dir} has no checkpoint (its run ended before the first one): "
+                  "starting from step 0", file=sys.stderr, flush=True)
+        return None
+    return checkpoint.load_resume_state(run_dir)
 
 
 def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:

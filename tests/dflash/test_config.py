@@ -133,3 +133,24 @@ def test_a_metrics_port_that_leaves_no_room_for_every_local_rank_is_one_line(tmp
     r = train_main(["--device", "cpu", "--run-dir", tmp_path / "run", "--metrics-port", "65535"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--metrics-port 65535: local rank 1 would serve on port 65536 (base + local rank), past 65535" in r.stderr
+
+
+def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(tmp_path, capsys):
+    """Issue 34 row 15: such a directory refused a fresh run ("already holds a run") and --resume ("no
+    checkpoint"): a dead end. --resume now starts it from step 0 and says so; a directory with no run at all
+    is still refused, saying what to do."""
+    from dflash import preflight, worker
+    from dflash.config import TrainConfig
+
+    run = tmp_path / "died"
+    (run / "profile").mkdir(parents=True)
+    (run / "profile" / "rank0.jsonl").write_text('{"type": "run_start"}\n')
+    (run / "checkpoints").mkdir()
+    cfg = TrainConfig()
+    cfg.run_dir, cfg.reliability.resume = str(run), True
+    preflight._check_run_dir(cfg)                     # accepted
+    assert worker._resume_state(cfg, run, rank=0) is None
+    assert "has no checkpoint (its run ended before the first one): starting from step 0" in capsys.readouterr().err
+    cfg.run_dir = str(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"--resume: no run in .*drop --resume to start one there"):
+        preflight._check_run_dir(cfg)
