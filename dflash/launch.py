@@ -16,6 +16,7 @@ import time
 from dflash import startup
 from dflash.compile_cache import bytecode_env
 from dflash.config import TrainConfig
+from dflash.run_lock import hold_run_dir
 from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, write_gate
 
 # After a rank fails (or a second signal), how long the others get to exit before SIGKILL (a blocked
@@ -72,7 +73,12 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
             ranks = GatedRanks(world, started_ns, {**bytecode, **threads_env(planned)})
         if cfg.run_dir is None:
             cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
-        procs = ranks.open(cfg)
+        lock_fd = hold_run_dir(cfg.run_dir)   # one run per directory, until the ranks are done
+        try:
+            procs = ranks.open(cfg)
+        except BaseException:
+            os.close(lock_fd)
+            raise
     except BaseException:
         ranks.abort()
         raise
@@ -81,6 +87,7 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     try:
         return supervisor.run()
     finally:
+        os.close(lock_fd)
         for s, h in old.items():
             signal.signal(s, h)
 

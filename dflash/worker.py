@@ -22,6 +22,7 @@ import dflash
 import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
+from dflash.run_lock import hold_run_dir
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -312,6 +313,11 @@ def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
     if rank == 0:
         path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
         box = [str(path), preflight.run_dir_conflict(path, cfg.reliability.resume)]
+        if box[1] is None and startup.ENV_LAUNCH_NS not in os.environ:   # torchrun: no launcher holds it
+            try:
+                hold_run_dir(path)   # kept for this process's life
+            except ConfigError as e:
+                box[1] = str(e)
     dist.broadcast_object_list(box, src=0, group=ctrl)
     if box[1] is not None:
         raise ConfigError(box[1])

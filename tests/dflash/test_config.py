@@ -154,3 +154,22 @@ def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(t
     cfg.run_dir = str(tmp_path / "empty")
     with pytest.raises(ConfigError, match=r"--resume: no run in .*drop --resume to start one there"):
         preflight._check_run_dir(cfg)
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_holder(tmp_path, train_main):
+    """Issue 34 row 4: two runs on one --run-dir interleaved their logs and wrote each checkpoint twice.
+    The run's lock is held (here by this test process); a second dflash-train gets one line naming the
+    holder's pid, exit 2, nothing written; once the holder is gone, its lock is taken over."""
+    import os
+
+    from dflash.run_lock import hold_run_dir
+
+    run = tmp_path / "run"
+    fd = hold_run_dir(run)
+    before = sorted(p.name for p in run.iterdir())
+    r = train_main(["--device", "cpu", "--run-dir", run, "--max-steps", "2"])
+    assert r.returncode == 2, r.stderr
+    assert f"in use by another dflash-train (pid {os.getpid()}, which holds {run / '.lock'})" in r.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
+    os.close(fd)                       # the holder ends: its lock goes with it
+    os.close(hold_run_dir(run))        # and is taken over
