@@ -197,7 +197,22 @@ class Supervisor:
         deadline = self.clock() + self.grace_s
         while any(p.poll() is None for p in self.procs) and self.clock() < deadline:
             time.sleep(self.poll_s / 2)
+        for rank, p in enumerate(self.procs):
+            if p.poll() is None:   # it could not stop itself: say why its log ends without a run_end
+                why = ("was stopped (SIGSTOP, or a debugger: process state T) and made no progress"
+                       if _proc_state(p.pid) in ("T", "t") else f"did not end within {self.grace_s:.0f} s of SIGTERM")
+                print(f"dflash-train: rank {rank} (pid {p.pid}) {why}: killed, so its log ends without a run_end",
+                      file=self.stderr or sys.stderr)
         _kill_live(self.procs)
+
+
+def _proc_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T stopped, t traced, Z), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _kill_live(procs: list[subprocess.Popen]) -> None:
