@@ -1,7 +1,7 @@
 """Fixtures shared across test packages: a real OTLP/HTTP receiver, the built-ins of the small CPU
 runs, built once per session, `dflash.cli.main` called in-process for the cases refused with exit 2,
-and ONE healthy default run (watched live by Prometheus and the receiver) that every check which
-only reads a healthy run reads."""
+a forkserver for tests' own rank processes, and ONE healthy default run (watched live by Prometheus
+and the receiver) that every check which only reads a healthy run reads."""
 from __future__ import annotations
 
 import dataclasses
@@ -97,6 +97,19 @@ def prebuilt(small_builtin):
         return Path(run_dir)
 
     return seed
+
+
+@pytest.fixture(scope="session")
+def rank_processes():
+    """torch.multiprocessing's context for tests that start rank processes of their own: each is forked
+    from one forkserver that imported torch once for the session, where a spawned interpreter would
+    import it again for every rank of every test (seconds of CPU each). Still separate processes with
+    nothing of pytest's threads or state: the server is a fresh interpreter."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])   # taken when the server first starts
+    return ctx
 
 
 @pytest.fixture(autouse=True)

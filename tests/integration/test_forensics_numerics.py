@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dflash import checkpoint, transfer
@@ -209,8 +208,8 @@ def _transfer_worker(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_fingerprints_travel_with_their_payloads_and_each_rank_keeps_a_flight_recorder():
-    ctx = mp.get_context("spawn")
+def test_fingerprints_travel_with_their_payloads_and_each_rank_keeps_a_flight_recorder(rank_processes):
+    ctx = rank_processes
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_transfer_worker, args=(r, port, out)) for r in range(2)]
