@@ -80,10 +80,9 @@ def in_mount_namespace(script: str, *args: str, timeout: float = 240) -> subproc
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    from dflash.tiny import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target", seed=0)
+def tiny_target(small_builtin) -> Path:
+    """The built-in tiny target (seed 0) of the session's small built-ins; read only (variants copy it)."""
+    return small_builtin / "tiny-target"
 
 
 def target_variant(tiny_target: Path, where: Path, edit) -> Path:
