@@ -333,7 +333,7 @@ def test_resume_cleans_partials_and_summarises_per_rank_and_skipped_eval_is_said
     wall = sum(x["duration_seconds"] for x in target)
     tokens = sum(x["counters"]["tokens"]["total"] for x in target)
     line = next(x for x in r.stdout.splitlines() if x.startswith("target ("))
-    assert line.startswith(f"target (1 rank, {wall:.1f} s):") and f"tokens {tokens / wall:.1f}/s" in line
+    assert line.startswith(f"target (1 rank, {wall:.1f} s, whole run):") and f"tokens {tokens / wall:.1f}/s" in line
     assert any(x.startswith("drafter (1 rank, ") for x in r.stdout.splitlines())
 
 
