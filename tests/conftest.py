@@ -190,7 +190,7 @@ def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
 @dataclasses.dataclass
 class HealthyRun:
     """The session's shared run, finished: the README default run (`dflash-train --run-dir RUN` on the
-    built-ins, every default) with 1 s profile intervals, metrics on a chosen port and OTLP export to a
+    built-ins, every default) with 5 s profile intervals (HEALTHY_ARGS), metrics on a chosen port and OTLP export to a
     live receiver, so that the default-run, Prometheus, dashboard-panel, OTLP and trace checks read one run."""
 
     run: Path
@@ -211,7 +211,11 @@ class HealthyRun:
     """Base URL of the real Prometheus that scraped it (still up), None where none is installed."""
 
 
-HEALTHY_ARGS = ["--profile-interval", "1"]   # short intervals: several within the rate windows
+HEALTHY_ARGS = ["--profile-interval", "5"]
+"""Short intervals, 4 within the dashboard's 20 s rate windows, yet longer than a step (about 1 s alone on
+2 cores, several beside the rest of the suite): an interval's detail window keeps the spans that began in
+it and ended before it closed, so intervals shorter than a step would never hold a whole drafter.fwd_bwd
+for the trace and OTLP checks."""
 HEALTHY_LIMIT_S = 900
 """How long the shared run may take before it is killed: the README default run took 198 s on the 2-core VM
 (2026-12-04), and a busy machine may double or triple that; the suite must pass there too."""
