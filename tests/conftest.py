@@ -1,7 +1,8 @@
 """Fixtures shared across test packages: a real OTLP/HTTP receiver, the built-ins of the small CPU
 runs, built once per session, `dflash.cli.main` called in-process for the cases refused with exit 2,
-and ONE healthy default run (watched live by Prometheus and the receiver) that every check which
-only reads a healthy run reads."""
+a forkserver for tests' own rank processes, and ONE healthy default run (watched live by Prometheus
+and the receiver) that every check which only reads a healthy run reads: started with the session,
+in the background, and read by those checks, run last."""
 from __future__ import annotations
 
 import dataclasses
@@ -99,6 +100,19 @@ def prebuilt(small_builtin):
     return seed
 
 
+@pytest.fixture(scope="session")
+def rank_processes():
+    """torch.multiprocessing's context for tests that start rank processes of their own: each is forked
+    from one forkserver that imported torch once for the session, where a spawned interpreter would
+    import it again for every rank of every test (seconds of CPU each). Still separate processes with
+    nothing of pytest's threads or state: the server is a fresh interpreter."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])   # taken when the server first starts
+    return ctx
+
+
 @pytest.fixture(autouse=True)
 def _keep_bytecode_settings():
     """dflash.launch, called in-process by CLI tests, may point this interpreter's bytecode at the
@@ -176,7 +190,7 @@ def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
 @dataclasses.dataclass
 class HealthyRun:
     """The session's shared run, finished: the README default run (`dflash-train --run-dir RUN` on the
-    built-ins, every default) with 1 s profile intervals, metrics on a chosen port and OTLP export to a
+    built-ins, every default) with 5 s profile intervals (HEALTHY_ARGS), metrics on a chosen port and OTLP export to a
     live receiver, so that the default-run, Prometheus, dashboard-panel, OTLP and trace checks read one run."""
 
     run: Path
@@ -197,22 +211,41 @@ class HealthyRun:
     """Base URL of the real Prometheus that scraped it (still up), None where none is installed."""
 
 
-HEALTHY_ARGS = ["--profile-interval", "1"]   # short intervals: several within the rate windows
+HEALTHY_ARGS = ["--profile-interval", "5"]
+"""Short intervals, 4 within the dashboard's 20 s rate windows, yet longer than a step (about 1 s alone on
+2 cores, several beside the rest of the suite): an interval's detail window keeps the spans that began in
+it and ended before it closed, so intervals shorter than a step would never hold a whole drafter.fwd_bwd
+for the trace and OTLP checks."""
 HEALTHY_LIMIT_S = 900
 """How long the shared run may take before it is killed: the README default run took 198 s on the 2-core VM
 (2026-12-04), and a busy machine may double or triple that; the suite must pass there too."""
+HEALTHY_USERS = {"healthy_run", "live"}   # `live`: test_exporters_e2e's view of the run
+
+
+def _uses_healthy_run(item) -> bool:
+    """Whether the test will read the shared run. test_exporters_e2e's `live` asks for it only where
+    Prometheus and promtool are installed (it skips before asking otherwise)."""
+    names = set(getattr(item, "fixturenames", ()))
+    if "healthy_run" in names:
+        return True
+    return "live" in names and shutil.which("prometheus") is not None and shutil.which("promtool") is not None
 
 
 def pytest_collection_modifyitems(items):
-    """A test that asks for the shared healthy run may pay for making it (its setup): it gets the run's
-    limit on top of the per-test timeout, not the 300 s every other test has."""
-    for item in items:
-        if {"healthy_run", "live"} & set(getattr(item, "fixturenames", ())):   # `live`: test_exporters_e2e
-            item.add_marker(pytest.mark.timeout(HEALTHY_LIMIT_S + 300))
+    """The tests that read the shared healthy run go last, in their order: the run starts with the
+    session (`_healthy_run_started`) and trains while every other test runs, so they find it finished
+    instead of waiting for it. Each may still pay for the rest of it (its setup): it gets the run's limit
+    on top of the per-test timeout, not the 300 s every other test has."""
+    readers = [item for item in items if HEALTHY_USERS & set(getattr(item, "fixturenames", ()))]
+    for item in readers:
+        item.add_marker(pytest.mark.timeout(HEALTHY_LIMIT_S + 300))
+    items[:] = [item for item in items if item not in readers] + readers
 
 
-def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str | None) -> HealthyRun:
-    """The healthy run, its ranks' /metrics fetched each second while it trains; returns once it exits."""
+def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str | None,
+                 stop: threading.Event) -> HealthyRun:
+    """The healthy run, its ranks' /metrics fetched each second while it trains; returns once it exits,
+    or kills it with its ranks once `stop` is set or it passes HEALTHY_LIMIT_S."""
     out, err = run.parent / "train.out", run.parent / "train.err"
     started, t0 = time.time(), time.monotonic()
     with open(out, "w") as o, open(err, "w") as e:
@@ -222,7 +255,7 @@ def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str |
                                  start_new_session=True)
         scrapes: dict = {}
         try:
-            while train.poll() is None and time.monotonic() - t0 < HEALTHY_LIMIT_S:
+            while train.poll() is None and not stop.is_set() and time.monotonic() - t0 < HEALTHY_LIMIT_S:
                 for rank in (0, 1):
                     try:
                         text = urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics",
@@ -231,29 +264,79 @@ def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str |
                         continue
                     if "dflash_tokens_total{" in text and "dflash_span_seconds_bucket{" in text:
                         scrapes[rank] = text
-                time.sleep(1.0)
+                stop.wait(1.0)
         finally:
-            if train.poll() is None:   # past its time, or interrupted: kill it with its ranks
+            if train.poll() is None:   # past its time, or the session ends first: kill it with its ranks
                 os.killpg(train.pid, signal.SIGKILL)
             train.wait()
     return HealthyRun(run, train.returncode, out.read_text(), err.read_text(), time.monotonic() - t0, started,
                       port, scrapes, receiver, prometheus)
 
 
-@pytest.fixture(scope="session")
-def healthy_run(tmp_path_factory) -> HealthyRun:
-    """The shared healthy run (HealthyRun), made once, on first use, and finished before any test reads
-    it; Prometheus, when installed, scrapes it through its file_sd targets and stays up for queries."""
-    tmp = tmp_path_factory.mktemp("healthy")
-    runs = tmp / "runs"
-    runs.mkdir()
-    receiver = OtlpReceiver()
-    prom, base = (start_prometheus(tmp, runs / "prometheus-sd" / "*.json") if shutil.which("prometheus")
-                  else (None, None))
+class HealthyRunner:
+    """The shared healthy run made in a background thread: Prometheus (when installed) started, then the
+    run watched by `_run_watched`, while the tests that do not read it go on. `result()` waits for it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.runs = tmp, tmp / "runs"
+        self.runs.mkdir()
+        self.receiver = OtlpReceiver()
+        self.prometheus: subprocess.Popen | None = None
+        self.stop = threading.Event()
+        self._outcome: HealthyRun | BaseException | None = None
+        self.thread = threading.Thread(target=self._make, name="healthy-run", daemon=True)
+        self.thread.start()
+
+    def _make(self) -> None:
+        try:
+            base = None
+            if shutil.which("prometheus"):
+                self.prometheus, base = start_prometheus(self.tmp, self.runs / "prometheus-sd" / "*.json")
+            self._outcome = _run_watched(self.runs / "run", free_port_pair(), self.receiver, base, self.stop)
+        except BaseException as e:   # handed to the test that reads the run, as if it had made it
+            self._outcome = e
+
+    def result(self) -> HealthyRun:
+        """The finished run (waits for it); what went wrong making it is raised here."""
+        self.thread.join()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def close(self) -> None:
+        """Kill the run if it is still going; stop Prometheus and the receiver."""
+        self.stop.set()
+        self.thread.join()
+        if self.prometheus is not None:
+            self.prometheus.terminate()
+            self.prometheus.wait(timeout=30)
+        self.receiver.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _healthy_run_started(request, tmp_path_factory):
+    """Starts the shared healthy run with the session, only when a selected test will read it (a `-k` or
+    file subset that does not pays nothing); None otherwise."""
+    if not any(_uses_healthy_run(item) for item in request.session.items):
+        yield None
+        return
+    runner = HealthyRunner(tmp_path_factory.mktemp("healthy"))
     try:
-        yield _run_watched(runs / "run", free_port_pair(), receiver, base)
+        yield runner
     finally:
-        if prom is not None:
-            prom.terminate()
-            prom.wait(timeout=30)
-        receiver.close()
+        runner.close()
+
+
+@pytest.fixture(scope="session")
+def healthy_run(_healthy_run_started, tmp_path_factory) -> HealthyRun:
+    """The shared healthy run (HealthyRun), finished before any test reads it: started with the session,
+    or here where no test was known to need it; Prometheus, when installed, scraped it through its
+    file_sd targets and stays up for queries."""
+    if _healthy_run_started is not None:
+        yield _healthy_run_started.result()
+        return
+    runner = HealthyRunner(tmp_path_factory.mktemp("healthy"))
+    try:
+        yield runner.result()
+    finally:
+        runner.close()

@@ -27,11 +27,10 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory) -> Path:
-    """HF directory of the built-in tiny Qwen3 target (seed 0), built once per session."""
-    from dflash.tiny import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target", seed=0)
+def tiny_target_dir(small_builtin) -> Path:
+    """HF directory of the built-in tiny Qwen3 target (seed 0), built once per session: the one the
+    small runs' built-ins hold (tests/conftest.py), not a second build of the same. Read only."""
+    return small_builtin / "tiny-target"
 
 
 @pytest.fixture(scope="session")
@@ -43,9 +42,7 @@ def tiny_tokenizer(tiny_target_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_corpus(tiny_target_dir, tmp_path_factory) -> Path:
-    """48 built-in conversations (seed 0) whose assistant turns are the tiny target's greedy output."""
-    from dflash.tiny import build_builtin_corpus
-
-    return build_builtin_corpus(tiny_target_dir, tmp_path_factory.mktemp("corpus") / "train.jsonl",
-                                num_conversations=48, seed=0)
+def tiny_corpus(small_builtin) -> Path:
+    """48 built-in conversations (seed 0) whose assistant turns are the tiny target's greedy output: the
+    training corpus of the small runs' built-ins (`build_builtin_corpus` with these arguments). Read only."""
+    return small_builtin / "train.jsonl"

@@ -37,11 +37,13 @@ def test_a_rank_started_by_hand_without_its_gate_says_so_in_one_line():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_GATE_FD"}
-    for gate in (None, "99"):                       # unset; not an open descriptor
-        r = subprocess.run([sys.executable, "-m", "dflash.rank"], capture_output=True, text=True, timeout=120,
-                           env=env if gate is None else dict(env, DFLASH_GATE_FD=gate))
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
-        assert r.stderr.startswith("dflash-train: error: a rank process reads its config from the launcher's gate")
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash.rank"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env if gate is None else dict(env, DFLASH_GATE_FD=gate))
+             for gate in (None, "99")]      # unset; not an open descriptor. Side by side: each imports torch
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+        assert err.startswith("dflash-train: error: a rank process reads its config from the launcher's gate")
 
 
 def test_gated_ranks_start_with_the_bytecode_cache_in_their_environment(tmp_path, monkeypatch):

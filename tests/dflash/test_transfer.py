@@ -9,7 +9,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dflash import transfer
 from dflash.topology import Topology
@@ -66,8 +65,7 @@ def _worker(rank: int, world: int, port: int, steps: int, stop_after: int | None
         dist.destroy_process_group()
 
 
-def _run(world: int, steps: int, stop_after: int | None):
-    ctx = mp.get_context("spawn")
+def _run(ctx, world: int, steps: int, stop_after: int | None):
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, steps, stop_after, out)) for r in range(world)]
@@ -79,8 +77,8 @@ def _run(world: int, steps: int, stop_after: int | None):
     return [out.get(timeout=5) for _ in procs]
 
 
-def test_two_producers_one_drafter_delivers_everything_in_order():
-    results = _run(world=3, steps=9, stop_after=None)
+def test_two_producers_one_drafter_delivers_everything_in_order(rank_processes):
+    results = _run(rank_processes, world=3, steps=9, stop_after=None)
     drafter = next(r for r in results if r[0] == "drafter")
     _, _, seen, ok, dropped = drafter
     assert ok, "a payload or its metadata arrived corrupted"
@@ -90,8 +88,8 @@ def test_two_producers_one_drafter_delivers_everything_in_order():
     assert all(v == list(range(len(v))) for v in seen.values())
 
 
-def test_stop_mid_stream_drains_and_every_process_exits():
-    results = _run(world=3, steps=100_000, stop_after=3)
+def test_stop_mid_stream_drains_and_every_process_exits(rank_processes):
+    results = _run(rank_processes, world=3, steps=100_000, stop_after=3)
     drafter = next(r for r in results if r[0] == "drafter")
     targets = [r for r in results if r[0] == "target"]
     _, _, seen, ok, dropped = drafter

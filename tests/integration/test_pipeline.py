@@ -52,11 +52,12 @@ EIGHT_STEPS = ["--max-steps", "8", "--checkpoint-every", "4"]
 
 
 @pytest.fixture(scope="module")
-def eight_step_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """One real 8-step run, built-ins and all, read by two tests: every span of the CPU path, and the
-    uninterrupted run that a resumed one must match (evaluation runs after the last checkpoint and on
-    the held-out corpus, so it changes neither the data order nor the weights)."""
-    run = tmp_path_factory.mktemp("pipeline") / "run"
+def eight_step_run(tmp_path_factory, prebuilt) -> tuple[Path, subprocess.CompletedProcess]:
+    """One real 8-step run, read by two tests: every span of the CPU path, and the uninterrupted run
+    that a resumed one must match (evaluation runs after the last checkpoint and on the held-out corpus,
+    so it changes neither the data order nor the weights). Its built-ins are prebuilt: a run building
+    its own is the shared healthy run (the README default run)."""
+    run = prebuilt(tmp_path_factory.mktemp("pipeline") / "run")
     with socket.socket() as s:   # an OTLP collector that is not there: training must not notice
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
