@@ -211,11 +211,10 @@ class HealthyRun:
     """Base URL of the real Prometheus that scraped it (still up), None where none is installed."""
 
 
-HEALTHY_ARGS = ["--profile-interval", "5"]
-"""Short intervals, 4 within the dashboard's 20 s rate windows, yet longer than a step (about 1 s alone on
-2 cores, several beside the rest of the suite): an interval's detail window keeps the spans that began in
-it and ended before it closed, so intervals shorter than a step would never hold a whole drafter.fwd_bwd
-for the trace and OTLP checks."""
+HEALTHY_ARGS = ["--profile-interval", "1"]
+"""Short intervals, many within the dashboard's 20 s rate windows, and shorter than a step beside the rest of
+the suite (several seconds): a span kept by the detail window is written in the interval it ends in, so the
+trace and OTLP checks see whole drafter.fwd_bwd spans however long a step is."""
 HEALTHY_LIMIT_S = 900
 """How long the shared run may take before it is killed: the README default run took 198 s on the 2-core VM
 (2026-12-04), and a busy machine may double or triple that; the suite must pass there too."""
