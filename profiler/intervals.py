@@ -57,8 +57,7 @@ class _RunSpan:
 
 
 class IntervalAggregator:
-    """Accumulates drained records; `close_parts()` returns the interval's spans/counters/gauges/
-    metrics sections and resets; `run_parts()` returns whole-run aggregates of the same shape."""
+    """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
     def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
                  detail=None):
@@ -103,8 +102,7 @@ class IntervalAggregator:
             self.resolve_pending()
 
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
-        """One thread's drained records: each one's time credited (_credit), CUDA ones queued for their pair,
-        CPU ones added whole."""
+        """One thread's drained records: each credited, CUDA ones queued for their pair, CPU ones added whole."""
         cpu_records = []
         for rec in records:
             self._credit(rec[0], rec[5], rec[6], rec[1], rec[2], boundary_ns)
@@ -115,16 +113,16 @@ class IntervalAggregator:
         self._add_whole(cpu_records, timed=False)
 
     def _piece(self, name: str, span_id, parent_id, piece_ns: int) -> None:
-        """Credit `piece_ns` of a span to the current interval: to its name's time, to its self time less
-        its children's pieces credited so far, and to its parent's children."""
+        """Credit `piece_ns` of a span to the interval: its name's time, its self time (less its children's
+        pieces so far), and its parent's children."""
         self._time_ns[name] = self._time_ns.get(name, 0) + piece_ns
         self._self_ns[name] = self._self_ns.get(name, 0) + max(0, piece_ns - self._kids_ns.pop(span_id, 0))
         if parent_id is not None:
             self._kids_ns[parent_id] = self._kids_ns.get(parent_id, 0) + piece_ns
 
     def _credit(self, name: str, span_id, parent_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
-        """A finished span's time from the boundary it was last credited up to (else its begin) to its
-        end; with `boundary_ns` (a close in progress), the part after that boundary is carried."""
+        """A finished span's time since it was last credited (else its begin); with `boundary_ns` (a close),
+        the part past it is carried."""
         start_ns = self._credited.pop(span_id, t0_ns)
         cut_ns = t1_ns if boundary_ns is None else min(t1_ns, max(start_ns, boundary_ns))
         self._piece(name, span_id, parent_id, max(0, cut_ns - start_ns))
@@ -166,8 +164,8 @@ class IntervalAggregator:
         return len(self.pending)
 
     def _add_whole(self, done: list, timed: bool, seen_ns: int = 0) -> None:
-        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop (no call per record), and
-        offer them to the detail window. `timed`: CUDA records (resolved, or at run end never resolved)."""
+        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop, and offer them to the detail
+        window; `timed`: CUDA records (resolved, or at run end never resolved)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -240,8 +238,8 @@ class IntervalAggregator:
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
     def _close_spans(self, duration_s: float, open_pieces: dict, boundary_ns: int | None = None) -> dict:
-        """Span entries of every name that finished a span or held time in the interval; folds them into
-        the run aggregates and starts the next interval with the time carried past the boundary."""
+        """Entries of every span name that finished or held time in the interval, folded into the run's; the next
+        interval starts with the time carried past the boundary."""
         spans = {}
         for name in [*self._spans, *(n for n in self._time_ns if n not in self._spans)]:
             acc = self._spans.get(name) or _SpanAcc()
@@ -288,8 +286,7 @@ class IntervalAggregator:
             self._kids_basis_s = {k: v for k, v in self._kids_basis_s.items() if k in keep}
 
     def _gpu_share_seconds(self, windows: list, boundary_ns: int | None) -> float:
-        """GPU seconds for `share`: each span's capped at the host window it can have run in within this
-        interval, max(begin, interval start) .. min(seen resolved, boundary) (module doc)."""
+        """GPU seconds for `share`, each span's capped at its host window in the interval (module doc)."""
         total = 0.0
         for gpu_s, t0_ns, seen_ns in windows:
             lo = t0_ns if self._start_ns is None else max(t0_ns, self._start_ns)
@@ -298,8 +295,7 @@ class IntervalAggregator:
         return total
 
     def run_parts(self, duration_s: float) -> dict:
-        """Whole-run "spans" (same per-span shape: the CPU total is the run's split time, every
-        interval's summed, the rest whole spans) and "counters" (total, per_second over the run)."""
+        """Whole-run "spans" (the interval shape; the CPU total sums the intervals' split time) and "counters"."""
         spans = {}
         for name, run in self._run_spans.items():
             cpu = run.cpu.summary()

@@ -123,16 +123,16 @@ class CpuSpan(_Named):
 
 
 def fast_enter_class(buf: list, tag) -> type:
-    """A CpuSpan subclass for one (thread, name) whose __enter__ is a chain of C calls with CpuSpan.__enter__'s
-    effect: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` extends the log by the tag and
-    a fresh perf_counter_ns(). staticmethod keeps the partial unbound. The `as` target is None."""
+    """A CpuSpan subclass for one (thread, name) whose __enter__ is C calls only with CpuSpan.__enter__'s effect:
+    `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` logs the tag and a fresh clock reading
+    (staticmethod keeps the partial unbound; the `as` target is None)."""
     enter = functools.partial(next, map(buf.extend, zip(itertools.repeat(tag), iter(_now_ns, None))))
     return type("CpuSpan", (CpuSpan,), {"__slots__": (), "__enter__": staticmethod(enter), "__module__": __name__})
 
 
 class CudaSpan(CpuSpan):
-    """Active span that also times the GPU with its own start and end CUDA event on the current stream. CPU
-    times exclude the event records' own cost (t0 after the start record, t1 before the end record)."""
+    """Active span that also times the GPU with a start and end CUDA event on the current stream; CPU times
+    leave the records' own cost out (t0 after the start record, t1 before the end one)."""
     __slots__ = ("_pool", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
@@ -191,8 +191,8 @@ class FaultCudaSpan(CudaSpan):
 
 
 class SpanRecorder:
-    """Per-profiler recording state: thread states (registered on first use per thread), span
-    objects, counters/gauges/metrics buffers, and the drain."""
+    """Per-profiler recording state: thread states (registered on a thread's first use), span objects,
+    counter/gauge/metric buffers, and the drain."""
 
     def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0):
         self.event_pool = event_pool
@@ -226,8 +226,7 @@ class SpanRecorder:
             return st
 
     def make_span(self, name: str, nbytes=None):
-        """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
-        cache this thread's object when bytes is None."""
+        """Slow path of span() (every call with bytes=): validate, a name once; cache the object without bytes."""
         check_bytes(name, nbytes)
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
@@ -252,8 +251,8 @@ class SpanRecorder:
         self.thread_state().buf.append(SpanAttrs(attrs))
 
     def drain(self):
-        """Take every logged item and replay it: returns [(thread_name, finished_records, misc)].
-        Threads that ended with nothing open or left are dropped from the registry."""
+        """Take and replay every logged item: [(thread_name, finished_records, misc)]; ended threads with
+        nothing left are dropped."""
         out = []
         with self.drain_lock:
             with self._reg_lock:
@@ -274,8 +273,7 @@ class SpanRecorder:
         return out
 
     def _replay(self, st: ThreadState, events) -> list:
-        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
-        spans still open across drains."""
+        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries open spans over."""
         open_, out = st.open, []
         begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
         pop, push, emit = open_.pop, open_.append, out.append
@@ -323,8 +321,7 @@ class SpanRecorder:
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
-        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" and "t0_ns" (its
-        begin), which the interval aggregator splits an open span's time with."""
+        "open_seconds"}]}], outermost first; `ids` adds "id" and "t0_ns" (the aggregator splits time with them)."""
         now_ns = _now_ns() if now_ns is None else now_ns
         out = []
         with self.drain_lock:   # the open stacks belong to the collector side
