@@ -1,5 +1,5 @@
-"""Console text: the short per-interval summary and the end-of-run hotspot table, from run-log records
-(so they work live and after the fact). Times are GPU times where measured, else CPU (the `on` column).
+"""Console text from run-log records (live and after the fact): the per-interval summary and the end-of-run
+hotspot table. Times are GPU times where measured, else CPU (the `on` column).
 """
 from __future__ import annotations
 
@@ -51,14 +51,9 @@ def format_memory(memory: dict | None) -> list[str]:
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
-def _open_note(opened: list) -> str:
-    """"  open 75.2 s (MainThread)": how long a span still open at the interval's end had been open."""
-    return "  open " + ", ".join(f"{age_s:.3g} s ({thread})" for thread, age_s in opened)
-
-
 def format_interval(record: dict) -> str:
-    """A short block for one interval record: spans by share (with how long each span still open at the
-    interval's end had been open), counters' rates, gauges, metrics, memory."""
+    """A short block for one interval record: spans by share (and how long the open ones had been open),
+    counters' rates, gauges, metrics, memory, thread CPU."""
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
             f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s"
             f"{'  (warm-up)' if record.get('warmup') else ''}  [every figure: this interval]")
@@ -76,8 +71,8 @@ def format_interval(record: dict) -> str:
                 line += f"  {bw / 1e9:.2f} GB/s"
                 if e.get("floor_ratio") is not None:
                     line += f" ({e['floor_ratio'] * 100:.0f}% of {e['floor']})"
-            if name in opened:
-                line += _open_note(opened[name])
+            if name in opened:   # how long it had been open at the interval's end: "  open 75.2 s (MainThread)"
+                line += "  open " + ", ".join(f"{age_s:.3g} s ({thread})" for thread, age_s in opened[name])
             lines.append(line)
         lines.extend(_gpu_sample_note(spans))
         if any(e.get("gpu") for e in spans.values()):
@@ -109,8 +104,7 @@ def _gpu_sample_note(spans: dict) -> list:
 
 
 def format_thread_cpu(record: dict, top: int = 4) -> list:
-    """One line: the interval's busiest threads by CPU time, and the profiler's own threads' share of
-    the wall time (`threads_cpu_seconds`, `profiler_share`)."""
+    """One line: the interval's busiest threads by CPU time, and the profiler threads' share of wall time."""
     cpu = record.get("threads_cpu_seconds") or {}
     if not cpu:
         return []
@@ -152,9 +146,8 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
 
 
 def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
-    """The end-of-run table over the whole run (each rank's profiler start to its end): span, role, total s,
-    share of the role's wall time, mean ms, p95 ms; every counter's rate per role; then each role's steady
-    state from its ranks' `throughput` events (dflash/throughput.py, the one definition)."""
+    """The end-of-run table over the whole run: spans by total time with their share of the role's wall time,
+    every counter's rate per role, then each role's steady state from its `throughput` events."""
     rows, roles = hotspot_rows(run_end_records)
     lines = ["whole run:", f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
@@ -177,10 +170,9 @@ def format_steady(throughput_events: list) -> list:
             by_role.setdefault(e.get("role"), []).append(e)
     lines = []
     for role, evs in by_role.items():
-        phases = {}
+        phases = Counter()
         for e in evs:
-            for n, v in (e.get("phases_seconds") or {}).items():
-                phases[n] = phases.get(n, 0.0) + (v or 0.0)
+            phases.update({n: v or 0.0 for n, v in (e.get("phases_seconds") or {}).items()})
         left = ", ".join(f"{n} {v:.1f} s" for n, v in phases.items() if v > 0.05) or "none"
         lines.append(f"{role} steady state: {sum(e['steady_tokens_per_s'] for e in evs):,.0f} tokens/s "
                      f"(steady_tokens_per_s; {sum(e.get('steady_steps') or 0 for e in evs)} steps after "

@@ -15,10 +15,9 @@ logger = logging.getLogger("exporters")
 
 
 class TraceExporter:
-    """RUN_DIR/trace/rank{R}.json, rewritten atomically at `spans` records and at close, keeping the
-    newest `max_events` slices and the flow halves of this rank's sends and receives. A rewrite waits until it would take at most WRITE_DUTY of a core (the
-    exporter thread shares the GIL with training); records in between go into the next one.
-    stats(): spans records written (`exported`), evicted or never written (`dropped`), `failed` writes."""
+    """RUN_DIR/trace/rank{R}.json, rewritten atomically at `spans` records (at most WRITE_DUTY of a core: the
+    exporter thread shares the GIL with training) and at close: the newest `max_events` slices and this rank's
+    flow halves. stats(): spans records written (`exported`), evicted or never written (`dropped`), `failed`."""
 
     name = "trace"
     WRITE_DUTY = 0.005

@@ -1,12 +1,11 @@
-"""Perfetto / Chrome trace-event JSON of the detail windows' spans (docs/RUNLOG.md, `spans`).
+"""Perfetto / Chrome trace-event JSON of the detail windows' spans, for exporters.trace (live, per rank) and
+report.trace (all ranks, from the logs). Stdlib only.
 
-One process per rank (pid = rank + 1: Perfetto treats pid 0 as the idle process), one track per OS
-thread plus a "(GPU)" track for GPU times (tid + GPU_TID_OFFSET), tids unique across the file. Slices
-are "X" events in integer Unix microseconds (one timebase for every rank; both ends floored so nested
-spans stay nested); a track whose slices would overlap without nesting gets "[overlap N]" lanes. Flow
-arrows ("s"/"f") join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string; a
-one-rank file draws the halves it holds, under the ids the pairs get, so files put together join.
-Built on by exporters.trace (live, per rank) and report.trace (all ranks, from the logs). Stdlib only.
+One process per rank (pid = rank + 1: pid 0 is Perfetto's idle process), one track per OS thread plus a "(GPU)"
+track (tid + GPU_TID_OFFSET), tids unique across the file. Slices are "X" events in integer Unix microseconds,
+both ends floored so nested spans stay nested; slices that would overlap without nesting get "[overlap N]" lanes.
+Flow arrows join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string; a one-rank file
+draws its halves under the ids the pairs get, so files put together join.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def json_safe(v):
 
 
 def trace_pid(rank: int) -> int:
-    """The trace's pid for a rank (Perfetto gives pid 0 the kernel idle process's special handling)."""
+    """The trace's pid for a rank (not 0: Perfetto's idle process)."""
     return int(rank) + 1
 
 
@@ -81,8 +80,8 @@ def _span_args(entry: dict, steps) -> dict:
 
 
 def span_slices(entry: dict, steps=None) -> list | None:
-    """One `spans` entry -> [("cpu", X event), ("gpu", X event)?] without pid/tid; None when the entry
-    has no start/end time. `steps` is the record's step window, already JSON-safe."""
+    """One `spans` entry -> [("cpu", X event), ("gpu", X event)?] without pid/tid; None without start/end.
+    `steps`: the record's step window, JSON-safe."""
     start, end = num(entry.get("start_unix_ns")), num(entry.get("end_unix_ns"))
     if start is None or end is None:
         return None
@@ -112,8 +111,8 @@ def _cost(entry) -> int:
 
 
 def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
-    """Keep the newest spans records whose slices fit in max_events -> (kept, records evicted, spans
-    evicted). A record larger than the whole bound keeps its latest spans (a trimmed copy)."""
+    """The newest spans records whose slices fit in max_events -> (kept, records evicted, spans evicted); a
+    record larger than the bound keeps its latest spans (a trimmed copy)."""
     kept, used = [], 0
     for i in range(len(records) - 1, -1, -1):
         spans = records[i].get("spans") or []
@@ -136,8 +135,8 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
 # ---------------------------------------------------------------- slices -> trace events
 
 def prepare(rank: int, record: dict) -> dict:
-    """One spans record -> its slices keyed by track, its flow halves and its counts. Built once per
-    record: the live exporter keeps them between rewrites (build_trace only sets their tids)."""
+    """One spans record -> its slices keyed by track, its flow halves and counts; built once per record (the
+    live exporter keeps them between rewrites)."""
     items, flows, spans, bad = [], [], 0, 0
     steps, pid = json_safe(record.get("steps")), trace_pid(rank)
     for entry in record.get("spans") or ():
@@ -157,9 +156,8 @@ def prepare(rank: int, record: dict) -> dict:
 
 
 def build_trace(procs: list, prepared: list, halves: bool = False) -> tuple[list, dict]:
-    """procs: [{"rank", "role", "host"}] (one process each); prepared: prepare() of their spans records
-    -> (traceEvents, counts). Events: process and thread metadata, then each track's slices and flow
-    points in ts order. `halves`: draw flow halves without a partner too (_flow_events)."""
+    """procs ([{"rank", "role", "host"}]) and prepare() of their spans records -> (traceEvents, counts): the
+    metadata, then each track's slices and flow points in ts order. `halves`: draw unpaired flow halves too."""
     tracks, flows, counts = {}, [], {"spans": 0, "bad_spans": 0}
     for prep in prepared:
         for key, ev in prep["items"]:
@@ -183,8 +181,8 @@ def _slice_order(ev: dict) -> tuple:
 
 
 def _lanes(slices: list) -> list:
-    """Split one track's slices into lanes in which any two slices are disjoint or nested. CPU spans of
-    a thread always nest (one lane); GPU slices placed at their CPU start may not."""
+    """One track's slices in lanes where any two are disjoint or nested (a thread's CPU spans: one lane; GPU
+    slices placed at their CPU start may not nest)."""
     slices.sort(key=_slice_order)
     lanes, stacks = [], []           # per lane: its slices, and the end times of its open slices
     for ev in slices:
@@ -240,10 +238,9 @@ def _claim(taken: set, preferred) -> int:
 
 
 def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
-    """Flow event pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched,
-    unmatched). The i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse
-    a batch id); a half with no partner (the other rank's log is absent) is counted, and drawn only with
-    `halves` (a one-rank file: its partner, in another rank's file, has the same id)."""
+    """Flow pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched, unmatched): the
+    i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse a batch id); an
+    unpaired half is counted, and drawn only with `halves` (its partner in another rank's file has its id)."""
     by_flow = {}
     for flow, is_start, ev in flows:
         by_flow.setdefault(flow, ([], []))[0 if is_start else 1].append(ev)
@@ -264,9 +261,8 @@ def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
 
 
 def _flow_point(ph: str, sl: dict, fid: int, flow: str) -> dict:
-    """A flow event at the start of slice `sl`. Perfetto binds it to the slice begun last on the track
-    (finished children stay on its stack until the next slice begins), so a point later inside `sl`
-    could bind to a child; at the start it follows `sl` itself in ts order (X events sort first)."""
+    """A flow event at the start of slice `sl`: Perfetto binds it to the slice begun last on the track, so a
+    point later inside `sl` could bind to a child; at its start it follows `sl` (X events sort first)."""
     ev = {"ph": ph, "name": "batch", "cat": FLOW_CAT, "id": fid, "pid": sl["pid"], "tid": sl["tid"],
           "ts": sl["ts"], "args": {"flow": flow}}
     if ph == "f":
@@ -275,8 +271,7 @@ def _flow_point(ph: str, sl: dict, fid: int, flow: str) -> dict:
 
 
 def _process_metadata(procs: list) -> list:
-    """process_name ("rank R (role) host") and process_sort_index per rank. No tid: tid 0 is special
-    to Perfetto too."""
+    """process_name ("rank R (role) host") and process_sort_index per rank (no tid: 0 is special to Perfetto)."""
     out = []
     for p in procs:
         label = f"rank {p['rank']} ({p.get('role') or 'unknown role'})" + (f" {p['host']}" if p.get("host") else "")
@@ -293,8 +288,8 @@ def proc_info(rank: int, run_start: dict) -> dict:
 
 
 def write_trace(path, events: list, metadata: dict) -> None:
-    """Write the trace atomically: a temporary file beside `path`, then os.replace (a reader never
-    sees half a file). One event per line, so a large file streams out without one huge string."""
+    """Write the trace atomically (a temporary file beside `path`, then os.replace), one event per line so a
+    large file streams out without one huge string."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

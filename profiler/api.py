@@ -1,11 +1,8 @@
-"""The module-level instrumentation API: span, count, gauge, metric, set_step, in_detail, keep_step, event,
-corrupt, and the forensics hooks check_finite, check_flags, nonfinite_found, register_forensics, forensics.
+"""The module-level instrumentation API: spans, counters, gauges, metrics, steps, events and forensics hooks.
 
-`span()` reads one module global, `_spans`: the active recorder's thread-local view (whose `d` is
-the calling thread's name -> span-object cache), or a view of the shared no-op dict when no profiler
-is active. A hit (the common case) is one attribute read and one subscript (no call); a miss validates
-the name and fills the cache. So with no profiler `span("x")` returns the same no-op
-object every time, and a bad name raises ValueError whether or not a profiler is active.
+`span()` reads one module global, `_spans`: the active recorder's thread-local view (its `d` is the calling
+thread's name -> span cache), or a view of the shared no-op dict with no profiler. A hit is one attribute read
+and one subscript; a miss validates the name (ValueError, profiler or not) and fills the cache.
 """
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ from types import SimpleNamespace
 from profiler.spans import NoopSpan, bind_lookup, check_bytes, check_name
 
 _noop_spans: dict = {}
-
-
 _noop_view = SimpleNamespace(d=_noop_spans)   # with no profiler: the `d` of the recorder's thread-local view
 _spans = _noop_view            # swapped by activate()/deactivate()
 _active = None                 # the active Profiler
@@ -25,8 +20,8 @@ _PLAIN = (float, int)          # gauge/metric values that need no check (bool an
 
 
 def span(name, bytes=None):
-    """Context manager and decorator timing a named stage: `with profiler.span("target.fwd"):`; `bytes=` gives a
-    transfer's size (its bandwidth in the interval record). No-op with no active profiler."""
+    """Context manager and decorator timing a named stage (`with profiler.span("target.fwd"):`); `bytes=` gives
+    a transfer's size, for its bandwidth. No-op with no active profiler."""
     if bytes is None:
         try:
             return _spans.d[name]
@@ -91,9 +86,8 @@ def metric(name: str, value) -> None:
 
 
 def _check_scalar(name, what, value) -> None:
-    """ValueError here, at the call, unless the interval close can make `value` one float (a one-element
-    tensor, or anything float() takes): one bad value would otherwise fail the whole close and lose the
-    interval. Metadata only (numel()), never a device read."""
+    """ValueError now unless the interval close can make `value` one float (a one-element tensor, or anything
+    float() takes): a bad value would fail the close and lose the interval. Reads numel() only, no device."""
     try:
         n = value.numel()   # a tensor: read at close, in one batch
     except (AttributeError, TypeError):
@@ -109,9 +103,8 @@ def _check_scalar(name, what, value) -> None:
 
 
 def tag(**attrs) -> None:
-    """Attach attributes to the calling thread's innermost open span (e.g. `tag(flow="1:7")`); they
-    reach the span's entry in `spans` records (the trace's flow arrows, OTel span attributes).
-    `detail=True`/`False` decides whether the detail window keeps the span, whatever step it begins in."""
+    """Attributes for the calling thread's innermost open span (`tag(flow="1:7")`), into its `spans` entry;
+    `detail=True`/`False` decides whether the detail window keeps it, whatever step it begins in."""
     rec = _recorder
     if rec is not None:
         rec.tag(attrs)
@@ -125,15 +118,14 @@ def set_step(step: int) -> None:
 
 
 def in_detail() -> bool:
-    """Whether the current step is in this rank's detail window (its raw spans go into a `spans` record;
-    profiler/detail.py). A producer marks the batches it makes in it, so their consumer can keep them too."""
+    """Whether the current step is in the detail window (profiler/detail.py): a producer marks the batches it
+    makes in it, so their consumer keeps them too."""
     p = _active
     return p is not None and p.in_detail()
 
 
 def keep_step() -> None:
-    """Keep the current step in the detail window (from its set_step on): a consumer whose profiler has
-    ProfilerConfig.detail_follows calls it for each step that trains on a batch its producer marked."""
+    """Keep the current step in the detail window: a detail_follows consumer, for a batch its producer marked."""
     p = _active
     if p is not None:
         p.keep_step()
@@ -147,8 +139,8 @@ def event(kind: str, **fields) -> None:
 
 
 def corrupt(span_name: str, tensor, step=None):
-    """Fault-injection hook for `nan@SPAN`: returns the tensor (possibly NaN-multiplied). `step`
-    (default: the current step) is the step the fault's `:step=N` is matched against."""
+    """Fault-injection hook for `nan@SPAN`: the tensor, possibly NaN-multiplied; `step` (default: the current
+    one) is matched against the fault's `:step=N`."""
     p = _active
     if p is None:
         return tensor
@@ -156,8 +148,8 @@ def corrupt(span_name: str, tensor, step=None):
 
 
 def check_finite(span_name: str, tensors: dict, step=None, **fields) -> None:
-    """Flag NaN/Inf in `tensors` ({name: tensor}) on the device, read back without a sync; the first
-    one found is written as a `nonfinite` event naming span, step, rank and tensor."""
+    """Flag NaN/Inf in `tensors` ({name: tensor}) on the device, read back without a sync; the first found is
+    a `nonfinite` event."""
     p = _active
     if p is not None:
         p.check_finite(span_name, tensors, step, **fields)
@@ -171,15 +163,14 @@ def check_flags(span_name: str, names: list, flags, step=None, **fields) -> None
 
 
 def nonfinite_found():
-    """The first non-finite finding read back so far ({"span", "step", "rank", "tensor", ...}), or None.
-    A plain attribute read: the collector thread fills it."""
+    """The first non-finite finding read back so far (the collector thread fills it), or None."""
     p = _active
     return None if p is None else p.nonfinite.first
 
 
 def settle_nonfinite(timeout_s: float = 5.0):
-    """Wait (polling Event.query(), up to timeout_s) until every check issued so far is read back, and
-    return the first finding or None. A deliberate wait: call it only where a sync is fine (a save)."""
+    """Poll (up to timeout_s) until every check so far is read back; the first finding or None. A deliberate
+    wait: only where a sync is fine (a save)."""
     p = _active
     return None if p is None else p.nonfinite.settle(timeout_s)
 

@@ -1,8 +1,5 @@
-"""The collector: drains the span logs, keeps the interval clock and aggregates, off the training threads.
-
-One object owns the three, so an interval ends along one path, `close()`, whether the collector thread's clock
-passed the boundary, a caller forced it (Profiler.close_interval) or the run ended (`final`).
-"""
+"""The collector: drains the span logs, keeps the interval clock and aggregates, off the training threads. One
+object owns the three, so an interval ends along one path, `close()`: boundary passed, forced, or the run's end."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +10,9 @@ logger = logging.getLogger("profiler")
 
 
 class Collector:
-    """`poll()` drains the recorder into the aggregator (profiler/intervals.py) and reads back the non-finite
-    checks; `close()` ends the interval: its aggregates and `sections` (functions duration_s -> dict of more
-    fields: memory, threads, exporters) as one `interval` record, after the detail window's `spans` record,
-    both handed to `write`. The thread `profiler.collector` polls every `poll_s` and closes when `clock`
-    passes the boundary; `tick()` runs one such iteration in the caller (tests drive a fake clock)."""
+    """`poll()` drains the recorder into the aggregator and reads back the non-finite checks; `close()` writes
+    the detail window's `spans` record, then the `interval` record (aggregates plus `sections`: duration_s ->
+    more fields). The thread polls every `poll_s` and closes past the boundary; `tick()` is one iteration."""
 
     def __init__(self, recorder, aggregator, nonfinite, *, interval_s: float, clock, perf_clock: bool,
                  poll_s: float, header, write, step_fn, sections=()):
@@ -89,8 +84,7 @@ class Collector:
         self.aggregator.add_drained(drained, boundary_ns)
 
     def last_finished_span(self, thread_name: str) -> dict | None:
-        """The span that ended last on a thread, and how long ago (forensics: the span an exception unwound
-        through, once drained)."""
+        """The span that ended last on a thread, and how long ago (forensics: the span an exception unwound)."""
         self.poll()
         found = self.last_finished.get(thread_name)
         if found is None:
@@ -98,13 +92,12 @@ class Collector:
         return {"name": found[0], "ended_seconds_ago": (time.perf_counter_ns() - found[1]) / 1e9}
 
     def _clock_s(self, perf_ns: int) -> float:
-        """The interval clock's reading for a bound read at `perf_ns` (the same instant on the default clock;
-        an injected clock is read now)."""
+        """The interval clock at `perf_ns` (the same instant on the default clock; an injected one is read now)."""
         return perf_ns / 1e9 if self.perf_clock else self.clock()
 
     def _wait_pending(self, timeout_s: float) -> None:
-        """At run end, give queued GPU work a moment by polling Event.query() (never a synchronize); pairs
-        still pending after timeout_s count CPU-only (the span's "gpu_unresolved")."""
+        """At run end, poll Event.query() (never a synchronize) up to timeout_s; pairs still pending count
+        CPU-only (the span's "gpu_unresolved")."""
         deadline = time.monotonic() + timeout_s
         while self.aggregator.resolve_pending() and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -155,7 +148,6 @@ class Collector:
 
 
 def _without_ids(open_spans: list) -> list:
-    """open_spans(ids=True) as the run log documents it: the span ids and begin times (which only the aggregator
-    needs) left out."""
+    """open_spans(ids=True) as the run log documents it: without the ids and begin times the aggregator uses."""
     return [{**entry, "spans": [{k: v for k, v in s.items() if k not in ("id", "t0_ns")} for s in entry["spans"]]}
             for entry in open_spans]

@@ -32,10 +32,9 @@ logger = logging.getLogger("profiler")
 
 
 class Profiler:
-    """Per-process profiler; `with Profiler(run_dir, ...) as prof:` makes it the active one, so `profiler.span`,
-    `count`, `gauge`, `metric`, `set_step`, `event` and `corrupt` record into RUN_DIR/profile/rank{R}.jsonl
-    (docs/RUNLOG.md). `run_config` is written into run_start as "config"; `exporters` (profiler/export.py
-    Exporter) are fed every record on the exporter thread."""
+    """Per-process profiler; `with Profiler(run_dir, ...):` makes it the active one, so the profiler API records
+    into RUN_DIR/profile/rank{R}.jsonl (docs/RUNLOG.md). `run_config` goes into run_start as "config";
+    `exporters` (profiler/export.py) get every record on the exporter thread."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", device=None,
                  run_config=None, config: ProfilerConfig | None = None, deps: ProfilerDeps | None = None,
@@ -170,9 +169,8 @@ class Profiler:
                 logger.exception("profiler: cleanup step failed")
 
     def finish_now(self, status: str, settle: bool = False) -> None:
-        """The run's end, also from a rank about to leave without unwinding (forensics, any thread): the final
-        interval and run_end, once. Each step's failure is logged (telemetry never kills training; the
-        with-block's own exception is what propagates). `settle`: first read back the checks in flight."""
+        """The final interval and run_end, once, also from a rank leaving without unwinding (forensics, any
+        thread). Failures are logged, never raised; `settle`: first read back the checks in flight."""
         if not self._started:
             return
         self._started = False
@@ -209,8 +207,7 @@ class Profiler:
         return self.collector.last_interval
 
     def set_step(self, step: int) -> None:
-        """The current training step; its change is marked in time, and the detail window's choice made
-        (profiler/detail.py StepMarks)."""
+        """The current training step; its change is marked in time for the detail window (StepMarks)."""
         self.step = int(step)
         if self._first_step is None:
             self._first_step = self.step
@@ -227,8 +224,8 @@ class Profiler:
         self.marks.keep_step()
 
     def progress(self) -> tuple:
-        """(armed, token) for the hang watchdog: armed once the step changed; the token changes
-        whenever a span finished (as drained by the collector) or the step changed."""
+        """(armed, token) for the hang watchdog: armed once the step changed; the token moves with every
+        drained finished span and step change."""
         return self._step_changed, (self.step, self.collector.spans_finished)
 
     def to_unix_ns(self, perf_ns: int) -> int:
@@ -240,8 +237,7 @@ class Profiler:
         return {"type": rtype, "time_unix": self.wall_clock(), "rank": self.rank, "role": self.role}
 
     def _write(self, rec: dict) -> dict:
-        """Append to the run log, then hand the record as written to the exporter thread (one
-        non-blocking put: exporters never run on this thread or under a profiler lock)."""
+        """Append to the run log, then one non-blocking put to the exporter thread (never run here or locked)."""
         rec = self.runlog.write(rec)
         self.hub.submit(rec)
         return rec
@@ -275,8 +271,8 @@ class Profiler:
         return self.fault_plan.corrupt(span_name, self.step if step is None else step, tensor)
 
     def state(self) -> dict:
-        """Live state for the control endpoint: open spans per thread with how long each has been open (the
-        collector-side stacks, replayed first, under the drain lock), last interval, step, pid, memory now."""
+        """Live state for the control endpoint: open spans per thread (replayed first), last interval, step,
+        pid, memory now."""
         try:
             self.collector.poll()
         except Exception:   # noqa: BLE001 - still report what we have

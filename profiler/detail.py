@@ -1,42 +1,28 @@
-"""The detail window: raw spans of a few steps per interval, for the `spans` record.
+"""The detail window: raw spans of a few steps per interval, for the `spans` record (traces, OTel spans).
 
-Intervals keep aggregates only; traces and OTel spans need the spans themselves (start, end, thread,
-parent). Keeping every span of a long run would be unbounded, so a rank keeps the spans of a few
-*window steps*, up to `max_spans` per record (the rest are counted in `dropped`).
-
-The choice is made on the training thread, at `profiler.set_step` (`StepMarks.mark`: a few attribute
-reads and, at a window's edges, one list append), so it can be asked about at once (`profiler.in_detail()`):
-- a producer (a target) starts a window of `steps` steps at the first step after an interval opens that
-  is a multiple of `align` (1 until an interval has run at least 2 x align steps, so short runs keep
-  their first steps), and marks the batches it makes in it (the trainer carries the mark with the batch);
-- a follower (`follows`: a drafter) chooses nothing: it keeps the steps its caller marks with
-  `profiler.keep_step()`, the ones that train on a marked batch, so both hold the same batches.
-A window step keeps every span, of any thread, that *begins* while it runs (from its `set_step` to the
-next). A span tagged `detail=...` (`profiler.tag`) is kept exactly when the tag is true, whatever step it
-begins in: a target's sender thread sends a batch later than the step that made it, and a send of a
-batch from before the window must not be kept beside it (its receive is not).
-
-Everything else runs on the collector side (`DetailWindow`): each finished span is matched against the
-window steps' time ranges, which are remembered for the last `MAX_RANGES` window steps, so a span is
-written in the `spans` record of the interval in which it *finishes*: a step longer than the interval
-loses nothing.
+The choice is made on the training thread at `profiler.set_step` (StepMarks.mark: a few attribute reads, one
+list append at a window's edge), so `profiler.in_detail()` answers at once. A producer (a target) opens a
+window of `steps` steps at the first step after an interval opens that is a multiple of `align` (1 until an
+interval ran 2 x align steps, so short runs keep their first steps) and marks the batches it makes in it; a
+follower (a drafter) keeps the steps its caller marks with `profiler.keep_step()`, so both hold the same
+batches. A window step keeps every span that *begins* while it runs; a span tagged `detail=...` is kept
+exactly when the tag is true (a send of a batch from before the window must not be kept: its receive is not).
+The collector (DetailWindow) matches finished spans against the last MAX_RANGES window steps' time ranges,
+so a span lands in the record of the interval in which it finishes, up to `max_spans` (the rest `dropped`).
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 
 MAX_DETAIL_SPANS = 20000
-DETAIL_ALIGN = 8
-"""A producer's windows start on a multiple of this step (module doc)."""
-MAX_RANGES = 512
-"""Window steps whose time ranges are remembered: a span that began in an older one is not kept."""
+DETAIL_ALIGN = 8      # a producer's windows start on a multiple of this step
+MAX_RANGES = 512      # window steps whose time ranges are remembered: a span begun in an older one is not kept
 
 
 class StepMarks:
-    """The training thread's side of the window: `mark()` at each `set_step`, `keep_step()` from the
-    caller, `in_window` for `profiler.in_detail()`. Time ranges of window steps go to `edges`
-    (perf_counter_ns, open and close in turn, one range per window step: an odd length means the last one
-    is still open) and its step to `range_steps`; the collector (DetailWindow) reads and trims both."""
+    """The training thread's side: `mark()` at each `set_step`, `keep_step()`, `in_window`. Window steps' time
+    ranges go to `edges` (perf_counter_ns, open and close in turn: an odd length means the last is open), their
+    steps to `range_steps`; the collector (DetailWindow) reads and trims both."""
 
     def __init__(self):
         self.steps, self.align, self.follows = 0, DETAIL_ALIGN, False   # set by DetailWindow
@@ -52,8 +38,8 @@ class StepMarks:
         self._armed = -1         # the `opened` count the producer last started a window for
 
     def mark(self, t_ns: int, step: int) -> None:
-        """A step change at t_ns: close the window when its steps have run, and (producer) start one at
-        the first aligned step after an interval opened."""
+        """A step change at t_ns: close the window when its steps have run; a producer opens one at the first
+        aligned step after an interval opened."""
         if step == self.last_step:
             return
         self.last_step, self._t0_ns = step, t_ns
@@ -80,8 +66,8 @@ class StepMarks:
 
 
 class DetailWindow:
-    """The collector's side: `offer()` keeps the finished spans the window holds, `take()` returns the
-    `spans` record's fields and starts the next record. It sets the rule its `marks` follow."""
+    """The collector's side: `offer()` keeps the finished spans the window holds, `take()` returns the `spans`
+    record's fields and starts the next. It sets the rule its `marks` follow."""
 
     def __init__(self, steps: int, marks: StepMarks, to_unix_ns, native_ids: dict,
                  max_spans: int = MAX_DETAIL_SPANS, align: int = DETAIL_ALIGN, follows: bool = False):
@@ -128,8 +114,8 @@ class DetailWindow:
             self.spans.append(entry)
 
     def take(self, next_start_ns: int) -> dict | None:
-        """The `spans` fields of the spans kept since the last take (None when none); the interval that
-        opens at next_start_ns is told to the training thread, whose next window step starts a window."""
+        """The `spans` fields of the spans kept since the last take (None when none); tells the training thread
+        an interval opened, so its next aligned step starts a window."""
         out = None
         if self.spans or self.dropped:
             self.spans.sort(key=lambda s: s["start_unix_ns"])

@@ -1,22 +1,19 @@
-"""Interval aggregation, off the hot path (the collector feeds it: profiler/collector.py).
+"""Interval aggregation, off the hot path (fed by profiler/collector.py).
 
-Per span name and interval, two things that differ for a span crossing a boundary:
-
-- *Time* (the CPU block's `total_seconds`, and `share` without GPU time) is split across the intervals a
-  span overlaps: at a close, every open span is credited its wall time inside the interval
-  (`open_cpu_seconds`); when it ends, the rest goes to the interval it ends in. Summed over the run, the
-  pieces equal the span's duration, and a span on one thread never holds more than 100% of an interval.
-- *Whole spans* (count, mean, percentiles, max, buckets, bytes and bandwidth, the detail window) see each
-  span once, in the interval in which it is collected complete: its CPU part ended and, under CUDA, both
-  its events completed (unresolved pairs are carried, whole, into the next interval). GPU time lands whole
-  where the pair resolved; for `share` only, it is capped at the host window the span can have run in
-  within the interval, max(begin, interval start) .. min(seen resolved, interval end), which never drops
-  time that ran in the interval.
+Per span name and interval, two things differ for a span crossing a boundary:
+- *Time* (the CPU `total_seconds`, and `share` without GPU time) is split across the intervals a span
+  overlaps: at a close every open span is credited its wall time inside the interval (`open_cpu_seconds`),
+  the rest goes where it ends; the pieces sum to its duration, so one thread's span never exceeds 100%.
+- *Whole spans* (count, mean, percentiles, max, buckets, bytes, the detail window) see each span once, in the
+  interval it is collected complete in (CPU part ended and, under CUDA, both events completed; unresolved
+  pairs are carried whole). For `share` only, GPU time is capped at the host window the span can have run in
+  within the interval: max(begin, interval start) .. min(seen resolved, interval end).
 """
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
@@ -27,43 +24,40 @@ from profiler.stats import RunStats, as_seconds, summarize
 _BYTES_FIELDS = ("bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "bytes_timed")
 
 
+@dataclass(slots=True)
 class _SpanAcc:
     """One span name's records in the current interval."""
-    __slots__ = ("count", "cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "gpu_windows",
-                 "timed", "bytes_timed", "gpu_self")
-
-    def __init__(self):
-        self.count = 0
-        self.cpu: list = []       # seconds
-        self.gpu: list = []       # seconds (CUDA spans only)
-        self.threads: set = set()
-        self.bytes = 0            # bytes declared by spans that gave bytes=
-        self.bytes_n = 0          # how many spans gave bytes=
-        self.bytes_cpu = 0.0      # their CPU seconds
-        self.bytes_gpu = 0.0      # their GPU seconds
-        self.gpu_windows: list = []   # (gpu seconds, begin ns, resolved ns) for the share's cap
-        self.timed = 0            # spans that recorded CUDA events (resolved or not)
-        self.bytes_timed = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
-        self.gpu_self = 0.0       # their GPU seconds less their children's (self time)
+    count: int = 0
+    cpu: list = field(default_factory=list)       # seconds
+    gpu: list = field(default_factory=list)       # seconds (CUDA spans only)
+    threads: set = field(default_factory=set)
+    bytes: int = 0            # bytes declared by spans that gave bytes=
+    bytes_n: int = 0          # how many spans gave bytes=
+    bytes_cpu: float = 0.0    # their CPU seconds
+    bytes_gpu: float = 0.0    # their GPU seconds
+    gpu_windows: list = field(default_factory=list)   # (gpu seconds, begin ns, resolved ns) for the share's cap
+    timed: int = 0            # spans that recorded CUDA events (resolved or not)
+    bytes_timed: int = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
+    gpu_self: float = 0.0     # their GPU seconds less their children's (self time)
 
 
+@dataclass(slots=True)
 class _RunSpan:
-    __slots__ = ("cpu", "gpu", "threads", "bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "time_ns", "bytes_timed",
-                 "self_ns", "gpu_self")
-
-    def __init__(self):
-        self.cpu, self.gpu = RunStats(), RunStats()
-        self.time_ns = 0          # CPU time credited over the run (the intervals' split totals, summed)
-        self.self_ns = 0          # the same less the children's time (self time)
-        self.gpu_self = 0.0
-        self.threads: set = set()
-        self.bytes, self.bytes_n, self.bytes_cpu, self.bytes_gpu = 0, 0, 0.0, 0.0
-        self.bytes_timed = 0
+    cpu: RunStats = field(default_factory=RunStats)
+    gpu: RunStats = field(default_factory=RunStats)
+    time_ns: int = 0          # CPU time credited over the run (the intervals' split totals, summed)
+    self_ns: int = 0          # the same less the children's time (self time)
+    gpu_self: float = 0.0
+    threads: set = field(default_factory=set)
+    bytes: int = 0
+    bytes_n: int = 0
+    bytes_cpu: float = 0.0
+    bytes_gpu: float = 0.0
+    bytes_timed: int = 0
 
 
 class IntervalAggregator:
-    """Accumulates drained records; `close_parts()` returns the interval's spans/counters/gauges/
-    metrics sections and resets; `run_parts()` returns whole-run aggregates of the same shape."""
+    """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
     def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
                  detail=None):
@@ -91,10 +85,8 @@ class IntervalAggregator:
 
     # ---- feeding -------------------------------------------------------------------------------
     def add_drained(self, drained, boundary_ns: int | None = None) -> None:
-        """Take the output of SpanRecorder.drain(), then resolve what CUDA pairs are complete. Each
-        span's CPU time not yet credited is credited now (its CPU part has ended, whatever its GPU
-        pair does); `boundary_ns` is the boundary of an interval being closed, when the drain is part
-        of the close: time past it goes to the next interval."""
+        """Take SpanRecorder.drain()'s output (each span's CPU time credited now, whatever its GPU pair does),
+        then resolve the complete CUDA pairs; with `boundary_ns` (a close), time past it goes to the next interval."""
         for thread_name, spans, misc in drained:
             if spans:
                 self._add_finished(thread_name, spans, boundary_ns)
@@ -110,8 +102,7 @@ class IntervalAggregator:
             self.resolve_pending()
 
     def _add_finished(self, thread_name: str, records: list, boundary_ns: int | None) -> None:
-        """One thread's drained records: each one's time credited (_credit), CUDA ones queued for their pair,
-        CPU ones added whole."""
+        """One thread's drained records: each credited, CUDA ones queued for their pair, CPU ones added whole."""
         cpu_records = []
         for rec in records:
             self._credit(rec[0], rec[5], rec[6], rec[1], rec[2], boundary_ns)
@@ -122,16 +113,16 @@ class IntervalAggregator:
         self._add_whole(cpu_records, timed=False)
 
     def _piece(self, name: str, span_id, parent_id, piece_ns: int) -> None:
-        """Credit `piece_ns` of a span to the current interval: to its name's time, to its self time less
-        its children's pieces credited so far, and to its parent's children."""
+        """Credit `piece_ns` of a span to the interval: its name's time, its self time (less its children's
+        pieces so far), and its parent's children."""
         self._time_ns[name] = self._time_ns.get(name, 0) + piece_ns
         self._self_ns[name] = self._self_ns.get(name, 0) + max(0, piece_ns - self._kids_ns.pop(span_id, 0))
         if parent_id is not None:
             self._kids_ns[parent_id] = self._kids_ns.get(parent_id, 0) + piece_ns
 
     def _credit(self, name: str, span_id, parent_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
-        """A finished span's time from the boundary it was last credited up to (else its begin) to its
-        end; with `boundary_ns` (a close in progress), the part after that boundary is carried."""
+        """A finished span's time since it was last credited (else its begin); with `boundary_ns` (a close),
+        the part past it is carried."""
         start_ns = self._credited.pop(span_id, t0_ns)
         cut_ns = t1_ns if boundary_ns is None else min(t1_ns, max(start_ns, boundary_ns))
         self._piece(name, span_id, parent_id, max(0, cut_ns - start_ns))
@@ -144,10 +135,9 @@ class IntervalAggregator:
                 self._kids_carry_ns[parent_id] = self._kids_carry_ns.get(parent_id, 0) + carry
 
     def _credit_open(self, boundary_ns: int | None, open_spans) -> dict:
-        """Credit every span still open at the boundary with its time inside the interval (from max(its
-        begin, the boundary it was last credited up to) to `boundary_ns`), innermost first so a parent's
-        self time leaves out its children's; returns {name: (ns, threads)} of those pieces. `open_spans` is
-        SpanRecorder.open_spans(ids=True) (outermost first per thread)."""
+        """Credit every span open at the boundary its time inside the interval (from its begin, or the boundary
+        it was last credited up to), innermost first so a parent's self time leaves out its children's;
+        {name: (ns, threads)} of those pieces. `open_spans`: open_spans(ids=True), outermost first per thread."""
         out: dict = {}
         credited: dict = {}
         if boundary_ns is None:
@@ -174,8 +164,8 @@ class IntervalAggregator:
         return len(self.pending)
 
     def _add_whole(self, done: list, timed: bool, seen_ns: int = 0) -> None:
-        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop (no call per record), and
-        offer them to the detail window. `timed`: CUDA records (resolved, or at run end never resolved)."""
+        """Add whole spans, (thread_name, record, gpu_seconds or None), in one loop, and offer them to the detail
+        window; `timed`: CUDA records (resolved, or at run end never resolved)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
             name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
@@ -210,8 +200,7 @@ class IntervalAggregator:
 
     # ---- output --------------------------------------------------------------------------------
     def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
-        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes; `gpu_count`: the spans whose
-        CUDA pair resolved."""
+        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes; `gpu_count`: the spans timed."""
         cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
         gpu, gpu_count = None, 0
         if gpu_stats is not None and gpu_stats["count"]:
@@ -234,11 +223,9 @@ class IntervalAggregator:
         return entry
 
     def close_parts(self, duration_s: float, boundary_ns: int | None = None, open_spans=()) -> dict:
-        """The interval's "spans", "counters", "gauges", "metrics"; resets the interval state.
-        `boundary_ns` (perf_counter_ns) is where the interval ends in span time, and `open_spans`
-        (SpanRecorder.open_spans(ids=True), read after the last drain) the spans still open there:
-        their time inside the interval is credited to it (module doc). Without a boundary, only
-        finished spans' time is counted."""
+        """The interval's "spans", "counters", "gauges", "metrics", and a reset. `boundary_ns` (perf_counter_ns)
+        ends the interval in span time; `open_spans` (open_spans(ids=True) after the last drain) get their time
+        inside it credited (module doc). Without a boundary only finished spans' time counts."""
         spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans), boundary_ns)
         self._start_ns = boundary_ns
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
@@ -251,8 +238,8 @@ class IntervalAggregator:
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
     def _close_spans(self, duration_s: float, open_pieces: dict, boundary_ns: int | None = None) -> dict:
-        """Span entries of every name that finished a span or held time in the interval; folds them into
-        the run aggregates and starts the next interval with the time carried past the boundary."""
+        """Entries of every span name that finished or held time in the interval, folded into the run's; the next
+        interval starts with the time carried past the boundary."""
         spans = {}
         for name in [*self._spans, *(n for n in self._time_ns if n not in self._spans)]:
             acc = self._spans.get(name) or _SpanAcc()
@@ -267,8 +254,8 @@ class IntervalAggregator:
             run.cpu.add(cpu_s)
             run.gpu.add(gpu_s)
             run.threads |= acc.threads | open_threads
-            for field in _BYTES_FIELDS:
-                setattr(run, field, getattr(run, field) + getattr(acc, field))
+            for attr in _BYTES_FIELDS:
+                setattr(run, attr, getattr(run, attr) + getattr(acc, attr))
             run.time_ns += time_ns
             run.self_ns += self._self_ns.get(name, 0)
             run.gpu_self += acc.gpu_self
@@ -292,15 +279,14 @@ class IntervalAggregator:
         return spans
 
     def _prune_kids(self) -> None:
-        """Forget the children's seconds noted for parents that finished before them (a CPU span whose CUDA
-        child resolved later): only pending records and open spans can still take them."""
+        """Forget children's seconds noted for parents that finished first (a CUDA child resolved later): only
+        pending records and open spans can still take them."""
         if len(self._kids_basis_s) > 4 * len(self.pending) + 1024:
             keep = {rec[5] for _, rec in self.pending} | set(self._credited)
             self._kids_basis_s = {k: v for k, v in self._kids_basis_s.items() if k in keep}
 
     def _gpu_share_seconds(self, windows: list, boundary_ns: int | None) -> float:
-        """GPU seconds for `share`: each span's capped at the host window it can have run in within this
-        interval, max(begin, interval start) .. min(seen resolved, boundary) (module doc)."""
+        """GPU seconds for `share`, each span's capped at its host window in the interval (module doc)."""
         total = 0.0
         for gpu_s, t0_ns, seen_ns in windows:
             lo = t0_ns if self._start_ns is None else max(t0_ns, self._start_ns)
@@ -309,8 +295,7 @@ class IntervalAggregator:
         return total
 
     def run_parts(self, duration_s: float) -> dict:
-        """Whole-run "spans" (same per-span shape: the CPU total is the run's split time, every
-        interval's summed, the rest whole spans) and "counters" (total, per_second over the run)."""
+        """Whole-run "spans" (the interval shape; the CPU total sums the intervals' split time) and "counters"."""
         spans = {}
         for name, run in self._run_spans.items():
             cpu = run.cpu.summary()
@@ -325,10 +310,8 @@ class IntervalAggregator:
 
 
 def to_floats(values) -> list:
-    """Python numbers as floats; tensors (one element each) converted at interval close, long after their
-    steps finished: per device, stacked and read with ONE .tolist(). On a CUDA device that is a deliberate
-    device->host read, waiting for the stacked copy (a tiny kernel queued behind the current work), once per
-    interval and device, never per step."""
+    """Python numbers as floats; one-element tensors, long after their steps finished, stacked per device and
+    read with ONE .tolist(): on CUDA a deliberate device->host read, once per interval and device, never per step."""
     torch = sys.modules.get("torch")   # a tensor implies torch is loaded: the profiler runs without it
     tensor_type = torch.Tensor if torch is not None else ()
     out, by_device = list(values), {}
@@ -346,8 +329,7 @@ def to_floats(values) -> list:
 
 
 def to_floats_by_name(*groups: dict) -> list:
-    """`to_floats` over every list of every {name: values} group at once (one stack and one read per
-    device for the whole interval); returns the groups with float lists, in order."""
+    """`to_floats` over every {name: values} group at once (one read per device per interval), in order."""
     flat = [v for g in groups for values in g.values() for v in values]
     floats = iter(to_floats(flat))
     return [{name: [next(floats) for _ in values] for name, values in g.items()} for g in groups]

@@ -1,22 +1,17 @@
 """Span recording: per-thread event logs, lock-free on the worker side, replayed by the collector.
 
-Hot path (one `with span(name):`): a threading.local read and a dict lookup (api.span), then the tag and
-`t0_ns` appended on enter and `t1_ns` on exit: C calls only, no lock and no new container (a tuple per
-span would be a GC-tracked allocation). The collector replays each thread's log against that thread's
-open-span stack to get nesting and finished records, off the hot path.
+Hot path (`with span(name):`): a threading.local read and a dict lookup (api.span), then the tag and `t0_ns`
+appended on enter and `t1_ns` on exit: C calls only, no lock, no new container. The collector replays each
+thread's log against its open-span stack for nesting and finished records, off the hot path.
 
-Event-log items (appended by the owning thread only):
-  begin     `tag` then `t0_ns` / CUDA `(tag, t0_ns, start_event)`; tag = name, or (name, bytes)
-  end       `t1_ns` / CUDA `(t1_ns, end_event)`
-  cancel    `None`: the enter raised after logging its begin (fault injection)
-  tag       a `SpanAttrs` dict: attributes for the innermost open span (`profiler.tag(flow=...)`)
-Finished records (what drain() returns): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`;
-CUDA adds `(start_event, end_event)`. `id` numbers the recorder's spans in begin order, `parent` is the
-enclosing span's id on the same thread (or None).
+Event-log items (appended by the owning thread only): begin `tag` then `t0_ns`, or CUDA `(tag, t0_ns,
+start_event)`, tag = name or (name, bytes); end `t1_ns`, or CUDA `(t1_ns, end_event)`; `None` cancels a begin
+whose enter raised (fault injection); a `SpanAttrs` dict tags the innermost open span (`profiler.tag`).
+Finished records (drain()): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`, CUDA adds
+`(start_event, end_event)`; `id` numbers spans in begin order, `parent` is the enclosing span's id (or None).
 
-Hand-over without a lock: a worker only appends to its own log; the collector (under the drain lock) takes
-`n = len(log)`, copies `log[:n]` and deletes `log[:n]`, each an atomic list operation, so every item is
-taken exactly once however appends interleave.
+Hand-over without a lock: the collector takes `n = len(log)`, copies `log[:n]` and deletes `log[:n]`, each an
+atomic list operation, so every item is taken exactly once however the owner's appends interleave.
 """
 from __future__ import annotations
 
@@ -65,9 +60,7 @@ class ThreadState:
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
-_lookup = None
-"""span(name, bytes) -> the span to enter now: profiler.api.span, handed over by bind_lookup when profiler.api is
-imported (this module never imports api, which imports it)."""
+_lookup = None   # span(name, bytes) -> the span to enter now: api.span, bound by bind_lookup (no import cycle)
 
 
 def bind_lookup(fn) -> None:
@@ -76,46 +69,45 @@ def bind_lookup(fn) -> None:
     _lookup = fn
 
 
-def _decorate(name, nbytes, fn):
-    """Wrap `fn` so each call runs inside `span(name, nbytes)` looked up at CALL time: a function
-    decorated at import time (no profiler yet) is still timed once a profiler is active."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _lookup(name, nbytes):
-            return fn(*args, **kwargs)
-    return wrapper
-
-
-class NoopSpan:
-    """What span() returns with no active profiler: one shared object per name (bytes=None).
-
-    __enter__/__exit__ are the C-level `"".format` (no Python frame); it returns "", falsy, so exceptions
-    propagate. The `as` target of a no-op span is ""."""
+class _Named:
+    """A span's name and bytes, and its use as a decorator: each call runs inside `span(name, bytes)` looked
+    up at CALL time, so a function decorated at import (no profiler yet) is timed once one is active."""
     __slots__ = ("name", "bytes")
+    _what = "span"
 
     def __init__(self, name: str, nbytes=None):
         self.name = name
         self.bytes = nbytes
 
+    def __call__(self, fn):
+        name, nbytes = self.name, self.bytes
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with _lookup(name, nbytes):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    def __repr__(self):
+        return f"<{self._what} {self.name}>"
+
+
+class NoopSpan(_Named):
+    """What span() returns with no active profiler: one shared object per name. Enter and exit are the C-level
+    `"".format` (no Python frame), returning "" (falsy: exceptions propagate; the `as` target is "")."""
+    __slots__ = ()
+    _what = "noop span"
     __enter__ = "".format
     __exit__ = "".format
 
-    def __call__(self, fn):
-        return _decorate(self.name, self.bytes, fn)
 
-    def __repr__(self):
-        return f"<noop span {self.name}>"
-
-
-class CpuSpan:
+class CpuSpan(_Named):
     """Active span with CPU timing only. One object per (thread, name), holding its thread's event log, so
     enter/exit touch no thread-local and no lock: do not share one between threads."""
-    __slots__ = ("name", "bytes", "_tag", "_buf", "_recorder")
+    __slots__ = ("_tag", "_buf", "_recorder")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
-        self.name = name
-        self.bytes = nbytes
+        super().__init__(name, nbytes)
         self._tag = name if nbytes is None else (name, nbytes)
         self._buf = st.buf
         self._recorder = recorder
@@ -129,24 +121,18 @@ class CpuSpan:
     def __exit__(self, et, ev, tb):
         self._buf.append(_now_ns())
 
-    def __call__(self, fn):
-        return _decorate(self.name, self.bytes, fn)
-
-    def __repr__(self):
-        return f"<span {self.name}>"
-
 
 def fast_enter_class(buf: list, tag) -> type:
-    """A CpuSpan subclass for one (thread, name) whose __enter__ is a chain of C calls with CpuSpan.__enter__'s
-    effect: `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` extends the log by the tag and
-    a fresh perf_counter_ns(). staticmethod keeps the partial unbound. The `as` target is None."""
+    """A CpuSpan subclass for one (thread, name) whose __enter__ is C calls only with CpuSpan.__enter__'s effect:
+    `next()` on `map(buf.extend, zip(repeat(tag), iter(clock, None)))` logs the tag and a fresh clock reading
+    (staticmethod keeps the partial unbound; the `as` target is None)."""
     enter = functools.partial(next, map(buf.extend, zip(itertools.repeat(tag), iter(_now_ns, None))))
     return type("CpuSpan", (CpuSpan,), {"__slots__": (), "__enter__": staticmethod(enter), "__module__": __name__})
 
 
 class CudaSpan(CpuSpan):
-    """Active span that also times the GPU with its own start and end CUDA event on the current stream. CPU
-    times exclude the event records' own cost (t0 after the start record, t1 before the end record)."""
+    """Active span that also times the GPU with a start and end CUDA event on the current stream; CPU times
+    leave the records' own cost out (t0 after the start record, t1 before the end one)."""
     __slots__ = ("_pool", "_free", "_getraw", "_dev", "_record", "_streams")
 
     def __init__(self, recorder: "SpanRecorder", st: ThreadState, name: str, nbytes=None):
@@ -176,8 +162,8 @@ class CudaSpan(CpuSpan):
 
 
 def _fault_enter(span, base_enter):
-    """Enter the span, then give the fault plan its chance (slow/hang count inside the span). If
-    the fault raises, __exit__ will never run: log a cancel so the collector drops that begin."""
+    """Enter the span, then give the fault plan its chance (slow/hang count inside the span); a raising fault
+    skips __exit__, so a cancel is logged for the collector to drop the begin (a CUDA one's event goes back)."""
     base_enter(span)
     rec = span._recorder
     try:
@@ -189,7 +175,7 @@ def _fault_enter(span, base_enter):
 
 
 class FaultCpuSpan(CpuSpan):
-    """CpuSpan that consults the fault plan on enter (only used when the plan is not empty)."""
+    """A CpuSpan that consults the fault plan on enter (only when the plan is not empty)."""
     __slots__ = ()
 
     def __enter__(self):
@@ -197,17 +183,16 @@ class FaultCpuSpan(CpuSpan):
 
 
 class FaultCudaSpan(CudaSpan):
-    """CudaSpan that consults the fault plan on enter (only used when the plan is not empty)."""
+    """A CudaSpan that consults the fault plan on enter (only when the plan is not empty)."""
     __slots__ = ()
 
     def __enter__(self):
-        # A CUDA start event was taken and recorded; on a raised fault the replay gives it back.
         return _fault_enter(self, CudaSpan.__enter__)
 
 
 class SpanRecorder:
-    """Per-profiler recording state: thread states (registered on first use per thread), span
-    objects, counters/gauges/metrics buffers, and the drain."""
+    """Per-profiler recording state: thread states (registered on a thread's first use), span objects,
+    counter/gauge/metric buffers, and the drain."""
 
     def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0):
         self.event_pool = event_pool
@@ -241,8 +226,7 @@ class SpanRecorder:
             return st
 
     def make_span(self, name: str, nbytes=None):
-        """Slow path of span(), and every call of a span with bytes=: validate (a name once per recorder);
-        cache this thread's object when bytes is None."""
+        """Slow path of span() (every call with bytes=): validate, a name once; cache the object without bytes."""
         check_bytes(name, nbytes)
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
@@ -267,8 +251,8 @@ class SpanRecorder:
         self.thread_state().buf.append(SpanAttrs(attrs))
 
     def drain(self):
-        """Take every logged item and replay it: returns [(thread_name, finished_records, misc)].
-        Threads that ended with nothing open or left are dropped from the registry."""
+        """Take and replay every logged item: [(thread_name, finished_records, misc)]; ended threads with
+        nothing left are dropped."""
         out = []
         with self.drain_lock:
             with self._reg_lock:
@@ -289,8 +273,7 @@ class SpanRecorder:
         return out
 
     def _replay(self, st: ThreadState, events) -> list:
-        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries the
-        spans still open across drains."""
+        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries open spans over."""
         open_, out = st.open, []
         begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
         pop, push, emit = open_.pop, open_.append, out.append
@@ -338,8 +321,7 @@ class SpanRecorder:
 
     def open_spans(self, now_ns=None, ids: bool = False):
         """Open spans per thread as of the last drain: [{"thread", "native_id", "spans": [{"name", "depth",
-        "open_seconds"}]}], outermost first. With `ids`, each span also carries its "id" and "t0_ns" (its
-        begin), which the interval aggregator splits an open span's time with."""
+        "open_seconds"}]}], outermost first; `ids` adds "id" and "t0_ns" (the aggregator splits time with them)."""
         now_ns = _now_ns() if now_ns is None else now_ns
         out = []
         with self.drain_lock:   # the open stacks belong to the collector side

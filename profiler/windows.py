@@ -5,6 +5,8 @@ total is never cut, and is scaled to all spans when only some were GPU-timed. St
 """
 from __future__ import annotations
 
+from collections import Counter
+
 
 def basis(entry: dict) -> tuple[dict, str]:
     """(stats, "gpu"|"cpu"): the stats a span's times are read from."""
@@ -14,8 +16,7 @@ def basis(entry: dict) -> tuple[dict, str]:
 
 
 def gpu_scale(entry: dict) -> float:
-    """count / gpu_count: what the entry's GPU total is multiplied by to stand for all its spans; 1.0 when
-    every span was timed, or for logs written before gpu_count existed."""
+    """count / gpu_count, scaling the GPU total to all the entry's spans; 1.0 without gpu_count."""
     timed = entry.get("gpu_count")
     return (entry.get("count") or 0) / timed if timed else 1.0
 
@@ -27,8 +28,8 @@ def basis_seconds(entry: dict) -> float:
 
 
 def whole_seconds(entry: dict) -> float:
-    """The summed durations of the spans the entry counts, each whole (the sum behind its mean): on the GPU
-    the scaled total, on the CPU mean x count (the CPU total is cut at the window's edges)."""
+    """The summed whole durations of the entry's spans (behind its mean): the scaled GPU total, or CPU mean x
+    count (the CPU total is cut at the window's edges)."""
     stats, on = basis(entry)
     if on == "gpu":
         return basis_seconds(entry)
@@ -37,8 +38,7 @@ def whole_seconds(entry: dict) -> float:
 
 
 def open_at_end(open_spans: list | None) -> dict:
-    """{span name: [(thread, open_seconds), ...]} from an interval's `open_spans`: the spans still open
-    when it closed, the longest open first."""
+    """{span name: [(thread, open_seconds), ...]}, longest first, from an interval's `open_spans`."""
     out: dict = {}
     for entry in open_spans or ():
         for s in entry.get("spans") or ():
@@ -49,23 +49,20 @@ def open_at_end(open_spans: list | None) -> dict:
 # ---- windows: one definition per quantity (docs/REPORT.md, "Windows") --------------------------------
 
 def span_clock(entries) -> str:
-    """"gpu" when any of a span's entries (one span name over a run) has GPU times, else "cpu": a span is
-    read on one clock over the whole run, so its time is never counted as open CPU credit in one interval
-    and again as GPU time in the next."""
+    """"gpu" when any of a span's entries has GPU times, else "cpu": one clock over the run, so no time counts
+    as open CPU credit in one interval and again as GPU time in the next."""
     return "gpu" if any(e.get("gpu") for e in entries) else "cpu"
 
 
 def clock_seconds(entry: dict, on: str) -> float:
-    """The entry's time on clock `on`: the split CPU total, or the GPU total (0 where no pair resolved in
-    the entry's window: that time lands whole where it resolves)."""
+    """The entry's time on clock `on`: the split CPU total, or the GPU total (0 where no pair resolved)."""
     if on == "gpu":
         return basis_seconds(entry) if entry.get("gpu") else 0.0
     return (entry.get("cpu") or {}).get("total_seconds") or 0.0
 
 
 def self_seconds(entry: dict, on: str) -> float:
-    """The entry's self (exclusive) time on clock `on`, its children left out; the total for logs written
-    before self time was recorded."""
+    """The entry's self (exclusive) time on clock `on`; its total in logs without self time."""
     stats = entry.get("gpu") if on == "gpu" else entry.get("cpu")
     if not stats:
         return 0.0
@@ -75,28 +72,24 @@ def self_seconds(entry: dict, on: str) -> float:
 
 def phase_seconds(intervals: list, phase_spans) -> dict:
     """{phase span: self CPU seconds} summed over `intervals` (the phases' own time, nesting left out)."""
-    out: dict = {}
+    out = Counter()
     for rec in intervals:
-        for name in phase_spans:
-            entry = (rec.get("spans") or {}).get(name)
-            if entry:
-                out[name] = out.get(name, 0.0) + self_seconds(entry, "cpu")
-    return out
+        out.update({name: self_seconds(e, "cpu") for name in phase_spans if (e := (rec.get("spans") or {}).get(name))})
+    return dict(out)
 
 
 def steady_throughput(events: list) -> dict | None:
-    """A rank's steady state from its `throughput` events (one per segment; dflash/throughput.py), segments
-    combined: their tokens over their seconds. None when no segment got past warm-up."""
+    """A rank's steady state from its `throughput` events (one per segment, dflash/throughput.py): their
+    tokens over their seconds; None when no segment got past warm-up."""
     segs = [e for e in events if e.get("kind") == "throughput" and e.get("steady_seconds")]
     if not segs:
         return None
     seconds = sum(e["steady_seconds"] for e in segs)
     tokens = sum(e.get("steady_tokens") or 0 for e in segs)
-    phases: dict = {}
+    phases = Counter()
     for e in segs:
-        for name, s in (e.get("phases_seconds") or {}).items():
-            phases[name] = phases.get(name, 0.0) + (s or 0.0)
+        phases.update({name: s or 0.0 for name, s in (e.get("phases_seconds") or {}).items()})
     return {"window": "steady state", "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
             "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": sum(e.get("steady_steps") or 0
                                                                                    for e in segs),
-            "segments": len(segs), "phases_seconds": phases}
+            "segments": len(segs), "phases_seconds": dict(phases)}

@@ -1,6 +1,5 @@
-"""`dflash-report`'s facade: a run directory in, the report's answers out, each usable from Python:
-hotspots (every analysis of one run, docs/REPORT.md), compare (the A/B table), plot (a PNG over time),
-format_hotspots / format_compare (their text). A run directory it cannot read raises ReportError.
+"""`dflash-report`'s facade, usable from Python: hotspots (every analysis of one run, docs/REPORT.md), compare
+(the A/B table), plot (a PNG over time), format_hotspots / format_compare (their text); ReportError otherwise.
 """
 from __future__ import annotations
 

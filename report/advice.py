@@ -40,8 +40,7 @@ def role_capacity(ranks: list) -> dict:
 
 
 def _rank_device(log) -> tuple[str | None, str | None]:
-    """(kind, GPU key) of one rank: its run_start's `device` ("cuda:1", "cpu"), else the GPU its NVML entries
-    name (logs without `device`); (None, None) when the records say neither."""
+    """(kind, GPU key) of one rank from its run_start's `device` ("cuda:1", "cpu"), else its NVML entries' GPU."""
     device = str((log.run_starts[-1].get("device") or "") if log.run_starts else "")
     kind = device.split(":")[0] or None
     if kind == "cuda":
@@ -53,8 +52,8 @@ def _rank_device(log) -> tuple[str | None, str | None]:
 
 
 def _effective_transfer(flag: str | None, device: str | None, distinct: bool, host_copies: bool) -> str | None:
-    """The path batches took, by dflash/worker.py's rule (read, not imported): NCCL when asked for, or on
-    auto when every rank has its own GPU; else through the host. A target's d2h_copy spans are the host path."""
+    """The path batches took, by dflash/worker.py's rule (read, not imported): NCCL when asked, or on auto when
+    every rank has its own GPU and no target span is a d2h_copy; else the host."""
     if device != "cuda":
         return "host" if device else None
     if flag in ("nccl", "host"):
@@ -63,8 +62,8 @@ def _effective_transfer(flag: str | None, device: str | None, distinct: bool, ho
 
 
 def run_topology(run: Run) -> dict:
-    """The run's devices as its records say, and what the trainer accepts on them (dflash/preflight.py's
-    rule, read, not imported: --transfer nccl needs CUDA and one GPU per rank on every host)."""
+    """The run's devices, and what the trainer accepts on them (dflash/preflight.py's rule, read, not imported:
+    --transfer nccl needs CUDA and one GPU per rank on every host)."""
     hosts: dict = {}
     kinds = set()
     for log in run.ranks.values():
@@ -104,9 +103,8 @@ def _too_few_gpus(topo: dict) -> str:
 
 
 def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dict:
-    """The best target:drafter split of n_gpus (default: the GPUs the run's ranks used), every split's
-    prediction, and the run's own predicted and measured (steady state). No split below 2 GPUs: `reason`
-    says why. `ranks`: rank_table(run)'s rows, when already computed."""
+    """The best target:drafter split of n_gpus (default: the run's GPUs), every split's prediction, and the
+    run's own predicted and measured; `reason` below 2 GPUs. `ranks`: rank_table(run)'s rows, if computed."""
     topo = run_topology(run)
     caps = role_capacity(ranks if ranks is not None else rank_table(run)["ranks"])
     t_now, d_now = (caps.get("target") or {}).get("ranks", 0), (caps.get("drafter") or {}).get("ranks", 0)
@@ -134,8 +132,8 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
 
 
 def _rank_memory(log) -> dict | None:
-    """One rank's GPU (host:index), NVML peak used and total, and per-batch bytes (allocator peak reserved
-    minus lowest allocated); None without NVML and allocator stats."""
+    """One rank's GPU, NVML peak used and total, and per-batch bytes (allocator peak reserved minus lowest
+    allocated); None without NVML and allocator stats."""
     gpu = used_peak = total = alloc_floor = alloc_peak = None
     for rec in log.intervals:
         mem = rec.get("memory") or {}
@@ -180,16 +178,14 @@ def growth(config: dict) -> tuple[int, str]:
 
 def mean_tokens_per_batch(run: Run) -> float | None:
     """Tokens the drafters trained on per step (short data fills a batch less; memory follows what it holds)."""
-    tokens = steps = 0.0
-    for log in run.by_role().get("drafter", []):
-        tokens += counter_total(log.intervals, "tokens")
-        steps += counter_total(log.intervals, "steps")
+    intervals = [r for log in run.by_role().get("drafter", []) for r in log.intervals]
+    tokens, steps = counter_total(intervals, "tokens"), counter_total(intervals, "steps")
     return tokens / steps if tokens and steps else None
 
 
 def memory_margin(run: Run) -> dict:
-    """{"max_tokens_per_batch": the largest keeping HEADROOM_SHARE free on every GPU, "gpus": each GPU's
-    model, "limited_by", "reason" when it cannot be said}; ranks that share a GPU add their per-batch bytes."""
+    """{"max_tokens_per_batch": the largest keeping HEADROOM_SHARE free on every GPU, "gpus", "limited_by",
+    "reason"}; ranks that share a GPU add their per-batch bytes."""
     headroom_share = HEADROOM_SHARE
     mean = mean_tokens_per_batch(run)
     tpb = mean or run.config.get("tokens_per_batch")

@@ -1,15 +1,13 @@
-"""The report's analyses of one run (a `report.runs.Run`): records in, JSON-able answers out.
-
-span_ranking (spans by total time, with p50/p95), role_shares and verdict (which side bounds the
-pipeline), bandwidth (against the floors measured at start), rank_table (per-rank rates, the straggler).
+"""The report's analyses of one run (a `report.runs.Run`), JSON-able: span_ranking, role_shares and verdict
+(which side bounds the pipeline), bandwidth (against the floors), rank_table (per rank, the straggler).
 """
 from __future__ import annotations
 
 import statistics
 
 from monitoring.catalog import WAIT_SPANS
-from profiler.windows import (basis, basis_seconds, clock_seconds, gpu_scale, open_at_end, phase_seconds,
-                              self_seconds, span_clock, steady_throughput, whole_seconds)
+from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
+                              steady_throughput, whole_seconds)
 from report.runs import Run, counter_total, phase_spans, steady_intervals, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
@@ -88,7 +86,7 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
             if timed else None,
             "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
             "share": total / role_wall if role_wall > 0 else None,
-            "mean_seconds": _mean_seconds(measured, on, sum(weights)),
+            "mean_seconds": _mean_seconds(measured, on, sum(weights)) if sum(weights) else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds,
             "quantiles_from": "histogram" if from_histogram else "interval percentiles",
             "intervals": len(entries), "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
@@ -97,16 +95,13 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
 
 def _mean_seconds(measured: list, on: str, n: int) -> float | None:
     """The mean whole span on the span's clock: GPU totals over the GPU-timed spans, or whole CPU spans."""
-    if not n:
-        return None
     if on == "gpu":
         return sum((e["gpu"].get("total_seconds") or 0.0) for e in measured) / n
     return sum((whole_seconds(e) for e in measured), 0.0) / n
 
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
-    """Note the spans still open when an interval closed (its `open_spans`): in how many interval ends,
-    the longest open (and where), and whether the rank's last interval ended with it open."""
+    """Note the spans open when an interval closed: how many ends, the longest (where), open at the log's end."""
     for name, opened in open_at_end(rec.get("open_spans")).items():
         a = agg.get((role, name))
         if a is None:   # a log written before open spans held time in the interval
@@ -149,9 +144,14 @@ def _span_seconds(intervals: list, names) -> float:
     total = 0.0
     for name in names:
         entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
-        on = span_clock(entries)
-        total += sum((clock_seconds(e, on) for e in entries), 0.0)
+        total += sum((clock_seconds(e, span_clock(entries)) for e in entries), 0.0)
     return total
+
+
+def _wait_share(intervals: list, role: str) -> float | None:
+    """The share of `intervals`' wall time the role waits on the other side (its WAIT_SPANS)."""
+    wall = wall_seconds(intervals)
+    return _span_seconds(intervals, [n for n, r in WAIT_SPANS.items() if r == role]) / wall if wall > 0 else None
 
 
 def role_shares(run: Run) -> dict:
@@ -161,8 +161,7 @@ def role_shares(run: Run) -> dict:
     for role, logs in run.by_role().items():
         waits = {n for n, r in WAIT_SPANS.items() if r == role}
         steady = [r for log in logs for r in steady_intervals(log)]
-        wall = wall_seconds(steady)
-        wait = _span_seconds(steady, waits) / wall if wall > 0 else None
+        wall, wait = wall_seconds(steady), _wait_share(steady, role)
         out[role] = {"wait_span": ", ".join(sorted(waits)) or None, "wait_share": wait,
                      "busy_share": None if wait is None else max(0.0, 1.0 - wait), "wall_seconds": wall,
                      "tokens": counter_total(steady, "tokens"),
@@ -248,9 +247,7 @@ def bandwidth(run: Run) -> list:
 
 def _rank_row(log) -> dict:
     steady = steady_intervals(log)
-    wall = wall_seconds(steady)
-    waits = {n for n, r in WAIT_SPANS.items() if r == log.role}
-    wait = _span_seconds(steady, waits) / wall if wall > 0 else None
+    wall, wait = wall_seconds(steady), _wait_share(steady, log.role)
     collective = _span_seconds(steady, COLLECTIVE_SPANS) / wall if wall > 0 else None
     tokens = counter_total(steady, "tokens")
     meter = steady_throughput(log.events)
@@ -274,16 +271,14 @@ def _rank_row(log) -> dict:
 
 
 def _profiler_share(intervals: list) -> float | None:
-    """The profiler's threads' CPU over wall time across `intervals` (their `profiler_share`, weighted by
-    duration), or None where no interval has one (logs from before it was recorded)."""
+    """The profiler's threads' CPU over wall time across `intervals` (duration-weighted), or None without it."""
     measured = [r for r in intervals if r.get("profiler_share") is not None]
     wall = wall_seconds(measured)
     return sum(r["profiler_share"] * r["duration_seconds"] for r in measured) / wall if wall > 0 else None
 
 
 def _trailing_idle(intervals: list) -> list:
-    """The rank's last intervals in which no span finished: a stall, if the run did not end there (a span
-    still open holds time in them, but finished nothing)."""
+    """The rank's last intervals in which no span finished (a stall, unless the run ended there)."""
     idle = []
     for rec in reversed(intervals):
         if any((e.get("count") or 0) for e in (rec.get("spans") or {}).values()) or rec.get("final"):
@@ -298,8 +293,8 @@ def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
 
 
 def _straggler(rows: list) -> dict | None:
-    """The rank whose capacity (tokens/s over its own work share, collectives and waits left out) is
-    more than STRAGGLER_GAP below the median of its role's other ranks, with the span that costs it most."""
+    """The rank whose capacity (tokens/s over its work share) is over STRAGGLER_GAP below its role's other
+    ranks' median, with the span that costs it most."""
     worst = None
     for row in rows:
         peers = [p["capacity_tokens_per_s"] for p in rows if p["role"] == row["role"] and p is not row
@@ -339,10 +334,8 @@ def rank_table(run: Run) -> dict:
 # ---- the steady state ------------------------------------------------------------------------
 
 def steady_state(run: Run) -> dict:
-    """{"steady_tokens_per_s": the drafters' summed steady rate, "roles": {role: {...}}, "phases_seconds"}.
-    A role's rate is the sum of its ranks' throughput meters (dflash/throughput.py: the one definition);
-    the phases (run_start `phase_spans`: compile, evaluation, checkpoints) are their self time over the whole
-    run, and `warmup_seconds` the intervals marked warm-up, beside the steady figures they are left out of."""
+    """{"steady_tokens_per_s": the drafters' summed rate, "roles": {role: ...}}: a role's rate sums its ranks'
+    throughput meters (dflash/throughput.py); beside it the phases' self time and the warm-up intervals'."""
     phases = phase_spans(run)
     roles: dict = {}
     for role, logs in run.by_role().items():

@@ -1,16 +1,15 @@
-"""A/B comparison of two runs (A the baseline): spans, tokens/s and GPU memory. Records in, answers out.
-
-Each quantity is sampled once per steady interval of every rank; its spread is the 10th-90th percentile
-range. A change is a regression (or improvement) only beyond the larger spread, and negligible when it
-costs under MIN_EFFECT_SHARE of its role's time. Wait spans follow the other side: shown as waits.
+"""A/B comparison of two runs (A the baseline): spans, tokens/s and GPU memory, each sampled once per steady
+interval of every rank (spread: the 10th-90th percentile range). A change is a regression (or improvement) only
+beyond the larger spread, negligible under MIN_EFFECT_SHARE of its role's time; wait spans show as waits.
 """
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import basis, whole_seconds
-from report.runs import Run, gpu_key, gpus, steady_intervals
+from report.runs import Run, gpu_key, gpus, steady_intervals, wall_seconds
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01
@@ -44,17 +43,15 @@ def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 
 
 def _span_samples(run: Run) -> tuple[dict, dict]:
     """({(role, span): per-interval mean seconds per call}, {(role, span): calls per second of role time})."""
-    out: dict = {}
-    calls: dict = {}
-    walls: dict = {}
+    out, calls, walls = {}, Counter(), Counter()
     for log in run.ranks.values():
-        for rec in steady_intervals(log):
-            walls[log.role] = walls.get(log.role, 0.0) + (rec.get("duration_seconds") or 0.0)
+        steady = steady_intervals(log)
+        walls[log.role] += wall_seconds(steady)
+        for rec in steady:
             for name, e in (rec.get("spans") or {}).items():
-                stats, _ = basis(e)
-                if e.get("count") and stats.get("total_seconds") is not None:   # whole spans: a CPU total is split
+                if e.get("count") and basis(e)[0].get("total_seconds") is not None:   # whole spans (a CPU total is split)
                     out.setdefault((log.role, name), []).append(whole_seconds(e) / e["count"])
-                    calls[(log.role, name)] = calls.get((log.role, name), 0) + e["count"]
+                    calls[(log.role, name)] += e["count"]
     return out, {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
 
 

@@ -49,8 +49,7 @@ def _copy_next(report: dict, span: str) -> tuple[str, list]:
 
 
 def _batch_next(report: dict, otherwise: str) -> tuple[str, list]:
-    """Lower --tokens-per-batch to the memory margin, where the trainer accepts that value (at least
-    --max-length); else `otherwise`."""
+    """Lower --tokens-per-batch to the memory margin where the trainer takes it (>= --max-length); else `otherwise`."""
     margin = report["memory_margin"].get("max_tokens_per_batch")
     max_length = report["config"].get("max_length") or 1
     now = report["config"].get("tokens_per_batch")
@@ -80,13 +79,8 @@ def _bandwidth(report: dict) -> list:
     return out
 
 
-def _ranks_text(items: list) -> str:
-    return ", ".join(f"rank {a['rank']} ({a['role']})" for a in items)
-
-
 def _allocator(report: dict) -> list:
-    """One finding for every rank whose allocator retried, one for every allocator series that leaks
-    (memory_events.memory_trend: sustained after warm-up, beyond the noise, large against the GPU)."""
+    """A finding for the ranks whose allocator retried, one per allocator series that leaks (memory_trend)."""
     allocs = report["memory"]["allocator"]
     retried = [a for a in allocs if (a["alloc_retries_last"] or 0) > 0]
     out = []

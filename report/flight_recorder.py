@@ -1,7 +1,6 @@
-"""The transfer flight recorders of a failed run, lined up: records in, answers out.
-
-A hang, crash, OOM, forced stop or lost peer dumps each rank's last transfer-protocol steps in its event's
-`extra`; per target -> drafter link this says how far each side got, and which batches were in flight.
+"""The transfer flight recorders of a failed run, lined up. A hang, crash, OOM, forced stop or lost peer dumps
+each rank's last transfer-protocol steps in its event's `extra`; per target -> drafter link this says how far
+each side got, and which batches were in flight.
 """
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ def _last_batch(ring: list, kind: str, peer_key: str, peer) -> int | None:
 
 
 def transfer_rings(run: Run) -> dict:
-    """{"dumps": [{rank, role, kind, entries, last}], "links": [{target, drafter, submitted, completed,
-    received, in_flight, verdict}]}; empty lists when no rank dumped a ring."""
+    """{"dumps": [{rank, role, kind, entries, last}], "links": [{target, drafter, submitted, completed, received,
+    in_flight, verdict}]}; empty when no rank dumped a ring."""
     dumps, rings = [], {}
     for rank, log in run.ranks.items():
         ev, ring = _last_ring(log)
@@ -58,9 +57,8 @@ def _link(target: int, ring: list, drafter: int, drafter_ring) -> dict:
     elif received is None or received < submitted:
         first = -1 if received is None else received
         link["in_flight"] = list(range(first + 1, submitted + 1))
-        link["verdict"] = (f"batches {link['in_flight'][0]}..{submitted} sent by rank {target} never reached "
-                           f"rank {drafter}" if len(link["in_flight"]) > 1 else
-                           f"batch {submitted} sent by rank {target} never reached rank {drafter}")
+        which = f"batches {first + 1}..{submitted}" if submitted > first + 1 else f"batch {submitted}"
+        link["verdict"] = f"{which} sent by rank {target} never reached rank {drafter}"
     else:
         link["verdict"] = f"every batch rank {target} submitted reached rank {drafter}"
     return link

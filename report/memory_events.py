@@ -1,6 +1,5 @@
-"""The report's analyses of memory (headroom low points, allocator trends and leaks), events (problems first) and
-stacks (hot frames per thread): records in, answers out.
-"""
+"""The report's analyses of memory (headroom low points, allocator trends, leaks), events (problems first) and
+stacks (hot frames per thread)."""
 from __future__ import annotations
 
 import statistics
@@ -21,8 +20,7 @@ LEAK_TOTAL_SHARE = 0.03       # ... and this share of the GPU's memory, or exhau
 
 
 def _dominant_span(rec: dict) -> tuple[str | None, float | None]:
-    """The span with the largest share of an interval: where the interval's time went, not an exact
-    attribution of its memory peak (the sampler's peak has no span)."""
+    """The span with the largest share of an interval: where its time went (the memory peak has no span)."""
     spans = rec.get("spans") or {}
     if not spans:
         return None, None
@@ -41,9 +39,8 @@ def _low_point(log, rec: dict, g: dict, t0: float | None) -> dict:
 
 
 def theil_sen(xs: list, ys: list) -> tuple[float, float]:
-    """(slope, intercept): the median of the pairwise slopes, which one outlier interval cannot move (over
-    at most TREND_MAX_POINTS evenly strided points, so a day of intervals stays quick), and the median of
-    y - slope * x over every point."""
+    """(slope, intercept): the median pairwise slope, which one outlier cannot move (over at most
+    TREND_MAX_POINTS strided points, so a day of intervals stays quick), and the median of y - slope * x."""
     stride = max(1, -(-len(xs) // TREND_MAX_POINTS))
     px, py = xs[::stride], ys[::stride]
     slopes = [(py[j] - py[i]) / (px[j] - px[i]) for i in range(len(px)) for j in range(i + 1, len(px))
@@ -53,8 +50,8 @@ def theil_sen(xs: list, ys: list) -> tuple[float, float]:
 
 
 def _after_warmup(log) -> list:
-    """The intervals a memory trend is read over: the last segment's steady ones (runs.steady_intervals)
-    less their first tenth (at least one), while the caching allocator still fills to the batches' high water."""
+    """The last segment's steady intervals less their first tenth (at least one), while the caching allocator
+    still fills to the batches' high water: what a memory trend is read over."""
     last_start = max((i for i, r in enumerate(log.intervals) if r.get("index") == 0), default=0)
     segment = {id(r) for r in log.intervals[last_start:]}
     steady = [r for r in steady_intervals(log) if id(r) in segment]
@@ -62,9 +59,8 @@ def _after_warmup(log) -> list:
 
 
 def _leak_test(t: dict) -> tuple[bool, str]:
-    """A leak: a rise over the window beyond NOISE_MADS x the residuals' MAD, still climbing in the window's
-    last half, and large against the GPU (over LEAK_TOTAL_SHARE of it, or gone with the headroom within the
-    run's length). (verdict, why)."""
+    """(leak, why): a rise beyond NOISE_MADS x the residual MAD, still climbing in the last half, and large
+    against the GPU (over LEAK_TOTAL_SHARE of it, or exhausting the headroom within the run's length)."""
     if t["samples"] < TREND_MIN_SAMPLES:
         return False, f"{t['samples']} samples after warm-up, under {TREND_MIN_SAMPLES}"
     if t["rise_bytes"] <= NOISE_MADS * t["mad_bytes"] or t["slope_bytes_per_s"] <= 0:
@@ -80,9 +76,8 @@ def _leak_test(t: dict) -> tuple[bool, str]:
 
 
 def memory_trend(log, allocs: list, key: str) -> dict:
-    """One allocator series (`allocated_bytes` or `reserved_bytes`) of a rank after warm-up: its Theil-Sen
-    slope, the residuals' MAD, the rise over the window, when the rank's GPU headroom would run out, and
-    whether that makes a leak (`leak`, `why`)."""
+    """One allocator series (`allocated_bytes` or `reserved_bytes`) after warm-up: Theil-Sen slope, residual
+    MAD, rise, when the GPU headroom would run out, and whether that is a leak (`leak`, `why`)."""
     pts = [(r.get("end_s", r.get("time_unix")), a[key], r) for r, a in allocs
            if a.get(key) is not None and r.get("end_s", r.get("time_unix")) is not None]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -123,8 +118,7 @@ def _allocator_trend(log) -> dict | None:
 
 
 def _gpu_row(key: str, samples: list) -> dict:
-    """One GPU from its (log, interval, gpu entry, run start time) samples: the low point is the first least
-    headroom."""
+    """One GPU from its (log, interval, gpu entry, run start) samples; the low point is the first least headroom."""
     log, _, g, _ = samples[0]
     entries = [s[2] for s in samples]
     return {"gpu": key, "host": log.hostname, "index": g.get("index"), "name": g.get("name"),
@@ -163,8 +157,8 @@ def _example(rec: dict) -> dict:
 
 
 def events(run: Run) -> dict:
-    """{"kinds": {kind: {"count", "ranks", "examples"}}, "problems": the kinds that mean trouble}, with
-    unparsable lines as `bad_lines`, failed segments `run_failed`, logs without run_end `no_run_end`."""
+    """{"kinds": {kind: {"count", "ranks", "examples"}}, "problems"}, with unparsable lines `bad_lines`, failed
+    segments `run_failed`, logs without run_end `no_run_end`."""
     kinds: dict = {}
 
     def add(kind: str, rank: int, example: dict, count: int = 1) -> None:

@@ -32,8 +32,7 @@ def _spans(rep: dict) -> list:
              f"{'gpu s':>9} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"]
     for r in s["rows"]:
         lines.append(f"  {r['span']:<22} {r['role']:<8} {r['count']:>7} {r['on']:>3} {r['total_seconds']:>9.3f} "
-                     f"{r['self_seconds']:>9.3f} "
-                     f"{_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_seconds'], '.3f'):>9} "
+                     f"{r['self_seconds']:>9.3f} {_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_seconds'], '.3f'):>9} "
                      f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}"
                      + ("  (wait)" if r["wait"] else ""))
     if not s["rows"]:
@@ -46,15 +45,13 @@ def _spans(rep: dict) -> list:
 
 
 def _gpu_sampled(rows: list) -> list:
-    """A line when some spans carry no GPU time (a log of an older run that timed sampled steps, or pairs left
-    unresolved): the gpu figures are then estimates."""
+    """A line when some spans carry no GPU time (an older run's sampled steps, unresolved pairs): estimates."""
     timed = [(r["gpu_timed"], r["count"]) for r in rows if r.get("gpu_timed") is not None]
     n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
     if n >= total:
         return []
     return [f"  GPU times for {n} of {total} spans (sampled steps in an older run, or pairs left unresolved); gpu s, "
-            "total s and share on the GPU "
-            "scale them by count / timed"]
+            "total s and share on the GPU scale them by count / timed"]
 
 
 def _open_spans(rows: list) -> list:
@@ -144,7 +141,7 @@ def _events(rep: dict) -> list:
 
 
 def _rings(rep: dict) -> list:
-    """The report's text section (empty when no ring was dumped)."""
+    """The transfer flight recorders' section (empty when no ring was dumped)."""
     rings = rep.get("transfer_rings") or {}
     if not rings.get("dumps"):
         return []

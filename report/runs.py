@@ -88,8 +88,7 @@ def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
 
 @contextmanager
 def paused_gc():
-    """The cyclic collector off for the block, then as it was. A run log is millions of small objects,
-    all kept: the collector would only rescan them."""
+    """The cyclic collector off for the block: a run log is millions of small objects, all kept."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -128,9 +127,8 @@ def _did_work(rec: dict) -> bool:
 
 
 def steady_intervals(log: RankLog) -> list:
-    """The rank's steady-state intervals: not warm-up (the profiler marks those `warmup` when the run gives
-    warm-up steps), not the final one (evaluation, the last checkpoint). Logs written before the mark leave
-    out each segment's start up to the first interval that did work. All of them when that leaves none."""
+    """The rank's intervals neither warm-up (marked `warmup`) nor final (evaluation, the last checkpoint); in logs
+    without the mark, each segment's start up to the first interval that did work is left out. All if none."""
     marked = any((s.get("warmup_steps") or 0) > 0 for s in log.run_starts)
     steady, starting = [], True
     for rec in log.intervals:

@@ -10,9 +10,8 @@ from report.runs import load_run
 
 
 def merge_traces(run_dir, out_path=None, max_events: int = MAX_EVENTS) -> dict:
-    """One trace for every rank of a run, built from RUN_DIR/profile/rank*.jsonl (so it also works after
-    a crash, when per-rank trace files may be stale) and written to out_path (default
-    RUN_DIR/trace/merged.json). Returns a summary; ReportError for a directory with no run logs."""
+    """The merged trace of RUN_DIR's run logs, written to out_path (default RUN_DIR/trace/merged.json); returns
+    a summary. ReportError for a directory with no run logs."""
     run = load_run(run_dir, with_spans=True)
     budget = max(1, max_events // len(run.ranks))      # newest windows of every rank, which line up in time
     procs, ranks, evicted, prof_dropped = [], {}, 0, 0
