@@ -22,23 +22,40 @@ def check_interval_s(interval_s) -> float:
 class ProfilerConfig:
     """The profiler's settings; checked when made (ValueError naming the field)."""
 
-    interval_s: float = 60.0            # seconds between `interval` records
-    detail_steps: int = 3               # steps per interval kept as raw spans (profiler/detail.py); 0: none
-    detail_follows: bool = False        # keep the steps the caller marks (profiler.keep_step), as its producer's
-    hang_timeout_s: float = 0.0         # > 0: no progress this long stops the rank with a dump (watchdog.py)
-    memory_history: int = 0             # CUDA allocator history entries kept for an OOM's snapshot; 0: none
-    export_timeout_s: float = 5.0       # seconds the run's end gives the exporters to drain and close
-    gpu_drain_timeout_s: float = 2.0    # seconds the run's end polls pending CUDA pairs before CPU-only
-    faults: str = ""                    # fault spec "KIND@SPAN[:step=N][:rank=R];..." (profiler/faults.py)
-    control: bool = True                # serve the control endpoint `dflash-profile snapshot` asks
-    measure_floors: bool = True         # measure the copy floors (floors.py) transfer bandwidths are read against
-    background: bool = True             # run the collector thread; False: the caller drives Profiler.tick()
-    poll_s: float = 0.25                # seconds between the collector's drains of the span logs
-    run_id: str | None = None           # the run's id in run_start and the exporters; None: the run dir's name
-    warmup_steps: int = 0               # steps from the first set_step that are warm-up: intervals begun before
-                                        # they were done are marked `warmup`, out of steady-state figures
-    phase_spans: tuple = ()             # spans whose self time is a phase (compile, evaluation, checkpoints),
-                                        # left out of steady-state seconds and reported beside them
+    interval_s: float = 60.0
+    """Seconds between `interval` records."""
+    detail_steps: int = 3
+    """Steps at the start of each interval kept as raw spans (the `spans` record: profiler/detail.py); 0: none."""
+    detail_follows: bool = False
+    """The detail window keeps the steps the caller marks (`profiler.keep_step()`) instead of choosing its own,
+    so a consumer holds the same batches as its producer."""
+    hang_timeout_s: float = 0.0
+    """> 0: a rank with no progress (no span finished, no step change) this long is stopped with a dump
+    (profiler/watchdog.py); 0: no hang watchdog."""
+    memory_history: int = 0
+    """CUDA allocator history entries kept for an OOM's memory snapshot; 0: none kept."""
+    export_timeout_s: float = 5.0
+    """Seconds the run's end gives the exporters to drain their queue and close."""
+    gpu_drain_timeout_s: float = 2.0
+    """Seconds the run's end polls CUDA event pairs still pending before counting them CPU-only."""
+    faults: str = ""
+    """Fault-injection spec "KIND@SPAN[:step=N][:rank=R];..." (profiler/faults.py); "": no faults."""
+    control: bool = True
+    """Serve the rank's control endpoint (profiler/control.py), which `dflash-profile snapshot` asks."""
+    measure_floors: bool = True
+    """Measure the copy floors (profiler/floors.py) at start, against which transfer bandwidths are read."""
+    background: bool = True
+    """Run the collector thread; False: the caller drives collection with Profiler.tick() (tests)."""
+    poll_s: float = 0.25
+    """Seconds between the collector's drains of the span logs."""
+    run_id: str | None = None
+    """The run's id in run_start and the exporters; None: the run directory's name."""
+    warmup_steps: int = 0
+    """Steps from the segment's first `set_step` that are warm-up: an interval that began before they were done
+    is marked `warmup` and left out of steady-state figures (profiler/windows.py)."""
+    phase_spans: tuple = ()
+    """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
+    seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
 
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
@@ -59,14 +76,22 @@ class ProfilerConfig:
 class ProfilerDeps:
     """What the profiler is built from; None makes the real one for the device."""
 
-    # The interval clock in seconds; None: time.perf_counter, with interval bounds read once in span time
-    # (perf_counter_ns), so a span open for a whole interval holds exactly 100% of it.
     clock: Callable[[], float] | None = None
-    wall_clock: Callable[[], float] = time.time   # every record's time_unix
-    memory_sampler: Any = None    # NVML sampler (profiler/memory.py: start, stop, interval_summary, latest, ...)
-    nvml: Any = None              # the pynvml module the default sampler uses; None: imported when needed
-    event_pool: Any = None        # CUDA event pool spans record on (cuda_timing.EventPool, or a fake)
-    floors: dict | None = None    # copy floors to use instead of measuring them
-    fault_plan: Any = None        # a FaultPlan (profiler/faults.py) instead of config.faults'
-    stack_sampler: Any = None     # in-run py-spy sampling (profiler/stacks.py); None: none
-    exit_fn: Callable[[int], None] = os._exit   # how forensics leave a stuck or crashed rank
+    """The interval clock, in seconds; None: time.perf_counter, with interval bounds read once in span time
+    (perf_counter_ns), so a span open for a whole interval holds exactly 100% of it."""
+    wall_clock: Callable[[], float] = time.time
+    """Source of every record's time_unix."""
+    memory_sampler: Any = None
+    """The NVML sampler (profiler/memory.py: start, stop, interval_summary, latest, headroom_history)."""
+    nvml: Any = None
+    """The pynvml module the default memory sampler uses; None: imported when needed."""
+    event_pool: Any = None
+    """The CUDA event pool spans record on (profiler/cuda_timing.py EventPool, or a fake)."""
+    floors: dict | None = None
+    """Copy floors to use instead of measuring them."""
+    fault_plan: Any = None
+    """A FaultPlan (profiler/faults.py) instead of the one config.faults gives."""
+    stack_sampler: Any = None
+    """In-run py-spy sampling (profiler/stacks.py); None: none."""
+    exit_fn: Callable[[int], None] = os._exit
+    """How forensics leave a stuck or crashed rank."""
