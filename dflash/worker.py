@@ -23,6 +23,7 @@ import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.run_lock import hold_run_dir
+from profiler.records import printable
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -345,7 +346,7 @@ def _print_final(run_dir: Path) -> None:
         ends += [r for r in records if r.get("type") == "run_end"]
         steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
     if ends:
-        print(format_hotspots(ends, steady))
+        print(printable(format_hotspots(ends, steady)))
     print(f"run directory: {run_dir}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from collections import Counter, defaultdict
 
+from profiler.records import printable
 from profiler.windows import basis, basis_seconds, open_at_end, whole_seconds
 
 GIB = 1024 ** 3
@@ -197,10 +198,10 @@ class ConsoleExporter:
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
         out = self.stream or sys.stdout
-        print(format_interval(record), file=out, flush=True)
+        print(printable(format_interval(record)), file=out, flush=True)   # thread names are anyone's
         stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
         if stuck:
-            print(stuck, file=out, flush=True)
+            print(printable(stuck), file=out, flush=True)
 
     def close(self, timeout_s: float = 0.0) -> None:
         pass

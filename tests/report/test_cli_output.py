@@ -40,3 +40,16 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     p = subprocess.run(f"{sys.executable} -m dflash.report_cli hotspots --json {run_dir} | true", shell=True,
                        cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0 and p.stderr == ""   # the reader is gone before the first write
+
+
+def test_the_console_summary_escapes_a_thread_name(tmp_path):
+    """A training process's own threads can be named by anyone's code: rank 0's interval summary escapes them."""
+    import io
+
+    from exporters.console import ConsoleExporter
+
+    out = io.StringIO()
+    ConsoleExporter(stream=out).export({"type": "interval", "rank": 0, "role": "drafter", "index": 0, "step": 1,
+                                        "duration_seconds": 1.0, "spans": {},
+                                        "threads_cpu_seconds": {f"loader{NASTY}": 0.5}})
+    assert "\x1b" not in out.getvalue() and "loader\\x1b]0;owned" in out.getvalue()
