@@ -10,6 +10,9 @@ inside one torch.profiler capture (CPU and CUDA activities):
 For every span instance it prints our GPU window (end event - start event), Kineto's window for the
 same range (its `gpu_user_annotation`: first kernel start to last kernel end) and Kineto's busy time
 (the union of the kernels inside), then per span the median window ratio ours/Kineto's and busy/window.
+Each span is measured twice: after a GPU-bound span (the stream busy when it begins, so its start event
+runs as its first kernel is due) and after the launch-bound one (the stream idle: our window then also
+holds the idle lead-in until the host has launched the first kernel, which Kineto's range does not).
 The peer is Kineto in the same run; nothing is typed in. Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -45,6 +48,12 @@ def workloads(device):
         for _ in range(2000):
             tiny.add_(1.0)
     return {"bench.matmul": matmul, "bench.copy": copy, "bench.launch": launch}
+
+
+ORDERS = {"matmul after copy": ("bench.copy", "bench.matmul", "bench.launch"),
+          "matmul after launch": ("bench.launch", "bench.matmul", "bench.copy", "bench.launch", "bench.copy")}
+"""Per step, both sequences: matmul and copy follow a GPU-bound span (`.busy`) and the launch-bound span
+(`.idle`); the launch-bound span follows both too."""
 
 
 def kineto_ranges(trace: dict, names) -> dict:
@@ -93,12 +102,16 @@ def main() -> None:
         for name, fn in work.items():   # warm-up: kernels loaded, allocator settled
             fn()
         torch.cuda.synchronize()   # deliberate: the capture starts on an idle GPU
+        before = "bench.launch"
         with torch.profiler.profile(activities=acts) as kp:
             for step in range(a.steps):
                 profiler.set_step(step)
-                for name, fn in work.items():
-                    with profiler.span(name), torch.profiler.record_function(name):
-                        fn()
+                for names in ORDERS.values():
+                    for name in names:   # named by what ran before it: a GPU-bound span, or the launch-bound one
+                        tagged = f"{name}.{'idle' if before == 'bench.launch' else 'busy'}"
+                        with profiler.span(tagged), torch.profiler.record_function(tagged):
+                            work[name]()
+                        before = name
             torch.cuda.synchronize()   # deliberate: every event and kernel done before the export
         prof.close_interval()
     trace_path = run_dir / "kineto.json"
@@ -107,21 +120,22 @@ def main() -> None:
     with gzip.open(run_dir / "kineto.json.gz", "wt") as f:
         json.dump(trace, f)
     trace_path.unlink()
-    report(our_windows(run_dir, work), kineto_ranges(trace, work), a.steps)
+    names = [f"{n}.{k}" for n in work for k in ("busy", "idle")]   # every name occurs in the steps above
+    report(our_windows(run_dir, names), kineto_ranges(trace, names), a.steps)
 
 
 def report(ours: dict, kineto: dict, steps: int) -> None:
     print(f"GPU window per span: ours (CUDA events) vs Kineto (gpu_user_annotation), {steps} steps, same run")
-    print(f"{'span':<14} {'n':>4} {'ours ms':>9} {'kineto ms':>10} {'ratio':>8} {'max |dev|':>9} {'busy/window':>12}")
+    print(f"{'span (before it)':<20} {'n':>4} {'ours ms':>9} {'kineto ms':>10} {'ratio':>8} {'max |dev|':>9} {'busy/window':>12}")
     for name in ours:
         pairs = list(zip(ours[name], kineto[name]))
         if not pairs or len(ours[name]) != len(kineto[name]):
-            print(f"{name:<14} unmatched: ours {len(ours[name])}, kineto {len(kineto[name])}")
+            print(f"{name:<20} unmatched: ours {len(ours[name])}, kineto {len(kineto[name])}")
             if not pairs:
                 continue
         ratios = [o / (k[0] / 1e6) for o, k in pairs if o and k[0] > 0]
         busy = [k[1] / k[0] for _, k in pairs if k[0] > 0]
-        print(f"{name:<14} {len(pairs):>4} {1e3 * statistics.median(o for o, _ in pairs):>9.3f} "
+        print(f"{name:<20} {len(pairs):>4} {1e3 * statistics.median(o for o, _ in pairs):>9.3f} "
               f"{statistics.median(k[0] for _, k in pairs) / 1e3:>10.3f} {statistics.median(ratios):>8.4f} "
               f"{max(abs(r - 1) for r in ratios):>9.4f} {statistics.median(busy):>12.3f}")
 
