@@ -172,7 +172,8 @@ def events(run: Run) -> dict:
         for ev in log.events:
             add(str(ev.get("kind")), log.rank, _example(ev))
         if log.bad_lines:
-            add("bad_lines", log.rank, {"rank": log.rank, "lines": log.bad_lines}, count=log.bad_lines)
+            add("bad_lines", log.rank, {"rank": log.rank, "lines": log.bad_lines, "where": log.bad_examples},
+                count=log.bad_lines)
         for end in log.run_ends:
             if end.get("status") not in (None, "ok"):
                 add("run_failed", log.rank, {"rank": log.rank, "status": end.get("status"), "step": end.get("step")})

@@ -4,6 +4,7 @@ analysis shares. Standard library only: `dflash-report` reads run logs without i
 from __future__ import annotations
 
 import gc
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ class RankLog:
     run_ends: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
     bad_lines: int = 0
+    bad_examples: list = field(default_factory=list)   # "file:line: why" of the first bad lines
 
     @property
     def config(self) -> dict:
@@ -64,18 +66,58 @@ _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "
 _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 
-def _read_for_report(path: Path) -> tuple[list, int]:
-    data = path.read_bytes()
-    if _SPANS_LINE in data:
-        data = b"\n".join(line for line in data.split(b"\n")
-                          if not (line.startswith(_SPANS_LINE) and line.rstrip().endswith(b"}")))
-    return rl.parse_lines(data)
+_NUM = (int, float)
+_SHAPES = {"step": (int, type(None)), "index": int, "duration_seconds": _NUM, "spans": dict, "counters": dict,
+           "gauges": dict, "metrics": dict, "kind": str}
+"""Fields the report computes with, and the types they must have where a record holds them."""
+
+
+def shape_problem(rec: dict) -> str | None:
+    """Why a record cannot be read as docs/RUNLOG.md says (a field of the wrong type), or None."""
+    if rec.get("type") == rl.SPANS:   # a detail window: its spans are a list of raw spans
+        return None if isinstance(rec.get("spans", []), list) else "spans is not a list"
+    for key, want in _SHAPES.items():
+        if key in rec and (not isinstance(rec[key], want) or isinstance(rec[key], bool)):
+            return f"{key} is {type(rec[key]).__name__}"
+    for name, e in (rec.get("spans") or {}).items():
+        if not isinstance(e, dict) or not isinstance(e.get("count", 0), int):
+            return f"span {name!r} is not an entry with an integer count"
+        for clock in ("cpu", "gpu"):
+            block = e.get(clock)
+            if block is not None and (not isinstance(block, dict) or any(
+                    v is not None and not isinstance(v, _NUM) for k, v in block.items() if k != "buckets")):
+                return f"span {name!r}: its {clock} block holds a non-number"
+    for name, c in (rec.get("counters") or {}).items():
+        if not isinstance(c, dict) or not isinstance(c.get("total", 0), _NUM):
+            return f"counter {name!r} has no numeric total"
+    return None
+
+
+def _read_for_report(path: Path, with_spans: bool) -> tuple[list, int, list]:
+    """(records, bad line count, up to 3 "file:line: why" examples). Detail-window `spans` lines are skipped
+    unparsed unless asked for; a record of the wrong shape counts as a bad line, with where and why."""
+    records, bad, examples = [], 0, []
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip() or (not with_spans and raw.startswith(_SPANS_LINE) and raw.rstrip().endswith(b"}")):
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            rec = None
+        why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
+        if why is None:
+            records.append(rec)
+            continue
+        bad += 1
+        if len(examples) < 3:
+            examples.append(f"{path}:{n}: {why}")
+    return records, bad, examples
 
 
 def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
-    recs, bad = rl.parse_lines(path.read_bytes()) if with_spans else _read_for_report(path)
+    recs, bad, examples = _read_for_report(path, with_spans)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
-    log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad)
+    log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad, bad_examples=examples)
     for rec in recs:
         name = _KIND_LISTS.get(rec.get("type"))
         if name is not None:

@@ -1,8 +1,11 @@
 """What the CLIs print (issue 34 row 6, issue 37): strings from a log reach the terminal with their control
 characters escaped, and a closed pipe ends the command quietly."""
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from dflash import report_cli
 from profiler.records import printable
@@ -53,3 +56,26 @@ def test_the_console_summary_escapes_a_thread_name(tmp_path):
                                         "duration_seconds": 1.0, "spans": {},
                                         "threads_cpu_seconds": {f"loader{NASTY}": 0.5}})
     assert "\x1b" not in out.getvalue() and "loader\\x1b]0;owned" in out.getvalue()
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda r: r.update(spans=[1, 2]), "spans is list"),
+    (lambda r: r.update(step="7"), "step is str"),
+    (lambda r: next(iter(r["spans"].values())).update(count="3"), "is not an entry with an integer count"),
+    (lambda r: next(iter(r["spans"].values()))["cpu"].update(total_seconds="x"), "holds a non-number"),
+    (lambda r: r.update(counters={"tokens": {"total": "many"}}), "counter 'tokens' has no numeric total"),
+])
+def test_a_record_of_the_wrong_shape_is_counted_and_skipped_with_its_line(tmp_path, capsys, damage, why):
+    """Issue 34 row 10: wrong-typed fields in a run log gave tracebacks (3 of 5 cases); now the record is
+    skipped, counted as a bad line and named file:line, and the rest of the log is reported."""
+    run = clean()
+    recs = run["logs"][0]
+    i = next(i for i, r in enumerate(recs) if r.get("type") == "interval" and r.get("index") == 1)
+    damage(recs[i])
+    run_dir = write(tmp_path / "run", run)
+    assert report_cli.main(["hotspots", "--json", str(run_dir)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    bad = rep["events"]["kinds"]["bad_lines"]
+    assert bad["count"] == 1
+    (where,) = bad["examples"][0]["where"]
+    assert where.startswith(f"{run_dir / 'profile' / 'rank0.jsonl'}:{i + 1}: ") and why in where
