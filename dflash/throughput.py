@@ -35,6 +35,8 @@ class ThroughputMeter:
         self.tokens0 = 0
         self.compile0_s = 0.0
         self.phases_s = {"ckpt.save": 0.0}
+        if warm_steps == 0:   # no warm-up: the window starts with the loop (the meter is made just before it)
+            self.t0_s, self.compile0_s = self._now_s(), compile_seconds_fn()
 
     def _now_s(self) -> float:
         if self.device.type == "cuda":
