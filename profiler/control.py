@@ -2,10 +2,10 @@
 file /tmp/dflash-$UID/PID.json (`dflash-profile snapshot --pid PID`).
 
 Protocol: one JSON line in, one out ({"ok": true, ...} or {"ok": false, "error": "..."}), then the server
-closes the connection. {"cmd": "ping"} -> pid, rank, role; {"cmd": "state"} -> {"state": state_fn()};
-{"cmd": "record", "fields": {...}} -> record_fn(fields) writes a record into the rank's own run log (the
-process stays its log's single writer). Only the owning user (or root) can connect: socket 0600, discovery
-dir 0700, the peer's uid checked. A starting server removes this uid's discovery files of dead endpoints.
+closes the connection. `ControlServer.commands` maps each command to its handler: "ping" -> pid, rank, role;
+"state" -> {"state": state_fn()}; "record" with "fields" -> record_fn(fields) writes a record into the rank's own
+run log (the process stays its log's single writer). Only the owning user (or root) can connect: socket 0600,
+discovery dir 0700, the peer's uid checked. A starting server removes this uid's discovery files of dead endpoints.
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ class ControlServer:
         self.role = str(role)
         self._state_fn = state_fn
         self._record_fn = record_fn  # fields -> writes a record (the profiler: write_record("snapshot", ...))
+        # Command name -> handler(request) -> the reply's fields; a raising handler replies {"ok": false, "error"}.
+        self.commands = {"ping": self._ping, "state": self._state, "record": self._record}
         self.discovery_dir = default_discovery_dir(discovery_dir)
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
@@ -156,8 +158,6 @@ class ControlServer:
     def start(self) -> None:
         """Bind, write the discovery file and serve. A failure logs once and leaves the endpoint off, with
         the reason in self.error: telemetry never kills training."""
-        if self._thread is not None:
-            return
         try:
             self._start()
         except Exception as exc:  # noqa: BLE001
@@ -182,13 +182,12 @@ class ControlServer:
         try:
             sock.bind(self.socket_path)
             os.chmod(self.socket_path, 0o600)  # before listen(): nobody can connect before this
-            sock.listen(8)   # blocking accept(): no wakeups while idle (was 5 per second)
+            sock.listen(8)   # a blocking accept(): no wakeups while idle
         except BaseException:
             sock.close()
             raise
         self._sock = sock
         self._write_discovery()
-        self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="profiler-control", daemon=True)
         self._thread.start()
 
@@ -268,29 +267,31 @@ class ControlServer:
         except ValueError as exc:
             return {"ok": False, "error": f"request is not a JSON line: {exc}"}
         cmd = request.get("cmd") if isinstance(request, dict) else None
-        if cmd == "ping":
-            return {"ok": True, "pid": self.pid, "rank": self.rank, "role": self.role}
-        if cmd == "record":
-            return self._record(request.get("fields"))
-        if cmd != "state":
-            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected one of 'state', 'record', 'ping')"}
+        handler = self.commands.get(cmd)
+        if handler is None:
+            expected = ", ".join(map(repr, self.commands))
+            return {"ok": False, "error": f"unknown cmd {cmd!r} (expected one of {expected})"}
         try:
-            state = self._state_fn()
-            json.dumps(state)  # fail here, with the reason, rather than half-way through sending
-        except Exception as exc:  # noqa: BLE001 - a failing state_fn never kills the server
-            return {"ok": False, "error": f"state_fn failed: {type(exc).__name__}: {exc}"}
-        return {"ok": True, "state": state}
+            reply = handler(request)
+            json.dumps(reply)  # fail here, with the reason, rather than half-way through sending
+        except Exception as exc:  # noqa: BLE001 - a failing command never kills the server
+            return {"ok": False, "error": f"{cmd} failed: {type(exc).__name__}: {exc}"}
+        return {"ok": True, **reply}
 
-    def _record(self, fields) -> dict:
+    def _ping(self, request: dict) -> dict:
+        return {"pid": self.pid, "rank": self.rank, "role": self.role}
+
+    def _state(self, request: dict) -> dict:
+        return {"state": self._state_fn()}
+
+    def _record(self, request: dict) -> dict:
         if self._record_fn is None:
-            return {"ok": False, "error": "this process does not record through its endpoint (no record_fn)"}
+            raise LookupError("this process does not record through its endpoint (no record_fn)")
+        fields = request.get("fields")
         if not isinstance(fields, dict):
-            return {"ok": False, "error": f"record needs a 'fields' object, got {type(fields).__name__}"}
-        try:
-            self._record_fn(fields)
-        except Exception as exc:  # noqa: BLE001 - a failing writer never kills the server
-            return {"ok": False, "error": f"record_fn failed: {type(exc).__name__}: {exc}"}
-        return {"ok": True}
+            raise TypeError(f"record needs a 'fields' object, got {type(fields).__name__}")
+        self._record_fn(fields)
+        return {}
 
 
 class NullControlServer:

@@ -65,7 +65,7 @@ def test_raising_state_fn_gives_error_and_server_survives(tmp_path, disc_dir):
     server.start()
     try:
         reply = query(server.socket_path)
-        assert reply["ok"] is False and reply["error"] == "state_fn failed: KeyError: 'no interval yet'"
+        assert reply["ok"] is False and reply["error"] == "state failed: KeyError: 'no interval yet'"
         fail[0] = False
         assert query(server.socket_path) == {"ok": True, "state": {"fine": True}}
     finally:
@@ -159,7 +159,7 @@ def test_record_command_calls_record_fn_and_reports_failures(tmp_path, disc_dir)
     boom.start()
     try:
         reply = query(boom.socket_path, "record", fields={"x": 1})
-        assert reply == {"ok": False, "error": "record_fn failed: OSError: disk full"}
+        assert reply == {"ok": False, "error": "record failed: OSError: disk full"}
         assert query(boom.socket_path, "ping")["ok"] is True  # the server survived
     finally:
         boom.close()
