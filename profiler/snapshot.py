@@ -37,7 +37,7 @@ def check_pid(pid: int) -> None:
         raise SnapshotError(NO_SUCH_PID, f"no such pid {pid}")
 
 
-def live_state(pid: int, discovery_dir=None, query_fn=query, timeout_s: float = 2.0):
+def live_state(pid: int, discovery_dir=None):
     """(discovery record or None, state or None, note or None) of a process."""
     directory = default_discovery_dir(discovery_dir)
     try:
@@ -47,7 +47,7 @@ def live_state(pid: int, discovery_dir=None, query_fn=query, timeout_s: float = 
     if record is None:
         return None, None, (f"no control endpoint: pid {pid} has no discovery file in {directory} (not a "
                             "profiled dflash process, or its endpoint is off); stacks only")
-    reply = query_fn(record["socket_path"], "state", timeout_s=timeout_s)
+    reply = query(record["socket_path"], "state")
     if not reply.get("ok"):
         return record, None, f"control endpoint did not answer ({reply.get('error')}); stacks only"
     return record, reply["state"], None
@@ -128,22 +128,17 @@ def summarize_interval(rec: dict | None, top_spans: int = 6) -> dict | None:
 
 
 def memory_now(state: dict) -> dict:
-    """NVML now (the sampler's latest), and the allocator now when the state carries it, else the
-    allocator as of the last interval's close (marked so)."""
+    """NVML now (the sampler's latest) and the allocator now, as the profiler's state carries them."""
     nvml = dict(state.get("memory") or {})
-    allocator = nvml.pop("allocator", None) or state.get("allocator")
-    if allocator is None and state.get("last_interval"):
-        closed = (state["last_interval"].get("memory") or {}).get("allocator")
-        allocator = dict(closed, as_of="last interval close") if isinstance(closed, dict) else None
+    allocator = nvml.pop("allocator", None)
     return {"nvml": nvml or None, "allocator": allocator}
 
 
-def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=None, query_fn=query,
-                     clock=time.time) -> dict:
+def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=None) -> dict:
     """One process: its live state merged with its stacks. Raises StackError (one line) when the
     pid does not exist or its stacks cannot be taken."""
     check_pid(pid)
-    record, state, note = live_state(pid, discovery_dir, query_fn)
+    record, state, note = live_state(pid, discovery_dir)
     runner = runner or PySpy()
     start_s = time.perf_counter()
     stacks = read_threads(runner(pid, native=native))
@@ -156,7 +151,7 @@ def snapshot_process(pid: int, native: bool = False, runner=None, discovery_dir=
     p95 = recent_p95(last, log)
     threads = merge_threads(stacks, state.get("active_spans") or [], role, p95)
     basis = None if last or not state else "no interval closed yet: stuck detection needs a recent p95"
-    return {"pid": pid, "time_unix": clock(), "rank": rank, "role": role, "step": state.get("step"),
+    return {"pid": pid, "time_unix": time.time(), "rank": rank, "role": role, "step": state.get("step"),
             "run_dir": run_dir, "endpoint": record.get("socket_path") if state else None, "note": note,
             "native": native, "pyspy_seconds": pyspy_s, "stuck_rule": STUCK_RULE, "stuck_basis": basis,
             "stuck": any(t["stuck"] for t in threads), "intervals_closed": state.get("intervals_closed"),
@@ -180,8 +175,8 @@ def _snapshot_or_error(record: dict, **kwargs) -> dict:
                 "error": str(exc), "error_kind": exc.kind, "threads": []}
 
 
-def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = False, runner=None, discovery_dir=None,
-                 query_fn=query, clock=time.time) -> dict:
+def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = False, runner=None,
+                 discovery_dir=None) -> dict:
     """Every live rank of a run at once (one thread each, so the views are simultaneous). `waits_for_role`
     ({span name: role}, the caller's span contract) names the spans in which a rank waits on ranks of another
     role: who waits on whom. SnapshotError (no_live_rank) when the run has no live rank."""
@@ -190,10 +185,10 @@ def snapshot_run(run_dir, waits_for_role: dict | None = None, native: bool = Fal
         raise SnapshotError(NO_LIVE_RANK, f"no live rank of {run_dir}: no discovery file in "
                                           f"{default_discovery_dir(discovery_dir)} names it (the run ended, has "
                                           "not started, or runs with its endpoint off)")
-    kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir, query_fn=query_fn, clock=clock)
+    kwargs = dict(native=native, runner=runner, discovery_dir=discovery_dir)
     with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
         snaps = list(pool.map(lambda r: _snapshot_or_error(r, **kwargs), ranks))
-    return {"run_dir": str(Path(run_dir).resolve()), "time_unix": clock(), "ranks": snaps,
+    return {"run_dir": str(Path(run_dir).resolve()), "time_unix": time.time(), "ranks": snaps,
             "waits": explain_waits(snaps, waits_for_role or {})}
 
 
@@ -230,7 +225,7 @@ def _write_json(path: Path, doc: dict) -> None:
     os.replace(tmp, path)  # readers never see a half-written snapshot
 
 
-def keep_snapshot(snap: dict, query_fn=query) -> dict:
+def keep_snapshot(snap: dict) -> dict:
     """Write the snapshot under RUN_DIR/snapshots/ and have the process record it in its run log;
     returns (and sets as snap["kept"]) {"file", "recorded", "reason"}. Never raises: a run
     directory we cannot write to still gets the run-log record, and the reason says why no file."""
@@ -248,7 +243,7 @@ def keep_snapshot(snap: dict, query_fn=query) -> dict:
         path = None
     reply = {"ok": False, "error": "no control endpoint answered"}
     if snap.get("endpoint"):
-        reply = query_fn(snap["endpoint"], "record", fields=record_fields(snap, str(path) if path else None))
+        reply = query(snap["endpoint"], "record", fields=record_fields(snap, str(path) if path else None))
     if not reply.get("ok"):
         reasons.append(reply.get("error"))
     snap["kept"] = {"file": str(path) if path else None, "recorded": bool(reply.get("ok")),
@@ -272,10 +267,9 @@ def _memory_line(memory: dict) -> str:
                      f"gpu{g['index']} {_gib(g['used_bytes'])} used of {_gib(g['total_bytes'])} "
                      f"({_gib(g.get('headroom_bytes'))} headroom)")
     if isinstance(allocator, dict):
-        as_of = f" (as of the {allocator['as_of']})" if allocator.get("as_of") else ""
-        parts.append(f"allocator: {allocator.get('reason')}{as_of}" if allocator.get("available") is False else
+        parts.append(f"allocator: {allocator.get('reason')}" if allocator.get("available") is False else
                      f"allocator {_gib(allocator.get('allocated_bytes'))} allocated, "
-                     f"{_gib(allocator.get('reserved_bytes'))} reserved{as_of}")
+                     f"{_gib(allocator.get('reserved_bytes'))} reserved")
     return "memory: " + ("; ".join(parts) or "not reported")
 
 

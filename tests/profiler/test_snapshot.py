@@ -31,12 +31,15 @@ def pyspy_thread(name, native_id, frames, active=False):
                                            "module": None, "locals": None} for f, file, line in frames]}
 
 
+CPU_ALLOCATOR = {"available": False, "reason": "allocator stats need a CUDA device"}
+
+
 def interval(spans_p95: dict, index=3) -> dict:
     return {"type": "interval", "index": index, "step": 40, "duration_seconds": 2.0,
             "spans": {name: {"count": 9, "share": 0.25, "cpu": {"p95_seconds": p95}, "gpu": None}
                       for name, p95 in spans_p95.items()},
             "counters": {"tokens": {"per_second": 1500.0}},
-            "memory": {"allocator": {"available": False, "reason": "allocator stats need a CUDA device"}}}
+            "memory": {"allocator": CPU_ALLOCATOR}}
 
 
 def open_spans(native_id, thread, *spans):
@@ -47,7 +50,7 @@ def open_spans(native_id, thread, *spans):
 def state_with(run_dir, active, last, rank=1, role="target"):
     return {"pid": os.getpid(), "rank": rank, "role": role, "step": 41, "time_unix": time.time(),
             "run_dir": str(run_dir), "active_spans": active, "last_interval": last, "intervals_closed": 4,
-            "memory": {"available": False, "reason": "no CUDA device"}}
+            "memory": {"available": False, "reason": "no CUDA device", "allocator": CPU_ALLOCATOR}}
 
 
 @pytest.fixture
@@ -94,7 +97,7 @@ def test_merge_by_native_id_and_the_stuck_rule(served):
     assert control["open_spans"] == [] and control["stuck"] is False
     assert snap["stuck"] is True and (snap["rank"], snap["role"], snap["step"]) == (1, "target", 41)
     assert snap["last_interval"]["per_second"] == {"tokens": 1500.0}
-    assert snap["memory"]["allocator"]["as_of"] == "last interval close"
+    assert snap["memory"] == {"nvml": {"available": False, "reason": "no CUDA device"}, "allocator": CPU_ALLOCATOR}
     text = format_process(snap)
     assert "STUCK in target.fwd: open 6.0 s > 5.0 s (recent p95 0.100 s) at FaultPlan.on_enter" in text
     assert "open spans: target.step 6.50 s > target.fwd 6.00 s" in text
