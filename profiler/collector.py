@@ -116,7 +116,7 @@ class Collector:
             if final:
                 self._wait_pending(gpu_drain_timeout_s)
             rec = self._interval_record(end_ns, final)
-            detail = self.aggregator.detail.take(time.perf_counter_ns())
+            detail = self.aggregator.detail.take()
             if detail is not None:
                 self._write({**self._header("spans"), "index": self.intervals_closed, **detail})
             self.start_s, self.start_ns = rec["end_s"], end_ns

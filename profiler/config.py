@@ -48,8 +48,6 @@ class ProfilerConfig:
     """Run the collector thread; False: the caller drives collection with Profiler.tick() (tests)."""
     poll_s: float = 0.25
     """Seconds between the collector's drains of the span logs."""
-    run_id: str | None = None
-    """The run's id in run_start and the exporters; None: the run directory's name."""
     warmup_steps: int = 0
     """Steps from the segment's first `set_step` that are warm-up: an interval that began before they were done
     is marked `warmup` and left out of steady-state figures (profiler/windows.py)."""
@@ -83,8 +81,6 @@ class ProfilerDeps:
     """Source of every record's time_unix."""
     memory_sampler: Any = None
     """The NVML sampler (profiler/memory.py: start, stop, interval_summary, latest, headroom_history)."""
-    nvml: Any = None
-    """The pynvml module the default memory sampler uses; None: imported when needed."""
     event_pool: Any = None
     """The CUDA event pool spans record on (profiler/cuda_timing.py EventPool, or a fake)."""
     floors: dict | None = None

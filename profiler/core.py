@@ -52,7 +52,6 @@ class Profiler:
         self.is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
         self.clock, self.wall_clock = self.deps.clock or time.perf_counter, self.deps.wall_clock
         self.log_path = self.run_dir / "profile" / f"rank{rank}.jsonl"
-        self.run_id = self.cfg.run_id or self.run_dir.resolve().name
         self.hub = ExportHub(exporters)
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
@@ -90,9 +89,8 @@ class Profiler:
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         self.hub.start()
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
-        self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device, nvml=deps.nvml))
+        self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device))
         self.collector = self._make_collector()
-        self.aggregator = self.collector.aggregator
         self._write(self._run_start_record())
         self._start_forensics()
         api.activate(self, self.recorder)
@@ -243,7 +241,7 @@ class Profiler:
         return rec
 
     def _run_start_record(self) -> dict:
-        return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
+        return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_dir.resolve().name,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,

@@ -25,7 +25,7 @@ class StepMarks:
     steps to `range_steps`; the collector (DetailWindow) reads and trims both."""
 
     def __init__(self):
-        self.steps, self.align, self.follows = 0, DETAIL_ALIGN, False   # set by DetailWindow
+        self.steps, self.follows = 0, False   # set by DetailWindow
         self.edges: list = []
         self.range_steps: list = []
         self.opened = 0          # intervals opened so far: bumped by the collector (DetailWindow.take)
@@ -70,8 +70,8 @@ class DetailWindow:
     record's fields and starts the next. It sets the rule its `marks` follow."""
 
     def __init__(self, steps: int, marks: StepMarks, to_unix_ns, native_ids: dict,
-                 max_spans: int = MAX_DETAIL_SPANS, align: int = DETAIL_ALIGN, follows: bool = False):
-        marks.steps, marks.align, marks.follows = steps, align, follows
+                 max_spans: int = MAX_DETAIL_SPANS, follows: bool = False):
+        marks.steps, marks.follows = steps, follows
         self.marks, self.to_unix_ns, self.native_ids, self.max_spans = marks, to_unix_ns, native_ids, max_spans
         self._changes = 0   # marks.changes at the last take
         self._start_record()
@@ -113,7 +113,7 @@ class DetailWindow:
                 entry["attrs"] = attrs
             self.spans.append(entry)
 
-    def take(self, next_start_ns: int) -> dict | None:
+    def take(self) -> dict | None:
         """The `spans` fields of the spans kept since the last take (None when none); tells the training thread
         an interval opened, so its next aligned step starts a window."""
         out = None
@@ -124,7 +124,7 @@ class DetailWindow:
         marks = self.marks
         changes = marks.changes
         ran, self._changes = changes - self._changes, changes
-        marks.step_of = marks.align if ran >= 2 * marks.align else 1
+        marks.step_of = DETAIL_ALIGN if ran >= 2 * DETAIL_ALIGN else 1
         marks.opened += 1
         extra = len(marks.range_steps) - MAX_RANGES
         if extra > 0:   # the training thread only appends: deleting a prefix keeps edges and steps paired
@@ -140,5 +140,5 @@ class NullDetailWindow:
     def offer(self, done) -> None:
         pass
 
-    def take(self, next_start_ns: int) -> None:
+    def take(self) -> None:
         return None

@@ -42,14 +42,14 @@ def current_frames(frames_fn=sys._current_frames) -> dict:
             gc.enable()
 
 
-def thread_stacks(frames_fn=sys._current_frames, threads_fn=threading.enumerate) -> list[dict]:
+def thread_stacks() -> list[dict]:
     """Every Python thread's stack, outermost frame first: [{"thread", "native_id", "daemon",
     "stack": ["file:line in function: source", ...]}]. Threads without a Python frame are skipped."""
-    frames = current_frames(frames_fn)
+    frames = current_frames()
     return [{"thread": t.name, "native_id": t.native_id, "daemon": t.daemon,
              "stack": [f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
                        for fs in traceback.extract_stack(frames[t.ident])]}
-            for t in threads_fn() if t.ident in frames]
+            for t in threading.enumerate() if t.ident in frames]
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -95,12 +95,10 @@ class Forensics:
     """Dumps for one rank. `prof` gives event(), open spans, the memory sampler, extra collectors
     and finish_now(); `exit_fn` and `wall_clock` are injected so tests can swap them."""
 
-    def __init__(self, prof, memory_history=None, exit_fn=os._exit, wall_clock=time.time,
-                 stacks_fn=thread_stacks, stderr=None):
+    def __init__(self, prof, memory_history=None, exit_fn=os._exit, wall_clock=time.time):
         self.prof = prof
         self.memory_history = memory_history or NullMemoryHistory()
-        self.exit_fn, self.wall_clock, self.stacks_fn = exit_fn, wall_clock, stacks_fn
-        self._stderr = stderr
+        self.exit_fn, self.wall_clock = exit_fn, wall_clock
         self.dir = Path(prof.run_dir) / "forensics"
         self._abort_lock = threading.Lock()
         self._final_dumped = False   # dump_final wrote this rank's state (abort then skips its dump)
@@ -122,7 +120,7 @@ class Forensics:
 
     def dump(self, kind: str, **fields) -> dict:
         """One `event` record of `kind` with threads' stacks, open spans and extras, plus its file."""
-        threads = self.stacks_fn()
+        threads = thread_stacks()
         stamp = f"rank{self.prof.rank}-{kind}-{int(self.wall_clock() * 1000)}"
         path = self.dir / f"{stamp}.txt"
         body = {**fields, "open_spans": self._open_spans(), "extra": self.sources(),
@@ -186,7 +184,7 @@ class Forensics:
     def on_hang(self, stalled_s: float, timeout_s: float) -> None:
         """The hang watchdog fired (on its thread): say it, dump, write run_end and leave."""
         print(f"profiler: rank {self.prof.rank}: no progress for {stalled_s:.1f} s (hang timeout {timeout_s:g} s); "
-              f"stopping with a dump in {self.dir}", file=self._stderr or sys.stderr, flush=True)
+              f"stopping with a dump in {self.dir}", file=sys.stderr, flush=True)
         self.abort("hang", "hang", stalled_seconds=stalled_s, timeout_seconds=timeout_s)
 
     def excepthook(self, args) -> None:
@@ -194,10 +192,9 @@ class Forensics:
         if issubclass(args.exc_type, SystemExit):
             return
         name = args.thread.name if args.thread is not None else "unknown"
-        stderr = self._stderr or sys.stderr
         print(f"profiler: rank {self.prof.rank}: thread {name} crashed:\n"
               + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)),
-              file=stderr, flush=True)
+              file=sys.stderr, flush=True)
         exc = args.exc_value if args.exc_value is not None else args.exc_type()
         kind = "oom" if is_oom(exc) else "thread_crash"
         self.abort(kind, f"{kind}: {type(exc).__name__}", record=lambda: self.exception(exc, name))

@@ -24,10 +24,6 @@ BATCH_FLAGS = 4096    # flags one readback batch carries (the size of its pinned
 BATCHES = 4           # readback batches in flight at once
 
 
-class Finding(dict):
-    """One non-finite check that fired: span, step, rank, tensor (the first flagged), tensors (all)."""
-
-
 class CudaReadback:
     """The collector's side of the CUDA checks: one batch per poll, on a side stream, never waiting.
     `stream_of(flags)` runs on the training thread: the stream a device flags tensor was made on (the
@@ -80,7 +76,8 @@ class CudaReadback:
 
 class NonfiniteMonitor:
     """Device-side checks read back asynchronously; `on_found(finding)` runs on the polling thread for each
-    check that flagged something, `first` keeps the first. `readback`: a `CudaReadback`, None on a CPU run."""
+    check that flagged something, `first` keeps the first. A finding is a dict: span, step, rank, tensor (the
+    first flagged), tensors (all) and the check's fields. `readback`: a `CudaReadback`, None on a CPU run."""
 
     def __init__(self, rank: int, on_found, *, readback=None):
         self.rank = rank
@@ -91,7 +88,7 @@ class NonfiniteMonitor:
         self._inflight_checks = 0
         self.dropped = 0
         self._poll_lock = threading.Lock()
-        self.first: Finding | None = None
+        self.first: dict | None = None
         self.found = 0
         self.checks = 0
 
@@ -176,19 +173,19 @@ class NonfiniteMonitor:
                 values, at = device_values[at:at + len(names)], at + len(names)
             bad = [n for n, flag in zip(names, values) if flag]
             if bad:
-                self._found(Finding(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad, **fields))
+                self._found(dict(span=span, step=step, rank=self.rank, tensor=bad[0], tensors=bad, **fields))
 
-    def settle(self, timeout_s: float, sleep=time.sleep) -> Finding | None:
+    def settle(self, timeout_s: float) -> dict | None:
         """Read back every check issued so far, polling Event.query() for up to timeout_s; returns
         `first`. A deliberate wait for the device: for rare points only (a checkpoint, run end)."""
         deadline = time.monotonic() + timeout_s
         self.poll()
         while self.pending() and time.monotonic() < deadline:
-            sleep(0.002)
+            time.sleep(0.002)
             self.poll()
         return self.first
 
-    def _found(self, finding: Finding) -> None:
+    def _found(self, finding: dict) -> None:
         self.found += 1
         if self.first is None:
             self.first = finding

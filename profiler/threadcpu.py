@@ -54,10 +54,10 @@ def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float 
     return own / duration_seconds
 
 
-def threads_section(native_ids: dict, thread_cpu: ThreadCpu | None = None):
+def threads_section(native_ids: dict):
     """fn(duration_s) -> the interval record's "threads" (`native_ids`: the span-recording threads' names and OS
     ids), "threads_cpu_seconds" and "profiler_share", the CPU counted from this call on."""
-    thread_cpu = thread_cpu or ThreadCpu()
+    thread_cpu = ThreadCpu()
 
     def section(duration_s: float) -> dict:
         cpu = thread_cpu.take()

@@ -43,30 +43,30 @@ def test_producer_window_starts_after_each_interval_opens_and_aligns_once_interv
         seen.append(marks.in_window)
         win.offer([("main", rec("x.step", step * 100 + 1, step * 100 + 2), None)])
     assert seen == [True] * 3 + [False] * 17
-    got = win.take(2000)
+    got = win.take()
     assert got["steps"] == [0, 2] and starts(got) == [1, 101, 201] and got["dropped"] == 0
     run_steps(marks, win, range(20, 40))              # interval 1 ran 20 >= 2 x 8 steps: waits for step 24
-    got = win.take(4000)
+    got = win.take()
     assert got["steps"] == [24, 26] and starts(got) == [2401, 2501, 2601]
     assert got["spans"][0] == {"id": 2401, "parent": None, "name": "x.step", "thread": "main", "tid": 11,
                                "depth": 0, "start_unix_ns": 2401, "end_unix_ns": 2402, "cpu_seconds": 1e-9,
                                "gpu_seconds": None, "bytes": None}
     run_steps(marks, win, range(40, 45))              # 5 steps < 16: the next window starts at once
-    got = win.take(4500)
+    got = win.take()
     assert got["steps"] == [40, 42]
     marks.mark(4500, 44)                              # the same step again is no step change
     run_steps(marks, win, range(45, 47))
-    assert win.take(4700)["steps"] == [45, 46]
+    assert win.take()["steps"] == [45, 46]
 
 
 def test_a_window_longer_than_its_interval_runs_its_steps_and_the_next_waits_for_it():
     marks, win = window(steps=3)
     run_steps(marks, win, [0])
-    assert win.take(100)["steps"] == [0, 0]           # closed mid-window
+    assert win.take()["steps"] == [0, 0]           # closed mid-window
     run_steps(marks, win, [1])
-    assert win.take(200)["steps"] == [1, 1]           # two intervals opened during the window
+    assert win.take()["steps"] == [1, 1]           # two intervals opened during the window
     run_steps(marks, win, [2, 3, 4])
-    got = win.take(500)
+    got = win.take()
     assert got["steps"] == [2, 4] and starts(got) == [201, 301, 401]   # 0-2, then 3 starts the next one
 
 
@@ -83,12 +83,12 @@ def test_follower_keeps_only_the_marked_steps_from_their_set_step_on():
         kept.append(marks.in_window)
         win.offer([("main", rec("d.fwd", step * 100 + 20, step * 100 + 30), None)])
     assert kept == [s in (4, 5, 8) for s in range(10)]
-    got = win.take(1000)
+    got = win.take()
     assert [(s["name"], s["start_unix_ns"]) for s in got["spans"]] == [
         ("d.fwd", 420), ("d.fwd", 520), ("d.fwd", 820)]   # a receive finished before keep_step is judged then
     assert got["steps"] == [4, 8] and len(marks.range_steps) == 3
     run_steps(marks, win, range(10, 40))              # a follower never chooses steps of its own
-    assert win.take(4000) is None
+    assert win.take() is None
 
 
 def test_detail_tags_decide_whatever_step_a_span_begins_in():
@@ -99,12 +99,12 @@ def test_detail_tags_decide_whatever_step_a_span_begins_in():
         ("sender", rec("t.send", 250, 260, attrs={"flow": "1:1", "detail": True}), None),  # after it
         ("sender", rec("t.other", 150, 160, attrs={"flow": "1:9"}), None),                 # untagged: by time
     ])
-    got = win.take(400)
+    got = win.take()
     assert [(s["name"], s["start_unix_ns"]) for s in got["spans"]] == [
         ("x.step", 1), ("x.step", 101), ("t.other", 150), ("t.send", 250)]
     assert got["spans"][-1]["attrs"] == {"flow": "1:1", "detail": True} and got["steps"] == [0, 1]
     win.offer([("sender", rec("t.send", 450, 460, attrs={"detail": True}), None)])
-    only_tagged = win.take(500)
+    only_tagged = win.take()
     assert only_tagged["steps"] is None and starts(only_tagged) == [450]
 
 
@@ -113,12 +113,12 @@ def test_a_step_longer_than_the_interval_loses_nothing():
     marks, win = window(steps=1)
     marks.mark(0, 0)
     win.offer([("main", rec("x.fetch", 1, 5), None)])
-    assert starts(win.take(1000)) == [1]              # interval 0 closes while x.fwd (begun at 10) is open
-    assert win.take(2000) is None                     # interval 1: still open, nothing kept yet
+    assert starts(win.take()) == [1]              # interval 0 closes while x.fwd (begun at 10) is open
+    assert win.take() is None                     # interval 1: still open, nothing kept yet
     win.offer([("main", rec("x.fwd", 10, 2500), None)])
     marks.mark(2600, 1)                               # step 1 starts a new window (an interval opened)
     win.offer([("main", rec("x.fetch", 2601, 2605), None)])
-    got = win.take(3000)
+    got = win.take()
     assert [(s["name"], s["start_unix_ns"]) for s in got["spans"]] == [("x.fwd", 10), ("x.fetch", 2601)]
     assert got["steps"] == [0, 1] and got["dropped"] == 0
 
@@ -127,15 +127,15 @@ def test_the_span_bound_counts_the_rest_and_old_ranges_are_forgotten():
     marks, win = window(steps=1, max_spans=2)
     marks.mark(0, 0)
     win.offer([("main", rec("x.s", t, t + 1), None) for t in range(1, 6)])
-    got = win.take(10)
+    got = win.take()
     assert len(got["spans"]) == 2 and got["dropped"] == 3
     for step in range(1, MAX_RANGES + 5):             # one window step per interval
         marks.mark(step * 100, step)
-        win.take(step * 100 + 50)
+        win.take()
     assert len(marks.range_steps) == MAX_RANGES and len(marks.edges) == 2 * MAX_RANGES - 1
     win.offer([("main", rec("x.late", 1, 2), None),   # began in a forgotten range
                ("main", rec("x.late", (MAX_RANGES + 4) * 100 + 1, (MAX_RANGES + 4) * 100 + 2), None)])
-    assert starts(win.take(10 ** 9)) == [(MAX_RANGES + 4) * 100 + 1]
+    assert starts(win.take()) == [(MAX_RANGES + 4) * 100 + 1]
 
 
 def make_prof(tmp_path, **kw):
