@@ -79,19 +79,14 @@ def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
 
     def attempt(name: str, fn) -> None:
         try:
-            value = fn()
+            floors.update(fn())
         except Exception as exc:  # noqa: BLE001 - telemetry never kills training
             logger.warning("bandwidth floor %s not measured (logged once): %s: %s", name, type(exc).__name__, exc)
-            return
-        if isinstance(value, dict):
-            floors.update(value)
-        else:
-            floors[name] = value
 
-    attempt("host_copy", lambda: _host_copy_bytes_per_s(host_budget_s))
+    attempt("host_copy", lambda: {"host_copy": _host_copy_bytes_per_s(host_budget_s)})
     if is_cuda:
         device = torch.device(device)
-        attempt("device_copy", lambda: _device_copy_bytes_per_s(device))
+        attempt("device_copy", lambda: {"device_copy": _device_copy_bytes_per_s(device)})
         attempt("pinned_d2h/pinned_h2d", lambda: _pinned_bytes_per_s(device))
         # The ~0.4 GiB of scratch buffers go back to the driver rather than sit in the allocator's reserved
         # pool for the run, and the peaks reset, so the first interval's peak is the run's, not theirs.

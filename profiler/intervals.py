@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
@@ -21,39 +21,35 @@ from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
 
-_BYTES_FIELDS = ("bytes", "bytes_n", "bytes_cpu", "bytes_gpu", "bytes_timed")
-
-
 @dataclass(slots=True)
-class _SpanAcc:
-    """One span name's records in the current interval."""
-    count: int = 0
-    cpu: list = field(default_factory=list)       # seconds
-    gpu: list = field(default_factory=list)       # seconds (CUDA spans only)
-    threads: set = field(default_factory=set)
+class _Bytes:
+    """What the spans that gave bytes= moved, and their time: a bandwidth's parts."""
     bytes: int = 0            # bytes declared by spans that gave bytes=
     bytes_n: int = 0          # how many spans gave bytes=
     bytes_cpu: float = 0.0    # their CPU seconds
     bytes_gpu: float = 0.0    # their GPU seconds
+    bytes_timed: int = 0      # bytes of the GPU-timed ones (the GPU bandwidth's numerator)
+
+
+@dataclass(slots=True)
+class _SpanAcc(_Bytes):
+    """One span name's records in the current interval."""
+    cpu: list = field(default_factory=list)       # seconds, one per span
+    gpu: list = field(default_factory=list)       # seconds (CUDA spans only)
+    threads: set = field(default_factory=set)
     gpu_windows: list = field(default_factory=list)   # (gpu seconds, begin ns, resolved ns) for the share's cap
     timed: int = 0            # spans that recorded CUDA events (resolved or not)
-    bytes_timed: int = 0      # bytes of the spans in `gpu` (the GPU bandwidth's numerator)
     gpu_self: float = 0.0     # their GPU seconds less their children's (self time)
 
 
 @dataclass(slots=True)
-class _RunSpan:
+class _RunSpan(_Bytes):
     cpu: RunStats = field(default_factory=RunStats)
     gpu: RunStats = field(default_factory=RunStats)
     time_ns: int = 0          # CPU time credited over the run (the intervals' split totals, summed)
     self_ns: int = 0          # the same less the children's time (self time)
     gpu_self: float = 0.0
     threads: set = field(default_factory=set)
-    bytes: int = 0
-    bytes_n: int = 0
-    bytes_cpu: float = 0.0
-    bytes_gpu: float = 0.0
-    bytes_timed: int = 0
 
 
 class IntervalAggregator:
@@ -173,7 +169,6 @@ class IntervalAggregator:
             if acc is None:
                 acc = spans[name] = _SpanAcc()
             cpu_s = (t1 - t0) / 1e9
-            acc.count += 1
             acc.timed += timed
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
@@ -199,17 +194,14 @@ class IntervalAggregator:
         self._add_whole(done, timed=True)
 
     # ---- output --------------------------------------------------------------------------------
-    def _span_entry(self, count, threads, cpu_stats, gpu_stats, acc, duration_s, name) -> dict:
-        """One span name's entry; `acc` (_SpanAcc or _RunSpan) gives the bytes; `gpu_count`: the spans timed."""
-        cpu_stats = {k: v for k, v in cpu_stats.items() if k != "count"}
-        gpu, gpu_count = None, 0
-        if gpu_stats is not None and gpu_stats["count"]:
-            gpu, gpu_count = {k: v for k, v in gpu_stats.items() if k != "count"}, gpu_stats["count"]
-        own_total = (gpu or cpu_stats)["total_seconds"] or 0.0
-        share = own_total / duration_s if duration_s > 0 else None
-        entry = {"count": count, "threads": sorted(threads), "cpu": cpu_stats, "gpu": gpu, "share": share}
+    def _span_entry(self, name, cpu, gpu, threads, acc, duration_s) -> dict:
+        """One span name's entry from its CPU and GPU (None: none timed) summaries, whose counts become "count"
+        and "gpu_count" (the spans timed); `acc` (_SpanAcc or _RunSpan) gives the bytes."""
+        count, own_total = cpu.pop("count"), (gpu or cpu)["total_seconds"] or 0.0
+        entry = {"count": count, "threads": sorted(threads), "cpu": cpu, "gpu": gpu,
+                 "share": own_total / duration_s if duration_s > 0 else None}
         if gpu is not None:
-            entry["gpu_count"] = gpu_count
+            entry["gpu_count"] = gpu.pop("count")
         if acc.bytes_n > 0:
             nbytes = acc.bytes_timed if gpu is not None else acc.bytes
             t = acc.bytes_gpu if gpu is not None else acc.bytes_cpu
@@ -245,17 +237,15 @@ class IntervalAggregator:
             acc = self._spans.get(name) or _SpanAcc()
             time_ns = self._time_ns.get(name, 0)
             open_ns, open_threads = open_pieces.get(name, (0, set()))
-            if acc.count == 0 and time_ns == 0:
+            if not acc.cpu and time_ns == 0:
                 continue
-            run = self._run_spans.get(name)
-            if run is None:
-                run = self._run_spans[name] = _RunSpan()
+            run = self._run_spans.setdefault(name, _RunSpan())
             cpu_s, gpu_s = as_seconds(acc.cpu), as_seconds(acc.gpu)   # one array each, for both uses below
             run.cpu.add(cpu_s)
             run.gpu.add(gpu_s)
             run.threads |= acc.threads | open_threads
-            for attr in _BYTES_FIELDS:
-                setattr(run, attr, getattr(run, attr) + getattr(acc, attr))
+            for f in fields(_Bytes):
+                setattr(run, f.name, getattr(run, f.name) + getattr(acc, f.name))
             run.time_ns += time_ns
             run.self_ns += self._self_ns.get(name, 0)
             run.gpu_self += acc.gpu_self
@@ -265,7 +255,7 @@ class IntervalAggregator:
             gpu = summarize(gpu_s, buckets=True) if acc.gpu else None
             if gpu is not None:
                 gpu["self_seconds"] = acc.gpu_self
-            entry = self._span_entry(acc.count, acc.threads | open_threads, cpu, gpu, acc, duration_s, name)
+            entry = self._span_entry(name, cpu, gpu, acc.threads | open_threads, acc, duration_s)
             entry["open_cpu_seconds"] = open_ns / 1e9
             if entry["gpu"] is not None and duration_s > 0:   # each span's GPU time capped at its host window
                 entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
@@ -303,7 +293,7 @@ class IntervalAggregator:
             gpu = run.gpu.summary() if run.gpu.count else None
             if gpu is not None:
                 gpu["self_seconds"] = run.gpu_self
-            spans[name] = self._span_entry(cpu["count"], run.threads, cpu, gpu, run, duration_s, name)
+            spans[name] = self._span_entry(name, cpu, gpu, run.threads, run, duration_s)
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}

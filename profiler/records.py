@@ -12,9 +12,11 @@ RUN_START, INTERVAL, SPANS, EVENT, SNAPSHOT, RUN_END = (
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 
-def parse_lines(data: bytes) -> tuple[list, int]:
-    """A run log's bytes -> (records, n_bad). A line that is not a JSON object (a truncated last line after a
+def read_records(path) -> tuple[list, int]:
+    """Read one run log -> (records, n_bad). A line that is not a JSON object (a truncated last line after a
     crash, or one glued to a later run's first record) is dropped and counted, never raised."""
+    with open(path, "rb") as f:
+        data = f.read()
     records, bad = [], 0
     for raw in filter(bytes.strip, data.split(b"\n")):
         try:
@@ -26,12 +28,6 @@ def parse_lines(data: bytes) -> tuple[list, int]:
         else:
             bad += 1
     return records, bad
-
-
-def read_records(path) -> tuple[list, int]:
-    """Read one run log -> (records, n_bad)."""
-    with open(path, "rb") as f:
-        return parse_lines(f.read())
 
 
 def rank_logs(run_dir) -> dict:

@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import threading
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from profiler.records import read_records  # noqa: F401 - the reader lives beside the writer
@@ -74,7 +75,7 @@ def _json_default(obj):
     if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0 \
             and type(obj).__module__.startswith("numpy"):
         return obj.item()
-    if isinstance(obj, (set, frozenset, tuple)):
+    if isinstance(obj, (set, frozenset)):
         return list(obj)
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
@@ -90,14 +91,10 @@ def host_fields(device, is_cuda: bool) -> dict:
                        else platform.processor() or platform.machine() or "cpu")
     except Exception as exc:   # noqa: BLE001
         torch_version, device_name = None, f"unknown ({type(exc).__name__})"
-    return {"version": _package_version(), "pid": os.getpid(), "hostname": socket.gethostname(),
+    try:
+        package_version = version("dflash-observability")
+    except PackageNotFoundError:   # running from a source tree without installing
+        package_version = None
+    return {"version": package_version, "pid": os.getpid(), "hostname": socket.gethostname(),
             "python_version": platform.python_version(), "torch_version": torch_version,
             "device": str(device) if device is not None else "cpu", "device_name": device_name}
-
-
-def _package_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("dflash-observability")
-    except Exception:   # noqa: BLE001 - running from a source tree without installing
-        return None

@@ -1,8 +1,6 @@
 """Duration statistics: count/total/mean/p50/p95/p99/max, plus a bounded whole-run aggregate."""
 from __future__ import annotations
 
-import random
-
 import numpy as np
 
 STAT_KEYS = ("total_seconds", "mean_seconds", "p50_seconds", "p95_seconds", "p99_seconds", "max_seconds")
@@ -43,14 +41,13 @@ class RunStats:
     """Whole-run aggregate of one duration series in bounded memory: count, total and max exact, percentiles
     from a uniform reservoir sample of `capacity` values."""
 
-    def __init__(self, capacity: int = 65536, rng: random.Random | None = None):
+    def __init__(self, capacity: int = 65536, seed: int = 0):
         self.capacity = capacity
         self.count = 0
         self.total = 0.0
         self.max = None
-        self._sample: list = []
-        self._rng = rng or random.Random(0)
-        self._gen: np.random.Generator | None = None
+        self._sample = np.empty(0)
+        self._rng = np.random.default_rng(seed)
 
     def add(self, durations_seconds) -> None:
         """Fold a batch in (one interval's durations of one span name), vectorized. Algorithm R over the
@@ -64,25 +61,17 @@ class RunStats:
         self.total += float(a.sum())
         top = float(a.max())
         self.max = top if self.max is None or top > self.max else self.max
-        room = max(0, self.capacity - len(self._sample))
-        if room:   # still filling: a list (once full, an array)
-            self._sample.extend(a[:room].tolist())
+        room = max(0, self.capacity - self._sample.size)
+        if room:   # still filling
+            self._sample = np.concatenate([self._sample, a[:room]])
         rest = a[room:]
         if rest.size:
-            if not isinstance(self._sample, np.ndarray):
-                self._sample = np.asarray(self._sample, dtype=np.float64)
             ks = np.arange(first + room + 1, first + a.size + 1)   # each value's 1-based index in the run
-            slots = np.floor(self._np_rng().random(rest.size) * ks).astype(np.int64)
+            slots = np.floor(self._rng.random(rest.size) * ks).astype(np.int64)
             kept_slots, kept = slots[slots < self.capacity], rest[slots < self.capacity]
             _, from_end = np.unique(kept_slots[::-1], return_index=True)   # the last value per slot
             last = kept_slots.size - 1 - from_end
             self._sample[kept_slots[last]] = kept[last]
 
-    def _np_rng(self) -> np.random.Generator:
-        """numpy's generator, seeded once from `rng` (so a given rng gives the same reservoir)."""
-        if self._gen is None:
-            self._gen = np.random.default_rng(self._rng.getrandbits(64))
-        return self._gen
-
     def summary(self) -> dict:
-        return _summary(self.count, self.total, self.max, np.asarray(self._sample, dtype=np.float64))
+        return _summary(self.count, self.total, self.max, self._sample)

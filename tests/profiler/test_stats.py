@@ -1,6 +1,4 @@
 """Duration statistics match numpy exactly; the whole-run aggregate stays bounded."""
-import random
-
 import numpy as np
 import pytest
 
@@ -37,7 +35,7 @@ def test_runstats_exact_below_capacity():
 def test_runstats_reservoir_beyond_capacity_keeps_exact_totals():
     rng = np.random.default_rng(2)
     d = rng.random(20000)
-    rs = RunStats(capacity=2000, rng=random.Random(5))
+    rs = RunStats(capacity=2000, seed=5)
     rs.add(d)
     s = rs.summary()
     assert s["count"] == 20000 and s["max_seconds"] == d.max()
@@ -52,7 +50,7 @@ def test_runstats_batched_reservoir_is_uniform_over_the_run():
     towards the first or the last batch."""
     n, cap = 40000, 2000
     values = np.arange(n, dtype=np.float64)
-    rs = RunStats(capacity=cap, rng=random.Random(11))
+    rs = RunStats(capacity=cap, seed=11)
     for lo, hi in ((0, 1500), (1500, 2500), (2500, 20000), (20000, 20001), (20001, n)):
         rs.add(values[lo:hi])
     kept = np.asarray(rs._sample)
