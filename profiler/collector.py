@@ -46,11 +46,7 @@ class Collector:
     def _run(self) -> None:
         while True:
             # Wake at the boundary itself when it comes before the next poll (accurate durations).
-            try:
-                wait_s = min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))
-            except Exception:   # noqa: BLE001 - a broken injected clock: fall back to polling
-                wait_s = self.poll_s
-            if self._stop.wait(wait_s):
+            if self._stop.wait(min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))):
                 return
             self.tick()
 

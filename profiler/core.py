@@ -135,7 +135,7 @@ class Profiler:
         return {} if done else {"warmup": True}
 
     def _stack_samples(self, duration_s: float) -> dict:
-        summary = self.stack_sampler.interval_summary(reset=True)
+        summary = self.stack_sampler.interval_summary()
         return {} if summary is None else {"stack_samples": summary}
 
     def _start_forensics(self) -> None:

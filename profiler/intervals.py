@@ -52,6 +52,22 @@ class _RunSpan(_Bytes):
     threads: set = field(default_factory=set)
 
 
+@dataclass(slots=True)
+class _Split:
+    """CPU time credited to one interval (the current one, or the next: time carried past a closing boundary)."""
+    time_ns: dict = field(default_factory=dict)   # name -> ns credited (split time)
+    self_ns: dict = field(default_factory=dict)   # name -> the same less the children's pieces (split self time)
+    kids_ns: dict = field(default_factory=dict)   # span id -> its children's pieces credited here
+
+    def add(self, name: str, span_id, parent_id, piece_ns: int) -> None:
+        """Credit `piece_ns` of a span: its name's time, its self time (less its children's pieces so far), and
+        its parent's children."""
+        self.time_ns[name] = self.time_ns.get(name, 0) + piece_ns
+        self.self_ns[name] = self.self_ns.get(name, 0) + max(0, piece_ns - self.kids_ns.pop(span_id, 0))
+        if parent_id is not None:
+            self.kids_ns[parent_id] = self.kids_ns.get(parent_id, 0) + piece_ns
+
+
 class IntervalAggregator:
     """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
@@ -69,13 +85,8 @@ class IntervalAggregator:
         self._run_counters: dict = {}    # name -> run total
         self._gauges: dict = {}          # name -> [values]
         self._metrics: dict = {}         # name -> [values (floats or 0-dim tensors)]
-        self._time_ns: dict = {}         # name -> CPU ns credited to the current interval (split time)
-        self._self_ns: dict = {}         # name -> the same less the children's pieces (split self time)
-        self._carry_ns: dict = {}        # name -> ns of spans that ended past a closing boundary: next interval's
-        self._carry_self_ns: dict = {}   # name -> their self part
+        self._now, self._carry = _Split(), _Split()   # the current interval's time; the next one's so far
         self._credited: dict = {}        # open span id -> boundary (perf_counter_ns) its time is credited up to
-        self._kids_ns: dict = {}         # span id -> its children's pieces credited to the current interval
-        self._kids_carry_ns: dict = {}   # span id -> its children's pieces carried to the next interval
         self._kids_basis_s: dict = {}    # span id -> its finished children's whole seconds (GPU, else CPU)
         self._start_ns: int | None = None   # the current interval's start boundary (perf_counter_ns), once known
 
@@ -108,27 +119,14 @@ class IntervalAggregator:
                 cpu_records.append((thread_name, rec, None))
         self._add_whole(cpu_records, timed=False)
 
-    def _piece(self, name: str, span_id, parent_id, piece_ns: int) -> None:
-        """Credit `piece_ns` of a span to the interval: its name's time, its self time (less its children's
-        pieces so far), and its parent's children."""
-        self._time_ns[name] = self._time_ns.get(name, 0) + piece_ns
-        self._self_ns[name] = self._self_ns.get(name, 0) + max(0, piece_ns - self._kids_ns.pop(span_id, 0))
-        if parent_id is not None:
-            self._kids_ns[parent_id] = self._kids_ns.get(parent_id, 0) + piece_ns
-
     def _credit(self, name: str, span_id, parent_id, t0_ns: int, t1_ns: int, boundary_ns: int | None) -> None:
         """A finished span's time since it was last credited (else its begin); with `boundary_ns` (a close),
         the part past it is carried."""
         start_ns = self._credited.pop(span_id, t0_ns)
         cut_ns = t1_ns if boundary_ns is None else min(t1_ns, max(start_ns, boundary_ns))
-        self._piece(name, span_id, parent_id, max(0, cut_ns - start_ns))
+        self._now.add(name, span_id, parent_id, max(0, cut_ns - start_ns))
         if t1_ns > cut_ns:
-            carry = t1_ns - cut_ns
-            self._carry_ns[name] = self._carry_ns.get(name, 0) + carry
-            self._carry_self_ns[name] = (self._carry_self_ns.get(name, 0)
-                                         + max(0, carry - self._kids_carry_ns.pop(span_id, 0)))
-            if parent_id is not None:
-                self._kids_carry_ns[parent_id] = self._kids_carry_ns.get(parent_id, 0) + carry
+            self._carry.add(name, span_id, parent_id, t1_ns - cut_ns)
 
     def _credit_open(self, boundary_ns: int | None, open_spans) -> dict:
         """Credit every span open at the boundary its time inside the interval (from its begin, or the boundary
@@ -148,7 +146,7 @@ class IntervalAggregator:
                 credited[s["id"]] = boundary_ns
                 ns, threads = out.get(s["name"], (0, set()))
                 out[s["name"]] = (ns + piece_ns, threads | {entry["thread"]})
-                self._piece(s["name"], s["id"], stack[i - 1]["id"] if i else None, piece_ns)
+                self._now.add(s["name"], s["id"], stack[i - 1]["id"] if i else None, piece_ns)
         self._credited = credited   # only spans open now; ended ones were popped when credited
         return out
 
@@ -233,9 +231,10 @@ class IntervalAggregator:
         """Entries of every span name that finished or held time in the interval, folded into the run's; the next
         interval starts with the time carried past the boundary."""
         spans = {}
-        for name in [*self._spans, *(n for n in self._time_ns if n not in self._spans)]:
+        now = self._now
+        for name in [*self._spans, *(n for n in now.time_ns if n not in self._spans)]:
             acc = self._spans.get(name) or _SpanAcc()
-            time_ns = self._time_ns.get(name, 0)
+            time_ns, self_ns = now.time_ns.get(name, 0), now.self_ns.get(name, 0)
             open_ns, open_threads = open_pieces.get(name, (0, set()))
             if not acc.cpu and time_ns == 0:
                 continue
@@ -247,11 +246,11 @@ class IntervalAggregator:
             for f in fields(_Bytes):
                 setattr(run, f.name, getattr(run, f.name) + getattr(acc, f.name))
             run.time_ns += time_ns
-            run.self_ns += self._self_ns.get(name, 0)
+            run.self_ns += self_ns
             run.gpu_self += acc.gpu_self
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
-            cpu["self_seconds"] = self._self_ns.get(name, 0) / 1e9
+            cpu["self_seconds"] = self_ns / 1e9
             gpu = summarize(gpu_s, buckets=True) if acc.gpu else None
             if gpu is not None:
                 gpu["self_seconds"] = acc.gpu_self
@@ -262,9 +261,7 @@ class IntervalAggregator:
             if len(acc.gpu) < acc.timed:
                 entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry
-        self._spans, self._time_ns, self._carry_ns = {}, self._carry_ns, {}
-        self._self_ns, self._carry_self_ns = self._carry_self_ns, {}
-        self._kids_ns, self._kids_carry_ns = self._kids_carry_ns, {}
+        self._spans, self._now, self._carry = {}, self._carry, _Split()
         self._prune_kids()
         return spans
 

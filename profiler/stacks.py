@@ -196,9 +196,9 @@ class StackSampler:
                     counts.idle += 1
         return True
 
-    def interval_summary(self, reset: bool = True) -> dict:
+    def interval_summary(self) -> dict:
         """{"samples", "failed", "threads": [{"name", "native_id", "samples", "idle_samples", "top_frames"}]}
-        since the last reset (+ "error": the last failure)."""
+        since the last call (+ "error": the last failure), and a reset."""
         with self._lock:
             threads = [{"name": c.name, "native_id": native_id, "samples": c.samples, "idle_samples": c.idle,
                         "top_frames": [{"frame": f, "count": n} for f, n in c.hot.most_common(TOP_FRAMES)]}
@@ -206,8 +206,7 @@ class StackSampler:
             summary = {"samples": self._taken, "failed": self._failed, "threads": threads}
             if self._error is not None:
                 summary["error"] = self._error
-            if reset:
-                self._reset()
+            self._reset()
         return summary
 
 
@@ -219,7 +218,7 @@ class NullStackSampler:
 
     stop = start
 
-    def interval_summary(self, reset: bool = True) -> None:
+    def interval_summary(self) -> None:
         return None
 
 

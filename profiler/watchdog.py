@@ -28,12 +28,12 @@ class Watchdog:
     token): the collector arms it at the first step change (start-up and the first compile never trip it),
     and the token changes whenever a span finished or the step changed."""
 
-    def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic, poll_s: float | None = None):
+    def __init__(self, timeout_s: float, progress_fn, on_hang, clock=time.monotonic):
         if not timeout_s > 0:
             raise ValueError(f"Watchdog: timeout_s must be > 0, got {timeout_s!r}")
         # A twentieth of the timeout (at most 5 s): a hang is declared within 5% of it, waking rarely.
         self.timeout_s = float(timeout_s)
-        self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, self.timeout_s / 20))
+        self.poll_s = min(5.0, max(0.05, self.timeout_s / 20))
         self._progress_fn, self._on_hang, self._clock = progress_fn, on_hang, clock
         self._token = object()
         self._since_s = clock()
