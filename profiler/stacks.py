@@ -119,8 +119,7 @@ class StackSampler:
     evenly spread, from a daemon thread. A thread's innermost frame counts as hot when py-spy reports the
     thread active (on a CPU), else the sample counts as idle. A failing dump is logged once and counted."""
 
-    def __init__(self, pid: int, samples_per_interval: int, interval_s: float, runner=None,
-                 clock=time.monotonic):
+    def __init__(self, pid: int, samples_per_interval: int, interval_s: float, runner=None):
         if not isinstance(samples_per_interval, int) or samples_per_interval < 1:
             raise ValueError(f"StackSampler: samples_per_interval must be an int >= 1, got {samples_per_interval!r}")
         if not interval_s > 0:
@@ -128,7 +127,6 @@ class StackSampler:
         self.pid = int(pid)
         self.period_s = float(interval_s) / samples_per_interval
         self._runner = runner or PySpy(timeout_s=max(10.0, self.period_s))
-        self._clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -153,14 +151,14 @@ class StackSampler:
 
     def _run(self) -> None:
         """Sample at start + (i + 1/2) * period; slots missed behind a slow dump are skipped."""
-        start_s = self._clock()
+        start_s = time.monotonic()
         slot = 0
         while True:
             due_s = start_s + (slot + 0.5) * self.period_s
-            if self._stop.wait(max(0.0, due_s - self._clock())):
+            if self._stop.wait(max(0.0, due_s - time.monotonic())):
                 return
             self.sample_once()
-            slot = max(slot + 1, int((self._clock() - start_s) / self.period_s + 0.5))
+            slot = max(slot + 1, int((time.monotonic() - start_s) / self.period_s + 0.5))
 
     def _dump(self) -> list:
         """A non-blocking dump can catch the thread list mid-change ("Failed to get stack traces"): such a
@@ -222,8 +220,8 @@ class NullStackSampler:
         return None
 
 
-def make_stack_sampler(pid: int, samples_per_interval: int, interval_s: float, runner=None):
+def make_stack_sampler(pid: int, samples_per_interval: int, interval_s: float):
     """StackSampler for K >= 1, NullStackSampler for K = 0."""
     if samples_per_interval == 0:
         return NullStackSampler()
-    return StackSampler(pid, samples_per_interval, interval_s, runner=runner)
+    return StackSampler(pid, samples_per_interval, interval_s)
