@@ -140,7 +140,9 @@ class ControlServer:
         self._state_fn = state_fn
         self._record_fn = record_fn  # fields -> writes a record (the profiler: write_record("snapshot", ...))
         # Command name -> handler(request) -> the reply's fields; a raising handler replies {"ok": false, "error"}.
-        self.commands = {"ping": self._ping, "state": self._state, "record": self._record}
+        self.commands = {"ping": lambda request: {"pid": self.pid, "rank": self.rank, "role": self.role},
+                         "state": lambda request: {"state": self._state_fn()},
+                         "record": self._record}
         self.discovery_dir = default_discovery_dir(discovery_dir)
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")
@@ -277,12 +279,6 @@ class ControlServer:
         except Exception as exc:  # noqa: BLE001 - a failing command never kills the server
             return {"ok": False, "error": f"{cmd} failed: {type(exc).__name__}: {exc}"}
         return {"ok": True, **reply}
-
-    def _ping(self, request: dict) -> dict:
-        return {"pid": self.pid, "rank": self.rank, "role": self.role}
-
-    def _state(self, request: dict) -> dict:
-        return {"state": self._state_fn()}
 
     def _record(self, request: dict) -> dict:
         if self._record_fn is None:
