@@ -2,7 +2,7 @@
 on them), the target:drafter GPU split that balances the pipeline (only for two GPUs or more), and the
 largest tokens per batch that keeps 5% memory headroom. Records in, answers out.
 
-Split: a rank's capacity is its steady tokens/s over its busy share (what it would reach never waiting).
+Split: a rank's capacity is its steady_tokens_per_s over its busy share (what it would reach never waiting).
 Drafter d is fed by targets t with t mod D == d and the drafters step in lock-step, so every drafter goes
 at the pace of the one with floor(T/D) producers:
     tokens/s(T, D) = D * min(floor(T/D) * target capacity, drafter capacity),  1 <= D <= T.
@@ -27,14 +27,17 @@ def _predicted(t: int, d: int, cap_t: float, cap_d: float) -> float:
 
 
 def role_capacity(ranks: list) -> dict:
-    """{role: {"capacity_tokens_per_s_per_gpu", "ranks", "tokens_per_s"}} from rank_table rows."""
+    """{role: {"capacity_tokens_per_s_per_gpu", "ranks", "tokens_per_s", "busy_share_mean", "windows"}} from
+    rank_table rows: a rank's capacity is its steady_tokens_per_s over the busy share of its window."""
     out = {}
     for role in sorted({r["role"] for r in ranks}):
         rows = [r for r in ranks if r["role"] == role]
-        caps = [r["tokens_per_s"] / r["busy_share"] for r in rows if r["tokens_per_s"] and r["busy_share"]]
-        out[role] = {"ranks": len(rows), "tokens_per_s": sum(r["tokens_per_s"] or 0.0 for r in rows),
-                     "busy_share_mean": statistics.fmean(r["busy_share"] for r in rows if r["busy_share"] is not None)
-                     if any(r["busy_share"] is not None for r in rows) else None,
+        caps = [r["steady_tokens_per_s"] / r["busy_share"] for r in rows
+                if r["steady_tokens_per_s"] and r["busy_share"]]
+        busy = [r["busy_share"] for r in rows if r["busy_share"] is not None]
+        out[role] = {"ranks": len(rows), "tokens_per_s": sum(r["steady_tokens_per_s"] or 0.0 for r in rows),
+                     "busy_share_mean": statistics.fmean(busy) if busy else None,
+                     "windows": sorted({r["window"] for r in rows}),
                      "capacity_tokens_per_s_per_gpu": statistics.fmean(caps) if caps else None}
     return out
 
@@ -112,13 +115,14 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
     cap_t = (caps.get("target") or {}).get("capacity_tokens_per_s_per_gpu")
     cap_d = (caps.get("drafter") or {}).get("capacity_tokens_per_s_per_gpu")
     out = {"n_gpus": n, "n_gpus_from": "--gpus" if n_gpus else "the run", "topology": topo, "roles": caps,
-           "best": None, "splits": [], "current": None, "reason": None, "window": "steady state",
+           "best": None, "splits": [], "current": None, "reason": None,
            "model": "tokens/s = D * min(floor(T/D) * target capacity, drafter capacity), 1 <= D <= T"}
     if n < 2:
         out["reason"] = _too_few_gpus(topo) if not n_gpus else f"a split needs at least 2 GPUs, got --gpus {n}"
         return out
     if not cap_t or not cap_d:
-        out["reason"] = "needs the steady tokens/s and busy share of both a target and a drafter rank"
+        out["reason"] = ("needs the steady-state tokens/s (throughput events) and the busy share of both a target "
+                         "and a drafter rank")
         return out
     out["targets_per_drafter_to_balance"] = cap_d / cap_t
     out["splits"] = [{"target_gpus": t, "drafter_gpus": n - t,

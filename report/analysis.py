@@ -8,12 +8,13 @@ import statistics
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
-from report.runs import Run, counter_total, phase_spans, steady_intervals, wall_seconds
+from report.runs import Run, counter_total, merged_window, phase_spans, steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
 STRAGGLER_GAP = 0.2        # a rank this much below its peers' median capacity is a straggler
 COLLECTIVE_SPANS = ("drafter.allreduce",)   # lock-step waits on peers, left out of a rank's own work
+NO_METER = "no throughput event (a run stopped during warm-up, or a log not written by this dflash-train)"
 
 
 # ---- span ranking ----------------------------------------------------------------------------
@@ -155,24 +156,17 @@ def _wait_share(intervals: list, role: str) -> float | None:
 
 
 def role_shares(run: Run) -> dict:
-    """{role: {wait_span, wait_share, busy_share, wall_seconds, tokens, steady}} over the steady intervals of
-    every rank of the role; busy = 1 - wait (the wait spans of WAIT_SPANS)."""
+    """{role: {wait_span, wait_share, busy_share, wall_seconds, tokens, window, steady}} over the steady window of
+    the role's ranks (runs.merged_window, named by `window`); busy = 1 - wait (the wait spans of WAIT_SPANS)."""
     out = {}
     for role, logs in run.by_role().items():
-        waits = {n for n, r in WAIT_SPANS.items() if r == role}
-        steady = [r for log in logs for r in steady_intervals(log)]
-        wall, wait = wall_seconds(steady), _wait_share(steady, role)
-        out[role] = {"wait_span": ", ".join(sorted(waits)) or None, "wait_share": wait,
-                     "busy_share": None if wait is None else max(0.0, 1.0 - wait), "wall_seconds": wall,
-                     "tokens": counter_total(steady, "tokens"),
-                     "steady": all(log.intervals and len(steady_intervals(log)) < len(log.intervals) for log in logs)}
+        w = merged_window(logs)
+        wait = _wait_share(w.intervals, role)
+        out[role] = {"wait_span": ", ".join(sorted(n for n, r in WAIT_SPANS.items() if r == role)) or None,
+                     "wait_share": wait, "busy_share": None if wait is None else max(0.0, 1.0 - wait),
+                     "wall_seconds": wall_seconds(w.intervals), "tokens": counter_total(w.intervals, "tokens"),
+                     "window": w.label, "steady": not w.fallback}
     return out
-
-
-def _queue_depth_mean(run: Run) -> float | None:
-    values = [g["mean"] for log in run.ranks.values() for r in steady_intervals(log)
-              if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
-    return statistics.fmean(values) if values else None
 
 
 def verdict(run: Run) -> dict:
@@ -181,14 +175,18 @@ def verdict(run: Run) -> dict:
     shares = role_shares(run)
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
-    out = {"verdict": None, "roles": shares, "queue_depth_mean": _queue_depth_mean(run), "evidence": []}
+    drafters = merged_window(run.by_role().get("drafter", []))
+    depths = [g["mean"] for r in drafters.intervals
+              if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
+    out = {"verdict": None, "roles": shares, "queue_depth_mean": statistics.fmean(depths) if depths else None,
+           "evidence": []}
     if wt is None or wd is None:
-        out["evidence"].append("needs the steady intervals of both a target and a drafter rank")
+        out["evidence"].append("needs the intervals of both a target and a drafter rank")
         return out
-    idle = [role for role, s in shares.items() if not s["tokens"]]
+    idle = [f"{role} ({s['window']})" for role, s in shares.items() if not s["tokens"]]
     if idle:
-        out["evidence"].append(f"no tokens processed by the {' and '.join(idle)} in the steady intervals: "
-                               "stalled, or still starting (finished spans cannot tell which side bounds it)")
+        out["evidence"].append(f"no tokens processed by the {' and '.join(idle)}: stalled, or still starting "
+                               "(finished spans cannot tell which side bounds it)")
         return out
     said = f"target waits {wt:.0%} on transfer.wait_slot, drafter waits {wd:.0%} on drafter.recv"
     if wt >= WAIT_BOUND_SHARE and wd >= WAIT_BOUND_SHARE:
@@ -203,10 +201,10 @@ def verdict(run: Run) -> dict:
     else:
         out["verdict"] = "drafter-bound"
         out["evidence"].append(f"{said}: the target is held back by transfer slots the drafter frees")
-    if out["queue_depth_mean"] is not None:
-        out["evidence"].append(f"received batches waiting for the drafter: {out['queue_depth_mean']:.2f} on average")
-    if not all(s["steady"] for s in shares.values()):
-        out["evidence"].append("short run: start-up and final intervals included")
+    if depths:
+        out["evidence"].append(f"received batches waiting for the drafter: {out['queue_depth_mean']:.2f} on average "
+                               f"({len(depths)} interval mean{'s' if len(depths) != 1 else ''}; drafter: "
+                               f"{drafters.label})")
     return out
 
 
@@ -246,28 +244,25 @@ def bandwidth(run: Run) -> list:
 # ---- ranks and the straggler -----------------------------------------------------------------
 
 def _rank_row(log) -> dict:
-    steady = steady_intervals(log)
-    wall, wait = wall_seconds(steady), _wait_share(steady, log.role)
-    collective = _span_seconds(steady, COLLECTIVE_SPANS) / wall if wall > 0 else None
-    tokens = counter_total(steady, "tokens")
+    """One rank: its rate is the steady state's (steady_tokens_per_s, its throughput events); its shares are
+    over its steady window (named by `window`); capacity = that rate over the window's work share."""
+    w = steady_window(log)
+    wall, wait = wall_seconds(w.intervals), _wait_share(w.intervals, log.role)
+    collective = _span_seconds(w.intervals, COLLECTIVE_SPANS) / wall if wall > 0 else None
     meter = steady_throughput(log.events)
-    # over the steady intervals, the window its wait and busy shares are read over (the capacity's two
-    # halves from one window); the steady state proper (dflash/throughput.py) is steady_tokens_per_s
-    rate = tokens / wall if wall > 0 else None
+    rate = meter["steady_tokens_per_s"] if meter else None
     work = None if wait is None else max(0.0, 1.0 - wait - collective)
-    ends = log.run_ends
     stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
             "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
-            "steady_seconds": wall, "tokens_per_s": rate, "rate_window": "steady intervals",
-            "steady_tokens_per_s": meter["steady_tokens_per_s"] if meter else None,
-            "wait_share": wait, "collective_share": collective,
+            "steady_tokens_per_s": rate, "steady_reason": None if meter else NO_METER,
+            "window": w.label, "window_seconds": wall, "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": rate / work if rate and work else None,
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
-            "status": ends[-1].get("status") if ends else "no run_end", "bad_lines": log.bad_lines,
-            "span_seconds_per_token": _span_seconds_per_token(steady, tokens),
-            "profiler_share": _profiler_share(steady)}
+            "status": log.run_ends[-1].get("status") if log.run_ends else "no run_end", "bad_lines": log.bad_lines,
+            "span_seconds_per_token": _span_seconds_per_token(w.intervals, counter_total(w.intervals, "tokens")),
+            "profiler_share": _profiler_share(w.intervals)}
 
 
 def _profiler_share(intervals: list) -> float | None:
@@ -305,7 +300,8 @@ def _straggler(rows: list) -> dict | None:
         slowdown = row["capacity_tokens_per_s"] / median
         if slowdown < 1.0 - STRAGGLER_GAP and (worst is None or slowdown < worst["capacity_ratio"]):
             worst = {"rank": row["rank"], "role": row["role"], "capacity_tokens_per_s": row["capacity_tokens_per_s"],
-                     "peers_median_tokens_per_s": median, "capacity_ratio": slowdown, **_costliest_span(row, rows)}
+                     "peers_median_tokens_per_s": median, "capacity_ratio": slowdown, "window": row["window"],
+                     **_costliest_span(row, rows)}
     return worst
 
 
@@ -324,7 +320,7 @@ def _costliest_span(row: dict, rows: list) -> dict:
 
 
 def rank_table(run: Run) -> dict:
-    """{"ranks": per-rank rows over steady intervals, "straggler": the slow rank or None, "reason"}."""
+    """{"ranks": per-rank rows (_rank_row), "straggler": the slow rank or None, "reason"}."""
     rows = [_rank_row(log) for log in run.ranks.values()]
     multi = any(sum(1 for r in rows if r["role"] == role) >= 2 for role in {r["role"] for r in rows})
     return {"ranks": rows, "straggler": _straggler(rows),
@@ -348,8 +344,8 @@ def steady_state(run: Run) -> dict:
                        "steady_steps": sum(m["steady_steps"] for m in got) if got else None,
                        "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
                        "warmup_seconds": wall_seconds([r for log in logs for r in log.intervals if r.get("warmup")]),
-                       "reason": None if got else "no rank of this role wrote a throughput event (a run that ended "
-                                                  "during warm-up, or one not written by dflash-train)"}
+                       "segments": max((m["segments"] for m in got), default=0),
+                       "reason": None if got else NO_METER}
     drafter = roles.get("drafter") or {}
     return {"steady_tokens_per_s": drafter.get("steady_tokens_per_s"), "window": "steady state",
             "roles": roles, "phase_spans": list(phases)}

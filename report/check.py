@@ -4,9 +4,12 @@ cannot hold (logs written before self time, warm-up marks or phase lists) is ski
 
 shares     a share is at most 100% of its threads' time; per thread, self time fits in the interval
 order      p50 <= p95 <= p99 <= max and mean <= max; counts non-negative
-agree      one quantity, one value: throughput file = its event = the report; run_end = its intervals summed
+agree      one quantity, one value: throughput file = its event = the report's JSON and text; run_end = its
+           intervals summed
 once       a span's time over the run fits in its threads' wall time; self <= total
 phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
+windows    a figure named steady is read over steady intervals (neither warm-up nor final), and the text names
+           each window; with none steady, its label says so
 flows      the merged trace matches at least FLOW_MATCH_MIN of its sends
 
 Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from monitoring.trace_events import MAX_EVENTS, build_trace, newest_within, prepare, proc_info
 from profiler.windows import clock_seconds, self_seconds, span_clock, steady_throughput
-from report import hotspots_of
+from report import format_hotspots, hotspots_of
 from report.runs import Run, load_run, paused_gc, wall_seconds
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -90,6 +93,7 @@ def check(run_dir) -> CheckResult:
                           intervals=sum(len(log.intervals) for log in run.ranks.values()))
         report = hotspots_of(run)
         files = {rank: _read_throughput(res, run, log) for rank, log in run.ranks.items()}
+        rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}
         for log in run.ranks.values():
             where = _log_name(log)
             for rec in log.intervals:
@@ -97,9 +101,10 @@ def check(run_dir) -> CheckResult:
             for seg, (start, intervals, end) in enumerate(_segments(log)):
                 _check_segment(res, f"{where} segment {seg}", start, intervals, end)
             _check_once(res, where, log)
-            _check_throughput(res, log, files[log.rank], report)
+            _check_throughput(res, log, files[log.rank], rates[log.rank], report)
         _check_report_rows(res, run, report)
-        _check_role_rates(res, run, files, report)
+        _check_role_rates(res, run, rates, report)
+        _check_windows(res, run, report, rates, format_hotspots(report).splitlines())
         _check_flows(res, run)
     return res
 
@@ -267,12 +272,19 @@ def _marks_phases(log) -> bool:
     return any("warmup_steps" in s for s in log.run_starts)
 
 
-def _check_throughput(res: CheckResult, log, got: dict | None, report: dict) -> None:
+def _rank_rate(log, file: dict | None) -> float | None:
+    """The rank's steady_tokens_per_s as its throughput file says (a resumed rank: its events, all segments)."""
+    events = _throughput_events(log)
+    if len(events) > 1:
+        return steady_throughput(events)["steady_tokens_per_s"]
+    return (file or (events[-1] if events else {})).get("steady_tokens_per_s")
+
+
+def _check_throughput(res: CheckResult, log, got: dict | None, want: float | None, report: dict) -> None:
     """The file says what the rank's last throughput event says (exactly), the report's rank row what its
     events say (within RATE_TOLERANCE), and a drafter past warm-up wrote one."""
     name = f"throughput/rank{log.rank}.json"
     events = _throughput_events(log)
-    meter = steady_throughput(events)
     if not _marks_phases(log) and not events:
         res.note(f"{_log_name(log)}: written before throughput events: {name} not checked against it")
         return
@@ -288,8 +300,7 @@ def _check_throughput(res: CheckResult, log, got: dict | None, report: dict) -> 
         res.note(f"{name}: holds the last of {len(events)} segments; the report's rate (all segments) is "
                  "checked against the run log's throughput events")
     row = next((r for r in report["ranks"]["ranks"] if r["rank"] == log.rank), None)
-    if meter is not None and row is not None:
-        want = meter["steady_tokens_per_s"] if len(events) > 1 else (got or events[-1]).get("steady_tokens_per_s")
+    if row is not None:
         res.expect(_close(row.get("steady_tokens_per_s"), want), "agree", f"hotspots ranks rank {log.rank}",
                    lambda: f"steady_tokens_per_s {_fmt(row.get('steady_tokens_per_s'))} != {name}'s {_fmt(want)}")
     if log.role == "drafter":
@@ -342,29 +353,92 @@ def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
                    lambda: f"self {_fmt(row.get('self_seconds'))} s > total {_fmt(row.get('total_seconds'))} s")
 
 
-def _check_role_rates(res: CheckResult, run: Run, files: dict, report: dict) -> None:
+def _check_role_rates(res: CheckResult, run: Run, rates: dict, report: dict) -> None:
     """The report's steady rate per role is its ranks' throughput files summed (a resumed rank: its events,
-    all segments), and the headline `steady_tokens_per_s` the drafters'."""
+    all segments), the headline `steady_tokens_per_s` and the split's measured rate the drafters'."""
     roles = report["steady"]["roles"]
     for role, logs in run.by_role().items():
         if not any(_marks_phases(log) or _throughput_events(log) for log in logs):
             continue   # written before throughput events: noted per rank
-        rates = []
-        for log in logs:
-            events = _throughput_events(log)
-            rate = (steady_throughput(events) or {}).get("steady_tokens_per_s") if len(events) > 1 else \
-                (files[log.rank] or {}).get("steady_tokens_per_s")
-            if rate is not None:
-                rates.append(rate)
         mine = (roles.get(role) or {}).get("steady_tokens_per_s")
-        if not rates and mine is None:
-            continue
-        want = sum(rates) if rates else None
+        got = [rates[log.rank] for log in logs if rates[log.rank] is not None]
+        want = sum(got) if got else None
         res.expect(_close(mine, want), "agree", f"hotspots steady {role}",
                    lambda: f"steady_tokens_per_s {_fmt(mine)} != its ranks' throughput files summed {_fmt(want)}")
     drafter = (roles.get("drafter") or {}).get("steady_tokens_per_s")
     res.expect(report.get("steady_tokens_per_s") == drafter, "agree", "hotspots steady_tokens_per_s",
                lambda: f"{_fmt(report.get('steady_tokens_per_s'))} != the drafters' {_fmt(drafter)}")
+    current = report["split"].get("current")
+    if current:
+        res.expect(_close(current["measured_tokens_per_s"], drafter), "agree", "hotspots split current",
+                   lambda: f"measured_tokens_per_s {_fmt(current['measured_tokens_per_s'])} != the drafters' "
+                           f"steady_tokens_per_s {_fmt(drafter)}")
+
+
+# ---- windows: what a figure is read over, and what the text calls it ---------------------------------
+
+def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: list) -> None:
+    """Each rank's row and each role's verdict name the window their figures were read over: its steady
+    intervals (neither warm-up nor final, counted here from the marks, not by the report's code), or, with
+    none, a label saying none is steady; the text's verdict line and rank rows show those labels, and each row's
+    tokens/s is the rank's throughput file's."""
+    rows = {r["rank"]: r for r in report["ranks"]["ranks"]}
+    verdict = next((line for line in text if line.startswith("Verdict (")), "")
+    table = _rank_lines(text)
+    steady: dict = {}
+    for log in run.ranks.values():
+        if not _marks_phases(log):
+            res.note(f"{_log_name(log)}: run_start without warmup_steps (written before warm-up marks): "
+                     "its windows not checked")
+            continue
+        steady[log.rank] = [r for r in log.intervals if not r.get("warmup") and not r.get("final")]
+        row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
+        _expect_window(res, where, row["window"], len(steady[log.rank]))
+        read = wall_seconds(steady[log.rank] or log.intervals)
+        res.expect(abs(row["window_seconds"] - read) <= 1e-6, "windows", where,
+                   lambda: f"window_seconds {_fmt(row['window_seconds'])} != its intervals' {_fmt(read)}")
+        line = table.get(log.rank, "")
+        res.expect(row["window"] in line, "windows", f"hotspots text ranks rank {log.rank}",
+                   lambda: f"the row does not name its window {row['window']!r}: {line!r}")
+        _expect_text_rate(res, log.rank, line, rates[log.rank])
+    for role, logs in run.by_role().items():
+        if all(log.rank in steady for log in logs):
+            label = report["verdict"]["roles"][role]["window"]
+            ks = [len(steady[log.rank]) for log in logs]
+            _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0)
+            res.expect(f"{role}: {label}" in verdict, "windows", f"hotspots text verdict {role}",
+                       lambda: f"the verdict line does not name {role}'s window {label!r}: {verdict!r}")
+
+
+def _expect_window(res: CheckResult, where: str, label: str, steady: int) -> None:
+    """`label` names `steady` steady intervals, or, with none, says that none is steady."""
+    want = f"steady intervals ({steady})" if steady else "a label saying none is steady"
+    res.expect(label == want if steady else "none steady" in label and not label.startswith("steady"),
+               "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
+
+
+def _rank_lines(text: list) -> dict:
+    """{rank: its row} of the text's Ranks table."""
+    start = next((i for i, line in enumerate(text) if line.startswith("Ranks (")), len(text))
+    out = {}
+    for line in text[start + 2:]:
+        fields = line.split()
+        if not fields or not fields[0].isdigit():
+            break
+        out[int(fields[0])] = line
+    return out
+
+
+def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None) -> None:
+    """The tokens/s cell of a rank's row (its third field, printed to the token) is `want`, or "-" without one."""
+    cell = (line.split() + ["", "", ""])[2].replace(",", "")
+    try:
+        got = None if cell == "-" else float(cell)
+    except ValueError:
+        got = cell
+    ok = got is None if want is None else isinstance(got, float) and abs(got - want) <= 0.5 + RATE_TOLERANCE * want
+    res.expect(ok, "agree", f"hotspots text ranks rank {rank}",
+               lambda: f"tokens/s {cell!r} != its throughput file's steady_tokens_per_s {_fmt(want)}")
 
 
 # ---- flows in the merged trace ---------------------------------------------------------------------

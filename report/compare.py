@@ -1,6 +1,7 @@
-"""A/B comparison of two runs (A the baseline): spans, tokens/s and GPU memory, each sampled once per steady
-interval of every rank (spread: the 10th-90th percentile range). A change is a regression (or improvement) only
-beyond the larger spread, negligible under MIN_EFFECT_SHARE of its role's time; wait spans show as waits.
+"""A/B comparison of two runs (A the baseline): spans, tokens/s and GPU memory, each sampled once per interval
+of every rank's steady window (runs.steady_window; spread: the 10th-90th percentile range). A change is a
+regression (or improvement) only beyond the larger spread, negligible under MIN_EFFECT_SHARE of its role's
+time; wait spans show as waits.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import Counter
 
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import basis, whole_seconds
-from report.runs import Run, gpu_key, gpus, steady_intervals, wall_seconds
+from report.runs import Run, gpu_key, gpus, merged_window, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01
@@ -45,7 +46,7 @@ def _span_samples(run: Run) -> tuple[dict, dict]:
     """({(role, span): per-interval mean seconds per call}, {(role, span): calls per second of role time})."""
     out, calls, walls = {}, Counter(), Counter()
     for log in run.ranks.values():
-        steady = steady_intervals(log)
+        steady = steady_window(log).intervals
         walls[log.role] += wall_seconds(steady)
         for rec in steady:
             for name, e in (rec.get("spans") or {}).items():
@@ -60,7 +61,7 @@ def _rate_samples(run: Run) -> dict:
     out: dict = {}
     for role, logs in run.by_role().items():
         for log in logs:
-            for rec in steady_intervals(log):
+            for rec in steady_window(log).intervals:
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
                     out.setdefault(role, []).append(rate * len(logs))
@@ -70,7 +71,7 @@ def _rate_samples(run: Run) -> dict:
 def _memory_samples(run: Run) -> dict:
     out: dict = {}
     for log in run.ranks.values():
-        for rec in steady_intervals(log):
+        for rec in steady_window(log).intervals:
             for g in gpus(rec):
                 if g.get("used_bytes_peak") is not None:
                     out.setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
@@ -79,7 +80,8 @@ def _memory_samples(run: Run) -> dict:
 
 def compare(run_a: Run, run_b: Run) -> dict:
     """{"spans": rows by |change|, "tokens_per_s": per role, "memory": per GPU peak used, "regressions":
-    the span names called regressions, "memory_reason" when neither run measured GPU memory}."""
+    the span names called regressions, "memory_reason" when neither run measured GPU memory, "windows": what
+    each run was sampled over}."""
     (sa, ca), (sb, cb) = _span_samples(run_a), _span_samples(run_b)
     spans = []
     for key in sorted(set(sa) | set(sb)):
@@ -96,6 +98,8 @@ def compare(run_a: Run, run_b: Run) -> dict:
              for role in sorted(set(ra) | set(rb))}
     ma, mb = _memory_samples(run_a), _memory_samples(run_b)
     memory = {gpu: classify(ma.get(gpu, []), mb.get(gpu, [])) for gpu in sorted(set(ma) | set(mb))}
-    return {"a": run_a.run_dir, "b": run_b.run_dir, "spans": spans, "tokens_per_s": rates, "memory": memory,
+    return {"a": run_a.run_dir, "b": run_b.run_dir,
+            "windows": {"a": merged_window(run_a.ranks.values()).label, "b": merged_window(run_b.ranks.values()).label},
+            "spans": spans, "tokens_per_s": rates, "memory": memory,
             "memory_reason": None if memory else "no GPU memory measured in either run",
             "regressions": [f"{r['role']}/{r['span']}" for r in spans if r["verdict"] == "regression"]}

@@ -104,8 +104,8 @@ def _leak(a: dict, t: dict) -> dict:
                if t["seconds_to_exhaust"] is not None else "")
     return _finding(
         "memory_leak", f"{what} memory on rank {a['rank']} ({a['role']}) climbs "
-                       f"{t['slope_bytes_per_s'] * 60 / GIB:.3g} GiB/min in the steady state",
-        f"steady state after warm-up, intervals {first}-{last} ({t['samples']} samples, "
+                       f"{t['slope_bytes_per_s'] * 60 / GIB:.3g} GiB/min after warm-up",
+        f"{t['window']}, intervals {first}-{last} ({t['samples']} samples, "
         f"{t['window_seconds'] / 60:.1f} min): Theil-Sen slope {t['slope_bytes_per_s'] * 60 / GIB:.3g} GiB/min, "
         f"{t['first_bytes'] / GIB:.2f} -> {t['last_bytes'] / GIB:.2f} GiB, rise {t['rise_bytes'] / GIB:.2f} GiB "
         f"({t['rise_bytes'] / t['total_bytes']:.1%} of the GPU's {t['total_bytes'] / GIB:.0f} GiB) against a "
@@ -145,10 +145,10 @@ def _waits(report: dict) -> list:
         flags = ["--max-in-flight", str(2 * in_flight if in_flight else 4)]
     else:
         nxt, flags = _more_drafter(report)
-    return [_finding("target_waits_on_slots", f"the target waits {wait:.0%} of its steady-state time for a "
-                                              "transfer slot",
-                     f"steady state ({target['wall_seconds']:.0f} s of target intervals): " + "; ".join(v["evidence"]),
-                     nxt, flags)]
+    return [_finding("target_waits_on_slots", f"the target waits {wait:.0%} of its time for a transfer slot "
+                                              f"(target: {target['window']})",
+                     f"target: {target['window']}, {target['wall_seconds']:.0f} s: "
+                     + "; ".join(v["evidence"]), nxt, flags)]
 
 
 STALL_INTERVALS = 3            # a rank's last intervals with no finished span: a stall
@@ -174,7 +174,8 @@ def _straggler(report: dict) -> list:
              f"{s['peers_span_seconds_per_token'] * 1e6:.1f} us/token on its peers" if s.get("span") else "")
     return [_finding("straggler",
                      f"rank {s['rank']} ({s['role']}) is {1 - s['capacity_ratio']:.0%} slower than its peers",
-                     f"steady state: capacity {s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
+                     f"capacity (steady_tokens_per_s over the work share of its {s['window']}) "
+                     f"{s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
                      f"{s['peers_median_tokens_per_s']:.4g}{where}",
                      "compare its GPU's clocks and throttle reasons, then swap its GPU with a peer's "
                      "(CUDA_VISIBLE_DEVICES) to tell the device from the rank's work")]
@@ -260,8 +261,9 @@ def _split(report: dict) -> list:
     flags = ["--target-gpus", str(best["target_gpus"]), "--drafter-gpus", str(best["drafter_gpus"])]
     return [_finding("split", f"a {best['target_gpus']}:{best['drafter_gpus']} split of {s['n_gpus']} GPUs is "
                               f"predicted {gain:.0%} faster than this run's {now['target_gpus']}:{now['drafter_gpus']}",
-                     f"steady state: capacity per GPU target {s['roles']['target']['capacity_tokens_per_s_per_gpu']:.4g},"
-                     f" drafter {s['roles']['drafter']['capacity_tokens_per_s_per_gpu']:.4g} tokens/s; predicted "
+                     f"capacity per GPU (steady_tokens_per_s over the busy share of each rank's window) target "
+                     f"{s['roles']['target']['capacity_tokens_per_s_per_gpu']:.4g}, drafter "
+                     f"{s['roles']['drafter']['capacity_tokens_per_s_per_gpu']:.4g} tokens/s; predicted "
                      f"{best['predicted_tokens_per_s']:.4g} vs {now['predicted_tokens_per_s']:.4g} tokens/s",
                      f"rerun with {' '.join(flags)}" + ("" if s.get("n_gpus_from") == "the run"
                                                         else f" on {s['n_gpus']} GPUs"), flags)]
@@ -276,10 +278,11 @@ def _profiler_cost(report: dict) -> list:
     longer = f"{2 * interval:g}" if known else "120"
     flags = ["--profile-interval", longer, "--metrics-port", "0", "--stack-samples-per-interval", "0"]
     now = f" (now {interval:g} s)" if known else ""
-    who = ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%}" for r in costly)
-    return [_finding("profiler_cost", f"the profiler's own threads cost {who} of the steady-state wall time",
+    who = ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%} of its wall time ({r['window']})"
+                    for r in costly)
+    return [_finding("profiler_cost", f"the profiler's own threads cost {who}",
                      "CPU seconds of the collector, exporter, NVML, stack and control threads and the exporters' "
-                     "over the steady intervals' wall time (interval records' profiler_share); under the GIL the "
+                     "over the window's wall time (interval records' profiler_share); under the GIL the "
                      "training thread waits for much of it",
                      f"raise --profile-interval{now} to {longer}, drop exporters nobody reads (--metrics-port 0, no "
                      "OTEL_EXPORTER_OTLP_ENDPOINT, --stack-samples-per-interval 0), and see the interval "

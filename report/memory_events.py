@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from report.runs import Run, gpu_key, gpus, steady_intervals, wall_seconds
+from report.runs import Run, gpu_key, gpus, steady_window, wall_seconds
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
@@ -49,18 +49,23 @@ def theil_sen(xs: list, ys: list) -> tuple[float, float]:
     return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))
 
 
-def _after_warmup(log) -> list:
-    """The last segment's steady intervals less their first tenth (at least one), while the caching allocator
-    still fills to the batches' high water: what a memory trend is read over."""
+def _after_warmup(log) -> tuple[list, str, bool]:
+    """(intervals, their window's name, steady): the last segment's steady intervals less their first tenth (at
+    least one), while the caching allocator still fills to the batches' high water: what a memory trend is read
+    over. A rank with no steady interval gets all of the segment's, named so, and never a leak."""
     last_start = max((i for i, r in enumerate(log.intervals) if r.get("index") == 0), default=0)
     segment = {id(r) for r in log.intervals[last_start:]}
-    steady = [r for r in steady_intervals(log) if id(r) in segment]
-    return steady[max(1, len(steady) // 10):]
+    w = steady_window(log)
+    kept = [r for r in w.intervals if id(r) in segment]
+    which = "steady intervals" if not w.fallback else "intervals (none steady: warm-up or final)"
+    return kept[max(1, len(kept) // 10):], f"the last segment's {which} less their first tenth", not w.fallback
 
 
 def _leak_test(t: dict) -> tuple[bool, str]:
     """(leak, why): a rise beyond NOISE_MADS x the residual MAD, still climbing in the last half, and large
     against the GPU (over LEAK_TOTAL_SHARE of it, or exhausting the headroom within the run's length)."""
+    if not t["steady"]:
+        return False, "no interval past warm-up: a trend there is the allocator filling, not a leak"
     if t["samples"] < TREND_MIN_SAMPLES:
         return False, f"{t['samples']} samples after warm-up, under {TREND_MIN_SAMPLES}"
     if t["rise_bytes"] <= NOISE_MADS * t["mad_bytes"] or t["slope_bytes_per_s"] <= 0:
@@ -75,9 +80,10 @@ def _leak_test(t: dict) -> tuple[bool, str]:
     return True, "sustained, beyond the noise and large against the GPU"
 
 
-def memory_trend(log, allocs: list, key: str) -> dict:
-    """One allocator series (`allocated_bytes` or `reserved_bytes`) after warm-up: Theil-Sen slope, residual
-    MAD, rise, when the GPU headroom would run out, and whether that is a leak (`leak`, `why`)."""
+def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict:
+    """One allocator series (`allocated_bytes` or `reserved_bytes`) over `allocs` (its window after warm-up, named
+    `window`): Theil-Sen slope, residual MAD, rise, when the GPU headroom would run out, and whether that is a
+    leak (`leak`, `why`; only in a `steady` window)."""
     pts = [(r.get("end_s", r.get("time_unix")), a[key], r) for r, a in allocs
            if a.get(key) is not None and r.get("end_s", r.get("time_unix")) is not None]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -87,7 +93,7 @@ def memory_trend(log, allocs: list, key: str) -> dict:
     half = len(pts) // 2
     nvml = next((g for r in reversed([p[2] for p in pts]) for g in gpus(r) if g.get("total_bytes")), {})
     headroom = nvml.get("headroom_bytes")
-    t = {"series": key, "window": "steady state after warm-up", "samples": len(pts),
+    t = {"series": key, "window": window, "steady": steady, "samples": len(pts),
          "intervals": [pts[0][2].get("index"), pts[-1][2].get("index")] if pts else None,
          "window_seconds": xs[-1] - xs[0] if pts else 0.0, "first_bytes": ys[0] if pts else None,
          "last_bytes": ys[-1] if pts else None, "slope_bytes_per_s": slope,
@@ -106,7 +112,8 @@ def _allocator_trend(log) -> dict | None:
         return None
     allocs = [a for _, a in pairs]
     first, last = allocs[0], allocs[-1]
-    warm = {id(r) for r in _after_warmup(log)}
+    kept, window, is_steady = _after_warmup(log)
+    warm = {id(r) for r in kept}
     steady = [(r, a) for r, a in pairs if id(r) in warm]
     return {"rank": log.rank, "role": log.role, "intervals": len(allocs),
             "alloc_retries_first": first.get("num_alloc_retries"), "alloc_retries_last": last.get("num_alloc_retries"),
@@ -114,7 +121,8 @@ def _allocator_trend(log) -> dict | None:
             "reserved_bytes_first": first.get("reserved_bytes"), "reserved_bytes_last": last.get("reserved_bytes"),
             "reserved_bytes_peak": max((a.get("peak_reserved_bytes") or a.get("reserved_bytes") or 0) for a in allocs),
             "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs],
-            "trends": {key: memory_trend(log, steady, key) for key in ("allocated_bytes", "reserved_bytes")}}
+            "trends": {key: memory_trend(log, steady, key, window, is_steady)
+                       for key in ("allocated_bytes", "reserved_bytes")}}
 
 
 def _gpu_row(key: str, samples: list) -> dict:

@@ -72,9 +72,8 @@ def _open_spans(rows: list) -> list:
 
 def _verdict(rep: dict) -> list:
     v = rep["verdict"]
-    over = ", ".join(f"{role} {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
-    return [f"Verdict (steady state: {over or 'no intervals'} of intervals): {v['verdict'] or 'none'}",
-            *(f"  {e}" for e in v["evidence"])]
+    over = "; ".join(f"{role}: {r['window']}, {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
+    return [f"Verdict ({over or 'no intervals'}): {v['verdict'] or 'none'}", *(f"  {e}" for e in v["evidence"])]
 
 
 def _bandwidth(rep: dict) -> list:
@@ -160,7 +159,7 @@ def _frames(rep: dict) -> list:
     hf = rep["hot_frames"]
     if not hf["threads"]:
         return [f"Hot frames: {hf['reason']}"]
-    lines = ["Hot frames per thread"]
+    lines = ["Hot frames per thread over the whole run"]
     idle = [t for t in hf["threads"] if not t["top_frames"] and not t["snapshot_frames"] and not t["open_spans"]]
     for t in (t for t in hf["threads"] if t not in idle):
         seen = ([f"{t['stack_samples']} samples"] if t["stack_samples"] else []) + (
@@ -178,18 +177,22 @@ def _frames(rep: dict) -> list:
 
 def _ranks(rep: dict) -> list:
     rt = rep["ranks"]
-    lines = ["Ranks (tokens/s, busy share and capacity over each rank's steady intervals; steps: the last interval's)",
-             f"  {'rank':>4} {'role':<8} {'host':<12} {'steady s':>8} {'tokens/s':>9} {'busy':>6} {'capacity':>9} "
-             f"{'steps':>6}  status"]
+    lines = ["Ranks (tokens/s: the steady state's steady_tokens_per_s; busy share and capacity (tokens/s over the "
+             "work share) over the window that ends each row; steps: the last interval's)",
+             f"  {'rank':>4} {'role':<8} {'tokens/s':>9} {'busy':>6} {'capacity':>9} {'steps':>6} {'host':<12} "
+             "status; window"]
     for r in rt["ranks"]:
-        lines.append(f"  {r['rank']:>4} {r['role']:<8} {str(r['host'] or '-'):<12} {r['steady_seconds']:>8.0f} "
-                     f"{_g(r['tokens_per_s'], '.1f'):>9} "
-                     f"{_pct(r['busy_share']):>6} {_g(r['capacity_tokens_per_s'], '.1f'):>9} {_g(r['steps'], 'd'):>6}  "
-                     f"{r['status']}" + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else ""))
+        lines.append(f"  {r['rank']:>4} {r['role']:<8} {_g(r['steady_tokens_per_s'], ',.0f'):>9} "
+                     f"{_pct(r['busy_share']):>6} {_g(r['capacity_tokens_per_s'], ',.0f'):>9} {_g(r['steps'], 'd'):>6} "
+                     f"{str(r['host'] or '-'):<12} {r['status']}"
+                     + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else "")
+                     + f"; {r['window']}, {r['window_seconds']:.0f} s")
+    lines += [f"  rank {r['rank']}: no steady tokens/s: {r['steady_reason']}"
+              for r in rt["ranks"] if r["steady_reason"]]
     s = rt["straggler"]
     if s:
         lines.append(f"  straggler: rank {s['rank']} ({s['role']}) at {_pct(s['capacity_ratio'])} of its peers' "
-                     f"median steady-state capacity" + (f"; most excess in {s['span']}" if s.get("span") else ""))
+                     f"median capacity" + (f"; most excess in {s['span']}" if s.get("span") else ""))
     else:
         lines.append(f"  straggler: none ({rt['reason'] or 'every rank within 20% of its peers'})")
     return lines
@@ -204,7 +207,7 @@ def _split(rep: dict) -> list:
         return [f"Split: {s['reason']}"]
     t, d = s["roles"]["target"], s["roles"]["drafter"]
     lines = [f"Split of {s['n_gpus']} GPUs{' (--gpus)' if s.get('n_gpus_from') == '--gpus' else ''} "
-             "(capacity = steady-state tokens/s over busy share, per GPU)",
+             "(capacity = steady_tokens_per_s over the busy share of each rank's window, per GPU)",
              f"  capacity per GPU: target {t['capacity_tokens_per_s_per_gpu']:.4g}, drafter "
              f"{d['capacity_tokens_per_s_per_gpu']:.4g} tokens/s: {s['targets_per_drafter_to_balance']:.2f} targets "
              f"per drafter balance them",
@@ -253,8 +256,9 @@ def _steady(rep: dict) -> list:
             lines.append(f"  {role}: - ({r.get('reason')})")
             continue
         phases = ", ".join(f"{n} {v:.1f} s" for n, v in (r.get("phases_seconds") or {}).items() if v > 0.05)
+        segs = f", {r['segments']} segments" if r["segments"] > 1 else ""
         lines.append(f"  {role}: {r['steady_tokens_per_s']:,.0f} tokens/s (steady_tokens_per_s, {r['ranks_measured']} "
-                     f"rank(s), {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
+                     f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
                      f"{phases or 'none'}; warm-up intervals {r['warmup_seconds']:.1f} s")
     return lines
 
@@ -283,8 +287,9 @@ def format_compare(table: dict) -> str:
     head = (f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'n A':>4} {'n B':>4} "
             f"{'unit':<9} verdict")
     lines = [f"dflash-report compare  A {table['a']}  B {table['b']}",
-             "(A and B: means over the steady state of one sample per steady interval and rank, n of them; spread: "
-             "their 10th-90th percentile range; a change is called only when it exceeds both runs' spread)",
+             f"(A and B: means of one sample per interval and rank, n of them, over A's {table['windows']['a']} and "
+             f"B's {table['windows']['b']}; spread: their 10th-90th percentile range; a change is called only when "
+             "it exceeds both runs' spread)",
              "", "Spans (mean per call)", head]
     lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
     lines += ["", "Tokens/s", head]

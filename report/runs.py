@@ -168,9 +168,29 @@ def _did_work(rec: dict) -> bool:
     return bool(tokens) if tokens is not None else bool(rec.get("spans"))
 
 
-def steady_intervals(log: RankLog) -> list:
+@dataclass(frozen=True)
+class Window:
+    """The intervals a figure is read over, and the words every surface names it with. A rank with no steady
+    interval (a short run: all warm-up or final) is read over all of its intervals, and its label says so."""
+    intervals: list
+    steady: int                 # how many of `intervals` are steady
+    fallback: tuple = ()        # the ranks read over all their intervals: none of theirs is steady
+
+    @property
+    def label(self) -> str:
+        n = len(self.intervals)
+        if not self.fallback:
+            return f"steady intervals ({n})"
+        if not self.steady:
+            return ("the only interval" if n == 1 else f"all {n} intervals") + " (none steady: warm-up or final)"
+        return (f"steady intervals ({self.steady}) and all {n - self.steady} of rank "
+                f"{', '.join(map(str, self.fallback))} (none steady there)")
+
+
+def steady_window(log: RankLog) -> Window:
     """The rank's intervals neither warm-up (marked `warmup`) nor final (evaluation, the last checkpoint); in logs
-    without the mark, each segment's start up to the first interval that did work is left out. All if none."""
+    without the mark, each segment's start up to the first interval that did work is left out. All of them,
+    labelled so, when that leaves none."""
     marked = any((s.get("warmup_steps") or 0) > 0 for s in log.run_starts)
     steady, starting = [], True
     for rec in log.intervals:
@@ -184,7 +204,16 @@ def steady_intervals(log: RankLog) -> list:
             starting = not _did_work(rec)
         elif not rec.get("final"):
             steady.append(rec)
-    return steady or list(log.intervals)
+    if steady or not log.intervals:
+        return Window(steady, len(steady))
+    return Window(list(log.intervals), 0, (log.rank,))
+
+
+def merged_window(logs) -> Window:
+    """One window over several ranks (a role, a run): their windows' intervals, in rank order."""
+    parts = [steady_window(log) for log in logs]
+    return Window([r for w in parts for r in w.intervals], sum(w.steady for w in parts),
+                  tuple(rank for w in parts for rank in w.fallback))
 
 
 def phase_spans(run) -> tuple:

@@ -122,10 +122,24 @@ def clean(resumed: bool = False) -> dict:
         drafter += segment(0, "drafter", drafter_intervals(T0 + 10.0, warm=True), 15, 330.0)
     target = segment(1, "target", target_intervals(), 8, 360.0)
     target.insert(3, flows(1, "transfer.send", T, range(1, 5), T0 + 1.4))
-    files = {rank: {k: v for k, v in [r for r in recs if r.get("kind") == "throughput"][-1].items()
-                    if k not in ("type", "kind", "rank", "time_unix")}
-             for rank, recs in ((0, drafter), (1, target))}
-    return {"logs": {0: drafter, 1: target}, "files": files}
+    return {"logs": {0: drafter, 1: target}, "files": throughput_files({0: drafter, 1: target})}
+
+
+def throughput_files(logs: dict) -> dict:
+    """{rank: RUN_DIR/throughput/rank{R}.json}: the fields of the rank's last throughput event."""
+    return {rank: {k: v for k, v in [r for r in recs if r.get("kind") == "throughput"][-1].items()
+                   if k not in ("type", "kind", "rank", "time_unix")} for rank, recs in logs.items()}
+
+
+def only_warmup() -> dict:
+    """The README's default run at --profile-interval 60: each rank's only interval is both warm-up and final,
+    though its throughput meter got past warm-up."""
+    logs = {}
+    for rank, role, intervals, rate in ((0, "drafter", drafter_intervals()[:1], 350.0),
+                                        (1, "target", target_intervals()[:1], 360.0)):
+        intervals[0]["final"] = True
+        logs[rank] = segment(rank, role, intervals, 7, rate)
+    return {"logs": logs, "files": throughput_files(logs)}
 
 
 def write(run_dir: Path, run: dict) -> Path:
@@ -276,6 +290,69 @@ def test_the_report_rows_and_rates_are_checked(tmp_path, monkeypatch):
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", clean()))}
     assert found == {("shares", "hotspots row target target.fwd"), ("order", "hotspots row target target.fwd"),
                      ("agree", "hotspots steady drafter"), ("agree", "hotspots steady_tokens_per_s")}
+
+
+# ---- windows: a figure named steady is read over steady intervals ------------------------------------
+
+def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_path):
+    """Issue 33: the README's default run at --profile-interval 60 has one interval, warm-up and final. Every
+    surface names the window its figures were read over (no "steady intervals"), the rate column is the
+    throughput file's, and the check holds."""
+    import report
+
+    run_dir = write(tmp_path / "run", only_warmup())
+    assert check(run_dir).violations == []
+    rep = report.hotspots(run_dir)
+    only = "the only interval (none steady: warm-up or final)"
+    assert {r["window"] for r in rep["verdict"]["roles"].values()} == {only}
+    assert [(r["window"], r["steady_tokens_per_s"]) for r in rep["ranks"]["ranks"]] == [(only, 350.0), (only, 360.0)]
+    text = report.format_hotspots(rep)
+    assert f"Verdict (drafter: {only}, 1 s; target: {only}, 1 s)" in text and "steady intervals" not in text
+    assert f"ok; {only}, 1 s" in text and "      350 " in text
+    table = report.compare(run_dir, run_dir)
+    assert table["windows"] == {"a": "all 2 intervals (none steady: warm-up or final)"} | {
+        "b": "all 2 intervals (none steady: warm-up or final)"}
+    assert "over A's all 2 intervals (none steady: warm-up or final) and B's" in report.format_compare(table)
+
+
+def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypatch):
+    """The fault issue 33 found: figures read over warm-up (the silent fallback) labelled steady."""
+    from report import runs
+
+    monkeypatch.setattr(runs.Window, "label", property(lambda w: f"steady intervals ({len(w.intervals)})"))
+    found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
+    assert found == {("windows", "hotspots ranks rank 0"), ("windows", "hotspots ranks rank 1"),
+                     ("windows", "hotspots verdict drafter"), ("windows", "hotspots verdict target")}
+
+
+def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypatch):
+    """The other fault: the ranks table's tokens/s read over the intervals (2% off the steady state's)."""
+    from report import report_text
+
+    def interval_rates(rep):
+        rep = copy.deepcopy(rep)
+        for row in rep["ranks"]["ranks"]:
+            row["steady_tokens_per_s"] *= 0.98
+        return report_text.format_hotspots(rep)
+
+    monkeypatch.setattr(check_mod, "format_hotspots", interval_rates)
+    found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
+    assert found == {("agree", "hotspots text ranks rank 0"), ("agree", "hotspots text ranks rank 1")}
+
+
+def test_a_rank_without_its_meter_says_so_instead_of_another_rate(tmp_path):
+    """A target that wrote no throughput event: no rate, no capacity, a reason; never its intervals' rate."""
+    import report
+
+    run = only_warmup()
+    run["logs"][1] = [r for r in run["logs"][1] if r.get("kind") != "throughput"]
+    del run["files"][1]
+    run_dir = write(tmp_path / "run", run)
+    assert check(run_dir).violations == []
+    row = report.hotspots(run_dir)["ranks"]["ranks"][1]
+    assert (row["steady_tokens_per_s"], row["capacity_tokens_per_s"]) == (None, None)
+    text = report.format_hotspots(report.hotspots(run_dir))
+    assert "  rank 1: no steady tokens/s: no throughput event (a run stopped during warm-up" in text
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------

@@ -94,7 +94,16 @@ def _pipeline(run_dir: Path, devices: tuple, transfer: str = "auto", events: tup
         target.append(_interval(1, "target", k, {"target.fwd": _entry(0.1, 100), "transfer.send": send,
                                                  "transfer.wait_slot": _entry(0.4, 100)}, mem_t, last))
     starts = {0: _start(0, "drafter", devices[0], cfg), 1: _start(1, "target", devices[1], cfg)}
-    return _write(run_dir, starts, {0: drafter, 1: target}, events)
+    meters = tuple(_throughput(rank, role, 20_000 / INTERVAL_S) for rank, role in ((0, "drafter"), (1, "target")))
+    return _write(run_dir, starts, {0: drafter, 1: target}, (*events, *meters))
+
+
+def _throughput(rank: int, role: str, tokens_per_s: float) -> dict:
+    """The rank's steady state as dflash/throughput.py writes it at the end of its loop."""
+    seconds = INTERVAL_S * (INTERVALS - 2)
+    return {"type": "event", "kind": "throughput", "rank": rank, "role": role, "time_unix": T0 + INTERVAL_S * INTERVALS,
+            "window": "steady state", "steady_tokens_per_s": tokens_per_s, "steady_tokens": tokens_per_s * seconds,
+            "steady_seconds": seconds, "steady_steps": 10 * (INTERVALS - 2), "phases_seconds": {}}
 
 
 def _trainer_accepts(run_config: dict, flags: list, gpus: int, tmp: Path) -> None:
@@ -214,13 +223,17 @@ def test_gpus_n_gives_the_split_and_a_command_for_n_gpus(tmp_path):
 
 # ---- memory: a leak only on a real trend ------------------------------------------------------------
 
-def _memory_run(run_dir: Path, allocated: list, reserved: list, used_peak_gib: float = 60.0) -> Path:
-    """A one-rank drafter run on one H200 with the given allocator series (bytes, one per interval)."""
+def _memory_run(run_dir: Path, allocated: list, reserved: list, used_peak_gib: float = 60.0,
+                warmup: bool = False) -> Path:
+    """A one-rank drafter run on one H200 with the given allocator series (bytes, one per interval); with
+    `warmup`, one stopped during its warm-up (every interval marked warm-up)."""
     cfg = _config(device="cuda")
     recs = [_interval(0, "drafter", k, {"drafter.fwd_bwd": _entry(0.5, 100)},
-                      _memory(0, used_peak_gib, a, r, max(reserved) / GIB), k == len(allocated) - 1)
+                      _memory(0, used_peak_gib, a, r, max(reserved) / GIB), k == len(allocated) - 1,
+                      **({"warmup": True} if warmup else {}))
             for k, (a, r) in enumerate(zip(allocated, reserved))]
-    return _write(run_dir, {0: _start(0, "drafter", "cuda:0", cfg)}, {0: recs})
+    start = {**_start(0, "drafter", "cuda:0", cfg), **({"warmup_steps": 10_000} if warmup else {})}
+    return _write(run_dir, {0: start}, {0: recs})
 
 
 def _trends(run_dir: Path) -> tuple[dict, list]:
@@ -258,9 +271,10 @@ def test_a_steady_climb_that_would_fill_the_gpu_within_the_run_is_a_leak(tmp_pat
     assert t["leak"] and t["slope_bytes_per_s"] * INTERVAL_S == pytest.approx(2 * GIB, rel=0.05)
     assert t["seconds_to_exhaust"] < t["run_seconds"]
     (leak,) = leaks
-    assert re.fullmatch(r"allocated memory on rank 0 \(drafter\) climbs (1\.9\d|2|2\.0\d) GiB/min in the steady state",
+    assert re.fullmatch(r"allocated memory on rank 0 \(drafter\) climbs (1\.9\d|2|2\.0\d) GiB/min after warm-up",
                         leak["summary"]), leak
-    assert "steady state after warm-up, intervals 2-18 (17 samples, 16.0 min)" in leak["evidence"], leak
+    assert ("the last segment's steady intervals less their first tenth, intervals 2-18 (17 samples, 16.0 min)"
+            in leak["evidence"]), leak
     assert "the 31.0 GiB headroom of the last interval is gone in 15 min (the run so far: 20 min)" in leak["evidence"]
     assert re.search(r"Theil-Sen slope (1\.9\d|2|2\.0\d) GiB/min", leak["evidence"]) and "residual MAD" in leak["evidence"]
     # one interval's outlier does not make or break it
@@ -276,3 +290,16 @@ def test_a_small_climb_into_little_headroom_is_a_leak(tmp_path):
     t = trends["allocated_bytes"]
     assert t["rise_bytes"] < 0.03 * H200_BYTES and t["seconds_to_exhaust"] < t["run_seconds"] and t["leak"]
     assert "headroom of the last interval is gone in 20 min" in leaks[0]["evidence"]
+
+
+def test_a_climb_during_warm_up_is_no_leak_and_names_its_window(tmp_path):
+    """A run stopped during warm-up: its trend is read over every interval of the segment, named so, and never
+    a leak (the caching allocator fills during warm-up)."""
+    n = 20
+    allocated = [20 * GIB + 2 * GIB * k for k in range(n)]
+    trends, leaks = _trends(_memory_run(tmp_path / "warm", allocated, [100 * GIB] * n, used_peak_gib=110.0,
+                                        warmup=True))
+    t = trends["allocated_bytes"]
+    assert leaks == [] and not t["leak"] and t["why"].startswith("no interval past warm-up")
+    assert t["window"] == "the last segment's intervals (none steady: warm-up or final) less their first tenth"
+    assert t["samples"] == n - 2

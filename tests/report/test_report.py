@@ -152,8 +152,8 @@ def test_cli_json_compare_and_plot_without_torch(runs, tmp_path):
     assert rep["compare"]["regressions"] == ["target/target.fetch"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = _report_cli("hotspots", str(runs["base"]))
-    assert text.returncode == 0 and re.search(r"^Verdict \(steady state: .+ of intervals\): drafter-bound$",
-                                              text.stdout, re.M), text.stdout
+    assert text.returncode == 0 and re.search(r"^Verdict \(drafter: steady intervals \(\d+\), \d+ s; target: steady "
+                                              r"intervals \(\d+\), \d+ s\): drafter-bound$", text.stdout, re.M), text.stdout
     assert "matplotlib" not in {ln.split("|")[-1].strip() for ln in text.stderr.splitlines()}
 
 
@@ -204,13 +204,24 @@ def _gpu_memory(used_peak_gib: float, allocated_gib: float, peak_allocated_gib: 
                           "num_alloc_retries": retries, "num_ooms": 0}}
 
 
-def _write_run(run_dir: Path, logs: dict, **config) -> Path:
+def _throughput(recs: list) -> dict:
+    """The steady state dflash/throughput.py writes at the end of a rank's loop: here its intervals' tokens over
+    their wall time."""
+    ivs = [r for r in recs if r["type"] == "interval"]
+    tokens, seconds = sum(r["counters"]["tokens"]["total"] for r in ivs), sum(r["duration_seconds"] for r in ivs)
+    return {"type": "event", "kind": "throughput", "rank": ivs[0]["rank"], "role": ivs[0]["role"],
+            "time_unix": ivs[-1]["time_unix"], "window": "steady state", "steady_tokens_per_s": tokens / seconds,
+            "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": 10 * len(ivs)}
+
+
+def _write_run(run_dir: Path, logs: dict, meter: bool = True, **config) -> Path:
+    """The ranks' logs after a run_start, each with its throughput event (`meter`) as a finished run has."""
     (run_dir / "profile").mkdir(parents=True)
     for rank, recs in logs.items():
         role = recs[0]["role"]
         start = {"type": "run_start", "time_unix": T0, "rank": rank, "role": role, "schema": 1, "run_id": run_dir.name,
                  "hostname": f"host{rank}", "interval_s": 60.0, "config": {"tokens_per_batch": 16384, **config}}
-        lines = [json.dumps(r) for r in (start, *recs)]
+        lines = [json.dumps(r) for r in (start, *recs, *([_throughput(recs)] if meter else []))]
         (run_dir / "profile" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
 
@@ -310,7 +321,8 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
     ranks = {r["rank"]: r for r in rep["ranks"]["ranks"]}
     assert ranks[0]["profiler_share"] == pytest.approx((0.05 + 0.01 + 0.04) / 3) and ranks[1]["profiler_share"] is None
     (f,) = [f for f in rep["findings"] if f["kind"] == "profiler_cost"]
-    assert f["summary"] == "the profiler's own threads cost rank 0 (drafter) 3.3% of the steady-state wall time"
+    assert f["summary"] == ("the profiler's own threads cost rank 0 (drafter) 3.3% of its wall time "
+                            "(steady intervals (3))")
     assert "raise --profile-interval (now 5 s) to 10" in f["next"] and f["flags"][:2] == ["--profile-interval", "10"]
     cheap = [_interval(0, "drafter", i, spans, 10_000, profiler_share=0.005) for i in range(4)]
     assert not [f for f in report.hotspots(_write_run(tmp_path / "cheap", {0: cheap}))["findings"]
@@ -345,3 +357,4 @@ def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
     e = sampled[0]["spans"]["drafter.fwd_bwd"]
     assert (_clock_count(e, "gpu"), _clock_count(e, "cpu")) == (25, 100)
     assert _clock_count({"count": 10, "gpu_unresolved": 2}, "gpu") == 8     # a log from before gpu_count
+
