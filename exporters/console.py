@@ -117,12 +117,14 @@ def format_thread_cpu(record: dict, top: int = 4) -> list:
 
 def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     """run_end records summed over ranks and segments: rows (role, span, total_s, share, mean_s, p95_s,
-    count) by total time, and per role {"wall_seconds", "ranks", "rates"}. A rank's rate is its counter's
-    total over its wall time, a role's the sum of its ranks'; p95 is the worst segment's."""
-    walls, totals, agg = Counter(), defaultdict(Counter), {}
+    count) by total time, and per role {"wall_seconds", "ranks", "segments", "rates"}. A rank's rate is its
+    counter's total over its wall time, a role's the sum of its ranks'; p95 is exact for a role of one rank's one
+    segment, else the worst of theirs (dflash-report hotspots merges their histograms)."""
+    walls, totals, agg, segments = Counter(), defaultdict(Counter), {}, Counter()
     for rec in run_end_records:
         role, key = rec.get("role"), (rec.get("role"), rec.get("rank"))
         walls[key] += rec.get("duration_seconds") or 0.0
+        segments[role] += 1
         totals[key].update({n: c["total"] for n, c in (rec.get("counters") or {}).items()
                             if c.get("total") is not None})
         for sname, e in (rec.get("spans") or {}).items():
@@ -133,7 +135,7 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
             a["p95s"].append(basis(e)[0].get("p95_seconds"))
     roles: dict = {}
     for (role, rank_id), wall in walls.items():
-        r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "rates": {}})
+        r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "segments": segments[role], "rates": {}})
         r["wall_seconds"] += wall
         r["ranks"].append(rank_id)
         for cname, total in totals[(role, rank_id)].items():
@@ -148,23 +150,28 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
 
 def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
     """The end-of-run table over the whole run: spans by total time with their share of the role's wall time,
-    every counter's rate per role, then each role's steady state from its `throughput` events."""
+    every counter's rate per role, then each role's steady state from its ranks' last `throughput` events."""
     rows, roles = hotspot_rows(run_end_records)
     lines = ["whole run:", f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
         lines.append(f"{sname:<24} {str(role):<10} {total:>9.3f} {_pct(share):>7} {_ms(mean):>9} {_ms(p95):>9}")
     if not rows:
         lines.append("(no spans recorded)")
+    several = sorted(str(role) for role, r in roles.items() if r["segments"] > 1)
+    if several:
+        lines.append(f"(p95 of {', '.join(several)}: the worst of its ranks' and segments')")
     for role, r in roles.items():
         rates = ", ".join(f"{n} {v:.1f}/s" for n, v in sorted(r["rates"].items())) or "no counters"
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "
                      f"{r['wall_seconds']:.1f} s, whole run): {rates}")
-    lines.extend(format_steady(throughput_events))
+    resumed = {role for role, r in roles.items() if r["segments"] > len(r["ranks"])}
+    lines.extend(format_steady(throughput_events, resumed))
     return "\n".join(lines)
 
 
-def format_steady(throughput_events: list) -> list:
-    """One line per role: its ranks' steady tokens/s summed, with the window, steps and phases left out."""
+def format_steady(throughput_events: list, resumed=()) -> list:
+    """One line per role: its ranks' steady tokens/s summed, with the window, steps and phases left out (of the
+    last segment for a role in `resumed`: a rank's last event is its last segment's)."""
     by_role: dict = {}
     for e in throughput_events:
         if e.get("steady_tokens_per_s") is not None:
@@ -175,7 +182,8 @@ def format_steady(throughput_events: list) -> list:
         for e in evs:
             phases.update({n: v or 0.0 for n, v in (e.get("phases_seconds") or {}).items()})
         left = ", ".join(f"{n} {v:.1f} s" for n, v in phases.items() if v > 0.05) or "none"
-        lines.append(f"{role} steady state: {sum(e['steady_tokens_per_s'] for e in evs):,.0f} tokens/s "
+        lines.append(f"{role} steady state{' of the last segment' if role in resumed else ''}: "
+                     f"{sum(e['steady_tokens_per_s'] for e in evs):,.0f} tokens/s "
                      f"(steady_tokens_per_s; {sum(e.get('steady_steps') or 0 for e in evs)} steps after "
                      f"{evs[0].get('warmup_steps')} warm-up, over {max(e['steady_seconds'] for e in evs):.1f} s; "
                      f"phases left out: {left})")

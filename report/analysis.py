@@ -47,49 +47,65 @@ def _weighted_quantile(pairs: list, q: float) -> float | None:
 
 
 def _clamp(estimate: float | None, pairs: list) -> float | None:
-    """A run's q-quantile lies between the smallest and largest of its intervals' q-quantiles: clamp
-    the bucket interpolation (coarse inside a wide bucket) to that range."""
+    """The bucket interpolation (coarse inside a wide bucket) clamped to the range of the parts' quantiles."""
     values = [v for v, w in pairs if v is not None and w]
     if estimate is None or not values:
         return estimate
     return min(max(estimate, min(values)), max(values))
 
 
+def _clock_stats(e: dict, on: str) -> tuple[dict, int]:
+    """(stats, how many spans they are over) of a span entry on clock `on`."""
+    if on == "gpu":
+        return e["gpu"], e.get("gpu_count") or e.get("count") or 0
+    return e.get("cpu") or {}, e.get("count") or 0
+
+
+def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, max_seconds: float) -> tuple:
+    """(p50, p95, from) of a role's whole spans on clock `on`. The parts are its ranks' run_end entries when every
+    segment closed with one holding percentiles (exact over its segment), else its intervals'. One part: its own
+    percentiles, exact, as the console's end-of-run table shows them. Several: the intervals' summed histogram
+    buckets interpolated, clamped to the range of the parts' own percentiles (a mixture's quantile lies in it);
+    logs without buckets take the count-weighted quantile of the parts' percentiles."""
+    parts = [_clock_stats(e, on) for e in ends or () if e.get(on)]
+    if not parts or any(st.get("p95_seconds") is None for st, _ in parts):   # run_ends of older logs
+        parts = [_clock_stats(e, on) for e in measured]
+    if len(parts) == 1:
+        return parts[0][0].get("p50_seconds"), parts[0][0].get("p95_seconds"), "exact"
+    p50s = [(st.get("p50_seconds"), w) for st, w in parts]
+    p95s = [(st.get("p95_seconds"), w) for st, w in parts]
+    buckets = [_clock_stats(e, on)[0].get("buckets") for e in measured]
+    if bounds and buckets and all(b is not None and len(b) == len(bounds) + 1 for b in buckets):
+        summed = [sum(column) for column in zip(*buckets)]
+        p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
+        p95, source = _clamp(_histogram_quantile(bounds, summed, 0.95, max_seconds), p95s), "histogram"
+    else:
+        p50, p95, source = _weighted_quantile(p50s, 0.50), _weighted_quantile(p95s, 0.95), "weighted percentiles"
+    if p50 is not None and p95 is not None and p95 < p50:   # order statistics stay ordered (coarse buckets)
+        p95 = p50
+    return p50, p95, source
+
+
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
-    """One ranked span from its entries in every interval of the role's ranks."""
+    """One ranked span from its entries in every interval of the role's ranks (and their run_ends')."""
     entries = a["entries"]
     on = span_clock(entries)
     timed = [e for e in entries if e.get("gpu")]
     measured = timed if on == "gpu" else entries   # the entries whose statistics are on the span's clock
-    stats = [e["gpu"] if on == "gpu" else e.get("cpu") or {} for e in measured]
-    weights = [(e.get("gpu_count") or e.get("count") or 0) if on == "gpu" else e.get("count") or 0 for e in measured]
-    count = sum(e.get("count") or 0 for e in entries)
+    stats = [_clock_stats(e, on) for e in measured]
+    n = sum(w for _, w in stats)
+    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in stats])
     total = sum((clock_seconds(e, on) for e in entries), 0.0)
-    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st in stats])
-    p50s = [(st.get("p50_seconds"), w) for st, w in zip(stats, weights)]
-    p95s = [(st.get("p95_seconds"), w) for st, w in zip(stats, weights)]
-    buckets = [st.get("buckets") for st in stats]
-    # one interval's own percentiles are exact; across intervals, interpolate in the summed histogram
-    from_histogram = len(measured) > 1 and bool(bounds) and all(b is not None and len(b) == len(bounds) + 1
-                                                                for b in buckets)
-    if from_histogram:
-        summed = [sum(column) for column in zip(*buckets)]
-        p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
-        p95 = _clamp(_histogram_quantile(bounds, summed, 0.95, max_seconds), p95s)
-    else:
-        p50, p95 = _weighted_quantile(p50s, 0.50), _weighted_quantile(p95s, 0.95)
-    if p50 is not None and p95 is not None and p95 < p50:   # order statistics stay ordered (coarse buckets)
-        p95 = p50
-    return {"role": role, "span": name, "count": count, "on": on, "total_seconds": total,
-            "self_seconds": sum((self_seconds(e, on) for e in entries), 0.0),
+    p50, p95, source = _quantiles(on, measured, a["ends"], bounds, max_seconds)
+    return {"role": role, "span": name, "count": sum(e.get("count") or 0 for e in entries), "on": on,
+            "total_seconds": total, "self_seconds": sum((self_seconds(e, on) for e in entries), 0.0),
             "cpu_seconds": sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0),
             "gpu_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
             if timed else None,
             "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
             "share": total / role_wall if role_wall > 0 else None,
-            "mean_seconds": _mean_seconds(measured, on, sum(weights)) if sum(weights) else None,
-            "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds,
-            "quantiles_from": "histogram" if from_histogram else "interval percentiles",
+            "mean_seconds": _mean_seconds(measured, on, n) if n else None,
+            "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds, "quantiles_from": source,
             "intervals": len(entries), "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
             **{k: a[k] for k in ("open_intervals", "open_max_seconds", "open_where", "open_at_end")}}
 
@@ -124,15 +140,19 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
     for role, logs in run.by_role().items():
         roles[role] = {"ranks": [log.rank for log in logs],
                        "wall_seconds": sum(wall_seconds(log.intervals) for log in logs)}
+        closed = all(log.run_ends and len(log.run_ends) == len(log.run_starts) for log in logs)
         for log in logs:
             for rec in log.intervals:
                 for name, entry in (rec.get("spans") or {}).items():
                     acc = agg.setdefault((role, name), {"entries": [], "ranks": set(), "open_intervals": 0,
                                                         "open_max_seconds": None, "open_where": None,
-                                                        "open_at_end": False})
+                                                        "open_at_end": False, "ends": [] if closed else None})
                     acc["entries"].append(entry)
                     acc["ranks"].add(log.rank)
                 _add_open(agg, role, log, rec)
+        for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in (end.get("spans") or {}).items()):
+            if closed and (role, name) in agg:
+                agg[(role, name)]["ends"].append(e)
     rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds) for (role, name), a in agg.items()]
     rows.sort(key=lambda r: -r["total_seconds"])
     return {"rows": rows[:top] if top else rows, "spans_total": len(rows), "roles": roles}

@@ -5,7 +5,7 @@ cannot hold (logs written before self time, warm-up marks or phase lists) is ski
 shares     a share is at most 100% of its threads' time; per thread, self time fits in the interval
 order      p50 <= p95 <= p99 <= max and mean <= max; counts non-negative
 agree      one quantity, one value: throughput file = its event = the report's JSON and text; run_end = its
-           intervals summed
+           intervals summed; a one-rank role's percentiles = its run_end's (the console's end-of-run table)
 once       a span's time over the run fits in its threads' wall time; self <= total
 phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
 windows    a figure named steady is read over steady intervals (neither warm-up nor final), and the text names
@@ -17,6 +17,7 @@ Standard library only (the report's loader, profiler.windows and the trace build
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -335,13 +336,14 @@ def _check_past_warmup(res: CheckResult, log, events: list) -> None:
 
 def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
     """Each hotspots row: share at most its threads' (share x role wall <= threads x wall), order
-    statistics in order, self <= total."""
+    statistics in order, self <= total, a one-rank role's percentiles its run_end's."""
     threads: dict = {}
     for log in run.ranks.values():
         for rec in log.intervals:
             for name, e in (rec.get("spans") or {}).items():
                 key = (log.role, name)
                 threads[key] = max(threads.get(key, 1), len(e.get("threads") or ()))
+    roles = run.by_role()
     for row in report["spans"]["rows"]:
         here = f"hotspots row {row['role']} {row['span']}"
         n = threads.get((row["role"], row["span"]), 1)
@@ -351,6 +353,19 @@ def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
         res.expect(row.get("count", 0) >= 0, "order", here, lambda: f"count {row.get('count')} < 0")
         res.expect(_le(row.get("self_seconds"), row.get("total_seconds"), 1e-9), "once", here,
                    lambda: f"self {_fmt(row.get('self_seconds'))} s > total {_fmt(row.get('total_seconds'))} s")
+        _check_row_against_run_end(res, here, row, roles.get(row["role"], []))
+
+
+def _check_row_against_run_end(res: CheckResult, here: str, row: dict, logs: list) -> None:
+    """A role of one rank's one segment: the row's p50, p95 and max are its run_end's (on the row's clock), as
+    the console's end-of-run table prints them."""
+    if len(logs) != 1 or len(logs[0].run_ends) != 1 or len(logs[0].run_starts) != 1:
+        return
+    stats = (((logs[0].run_ends[0].get("spans") or {}).get(row["span"]) or {}).get(row["on"])) or {}
+    for key in ("p50_seconds", "p95_seconds", "max_seconds"):
+        if stats.get(key) is not None:
+            res.expect(math.isclose(row[key] or 0.0, stats[key], rel_tol=1e-9, abs_tol=1e-12), "agree", here,
+                       lambda: f"{key} {_fmt(row[key])} != its run_end's {_fmt(stats[key])}")
 
 
 def _check_role_rates(res: CheckResult, run: Run, rates: dict, report: dict) -> None:

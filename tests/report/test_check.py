@@ -74,17 +74,23 @@ def target_intervals(t0: float = T0) -> list:
 
 
 def run_end(rank: int, role: str, intervals: list, step: int) -> dict:
-    """The segment's aggregates, as profiler/intervals.py sums them: counts, split CPU totals and self times."""
+    """The segment's aggregates, as profiler/intervals.py sums them: counts, split CPU totals and self times;
+    the whole segment's percentiles where a span's spans all ended in one interval (then they are its)."""
     spans: dict = {}
     for rec in intervals:
         for name, e in rec["spans"].items():
-            s = spans.setdefault(name, {"count": 0, "threads": e["threads"], "cpu": {
+            s = spans.setdefault(name, {"count": 0, "threads": e["threads"], "intervals": 0, "cpu": {
                 "total_seconds": 0.0, "self_seconds": 0.0, "max_seconds": None}})
             s["count"] += e["count"]
+            s["intervals"] += 1
             s["cpu"]["total_seconds"] += e["cpu"]["total_seconds"]
             s["cpu"]["self_seconds"] += e["cpu"]["self_seconds"]
             if e["cpu"]["max_seconds"] is not None:
                 s["cpu"]["max_seconds"] = max(s["cpu"]["max_seconds"] or 0.0, e["cpu"]["max_seconds"])
+                s["cpu"].update({k: e["cpu"][k] for k in ("p50_seconds", "p95_seconds")})
+    for s in spans.values():
+        if s.pop("intervals") > 1:
+            s["cpu"].pop("p50_seconds", None), s["cpu"].pop("p95_seconds", None)
     tokens = sum(r["counters"]["tokens"]["total"] for r in intervals)
     return {"type": "run_end", "rank": rank, "role": role, "step": step, "status": "ok",
             "time_unix": intervals[-1]["time_unix"] + 0.01, "duration_seconds": float(len(intervals)),
@@ -290,6 +296,23 @@ def test_the_report_rows_and_rates_are_checked(tmp_path, monkeypatch):
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", clean()))}
     assert found == {("shares", "hotspots row target target.fwd"), ("order", "hotspots row target target.fwd"),
                      ("agree", "hotspots steady drafter"), ("agree", "hotspots steady_tokens_per_s")}
+
+
+def test_a_one_rank_roles_percentiles_are_its_run_ends(tmp_path, monkeypatch):
+    """The report's p50 of a span of a one-rank, one-segment role is the run_end's exact one, the figure the
+    console's end-of-run table prints; a report that interpolated another is caught."""
+    run_dir = write(tmp_path / "run", clean())
+    optim = next(r for r in check_mod.hotspots_of(load_run(run_dir))["spans"]["rows"] if r["span"] == "drafter.optim")
+    assert (optim["p50_seconds"], optim["quantiles_from"]) == (0.02, "exact")
+    real = check_mod.hotspots_of
+
+    def interpolated(run):
+        rep = copy.deepcopy(real(run))
+        next(r for r in rep["spans"]["rows"] if r["span"] == "drafter.optim")["p50_seconds"] = 0.015
+        return rep
+
+    monkeypatch.setattr(check_mod, "hotspots_of", interpolated)
+    assert [(v.invariant, v.where) for v in check_run(run_dir)] == [("agree", "hotspots row drafter drafter.optim")]
 
 
 # ---- windows: a figure named steady is read over steady intervals ------------------------------------

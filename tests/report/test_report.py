@@ -358,3 +358,22 @@ def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
     assert (_clock_count(e, "gpu"), _clock_count(e, "cpu")) == (25, 100)
     assert _clock_count({"count": 10, "gpu_unresolved": 2}, "gpu") == 8     # a log from before gpu_count
 
+
+def test_the_end_of_run_table_names_what_its_p95_and_steady_line_cover():
+    """The console's end-of-run table: a one-segment run's p95 is its run_end's (the one hotspots shows); a
+    resumed rank's p95 is the worst segment's and its steady line the last segment's, and the table says so."""
+    from exporters.console import format_hotspots
+
+    def end(p95_s: float) -> dict:
+        return {"type": "run_end", "rank": 0, "role": "drafter", "duration_seconds": 10.0, "counters": {},
+                "spans": {"drafter.fwd_bwd": {"count": 10, "cpu": {**_stats(0.1, 10), "p95_seconds": p95_s}}}}
+
+    meter = {"role": "drafter", "steady_tokens_per_s": 900.0, "steady_steps": 8, "steady_seconds": 8.0,
+             "warmup_steps": 2}
+    one = format_hotspots([end(0.2)], [meter]).splitlines()
+    assert one[0] == "whole run:" and one[2].split()[-1] == "200.00"
+    assert "drafter steady state: 900 tokens/s (steady_tokens_per_s; 8 steps after 2 warm-up" in one[-1]
+    assert "(p95 of" not in "\n".join(one)
+    two = format_hotspots([end(0.2), end(0.3)], [meter]).splitlines()
+    assert two[2].split()[-1] == "300.00" and two[3] == "(p95 of drafter: the worst of its ranks' and segments')"
+    assert two[-1].startswith("drafter steady state of the last segment: 900 ")
