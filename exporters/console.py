@@ -89,7 +89,7 @@ def format_interval(record: dict) -> str:
         lines.append(f"  {name}: last {_num(g.get('last'))} mean {_num(g.get('mean'))} max {_num(g.get('max'))}")
     metrics = record.get("metrics") or {}
     if metrics:
-        lines.append("  " + "  ".join(f"{n} {_num(m.get('last'))}" for n, m in metrics.items()))
+        lines.append("  last: " + "  ".join(f"{n} {_num(m.get('last'))}" for n, m in metrics.items()))
     lines.extend(format_memory(record.get("memory")))
     lines.extend(format_thread_cpu(record))
     return "\n".join(lines)

@@ -147,8 +147,8 @@ def _waits(report: dict) -> list:
         nxt, flags = _more_drafter(report)
     return [_finding("target_waits_on_slots", f"the target waits {wait:.0%} of its time for a transfer slot "
                                               f"(target: {target['window']})",
-                     f"target: {target['window']}, {target['wall_seconds']:.0f} s: "
-                     + "; ".join(v["evidence"]), nxt, flags)]
+                     "; ".join(f"{role}: {r['window']}, {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
+                     + ": " + "; ".join(v["evidence"]), nxt, flags)]
 
 
 STALL_INTERVALS = 3            # a rank's last intervals with no finished span: a stall

@@ -111,7 +111,7 @@ def plot_run(run: Run, png_path) -> str:
         ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
-    ax.set_title("tokens/s per role (sum over its ranks)", fontsize=9, loc="left")
+    ax.set_title("tokens/s per role per interval (sum over its ranks' interval rates)", fontsize=9, loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     _plot_headroom(axes[-1], tl["gpus"], per)
     axes[-1].set_xlabel(f"{unit} since the run started")

@@ -169,6 +169,8 @@ def test_one_shared_gpu_gets_no_nccl_no_split_and_only_flags_it_accepts(tmp_path
     assert "--transfer" not in send["next"] and send["flags"] == [] and "2 ranks on 1 GPU" in send["next"]
     wait = next(f for f in rep["findings"] if f["kind"] == "target_waits_on_slots")
     assert "share a GPU" in wait["next"] and wait["flags"] == []
+    assert wait["evidence"].startswith("drafter: steady intervals (10), 600 s; target: steady intervals (10), 600 s: "
+                                       "target waits 67% on transfer.wait_slot"), wait["evidence"]
     flags = _check_every_suggestion(rep, gpus=1, tmp=tmp_path)
     assert {"--tokens-per-batch", "--resume", "--max-in-flight", "--memory-history"} <= set(flags)
     assert rep["split"]["best"] is None and "share 1 GPU" in rep["split"]["reason"]

@@ -377,3 +377,12 @@ def test_the_end_of_run_table_names_what_its_p95_and_steady_line_cover():
     two = format_hotspots([end(0.2), end(0.3)], [meter]).splitlines()
     assert two[2].split()[-1] == "300.00" and two[3] == "(p95 of drafter: the worst of its ranks' and segments')"
     assert two[-1].startswith("drafter steady state of the last segment: 900 ")
+
+
+def test_the_interval_summary_says_its_training_scalars_are_the_last_values():
+    """Under "[every figure: this interval]", loss and tau are the interval's last values, not its means."""
+    from exporters.console import format_interval
+
+    text = format_interval({"rank": 0, "role": "drafter", "index": 3, "step": 40, "duration_seconds": 5.0,
+                            "metrics": {"loss": {"last": 2.5, "mean": 2.9}, "tau": {"last": 3.1, "mean": 3.0}}})
+    assert "[every figure: this interval]" in text and "\n  last: loss 2.5  tau 3.1\n" in text
