@@ -41,6 +41,10 @@ def _spans(rep: dict) -> list:
         lines.append(f"  ... {s['spans_total'] - len(s['rows'])} more (--top)")
     for role, r in s["roles"].items():
         lines.append(f"  {role}: {len(r['ranks'])} rank(s), {r['wall_seconds']:.1f} s of intervals over the whole run")
+    estimated = [r["span"] for r in s["rows"] if r["quantiles_from"] != "exact"]
+    if estimated:
+        lines.append(f"  p50 and p95 of {len(estimated)} span(s) are estimates over several ranks, segments or "
+                     "intervals (quantiles_from: summed histogram buckets, or older logs' percentiles); the others exact")
     return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"])
 
 

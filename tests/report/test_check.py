@@ -304,6 +304,9 @@ def test_a_one_rank_roles_percentiles_are_its_run_ends(tmp_path, monkeypatch):
     run_dir = write(tmp_path / "run", clean())
     optim = next(r for r in check_mod.hotspots_of(load_run(run_dir))["spans"]["rows"] if r["span"] == "drafter.optim")
     assert (optim["p50_seconds"], optim["quantiles_from"]) == (0.02, "exact")
+    import report
+    text = report.format_hotspots(report.hotspots(run_dir))
+    assert "p50 and p95 of 4 span(s) are estimates over several ranks, segments or intervals" in text
     real = check_mod.hotspots_of
 
     def interpolated(run):
