@@ -189,9 +189,9 @@ class Window:
 
 def steady_window(log: RankLog) -> Window:
     """The rank's intervals neither warm-up (marked `warmup`) nor final (evaluation, the last checkpoint); in logs
-    without the mark, each segment's start up to the first interval that did work is left out. All of them,
-    labelled so, when that leaves none."""
-    marked = any((s.get("warmup_steps") or 0) > 0 for s in log.run_starts)
+    written before warm-up marks (no run_start `warmup_steps`), each segment's start up to the first interval that
+    did work is left out. All of them, labelled so, when that leaves none."""
+    marked = any("warmup_steps" in s for s in log.run_starts)
     steady, starting = [], True
     for rec in log.intervals:
         if marked:

@@ -341,6 +341,22 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
     assert "over A's all 2 intervals (none steady: warm-up or final) and B's" in report.format_compare(table)
 
 
+def test_a_run_without_warm_up_steps_is_steady_from_its_first_interval(tmp_path):
+    """warmup_steps 0 (a run of under 4 steps): no interval is warm-up, so the first is steady, as the meter's
+    window starts with the loop; the report read it as start-up (a run two real tests make)."""
+    import report
+
+    run = clean()
+    for recs in run["logs"].values():
+        for r in recs:
+            r.pop("warmup", None)
+            if r["type"] == "run_start":
+                r["warmup_steps"] = 0
+    run_dir = write(tmp_path / "run", run)
+    assert check(run_dir).violations == []
+    assert [r["window"] for r in report.hotspots(run_dir)["ranks"]["ranks"]] == ["steady intervals (2)"] * 2
+
+
 def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypatch):
     """The fault issue 33 found: figures read over warm-up (the silent fallback) labelled steady."""
     from report import runs
