@@ -3,8 +3,6 @@
 """
 from __future__ import annotations
 
-from typing import TypedDict
-
 from report import compare as _compare
 from report.advice import memory_margin, split
 from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
@@ -17,39 +15,17 @@ from report.runs import ReportError, Run, load_run, paused_gc
 
 REPORT_SCHEMA = 1
 
-__all__ = ["REPORT_SCHEMA", "Report", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
+__all__ = ["REPORT_SCHEMA", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
            "format_hotspots", "format_compare", "load_run"]
 
 
-class Report(TypedDict):
-    """What `hotspots` answers: a JSON-able dict (`--json` prints it), one key per analysis (docs/REPORT.md)."""
-    report_schema: int
-    run_dir: str
-    run_id: str | None
-    log_schema: int | None
-    segments: int
-    config: dict
-    steady_tokens_per_s: float | None
-    steady: dict
-    spans: dict
-    verdict: dict
-    bandwidth: list
-    memory: dict
-    events: dict
-    transfer_rings: dict
-    hot_frames: dict
-    ranks: dict
-    split: dict
-    memory_margin: dict
-    findings: list
-
-
-def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> Report:
-    """Every analysis of a loaded run, then the findings drawn from them."""
+def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> dict:
+    """Every analysis of a loaded run (a JSON-able dict, one key per analysis: docs/REPORT.md), then the
+    findings drawn from them."""
     ranks = rank_table(run)
     steady = steady_state(run)
     starts = [s for log in run.ranks.values() for s in log.run_starts]
-    report = Report(
+    report = dict(
         report_schema=REPORT_SCHEMA, run_dir=run.run_dir,
         run_id=next((s["run_id"] for s in starts if s.get("run_id")), None),
         log_schema=max((s.get("schema", 0) for s in starts), default=None),
@@ -62,7 +38,7 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> 
     return report
 
 
-def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> Report:
+def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> dict:
     with paused_gc():
         return hotspots_of(load_run(run_dir), top, n_gpus)
 

@@ -21,10 +21,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from monitoring.trace_events import MAX_EVENTS, build_trace, newest_within, prepare, proc_info
 from profiler.windows import clock_seconds, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
 from report.runs import Run, load_run, paused_gc, wall_seconds
+from report.trace import merged_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
 """The phase spans DESIGN.md names ("Phases"): a run that shows one must list it in run_start `phase_spans`."""
@@ -459,8 +459,8 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
 # ---- flows in the merged trace ---------------------------------------------------------------------
 
 def _check_flows(res: CheckResult, run: Run) -> None:
-    """In the merged trace (built as report.trace.merge_traces builds it, in memory), at least
-    FLOW_MATCH_MIN of the sends have their receive, when the run has a target and a drafter that sent."""
+    """In the merged trace (report.trace's, built in memory), at least FLOW_MATCH_MIN of the sends have their
+    receive, when the run has a target and a drafter that sent."""
     if not {"target", "drafter"} <= set(run.by_role()):
         res.note("flows: the run lacks a target or a drafter rank: not checked")
         return
@@ -472,19 +472,11 @@ def _check_flows(res: CheckResult, run: Run) -> None:
         res.note(f"flows: rank(s) {', '.join(map(str, stopped))} stopped early (a signal, a stop or a failure): "
                  "the batches in flight at the stop are never received; not checked")
         return
-    budget = max(1, MAX_EVENTS // len(run.ranks))
-    procs, prepared = [], []
-    for rank, log in run.ranks.items():
-        proc = proc_info(rank, log.run_starts[-1] if log.run_starts else {"role": log.role})
-        kept, _, _ = newest_within(log.spans, budget)
-        procs.append(proc)
-        prepared += [prepare(rank, r) for r in kept]
-    sends = sum(1 for p in prepared for _flow, is_send, _ev in p["flows"] if is_send)
+    counts = merged_trace(run)[1]
+    matched, sends = counts["flows_matched"], counts["flow_sends"]
     if not sends:
         res.note("flows: no transfer.send with a flow in any detail window: not checked")
         return
-    _, counts = build_trace(procs, prepared)
-    matched = counts["flows_matched"]
     res.expect(matched >= FLOW_MATCH_MIN * sends, "flows", "merged trace",
                lambda: f"{matched} of {sends} sends have their receive ({matched / sends:.0%}; "
                        f"at least {FLOW_MATCH_MIN:.0%} must)")

@@ -42,39 +42,30 @@ def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 
     return out
 
 
-def _span_samples(run: Run) -> tuple[dict, dict]:
-    """({(role, span): per-interval mean seconds per call}, {(role, span): calls per second of role time})."""
-    out, calls, walls = {}, Counter(), Counter()
+def _samples(run: Run) -> dict:
+    """One sample per interval of each rank's steady window: {"spans": {(role, span): mean seconds per call},
+    "calls_per_s": {(role, span): calls per second of role time}, "rates": {role: tokens/s, a rank's rate times
+    the role's rank count}, "memory": {gpu: NVML peak used}, "window": their name}."""
+    out = {"spans": {}, "rates": {}, "memory": {}}
+    calls, walls = Counter(), Counter()
+    roles = run.by_role()
     for log in run.ranks.values():
         steady = steady_window(log).intervals
         walls[log.role] += wall_seconds(steady)
         for rec in steady:
             for name, e in (rec.get("spans") or {}).items():
-                if e.get("count") and basis(e)[0].get("total_seconds") is not None:   # whole spans (a CPU total is split)
-                    out.setdefault((log.role, name), []).append(whole_seconds(e) / e["count"])
+                # whole spans: a CPU total is split at the interval's edges
+                if e.get("count") and basis(e)[0].get("total_seconds") is not None:
+                    out["spans"].setdefault((log.role, name), []).append(whole_seconds(e) / e["count"])
                     calls[(log.role, name)] += e["count"]
-    return out, {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
-
-
-def _rate_samples(run: Run) -> dict:
-    """{role: per-interval tokens/s of the role}: a rank's per-interval rate times the role's rank count."""
-    out: dict = {}
-    for role, logs in run.by_role().items():
-        for log in logs:
-            for rec in steady_window(log).intervals:
-                rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
-                if rate is not None:
-                    out.setdefault(role, []).append(rate * len(logs))
-    return out
-
-
-def _memory_samples(run: Run) -> dict:
-    out: dict = {}
-    for log in run.ranks.values():
-        for rec in steady_window(log).intervals:
+            rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
+            if rate is not None:
+                out["rates"].setdefault(log.role, []).append(rate * len(roles[log.role]))
             for g in gpus(rec):
                 if g.get("used_bytes_peak") is not None:
-                    out.setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
+                    out["memory"].setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
+    out["calls_per_s"] = {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
+    out["window"] = merged_window(run.ranks.values()).label
     return out
 
 
@@ -82,24 +73,23 @@ def compare(run_a: Run, run_b: Run) -> dict:
     """{"spans": rows by |change|, "tokens_per_s": per role, "memory": per GPU peak used, "regressions":
     the span names called regressions, "memory_reason" when neither run measured GPU memory, "windows": what
     each run was sampled over}."""
-    (sa, ca), (sb, cb) = _span_samples(run_a), _span_samples(run_b)
+    a, b = _samples(run_a), _samples(run_b)
     spans = []
-    for key in sorted(set(sa) | set(sb)):
-        calls_per_s = max(ca.get(key, 0.0), cb.get(key, 0.0))
+    for key in sorted(set(a["spans"]) | set(b["spans"])):
+        calls_per_s = max(a["calls_per_s"].get(key, 0.0), b["calls_per_s"].get(key, 0.0))
         min_delta = MIN_EFFECT_SHARE / calls_per_s if calls_per_s else 0.0
         role, name = key
-        row = {"role": role, "span": name, **classify(sa.get(key, []), sb.get(key, []), min_delta=min_delta)}
+        row = {"role": role, "span": name, **classify(a["spans"].get(key, []), b["spans"].get(key, []),
+                                                      min_delta=min_delta)}
         if WAIT_SPANS.get(name) == role and row["verdict"] in ("regression", "improvement"):
             row["verdict"] = "wait " + ("longer" if row["verdict"] == "regression" else "shorter")
         spans.append(row)
     spans.sort(key=lambda r: -abs(r["change_ratio"] or 0.0))
-    ra, rb = _rate_samples(run_a), _rate_samples(run_b)
-    rates = {role: classify(ra.get(role, []), rb.get(role, []), higher_is_worse=False)
-             for role in sorted(set(ra) | set(rb))}
-    ma, mb = _memory_samples(run_a), _memory_samples(run_b)
-    memory = {gpu: classify(ma.get(gpu, []), mb.get(gpu, [])) for gpu in sorted(set(ma) | set(mb))}
-    return {"a": run_a.run_dir, "b": run_b.run_dir,
-            "windows": {"a": merged_window(run_a.ranks.values()).label, "b": merged_window(run_b.ranks.values()).label},
+    rates = {role: classify(a["rates"].get(role, []), b["rates"].get(role, []), higher_is_worse=False)
+             for role in sorted(set(a["rates"]) | set(b["rates"]))}
+    memory = {gpu: classify(a["memory"].get(gpu, []), b["memory"].get(gpu, []))
+              for gpu in sorted(set(a["memory"]) | set(b["memory"]))}
+    return {"a": run_a.run_dir, "b": run_b.run_dir, "windows": {"a": a["window"], "b": b["window"]},
             "spans": spans, "tokens_per_s": rates, "memory": memory,
             "memory_reason": None if memory else "no GPU memory measured in either run",
             "regressions": [f"{r['role']}/{r['span']}" for r in spans if r["verdict"] == "regression"]}

@@ -19,23 +19,17 @@ NOISE_MADS = 3.0              # the rise over the window must exceed this many r
 LEAK_TOTAL_SHARE = 0.03       # ... and this share of the GPU's memory, or exhaust its headroom within the run
 
 
-def _dominant_span(rec: dict) -> tuple[str | None, float | None]:
-    """The span with the largest share of an interval: where its time went (the memory peak has no span)."""
-    spans = rec.get("spans") or {}
-    if not spans:
-        return None, None
-    name = max(spans, key=lambda n: spans[n].get("share") or 0.0)
-    return name, spans[name].get("share")
-
-
 def _low_point(log, rec: dict, g: dict, t0: float | None) -> dict:
-    name, share = _dominant_span(rec)
+    """An interval's headroom, and its dominant span: the one with the largest share, where its time went (the
+    memory peak has no span)."""
+    spans = rec.get("spans") or {}
+    name = max(spans, key=lambda n: spans[n].get("share") or 0.0) if spans else None
     t = rec.get("time_unix")
     return {"headroom_bytes": g["headroom_bytes"], "headroom_ratio": g["headroom_bytes"] / g["total_bytes"],
             "used_bytes_peak": g.get("used_bytes_peak"), "time_unix": t,
             "seconds_since_start": t - t0 if t is not None and t0 is not None else None,
             "rank": log.rank, "interval": rec.get("index"), "step": rec.get("step"),
-            "dominant_span": name, "dominant_span_share": share}
+            "dominant_span": name, "dominant_span_share": spans[name].get("share") if name else None}
 
 
 def theil_sen(xs: list, ys: list) -> tuple[float, float]:

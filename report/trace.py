@@ -6,28 +6,36 @@ from pathlib import Path
 
 from monitoring.trace_events import MAX_EVENTS, build_trace, json_safe, newest_within, num, prepare, proc_info, \
     write_trace
-from report.runs import load_run
+from report.runs import Run, load_run
+
+
+def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:
+    """(traceEvents, counts, procs) of a run loaded with its spans: each rank's newest detail windows within
+    its share of max_events (they line up in time); each proc holds its `records` and `evicted` spans."""
+    budget = max(1, max_events // len(run.ranks))
+    procs = []
+    for rank, log in run.ranks.items():
+        proc = proc_info(rank, log.run_starts[-1] if log.run_starts else {"role": log.role})
+        proc["records"], _, proc["evicted"] = newest_within(log.spans, budget)
+        procs.append(proc)
+    events, counts = build_trace(procs, [prepare(p["rank"], r) for p in procs for r in p["records"]])
+    return events, counts, procs
 
 
 def merge_traces(run_dir, out_path=None, max_events: int = MAX_EVENTS) -> dict:
     """The merged trace of RUN_DIR's run logs, written to out_path (default RUN_DIR/trace/merged.json); returns
     a summary. ReportError for a directory with no run logs."""
     run = load_run(run_dir, with_spans=True)
-    budget = max(1, max_events // len(run.ranks))      # newest windows of every rank, which line up in time
-    procs, ranks, evicted, prof_dropped = [], {}, 0, 0
-    for rank, log in run.ranks.items():
-        proc = proc_info(rank, log.run_starts[-1] if log.run_starts else {"role": log.role})
-        proc["records"], _, n_evicted = newest_within(log.spans, budget)
-        proc["segments"] = len(log.run_starts)
-        procs.append(proc)
-        evicted += n_evicted
-        prof_dropped += sum(int(num(r.get("dropped")) or 0) for r in log.spans)
-        ranks[str(rank)] = {**{k: v for k, v in proc.items() if k not in ("rank", "records")},
-                            "bad_lines": log.bad_lines}
-    events, counts = build_trace(procs, [prepare(p["rank"], r) for p in procs for r in p["records"]])
+    events, counts, procs = merged_trace(run, max_events)
     out = Path(out_path) if out_path is not None else Path(run_dir) / "trace" / "merged.json"
-    summary = {"out": str(out), "ranks": list(run.ranks), **counts, "evicted_spans": evicted,
-               "profiler_dropped_spans": prof_dropped, "bad_lines": sum(log.bad_lines for log in run.ranks.values())}
+    summary = {"out": str(out), "ranks": list(run.ranks), **counts,
+               "evicted_spans": sum(p["evicted"] for p in procs),
+               "profiler_dropped_spans": sum(int(num(r.get("dropped")) or 0) for log in run.ranks.values()
+                                             for r in log.spans),
+               "bad_lines": sum(log.bad_lines for log in run.ranks.values())}
+    ranks = {str(p["rank"]): {**{k: v for k, v in p.items() if k not in ("rank", "records", "evicted")},
+                              "segments": len(run.ranks[p["rank"]].run_starts),
+                              "bad_lines": run.ranks[p["rank"]].bad_lines} for p in procs}
     meta = {"source": "run logs", "run_dir": run.run_dir, "timebase": "Unix microseconds",
             **{k: v for k, v in summary.items() if k not in ("out", "ranks")}, "ranks": ranks}
     write_trace(out, events, json_safe(meta))
