@@ -7,6 +7,7 @@ end-of-turn token, found by rendering the chat template prefix by prefix. Work p
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,8 +211,6 @@ def load_conversations(path, tokenizer, max_length: int, on_bad_record: str = "s
                        chat_template: str | None = None) -> tuple[list[Sample], BadRecords]:
     """Read and tokenise a JSONL file of conversations (bad records: see iter_samples). A missing file
     or one with no usable record raises ValueError naming it."""
-    if on_bad_record not in ("skip", "fail"):
-        raise ValueError(f"on_bad_record must be 'skip' or 'fail', got {on_bad_record!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     path = Path(path)
@@ -262,26 +261,21 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
 
 
 class TokenBatcher:
-    """Infinite, deterministic, resumable Batches with batch_size * longest <= tokens_per_batch: each epoch
-    a permutation from (seed, epoch), of which shard r of n takes every n-th sample."""
+    """Infinite, deterministic Batches with batch_size * longest <= tokens_per_batch: each epoch a
+    permutation from (seed, epoch), of which shard r of n takes every n-th sample. A resumed target
+    replays the batches it had consumed."""
 
     def __init__(self, samples: list[Sample], tokens_per_batch: int, pad_token_id: int, seed: int,
                  shard: int = 0, num_shards: int = 1):
-        if tokens_per_batch < 1:
-            raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         if num_shards < 1 or not 0 <= shard < num_shards:
             raise ValueError(f"shard must be in [0, num_shards), got shard={shard} num_shards={num_shards}")
         if len(samples) < num_shards:
             raise ValueError(f"{len(samples)} samples cannot be split into {num_shards} non-empty shards")
         self.samples, self.tokens_per_batch, self.pad_token_id = samples, tokens_per_batch, pad_token_id
         self.seed, self.shard, self.num_shards = seed, shard, num_shards
-        self.epoch = self.batch_index = 0
-        self._plan: tuple[int, list[list[int]]] | None = None
 
     def epoch_plan(self, epoch: int) -> list[list[int]]:
         """Sample indices of every batch this shard yields in `epoch`."""
-        if self._plan is not None and self._plan[0] == epoch:
-            return self._plan[1]
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
         batches: list[list[int]] = []
         current, longest = [], 0
@@ -293,32 +287,9 @@ class TokenBatcher:
             current.append(index)
             longest = max(longest, n)
         batches.append(current)
-        self._plan = (epoch, batches)
         return batches
 
     def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        plan = self.epoch_plan(self.epoch)
-        indices = plan[self.batch_index]
-        # Advance before returning, so state_dict() taken after a batch resumes at the next one.
-        self.batch_index += 1
-        if self.batch_index == len(plan):
-            self.epoch, self.batch_index = self.epoch + 1, 0
-        return collate([self.samples[i] for i in indices], self.pad_token_id)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
-                "shard": self.shard, "num_shards": self.num_shards,
-                "num_samples": len(self.samples), "tokens_per_batch": self.tokens_per_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "shard", "num_shards", "num_samples", "tokens_per_batch"):
-            mine = len(self.samples) if key == "num_samples" else getattr(self, key)
-            if state.get(key) != mine:
-                raise ValueError(f"batcher state has {key}={state.get(key)!r} but this batcher has {mine!r}")
-        batch_index = int(state["batch_index"])
-        if not 0 <= batch_index < len(self.epoch_plan(int(state["epoch"]))):
-            raise ValueError(f"batcher state batch_index={batch_index} is outside epoch {state['epoch']}")
-        self.epoch, self.batch_index = int(state["epoch"]), batch_index
+        for epoch in itertools.count():
+            for indices in self.epoch_plan(epoch):
+                yield collate([self.samples[i] for i in indices], self.pad_token_id)
