@@ -81,8 +81,6 @@ class WorkerContext:
     mask_token_id: int
     ctrl_group: object
     """gloo group over all ranks: headers, metadata, STOP, host-staged payloads."""
-    data_group: object
-    """Default group: NCCL between GPUs, gloo on CPU."""
     drafter_group: object
     """Drafter ranks only (gradient all-reduce)."""
     drafter_ctrl_group: object
@@ -121,8 +119,7 @@ def run_target(ctx: WorkerContext) -> None:
         next(batches)
     drafter = topo.drafter_of(rank)
     stop = transfer.StopSignal(drafter, ctx.ctrl_group)
-    sender = transfer.Sender(drafter, ctx.ctrl_group, ctx.data_group, cfg.parallel.max_in_flight, ctx.device_payload,
-                             ctx.device)
+    sender = transfer.Sender(drafter, ctx.ctrl_group, cfg.parallel.max_in_flight, ctx.device_payload, ctx.device)
     staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.parallel.max_in_flight + 1)
     meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
@@ -189,7 +186,8 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
     layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.model.num_target_layers)
     fused.ENABLED = cfg.model.fused_elementwise
     torch.manual_seed(cfg.optim.seed)  # identical initialisation on every drafter rank
-    dcfg = draft_config_for_target(head.config, num_layers=_num_draft_layers(ctx), block_size=cfg.model.block_size,
+    num_layers = cfg.model.num_draft_layers or (2 if cfg.model.target_model is None else 5)
+    dcfg = draft_config_for_target(head.config, num_layers=num_layers, block_size=cfg.model.block_size,
                                    layer_ids=layer_ids, mask_token_id=ctx.mask_token_id,
                                    attn_backend=cfg.model.attn_backend)
     model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head).to(ctx.device)
@@ -205,21 +203,15 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
     return state
 
 
-def _num_draft_layers(ctx: WorkerContext) -> int:
-    if ctx.cfg.model.num_draft_layers is not None:
-        return ctx.cfg.model.num_draft_layers
-    return 2 if ctx.cfg.model.target_model is None else 5
-
-
 def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> None:
     cfg, topo = ctx.cfg, ctx.topo
     producers = topo.producers_of(ctx.rank)
-    rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.data_group, ctx.device, ctx.device_payload,
-                           transfer.PinnedPool(2) if ctx.device.type == "cuda" and not ctx.device_payload
-                           else None)
+    rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.device, ctx.device_payload)
     stopped_by = None
-    if ctx.rank == 0:
-        _remove_stale_partials(ctx.run_dir / "checkpoints")
+    if ctx.rank == 0:   # what a writer that died mid-save left behind, cleaned (and recorded)
+        handled = checkpoint.remove_stale_partials(ctx.run_dir / "checkpoints")
+        if handled:
+            profiler.event("stale_checkpoint_partials", names=handled)
     meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg, "drafter"),
                             start_step=state.step, compile_seconds_fn=compile_seconds)
     while state.step < cfg.optim.max_steps:
@@ -227,7 +219,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
             msg = rx.get()
-        if msg is not None and WireHeader.from_ints(msg.ints).detail:
+        if msg is not None and WireHeader(*msg.ints).detail:
             profiler.keep_step()   # the target's detail window holds this batch: so does ours
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
@@ -359,10 +351,3 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
         path = checkpoint.save_run_checkpoint(ckpt_dir, state.step, state.model, extra)
     profiler.event("checkpoint", step=state.step, path=str(path),
                    seconds=round(time.perf_counter() - t0, 3))
-
-
-def _remove_stale_partials(ckpt_dir: Path) -> None:
-    """What a writer that died mid-save left behind, cleaned at the next start (and recorded)."""
-    handled = checkpoint.remove_stale_partials(ckpt_dir)
-    if handled:
-        profiler.event("stale_checkpoint_partials", names=handled)

@@ -41,7 +41,7 @@ class Message:
     meta: torch.Tensor
     """[rows, N] int64 CPU metadata (dflash.pack.META_FIELDS)."""
     ints: list[int] = field(default_factory=list)
-    """At most four header ints (dflash.pack.WireHeader); the first is the batch index."""
+    """At most four header ints (dflash.pack.WireHeader), received zero-padded to four; the first is the batch."""
     src: int = -1
     """Sender rank (set on receipt)."""
     ready: object = None
@@ -190,9 +190,9 @@ class Sender:
     """Target side: `acquire()` a slot, `submit()` a message (NCCL: launched there, the only thread that
     calls NCCL); the sender thread sends header and metadata, waits for the send, frees the slot."""
 
-    def __init__(self, dst: int, ctrl_group, data_group, max_in_flight: int, device_payload: bool,
+    def __init__(self, dst: int, ctrl_group, max_in_flight: int, device_payload: bool,
                  device: torch.device | None = None):
-        self.dst, self._ctrl, self._data, self._device = dst, ctrl_group, data_group, device
+        self.dst, self._ctrl, self._device = dst, ctrl_group, device
         self._flow = f"{dist.get_rank()}:"   # + batch index: the trace's arrow to the drafter's recv
         self._device_payload = device_payload
         self._stream = torch.cuda.Stream(device) if device_payload and device is not None else None
@@ -206,8 +206,7 @@ class Sender:
         self._thread.start()
 
     def acquire(self) -> None:
-        while not self._slots.acquire(timeout=0.5):
-            self._check()
+        self._slots.acquire()   # a failed sender thread releases one, so this returns and _check() raises
         self.in_flight += 1
         _ring("slot_acquired", dst=self.dst, in_flight=self.in_flight, sent=self.sent)
         self._check()
@@ -238,17 +237,16 @@ class Sender:
             profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1])
             # nan@transfer.send: the corrupted copy is made on this stream and kept by msg until sent.
             msg.payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))
-            works = [dist.isend(msg.payload, self.dst, group=self._data)]
+            works = [dist.isend(msg.payload, self.dst)]
             if msg.fingerprint is not None:
-                works.append(dist.isend(msg.fingerprint, self.dst, group=self._data))
+                works.append(dist.isend(msg.fingerprint, self.dst))
             for work in works:
                 work.wait()
         return works
 
     def close(self) -> None:
         self._q.put(None)
-        while self._thread.is_alive():
-            self._thread.join(timeout=0.5)
+        self._thread.join()
         self._check()
 
     def _check(self) -> None:
@@ -361,14 +359,15 @@ def _batch(msg: Message) -> int | None:
 
 class Receiver:
     """Drafter side: a thread receiving from any producer into a bounded queue; `get()` returns the
-    next Message, or None once every producer has sent END."""
+    next Message, or None once every producer has sent END. Host-staged on a GPU, it receives into
+    reused pinned buffers."""
 
-    def __init__(self, producers: list[int], ctrl_group, data_group, device: torch.device,
-                 device_payload: bool, pool: PinnedPool | None, queue_size: int = 2):
-        self.producers, self._ctrl, self._data = list(producers), ctrl_group, data_group
-        self._device, self._device_payload, self._pool = device, device_payload, pool
+    def __init__(self, producers: list[int], ctrl_group, device: torch.device, device_payload: bool,
+                 queue_size: int = 2):
+        self.producers, self._ctrl = list(producers), ctrl_group
+        self._device, self._device_payload = device, device_payload
+        self._pool = PinnedPool(2) if device.type == "cuda" and not device_payload else None
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.received = 0
         profiler.register_forensics("transfer_ring", dump_flight_recorder)
         self._thread = threading.Thread(target=self._run, name="drafter.receiver", daemon=True)
         self._thread.start()
@@ -377,23 +376,14 @@ class Receiver:
         return self._q.qsize()
 
     def get(self) -> Message | None:
-        while True:
-            try:
-                item = self._q.get(timeout=0.5)
-            except queue.Empty:
-                if self._thread.is_alive():
-                    continue
-                try:   # it may have queued its last item between our timeout and its exit
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    raise RuntimeError("drafter.receiver thread exited without ending the stream") from None
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
-            if item is not None and item.ints:
-                # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
-                # detail (WireHeader.detail): kept in the detail window when the target kept its send.
-                profiler.tag(flow=f"{item.src}:{item.ints[0]}", detail=item.ints[3:4] == [1])
-            return item
+        item = self._q.get()   # the thread's last item is always None or its exception
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
+        if item is not None and item.ints:
+            # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
+            # detail (WireHeader.detail): kept in the detail window when the target kept its send.
+            profiler.tag(flow=f"{item.src}:{item.ints[0]}", detail=item.ints[3:4] == [1])
+        return item
 
     def drain(self) -> int:
         """Discard messages until every producer has ended; returns how many were dropped."""
@@ -411,9 +401,9 @@ class Receiver:
             # Allocated on, and received into on, this thread's stream; NCCL's wait() orders the
             # stream after the receive without blocking the host.
             payload = torch.empty(shape, dtype=dtype, device=self._device)
-            dist.recv(payload, src, group=self._data)
+            dist.recv(payload, src)
             if fp is not None:
-                dist.recv(fp, src, group=self._data)
+                dist.recv(fp, src)
             return Message(payload, meta, ints, src, ready=_record_event(), fingerprint=fp)
         # CPU: gloo straight into the tensor the drafter uses. Host-staged on a GPU: gloo into a reused
         # pinned buffer, then h2d_copy on this stream.
@@ -455,7 +445,6 @@ class Receiver:
                 _ring("received", src=src, batch=_batch(msg), ready=_event_state(msg.ready),
                       queued=self._q.qsize())
                 self._q.put(msg)
-                self.received += 1
             self._q.put(None)
         except BaseException as e:
             _ring("receiver_failed", error=repr(e)[:200])

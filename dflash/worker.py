@@ -156,7 +156,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     ctx = loops.WorkerContext(
         cfg=cfg, topo=topo, rank=rank, device=device, run_dir=run_dir, target_dir=paths.target_dir,
         samples=samples, pad_token_id=tokenizer.pad_token_id, mask_token_id=builtin.mask_token_id(tokenizer),
-        ctrl_group=ctrl, data_group=None, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
+        ctrl_group=ctrl, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
         stop_requested=stop, resume_state=resume_state, device_payload=device_payload)
     if rank == 0:
         _write_resolved_config(cfg, topo, run_dir, device, device_payload)

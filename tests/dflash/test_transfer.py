@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, steps: int, stop_after: int | None
     try:
         if topo.role(rank) == "target":
             stop = transfer.StopSignal(topo.drafter_of(rank), ctrl)
-            sender = transfer.Sender(topo.drafter_of(rank), ctrl, None, max_in_flight=2, device_payload=False)
+            sender = transfer.Sender(topo.drafter_of(rank), ctrl, max_in_flight=2, device_payload=False)
             sent = 0
             for i in range(topo.quota(rank, steps)):
                 if stop.requested():
@@ -47,8 +47,7 @@ def _worker(rank: int, world: int, port: int, steps: int, stop_after: int | None
             stop.wait()
             out.put(("target", rank, sent, sender.sent))
         else:
-            rx = transfer.Receiver(topo.producers_of(rank), ctrl, None, torch.device("cpu"),
-                                   device_payload=False, pool=None)
+            rx = transfer.Receiver(topo.producers_of(rank), ctrl, torch.device("cpu"), device_payload=False)
             seen: dict[int, list[int]] = {}
             ok = True
             for _ in range(stop_after if stop_after is not None else steps):

@@ -45,7 +45,7 @@ def _payload(i: int, device) -> torch.Tensor:
 
 def _target(device, device_payload: bool, ctrl) -> None:
     staging = transfer.Staging(device, device_payload, count=3)
-    sender = transfer.Sender(0, ctrl, None, max_in_flight=2, device_payload=device_payload,
+    sender = transfer.Sender(0, ctrl, max_in_flight=2, device_payload=device_payload,
                              device=device)
     for i in range(STEPS):
         sender.acquire()
@@ -65,8 +65,7 @@ def _target(device, device_payload: bool, ctrl) -> None:
 
 
 def _drafter(device, device_payload: bool, ctrl, out) -> None:
-    pool = None if device_payload else transfer.PinnedPool(2)
-    rx = transfer.Receiver([1], ctrl, None, device, device_payload, pool, queue_size=1)
+    rx = transfer.Receiver([1], ctrl, device, device_payload, queue_size=1)
     same, flags = [], []
     while (msg := rx.get()) is not None:
         time.sleep(0.02)                          # a slow drafter: the receiver fills its queue

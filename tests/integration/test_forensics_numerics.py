@@ -189,7 +189,7 @@ def _transfer_worker(rank: int, port: int, out) -> None:
     try:
         if rank == 1:
             stop = transfer.StopSignal(0, ctrl)
-            sender = transfer.Sender(0, ctrl, None, max_in_flight=2, device_payload=False)
+            sender = transfer.Sender(0, ctrl, max_in_flight=2, device_payload=False)
             for i in range(3):
                 sender.acquire()
                 payload = torch.full((5, 4), float(i), dtype=torch.bfloat16)
@@ -198,7 +198,7 @@ def _transfer_worker(rank: int, port: int, out) -> None:
             sender.close()
             stop.wait()
         else:
-            rx = transfer.Receiver([1], ctrl, None, torch.device("cpu"), device_payload=False, pool=None)
+            rx = transfer.Receiver([1], ctrl, torch.device("cpu"), device_payload=False)
             got = [rx.get() for _ in range(3)]
             transfer.send_stop([1], ctrl)
             assert rx.drain() == 0
