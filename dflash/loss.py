@@ -35,8 +35,6 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: 
                    generator: torch.Generator) -> torch.Tensor:
     """Sorted flat indices a with loss_mask[a] and loss_mask[a+1] in the same document, at most
     num_anchors per document, drawn uniformly without replacement (CPU tensors, CPU generator)."""
-    if num_anchors < 1:
-        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
     lm = loss_mask.to(torch.bool)
     ok = lm[:-1] & lm[1:] & (doc_ids[:-1] == doc_ids[1:])
     cand = ok.nonzero().squeeze(1)
@@ -56,8 +54,6 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """exp(-(k-1)/gamma) for k = 1..B-1."""
-    if gamma <= 0:
-        raise ValueError(f"gamma: must be > 0, got {gamma}")
     k = torch.arange(1, block_size, dtype=torch.float64)
     return torch.exp(-(k - 1) / gamma)
 

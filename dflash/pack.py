@@ -21,20 +21,15 @@ META_DTYPES = (torch.int64, torch.int64, torch.int32, torch.bool)
 
 
 class WireHeader(NamedTuple):
-    """The integers a packed batch's transfer header carries (Message.ints; the first is the batch index)."""
+    """The four integers a packed batch's transfer header carries (Message.ints), in this order."""
     batch_index: int
     noise_seed: int
     """Seed of the hidden-state noise (PackedBatch.noise_seed)."""
     split: int
     """1 when the K layers travel separately (PackedBatch.split)."""
-    detail: int = 0
+    detail: int
     """1 when the target's detail window holds the batch (profiler.in_detail() as it packed it), so the drafter
     keeps the step that trains on it (profiler.keep_step()) and a trace holds both ends of its transfer."""
-
-    @classmethod
-    def from_ints(cls, ints) -> "WireHeader":
-        """The header from Message.ints (slots past its fields are padding; missing trailing ones default)."""
-        return cls(*ints[:len(cls._fields)])
 
 
 def _add_noise(ctx: torch.Tensor, noise_scale: float, noise_seed: int) -> torch.Tensor:
@@ -80,8 +75,8 @@ class PackedBatch:
     @classmethod
     def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
         """The batch to_wire() described, from the payload (on `device`), the metadata rows and the
-        header's ints (slots past WireHeader's fields are padding); the metadata goes up in one copy."""
-        header = WireHeader.from_ints(ints)
+        header's ints; the metadata goes up in one copy."""
+        header = WireHeader(*ints)
         if rows.shape[0] != len(META_FIELDS):
             raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
         cpu = {name: rows[i].to(dtype) for i, (name, dtype) in enumerate(zip(META_FIELDS, META_DTYPES))}
@@ -128,8 +123,6 @@ def pack_hidden(layers: list[torch.Tensor], batch, noise_scale: float, noise_see
     if tuple(batch.attention_mask.shape) != (b, t):
         raise ValueError(f"pack_hidden: attention_mask {tuple(batch.attention_mask.shape)} does not "
                          f"match hidden {(b, t, h)}")
-    if noise_scale < 0:
-        raise ValueError(f"pack_hidden: noise_scale must be >= 0, got {noise_scale}")
     device, dtype, k = layers[0].device, layers[0].dtype, len(layers)
     flat, doc_ids, position_ids = _flat_indices(batch.attention_mask)
     n = flat.shape[0]
