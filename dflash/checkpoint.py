@@ -206,13 +206,13 @@ def load_training_state(ckpt_path: Path, mmap: bool = False) -> dict:
     return state
 
 
-def load_resume_state(run_dir: Path, mmap: bool = False) -> dict:
+def load_resume_state(run_dir: Path) -> dict:
     """The latest checkpoint's training state plus its model weights ("model") and path ("path")."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
-    state = load_training_state(path, mmap=mmap)
+    state = load_training_state(path)
     missing = [k for k in ("step", "consumed", "optimizer", "scheduler") if k not in state]
     if missing:
         raise CheckpointError(f"{path / STATE_NAME}: not a training state (no {', '.join(missing)})")

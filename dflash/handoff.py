@@ -47,12 +47,10 @@ def long_lived():
 def write_gate(fd: int, data: bytes) -> None:
     """Launcher side: the config into one rank's gate, then close it (a rank gone is the supervisor's)."""
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except BrokenPipeError:
+        with os.fdopen(fd, "wb") as gate:
+            gate.write(data)
+    except BrokenPipeError:   # the file is closed all the same
         pass
-    os.close(fd)
 
 
 def read_gate(environ=os.environ) -> bytes:

@@ -46,13 +46,12 @@ RECENT_S = 30.0
 class Progress:
     """One line, rewritten in place on a terminal; on a pipe or file, a line every `every_s` seconds."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, stream=None, every_s: float = 10.0,
-                 clock=time.monotonic, refresh_s: float = 0.5):
+    def __init__(self, total_steps: int, stream=None, every_s: float = 10.0, clock=time.monotonic,
+                 refresh_s: float = 0.5):
         self.total, self.stream, self.every_s, self.clock = total_steps, stream or sys.stdout, every_s, clock
         self.refresh_s = refresh_s
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = self._last_print = clock()
-        self.start_step = start_step
         self._loss = self._tau = None
         self._in_flight: tuple | None = None   # (loss, tau) being copied to the host
         self._started_at = None

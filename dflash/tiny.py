@@ -180,20 +180,14 @@ MIN_NEW_TOKENS, MAX_NEW_TOKENS = 32, 96
 GENERATE_BATCH = 256
 
 
-def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int,
-                         exclude_from=None, num_threads: int = 1) -> Path:
-    """Write JSONL conversations whose assistant turn is the target's greedy continuation, skipping the
-    prompts of `exclude_from` (a held-out split); on `num_threads` threads (the ops are tiny)."""
-    if num_conversations < 1:
-        raise ValueError(f"num_conversations must be >= 1, got {num_conversations}")
-    with intra_op_threads(num_threads):
-        return _build_corpus(target_dir, Path(out_path), num_conversations, seed, exclude_from)
-
-
 @torch.no_grad()
-def _build_corpus(target_dir, out_path: Path, num_conversations: int, seed: int, exclude_from) -> Path:
+@intra_op_threads(1)   # the ops are tiny
+def build_builtin_corpus(target_dir, out_path, num_conversations: int, seed: int, exclude_from=None) -> Path:
+    """Write JSONL conversations whose assistant turn is the target's greedy continuation, skipping the
+    prompts of `exclude_from` (a held-out split), on one thread."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    out_path = Path(out_path)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     stop_ids = {tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id}

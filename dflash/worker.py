@@ -172,7 +172,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             loops.run_target(ctx)
         else:
             state = loops.build_drafter(ctx)
-            progress = Progress(cfg.optim.max_steps, state.step) if rank == 0 else NullProgress()
+            progress = Progress(cfg.optim.max_steps) if rank == 0 else NullProgress()
             loops.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
             if rank == 0 and cfg.data.eval_prompts > 0:

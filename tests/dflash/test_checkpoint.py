@@ -138,9 +138,9 @@ def test_a_training_state_that_would_run_code_is_refused(tmp_path, target_dir):
     marker = tmp_path / "pwned"
     torch.save({"step": 4, "consumed": {}, "optimizer": {}, "scheduler": _RunsCode(marker)},
                path / "training_state.pt")
-    for mmap in (False, True):
-        with pytest.raises(ckpt.CheckpointError) as e:
-            ckpt.load_resume_state(tmp_path, mmap=mmap)
+    for load in (lambda: ckpt.load_resume_state(tmp_path), lambda: ckpt.load_training_state(path, mmap=True)):
+        with pytest.raises(ckpt.CheckpointError) as e:   # --resume's loader, and the preflight's look
+            load()
         assert str(e.value).startswith(f"{path / 'training_state.pt'}: refused: it references ")
         assert "system" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ckpt.CheckpointError, match="refused"):
@@ -216,8 +216,8 @@ def test_a_training_state_in_the_old_plain_pickle_format_is_refused_as_unsafe(tm
     """Issue 34 row 17: torch.save's legacy (non-zip) format was refused with a misleading mmap message."""
     path = _run_checkpoint(tmp_path, target_dir)
     torch.save({"step": 1}, path / "training_state.pt", _use_new_zipfile_serialization=False)
-    for mmap in (False, True):
+    for load in (lambda: ckpt.load_resume_state(tmp_path), lambda: ckpt.load_training_state(path, mmap=True)):
         with pytest.raises(ckpt.CheckpointError, match=r"training_state.pt: not a safe checkpoint file: refused "
                                                        r"\(a bare pickle, not torch.save's zip format; code could "
                                                        r"run on load\)"):
-            ckpt.load_resume_state(tmp_path, mmap=mmap)
+            load()

@@ -182,5 +182,3 @@ def test_ensure_builtin_holds_out_eval_prompts_and_is_idempotent(tmp_path):
     stamps = [p.stat().st_mtime_ns for p in (data.train_path, data.eval_path)]
     again = ensure_builtin(tmp_path / "b", seed=0, num_train=24, num_eval=8)
     assert again == data and [p.stat().st_mtime_ns for p in (data.train_path, data.eval_path)] == stamps
-    with pytest.raises(ValueError, match="num_conversations must be >= 1"):
-        build_builtin_corpus(data.target_dir, tmp_path / "x.jsonl", 0, seed=0)
