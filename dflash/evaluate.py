@@ -37,7 +37,7 @@ def _prompt_length(sample) -> int:
 
 
 @torch.no_grad()
-def run_eval(ctx, model, heldout: list, tokenizer) -> dict:
+def run_eval(ctx, model, heldout: list, tokenizer) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg, device = ctx.cfg, ctx.device
@@ -71,14 +71,12 @@ def run_eval(ctx, model, heldout: list, tokenizer) -> dict:
           f"{simulated_independent:.2f} by the independent-positions formula)",
           file=sys.stderr if mismatches else sys.stdout)
     model.train()
-    return result
 
 
 def _simulated_tau(ctx, model, target, layer_ids, heldout) -> float:
     """Teacher-forced acceptance on the held-out conversations, exactly as training measures it."""
     capture = TargetCapture(target, layer_ids)
-    batcher = TokenBatcher(heldout[:max(ctx.cfg.data.eval_prompts, 1)], max(ctx.cfg.data.tokens_per_batch, 1),
-                           ctx.pad_token_id, seed=0)
+    batcher = TokenBatcher(heldout[:ctx.cfg.data.eval_prompts], ctx.cfg.data.tokens_per_batch, ctx.pad_token_id, seed=0)
     batch = next(iter(batcher))
     layers = capture(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
     packed = pack_hidden(layers, batch, 0.0, 0, False)

@@ -52,11 +52,10 @@ class ThroughputMeter:
         if self.t0_s is not None:
             self.phases_s[name] = self.phases_s.get(name, 0.0) + seconds
 
-    def finish(self, step: int, tokens_total: int) -> dict | None:
-        """Write the file and the `throughput` event; None (nothing written) when the run ended before
-        warm-up was over."""
+    def finish(self, step: int, tokens_total: int) -> None:
+        """Write the file and the `throughput` event; nothing when the run ended before warm-up was over."""
         if self.t0_s is None or step <= self.mark_step:
-            return None
+            return
         wall_s = self._now_s() - self.t0_s
         phases = {**self.phases_s, "drafter.compile": self.compile_seconds_fn() - self.compile0_s}
         seconds = wall_s - sum(phases.values())
@@ -69,4 +68,3 @@ class ThroughputMeter:
         self.path.parent.mkdir(exist_ok=True)
         self.path.write_text(json.dumps(out) + "\n")
         profiler.event("throughput", **out)
-        return out

@@ -23,7 +23,7 @@ import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.config import ConfigError, TrainConfig
 from dflash.run_lock import hold_run_dir
-from profiler.records import printable
+from profiler.records import printable, rank_logs
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -341,7 +341,7 @@ def _print_final(run_dir: Path) -> None:
     from exporters.console import format_hotspots
 
     ends, steady = [], []
-    for path in sorted((run_dir / "profile").glob("rank*.jsonl"), key=lambda p: int(p.stem[4:] or 0)):
+    for path in rank_logs(run_dir).values():
         records, _ = profiler.read_records(path)
         ends += [r for r in records if r.get("type") == "run_end"]
         steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
