@@ -206,12 +206,12 @@ def load_training_state(ckpt_path: Path, mmap: bool = False) -> dict:
     return state
 
 
-def load_resume_state(run_dir: Path) -> dict:
-    """The latest checkpoint's training state plus its model weights ("model") and path ("path")."""
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    path = latest_checkpoint(ckpt_dir)
+def load_resume_state(run_dir: Path) -> dict | None:
+    """The latest checkpoint's training state plus its model weights ("model") and path ("path"); None
+    when the run directory has no checkpoint."""
+    path = latest_checkpoint(Path(run_dir) / "checkpoints")
     if path is None:
-        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
+        return None
     state = load_training_state(path)
     missing = [k for k in ("step", "consumed", "optimizer", "scheduler") if k not in state]
     if missing:

@@ -289,12 +289,11 @@ def _resume_state(cfg: TrainConfig, run_dir: Path, rank: int) -> dict | None:
     (it starts again from step 0, a new segment of the same run directory, and rank 0 says so)."""
     if not cfg.reliability.resume:
         return None
-    if checkpoint.latest_checkpoint(run_dir / "checkpoints") is None:
-        if rank == 0:
-            print(f"dflash-train: --resume: {run_dir} has no checkpoint (its run ended before the first one): "
-                  "starting from step 0", file=sys.stderr, flush=True)
-        return None
-    return checkpoint.load_resume_state(run_dir)
+    state = checkpoint.load_resume_state(run_dir)
+    if state is None and rank == 0:
+        print(f"dflash-train: --resume: {run_dir} has no checkpoint (its run ended before the first one): "
+              "starting from step 0", file=sys.stderr, flush=True)
+    return state
 
 
 def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> bool:
