@@ -1,6 +1,6 @@
 """The GPU check to run before calling GPU work done: real runs on CUDA, every surface's figures side by side.
 
-    python3 bench/gpu_check.py [--out DIR] [--only main|gpu-bound] [--steps-main 800] [--steps-bound 60]
+    python3 bench/gpu/check.py [--out DIR] [--only main|gpu-bound] [--steps-main 800] [--steps-bound 60]
 
 Two runs of dflash-train on the GPU: the main job (the built-in target, target and drafter sharing the
 GPU) and a GPU-bound one (a random Qwen3-8B-shaped target cut to 8 layers, long sequences). While each
@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import profiler  # noqa: E402

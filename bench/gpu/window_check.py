@@ -1,6 +1,6 @@
 """A span's GPU window (its two CUDA events) against torch.profiler's (Kineto) view of the same steps.
 
-    python3 bench/gpu_window_check.py [--steps 20] [--out DIR]
+    python3 bench/gpu/window_check.py [--steps 20] [--out DIR]
 
 Three spans run each step under our profiler and, inside each, a `record_function` of the same name, all
 inside one torch.profiler capture (CPU and CUDA activities):
