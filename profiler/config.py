@@ -54,10 +54,19 @@ class ProfilerConfig:
     phase_spans: tuple = ()
     """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
     seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
+    nvtx: bool = False
+    """On CUDA, every span is also an NVTX range for the whole run (Nsight Systems, `ncu --nvtx`)."""
+    capture_at_step: int | None = None
+    """A Kineto capture (profiler/capture.py) begins at this step; None: only those asked through the endpoint."""
+    capture_steps: int = 3
+    """Steps each scheduled capture records (at most capture.MAX_STEPS)."""
+    capture_every: int = 0
+    """> 0: a scheduled capture again every this many steps after capture_at_step; 0: once."""
 
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
         object.__setattr__(self, "phase_spans", tuple(self.phase_spans))
+        self._check_capture()
         for name in ("detail_steps", "memory_history", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -68,6 +77,24 @@ class ProfilerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+    def _check_capture(self) -> None:
+        from profiler.capture import MAX_STEPS
+
+        at, steps, every = self.capture_at_step, self.capture_steps, self.capture_every
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
+            raise ValueError(f"capture_at_step must be None or a non-negative integer, got {at!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+            raise ValueError(f"capture_steps must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"capture_every must be a non-negative integer, got {every!r}")
+        if every and at is None:
+            raise ValueError("capture_every needs capture_at_step (the first capture)")
+        if every and every <= steps:
+            raise ValueError(f"capture_every ({every}) must be more than capture_steps ({steps}): captures do not "
+                             "overlap")
+        if not isinstance(self.nvtx, bool):
+            raise ValueError(f"nvtx must be a bool, got {self.nvtx!r}")
 
 
 @dataclass
@@ -91,3 +118,8 @@ class ProfilerDeps:
     """In-run py-spy sampling (profiler/stacks.py); None: none."""
     exit_fn: Callable[[int], None] = os._exit
     """How forensics leave a stuck or crashed rank."""
+    capture_session: Callable[[Any], Any] | None = None
+    """CaptureRequest -> the session a capture records with (begin, step, stop, ranges); None: torch.profiler
+    (profiler/kineto.py's KinetoSession)."""
+    nvtx_module: Any = None
+    """The NVTX module `nvtx=True` pushes ranges with (range_push, range_pop); None: torch.cuda.nvtx, on CUDA only."""

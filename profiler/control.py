@@ -4,8 +4,9 @@ file /tmp/dflash-$UID/PID.json (`dflash-profile snapshot --pid PID`).
 Protocol: one JSON line in, one out ({"ok": true, ...} or {"ok": false, "error": "..."}), then the server
 closes the connection. `ControlServer.commands` maps each command to its handler: "ping" -> pid, rank, role;
 "state" -> {"state": state_fn()}; "record" with "fields" -> record_fn(fields) writes a record into the rank's own
-run log (the process stays its log's single writer). Only the owning user (or root) can connect: socket 0600,
-discovery dir 0700, the peer's uid checked. A starting server removes this uid's discovery files of dead endpoints.
+run log (the process stays its log's single writer); the profiler adds "capture" and "memory" (profiler/capture.py,
+profiler/allocator_snapshot.py). Only the owning user (or root) can connect: socket 0600, discovery dir 0700, the
+peer's uid checked. A starting server removes this uid's discovery files of dead endpoints.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def _read_line(conn: socket.socket, max_bytes: int = MAX_REQUEST_BYTES) -> bytes
 class ControlServer:
     """Unix-socket endpoint of one rank, served by a daemon thread, plus its discovery file."""
 
-    def __init__(self, run_dir, rank: int, role: str, state_fn, record_fn=None, discovery_dir=None):
+    def __init__(self, run_dir, rank: int, role: str, state_fn, record_fn=None, discovery_dir=None, commands=None):
         self.run_dir = Path(run_dir).resolve()
         self.rank = int(rank)
         self.role = str(role)
@@ -142,7 +143,7 @@ class ControlServer:
         # Command name -> handler(request) -> the reply's fields; a raising handler replies {"ok": false, "error"}.
         self.commands = {"ping": lambda request: {"pid": self.pid, "rank": self.rank, "role": self.role},
                          "state": lambda request: {"state": self._state_fn()},
-                         "record": self._record}
+                         "record": self._record, **(commands or {})}
         self.discovery_dir = default_discovery_dir(discovery_dir)
         self.pid = os.getpid()
         self.discovery_path = str(self.discovery_dir / f"{self.pid}.json")

@@ -8,7 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from profiler import api
+from profiler import allocator_snapshot, api
+from profiler.capture import Captures, CaptureSchedule, CaptureSpans, NullCaptures
 from profiler.collector import Collector
 from profiler.config import ProfilerConfig, ProfilerDeps
 from profiler.control import ControlServer, NullControlServer
@@ -55,6 +56,7 @@ class Profiler:
         self.hub = ExportHub(exporters)
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
+        self.captures = NullCaptures()   # Captures once started (profiler/capture.py)
         self.step, self._first_step, self._step_changed = 0, None, False
         self._interval_start_step = None   # the step when the current interval began (None: before any)
         self._started = False
@@ -83,7 +85,7 @@ class Profiler:
             from profiler.cuda_timing import EventPool
             self.event_pool = EventPool(device_index=self.device.index)   # None: the current device
         self.recorder = SpanRecorder(event_pool=self.event_pool, fault_plan=self.fault_plan,
-                                     step_fn=lambda: self.step)
+                                     step_fn=lambda: self.step, ranges=self._nvtx_ranges())
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
                                           readback=make_readback(self.is_cuda, self.device, self.event_pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
@@ -91,13 +93,16 @@ class Profiler:
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
         self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device))
         self.collector = self._make_collector()
+        self.captures = self._make_captures()
         self._write(self._run_start_record())
         self._start_forensics()
         api.activate(self, self.recorder)
         self._cleanups.append(lambda: api.deactivate(self))
         self.control = self._started_with(
             ControlServer(self.run_dir, self.rank, self.role, self.state,
-                          record_fn=lambda fields: self.write_record("snapshot", **fields))
+                          record_fn=lambda fields: self.write_record("snapshot", **fields),
+                          commands={"capture": lambda request: self.captures.request(request.get("fields") or {}),
+                                    "memory": self._memory_command()})
             if cfg.control else NullControlServer(), "close")
         self._started_with(self.stack_sampler)
         if cfg.background:
@@ -116,7 +121,9 @@ class Profiler:
         detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids,
                                follows=self.cfg.detail_follows)
                   if self.cfg.detail_steps > 0 else NullDetailWindow())
-        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, detail)
+        self.capture_spans = CaptureSpans(detail, lambda **f: self.event("capture", **f), self.to_unix_ns,
+                                          self.recorder.native_ids)
+        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, self.capture_spans)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
                     threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
                     self._stack_samples, self._warmup_section)
@@ -124,6 +131,45 @@ class Profiler:
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
                          sections=sections)
+
+    def _make_captures(self) -> Captures:
+        """Kineto captures at step boundaries (profiler/capture.py), asked through the endpoint or scheduled."""
+        cfg, spans = self.cfg, self.capture_spans
+        spans.open_fn = lambda: self.recorder.open_spans(ids=True)
+        spans.pending_fn = lambda: self.collector.aggregator.pending
+        schedule = (CaptureSchedule(cfg.capture_at_step, cfg.capture_steps, cfg.capture_every)
+                    if cfg.capture_at_step is not None else None)
+        return Captures(self.run_dir, self.rank, self.recorder, spans, self.deps.capture_session or self._kineto,
+                        lambda: self.step, schedule)
+
+    def _kineto(self, request):
+        from profiler.kineto import KinetoSession
+        meta = {"run_id": self.run_dir.resolve().name, "rank": self.rank, "role": self.role, "step": request.at_step,
+                "steps": request.steps, "clock": {"perf_counter_ns": self.anchor_perf_ns,
+                                                   "unix_ns": self.anchor_unix_ns}}
+        return KinetoSession(request, self.is_cuda, self.rank, self.world_size, meta)
+
+    def _nvtx_ranges(self):
+        """NVTX ranges around every span for the run (`nvtx=True`): on CUDA, or with a stand-in module."""
+        if not self.cfg.nvtx or not (self.is_cuda or self.deps.nvtx_module is not None):
+            return None
+        from profiler.kineto import nvtx_ranges
+        return nvtx_ranges(self.deps.nvtx_module)
+
+    def _memory_command(self):
+        """The endpoint's `memory` command: an allocator snapshot (profiler/allocator_snapshot.py)."""
+        if not self.is_cuda:
+            return allocator_snapshot.no_allocator(self.rank, self.role)
+
+        def open_spans() -> list:
+            with contextlib.suppress(Exception):
+                self.collector.poll()   # replay the threads' logs so the open stacks are current
+            return self.recorder.open_spans()
+
+        def reply(_request) -> dict:
+            return allocator_snapshot.save(self.run_dir, self.rank, self.device, self.cfg.memory_history > 0,
+                                           open_spans, self.event, self.wall_clock)
+        return reply
 
     def _warmup_section(self, duration_s: float) -> dict:
         """{"warmup": True} for an interval that began before the first `warmup_steps` steps were done."""
@@ -151,6 +197,7 @@ class Profiler:
 
     def __exit__(self, et, ev, tb):
         try:
+            self.captures.close()   # a live capture stops with the steps it ran (its event: at the final close)
             api.deactivate(self)   # later span() calls are no-ops; open spans still finish into buffers
             self.finish_now("ok" if et is None else et.__name__, settle=True)
         finally:
@@ -212,6 +259,7 @@ class Profiler:
         elif self.step != self._first_step:
             self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
         self.marks.mark(time.perf_counter_ns(), self.step)
+        self.captures.on_step(self.step)   # a capture starts, moves on or stops here, at the step boundary
 
     def in_detail(self) -> bool:
         """Whether the current step is in the detail window."""

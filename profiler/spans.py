@@ -190,24 +190,78 @@ class FaultCudaSpan(CudaSpan):
         return _fault_enter(self, CudaSpan.__enter__)
 
 
+def ranged_class(base: type, push, pop) -> type:
+    """A subclass of span class `base` that also opens a range around each span: `push(name) -> handle` before
+    base's enter, `pop(handle)` after base's exit (a `record_function`, an NVTX range), so the range holds the
+    span and the span's own times leave the range's cost out. Handles stack on the object (one object per
+    thread and name, entered LIFO on its thread)."""
+    base_init, base_enter, base_exit = base.__init__, base.__enter__, base.__exit__
+
+    def __init__(self, *args):
+        base_init(self, *args)
+        self._ranges = []
+
+    def __enter__(self):
+        handle = push(self.name)
+        try:
+            base_enter(self)
+        except BaseException:   # a fault that raised in enter: no exit follows, so close the range here
+            pop(handle)
+            raise
+        self._ranges.append(handle)
+        return self
+
+    def __exit__(self, et, ev, tb):
+        base_exit(self, et, ev, tb)
+        pop(self._ranges.pop())
+
+    return type(f"Ranged{base.__name__}", (base,), {"__slots__": ("_ranges",), "__init__": __init__,
+                                                    "__enter__": __enter__, "__exit__": __exit__,
+                                                    "__module__": __name__})
+
+
+def joined_ranges(outer, inner):
+    """One (push, pop) opening `outer`'s range around `inner`'s (either may be None)."""
+    if outer is None or inner is None:
+        return outer or inner
+    (push_o, pop_o), (push_i, pop_i) = outer, inner
+
+    def push(name):
+        handle = push_o(name)
+        try:
+            return handle, push_i(name)
+        except BaseException:
+            pop_o(handle)
+            raise
+
+    def pop(handles):
+        pop_i(handles[1])
+        pop_o(handles[0])
+    return push, pop
+
+
 class SpanRecorder:
     """Per-profiler recording state: thread states (registered on a thread's first use), span objects,
-    counter/gauge/metric buffers, and the drain."""
+    counter/gauge/metric buffers, and the drain. `ranges` ((push, pop): profiler/capture.py's NVTX ranges) makes
+    every span also a range for the whole run; `set_ranges()` adds or drops ranges while a capture runs."""
 
-    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0):
+    def __init__(self, event_pool=None, fault_plan=None, step_fn=lambda: 0, ranges=None):
         self.event_pool = event_pool
         self.fault_plan = fault_plan
         self.step_fn = step_fn
         faulty = fault_plan is not None and not fault_plan.empty
         if event_pool is not None:
-            self._span_cls = FaultCudaSpan if faulty else CudaSpan
+            base = FaultCudaSpan if faulty else CudaSpan
         else:
-            self._span_cls = FaultCpuSpan if faulty else CpuSpan
+            base = FaultCpuSpan if faulty else CpuSpan
+        self._plain_cls, self._run_ranges = base, ranges
+        self._span_cls = base if ranges is None else ranged_class(base, *ranges)
         self._states: list = []
         self.unmatched = 0                 # ends with no open begin (a span object used across threads)
         self.native_ids: dict = {}         # thread name -> OS thread id (py-spy's native id)
         self._next_id = 0                  # collector side: ids in begin order
         self._names: set = set()           # span names validated so far (make_span)
+        self._generation = 0               # bumped by set_ranges: a span made across it is not cached
         self._reg_lock = threading.Lock()
         self.drain_lock = threading.Lock()
         # Per-thread `st` (the ThreadState) and `d` (its name -> span cache), which api.span() reads.
@@ -230,13 +284,25 @@ class SpanRecorder:
         check_bytes(name, nbytes)
         if type(name) is not str or name not in self._names:   # the regex: once per name, not per bytes= call
             self._names.add(check_name(name))
-        st, cls = self.thread_state(), self._span_cls
+        st, cls, generation = self.thread_state(), self._span_cls, self._generation
         if cls is CpuSpan and nbytes is None:   # cached, so its class is made once (not per bytes= call)
             cls = fast_enter_class(st.buf, name)
         s = cls(self, st, name, nbytes)
-        if nbytes is None:
+        if nbytes is None and generation == self._generation:   # not cached across a set_ranges()
             st.spans[name] = s
         return s
+
+    def set_ranges(self, ranges) -> None:
+        """From now on every span is also a range ((push, pop), see ranged_class), or no longer (None). Each
+        thread's cached span objects are dropped, so its next span() makes one of the new class: outside a
+        capture the spans are of the classes they were before it, and cost what they did."""
+        ranges = joined_ranges(self._run_ranges, ranges)
+        self._span_cls = self._plain_cls if ranges is None else ranged_class(self._plain_cls, *ranges)
+        self._generation += 1
+        with self._reg_lock:
+            states = list(self._states)
+        for st in states:
+            st.spans.clear()   # one C call; the owner's next lookup misses and makes a new object
 
     def count(self, name: str, n) -> None:
         self.thread_state().misc.append((0, name, n))
