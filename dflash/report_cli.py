@@ -3,6 +3,8 @@
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
     dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
     dflash-report check RUN_DIR [--json]      the run's invariants (report.check): one line per violation
+    dflash-report kernels RUN_DIR [--capture N] [--top N] [--json]   a Kineto capture per span (report.kernels)
+    dflash-report memory RUN_DIR [--top N] [--json]     the allocator snapshots (report.memory_snapshot)
 
 Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback),
 1 when the trace cannot be written or an invariant does not hold.
@@ -41,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="the invariants every figure of a run must keep: one line per violation")
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("--json", action="store_true", help="print violations, notes and counts as JSON")
+    k = sub.add_parser("kernels", help="one Kineto capture per rank and span: kernels, copies, idle and launch time")
+    k.add_argument("run_dir", metavar="RUN_DIR")
+    k.add_argument("--capture", type=int, metavar="N", help="the capture that begins at step N (default: the latest)")
+    k.add_argument("--top", type=_positive_int, default=8, metavar="N", help="kernels and CPU ops per span (8)")
+    k.add_argument("--json", action="store_true", help="print the breakdown as JSON (docs/REPORT.md)")
+    m = sub.add_parser("memory", help="the CUDA allocator snapshots under RUN_DIR/forensics, read without running them")
+    m.add_argument("run_dir", metavar="RUN_DIR")
+    m.add_argument("--top", type=_positive_int, default=10, metavar="N", help="largest live blocks shown (10)")
+    m.add_argument("--json", action="store_true", help="print the summaries as JSON (docs/REPORT.md)")
     return p
 
 
@@ -101,7 +112,23 @@ def _check(args) -> int:
     return 1 if res.violations else 0
 
 
-COMMANDS = {"hotspots": _hotspots, "trace": _trace, "check": _check}
+def _kernels(args) -> int:
+    import report
+
+    rep = report.kernels(args.run_dir, args.capture, args.top)
+    print(json.dumps(rep, indent=1, allow_nan=False) if args.json else report.format_kernels(rep))
+    return 0
+
+
+def _memory(args) -> int:
+    import report
+
+    rep = report.memory(args.run_dir, args.top)
+    print(json.dumps(rep, indent=1, allow_nan=False) if args.json else report.format_memory(rep))
+    return 0
+
+
+COMMANDS = {"hotspots": _hotspots, "trace": _trace, "check": _check, "kernels": _kernels, "memory": _memory}
 
 
 def main(argv: list[str] | None = None) -> int:

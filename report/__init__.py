@@ -1,5 +1,6 @@
 """`dflash-report`'s facade, usable from Python: hotspots (every analysis of one run, docs/REPORT.md), compare
-(the A/B table), plot (a PNG over time), format_hotspots / format_compare (their text); ReportError otherwise.
+(the A/B table), plot (a PNG over time), kernels (a Kineto capture per span), memory (allocator snapshots),
+format_hotspots / format_compare / format_kernels / format_memory (their text); ReportError otherwise.
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from report.advice import memory_margin, split
 from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
 from report.findings import findings
 from report.flight_recorder import transfer_rings
+from report.kernels import format_kernels, kernels
+from report.memory_snapshot import format_memory, memory
 from report.memory_events import events, headroom, hot_frames
 from report.plot import plot_run
 from report.report_text import format_compare, format_hotspots
@@ -16,7 +19,7 @@ from report.runs import ReportError, Run, load_run, paused_gc
 REPORT_SCHEMA = 1
 
 __all__ = ["REPORT_SCHEMA", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
-           "format_hotspots", "format_compare", "load_run"]
+           "format_hotspots", "format_compare", "load_run", "kernels", "format_kernels", "memory", "format_memory"]
 
 
 def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> dict:
