@@ -161,7 +161,24 @@ class ProfileConfig:
     thread in the interval record); 0 = none."""
     memory_history: int = _f(0, ge=0)
     """CUDA allocator events kept (torch.cuda.memory._record_memory_history max_entries) for a
-    snapshot saved under RUN_DIR/forensics/ at an out-of-memory error; 0 = off (CPU: ignored)."""
+    snapshot saved under RUN_DIR/forensics/ at an out-of-memory error or by `dflash-profile memory`;
+    0 = off (CPU: ignored)."""
+    capture_at_step: int | None = _f(None, ge=0)
+    """Record steps N.. with torch.profiler on every rank into RUN_DIR/kineto/rank{R}-step{N}.json.gz
+    (what `dflash-profile capture` asks a live run for). None: no scheduled capture."""
+    capture_steps: int = _f(3, ge=1, le=20)
+    """Steps each scheduled capture records."""
+    capture_every: int = _f(0, ge=0)
+    """Capture again every M steps after --capture-at-step (M > --capture-steps); 0 = once."""
+    nvtx: bool = False
+    """On CUDA, every span is also an NVTX range, for Nsight Systems and `ncu --nvtx --nvtx-include
+    "target.pack_hidden/"`; ignored on the CPU. Env DFLASH_NVTX."""
+
+    def check(self, need) -> None:
+        need(not self.capture_every or self.capture_at_step is not None, "capture_every",
+             "needs --capture-at-step (the first capture)")
+        need(not self.capture_every or self.capture_every > self.capture_steps, "capture_every",
+             f"must be more than capture_steps ({self.capture_steps}): captures do not overlap")
 
 
 @dataclass
@@ -252,7 +269,8 @@ _SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fie
     f.metadata.get("flag", f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}}
 """Flag key -> (section, field); section None for the top-level run_dir."""
 _ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
-        "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault"}
+        "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault",
+        "DFLASH_NVTX": "nvtx"}
 """Every DFLASH_* environment variable the trainer reads, and the flag key it sets (file < env < flags)."""
 
 

@@ -1,11 +1,18 @@
-"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot (no torch here).
+"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot and profiler.capture_client
+(no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
+    dflash-profile capture --pid PID | --run-dir DIR [--steps K] [--at-step N] [--memory] [--no-wait]
+    dflash-profile memory --pid PID | --run-dir DIR
 
 Human output by default; --json prints the result as JSON; --out FILE also writes the JSON to FILE.
 snapshot: each snapshot of a profiled process is kept under RUN_DIR/snapshots/ and recorded in its run log.
 Exit 0 on success; 2 with a one-line reason when nothing could be snapshotted (no such pid, tracing
 not permitted, py-spy missing, not a Python process, no live rank); 1 when py-spy failed otherwise.
+capture: every rank records steps N..N+K-1 into RUN_DIR/kineto/rank{R}-step{N}.json.gz; exit 2 (one line) when
+no rank can be armed (not a dflash rank, the run ended, bad --steps, a rank past --at-step), 1 when a rank
+armed but wrote no trace. memory: each GPU rank's allocator snapshot under RUN_DIR/forensics/; exit 2 when no
+rank could save one (a CPU run).
 """
 from __future__ import annotations
 
@@ -15,6 +22,9 @@ import sys
 
 from dflash.cli_output import cli_output
 
+from profiler import capture_client
+from profiler.capture import MAX_STEPS
+from profiler.capture_client import CaptureError
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
                                snapshot_run)
 from profiler.stacks import FAILED, StackError
@@ -46,6 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`py-spy dump` stacks, per thread; stuck spans flagged.")
     _add_target(snap)
     snap.add_argument("--native", action="store_true", help="include native frames (slower: about 1 s)")
+    cap = sub.add_parser("capture", help="a Kineto trace of K steps from every rank, all from the same step",
+                         description="Every live rank records steps N..N+K-1 with torch.profiler (our spans as "
+                                     "user annotations) into RUN_DIR/kineto/rank{R}-step{N}.json.gz.")
+    _add_target(cap)
+    cap.add_argument("--steps", type=int, default=3, metavar="K", help=f"steps to record, 1 to {MAX_STEPS} (default 3)")
+    cap.add_argument("--at-step", type=int, metavar="N", help="the first step (default: the next multiple of "
+                                                              "--round past the furthest rank)")
+    cap.add_argument("--round", type=int, default=capture_client.ROUND_TO, metavar="M",
+                     help=f"start on a multiple of M (default {capture_client.ROUND_TO})")
+    cap.add_argument("--memory", action="store_true", help="also every allocation and free (profile_memory)")
+    cap.add_argument("--record-shapes", action="store_true", help="also each op's input shapes")
+    cap.add_argument("--with-stack", action="store_true", help="also each op's Python stack")
+    cap.add_argument("--no-wait", action="store_true", help="arm the ranks and return; do not wait for the files")
+    cap.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                     help="seconds to wait for every rank's trace (default 600)")
+    mem = sub.add_parser("memory", help="each GPU rank's CUDA allocator snapshot, for pytorch.org/memory_viz",
+                         description="Each GPU rank saves torch.cuda.memory._snapshot() under RUN_DIR/forensics/ "
+                                     "(with the allocation history under --memory-history N).")
+    _add_target(mem)
     return p
 
 
@@ -61,15 +90,50 @@ def take(args, runner=None) -> dict:
     return run
 
 
+def capture(args) -> tuple[dict, int]:
+    """Arm every rank at one step and (unless --no-wait) wait for their traces; exit 1 when a rank wrote none."""
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise CaptureError(f"--steps must be from 1 to {MAX_STEPS}, got {args.steps}")
+    if args.at_step is not None and args.at_step < 0 or args.round < 1 or not args.timeout > 0:
+        raise CaptureError("--at-step must be >= 0, --round >= 1 and --timeout > 0")
+    records = capture_client.ranks_of(args.pid, args.run_dir)
+    tails = capture_client.tails_of(records)   # opened before arming: no event is missed
+    options = {"memory": args.memory, "shapes": args.record_shapes, "stacks": args.with_stack}
+    armed = capture_client.arm(records, args.steps, args.at_step, args.round, options)
+    n = armed["at_step"]
+    ranks = armed["replies"] if args.no_wait else capture_client.wait(records, n, args.timeout, tails)
+    return {"at_step": n, "steps": args.steps, "ranks": ranks}, int(any(r.get("error") for r in ranks))
+
+
+def memory(args) -> tuple[dict, int]:
+    """Every rank's allocator snapshot; exit 2 when none could be saved (CPU ranks say why)."""
+    replies = capture_client.memory(capture_client.ranks_of(args.pid, args.run_dir))
+    return {"ranks": replies}, 0 if any(r.get("ok") for r in replies) else 2
+
+
 def main(argv: list[str] | None = None, runner=None) -> int:
     args = build_parser().parse_args(argv)
     with cli_output():
+        if args.command != "snapshot":
+            return _drill(args)
         try:
             result = take(args, runner)
         except StackError as exc:
             print(f"dflash-profile: error: {exc}", file=sys.stderr)
             return 1 if exc.kind == FAILED else 2
         return _emit(args, result, format_run if "ranks" in result else format_process)
+
+
+def _drill(args) -> int:
+    """capture / memory: a one-line error and exit 2 before anything is armed or saved."""
+    command, formatter = ((capture, lambda r: capture_client.format_capture(r)) if args.command == "capture" else
+                          (memory, lambda r: capture_client.format_memory(r["ranks"])))
+    try:
+        result, code = command(args)
+    except CaptureError as exc:
+        print(f"dflash-profile: error: {exc}", file=sys.stderr)
+        return 2
+    return _emit(args, result, formatter) or code
 
 
 def _emit(args, result: dict, formatter) -> int:

@@ -206,7 +206,9 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                             detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
-                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS)
+                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS,
+                            nvtx=cfg.profile.nvtx, capture_at_step=cfg.profile.capture_at_step,
+                            capture_steps=cfg.profile.capture_steps, capture_every=cfg.profile.capture_every)
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,

@@ -18,5 +18,8 @@ fi
 stamp=.venv/.dflash-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VPY" -m pip install -q -e '.[test]'
+  # Holistic Trace Analysis reads the Kineto captures in the tests; without --no-deps it pulls jupyterlab
+  # (its parser needs only pandas, plotly and psutil, which the test extras hold).
+  "$VPY" -m pip install -q --no-deps HolisticTraceAnalysis==0.5.0
   touch "$stamp"
 fi

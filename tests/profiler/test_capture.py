@@ -235,3 +235,4 @@ def test_a_real_cpu_capture_holds_profiler_steps_our_spans_and_the_rank(tmp_path
     assert {tid for n, tid in names if n == "transfer.send"} == {t.native_id}
     assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::mm" for e in trace["traceEvents"])
     assert sorted(s["name"] for s in ev["captured_spans"]) == ["target.fwd", "target.fwd", "transfer.send"]
+
