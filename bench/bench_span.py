@@ -9,6 +9,11 @@ torch.profiler.record_function outside a profiler, a bare no-op context manager 
 outside a temporary run dir ($OUT if set). The process pins itself to one CPU (BENCH_SPAN_CPU, default the
 one it starts on): on a VM whose vCPUs run at different speeds, a loop moved between them mid-repeat
 skews one side of a ratio.
+
+`--mirror` adds the capture's rows (profiler/capture.py): an active span while spans are mirrored as
+record_function ranges with no torch.profiler running (the mirror's own cost), inside a live torch.profiler
+capture (what a captured step pays, Kineto's recording included), and after the capture ended (back to the
+plain span: the claim that outside a capture the mirror costs nothing).
 """
 from __future__ import annotations
 
@@ -105,6 +110,34 @@ def _pin() -> int:
     return int(spec)
 
 
+def _mirror_rows(prof, ref_ns: float) -> None:
+    """The span's cost before mirroring, mirrored with no profiler, after mirroring is off (the three in turn
+    within each repeat, so each ratio is paired), and mirrored inside a live torch.profiler capture."""
+    import profiler
+    import torch
+    from profiler.kineto import record_function_ranges
+
+    def active():
+        return _active(prof, profiler.span, "target.fwd")
+    rows: dict = {"plain (before)": [], "mirrored, no capture": [], "after the capture": []}
+    with prof:
+        for _ in range(REPEATS):
+            rows["plain (before)"].append(active())
+            prof.recorder.set_ranges(record_function_ranges())
+            rows["mirrored, no capture"].append(active())
+            prof.recorder.set_ranges(None)
+            rows["after the capture"].append(active())
+        prof.recorder.set_ranges(record_function_ranges())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            rows["mirrored, in capture"] = [active() for _ in range(2)]
+        prof.recorder.set_ranges(None)
+    plain = rows["plain (before)"]
+    print(f"{'mirror case':<22} {'ns/span':>9} {'x hist':>8} {'x plain (paired by repeat)':>28}")
+    for name, v in rows.items():
+        paired = statistics.median(x / p for x, p in zip(v, plain))
+        print(f"{name:<22} {statistics.median(v):>9.1f} {statistics.median(v) / ref_ns:>8.3f} {paired:>28.3f}")
+
+
 def main() -> int:
     cpu = _pin()
     import profiler
@@ -144,6 +177,8 @@ def main() -> int:
         print(f"{k:<20} {v:>9.1f} {v / ref:>8.3f} {('' if goal is None else f'{goal:.2f}'):>6}  {ok:<4} | "
               f"{best[k]:>6.0f}  {best[k] / best['histogram.time()']:.3f}")
     print(_paired_line(results))
+    if "--mirror" in sys.argv[1:]:
+        _mirror_rows(prof, ref)
     print(f"active minus floor: {med['span active (cpu)'] - floor:.1f} ns; "
           f"inactive minus floor: {med['span inactive'] - floor:.1f} ns")
     return 0
