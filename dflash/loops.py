@@ -124,17 +124,26 @@ def run_target(ctx: WorkerContext) -> None:
     meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
     done, tokens_total = consumed, 0
-    for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
-        if stop.requested() or ctx.stop_requested():
-            break
-        stop_if_nonfinite(cfg)
-        profiler.set_step(batch_index)
-        tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
-        done = batch_index + 1
-        meter.after_step(done, tokens_total)
+    try:
+        for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
+            if stop.requested() or ctx.stop_requested():
+                break
+            stop_if_nonfinite(cfg)
+            profiler.set_step(batch_index)
+            tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
+            done = batch_index + 1
+            meter.after_step(done, tokens_total)
+    except NonfiniteStop:
+        _end_transfers(sender.close, stop.wait)
+        raise
     sender.close()   # END after everything queued; returns once all sends completed
     meter.finish(done, tokens_total)
     stop.wait()      # the drafter always sends STOP when it is done with us
+    if cfg.reliability.on_nonfinite == "stop":
+        # Deliberate wait, once at the end: every pack's check read back, so a bad pack is said and ends
+        # this rank with exit 1 even when the drafter found it first and stopped us.
+        profiler.settle_nonfinite()
+        stop_if_nonfinite(cfg)
 
 
 def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
@@ -207,13 +216,29 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     cfg, topo = ctx.cfg, ctx.topo
     producers = topo.producers_of(ctx.rank)
     rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.device, ctx.device_payload)
-    stopped_by = None
     if ctx.rank == 0:   # what a writer that died mid-save left behind, cleaned (and recorded)
         handled = checkpoint.remove_stale_partials(ctx.run_dir / "checkpoints")
         if handled:
             profiler.event("stale_checkpoint_partials", names=handled)
     meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg, "drafter"),
                             start_step=state.step, compile_seconds_fn=compile_seconds)
+    try:
+        stopped_by = _drafter_loop(ctx, state, rx, meter, progress)
+    except NonfiniteStop:
+        _end_transfers(lambda: transfer.send_stop(producers, ctx.ctrl_group), rx.drain)
+        raise
+    meter.finish(state.step, state.tokens_total)
+    transfer.send_stop(producers, ctx.ctrl_group)
+    dropped = rx.drain()
+    if stopped_by is not None:
+        profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
+    save_checkpoint(ctx, state)
+
+
+def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver, meter: ThroughputMeter,
+                  progress: Progress) -> str | None:
+    """Steps until max_steps, the stream's end or a signal (returned: why it stopped early, or None)."""
+    cfg = ctx.cfg
     while state.step < cfg.optim.max_steps:
         stop_if_nonfinite(cfg)
         profiler.set_step(state.step)
@@ -223,8 +248,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
             profiler.keep_step()   # the target's detail window holds this batch: so does ours
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
-            stopped_by = "stream ended" if msg is None else "signal"
-            break
+            return "stream ended" if msg is None else "signal"
         loss, tau = drafter_step(ctx, state, msg)
         progress.observe(LazyScalar(loss), LazyScalar(tau))
         progress.update(state.step, state.tokens_total)
@@ -234,12 +258,18 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
             t0_s = time.perf_counter()
             save_checkpoint(ctx, state)
             meter.phase("ckpt.save", time.perf_counter() - t0_s)
-    meter.finish(state.step, state.tokens_total)
-    transfer.send_stop(producers, ctx.ctrl_group)
-    dropped = rx.drain()
-    if stopped_by is not None:
-        profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
-    save_checkpoint(ctx, state)
+    return None
+
+
+def _end_transfers(*steps: Callable[[], object]) -> None:
+    """After a non-finite stop, end the transfer protocol as a normal end does (a target: END, then the
+    drafter's STOP; a drafter: STOP, then its targets' ENDs drained), so no transfer thread is still inside
+    a gloo call when the process exits: CPython (before 3.14) ends such a daemon thread at interpreter
+    teardown with pthread_exit, whose unwind through torch's C++ frames aborts the process (`terminate
+    called without an active exception`, SIGABRT). A peer already gone has ended our threads with its error."""
+    with contextlib.suppress(RuntimeError):
+        for step in steps:
+            step()
 
 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
