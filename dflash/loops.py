@@ -53,8 +53,16 @@ def warmup_steps(cfg: TrainConfig, role: str) -> int:
     return drafter + cfg.parallel.max_in_flight + AHEAD_BATCHES if role == "target" else drafter
 
 
-class NonfiniteStop(RuntimeError):
-    """--on-nonfinite stop: a NaN/Inf was found (its `nonfinite` event is written); the rank exits 1."""
+class RankStop(RuntimeError):
+    """A stop the rank says in one line and exits 1 for, after ending its transfers as a normal end does."""
+
+
+class NonfiniteStop(RankStop):
+    """--on-nonfinite stop: a NaN/Inf was found (its `nonfinite` event is written)."""
+
+
+class DiskFullStop(RankStop):
+    """The run log found the disk full: it keeps room for run_end only, so the rank stops."""
 
 
 def stop_if_nonfinite(cfg: TrainConfig) -> None:
@@ -64,6 +72,23 @@ def stop_if_nonfinite(cfg: TrainConfig) -> None:
     if found is not None and cfg.reliability.on_nonfinite == "stop":
         raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "
                             f"{found['rank']}; stopped (--on-nonfinite stop)")
+
+
+def stop_if_disk_full(step: int) -> None:
+    """At a step boundary, and before a checkpoint: stop once the run log found the disk full."""
+    full = profiler.disk_full()
+    if full is not None:
+        raise DiskFullStop(disk_full_line(full, f"before step {step}"))
+
+
+def disk_full_line(full: OSError, when: str) -> str:
+    return f"{full.strerror.lower()}: {full.filename} could not be written; stopped {when}"
+
+
+def stop_if_needed(cfg: TrainConfig, step: int) -> None:
+    """The step boundary's checks: a non-finite value under --on-nonfinite stop, a full disk."""
+    stop_if_nonfinite(cfg)
+    stop_if_disk_full(step)
 
 
 @dataclass
@@ -128,12 +153,12 @@ def run_target(ctx: WorkerContext) -> None:
         for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
             if stop.requested() or ctx.stop_requested():
                 break
-            stop_if_nonfinite(cfg)
+            stop_if_needed(cfg, batch_index)
             profiler.set_step(batch_index)
             tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
             done = batch_index + 1
             meter.after_step(done, tokens_total)
-    except NonfiniteStop:
+    except RankStop:
         _end_transfers(sender.close, stop.wait)
         raise
     sender.close()   # END after everything queued; returns once all sends completed
@@ -224,7 +249,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
                             start_step=state.step, compile_seconds_fn=compile_seconds)
     try:
         stopped_by = _drafter_loop(ctx, state, rx, meter, progress)
-    except NonfiniteStop:
+    except RankStop:
         _end_transfers(lambda: transfer.send_stop(producers, ctx.ctrl_group), rx.drain)
         raise
     meter.finish(state.step, state.tokens_total)
@@ -240,7 +265,7 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
     """Steps until max_steps, the stream's end or a signal (returned: why it stopped early, or None)."""
     cfg = ctx.cfg
     while state.step < cfg.optim.max_steps:
-        stop_if_nonfinite(cfg)
+        stop_if_needed(cfg, state.step)
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
             msg = rx.get()
@@ -262,11 +287,12 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
 
 
 def _end_transfers(*steps: Callable[[], object]) -> None:
-    """After a non-finite stop, end the transfer protocol as a normal end does (a target: END, then the
-    drafter's STOP; a drafter: STOP, then its targets' ENDs drained), so no transfer thread is still inside
-    a gloo call when the process exits: CPython (before 3.14) ends such a daemon thread at interpreter
-    teardown with pthread_exit, whose unwind through torch's C++ frames aborts the process (`terminate
-    called without an active exception`, SIGABRT). A peer already gone has ended our threads with its error."""
+    """After a RankStop (a non-finite value, a full disk), end the transfer protocol as a normal end does (a
+    target: END, then the drafter's STOP; a drafter: STOP, then its targets' ENDs drained), so no transfer thread
+    is still inside a gloo call when the process exits: CPython (before 3.14) ends such a daemon thread at
+    interpreter teardown with pthread_exit, whose unwind through torch's C++ frames aborts the process
+    (`terminate called without an active exception`, SIGABRT). A peer already gone has ended our threads with
+    its error."""
     with contextlib.suppress(RuntimeError):
         for step in steps:
             step()
@@ -372,6 +398,7 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
     if ctx.cfg.reliability.on_nonfinite == "stop":
         profiler.settle_nonfinite()   # deliberate wait: every check so far read back before a save
         stop_if_nonfinite(ctx.cfg)
+    stop_if_disk_full(state.step)
     if ctx.rank != 0 or (ckpt_dir / f"step_{state.step:07d}").exists():
         return
     t0 = time.perf_counter()
