@@ -53,8 +53,16 @@ def warmup_steps(cfg: TrainConfig, role: str) -> int:
     return drafter + cfg.parallel.max_in_flight + AHEAD_BATCHES if role == "target" else drafter
 
 
-class NonfiniteStop(RuntimeError):
-    """--on-nonfinite stop: a NaN/Inf was found (its `nonfinite` event is written); the rank exits 1."""
+class RankStop(RuntimeError):
+    """A stop the rank says in one line and exits 1 for, after ending its transfers as a normal end does."""
+
+
+class NonfiniteStop(RankStop):
+    """--on-nonfinite stop: a NaN/Inf was found (its `nonfinite` event is written)."""
+
+
+class DiskFullStop(RankStop):
+    """The run log found the disk full: it keeps room for run_end only, so the rank stops."""
 
 
 def stop_if_nonfinite(cfg: TrainConfig) -> None:
@@ -64,6 +72,23 @@ def stop_if_nonfinite(cfg: TrainConfig) -> None:
     if found is not None and cfg.reliability.on_nonfinite == "stop":
         raise NonfiniteStop(f"non-finite {found['tensor']} in {found['span']} at step {found['step']} on rank "
                             f"{found['rank']}; stopped (--on-nonfinite stop)")
+
+
+def stop_if_disk_full(step: int) -> None:
+    """At a step boundary, and before a checkpoint: stop once the run log found the disk full."""
+    full = profiler.disk_full()
+    if full is not None:
+        raise DiskFullStop(disk_full_line(full, f"before step {step}"))
+
+
+def disk_full_line(full: OSError, when: str) -> str:
+    return f"{full.strerror.lower()}: {full.filename} could not be written; stopped {when}"
+
+
+def stop_if_needed(cfg: TrainConfig, step: int) -> None:
+    """The step boundary's checks: a non-finite value under --on-nonfinite stop, a full disk."""
+    stop_if_nonfinite(cfg)
+    stop_if_disk_full(step)
 
 
 @dataclass
@@ -124,17 +149,26 @@ def run_target(ctx: WorkerContext) -> None:
     meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
     done, tokens_total = consumed, 0
-    for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
-        if stop.requested() or ctx.stop_requested():
-            break
-        stop_if_nonfinite(cfg)
-        profiler.set_step(batch_index)
-        tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
-        done = batch_index + 1
-        meter.after_step(done, tokens_total)
+    try:
+        for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
+            if stop.requested() or ctx.stop_requested():
+                break
+            stop_if_needed(cfg, batch_index)
+            profiler.set_step(batch_index)
+            tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
+            done = batch_index + 1
+            meter.after_step(done, tokens_total)
+    except RankStop:
+        _end_transfers(sender.close, stop.wait)
+        raise
     sender.close()   # END after everything queued; returns once all sends completed
     meter.finish(done, tokens_total)
     stop.wait()      # the drafter always sends STOP when it is done with us
+    if cfg.reliability.on_nonfinite == "stop":
+        # Deliberate wait, once at the end: every pack's check read back, so a bad pack is said and ends
+        # this rank with exit 1 even when the drafter found it first and stopped us.
+        profiler.settle_nonfinite()
+        stop_if_nonfinite(cfg)
 
 
 def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
@@ -207,15 +241,31 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     cfg, topo = ctx.cfg, ctx.topo
     producers = topo.producers_of(ctx.rank)
     rx = transfer.Receiver(producers, ctx.ctrl_group, ctx.device, ctx.device_payload)
-    stopped_by = None
     if ctx.rank == 0:   # what a writer that died mid-save left behind, cleaned (and recorded)
         handled = checkpoint.remove_stale_partials(ctx.run_dir / "checkpoints")
         if handled:
             profiler.event("stale_checkpoint_partials", names=handled)
     meter = ThroughputMeter(ctx.run_dir, ctx.rank, ctx.device, "drafter", warm_steps=warmup_steps(cfg, "drafter"),
                             start_step=state.step, compile_seconds_fn=compile_seconds)
+    try:
+        stopped_by = _drafter_loop(ctx, state, rx, meter, progress)
+    except RankStop:
+        _end_transfers(lambda: transfer.send_stop(producers, ctx.ctrl_group), rx.drain)
+        raise
+    meter.finish(state.step, state.tokens_total)
+    transfer.send_stop(producers, ctx.ctrl_group)
+    dropped = rx.drain()
+    if stopped_by is not None:
+        profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
+    save_checkpoint(ctx, state)
+
+
+def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver, meter: ThroughputMeter,
+                  progress: Progress) -> str | None:
+    """Steps until max_steps, the stream's end or a signal (returned: why it stopped early, or None)."""
+    cfg = ctx.cfg
     while state.step < cfg.optim.max_steps:
-        stop_if_nonfinite(cfg)
+        stop_if_needed(cfg, state.step)
         profiler.set_step(state.step)
         with profiler.span("drafter.recv"):
             msg = rx.get()
@@ -223,8 +273,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
             profiler.keep_step()   # the target's detail window holds this batch: so does ours
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
-            stopped_by = "stream ended" if msg is None else "signal"
-            break
+            return "stream ended" if msg is None else "signal"
         loss, tau = drafter_step(ctx, state, msg)
         progress.observe(LazyScalar(loss), LazyScalar(tau))
         progress.update(state.step, state.tokens_total)
@@ -234,12 +283,19 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
             t0_s = time.perf_counter()
             save_checkpoint(ctx, state)
             meter.phase("ckpt.save", time.perf_counter() - t0_s)
-    meter.finish(state.step, state.tokens_total)
-    transfer.send_stop(producers, ctx.ctrl_group)
-    dropped = rx.drain()
-    if stopped_by is not None:
-        profiler.event("stop", reason=stopped_by, step=state.step, dropped_batches=dropped)
-    save_checkpoint(ctx, state)
+    return None
+
+
+def _end_transfers(*steps: Callable[[], object]) -> None:
+    """After a RankStop (a non-finite value, a full disk), end the transfer protocol as a normal end does (a
+    target: END, then the drafter's STOP; a drafter: STOP, then its targets' ENDs drained), so no transfer thread
+    is still inside a gloo call when the process exits: CPython (before 3.14) ends such a daemon thread at
+    interpreter teardown with pthread_exit, whose unwind through torch's C++ frames aborts the process
+    (`terminate called without an active exception`, SIGABRT). A peer already gone has ended our threads with
+    its error."""
+    with contextlib.suppress(RuntimeError):
+        for step in steps:
+            step()
 
 
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
@@ -342,6 +398,7 @@ def save_checkpoint(ctx: WorkerContext, state: DrafterState) -> None:
     if ctx.cfg.reliability.on_nonfinite == "stop":
         profiler.settle_nonfinite()   # deliberate wait: every check so far read back before a save
         stop_if_nonfinite(ctx.cfg)
+    stop_if_disk_full(state.step)
     if ctx.rank != 0 or (ckpt_dir / f"step_{state.step:07d}").exists():
         return
     t0 = time.perf_counter()

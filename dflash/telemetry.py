@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dflash.config import ConfigError, TrainConfig
+from profiler.runlog import is_disk_full
 
 DEFAULT_METRICS_PORT = 9464
 SD_DIR_NAME = "prometheus-sd"   # beside the run directories: RUNS/prometheus-sd/<run>.json (file_sd glob)
@@ -105,16 +106,28 @@ def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_gr
     if rank != 0 or not targets:
         return
     text = json.dumps([{"targets": targets, "labels": {"run": run_dir.name}}], indent=2) + "\n"
-    _write_private(run_dir / "prometheus" / "targets.json", text, 0o700, 0o600)
+    # A full disk: no targets, quietly (the run log finds it too, and the rank stops saying so).
+    with _unless_disk_full():
+        _write_private(run_dir / "prometheus" / "targets.json", text, 0o700, 0o600)
     # The shared copy holds only endpoint addresses and the run's name, and is made readable on purpose:
     # a Prometheus (a container, a service user) runs as another user. The run's own stays private.
     shared = run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"
     try:
-        _write_private(shared, text, 0o755, 0o644)
+        with _unless_disk_full():
+            _write_private(shared, text, 0o755, 0o644)
+            tele.sd_files.append(shared)
     except PermissionError as exc:
         print(f"dflash-train: warning: no shared file_sd copy: {exc}", file=sys.stderr, flush=True)
-        return
-    tele.sd_files.append(shared)
+
+
+@contextlib.contextmanager
+def _unless_disk_full():
+    """Skip the rest of the block when a write in it finds the disk full; any other OSError goes on up."""
+    try:
+        yield
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
 
 
 def _own_dir_fd(path: Path, mode: int) -> int:
@@ -143,9 +156,13 @@ def _write_private(path: Path, text: str, dir_mode: int, file_mode: int) -> None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)   # our own leftover: the directory is ours alone to write
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode, dir_fd=dir_fd)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), file_mode)   # past the ranks' umask 077
-            f.write(text)
-        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), file_mode)   # past the ranks' umask 077
+                f.write(text)
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dir_fd)   # a failed write (a full disk) leaves nothing behind
+            raise
     finally:
         os.close(dir_fd)

@@ -11,12 +11,14 @@ read: every surface shows this figure, none recomputes it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
 import profiler
+from profiler.runlog import is_disk_full
 
 WINDOW = "steady state"
 
@@ -65,6 +67,18 @@ class ThroughputMeter:
                "steady_tokens": tokens, "steady_steps": step - self.mark_step, "steady_seconds": seconds,
                "window_seconds": wall_s, "phases_seconds": phases, "warmup_steps": self.warm_steps,
                "first_step": self.mark_step + 1, "last_step": step}
-        self.path.parent.mkdir(exist_ok=True)
-        self.path.write_text(json.dumps(out) + "\n")
+        self._write(json.dumps(out) + "\n")
         profiler.event("throughput", **out)
+
+    def _write(self, text: str) -> None:
+        """The file whole or not at all; a full disk is handed to the run log (the rank stops and says it)."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            tmp.write_text(text)
+            tmp.replace(self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if not is_disk_full(exc):
+                raise
+            profiler.note_disk_full(OSError(exc.errno, exc.strerror, str(self.path)))

@@ -368,6 +368,7 @@ class Receiver:
         self._device, self._device_payload = device, device_payload
         self._pool = PinnedPool(2) if device.type == "cuda" and not device_payload else None
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._ended = False
         profiler.register_forensics("transfer_ring", dump_flight_recorder)
         self._thread = threading.Thread(target=self._run, name="drafter.receiver", daemon=True)
         self._thread.start()
@@ -376,9 +377,12 @@ class Receiver:
         return self._q.qsize()
 
     def get(self) -> Message | None:
+        if self._ended:   # every producer has ended: the stream stays ended (drain after a loop that saw it)
+            return None
         item = self._q.get()   # the thread's last item is always None or its exception
         if isinstance(item, BaseException):
             raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
+        self._ended = item is None
         if item is not None and item.ints:
             # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
             # detail (WireHeader.detail): kept in the detail window when the target kept its send.

@@ -32,7 +32,7 @@ from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
 
-_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.NonfiniteStop)
+_SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.RankStop)
 """Errors a rank says in one line (bad input: exit 2; a full disk, a non-finite stop: exit 1)."""
 
 
@@ -179,10 +179,18 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
                 _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
         if stop():
             profiler.event("signal", signal=signal.Signals(stop.signum).name)
+    _said_if_disk_full(prof)
     dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
         _print_final(run_dir)
     return 0
+
+
+def _said_if_disk_full(prof) -> None:
+    """The disk filled as the last records went in (the final interval, run_end): said, though the role ended."""
+    full = getattr(prof, "disk_full", None)   # None too under --no-profile: no run log
+    if full is not None:
+        raise loops.DiskFullStop(loops.disk_full_line(full, "as the run ended"))
 
 
 def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from monitoring.trace_events import (MAX_EVENTS, build_trace, json_safe, newest_within, num, prepare, proc_info,
                                      write_trace)
 from profiler.records import RUN_END, RUN_START, SPANS
+from profiler.runlog import is_disk_full
 
 logger = logging.getLogger("exporters")
 
@@ -80,7 +81,7 @@ class TraceExporter:
             write_trace(self.path, events, json_safe(meta))
         except OSError as exc:
             self._failed = True
-            if not self._logged:
+            if not self._logged and not is_disk_full(exc):   # a full disk: the rank stops and says it
                 self._logged = True
                 logger.warning("trace exporter: cannot write %s (logged once; it retries at the next spans "
                                "record, and counts what never gets written as dropped): %s", self.path, exc)

@@ -168,6 +168,22 @@ def nonfinite_found():
     return None if p is None else p.nonfinite.first
 
 
+def disk_full():
+    """The OSError (ENOSPC or EDQUOT, filename the run log) with which the active profiler's run log found the
+    disk full, or None: from then on the log keeps only its run_end, so the caller should stop (dflash: one line,
+    exit 1)."""
+    p = _active
+    return None if p is None else p.disk_full
+
+
+def note_disk_full(exc: OSError) -> None:
+    """Another writer of the run (a file beside the log) found the disk full: the run log stops taking records
+    but its frame, as if it had found it, and disk_full() names `exc.filename`."""
+    p = _active
+    if p is not None:
+        p.runlog.note_full(exc)
+
+
 def settle_nonfinite(timeout_s: float = 5.0):
     """Poll (up to timeout_s) until every check so far is read back; the first finding or None. A deliberate
     wait: only where a sync is fine (a save)."""

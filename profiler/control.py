@@ -210,9 +210,15 @@ class ControlServer:
                   "socket_path": self.socket_path, "socket_fallback": self.socket_fallback,
                   "start_time_unix": time.time()}
         tmp = f"{self.discovery_path}.tmp"
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.discovery_path)  # readers never see a half-written file
+        try:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(json.dumps(record) + "\n")
+            os.replace(tmp, self.discovery_path)  # readers never see a half-written file
+        except OSError as exc:   # a full /tmp: one line, and the endpoint serves on without the file
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            logger.warning("control endpoint: no discovery file: %s", exc)
+            self.discovery_path = None
 
     def close(self) -> None:
         self._stop.set()

@@ -235,6 +235,11 @@ class Profiler:
             finally:
                 self.collector.lock.release()
 
+    @property
+    def disk_full(self) -> OSError | None:
+        """The OSError with which the run log found the disk full (RunLog.full), or None."""
+        return self.runlog.full
+
     # ---- collection ----------------------------------------------------------------------------
     def tick(self) -> bool:
         """One collector iteration in the caller's thread (for tests with background=False)."""
@@ -301,7 +306,12 @@ class Profiler:
         duration_s = self.clock() - self.collector.run_start_s
         return {**self._header("run_end"), "step": self.step, "status": status, "duration_seconds": duration_s,
                 "intervals": self.collector.intervals_closed, **self.collector.aggregator.run_parts(duration_s),
-                "exporters": self.hub.stats()}
+                "exporters": self.hub.stats(), **self._run_log_full()}
+
+    def _run_log_full(self) -> dict:
+        """run_end's `run_log` field, only once the disk filled: why, and how many records never got in."""
+        full = self.runlog.full
+        return {} if full is None else {"run_log": {"error": full.strerror, "dropped_records": self.runlog.dropped}}
 
     def event(self, kind: str, **fields) -> dict:
         """Write an {"type": "event", "kind": ...} record now; "step" defaults to the current step."""

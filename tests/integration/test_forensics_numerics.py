@@ -122,6 +122,25 @@ def test_nan_in_the_pack_is_named_by_the_target_and_attributed_to_the_pack(tmp_p
 
 
 @pytest.mark.slow
+def test_a_nonfinite_stop_in_the_pack_ends_every_rank_cleanly_run_after_run(tmp_path, prebuilt):
+    """Issue 34 row 13: before the fix, 3 runs in 4 ended with `terminate called without an active
+    exception` and SIGABRT: the target stopped with its sender thread still inside a gloo send, and the
+    send returning during interpreter teardown aborted the process. Three runs: each the abort's chance."""
+    for attempt in range(3):
+        run = prebuilt(tmp_path / f"run{attempt}")
+        r = train(run, ["--checkpoint-every", "2"], "nan@target.pack_hidden:step=3")
+        said = f"attempt {attempt}:\n{r.stderr[-3000:]}"
+        assert r.returncode == 1, said
+        for bad in ("terminate called", "SIGABRT", "Traceback", "did not end within", "another rank is gone"):
+            assert bad not in r.stderr, said
+        assert ("dflash-train: error: rank 1: non-finite packed.hidden in target.pack_hidden at step 3 on rank 1; "
+                "stopped (--on-nonfinite stop)") in error_lines(r.stderr), said
+        for rank in (0, 1):
+            recs, _ = read_records(run / "profile" / f"rank{rank}.jsonl")
+            assert [e["status"] for e in recs if e["type"] == "run_end"] == ["NonfiniteStop"], said
+
+
+@pytest.mark.slow
 def test_nan_in_the_transfer_is_attributed_to_the_transfer_and_stops(tmp_path, prebuilt):
     run = prebuilt(tmp_path / "run")
     r = train(run, [], "nan@transfer.send:step=2")

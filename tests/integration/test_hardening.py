@@ -311,6 +311,54 @@ def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_exits_1(tmp_path,
     assert end["status"] == "CheckpointWriteError"
 
 
+# A run on an 8 MB tmpfs (the built-ins take 5 of it) until its third interval, then the rest filled by `dd`;
+# the run directory is copied out (less the built-ins and the filler) before the namespace and its tmpfs go.
+FILL_MID_RUN = """mount -t tmpfs -o size=8m tmpfs "$0" && cp -r "$3" "$0/builtin" || exit 99
+timeout 200 "$1" -m dflash.cli --run-dir "$0" --max-steps 100000 --profile-interval 1 $2 &
+train=$!
+for i in $(seq 800); do
+  n=$(grep -c '"type": "interval"' "$0/profile/rank0.jsonl" 2>/dev/null)
+  [ "${n:-0}" -ge 3 ] && break
+  sleep 0.25
+done
+dd if=/dev/zero of="$0/fill" bs=64k 2>/dev/null
+wait $train; rc=$?
+mkdir -p "$0.out" && tar -C "$0" --exclude=./builtin --exclude=./fill -cf - . | tar -C "$0.out" -xf -
+exit $rc"""
+
+
+def test_a_disk_that_fills_mid_run_stops_each_rank_in_one_line_with_whole_logs_ending_in_run_end(tmp_path,
+                                                                                                  small_builtin):
+    """Issue 34 row 7: before, 223 stderr lines, 15 tracebacks, torn last lines and no run_end. Each rank's run
+    log keeps room past its end for its run_end; when a write (its own, or the throughput file's) finds the disk
+    full, the rank stops at its next step boundary, ends its transfers, writes run_end there and says why in one
+    line naming the file; the other writers stay quiet (the trace's rewrite, the final checkpoint is not tried)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    args = " ".join(a for a in SMALL if a not in ("--profile-interval", "2"))
+    r = in_mount_namespace(FILL_MID_RUN, str(run), sys.executable, args, str(small_builtin))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = {}
+    for line in lines:   # one line per rank that found the disk full, naming the file it could not write
+        head, _, rest = line.partition(": no space left on device: ")
+        assert head.startswith("dflash-train: error: rank ") and rest.startswith(f"{run}/"), r.stderr[-3000:]
+        said[int(head.rsplit(" ", 1)[1])] = rest
+    assert len(said) == len(lines) and all(" could not be written; stopped " in x for x in said.values()), lines
+    out = run.parent / "run.out"
+    for rank in (0, 1):
+        log = out / "profile" / f"rank{rank}.jsonl"
+        recs, bad = read_records(log)
+        assert bad == 0 and log.read_bytes().endswith(b"\n")   # whole lines only, none torn
+        [end] = [x for x in recs if x["type"] == "run_end"]
+        assert recs[-1] is end and end["status"] == "DiskFullStop"
+        assert end["run_log"]["error"] == "No space left on device" and end["run_log"]["dropped_records"] >= 1
+    assert not [p.name for p in out.rglob("*") if ".tmp" in p.name]   # no half-written file left
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
+    from report.check import check_run
+    assert check_run(out) == []
+
+
 def test_resume_cleans_partials_and_summarises_per_rank_and_skipped_eval_is_said(tmp_path, prebuilt):
     run = prebuilt(tmp_path / "run")
     common = ["--run-dir", str(run), "--data", str(DATA), *SMALL, "--eval-prompts", "8"]

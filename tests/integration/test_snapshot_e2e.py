@@ -3,7 +3,9 @@ hangs in target.fwd (DFLASH_FAULT=hang@...), a plain Python process, a missing p
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -133,3 +135,147 @@ def test_missing_pid_and_non_python_process_are_one_line_errors(tmp_path):
     r = profile("snapshot", "--run-dir", str(tmp_path))
     assert r.returncode == 2 and r.stderr.startswith(f"dflash-profile: error: no live rank of {tmp_path}")
     assert r.stderr.count("\n") == 1
+
+
+# ---- issue 34 row 6: names from another process never drive the terminal ---------------------
+NASTY = "\x1b]0;owned\x07\x1b[2J\x1b]52;c;cGF5bG9hZA==\x07\r\x9b1K"   # title, clear, clipboard, CR, C1 CSI
+PARKED = "import time\n\ndef parked():\n    while True:\n        time.sleep(1)\n"
+# A process whose thread names and module file name hold NASTY; with an endpoint argument it also serves a
+# real control endpoint (profiler.control) for a run directory, whose state names spans and roles with it.
+PROGRAM = """import importlib.util, sys, threading
+NASTY = {nasty!r}
+spec = importlib.util.spec_from_file_location("evil", {module!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+worker = threading.Thread(target=mod.parked, name="worker" + NASTY, daemon=True)
+worker.start()
+threading.current_thread().name = "main" + NASTY
+if len(sys.argv) > 1:
+    from profiler.control import ControlServer
+    interval = {{"index": 0, "step": 3, "duration_seconds": 1.0, "counters": {{}},
+                "spans": {{"drafter.recv" + NASTY: {{"count": 2, "share": 0.5, "cpu": {{"p95_seconds": 0.01}}}}}}}}
+    state = {{"rank": 0, "role": "drafter" + NASTY, "step": 3, "run_dir": sys.argv[1], "intervals_closed": 1,
+             "last_interval": interval, "memory": {{"available": False, "reason": "no GPU" + NASTY}},
+             "active_spans": [{{"thread": "worker" + NASTY, "native_id": worker.native_id,
+                               "spans": [{{"name": "drafter.recv" + NASTY, "open_seconds": 99.0}}]}}]}}
+    server = ControlServer(sys.argv[1], 0, "drafter" + NASTY, lambda: state)
+    server.start()
+    assert server.error is None, server.error
+print("ready", flush=True)
+sys.stdin.read()
+if len(sys.argv) > 1:
+    server.close()
+"""
+
+
+def raw_controls(data: bytes) -> list[str]:
+    """The control characters (C0 but newline and tab, DEL, C1) in UTF-8 output."""
+    return [c for c in data.decode() if (ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0]
+
+
+@pytest.fixture
+def other_user():
+    """(name, uid, gid) of a system user made for this test and removed after it."""
+    import pwd
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test makes a second local user and snapshots that user's process")
+    useradd, userdel = shutil.which("useradd"), shutil.which("userdel")
+    if useradd is None or userdel is None:
+        pytest.skip("useradd/userdel missing: cannot make the second local user this test needs")
+    name = f"dfl-snap-{uuid.uuid4().hex[:8]}"
+    subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True,
+                   capture_output=True)
+    try:
+        entry = pwd.getpwnam(name)
+        yield name, entry.pw_uid, entry.pw_gid
+    finally:
+        subprocess.run([userdel, name], capture_output=True)
+
+
+@contextlib.contextmanager
+def parked_process(argv: list, **popen):
+    """A process of PROGRAM, once it said it is ready; ended by closing its stdin (then killed)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen)
+    try:
+        assert proc.stdout.readline() == b"ready\n", f"the parked process did not start (exit {proc.poll()})"
+        yield proc
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _interpreter_for(uid: int, gid: int) -> str:
+    """A Python the other user may run (this venv's may sit under a directory only we can enter)."""
+    for candidate in (sys.executable, sys._base_executable, "/usr/bin/python3"):
+        try:
+            ok = subprocess.run([candidate, "-c", "pass"], user=uid, group=gid, extra_groups=[], capture_output=True,
+                                cwd="/")
+        except OSError:   # not theirs to run
+            continue
+        if ok.returncode == 0:
+            return candidate
+    pytest.skip("no Python interpreter the second user may run")
+
+
+def _snapshot_bytes(*args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "dflash.profile_cli", "snapshot", *args], cwd=REPO,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert raw_controls(r.stdout) == [] and raw_controls(r.stderr) == [], args
+    return r
+
+
+def test_a_snapshot_of_another_users_process_prints_no_raw_escape(other_user, tmp_path):
+    """Issue 34 row 6, the snapshot half: thread names and a module file name holding terminal escapes (window
+    title, clear screen, OSC 52 clipboard write, CR, C1 CSI), in another user's process (--pid, py-spy as root)
+    and in a profiled process of ours whose endpoint's state holds them too (--run-dir: discovery files are per
+    user, so --run-dir only ever finds this user's ranks). No raw control character reaches stdout or stderr,
+    in text or --json, and the names still arrive whole (escaped), not dropped."""
+    import shutil
+    import tempfile
+
+    from profiler.control import clean_stale_discovery, default_discovery_dir
+
+    _, uid, gid = other_user
+    shared = Path(tempfile.mkdtemp(prefix="dflash-snap-"))   # not under pytest's 0700 base: the user reads it
+    try:
+        shared.chmod(0o755)
+        module = shared / f"evil{NASTY}.py"
+        module.write_text(PARKED)
+        main = shared / "main.py"
+        main.write_text(PROGRAM.format(nasty=NASTY, module=str(module)))
+        for f in (module, main):
+            f.chmod(0o644)
+        with parked_process([_interpreter_for(uid, gid), str(main)], user=uid, group=gid, extra_groups=[],
+                            cwd="/") as theirs:
+            text = _snapshot_bytes("--pid", str(theirs.pid)).stdout.decode()
+            as_json = json.loads(_snapshot_bytes("--pid", str(theirs.pid), "--json").stdout)
+        esc = NASTY.encode("unicode_escape").decode().replace("\\r", "\\x0d")   # how printable() shows it
+        assert f"  worker{esc} (native id " in text and f"  main{esc} (native id " in text, text
+        assert f"at parked (evil{esc}.py:5)" in text, text
+        worker = next(t for t in as_json["threads"] if t["name"] == "worker" + NASTY)
+        assert worker["frames"][0] == f"parked (evil{NASTY}.py:5)"
+
+        run = tmp_path / f"run{NASTY}"
+        run.mkdir()
+        with parked_process([sys.executable, str(main), str(run)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO))) as ours:
+            text = _snapshot_bytes("--run-dir", str(run)).stdout.decode()
+            as_json = json.loads(_snapshot_bytes("--run-dir", str(run), "--json").stdout)
+        assert f"run {str(run.resolve()).replace(NASTY, esc)}: 1 live ranks" in text, text
+        assert f"role drafter{esc}" in text and f"open spans: drafter.recv{esc} " in text, text
+        [snap] = as_json["ranks"]
+        assert snap["pid"] == ours.pid and snap["role"] == "drafter" + NASTY
+        worker = next(t for t in snap["threads"] if t["name"] == "worker" + NASTY)
+        assert worker["open_spans"][0]["name"] == "drafter.recv" + NASTY
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        clean_stale_discovery(default_discovery_dir())

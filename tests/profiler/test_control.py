@@ -262,3 +262,31 @@ def test_a_planted_discovery_dir_is_refused_and_the_endpoint_serves_without_it(t
     assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755
     assert (victim / "123.json").exists()
     assert clean_stale_discovery(disc) == [] and (victim / "123.json").exists()
+
+
+def test_a_discovery_file_the_disk_cannot_take_is_one_warning_and_the_endpoint_serves_on(tmp_path, caplog,
+                                                                                          monkeypatch):
+    """Issue 34 row 7: a full /tmp while the discovery file is written: one warning line, no traceback, no
+    temporary file left, and the endpoint still answers on its run-dir socket."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_fdopen(fd, mode="r"):
+        os.close(fd)
+        return Full()
+    monkeypatch.setattr("profiler.control.os.fdopen", full_fdopen)
+    disc = tmp_path / "disc"
+    server = ControlServer(tmp_path / "run", rank=0, role="main", state_fn=lambda: {"step": 1}, discovery_dir=disc)
+    with caplog.at_level("WARNING", logger="profiler"):
+        server.start()
+    try:
+        assert server.error is None and query(server.socket_path) == {"ok": True, "state": {"step": 1}}
+        warned = [r.getMessage() for r in caplog.records]
+        assert server.discovery_path is None and len(warned) == 1 and "No space left on device" in warned[0]
+        assert list(disc.iterdir()) == []
+    finally:
+        server.close()

@@ -1,8 +1,12 @@
-"""Run log: whole lines, round trip, truncated last line, concurrent writers."""
+"""Run log: whole lines, round trip, truncated last line, concurrent writers, a full disk."""
+import errno
 import json
+import os
 import threading
 
-from profiler.runlog import RunLog, read_records
+import pytest
+
+from profiler.runlog import RESERVE_BYTES, RunLog, read_records
 
 
 def test_round_trip_and_types(tmp_path):
@@ -69,3 +73,74 @@ def test_concurrent_writers_produce_whole_lines(tmp_path):
     assert bad == 0
     for k in range(n_threads):
         assert [r["i"] for r in back if r["thread"] == k] == list(range(per))
+
+
+def _no_space(*args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_keeps_only_the_frame_and_counts_the_rest(tmp_path):
+    """Issue 34 row 7: once the reserve past the end cannot be topped up, only run_start and run_end go in (the
+    reserve's room), and the log says why; nothing raises into the writers."""
+    calls = []
+    log = RunLog(tmp_path / "r.jsonl", reserve_bytes=4096, reserve=lambda fd, at, n: calls.append((at, n)))
+    log.write({"type": "run_start"})
+    assert log.full is None and calls[0] == (0, 4096)
+    log._reserve = _no_space                      # the disk filled since
+    log.write({"type": "interval", "pad": "x" * 3000})   # past half the reserve: the top-up finds it full
+    assert log.full is not None and log.full.errno == errno.ENOSPC and log.full.filename == str(log.path)
+    log.write({"type": "interval", "i": 2})
+    log.write({"type": "event", "kind": "x"})
+    log.write({"type": "run_end", "status": "DiskFullStop"})
+    log.close()
+    back, bad = read_records(log.path)
+    assert bad == 0 and [r["type"] for r in back] == ["run_start", "interval", "run_end"] and log.dropped == 2
+
+
+def test_a_write_the_disk_cannot_take_is_cut_back_to_the_last_whole_line(tmp_path, monkeypatch):
+    """A short write (the disk filled mid-line), then ENOSPC: the part that got in is truncated away."""
+    log = RunLog(tmp_path / "r.jsonl", reserve=None)
+    log.write({"type": "run_start"})
+    whole = log.path.read_bytes()
+    real_write, calls = os.write, []
+
+    def half_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, data[: len(data) // 2])
+        _no_space()
+    monkeypatch.setattr(os, "write", half_then_full)
+    log.write({"type": "interval", "pad": "y" * 1000})
+    monkeypatch.setattr(os, "write", real_write)
+    assert len(calls) == 2 and log.path.read_bytes() == whole and log.full is not None and log.dropped == 1
+    log.write({"type": "run_end"})
+    log.close()
+    back, bad = read_records(log.path)
+    assert bad == 0 and [r["type"] for r in back] == ["run_start", "run_end"]
+
+
+def test_another_error_is_raised_with_the_line_cut_back(tmp_path, monkeypatch):
+    log = RunLog(tmp_path / "r.jsonl", reserve=None)
+    log.write({"type": "run_start"})
+    whole = log.path.read_bytes()
+    real_write = os.write
+
+    def half_then_eio(fd, data):
+        real_write(fd, data[:10])
+        raise OSError(errno.EIO, "I/O error")
+    monkeypatch.setattr(os, "write", half_then_eio)
+    with pytest.raises(OSError, match="I/O error"):
+        log.write({"type": "event"})
+    monkeypatch.setattr(os, "write", real_write)
+    assert log.path.read_bytes() == whole and log.full is None
+
+
+def test_the_reserve_is_allocated_past_the_end_and_given_back_at_close(tmp_path):
+    log = RunLog(tmp_path / "r.jsonl")
+    log.write({"type": "run_start"})
+    size = log.path.stat().st_size
+    if log._reserve is None:
+        pytest.skip("this file system keeps no reserve (no fallocate KEEP_SIZE)")
+    assert log.path.stat().st_blocks * 512 >= RESERVE_BYTES and log.path.stat().st_size == size
+    log.close()
+    assert log.path.stat().st_blocks * 512 < RESERVE_BYTES and log.path.stat().st_size == size
