@@ -6,8 +6,9 @@
    and with it switched off, alternated in blocks on the same sampler, plus the two GPM calls alone
    (`nvmlGpmSampleGet`, `nvmlGpmMetricsGet`). Thread CPU and wall time per sample.
 2. Readings: the interval means over 2 s of each of three loads: idle; a bf16 matmul loop (compute-bound:
-   tensor pipes busy); a loop of tiny elementwise kernels (launch-bound: NVML's utilisation near 100% while
-   few SMs and no tensor pipe work).
+   tensor pipes busy); back-to-back single-thread kernels (`torch.cuda._sleep`: a kernel always running, so
+   NVML's utilisation near 100%, on one SM with no tensor work: the signature of a launch- or latency-bound
+   GPU that NVML alone calls fully busy).
 Prints JSON (to $OUT/bench_gpm.json too when OUT is set).
 """
 from __future__ import annotations
@@ -69,14 +70,14 @@ def _load(kind: str, device, seconds: float) -> None:
     if kind == "idle":
         time.sleep(seconds)
         return
-    big, small = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16), torch.ones(256, device=device)
+    big = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for _ in range(20 if kind == "matmul" else 2000):
+        for _ in range(20):
             if kind == "matmul":
                 big = (big @ big).clamp_(-1, 1)
             else:
-                small.add_(1.0)
+                torch.cuda._sleep(1_000_000)   # one thread spinning ~0.5 ms
         torch.cuda.synchronize()   # deliberate: keeps the loop's work inside its window
 
 

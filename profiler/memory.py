@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import statistics
 import threading
@@ -104,9 +105,12 @@ class GpmReader:
         out = {}
         for i, field in enumerate(self._ids):
             metric = request.metrics[i]
-            out[field] = float(metric.value) if metric.nvmlReturn == 0 else None
-            if metric.nvmlReturn != 0:
-                self.metric_errors[field] = f"nvmlGpmMetricsGet: {GPM_METRICS[field]} returned NVML error {metric.nvmlReturn}"
+            value = float(metric.value) if metric.nvmlReturn == 0 else None
+            if value is None or not math.isfinite(value):   # seen on an H100: DRAM_BW_UTIL NaN in some periods
+                self.metric_errors[field] = (f"nvmlGpmMetricsGet: {GPM_METRICS[field]} returned " +
+                                             (f"NVML error {metric.nvmlReturn}" if value is None else f"{value}"))
+                value = None
+            out[field] = value
         return out
 
     def close(self) -> None:

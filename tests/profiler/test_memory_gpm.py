@@ -119,6 +119,21 @@ def test_a_failing_gpm_sample_is_counted_and_the_next_period_starts_afresh(caplo
     assert len([r for r in caplog.records if "nvmlGpmSampleGet" in r.getMessage()]) == 1
 
 
+def test_a_non_finite_gpm_value_is_left_out_of_the_mean_with_its_reason():
+    nvml = FakeGpmNvml(periods=[(50, 20, 10, float("nan")), (70, 20, 30, 40.0)])
+    sampler = NvmlMemorySampler([0], nvml=nvml)
+    for _ in range(3):
+        sampler.sample_once()
+    gpu = sampler.interval_summary()["gpus"][0]
+    assert gpu["dram_active_percent_mean"] == 40.0 and gpu["tensor_active_percent_mean"] == 20.0
+    nvml = FakeGpmNvml(periods=[(50, 20, 10, float("nan"))])
+    sampler = NvmlMemorySampler([0], nvml=nvml)
+    sampler.sample_once()
+    sampler.sample_once()
+    gpu = sampler.interval_summary()["gpus"][0]
+    assert gpu["dram_active_percent_mean"] is None and "returned nan" in gpu["reasons"]["dram_active_percent_mean"]
+
+
 def test_a_metric_nvml_cannot_give_is_null_with_its_error_and_the_others_stay():
     nvml = FakeGpmNvml(periods=[(70, 35, 5, 60)], failing_metric=FakeGpmNvml.NVML_GPM_METRIC_DRAM_BW_UTIL)
     sampler = NvmlMemorySampler([0], nvml=nvml)
