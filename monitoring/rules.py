@@ -151,6 +151,11 @@ RANK_FIRST = RANK[0].upper() + RANK[1:]
 
 def alerts(d: Scale) -> list[Alert]:
     """Every alert, in the order of docs/RUNBOOK.md."""
+    return _failure_alerts(d) + _health_alerts(d)
+
+
+def _failure_alerts(d: Scale) -> list[Alert]:
+    """A rank gone, silent or failed, and the failures its forensics record."""
     return [
         Alert("DFlashRankDown", _rank_down(d), 120, "critical", "A training rank's metrics endpoint is gone.",
               "Prometheus has not scraped {{ if $labels.rank }}rank {{ $labels.rank }} ({{ $labels.role }})"
@@ -177,6 +182,12 @@ def alerts(d: Scale) -> list[Alert]:
         Alert("DFlashHang", _event("hang", d), 60, "critical", "A training rank hung and was stopped.",
               "The hang watchdog of " + RANK + " saw no progress for its timeout, dumped every thread and "
               "stopped the rank."),
+    ]
+
+
+def _health_alerts(d: Scale) -> list[Alert]:
+    """GPU memory, the pipeline's balance, throughput and the telemetry's own health."""
+    return [
         Alert("DFlashGpuMemoryHeadroomLow", f'{name("gpu_headroom_ratio")}{{{JOB}}} < {HEADROOM_LOW_RATIO}', 300,
               "warning", "A GPU is within 5% of running out of memory.",
               "GPU {{ $labels.gpu }} ({{ $labels.UUID }}) of " + RANK + " had its memory low point at "
