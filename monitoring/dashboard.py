@@ -218,17 +218,18 @@ ROWS = (("Overview", (
                   ("gpu_tensor_active", "tensor active"), ("gpu_dram_active", "DRAM bandwidth"))),
               width=24, max=1.0),
 )), ("Host", (
-        Panel("Process CPU", "CPU seconds per second (cores busy) of each rank's process: training, its "
-              "threads and native ones (process_cpu_seconds_total).", "short",
+        Panel("Process CPU", "CPU seconds per second (cores busy) of each rank's process over the rate window: "
+              "training, its threads and native ones (process_cpu_seconds_total).", "short",
               (Query(f"rate({sel('process_cpu')}[{RATE}])", "{{role}} {{rank}}"),), width=6),
-        Panel("Resident memory", "Resident memory of each rank's process (host RAM; pinned buffers included).",
+        Panel("Resident memory", "Resident memory of each rank's process at scrape time (host RAM; pinned "
+              "buffers included).",
               "bytes", (Query(sel("process_resident_memory"), "{{role}} {{rank}}"),), width=6),
         Panel("Threads and open files", "OS threads (Python's and native ones) and open file descriptors of "
               "each rank's process, at scrape time.", "short",
               (Query(sel("process_threads"), "{{role}} {{rank}} threads"),
                Query(sel("process_open_fds"), "{{role}} {{rank}} open fds")), width=6),
         Panel("CPU by thread", "CPU seconds per second of the busiest Python threads of each rank (by thread "
-              "name): which thread is hot.", "short",
+              "name) over the rate window: which thread is hot.", "short",
               (Query(f"topk(8, sum by (role, rank, thread) (rate({sel('thread_cpu')}[{RATE}])))",
                      "{{role}} {{rank}} {{thread}}"),), width=6),
 )), ("Training", (
