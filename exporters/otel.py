@@ -6,7 +6,8 @@ Metrics follow OTel's semantic conventions (the catalog's `Otel` names: dotted, 
 GPU memory, utilisation, power and temperature as `hw.*` with `hw.id` = the GPU's UUID). Span time is a real
 histogram, `dflash.span.duration`: the run log carries per-interval bucket counts, not durations, so each
 interval's counts are recorded as that many values inside their buckets, placed so the sum is the spans' whole
-time; bucket bounds, counts and sum are the run log's (min and max are not recorded). `dflash.span.time` adds the
+time (one SDK record per span that ended, on the exporter thread); bucket bounds, counts and sum are the run
+log's (min and max are not recorded). `dflash.span.time` adds the
 time spent in each span inside each interval (split at interval boundaries: its rate is the span's share). The
 first failed export logs one warning, the SDK's own export warnings held back meanwhile.
 """
