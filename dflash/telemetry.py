@@ -1,5 +1,6 @@
 """What a rank exports besides its run log: the Prometheus endpoint (with the run's file_sd targets),
 OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, the Perfetto trace, and on rank 0 the console summary.
+The endpoint answers until the rank's process exits (the alerts read a missing rank as a dead one).
 
 `start()` builds the exporters the profiler feeds; `close()` at run end withdraws the run from the
 shared file_sd directory so a Prometheus stops scraping endpoints that are gone. Rank 0 writes the
@@ -44,8 +45,6 @@ def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str
     host = socket.gethostname()
     labels = {"rank": rank, "role": role, "host": host}
     endpoint = _prometheus(cfg, labels, rank, local_rank)
-    if endpoint is not None:
-        tele.exporters.append(endpoint)
     _write_targets(cfg, run_dir, rank, endpoint, ctrl_group, tele)
     from exporters import console, otel, trace
 
@@ -55,6 +54,9 @@ def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str
     tele.exporters.append(trace.TraceExporter(run_dir, rank))
     if rank == 0:
         tele.exporters.append(console.ConsoleExporter())   # each interval's summary, and what is still open
+    if endpoint is not None:
+        # last: its close waits for a scrape of the final records, with what is left of the exporters' deadline
+        tele.exporters.append(endpoint)
     return tele
 
 
@@ -76,7 +78,10 @@ def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
     port = (cfg.telemetry.metrics_port if cfg.telemetry.metrics_port is not None else DEFAULT_METRICS_PORT) + local_rank
     strict = cfg.telemetry.metrics_port is not None
     try:
-        exporter = PrometheusExporter(labels, host=cfg.telemetry.metrics_host, port=port, strict=strict)
+        # keep_serving: a rank done before the others still answers (with its final values) until it exits, so
+        # `up` stays 1 while its run is listed; the file_sd entry is withdrawn at the run's end
+        exporter = PrometheusExporter(labels, host=cfg.telemetry.metrics_host, port=port, strict=strict,
+                                      keep_serving=True)
     except MetricsPortInUse:
         raise ConfigError(f"--metrics-port {cfg.telemetry.metrics_port}: port {port} on "
                           f"{cfg.telemetry.metrics_host} (rank {rank} = "

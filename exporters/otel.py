@@ -2,9 +2,14 @@
 
 Spans go to the SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader (their own threads),
 so `export()` never waits on the network. Each `spans` record becomes one trace under a `profile.window` root.
-Metrics take the catalog's names and labels; counters drop `_total` (OTel convention) and the span-time
-histogram becomes `_sum`/`_count` counters (the run log carries bucket counts, not durations). The first
-failed export logs one warning, the SDK's own export warnings held back meanwhile.
+Metrics follow OTel's semantic conventions (the catalog's `Otel` names: dotted, no unit in the name, UCUM units;
+GPU memory, utilisation, power and temperature as `hw.*` with `hw.id` = the GPU's UUID). Span time is a real
+histogram, `dflash.span.duration`: the run log carries per-interval bucket counts, not durations, so each
+interval's counts are recorded as that many values inside their buckets, placed so the sum is the spans' whole
+time (one SDK record per span that ended, on the exporter thread); bucket bounds, counts and sum are the run
+log's (min and max are not recorded). `dflash.span.time` adds the
+time spent in each span inside each interval (split at interval boundaries: its rate is the span's share). The
+first failed export logs one warning, the SDK's own export warnings held back meanwhile.
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ import threading
 import time
 from typing import Mapping
 
-from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, WAIT_SPANS, gpu_gauges, \
-    train_metric_family, train_metric_value
+from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, OTEL_SPAN_TIME, WAIT_SPANS, \
+    Otel, gpu_gauges, train_metric_family, train_metric_value
+from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 log = logging.getLogger("exporters")
 
@@ -32,8 +38,7 @@ SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
                "opentelemetry.sdk._shared_internal",
                "opentelemetry.sdk.trace.export",
                "opentelemetry.sdk.metrics._internal.export")
-_UNITS = (("_bytes_per_second", "By/s"), ("_seconds", "s"), ("_bytes", "By"), ("_ratio", "1"),
-          ("_watts", "W"), ("_celsius", "Cel"), ("_hertz", "Hz"), ("_per_second", "1/s"))
+
 
 
 def from_env(env: Mapping[str, str] = os.environ, **kwargs) -> "OtelExporter | None":
@@ -104,8 +109,16 @@ class _Counting:
         return result
 
 
-def _unit(name: str) -> str:
-    return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), "")
+def bucket_values(counts: list, bounds, total_s: float, max_s) -> list[tuple[float, int]]:
+    """(value, times) pairs that fill histogram buckets exactly as `counts` says (one count per bound, plus
+    +Inf), each value inside its bucket (bound before < value <= its bound; the +Inf bucket up to max_s), placed
+    at one common fraction of every bucket's width so that the values sum to total_s where the buckets allow it."""
+    top = max_s if max_s is not None and max_s > bounds[-1] else 2.0 * bounds[-1]
+    edges = [0.0, *bounds, top]
+    low = sum(c * edges[i] for i, c in enumerate(counts))
+    high = sum(c * edges[i + 1] for i, c in enumerate(counts))
+    t = 1.0 if high <= low else min(1.0, max(1e-6, (total_s - low) / (high - low)))
+    return [(edges[i + 1] - (1.0 - t) * (edges[i + 1] - edges[i]), c) for i, c in enumerate(counts) if c]
 
 
 def _clock_count(entry: dict, clock: str) -> int:
@@ -137,13 +150,15 @@ class OtelExporter:
     def __init__(self, endpoint: str | None = None, *, rank: int, role: str, run_id: str | None = None,
                  host: str | None = None, traces_endpoint: str | None = None, metrics_endpoint: str | None = None,
                  timeout_s: float = 2.0, metric_interval_s: float = 15.0,
-                 span_exporter=None, metric_exporter=None):
+                 span_exporter=None, metric_exporter=None, bucket_bounds_s=HISTOGRAM_BUCKETS_SECONDS):
         """endpoint: OTLP/HTTP base URL, overridden per signal by traces_/metrics_endpoint (None: the SDK's
-        environment); span_exporter / metric_exporter replace the OTLP/HTTP ones."""
+        environment); span_exporter / metric_exporter replace the OTLP/HTTP ones; bucket_bounds_s: the span-time
+        histogram's bounds, which a run_start must carry for its bucket counts to be exported."""
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -169,13 +184,20 @@ class OtelExporter:
         reader = PeriodicExportingMetricReader(
             _Counting(metric_exporter, "metrics", self._on_result),
             export_interval_millis=metric_interval_s * 1e3, export_timeout_millis=timeout_s * 1e3)
-        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
+        self._bounds = tuple(float(b) for b in bucket_bounds_s)
+        duration = FAMILIES["span_seconds"].otel.name
+        self._meter_provider = MeterProvider(
+            resource=resource, metric_readers=[reader], shutdown_on_exit=False,
+            views=[View(instrument_name=duration, aggregation=ExplicitBucketHistogramAggregation(
+                boundaries=self._bounds, record_min_max=False))])
         self._meter = self._meter_provider.get_meter("dflash.profiler")
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
         self._instruments: dict = {}
         self._cumulative: dict = {}      # (key, labels) -> last cumulative value seen
+        self._levels: dict = {}          # (key, labels) -> last value an up-down counter was brought to
         self._throttled: dict = {}       # gpu -> throttle reasons set to 1 last interval
-        self._alloc_gpu: str | None = None
+        self._histograms_ok = True       # False once a run_start's bucket bounds differ from the view's
+        self._alloc_gpu: dict = {}
         for kind in EVENT_KINDS:
             self._record("events", 0, kind=kind)
         self._gate.attach(True)
@@ -215,8 +237,7 @@ class OtelExporter:
         self._record("heartbeat", record.get("time_unix"))
         kind = record.get("type")
         if kind == "run_start":
-            device = str(record.get("device") or "")
-            self._alloc_gpu = device.split(":", 1)[1] if device.startswith("cuda:") else None
+            self._run_start(record)
         elif kind == "spans":
             self._export_spans(record)
         elif kind == "interval":
@@ -262,32 +283,41 @@ class OtelExporter:
         return _attributes(attrs)
 
     # ---- metrics ---------------------------------------------------------------------------------
-    def _instrument(self, key: str, suffix: str = ""):
-        """The instrument for a catalog family (histograms as `_sum`/`_count` counters), made once."""
-        inst = self._instruments.get((key, suffix))
+    def _run_start(self, record: dict) -> None:
+        bounds = tuple(float(b) for b in record.get("histogram_buckets_seconds") or ())
+        if self._histograms_ok and bounds != self._bounds:
+            log.warning("otel: the run log's histogram bounds %s differ from the exporter's %s: dflash.span.duration "
+                        "is not exported for this run", list(bounds), list(self._bounds))
+        self._histograms_ok = bounds == self._bounds
+
+    def _instrument(self, spec: Otel, kind: str, help_: str):
+        """The SDK instrument for an Otel spec (its own instrument, else the family's kind), made once."""
+        inst = self._instruments.get(spec.name)
         if inst is None:
-            family = FAMILIES[key]
-            if family.kind == "histogram":
-                name, unit = family.name + suffix, (_unit(family.name) if suffix == "_sum" else "{span}")
-                inst = self._meter.create_counter(name, unit=unit, description=family.help)
-            elif family.kind == "counter":
-                name = family.name.removesuffix("_total")
-                inst = self._meter.create_counter(name, unit=_unit(name), description=family.help)
-            else:
-                inst = self._meter.create_gauge(family.name, unit=_unit(family.name), description=family.help)
-            self._instruments[(key, suffix)] = inst
+            make = {"histogram": self._meter.create_histogram, "counter": self._meter.create_counter,
+                    "updown": self._meter.create_up_down_counter}.get(spec.instrument or kind, self._meter.create_gauge)
+            inst = self._instruments[spec.name] = make(spec.name, unit=spec.unit, description=help_)
         return inst
 
-    def _record(self, key: str, value, suffix: str = "", **labels) -> None:
-        """Add to a counter or set a gauge, with the common labels; None is skipped."""
-        if value is None:
+    def _attrs(self, spec: Otel, labels: dict) -> dict:
+        return {**self._labels, **dict(spec.attributes), **labels}
+
+    def _record(self, key: str, value, **labels) -> None:
+        """Add to a counter, bring an up-down counter to `value`, or set a gauge, with the common labels and the
+        conventions' fixed attributes; None is skipped, as are families OTel does not carry."""
+        family = FAMILIES[key]
+        if value is None or family.otel is None:
             return
-        inst = self._instrument(key, suffix)
-        attrs = {**self._labels, **labels}
-        if FAMILIES[key].kind == "gauge":
-            inst.set(value, attrs)
-        else:
+        spec, attrs = family.otel, self._attrs(family.otel, labels)
+        inst = self._instrument(spec, family.kind, family.help)
+        if spec.instrument == "updown":
+            ident = (key, tuple(sorted(attrs.items())))
+            inst.add(value - self._levels.get(ident, 0), attrs)
+            self._levels[ident] = value
+        elif family.kind == "counter":
             inst.add(value, attrs)
+        else:
+            inst.set(value, attrs)
 
     def _record_cumulative(self, key: str, value, **labels) -> None:
         """Feed a counter from a value that is already a running total (adds the increase)."""
@@ -302,6 +332,11 @@ class OtelExporter:
         self._record("intervals", 1)
         self._record("step", record.get("step"))
         self._record("profiler_cpu", record.get("profiler_share"))
+        duration = record.get("duration_seconds") or 0.0
+        self._record("profiled_seconds", duration)
+        self._record("profiler_cpu_seconds", (record.get("profiler_share") or 0.0) * duration)
+        for thread, seconds in (record.get("threads_cpu_seconds") or {}).items():
+            self._record("thread_cpu", seconds, thread=thread)
         for name, entry in (record.get("spans") or {}).items():
             self._span_metrics(name, entry)
         for name, c in (record.get("counters") or {}).items():
@@ -323,12 +358,16 @@ class OtelExporter:
             self._memory_metrics(memory)
 
     def _span_metrics(self, name: str, e: dict) -> None:
+        family = FAMILIES["span_seconds"]
         for clock in ("cpu", "gpu"):
             stats = e.get(clock)
-            if stats:
-                count = _clock_count(e, clock)
-                self._record("span_seconds", stats.get("total_seconds"), "_sum", span=name, clock=clock)
-                self._record("span_seconds", count, "_count", span=name, clock=clock)
+            if not stats:
+                continue
+            labels = {"span": name, "clock": clock}
+            time_spent = self._instrument(OTEL_SPAN_TIME, "counter", "Seconds spent in the span inside each interval "
+                                          "(CPU: split at interval boundaries; GPU: whole windows); rate: its share.")
+            time_spent.add(stats.get("total_seconds") or 0.0, self._attrs(OTEL_SPAN_TIME, labels))
+            self._durations(family, stats, _clock_count(e, clock), labels)
         for key, field in (("span_share", "share"), ("span_bytes", "bytes"),
                            ("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio")):
             self._record(key, e.get(field), span=name)
@@ -337,22 +376,35 @@ class OtelExporter:
         if WAIT_SPANS.get(name) == self._role:
             self._record("wait_share", e.get("share"), span=name)
 
+    def _durations(self, family, stats: dict, count: int, labels: dict) -> None:
+        """The interval's whole spans into the dflash.span.duration histogram, bucket by bucket."""
+        buckets = stats.get("buckets")
+        if not (self._histograms_ok and count and buckets and len(buckets) == len(self._bounds) + 1):
+            return
+        whole_s = (stats.get("mean_seconds") or 0.0) * count
+        histogram = self._instrument(family.otel, "histogram", family.help)
+        attrs = self._attrs(family.otel, labels)
+        for value, times in bucket_values(buckets, self._bounds, whole_s, stats.get("max_seconds")):
+            for _ in range(times):
+                histogram.record(value, attrs)
+
     def _memory_metrics(self, memory: dict) -> None:
         for g in memory.get("gpus") or ():
             gpu = str(g.get("index"))
+            labels = {"gpu": gpu, "hw.id": g.get("uuid") or f"gpu-index-{gpu}", "hw.name": g.get("name") or "unknown"}
             for key, value in gpu_gauges(g).items():
-                self._record(key, value, gpu=gpu)
+                self._record(key, value, **labels)
             active = set(g.get("throttle_reasons") or ())
             for reason in active | self._throttled.get(gpu, set()):
-                self._record("gpu_throttle", int(reason in active), gpu=gpu, reason=reason)
+                self._record("gpu_throttle", int(reason in active), reason=reason, **labels)
             self._throttled[gpu] = active
+            self._alloc_gpu = self._alloc_gpu or labels   # the allocator is the rank's own device: the first GPU
         alloc = memory.get("allocator") or {}
         if alloc.get("available", True) and alloc:
-            labels = {"gpu": self._alloc_gpu} if self._alloc_gpu is not None else {}
             for key, field in ALLOCATOR_GAUGES:
-                self._record(key, alloc.get(field), **labels)
+                self._record(key, alloc.get(field), **self._alloc_gpu)
             for key, field in ALLOCATOR_COUNTERS:
-                self._record_cumulative(key, alloc.get(field), **labels)
+                self._record_cumulative(key, alloc.get(field), **self._alloc_gpu)
 
     # ---- close -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:

@@ -1,6 +1,12 @@
 """Prometheus: one HTTP endpoint per rank. `export(record)` folds each record into plain values under a lock; a
 scrape turns them into families. Span-time histograms sum the intervals' fixed bucket counts, so
-`histogram_quantile` aggregates across ranks. Every series carries `rank`, `role` and `host`.
+`histogram_quantile` aggregates across ranks. Every series carries `rank`, `role` and `host`, the process's
+`process_*` series (prometheus_client's ProcessCollector) included; GPU series carry the GPU's `UUID`.
+
+A rank's last records (a non-finite value, a hang, its run_end) matter most to alerts, and the rank may exit right
+after them: `close()` waits, within its deadline, for one scrape to have read them, when something scrapes this
+endpoint at all; with `keep_serving` the endpoint then answers with the final values until the process exits,
+so a rank that finished before the others is not taken for a dead one.
 """
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import logging
 import threading
 
 from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, COMMON_LABELS, EVENT_KINDS, FAMILIES, \
-    WAIT_SPANS, Family, gpu_gauges, metric_name, train_metric_family, train_metric_value
+    WAIT_SPANS, Family, gpu_gauges, gpu_labels, metric_name, train_metric_family, train_metric_value
 
 logger = logging.getLogger("exporters")
 _THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
@@ -26,6 +32,10 @@ class MetricsState:
 
     def __init__(self, labels: dict):
         self.lock = threading.Lock()
+        self.scraped = threading.Condition(self.lock)   # notified by every scrape answered
+        self.folded = self.served = 0   # records folded so far; records folded when the last answered scrape read them
+        self.scrapes = 0                # scrapes answered
+        self._request = threading.local()   # what the scrape this handler thread answers has read
         self.base = tuple(str(labels[k]) for k in COMMON_LABELS)
         self.values: dict = {}        # family key or dynamic Family -> {extra label values: value}
         self.histograms: dict = {}    # (span, clock) -> [cumulative bucket counts, sum seconds]
@@ -38,7 +48,17 @@ class MetricsState:
     def collect(self):
         """The families at scrape time (a prometheus_client collector; auto_describe off: no describe)."""
         with self.lock:
+            self._request.read = self.folded
             return list(_families(self))
+
+    def request_done(self) -> None:
+        """Called by the HTTP server once a request's response is sent: a scrape counts as served only then (a rank
+        about to exit must not leave before the bytes are out)."""
+        read, self._request.read = getattr(self._request, "read", None), None
+        if read is not None:
+            with self.lock:
+                self.served, self.scrapes = max(self.served, read), self.scrapes + 1
+                self.scraped.notify_all()
 
     def set(self, family, value, *extra, add: bool = False) -> None:
         if value is not None:
@@ -51,13 +71,17 @@ class PrometheusExporter:
 
     name = "prometheus"
 
-    def __init__(self, labels: dict, host: str = "127.0.0.1", port: int = 0, strict: bool = True):
+    def __init__(self, labels: dict, host: str = "127.0.0.1", port: int = 0, strict: bool = True,
+                 keep_serving: bool = False):
+        """keep_serving: close() leaves the endpoint answering (a daemon thread) until the process exits."""
         from prometheus_client import CollectorRegistry
 
         self.state = MetricsState(labels)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.state)
-        self._server = _serve(host, port, strict, self.registry)
+        self.registry.register(ProcessMetrics(self.state.base))
+        self._keep_serving = keep_serving
+        self._server = _serve(host, port, strict, self.registry, self.state.request_done)
         self.host, self.port = host, self._server.server_port
 
     # ---- exporter contract -----------------------------------------------------------------------
@@ -67,10 +91,57 @@ class PrometheusExporter:
             if fold is not None:
                 fold(self.state, record)
             self.state.set("heartbeat", record.get("time_unix"))
+            self.state.folded += 1
 
     def close(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for a scrape of the last record, if this endpoint is scraped at all; then stop
+        serving, unless keep_serving."""
+        with self.state.lock:
+            if self.state.scrapes:
+                self.state.scraped.wait_for(lambda: self.state.served >= self.state.folded, timeout=timeout_s)
+        if not self._keep_serving:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop answering scrapes and release the port."""
         self._server.shutdown()
         self._server.server_close()
+
+
+class ProcessMetrics:
+    """prometheus_client's ProcessCollector (`process_*`: CPU seconds, resident and virtual memory, open fds,
+    start time) with the rank's common labels added, plus the process's OS thread count; read at scrape time
+    from /proc (Linux; elsewhere nothing)."""
+
+    def __init__(self, base: tuple):
+        from prometheus_client import ProcessCollector
+
+        self._base = base
+        self._inner = ProcessCollector(registry=None)
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily, Metric
+
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                out.add_sample(sample.name, dict(zip(COMMON_LABELS, self._base), **sample.labels), sample.value)
+            yield out
+        threads = _os_threads()
+        if threads is not None:
+            fam = FAMILIES["process_threads"]
+            mf = GaugeMetricFamily(fam.name, fam.help, labels=list(COMMON_LABELS))
+            mf.add_metric(list(self._base), threads)
+            yield mf
+
+
+def _os_threads() -> int | None:
+    """Threads of this process from /proc/self/status, None where there is no procfs."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
+    except OSError:
+        return None
 
 
 MAX_CONNECTIONS = 16
@@ -79,9 +150,10 @@ READ_TIMEOUT_S = 5.0
 """A connection that sends no full request within this is closed: idle connections cannot pile up threads."""
 
 
-def _server_class(family):
+def _server_class(family, on_request_done):
     """A threading WSGI server with at most MAX_CONNECTIONS handler threads and a read timeout, quiet on a
-    client's error (prometheus_client's own server starts a thread per connection and waits forever)."""
+    client's error (prometheus_client's own server starts a thread per connection and waits forever), calling
+    on_request_done on the handler thread once a connection's requests are answered and it is closed."""
     import socketserver
     from wsgiref.simple_server import WSGIServer
 
@@ -105,13 +177,14 @@ def _server_class(family):
                 super().process_request_thread(request, client_address)
             finally:
                 self.slots.release()
+                on_request_done()
 
         def handle_error(self, request, client_address):
             pass   # a client that timed out or hung up: nothing to report
     return BoundedServer
 
 
-def _start(host: str, port: int, registry):
+def _start(host: str, port: int, registry, on_request_done):
     import socket
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -123,26 +196,28 @@ def _start(host: str, port: int, registry):
         def log_message(self, format, *args):   # noqa: A002 - the base class's name
             pass
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server = make_server(host, port, make_wsgi_app(registry), _server_class(family), handler_class=Handler)
+    server = make_server(host, port, make_wsgi_app(registry), _server_class(family, on_request_done),
+                         handler_class=Handler)
     threading.Thread(target=server.serve_forever, name="metrics.http", daemon=True).start()
     return server
 
 
-def _serve(host: str, port: int, strict: bool, registry):
+def _serve(host: str, port: int, strict: bool, registry, on_request_done):
     """The endpoint's server on host:port; a busy port is MetricsPortInUse when strict, else a free port is
     taken instead (the caller announces it)."""
     try:
-        return _start(host, port, registry)
+        return _start(host, port, registry, on_request_done)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
         if strict:
             raise MetricsPortInUse(exc.errno, f"port {port} on {host} is in use") from None
-        return _start(host, 0, registry)
+        return _start(host, 0, registry, on_request_done)
 
 
 # ---- folding records into values (on the exporter thread) -------------------------------------------
 def _fold_run_start(st: MetricsState, rec: dict) -> None:
+    st.values.pop("run_end", None)   # a resumed segment runs again
     st.bounds = list(rec.get("histogram_buckets_seconds") or [])
     info = {label: rec.get(label) or "unknown" for label in FAMILIES["build_info"].labels}
     st.info = dict(info, schema=str(rec.get("schema", 0)))
@@ -152,6 +227,11 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
     st.set("intervals", 1, add=True)
     st.set("step", rec.get("step"))
     st.set("profiler_cpu", rec.get("profiler_share"))
+    duration = rec.get("duration_seconds") or 0.0
+    st.set("profiled_seconds", duration, add=True)
+    st.set("profiler_cpu_seconds", (rec.get("profiler_share") or 0.0) * duration, add=True)
+    for thread, seconds in (rec.get("threads_cpu_seconds") or {}).items():
+        st.set("thread_cpu", seconds, thread, add=True)
     _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
     _fold_counters(st, rec.get("counters") or {})
     for name, g in (rec.get("gauges") or {}).items():
@@ -205,24 +285,29 @@ def _fold_counters(st: MetricsState, counters: dict) -> None:
 def _fold_memory(st: MetricsState, memory: dict) -> None:
     gpus = memory.get("gpus") or []
     for g in gpus:
-        idx = g.get("index")
+        labels = gpu_labels(g)
         for key, value in gpu_gauges(g).items():
-            st.set(key, value, idx)
+            st.set(key, value, *labels)
         if g.get("throttle_reasons") is not None:
             for reason in _THROTTLE_REASONS:
-                st.set("gpu_throttle", float(reason in g["throttle_reasons"]), idx, reason)
+                st.set("gpu_throttle", float(reason in g["throttle_reasons"]), *labels, reason)
     alloc = memory.get("allocator") or {}
     if alloc.get("available"):
-        idx = gpus[0].get("index") if gpus else 0
+        labels = gpu_labels(gpus[0]) if gpus else ("0", "")
         for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS:
-            st.set(key, alloc.get(field), idx)
+            st.set(key, alloc.get(field), *labels)
 
 
 def _fold_event(st: MetricsState, rec: dict) -> None:
     st.set("events", 1, rec.get("kind"), add=True)
 
 
-_FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event}
+def _fold_run_end(st: MetricsState, rec: dict) -> None:
+    st.set("run_end", rec.get("time_unix"), rec.get("status") or "unknown")
+
+
+_FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event,
+            "run_end": _fold_run_end}
 
 
 def _families(st: MetricsState):

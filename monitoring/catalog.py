@@ -25,86 +25,172 @@ def metric_name(base: str, unit: str | None = None, kind: str = "gauge") -> str:
 
 
 @dataclass(frozen=True)
+class Otel:
+    """How OpenTelemetry names a family, by its semantic conventions: dotted, no unit in the name, a UCUM unit."""
+    name: str
+    unit: str
+    instrument: str = ""
+    """counter | updown | gauge | histogram; empty: the family's own kind (a Prometheus counter is a counter)."""
+    attributes: tuple = ()
+    """Fixed (key, value) attributes the conventions ask for (hw.type, hw.gpu.task)."""
+
+
+@dataclass(frozen=True)
 class Family:
     key: str
     name: str
     kind: str          # gauge | counter | histogram | info
     help: str
     labels: tuple = ()  # besides COMMON_LABELS
+    otel: Otel | None = None   # None: not exported to OpenTelemetry (the resource or the SDK carry it)
 
 
-def _f(key, base, unit, kind, help_, *labels) -> Family:
-    return Family(key, metric_name(base, unit, kind), kind, help_, tuple(labels))
+# A GPU's series carry its NVML index and its UUID (`GPU-...`, DCGM exporter's label), so they join with DCGM's.
+GPU_LABELS = ("gpu", "UUID")
+_HW_GPU = (("hw.type", "gpu"),)
+
+
+def _f(key, base, unit, kind, help_, *labels, otel: Otel | None = None) -> Family:
+    return Family(key, metric_name(base, unit, kind), kind, help_, tuple(labels), otel)
 
 
 FAMILIES = {f.key: f for f in (
     _f("span_seconds", "span", "seconds", "histogram",
        "Span time per profile interval (window: one interval, accumulated over the run), CPU wall time "
        "or GPU window (CUDA events, idle gaps included): buckets and count hold whole spans; the CPU sum "
-       "is time in the interval (a long span split across intervals).", "span", "clock"),
+       "is time in the interval (a long span split across intervals).", "span", "clock",
+       otel=Otel("dflash.span.duration", "s", "histogram")),
     _f("span_share", "span_share", "ratio", "gauge",
        "Share of the last interval spent in the span (window: one interval; its GPU window when CUDA-timed, "
-       "else CPU wall time).", "span"),
-    _f("span_bytes", "span_bytes", None, "counter", "Bytes moved by spans that declare bytes.", "span"),
+       "else CPU wall time).", "span", otel=Otel("dflash.span.share", "1")),
+    _f("span_bytes", "span_bytes", None, "counter", "Bytes moved by spans that declare bytes.", "span",
+       otel=Otel("dflash.span.io", "By")),
     _f("span_bandwidth", "span_bandwidth", "bytes_per_second", "gauge",
-       "Achieved bandwidth of the span in the last interval.", "span"),
+       "Achieved bandwidth of the span in the last interval.", "span", otel=Otel("dflash.span.bandwidth", "By/s")),
     _f("span_floor", "span_floor", "bytes_per_second", "gauge",
-       "Bandwidth floor measured at start for the span's kind of copy.", "span", "floor"),
+       "Bandwidth floor measured at start for the span's kind of copy.", "span", "floor",
+       otel=Otel("dflash.span.bandwidth.floor", "By/s")),
     _f("span_floor_ratio", "span_floor", "ratio", "gauge",
-       "Achieved bandwidth over its floor in the last interval.", "span"),
+       "Achieved bandwidth over its floor in the last interval.", "span",
+       otel=Otel("dflash.span.bandwidth.utilization", "1")),
     _f("wait_share", "wait", "ratio", "gauge",
-       "Share of the last interval a role spent waiting on the other side.", "span"),
-    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank (whole run; rate() gives any window)."),
-    _f("samples", "samples", None, "counter", "Sequences processed by this rank (whole run)."),
-    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank (whole run)."),
-    _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval."),
-    _f("step", "step", None, "gauge", "The rank's current training step."),
+       "Share of the last interval a role spent waiting on the other side.", "span", otel=Otel("dflash.wait.share", "1")),
+    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank (whole run; rate() gives any window).",
+       otel=Otel("dflash.tokens", "{token}")),
+    _f("samples", "samples", None, "counter", "Sequences processed by this rank (whole run).",
+       otel=Otel("dflash.samples", "{sequence}")),
+    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank (whole run).",
+       otel=Otel("dflash.steps", "{step}")),
+    _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval.",
+       otel=Otel("dflash.tokens.rate", "{token}/s")),
+    _f("step", "step", None, "gauge", "The rank's current training step.", otel=Otel("dflash.step", "{step}")),
     _f("queue_depth", "queue_depth", None, "gauge",
-       "Received batches waiting for the drafter (last, mean and max of the interval).", "stat"),
-    _f("gpu_memory_used", "gpu_memory_used", "bytes", "gauge", "GPU memory used (NVML), last sample.", "gpu"),
+       "Received batches waiting for the drafter (last, mean and max of the interval).", "stat",
+       otel=Otel("dflash.queue.depth", "{batch}")),
+    _f("gpu_memory_used", "gpu_memory_used", "bytes", "gauge", "GPU memory used (NVML), last sample.", *GPU_LABELS,
+       otel=Otel("hw.gpu.memory.usage", "By", "updown", _HW_GPU)),
     _f("gpu_memory_peak", "gpu_memory_peak_used", "bytes", "gauge",
-       "Peak GPU memory used in the last interval (NVML samples).", "gpu"),
-    _f("gpu_memory_total", "gpu_memory_total", "bytes", "gauge", "GPU memory size (NVML).", "gpu"),
-    _f("gpu_headroom", "gpu_memory_headroom", "bytes", "gauge", "GPU memory free now (total minus used).", "gpu"),
+       "Peak GPU memory used in the last interval (NVML samples).", *GPU_LABELS,
+       otel=Otel("dflash.gpu.memory.usage.peak", "By", attributes=_HW_GPU)),
+    _f("gpu_memory_total", "gpu_memory_total", "bytes", "gauge", "GPU memory size (NVML).", *GPU_LABELS,
+       otel=Otel("hw.gpu.memory.limit", "By", "updown", _HW_GPU)),
+    _f("gpu_headroom", "gpu_memory_headroom", "bytes", "gauge", "GPU memory free now (total minus used).",
+       *GPU_LABELS, otel=Otel("dflash.gpu.memory.headroom", "By", attributes=_HW_GPU)),
     _f("gpu_headroom_min", "gpu_memory_headroom_min", "bytes", "gauge",
-       "Lowest GPU memory headroom in the last interval (total minus its peak used).", "gpu"),
+       "Lowest GPU memory headroom in the last interval (total minus its peak used).", *GPU_LABELS,
+       otel=Otel("dflash.gpu.memory.headroom.low", "By", attributes=_HW_GPU)),
     _f("gpu_headroom_ratio", "gpu_memory_headroom_min", "ratio", "gauge",
-       "Lowest headroom in the last interval as a share of the GPU's memory.", "gpu"),
-    _f("alloc_allocated", "allocator_allocated", "bytes", "gauge", "Caching allocator: allocated now.", "gpu"),
-    _f("alloc_reserved", "allocator_reserved", "bytes", "gauge", "Caching allocator: reserved now.", "gpu"),
+       "Lowest headroom in the last interval as a share of the GPU's memory.", *GPU_LABELS,
+       otel=Otel("dflash.gpu.memory.headroom.low_fraction", "1", attributes=_HW_GPU)),
+    _f("alloc_allocated", "allocator_allocated", "bytes", "gauge", "Caching allocator: allocated now.", *GPU_LABELS,
+       otel=Otel("dflash.allocator.allocated", "By", attributes=_HW_GPU)),
+    _f("alloc_reserved", "allocator_reserved", "bytes", "gauge", "Caching allocator: reserved now.", *GPU_LABELS,
+       otel=Otel("dflash.allocator.reserved", "By", attributes=_HW_GPU)),
     _f("alloc_peak_allocated", "allocator_peak_allocated", "bytes", "gauge",
-       "Caching allocator: peak allocated in the last interval.", "gpu"),
+       "Caching allocator: peak allocated in the last interval.", *GPU_LABELS,
+       otel=Otel("dflash.allocator.allocated.peak", "By", attributes=_HW_GPU)),
     _f("alloc_peak_reserved", "allocator_peak_reserved", "bytes", "gauge",
-       "Caching allocator: peak reserved in the last interval.", "gpu"),
+       "Caching allocator: peak reserved in the last interval.", *GPU_LABELS,
+       otel=Otel("dflash.allocator.reserved.peak", "By", attributes=_HW_GPU)),
     _f("alloc_retries", "allocator_alloc_retries", None, "counter",
-       "cudaMalloc retries after freeing cached blocks (a sign of fragmentation).", "gpu"),
-    _f("alloc_ooms", "allocator_ooms", None, "counter", "Out-of-memory errors raised by the allocator.", "gpu"),
-    _f("gpu_utilization", "gpu_utilization", "ratio", "gauge", "GPU busy share (NVML), interval mean.", "gpu"),
-    _f("gpu_power", "gpu_power", "watts", "gauge", "GPU power draw (NVML), interval mean.", "gpu"),
-    _f("gpu_temperature", "gpu_temperature", "celsius", "gauge", "GPU temperature (NVML), interval max.", "gpu"),
-    _f("gpu_sm_clock", "gpu_sm_clock", "hertz", "gauge", "SM clock (NVML), last sample.", "gpu"),
+       "cudaMalloc retries after freeing cached blocks (a sign of fragmentation).", *GPU_LABELS,
+       otel=Otel("dflash.allocator.retries", "{retry}", attributes=_HW_GPU)),
+    _f("alloc_ooms", "allocator_ooms", None, "counter", "Out-of-memory errors raised by the allocator.", *GPU_LABELS,
+       otel=Otel("dflash.allocator.ooms", "{error}", attributes=_HW_GPU)),
+    _f("gpu_utilization", "gpu_utilization", "ratio", "gauge", "GPU busy share (NVML), interval mean.", *GPU_LABELS,
+       otel=Otel("hw.gpu.utilization", "1", attributes=_HW_GPU + (("hw.gpu.task", "general"),))),
+    _f("gpu_power", "gpu_power", "watts", "gauge", "GPU power draw (NVML), interval mean.", *GPU_LABELS,
+       otel=Otel("hw.power", "W", attributes=_HW_GPU)),
+    _f("gpu_temperature", "gpu_temperature", "celsius", "gauge", "GPU temperature (NVML), interval max.", *GPU_LABELS,
+       otel=Otel("hw.temperature", "Cel", attributes=_HW_GPU)),
+    _f("gpu_sm_clock", "gpu_sm_clock", "hertz", "gauge", "SM clock (NVML), last sample.", *GPU_LABELS,
+       otel=Otel("dflash.gpu.clock.sm", "Hz", attributes=_HW_GPU)),
     _f("gpu_throttle", "gpu_throttle_reason_active", None, "gauge",
-       "1 while NVML reports the clock-event (throttle) reason active.", "gpu", "reason"),
-    _f("train_loss", "train_loss", None, "gauge", "Drafter loss, interval mean."),
+       "1 while NVML reports the clock-event (throttle) reason active.", *GPU_LABELS, "reason",
+       otel=Otel("dflash.gpu.throttle.active", "1", attributes=_HW_GPU)),
+    _f("gpu_sm_active", "gpu_sm_active", "ratio", "gauge",
+       "Share of the GPU's SMs busy (NVML GPM SM_UTIL, like DCGM's SM_ACTIVE), interval mean; Hopper and later.",
+       *GPU_LABELS, otel=Otel("dflash.gpu.sm.activity", "1", attributes=_HW_GPU)),
+    _f("gpu_sm_occupancy", "gpu_sm_occupancy", "ratio", "gauge",
+       "Resident warps over the SMs' maximum (NVML GPM SM_OCCUPANCY), interval mean; Hopper and later.",
+       *GPU_LABELS, otel=Otel("dflash.gpu.sm.occupancy", "1", attributes=_HW_GPU)),
+    _f("gpu_tensor_active", "gpu_tensor_active", "ratio", "gauge",
+       "Share of time any tensor pipe was active (NVML GPM ANY_TENSOR_UTIL, like DCGM's PIPE_TENSOR_ACTIVE), "
+       "interval mean; Hopper and later.", *GPU_LABELS, otel=Otel("dflash.gpu.tensor.activity", "1", attributes=_HW_GPU)),
+    _f("gpu_dram_active", "gpu_dram_active", "ratio", "gauge",
+       "DRAM bandwidth used over its peak (NVML GPM DRAM_BW_UTIL, like DCGM's DRAM_ACTIVE), interval mean; "
+       "Hopper and later.", *GPU_LABELS, otel=Otel("dflash.gpu.dram.activity", "1", attributes=_HW_GPU)),
+    _f("train_loss", "train_loss", None, "gauge", "Drafter loss, interval mean.", otel=Otel("dflash.train.loss", "1")),
     _f("train_tau", "train_tau", None, "gauge",
-       "Simulated acceptance length (tokens per verify step), interval mean."),
+       "Simulated acceptance length (tokens per verify step), interval mean.", otel=Otel("dflash.train.tau", "{token}")),
     _f("train_tau_prefix", "train_tau_prefix", None, "gauge",
-       "Teacher-forced accepted prefix length (tokens per verify step), interval mean."),
+       "Teacher-forced accepted prefix length (tokens per verify step), interval mean.",
+       otel=Otel("dflash.train.tau_prefix", "{token}")),
     _f("train_accuracy", "train_accuracy", "ratio", "gauge",
-       "Drafter top-1 accuracy at block position k, interval mean.", "position"),
-    _f("train_learning_rate", "train_learning_rate", None, "gauge", "Learning rate, last of the interval."),
-    _f("train_grad_norm", "train_grad_norm", None, "gauge", "Gradient norm before clipping, interval mean."),
+       "Drafter top-1 accuracy at block position k, interval mean.", "position", otel=Otel("dflash.train.accuracy", "1")),
+    _f("train_learning_rate", "train_learning_rate", None, "gauge", "Learning rate, last of the interval.",
+       otel=Otel("dflash.train.learning_rate", "1")),
+    _f("train_grad_norm", "train_grad_norm", None, "gauge", "Gradient norm before clipping, interval mean.",
+       otel=Otel("dflash.train.grad_norm", "1")),
     _f("events", "events", None, "counter", "Run-log events by kind (non-finite, oom, crash, signal, ...).",
-       "kind"),
-    _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record."),
-    _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed."),
+       "kind", otel=Otel("dflash.events", "{event}")),
+    _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record.",
+       otel=Otel("dflash.heartbeat.time", "s")),
+    _f("run_end", "run_end_timestamp", "seconds", "gauge",
+       "Unix time the rank wrote its run_end record, labelled with its status (ok, hang, oom: ..., killed: "
+       "SIGTERM, ...); absent while the rank runs.", "status"),
+    _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed.",
+       otel=Otel("dflash.profile.intervals", "{interval}")),
+    _f("profiled_seconds", "profiled", "seconds", "counter",
+       "Wall seconds of the rank's closed profile intervals (whole run): what any share over a window divides by "
+       "(sum the numerators and these over ranks for a role's share).", otel=Otel("dflash.profile.time", "s")),
     _f("profiler_cpu", "profiler_cpu", "ratio", "gauge",
-       "CPU time of the profiler's and its exporters' threads over the last interval's wall time."),
+       "CPU time of the profiler's and its exporters' threads over the last interval's wall time.",
+       otel=Otel("dflash.profiler.cpu.utilization", "1")),
+    _f("profiler_cpu_seconds", "profiler_cpu", "seconds", "counter",
+       "CPU seconds of the profiler's and its exporters' threads (whole run); over dflash_profiled_seconds_total "
+       "it is the profiling share of any window.", otel=Otel("dflash.profiler.cpu.time", "s")),
+    _f("thread_cpu", "thread_cpu", "seconds", "counter",
+       "CPU seconds of each Python thread of the rank (threads of one name summed; whole run).", "thread",
+       otel=Otel("dflash.thread.cpu.time", "s")),
+    _f("process_threads", "process_threads", None, "gauge",
+       "OS threads of the rank's process (Python's and native ones: torch, gloo, NCCL), read at scrape time."),
     _f("exporter_dropped", "exporter_dropped_records", None, "counter",
-       "Records an exporter dropped (queue full or export failed).", "exporter"),
+       "Records an exporter dropped (queue full or export failed).", "exporter",
+       otel=Otel("dflash.exporter.dropped", "{record}")),
     _f("build_info", "build", None, "info", "Versions and device of the run (value 1).",
        "version", "schema", "torch_version", "python_version", "device_name"),
 )}
+# Process series every rank's endpoint serves through prometheus_client's ProcessCollector (with the common labels
+# added): not folded from records, named by prometheus_client, listed so the dashboard and its checks know them.
+PROCESS_FAMILIES = {f.key: f for f in (
+    Family("process_cpu", "process_cpu_seconds_total", "counter", "User and system CPU seconds of the rank's process."),
+    Family("process_resident_memory", "process_resident_memory_bytes", "gauge", "Resident memory of the rank's process."),
+    Family("process_open_fds", "process_open_fds", "gauge", "Open file descriptors of the rank's process."),
+)}
+# What OpenTelemetry adds besides the catalog's families: the time spent in each span inside each interval, split
+# at interval boundaries (so its rate is the span's share), beside dflash.span.duration's whole spans.
+OTEL_SPAN_TIME = Otel("dflash.span.time", "s", "counter")
 
 
 def train_metric_family(name: str) -> tuple[Family, dict] | None:
@@ -126,6 +212,11 @@ GPU_FIELDS = (("gpu_memory_used", "used_bytes_last"), ("gpu_memory_peak", "used_
               ("gpu_memory_total", "total_bytes"), ("gpu_headroom_min", "headroom_bytes"),
               ("gpu_power", "power_watts_mean"), ("gpu_temperature", "temperature_c_max"),
               ("gpu_sm_clock", "sm_clock_hz_last"))
+# (family key, percent field of memory.gpus[]) for the ratios read from NVML percentages (GPM: Hopper and later).
+GPU_PERCENT_FIELDS = (("gpu_utilization", "util_percent_mean"), ("gpu_sm_active", "sm_active_percent_mean"),
+                      ("gpu_sm_occupancy", "sm_occupancy_percent_mean"),
+                      ("gpu_tensor_active", "tensor_active_percent_mean"),
+                      ("gpu_dram_active", "dram_active_percent_mean"))
 # (family key, field of memory.allocator): gauges, then the allocator's running counts.
 ALLOCATOR_GAUGES = (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
                     ("alloc_peak_allocated", "peak_allocated_bytes"), ("alloc_peak_reserved", "peak_reserved_bytes"))
@@ -134,14 +225,19 @@ ALLOCATOR_COUNTERS = (("alloc_retries", "num_alloc_retries"), ("alloc_ooms", "nu
 
 def gpu_gauges(gpu: dict) -> dict:
     """{family key: value} of one memory.gpus[] entry, with the headroom now, the low point's share of the
-    GPU and the utilisation as a ratio derived from it; values the entry lacks are left out."""
+    GPU and NVML's percentages as ratios; values the entry lacks (null, with a reason) are left out."""
     out = {key: gpu.get(field) for key, field in GPU_FIELDS}
-    total, used, low, util = (gpu.get(k) for k in ("total_bytes", "used_bytes_last", "headroom_bytes",
-                                                   "util_percent_mean"))
+    total, used, low = (gpu.get(k) for k in ("total_bytes", "used_bytes_last", "headroom_bytes"))
     if total and used is not None:
         out["gpu_headroom"] = total - used
     if total and low is not None:
         out["gpu_headroom_ratio"] = low / total
-    if util is not None:
-        out["gpu_utilization"] = util / 100.0
+    for key, field in GPU_PERCENT_FIELDS:
+        if gpu.get(field) is not None:
+            out[key] = gpu[field] / 100.0
     return {k: v for k, v in out.items() if v is not None}
+
+
+def gpu_labels(gpu: dict) -> tuple:
+    """GPU_LABELS' values for one memory.gpus[] entry: its NVML index and UUID ("" when NVML gave none)."""
+    return str(gpu.get("index")), str(gpu.get("uuid") or "")

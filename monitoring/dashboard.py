@@ -3,7 +3,8 @@ writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
 
 Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes the JSON model with
 grafana-foundation-sdk. Queries follow grafana/dashboard-linter's rules: the templated datasource, the
-variable matchers in every selector, `$__rate_interval` in every rate/increase, a unit on every panel.
+variable matchers in every selector, `$__rate_interval` in every rate/increase, a unit on every panel. A share
+over several ranks is their summed numerators over their summed denominators, never an average of ratios.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitoring.catalog import COMMON_LABELS, FAMILIES, WAIT_SPANS
+from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, WAIT_SPANS
+from monitoring.rules import ROLE_WAIT_RATIO
 
 TITLE = "DFlash training"
 DASHBOARD_UID = "dflash-training"
@@ -57,9 +59,9 @@ class Panel:
 
 
 def sel(key: str, suffix: str = "", **fixed: str) -> str:
-    """`name{...}` for a catalog family: the variable matchers (plus `$gpu`/`$clock` where the family has
-    them) and fixed `label="value"` ones; a label the family lacks is a ValueError, so a typo fails here."""
-    family = FAMILIES[key]
+    """`name{...}` for a catalog family (or a process one): the variable matchers (plus `$gpu`/`$clock` where the
+    family has them) and fixed `label="value"` ones; a label the family lacks is a ValueError, so a typo fails."""
+    family = FAMILIES.get(key) or PROCESS_FAMILIES[key]
     labels = COMMON_LABELS + family.labels
     matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES]
     matchers += [f'{var}=~"${var}"' for var in ("gpu", "clock") if var in family.labels and var not in fixed]
@@ -70,24 +72,47 @@ def sel(key: str, suffix: str = "", **fixed: str) -> str:
     return f"{family.name}{suffix}{{{', '.join(matchers)}}}"
 
 
+def recorded(rule: str, **fixed: str) -> str:
+    """`rule{...}` for a recording rule: matchers for the variables among its level's labels (`job_run_role`:
+    job, run, role) and fixed ones."""
+    level = rule.split(":", 1)[0].split("_")
+    matchers = [f'{var}=~"${var}"' for var in FILTER_VARIABLES if var in level]
+    matchers += [f'{label}="{value}"' for label, value in fixed.items()]
+    return f"{rule}{{{', '.join(matchers)}}}"
+
+
 def _share(role: str) -> Panel:
-    """A role's time share by span; on the GPU clock scaled by spans over GPU-timed spans."""
+    """A role's time share by span (its ranks' span seconds over their profiled seconds); on the GPU clock scaled
+    by spans over GPU-timed spans."""
     per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
                  f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
-    expr = f"avg by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
+    spent = f"sum by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
+    expr = f"{spent} / on () group_left sum(rate({sel('profiled_seconds', role=role)}[{RATE}]))"
     return Panel(f"{role.capitalize()} time share by span ($clock clock)",
-                 f"Seconds spent in each span per second of wall time, averaged over {role} ranks and "
-                 "stacked. Nested spans also count inside their parent, so the stack can pass 100%. On the "
-                 "GPU clock, spans that carry no GPU time yet (or sampled steps in an older run's log) are "
-                 "scaled in by spans over timed spans.",
+                 f"Seconds spent in each span per profiled second: the {role} ranks' span seconds over their "
+                 "profiled seconds (both summed over the ranks), stacked. Nested spans also count inside their "
+                 "parent, so the stack can pass 100%. On the GPU clock, spans that carry no GPU time yet (or "
+                 "sampled steps in an older run's log) are scaled in by spans over timed spans.",
                  "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
 
+def _token_weighted(key: str, by: str = "") -> str:
+    """The drafters' interval means of a training metric weighted by the tokens each trained on in the interval
+    (sum of value x tokens over the sum of tokens), not an average over ranks."""
+    tokens = sel("tokens_rate", role="drafter")
+    group = f" by ({by})" if by else ""
+    return (f"sum{group} ({sel(key)} * on (job, run, instance, rank, role) group_left {tokens})"
+            f" / on () group_left sum({tokens})")
+
+
+# Firing DFlash alerts of the selected run; per-role alerts have no instance or rank, so those match empty too.
+ALERTS = ('ALERTS{alertname=~"DFlash.+", alertstate="firing", job=~"$job", run=~"$run", instance=~"${instance}|", '
+          'role=~"${role}|", rank=~"${rank}|"}')
 _STEP_TIME = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
               f" / increase({sel('steps', role='drafter')}[{RATE}]))"
               f" / ({sel('tokens_rate', role='drafter')} > 0)")
-_BOUND = tuple(Query(f"avg({sel('wait_share', role=role, span=span)})",
-                     f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound") for span, role in WAIT_SPANS.items())
+_BOUND = tuple(Query(recorded(ROLE_WAIT_RATIO, role=role), f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound")
+               for role in WAIT_SPANS.values())
 _P95 = f"histogram_quantile(0.95, sum by (le, role, span) (rate({sel('span_seconds', '_bucket')}[{RATE}])))"
 _MEAN = (f"sum by (role, span) (rate({sel('span_seconds', '_sum')}[{RATE}]))"
          f" / sum by (role, span) (rate({sel('span_seconds', '_count')}[{RATE}]))")
@@ -102,10 +127,11 @@ ROWS = (("Overview", (
               "Seconds per drafter optimiser step: tokens per step (tokens and steps counters over the rate "
               "window) divided by tokens per second. Gaps mean the window held no profile interval boundary.",
               "s", (Query(_STEP_TIME, "rank {{rank}}"),), width=6),
-        Panel("Which role bounds the run",
-              "Mean wait share of each role over its ranks. Targets waiting for a transfer slot means the "
-              "drafters are the bottleneck; drafters waiting to receive means the targets are. Both high: "
-              "the transfer itself bounds the run.",
+        Panel("Which role bounds the run (last 10 min)",
+              "Share of the last 10 minutes each role spent waiting on the other side: its ranks' wait seconds "
+              "over their profiled seconds (the recording rule " + ROLE_WAIT_RATIO + "). Targets waiting for a "
+              "transfer slot means the drafters are the bottleneck; drafters waiting to receive means the targets "
+              "are. Both high: the transfer itself bounds the run.",
               "percentunit", _BOUND, width=6, kind="stat", max=1.0,
               thresholds=((0.1, "yellow"), (0.3, "red"))),
         Panel("Drafter step", "The drafters' current training step (highest over drafter ranks).",
@@ -183,16 +209,40 @@ ROWS = (("Overview", (
         Panel("Throttle reasons", "Number of selected GPUs with each NVML clock-event (throttle) reason "
               "active.", "short",
               (Query(f"sum by (reason) ({sel('gpu_throttle')})", "{{reason}}"),), width=12),
+        Panel("SM, tensor and DRAM activity (GPM)",
+              "NVML GPM (Hopper and later), interval means: SMs busy, warps resident over the maximum, any tensor "
+              "pipe active, DRAM bandwidth over its peak. Utilisation near 100% with little tensor activity is a "
+              "launch-bound GPU, not a compute-bound one. No data on GPUs without GPM.", "percentunit",
+              tuple(Query(sel(key), f"{GPU} {what}") for key, what in (
+                  ("gpu_sm_active", "SM active"), ("gpu_sm_occupancy", "SM occupancy"),
+                  ("gpu_tensor_active", "tensor active"), ("gpu_dram_active", "DRAM bandwidth"))),
+              width=24, max=1.0),
+)), ("Host", (
+        Panel("Process CPU", "CPU seconds per second (cores busy) of each rank's process over the rate window: "
+              "training, its threads and native ones (process_cpu_seconds_total).", "short",
+              (Query(f"rate({sel('process_cpu')}[{RATE}])", "{{role}} {{rank}}"),), width=6),
+        Panel("Resident memory", "Resident memory of each rank's process at scrape time (host RAM; pinned "
+              "buffers included).",
+              "bytes", (Query(sel("process_resident_memory"), "{{role}} {{rank}}"),), width=6),
+        Panel("Threads and open files", "OS threads (Python's and native ones) and open file descriptors of "
+              "each rank's process, at scrape time.", "short",
+              (Query(sel("process_threads"), "{{role}} {{rank}} threads"),
+               Query(sel("process_open_fds"), "{{role}} {{rank}} open fds")), width=6),
+        Panel("CPU by thread", "CPU seconds per second of the busiest Python threads of each rank (by thread "
+              "name) over the rate window: which thread is hot.", "short",
+              (Query(f"topk(8, sum by (role, rank, thread) (rate({sel('thread_cpu')}[{RATE}])))",
+                     "{{role}} {{rank}} {{thread}}"),), width=6),
 )), ("Training", (
         Panel("Loss", "Drafter loss per drafter rank, interval mean.", "none",
               (Query(sel("train_loss"), "rank {{rank}}"),)),
         Panel("Accuracy by block position (acc_k)", "Drafter top-1 accuracy at block position k, interval "
-              "mean, averaged over drafter ranks.", "percentunit",
-              (Query(f"avg by (position) ({sel('train_accuracy')})", "acc_{{position}}"),), max=1.0),
+              "mean, over the drafter ranks weighted by the tokens each trained on in the interval.", "percentunit",
+              (Query(_token_weighted("train_accuracy", "position"), "acc_{{position}}"),), max=1.0),
         Panel("Acceptance length (tau)", "Tokens produced per verify step: tau simulated from acc_k, and "
-              "tau_prefix from teacher-forced accepted prefixes; means over drafter ranks.", "none",
-              (Query(f"avg({sel('train_tau')})", "tau (simulated acceptance)"),
-               Query(f"avg({sel('train_tau_prefix')})", "tau_prefix (teacher-forced prefix)"))),
+              "tau_prefix from teacher-forced accepted prefixes; interval means over the drafter ranks weighted "
+              "by their tokens.", "none",
+              (Query(_token_weighted("train_tau"), "tau (simulated acceptance)"),
+               Query(_token_weighted("train_tau_prefix"), "tau_prefix (teacher-forced prefix)"))),
         Panel("Learning rate", "Learning rate, last of the interval (highest over drafter ranks).", "sci",
               (Query(f"max({sel('train_learning_rate')})", "lr"),), width=12),
         Panel("Gradient norm", "Gradient norm before clipping per drafter rank, interval mean.", "none",
@@ -215,8 +265,18 @@ ROWS = (("Overview", (
         Panel("Profiler CPU", "CPU time of the profiler's and its exporters' threads (collector, exporter, "
               "NVML, stacks, control; the metrics endpoint, OpenTelemetry) over each interval's wall time: the "
               "background cost of profiling, which under the GIL the training thread partly waits for. "
-              "dflash-report flags a rank above 2%; a longer --profile-interval lowers it.", "percentunit",
-              (Query(sel("profiler_cpu"), "{{role}} {{rank}}"),), width=24, thresholds=((0.02, "orange"),)),
+              "dflash-report flags a rank above 2%; a longer --profile-interval lowers it. Per interval, and "
+              "over the rate window (CPU seconds over profiled seconds).", "percentunit",
+              (Query(sel("profiler_cpu"), "{{role}} {{rank}} interval"),
+               Query(f"rate({sel('profiler_cpu_seconds')}[{RATE}]) / rate({sel('profiled_seconds')}[{RATE}])",
+                     "{{role}} {{rank}} rate window")), width=24, thresholds=((0.02, "orange"),)),
+        Panel("Firing alerts", "DFlash alerts firing (grafana/dflash.rules.yml; docs/RUNBOOK.md says what each "
+              "means), by alert, severity and rank. Empty while all is well.", "short",
+              (Query(f"count by (alertname, severity, rank) ({ALERTS})", "{{alertname}} ({{severity}}) rank {{rank}}"),),
+              width=12, bars=True),
+        Panel("Run end", "Unix time each rank wrote its run_end, by status (ok, hang, oom: ..., killed: ...).",
+              "dateTimeAsIso", (Query(sel("run_end"), "{{role}} {{rank}} {{status}}", instant=True),), width=12,
+              kind="table"),
         Panel("Build info", "Versions and device of each rank.", "none",
               (Query(sel("build_info"), instant=True),), width=24, kind="table", height=6),
 )))
@@ -245,10 +305,12 @@ def _variables() -> list:
                    .query(f"label_values({selector}, {label})")
                    .multi(True).include_all(True).all_value(".+")
                    .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
-    clocks = [dm.VariableOption(text=c, value=c, selected=c == "gpu") for c in ("gpu", "cpu")]
-    out.append(db.CustomVariable("clock").label("Span clock").values("gpu,cpu")
-               .description("Span times on GPU events or CPU wall clock (CPU-only runs have only cpu).")
-               .current(dm.VariableOption(text="gpu", value="gpu")).options(clocks))
+    spans = FAMILIES["span_seconds"].name + "_count{" + ", ".join(f'{v}=~"${v}"' for v in FILTER_VARIABLES) + "}"
+    out.append(db.QueryVariable("clock").label("Span clock").datasource(_datasource_ref())
+               .query(f"label_values({spans}, clock)")
+               .description("Span times on GPU events or CPU wall clock, as the selected ranks report them: gpu "
+                            "first where there is GPU time, cpu on a CPU-only run.")
+               .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_DESC))
     return out
 
 
@@ -316,9 +378,11 @@ def build_dashboard() -> dict:
                .timezone("browser"))
     for variable in _variables():
         builder = builder.with_variable(variable)
-    # run-log events as marks on every time series: one per kind and rate window
+    # run-log events and firing alerts as marks on every time series
     builder = builder.annotation(db.AnnotationQuery().name("Run events").datasource(_datasource_ref()).enable(True)
                                  .icon_color("red").expr(f"sum by (kind) (increase({sel('events')}[{RATE}])) > 0"))
+    builder = builder.annotation(db.AnnotationQuery().name("Alerts").datasource(_datasource_ref()).enable(True)
+                                 .icon_color("orange").expr(f"count by (alertname, rank) ({ALERTS})"))
     ids = itertools.count(1)
     for title, panels in ROWS:
         builder = builder.with_row(db.Row(title).id(next(ids)))

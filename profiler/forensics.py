@@ -207,6 +207,8 @@ class Forensics:
         if not self._final_dumped:   # a dump_final already holds this rank's state: no second one
             self._safely(record or (lambda: self.dump(kind, **fields)))
         self._safely(lambda: self.prof.finish_now(status))
+        # the exporters get the dump and run_end before the exit: the alerts on a hang or a crash read them there
+        self._safely(lambda: self.prof.hub.close(self.prof.cfg.export_timeout_s))
         self._safely(self.prof.control.close)   # its socket and discovery file: nothing left behind
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

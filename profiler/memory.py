@@ -2,14 +2,16 @@
 
 The sampler reads NVML at a fixed rate (default 2 Hz) so peaks between interval closes (a Triton autotune) are
 seen, and keeps the last intervals' headroom low points for OOM forensics; it never asks NVML for the process
-list (slow, privileged on some hosts). A failing NVML call is counted and logged once; a field that could not
-be measured is None, with a reason.
+list (slow, privileged on some hosts). On GPUs with NVML's GPM metrics (Hopper and later) the same thread also
+reads SM, tensor-pipe and DRAM activity, each a mean over the period between two GPM samples. A failing NVML
+call is counted and logged once; a field that could not be measured is None, with a reason.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import statistics
 import threading
@@ -39,12 +41,93 @@ _AGGREGATES = {"used_bytes_last": ("used_bytes", lambda v: v[-1]), "used_bytes_p
                "util_percent_mean": ("util_percent", statistics.fmean),
                "power_watts_mean": ("power_watts", statistics.fmean),
                "temperature_c_max": ("temperature_c", max), "sm_clock_hz_last": ("sm_clock_hz", lambda v: v[-1]),
-               "throttle_reasons": ("throttle_reasons", lambda v: v[-1])}
+               "throttle_reasons": ("throttle_reasons", lambda v: v[-1]),
+               **{f"{field}_mean": (field, statistics.fmean) for field in ("sm_active_percent", "sm_occupancy_percent",
+                                                                          "tensor_active_percent", "dram_active_percent")}}
+# GPM sample field -> pynvml metric id name: SM activity (share of SMs busy), occupancy (warps resident over the
+# maximum), any tensor pipe active, DRAM bandwidth used over its peak; each 0-100 over the period between samples.
+GPM_METRICS = {"sm_active_percent": "NVML_GPM_METRIC_SM_UTIL", "sm_occupancy_percent": "NVML_GPM_METRIC_SM_OCCUPANCY",
+               "tensor_active_percent": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+               "dram_active_percent": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
+
+
+class GpmReader:
+    """NVML GPM metrics of one GPU: each `read()` takes a GPM sample and returns the metrics over the period since
+    the previous one (None on the first read). Two sample buffers are allocated once and reused in turn; `close()`
+    frees them. Unsupported (pre-Hopper, a pynvml without GPM, a virtualised GPU) or failing: `reason` says why and
+    every read is None, so the fields are null with that reason, never 0."""
+
+    def __init__(self, nvml, handle):
+        self._nvml, self._handle = nvml, handle
+        self._lock = threading.Lock()   # the sampler thread and an interval close may both sample
+        self._samples: list = []
+        self._have_previous = False
+        self.reason: str | None = None
+        self.metric_errors: dict[str, str] = {}   # field -> why NVML gave no value for it (last time)
+        try:
+            if not getattr(nvml, "nvmlGpmQueryDeviceSupport", None):
+                raise RuntimeError("this pynvml has no GPM functions (nvidia-ml-py >= 12.535 has them)")
+            if not nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+                raise RuntimeError("GPM is not supported on this GPU (nvmlGpmQueryDeviceSupport; Hopper and later)")
+            self._ids = {field: getattr(nvml, name) for field, name in GPM_METRICS.items()}
+            for _ in range(2):
+                self._samples.append(nvml.nvmlGpmSampleAlloc())   # one by one: close() frees what was made
+        except Exception as exc:   # noqa: BLE001 - GPM is optional: its fields say why they are null
+            self.reason = f"GPM unavailable: {type(exc).__name__}: {exc}"
+            self.close()
+
+    def read(self) -> dict | None:
+        """{field: percent or None} over the period since the last read; None before there is a previous sample.
+        Raises when NVML fails (the sampler counts it; the next read starts a new period)."""
+        with self._lock:
+            if self.reason is not None:
+                return None
+            previous, current = self._samples
+            try:
+                self._nvml.nvmlGpmSampleGet(self._handle, current)
+            except Exception:
+                self._have_previous = False
+                raise
+            self._samples.reverse()   # this sample is the next read's previous; the old buffer is reused
+            if not self._have_previous:
+                self._have_previous = True
+                return None
+            return self._metrics(previous, current)
+
+    def _metrics(self, first, second) -> dict:
+        nvml = self._nvml
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version, request.numMetrics = nvml.NVML_GPM_METRICS_GET_VERSION, len(self._ids)
+        request.sample1, request.sample2 = first, second
+        for i, metric_id in enumerate(self._ids.values()):
+            request.metrics[i].metricId = metric_id
+        nvml.nvmlGpmMetricsGet(request)
+        out = {}
+        for i, field in enumerate(self._ids):
+            metric = request.metrics[i]
+            value = float(metric.value) if metric.nvmlReturn == 0 else None
+            if value is None or not math.isfinite(value):   # seen on an H100: DRAM_BW_UTIL NaN in some periods
+                self.metric_errors[field] = (f"nvmlGpmMetricsGet: {GPM_METRICS[field]} returned " +
+                                             (f"NVML error {metric.nvmlReturn}" if value is None else f"{value}"))
+                value = None
+            out[field] = value
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            samples, self._samples = self._samples, []
+            if self.reason is None:
+                self.reason = "GPM reader closed"
+        for sample in samples:
+            try:
+                self._nvml.nvmlGpmSampleFree(sample)
+            except Exception:   # noqa: BLE001 - freeing at shutdown: nothing left to do about it
+                pass
 
 
 class NvmlMemorySampler:
-    """A daemon thread reading every `_READS` field of each GPU given (NVML index, or UUID string) every
-    period_s; the current interval's samples are aggregated at its close. The caller (make_memory_sampler) has
+    """A daemon thread reading every `_READS` field (and, where supported, the GPM metrics) of each GPU given
+    (NVML index, or UUID string) every period_s; the current interval's samples are aggregated at its close. The caller (make_memory_sampler) has
     called nvmlInit; the sampler never shuts NVML down (reference counted, released at exit)."""
 
     def __init__(self, gpu_indices: list, nvml=None, period_s: float = 0.5, clock=time.monotonic):
@@ -60,22 +143,31 @@ class NvmlMemorySampler:
         self._reads = {field: (query, getattr(nvml, query, None) or getattr(nvml, query.replace("Event", "Throttle")),
                                (getattr(nvml, *const),) if const else (), convert)
                        for field, (query, const, convert) in _READS.items()}
-        self._gpus = []  # dicts: index, handle, name, total_bytes
-        for index in gpu_indices:
-            handle = (nvml.nvmlDeviceGetHandleByUUID(index) if isinstance(index, str)
-                      else nvml.nvmlDeviceGetHandleByIndex(int(index)))
-            name = nvml.nvmlDeviceGetName(handle)   # bytes from old pynvml versions
-            self._gpus.append({"index": index, "handle": handle,
-                               "name": name.decode(errors="replace") if isinstance(name, bytes) else name,
-                               "total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(handle).total)})
         self._lock = threading.Lock()
+        self._errors = 0
+        self._error_reasons: dict[str, str] = {}  # query name -> last error text
+        self._gpus = [self._describe(nvml, index) for index in gpu_indices]
         self._samples: list[list] = [[] for _ in self._gpus]   # the current interval's samples, per GPU
         self._latest: list[dict | None] = [None for _ in self._gpus]
         self._headroom_history: collections.deque = collections.deque(maxlen=HEADROOM_HISTORY_LEN)
-        self._errors = 0
-        self._error_reasons: dict[str, str] = {}  # query name -> last error text
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _describe(self, nvml, index) -> dict:
+        """One GPU's fixed facts: its handle, name, memory size, UUID (DCGM's `GPU-...` form; None with the
+        error in `uuid_reason` when NVML cannot say) and its GPM reader."""
+        handle = (nvml.nvmlDeviceGetHandleByUUID(index) if isinstance(index, str)
+                  else nvml.nvmlDeviceGetHandleByIndex(int(index)))
+        name = nvml.nvmlDeviceGetName(handle)   # bytes from old pynvml versions
+        gpu = {"index": index, "handle": handle, "name": name.decode(errors="replace") if isinstance(name, bytes) else name,
+               "total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(handle).total), "uuid": None, "uuid_reason": None}
+        try:
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            gpu["uuid"] = uuid.decode(errors="replace") if isinstance(uuid, bytes) else str(uuid)
+        except Exception as exc:   # noqa: BLE001 - the UUID only labels series; its absence is said
+            gpu["uuid_reason"] = f"nvmlDeviceGetUUID failed: {type(exc).__name__}: {exc}"
+        gpu["gpm"] = GpmReader(nvml, handle)
+        return gpu
 
     # ---- thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -86,10 +178,15 @@ class NvmlMemorySampler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and free the GPM samples (the thread no longer reads them once it has ended)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._period_s + 2.0)
+            if self._thread.is_alive():
+                return   # stuck in an NVML call: leave its GPM buffers alone
             self._thread = None
+        for gpu in self._gpus:
+            gpu["gpm"].close()
 
     @property
     def alive(self) -> bool:
@@ -117,11 +214,21 @@ class NvmlMemorySampler:
             self._record_error(query, exc)
             return None
 
+    def _read_gpm(self, gpu: dict) -> dict:
+        """The GPM fields of one sample: the period since the previous sample, or all None."""
+        try:
+            values = gpu["gpm"].read()
+        except Exception as exc:  # noqa: BLE001 - GPM failing must not lose the other fields
+            self._record_error("nvmlGpmSampleGet", exc)
+            values = None
+        return {field: (values or {}).get(field) for field in GPM_METRICS}
+
     def sample_once(self) -> None:
         """Read every GPU once and add the sample to the current interval (the thread's body)."""
         now = self._clock()
         for i, gpu in enumerate(self._gpus):
-            sample = {"time_s": now, **{field: self._read(gpu["handle"], *read) for field, read in self._reads.items()}}
+            sample = {"time_s": now, **{field: self._read(gpu["handle"], *read) for field, read in self._reads.items()},
+                      **self._read_gpm(gpu)}
             with self._lock:
                 self._samples[i].append(sample)
                 self._latest[i] = sample
@@ -133,16 +240,25 @@ class NvmlMemorySampler:
             self._record_error("sample", exc)
 
     # ---- reading ------------------------------------------------------------------------------
+    def _reason(self, gpu: dict, key: str, samples: list) -> str:
+        """Why sample field `key` has no value in `samples`."""
+        if not samples:
+            return "no NVML sample in this interval"
+        if key not in GPM_METRICS:
+            return self._error_reasons.get(self._reads[key][0], "not measured")
+        gpm = gpu["gpm"]
+        return gpm.reason or gpm.metric_errors.get(key) or self._error_reasons.get(
+            "nvmlGpmSampleGet", "GPM needs two samples a period apart: none completed in this interval")
+
     def _gpu_entry(self, gpu: dict, samples: list) -> dict:
         """One GPU's interval aggregates; a field that was never measured is None, with its reason."""
-        entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"]}
-        reasons = {}
+        entry = {"index": gpu["index"], "name": gpu["name"], "uuid": gpu["uuid"], "total_bytes": gpu["total_bytes"]}
+        reasons = {"uuid": gpu["uuid_reason"]} if gpu["uuid"] is None else {}
         for field, (key, aggregate) in _AGGREGATES.items():
             values = [s[key] for s in samples if s[key] is not None]
             entry[field] = aggregate(values) if values else None
             if not values:
-                reasons[field] = (self._error_reasons.get(self._reads[key][0], "not measured") if samples
-                                  else "no NVML sample in this interval")
+                reasons[field] = self._reason(gpu, key, samples)
         peak = entry["used_bytes_peak"]
         entry["headroom_bytes"] = gpu["total_bytes"] - peak if peak is not None else None
         if peak is None:
@@ -175,7 +291,7 @@ class NvmlMemorySampler:
         gpus = []
         with self._lock:
             for gpu, sample in zip(self._gpus, self._latest):
-                entry = {"index": gpu["index"], "name": gpu["name"], "total_bytes": gpu["total_bytes"]}
+                entry = {"index": gpu["index"], "name": gpu["name"], "uuid": gpu["uuid"], "total_bytes": gpu["total_bytes"]}
                 if sample is None:
                     entry["reason"] = "no NVML sample yet"
                 else:

@@ -8,7 +8,7 @@ import statistics
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
-from report.runs import Run, counter_total, merged_window, phase_spans, steady_window, wall_seconds
+from report.runs import Run, counter_total, gpus, merged_window, phase_spans, steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -189,7 +189,61 @@ def role_shares(run: Run) -> dict:
     return out
 
 
+# A GPU NVML calls this busy (some kernel running in nearly every sample period) ...
+GPU_BUSY_PERCENT = 90.0
+# ... while GPM sees its SMs and tensor pipes mostly idle waits on the host's kernel launches: launch-bound.
+LAUNCH_BOUND_SM_PERCENT = 50.0
+LAUNCH_BOUND_TENSOR_PERCENT = 20.0
+GPM_FIELDS = ("util_percent_mean", "sm_active_percent_mean", "tensor_active_percent_mean", "dram_active_percent_mean")
+
+
+def gpu_activity(run: Run) -> dict:
+    """{role: NVML utilisation and GPM activity, means over the role's steady window (named by `window`) where GPM
+    measured, and `bound`}: a GPU busy by NVML (>= GPU_BUSY_PERCENT) whose SMs and tensor pipes are mostly idle
+    is `launch-bound` (the host's launches set the pace), not compute-bound; {} without GPM (no GPU, pre-Hopper)."""
+    out = {}
+    for role, logs in run.by_role().items():
+        w = merged_window(logs)
+        rows = [g for rec in w.intervals for g in gpus(rec)
+                if g.get("tensor_active_percent_mean") is not None and g.get("util_percent_mean") is not None]
+        if not rows:
+            continue
+        means = {f: statistics.fmean(g[f] for g in rows) if all(g.get(f) is not None for g in rows) else None
+                 for f in GPM_FIELDS}
+        sm, tensor = means["sm_active_percent_mean"], means["tensor_active_percent_mean"]
+        launch = (means["util_percent_mean"] >= GPU_BUSY_PERCENT and tensor < LAUNCH_BOUND_TENSOR_PERCENT
+                  and (sm is None or sm < LAUNCH_BOUND_SM_PERCENT))
+        out[role] = {**means, "samples": len(rows), "window": w.label, "bound": "launch-bound" if launch else None}
+    return out
+
+
+def _gpu_evidence(activity: dict) -> list:
+    lines = []
+    for role, a in activity.items():
+        said = (f"{role} GPUs (GPM, {a['samples']} interval x GPU means; {a['window']}): NVML busy "
+                f"{a['util_percent_mean']:.0f}%, SMs active {_pct(a['sm_active_percent_mean'])}, tensor pipes "
+                f"{_pct(a['tensor_active_percent_mean'])}, DRAM bandwidth {_pct(a['dram_active_percent_mean'])}")
+        if a["bound"] == "launch-bound":
+            said += (": launch-bound, not compute-bound (a kernel is always running but few SMs and little tensor "
+                     "work: larger batches, fused kernels or CUDA graphs, not a faster GPU)")
+        lines.append(said)
+    return lines
+
+
+def _pct(percent) -> str:
+    return "-" if percent is None else f"{percent:.0f}%"
+
+
 def verdict(run: Run) -> dict:
+    """The pipeline's verdict (_pipeline_verdict) and, where GPM measured the GPUs, what bounds each role's GPUs
+    (`gpu`, and an evidence line per role: a launch-bound GPU is not made faster by more compute)."""
+    out = _pipeline_verdict(run)
+    out["gpu"] = gpu_activity(run)
+    out["evidence"] += _gpu_evidence(out["gpu"])
+    return out
+
+
+def _pipeline_verdict(run: Run) -> dict:
     """Which side bounds the pipeline, from the wait shares: the drafter starving on drafter.recv means
     target-bound, the target blocked on transfer.wait_slot drafter-bound, both waiting transfer-bound."""
     shares = role_shares(run)

@@ -160,14 +160,37 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def start_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen, str]:
-    """A real Prometheus scraping every target in the file_sd files `sd_glob` each second; (process,
-    base URL) once it answers /-/ready."""
+ALERT_TIME_SCALE = 1 / 60
+"""The time scale of the rule files the suite's Prometheus servers load (monitoring/rules.py --time-scale): every
+window, `for:` and time threshold of the shipped rules divided by 60, a minute becoming a second, so that alerts
+meant for minutes of a real run fire within the seconds of a test run; expressions and thresholds unchanged.
+`promtool test rules` (tests/exporters/test_alert_rules.py) proves the shipped files' real windows."""
+
+
+def write_scaled_rules(directory: Path) -> list[Path]:
+    """The shipped recording rules and alerts at ALERT_TIME_SCALE, written to `directory`: [the rule file]."""
+    from monitoring import rules
+
+    path = directory / "dflash.rules.yml"
+    assert rules.main(["--out", str(path), "--time-scale", repr(ALERT_TIME_SCALE)]) == 0
+    return [path]
+
+
+def start_prometheus(tmp: Path, sd_glob, rule_files=(), alertmanager: str | None = None
+                     ) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus scraping every target in the file_sd files `sd_glob` (a path, or a list of them) each
+    second and evaluating `rule_files` each second, sending alerts to `alertmanager` (host:port) when given;
+    (process, base URL) once it answers /-/ready."""
     config = tmp / "prometheus.yml"
+    rules = "".join(f"\n  - '{path}'" for path in rule_files)
+    sd_glob = ", ".join(f"'{path}'" for path in (sd_glob if isinstance(sd_glob, (list, tuple)) else [sd_glob]))
+    alerting = (f"alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: ['{alertmanager}']\n"
+                if alertmanager else "")
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
-        f"      - files: ['{sd_glob}']\n        refresh_interval: 1s\n")
+        + (f"rule_files:{rules}\n" if rules else "") + alerting
+        + "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
+        f"      - files: [{sd_glob}]\n        refresh_interval: 1s\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -208,7 +231,8 @@ class HealthyRun:
     receiver: OtlpReceiver
     """The OTLP/HTTP receiver its ranks exported to (still open, for the session)."""
     prometheus: str | None
-    """Base URL of the real Prometheus that scraped it (still up), None where none is installed."""
+    """Base URL of the real Prometheus that scraped it (still up), None where none is installed. It evaluated the
+    shipped recording rules and alerts at ALERT_TIME_SCALE all along."""
 
 
 HEALTHY_ARGS = ["--profile-interval", "1"]
@@ -291,7 +315,8 @@ class HealthyRunner:
         try:
             base = None
             if shutil.which("prometheus"):
-                self.prometheus, base = start_prometheus(self.tmp, self.runs / "prometheus-sd" / "*.json")
+                self.prometheus, base = start_prometheus(self.tmp, self.runs / "prometheus-sd" / "*.json",
+                                                         rule_files=write_scaled_rules(self.tmp))
             self._outcome = _run_watched(self.runs / "run", free_port_pair(), self.receiver, base, self.stop)
         except BaseException as e:   # handed to the test that reads the run, as if it had made it
             self._outcome = e

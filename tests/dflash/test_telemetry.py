@@ -64,3 +64,24 @@ def test_a_metrics_host_beyond_loopback_is_warned_about_once_per_rank(capsys):
             assert len(err.splitlines()) <= 2
         finally:
             exp.close(1.0)
+
+
+def test_the_metrics_endpoint_closes_last_and_serves_until_the_rank_exits(tmp_path, monkeypatch):
+    """Its close waits for a scrape of the rank's last records with what the other exporters leave of the
+    deadline, and the endpoint stays up (keep_serving) while the rank waits for the others."""
+    from dflash import telemetry
+    from dflash.config import TrainConfig
+
+    monkeypatch.setattr(telemetry, "_write_targets", lambda *args: None)   # needs the ranks' process group
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    cfg = TrainConfig()
+    cfg.telemetry.metrics_port = None
+    tele = telemetry.start(cfg, tmp_path / "run", rank=0, local_rank=0, role="drafter", ctrl_group=None)
+    endpoint = tele.exporters[-1]
+    try:
+        assert [e.name for e in tele.exporters] == ["trace", "console", "prometheus"]
+        endpoint.close(0.1)
+        import urllib.request
+        assert b"dflash_events_total" in urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics").read()
+    finally:
+        endpoint.shutdown()

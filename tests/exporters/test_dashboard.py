@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from monitoring import dashboard as dash
-from monitoring.catalog import COMMON_LABELS, FAMILIES
+from monitoring import rules
+from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, Family
 from tests.exporters.grafana_model import iter_panels, panel_queries, substitute_variables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,8 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RATE_FUNCTIONS = {"rate", "irate", "increase"}
 # Units from dashboard-linter's panel-units rule (grafana-data valueFormats), the ones a metric here can have.
 VALID_UNITS = {"none", "short", "percent", "percentunit", "sci", "bytes", "decbytes", "Bps", "binBps",
-               "bps", "watt", "celsius", "hertz", "ns", "µs", "ms", "s", "m", "h", "d", "ops", "bool"}
+               "bps", "watt", "celsius", "hertz", "ns", "µs", "ms", "s", "m", "h", "d", "ops", "bool",
+               "dateTimeAsIso"}
 VARIABLES = {"datasource", "job", "instance", "run", "role", "rank", "gpu", "clock"}
 
 
@@ -71,9 +73,16 @@ def nodes(ast) -> list[tuple[object, tuple]]:
     return out
 
 
+# Series the dashboard may read besides the catalog's: recording rules (labels: their level) and Prometheus' ALERTS.
+RECORDED = {r.record: Family(r.record, r.record, "gauge", "", tuple(r.record.split(":")[0].split("_")))
+            for r in rules.records(rules.Scale())}
+ALERTS = Family("ALERTS", "ALERTS", "gauge", "", ("alertname", "alertstate", "severity"))
+
+
 def family_of(metric: str):
-    """The catalog family a series name belongs to (histograms through _bucket/_sum/_count), or None."""
-    by_name = {f.name: f for f in FAMILIES.values()}
+    """The catalog family a series name belongs to (histograms through _bucket/_sum/_count; process series,
+    recording rules and ALERTS too), or None."""
+    by_name = {f.name: f for f in (*FAMILIES.values(), *PROCESS_FAMILIES.values(), *RECORDED.values(), ALERTS)}
     if metric in by_name:
         return by_name[metric]
     for suffix in HISTOGRAM_SUFFIXES:
@@ -85,6 +94,8 @@ def family_of(metric: str):
 
 def series_labels(metric: str) -> set:
     family = family_of(metric)
+    if family.name in RECORDED:
+        return set(family.labels)
     extra = {"le"} if metric.endswith("_bucket") else set()
     return set(COMMON_LABELS) | set(family.labels) | set(TARGET_LABELS) | extra
 
@@ -98,6 +109,8 @@ def result_labels(node) -> set:
     if isinstance(node, promql_parser.ParenExpr):
         return result_labels(node.expr)
     if isinstance(node, promql_parser.AggregateExpr):
+        if str(node.op) in ("topk", "bottomk"):   # keep the series they choose, labels and all
+            return result_labels(node.expr)
         if node.modifier is None:
             return set()
         inner = result_labels(node.expr)
@@ -203,7 +216,10 @@ def test_every_selector_filters_on_the_variables(model):
             selectors += 1
             family = family_of(node.name)
             required = set(dash.FILTER_VARIABLES) | ({"gpu", "clock"} & set(family.labels))
-            regex = {(m.name, m.value) for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Re}
+            if family.name in RECORDED:   # only the labels a recording rule keeps
+                required &= set(family.labels)
+            regex = {(m.name, m.value.removesuffix("|") if family is ALERTS else m.value)   # ALERTS: or empty
+                     for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Re}
             # gpu or clock may be fixed instead (the time-share panels read the CPU clock's span count)
             fixed = {m.name for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Equal} & {"gpu", "clock"}
             missing = {name for name in required if (name, values[name]) not in regex and name not in fixed}
@@ -231,7 +247,7 @@ def test_metrics_labels_and_legends_come_from_the_catalog(model):
 def test_every_catalog_family_is_on_the_dashboard(model):
     names = {family_of(node.name).name for *_, ast in parsed(model)
              for node, _ in nodes(ast) if isinstance(node, promql_parser.VectorSelector)}
-    missing = {f.name for f in FAMILIES.values()} - names
+    missing = {f.name for f in (*FAMILIES.values(), *PROCESS_FAMILIES.values())} - names
     assert not missing, f"families without a panel: {sorted(missing)}"
 
 
@@ -269,9 +285,13 @@ def test_template_variables(model):
         selector = promql_parser.parse(substitute_variables(match.group(1), values))
         assert name in series_labels(selector.name), v["query"]
     assert variables["job"]["label"] == "Job" and variables["instance"]["label"] == "Instance"
+    # the span clock follows the data: the clocks the selected ranks report, gpu first where there is one (the
+    # first option is the default), a single value
     clock = variables["clock"]
-    assert clock["type"] == "custom" and clock["query"] == "gpu,cpu" and clock["current"]["value"] == "gpu"
-    assert [o["value"] for o in clock["options"]] == ["gpu", "cpu"]
+    assert clock["type"] == "query" and not clock.get("multi") and not clock.get("includeAll")
+    assert clock["sort"] == 2 and not clock.get("current") and not clock.get("options")   # alphabetical desc
+    match = re.fullmatch(r"label_values\((dflash_span_seconds_count\{.+\}), clock\)", clock["query"])
+    assert match and all(f'{v}=~"${v}"' in match.group(1) for v in dash.FILTER_VARIABLES), clock["query"]
 
 
 def test_substitute_variables_all_syntaxes():
@@ -351,6 +371,8 @@ def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
     series = {"sum": {"gpu": "0+3x20", "cpu": "0+12x20"}, "count": {"gpu": "0+15x20", "cpu": "0+60x20"}}
     inputs = [{"series": f"dflash_span_seconds_{kind}{{{labels}, clock=\"{clock}\"}}", "values": values}
               for kind, by_clock in series.items() for clock, values in by_clock.items()]
+    inputs.append({"series": f"dflash_profiled_seconds_total{{{labels.rsplit(', span=', 1)[0]}}}",
+                   "values": "0+60x20"})   # the rank's intervals cover its wall time
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": ".*", "role": ".*",
               "rank": ".*", "gpu": ".*", "rate_interval": "5m", "interval": "1m", "range": "5m"}
     tests = [{"eval_time": "10m", "expr": substitute_variables(expr, {**values, "clock": clock}),

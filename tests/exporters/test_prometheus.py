@@ -5,6 +5,7 @@ a busy default port falling back)."""
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -124,3 +125,73 @@ def test_idle_connections_are_bounded_and_timed_out_and_scrapes_come_back(monkey
             s.close()
     finally:
         exp.close(1.0)
+
+
+def test_process_series_carry_the_rank_labels_and_threads_are_counted(exporter):
+    got = samples(scrape(exporter))   # samples() asserts rank/role/host on every sample, process_* included
+    assert got[("process_cpu_seconds_total", frozenset())] > 0
+    assert got[("process_resident_memory_bytes", frozenset())] > 1 << 20
+    assert got[("dflash_process_threads", frozenset())] >= 2   # this one and the endpoint's
+
+
+def test_gpu_series_carry_the_uuid_and_gpm_activity_as_ratios(exporter):
+    uuid = "GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12"
+    gpu = {"index": 0, "uuid": uuid, "total_bytes": 100, "used_bytes_last": 40, "used_bytes_peak": 60,
+           "headroom_bytes": 40, "util_percent_mean": 100.0, "sm_active_percent_mean": 35.0,
+           "tensor_active_percent_mean": 4.0, "sm_occupancy_percent_mean": None, "dram_active_percent_mean": 12.5}
+    exporter.export(interval({}, 5, memory={"available": True, "gpus": [gpu], "allocator": {
+        "available": True, "allocated_bytes": 7, "num_ooms": 0}}))
+    got = samples(scrape(exporter))
+    labels = frozenset({"gpu": "0", "UUID": uuid}.items())
+    assert got[("dflash_gpu_utilization_ratio", labels)] == 1.0
+    assert got[("dflash_gpu_sm_active_ratio", labels)] == 0.35
+    assert got[("dflash_gpu_tensor_active_ratio", labels)] == 0.04
+    assert got[("dflash_gpu_dram_active_ratio", labels)] == 0.125
+    assert ("dflash_gpu_sm_occupancy_ratio", labels) not in got          # null in the run log: no series, never 0
+    assert got[("dflash_allocator_allocated_bytes", labels)] == 7
+    assert got[("dflash_gpu_memory_headroom_min_ratio", labels)] == 0.4
+
+
+def test_profiled_seconds_profiler_and_thread_cpu_accumulate_and_run_end_carries_the_status(exporter):
+    for share in (0.01, 0.03):
+        exporter.export(interval({}, 5, duration_seconds=2.0, profiler_share=share,
+                                 threads_cpu_seconds={"drafter.main": 1.5, "profiler.collector": 0.01}))
+    exporter.export({"type": "run_end", "time_unix": 1234.5, "status": "hang"})
+    got = samples(scrape(exporter))
+    assert got[("dflash_profiled_seconds_total", frozenset())] == 4.0
+    assert got[("dflash_profiler_cpu_seconds_total", frozenset())] == pytest.approx(0.08)
+    assert got[("dflash_thread_cpu_seconds_total", frozenset({"thread": "drafter.main"}.items()))] == 3.0
+    assert got[("dflash_run_end_timestamp_seconds", frozenset({"status": "hang"}.items()))] == 1234.5
+    exporter.export({"type": "run_start", "time_unix": time.time(), "histogram_buckets_seconds": BOUNDS})
+    assert not any(name == "dflash_run_end_timestamp_seconds" for name, _ in samples(scrape(exporter)))   # resumed
+
+
+def test_close_waits_for_a_scrape_of_the_last_records_only_where_something_scrapes():
+    """Never scraped: close() returns at once. Scraped before: it returns once a scrape that read the last record
+    has been answered (here one a second later), within its timeout; keep_serving leaves the endpoint up."""
+    quiet = PrometheusExporter({"rank": 0, "role": "drafter", "host": "h"}, port=0, keep_serving=True)
+    quiet.export({"type": "event", "kind": "hang", "time_unix": time.time()})
+    t = time.monotonic()
+    quiet.close(5.0)
+    assert time.monotonic() - t < 0.5
+    quiet.shutdown()
+
+    watched = PrometheusExporter({"rank": 0, "role": "drafter", "host": "h"}, port=0, keep_serving=True)
+    try:
+        scrape(watched)
+        watched.export({"type": "event", "kind": "hang", "time_unix": time.time()})
+        got = []
+        timer = threading.Timer(1.0, lambda: got.append(scrape(watched)))
+        timer.start()
+        t = time.monotonic()
+        watched.close(5.0)
+        waited = time.monotonic() - t
+        timer.join()
+        assert 0.8 < waited < 4.0 and 'dflash_events_total{host="h",kind="hang",rank="0",role="drafter"} 1.0' in got[0]
+        assert 'kind="hang"' in scrape(watched)   # still serving after close
+        watched.export({"type": "event", "kind": "oom", "time_unix": time.time()})
+        t = time.monotonic()
+        watched.close(0.3)                        # nothing scrapes now: gives up at its timeout
+        assert 0.25 < time.monotonic() - t < 1.5
+    finally:
+        watched.shutdown()

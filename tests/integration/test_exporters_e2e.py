@@ -1,17 +1,20 @@
 """The exporters against real components, over the session's healthy run (tests/conftest.py: the
 README default run, two ranks on CPU, watched live):
 
-- a real Prometheus (Debian's package) scrapes both ranks through the run's file_sd targets, and
-  every panel query of the shipped Grafana dashboard (variables substituted) returns data from it;
-  every template variable's label_values query finds values; `promtool check metrics` passes on a
-  live scrape and `promtool check config` on the shipped config;
-- a real OTLP/HTTP receiver decodes the run's spans (catalog names, parent links, resource);
+- a real Prometheus (Debian's package) scrapes both ranks through the run's file_sd targets, evaluating the
+  shipped recording rules and alerts (at tests/conftest.py's ALERT_TIME_SCALE), and every panel query of the
+  shipped Grafana dashboard (variables at their defaults) returns data from it, the host panels included;
+  every template variable's label_values query finds values; `promtool check metrics` passes on a live scrape;
+  no alert fired at any time of the healthy run;
+- a real OTLP/HTTP receiver decodes the run's spans (catalog names, parent links, resource) and its span-time
+  histogram, whose bucket bounds and counts are the run log's;
 - the Perfetto trace of each rank and the merged trace hold every catalog span and matched flows.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -88,6 +91,10 @@ def test_live_scrape_passes_promtool_and_carries_the_families(live):
         r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert r.returncode == 0, (rank, r.stdout, r.stderr)
         assert 'dflash_build_info{' in text and 'dflash_events_total{' in text
+        # every rank's own process series, labelled like its dflash_* ones
+        assert re.search(rf'^process_cpu_seconds_total{{[^}}]*rank="{rank}"', text, flags=re.M), text[-2000:]
+        assert "process_resident_memory_bytes{" in text
+        assert "dflash_process_threads{" in text and "dflash_thread_cpu_seconds_total{" in text
     assert 'role="drafter"' in live["scrapes"][0] and 'dflash_train_loss{' in live["scrapes"][0]
     assert 'role="target"' in live["scrapes"][1] and 'span="target.fwd"' in live["scrapes"][1]
 
@@ -99,24 +106,42 @@ def test_targets_file_lists_every_rank_and_is_withdrawn_at_the_end(live):
     assert not live["sd_file"].exists()
 
 
+def default_values(live: dict, at: float) -> dict:
+    """The template variables at their defaults, as Grafana sets them on opening the dashboard: "All" (the
+    allValue) for the label filters, the run picked, and for `clock` the first of its label_values options in
+    the variable's sort order."""
+    from tests.exporters.grafana_model import substitute_variables
+
+    values = {"datasource": "prometheus", "job": ".+", "instance": ".+", "run": "run", "role": ".+", "rank": ".+",
+              "gpu": ".+", "rate_interval": RATE_INTERVAL, "interval": "1s", "range": "60s"}
+    clock = next(v for v in shipped_dashboard()["templating"]["list"] if v["name"] == "clock")
+    selector = clock["query"][len("label_values("):-len(", clock)")]
+    options = prom_get(live["base"], "/api/v1/label/clock/values",
+                       **{"match[]": substitute_variables(selector, values)}, start=at - 60, end=at)
+    assert options, clock["query"]
+    values["clock"] = sorted(options, reverse=clock["sort"] == 2)[0]
+    return values
+
+
 def test_every_dashboard_panel_query_returns_data_from_prometheus(live):
     from tests.exporters.grafana_model import panel_queries, substitute_variables
 
     at = last_live_time(live)
-    values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": "run", "role": ".*",
-              "rank": ".*", "gpu": ".*", "clock": "cpu", "rate_interval": RATE_INTERVAL, "interval": "1s",
-              "range": "60s"}
+    values = default_values(live, at)
+    assert values["clock"] == ("gpu" if DEVICE == "cuda" else "cpu")   # follows the data: no gpu on a CPU run
     empty, gpu_only = [], []
     for title, ref, expr in panel_queries(shipped_dashboard()):
         if any(name in expr for name in GPU_FAMILIES):
             gpu_only.append(title)
+            continue
+        if title == "Firing alerts":   # empty on a healthy run (test below); test_alerts_e2e sees it fill
             continue
         data = prom_get(live["base"], "/api/v1/query", query=substitute_variables(expr, values), time=at)
         if not data["result"]:
             empty.append((title, ref, expr))
     assert not empty, f"panels with no data at t={at}: {empty}"
     # Only memory/GPU panels are exempt here; they need NVML and the CUDA allocator.
-    assert all(any(k in t.lower() for k in ("gpu", "memory", "headroom", "alloc", "oom", "retr", "throttle",
+    assert all(any(k in t.lower() for k in ("gpu", "gpm", "memory", "headroom", "alloc", "oom", "retr", "throttle",
                                             "clock", "power", "temperat", "util")) for t in gpu_only), gpu_only
 
 
@@ -125,7 +150,7 @@ def test_every_template_variable_finds_values(live):
 
     at = last_live_time(live)
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".+", "run": ".+", "role": ".+",
-              "rank": ".+", "gpu": ".+", "clock": "cpu"}
+              "rank": ".+", "gpu": ".+"}
     checked = set()
     for var in shipped_dashboard()["templating"]["list"]:
         query = var.get("query")
@@ -138,7 +163,22 @@ def test_every_template_variable_finds_values(live):
                         **{"match[]": substitute_variables(selector.strip(), values)}, start=at - 60, end=at)
         assert data, f"variable {var['name']}: no values for {q}"
         checked.add(var["name"])
-    assert {"job", "run", "instance", "role", "rank"} <= checked
+    assert {"job", "run", "instance", "role", "rank", "clock"} <= checked
+
+
+def test_the_healthy_run_raised_no_alert_while_the_rules_evaluated(live):
+    """The shipped alerts, scaled to the test's seconds (tests/conftest.py ALERT_TIME_SCALE), evaluated every second
+    over the whole run: none fired (pending ones, still inside their `for:` window, raise nothing). The recording
+    rules did evaluate: the role wait ratio exists for both roles."""
+    from monitoring.rules import ROLE_WAIT_RATIO
+
+    window = f"{int(time.time() - live['since']) + 5}s"
+    fired = prom_get(live["base"], "/api/v1/query", query=f'count_over_time(ALERTS{{alertstate="firing"}}[{window}])')
+    assert fired["result"] == [], [r["metric"] for r in fired["result"]]
+    rules_health = prom_get(live["base"], "/api/v1/rules")
+    assert all(rule["health"] == "ok" for group in rules_health["groups"] for rule in group["rules"]), rules_health
+    roles = prom_get(live["base"], "/api/v1/query", query=f'count by (role) (count_over_time({ROLE_WAIT_RATIO}[{window}]))')
+    assert {r["metric"]["role"] for r in roles["result"]} == {"target", "drafter"}
 
 
 def test_otlp_receiver_gets_catalog_spans_with_parents_and_resource(live):
@@ -152,6 +192,39 @@ def test_otlp_receiver_gets_catalog_spans_with_parents_and_resource(live):
     assert roles == {"target", "drafter"}
     assert {attrs["dflash.run_id"].string_value for attrs, _ in spans} == {"run"}
     assert all(s.end_time_unix_nano >= s.start_time_unix_nano > 1.7e18 for _, s in spans)
+
+
+def test_otlp_receiver_decodes_the_span_time_histogram_with_the_run_logs_bounds_and_counts(live):
+    """The last `dflash.span.duration` point each rank exported (cumulative) holds, for every span and clock, the
+    run log's bucket bounds and the sum of its intervals' bucket counts."""
+    from profiler.runlog import read_records
+
+    last: dict = {}
+    for request in live["receiver"].metrics:
+        for rm in request.resource_metrics:
+            rank = next(a.value.int_value for a in rm.resource.attributes if a.key == "dflash.rank")
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name == "dflash.span.duration":
+                        assert metric.unit == "s" and metric.WhichOneof("data") == "histogram"
+                        for point in metric.histogram.data_points:
+                            attrs = {a.key: a.value.string_value for a in point.attributes}
+                            last[rank, attrs["span"], attrs["clock"]] = point
+    assert {rank for rank, *_ in last} == {0, 1}
+    for rank in (0, 1):
+        records, _ = read_records(live["run"] / "profile" / f"rank{rank}.jsonl")
+        (start,) = [r for r in records if r["type"] == "run_start"]
+        counts: dict = {}
+        for interval in (r for r in records if r["type"] == "interval"):
+            for span, entry in interval["spans"].items():
+                buckets = (entry.get("cpu") or {}).get("buckets")
+                if buckets and sum(buckets):
+                    counts[span] = [a + b for a, b in zip(counts.get(span, [0] * len(buckets)), buckets)]
+        assert "drafter.fwd_bwd" in counts or "target.fwd" in counts
+        for span, expected in counts.items():
+            point = last[rank, span, "cpu"]
+            assert list(point.explicit_bounds) == start["histogram_buckets_seconds"], span
+            assert list(point.bucket_counts) == expected and point.count == sum(expected), (rank, span)
 
 
 def test_trace_files_and_merged_trace_hold_every_span_and_matched_flows(live, tmp_path):

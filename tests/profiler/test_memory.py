@@ -50,6 +50,10 @@ class FakeNvml:
     def nvmlDeviceGetName(self, handle):
         return b"NVIDIA H200"  # bytes, as old pynvml versions return
 
+    def nvmlDeviceGetUUID(self, handle):
+        self._check("nvmlDeviceGetUUID")
+        return b"GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12"  # bytes, as old pynvml versions return
+
     def nvmlDeviceGetMemoryInfo(self, handle):
         self._check("nvmlDeviceGetMemoryInfo")
         used = self.used[min(self.reads, len(self.used) - 1)] if self.used else 0
@@ -97,6 +101,7 @@ def test_aggregates_over_five_samples_and_reset():
     assert summary["available"] is True and summary["sampler_errors"] == 0
     (gpu,) = summary["gpus"]
     assert gpu["index"] == 0 and gpu["name"] == "NVIDIA H200"
+    assert gpu["uuid"] == "GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12"
     assert gpu["total_bytes"] == 141 * GIB
     assert gpu["samples"] == 5
     assert gpu["used_bytes_peak"] == 60 * GIB
@@ -106,7 +111,11 @@ def test_aggregates_over_five_samples_and_reset():
     assert gpu["power_watts_mean"] == pytest.approx(300.0)
     assert gpu["temperature_c_max"] == 70
     assert gpu["sm_clock_hz_last"] == 1980e6 and gpu["throttle_reasons"] == ["sw_power_cap", "sw_thermal"]
-    assert "reasons" not in gpu
+    # This fake has no GPM functions: those fields are null with the reason, and nothing else is
+    gpm = {"sm_active_percent_mean", "sm_occupancy_percent_mean", "tensor_active_percent_mean",
+           "dram_active_percent_mean"}
+    assert set(gpu["reasons"]) == gpm and all(gpu[f] is None for f in gpm)
+    assert all("no GPM functions" in gpu["reasons"][f] for f in gpm)
     # The closed interval's low point is in the forensics history.
     assert sampler.headroom_history() == [
         {"time_s": 100.0, "gpus": [{"index": 0, "headroom_bytes_min": 81 * GIB}]}
