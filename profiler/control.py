@@ -191,7 +191,7 @@ class ControlServer:
             raise
         self._sock = sock
         self._write_discovery()
-        self._thread = threading.Thread(target=self._serve, name="profiler-control", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="profiler.control", daemon=True)
         self._thread.start()
 
     def _write_discovery(self) -> None:

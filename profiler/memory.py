@@ -174,7 +174,7 @@ class NvmlMemorySampler:
         if self._thread is not None:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="profiler-nvml", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="profiler.nvml", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

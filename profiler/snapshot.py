@@ -18,6 +18,7 @@ from pathlib import Path
 from profiler.control import default_discovery_dir, discover, discover_all, pid_alive, query
 from profiler.records import INTERVAL, read_records
 from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
+from profiler.threadcpu import is_profiler_thread
 
 STUCK_FACTOR = 10.0
 STUCK_FLOOR_S = 5.0
@@ -97,7 +98,7 @@ def thread_view(name: str, native_id, role, spans_entry: dict | None, stack: dic
     spans = [judge_span(s["name"], s["open_seconds"], p95_lookup) for s in (spans_entry or {}).get("spans", [])]
     stuck = next((s for s in reversed(spans) if s["stuck"]), None)  # the innermost stuck span
     frames = stack["frames"] if stack else []
-    view = {"name": name, "native_id": native_id, "role": role,
+    view = {"name": name, "native_id": native_id, "role": role, "profiler": is_profiler_thread(name),
             "active": stack["active"] if stack else None, "owns_gil": stack["owns_gil"] if stack else None,
             "open_spans": spans, "stuck": stuck is not None, "stuck_span": stuck["name"] if stuck else None,
             "stuck_frame": frames[0] if stuck and frames else None, "frames": frames}
@@ -108,12 +109,13 @@ def thread_view(name: str, native_id, role, spans_entry: dict | None, stack: dic
 
 def merge_threads(stacks: list, active_spans: list, role, p95_lookup) -> list:
     """py-spy threads joined with the profiler's open spans on the OS thread id; stuck threads
-    first, then threads with open spans, then the rest (py-spy's order within each group)."""
+    first, then threads with open spans, then the rest, the profiler's own threads last (py-spy's order within each
+    group)."""
     by_id = {entry.get("native_id"): entry for entry in active_spans}
     views = [thread_view(t["name"], t["native_id"], role, by_id.pop(t["native_id"], None), t, p95_lookup)
              for t in stacks]
     views += [thread_view(e["thread"], e.get("native_id"), role, e, None, p95_lookup) for e in by_id.values()]
-    return sorted(views, key=lambda v: (not v["stuck"], not v["open_spans"]))
+    return sorted(views, key=lambda v: (not v["stuck"], not v["open_spans"], v["profiler"]))
 
 
 def summarize_interval(rec: dict | None, top_spans: int = 6) -> dict | None:
@@ -300,6 +302,11 @@ def _thread_lines(t: dict) -> list[str]:
     return lines
 
 
+def _apart(t: dict) -> bool:
+    """A profiler thread with nothing of the training's to show (no open span, not stuck): one word, not a stack."""
+    return bool(t.get("profiler")) and not t["open_spans"] and not t["stuck"]
+
+
 def format_process(snap: dict) -> str:
     """A human-readable snapshot of one process."""
     if "error" in snap:
@@ -313,10 +320,14 @@ def format_process(snap: dict) -> str:
                      f"last interval: none closed yet ({snap['stuck_basis']})")
         lines.append(_memory_line(snap["memory"]))
         lines.append(f"stuck rule: a span {STUCK_RULE}")
+    own = [t for t in snap["threads"] if _apart(t)]
     lines.append(f"py-spy dump{' --native' if snap['native'] else ''}: {1000 * snap['pyspy_seconds']:.0f} ms, "
                  f"{len(snap['threads'])} threads (innermost frame first)")
     for t in snap["threads"]:
-        lines += _thread_lines(t)
+        lines += [] if _apart(t) else _thread_lines(t)
+    if own:
+        lines.append(f"  the profiler's own {len(own)} thread{'s' * (len(own) > 1)}, apart (--json for their stacks): "
+                     + ", ".join(f"{t['name']} ({'running' if t['active'] else 'waiting'})" for t in own))
     kept = snap.get("kept")
     if kept and snap["endpoint"]:
         lines.append(f"kept: {kept['file'] or 'no file'}; " + ("recorded in the run log" if kept["recorded"] else

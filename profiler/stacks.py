@@ -140,7 +140,7 @@ class StackSampler:
     def start(self) -> None:
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="profiler-stacks", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="profiler.stacks", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:

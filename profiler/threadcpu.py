@@ -7,10 +7,17 @@ from __future__ import annotations
 import threading
 import time
 
-PROFILER_PREFIXES = ("profiler", "metrics.http", "dflash-otel", "Otel")
-"""Thread names of the profiler and its exporters: the collector, exporter, NVML, stacks, control and
-watchdog threads (`profiler...`), the Prometheus endpoint (`metrics.http`), and the OpenTelemetry
-exporter's and SDK's (`dflash-otel-close`, `OtelBatch...`, `OtelPeriodicExportingMetricReader`)."""
+PROFILER_PREFIXES = ("profiler.", "metrics.http", "dflash-otel", "Otel")
+"""Thread names of the profiler and its exporters: every thread the profiler starts is `profiler.<part>`
+(collector, exporter, nvml, stacks, control, watchdog, signal_watch, signal_grace), the Prometheus endpoint's is
+`metrics.http`, and the OpenTelemetry exporter's and SDK's are `dflash-otel-close`, `OtelBatch...` and
+`OtelPeriodicExportingMetricReader`."""
+
+
+def is_profiler_thread(name) -> bool:
+    """Whether a thread of that name is the profiler's or one of its exporters' (PROFILER_PREFIXES): what the
+    profiler's CPU share counts, and what hot frames and snapshots show apart from the training's own threads."""
+    return isinstance(name, str) and name.startswith(PROFILER_PREFIXES)
 
 
 def _cpu_ns(native_id: int) -> int | None:
@@ -50,7 +57,7 @@ def profiler_share(threads_cpu_seconds: dict, duration_seconds: float) -> float 
     """The profiler's and its exporters' threads' CPU seconds over the interval's wall seconds (None if empty)."""
     if not duration_seconds or duration_seconds <= 0:
         return None
-    own = sum(v for n, v in threads_cpu_seconds.items() if n.startswith(PROFILER_PREFIXES))
+    own = sum(v for n, v in threads_cpu_seconds.items() if is_profiler_thread(n))
     return own / duration_seconds
 
 

@@ -59,8 +59,10 @@ def test_snapshot_of_a_running_train_rank_shows_threads_roles_and_the_stuck_span
     assert r.returncode == 0, r.stderr
     text = r.stdout
     assert f"pid {pids['target']}  rank 1  role target" in text
-    for thread in ("target.main", "target.sender", "profiler-control", "profiler.collector"):
+    for thread in ("target.main", "target.sender"):
         assert f"  {thread} (native id " in text
+    own = next(line for line in text.splitlines() if line.startswith("  the profiler's own "))   # apart, one line
+    assert "profiler.control (" in own and "profiler.collector (" in own and "profiler.control (native" not in text
     assert "open spans: target.fwd" in text and "STUCK in target.fwd: open " in text
     assert "at FaultPlan.on_enter (profiler/faults.py:" in text  # the frame it is stuck in
     snap = json.loads((tmp_path / "snap.json").read_text())
@@ -102,6 +104,19 @@ def test_run_dir_snapshot_puts_ranks_side_by_side_and_names_the_stuck_one(hung_r
     both = json.loads(r.stdout)
     assert [s["rank"] for s in both["ranks"]] == [0, 1] and all(s["kept"]["file"] for s in both["ranks"])
     assert both["waits"][0]["stuck_ranks"][0]["rank"] == 1
+
+
+@pytest.mark.parametrize("reader, lines", [("head -3", 3), ("true", 0)])
+def test_a_snapshot_piped_into_head_ends_quietly(hung_run, reader, lines):
+    """`dflash-profile snapshot ... | head -3` (issue 37) ends with exit 0 and no BrokenPipeError traceback. The text
+    may fit the pipe's buffer before head leaves, so `| true`, gone long before py-spy's dump is printed, makes the
+    closed pipe certain."""
+    run, pids = hung_run
+    r = subprocess.run(f"{sys.executable} -m dflash.profile_cli snapshot --pid {pids['target']} | {reader}; "
+                       "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert len(r.stdout.splitlines()) == lines and r.stdout.startswith(f"pid {pids['target']}" if lines else "")
 
 
 def test_plain_python_process_gets_its_stacks_and_a_note(tmp_path):

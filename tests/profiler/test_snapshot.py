@@ -79,13 +79,13 @@ def test_merge_by_native_id_and_the_stuck_rule(served):
         open_spans(102, "target.sender", ("transfer.send", 12.0)),                  # 12 s < 10 x 2.0
     ], interval({"target.step": 1.0, "target.fwd": 0.1, "transfer.send": 2.0}))
     stacks = [pyspy_thread("target.sender", 102, [("Sender._run", "dflash/transfer.py", 276)]),
-              pyspy_thread("profiler-control", 103, [("socket.accept", "socket.py", 294)]),
+              pyspy_thread("profiler.control", 103, [("socket.accept", "socket.py", 294)]),
               pyspy_thread("target.main", 101, MAIN_FRAMES, active=True)]
     calls = []
     snap = snapshot_process(os.getpid(), runner=lambda pid, native=False, nonblocking=False:
                             calls.append((pid, native, nonblocking)) or stacks, discovery_dir=disc)
     assert calls == [(os.getpid(), False, False)]
-    assert [t["name"] for t in snap["threads"]] == ["target.main", "target.sender", "profiler-control"]
+    assert [t["name"] for t in snap["threads"]] == ["target.main", "target.sender", "profiler.control"]
     main, sender, control = snap["threads"]
     assert (main["native_id"], main["role"], main["active"]) == (101, "target", True)
     assert main["frames"] == ["FaultPlan.on_enter (profiler/faults.py:146)", "target_step (dflash/roles.py:111)"]
@@ -102,6 +102,10 @@ def test_merge_by_native_id_and_the_stuck_rule(served):
     assert "STUCK in target.fwd: open 6.0 s > 5.0 s (recent p95 0.100 s) at FaultPlan.on_enter" in text
     assert "open spans: target.step 6.50 s > target.fwd 6.00 s" in text
     assert "rank 1  role target  step 41" in text and "note:" not in text
+    # the profiler's own thread, last and apart: one word, not its stack (issue 37)
+    assert control["profiler"] is True and main["profiler"] is False
+    assert "the profiler's own 1 thread, apart (--json for their stacks): profiler.control (waiting)" in text
+    assert "socket.accept" not in text
 
 
 def test_no_interval_yet_is_said_not_guessed_and_the_floor_holds(served):

@@ -42,7 +42,7 @@ def test_names_are_summed_unreadable_clocks_skipped_and_deltas_never_negative():
     assert acc.take() == {"w": 1.0, "profiler.collector": 0.25}
     clocks[4] = 10**9                          # a reused thread id with a younger clock: 0, not negative
     assert acc.take()["profiler.collector"] == 0.0
-    assert profiler_share({"w": 1.0, "profiler.collector": 0.25, "profiler-nvml": 0.25}, 5.0) == 0.1
+    assert profiler_share({"w": 1.0, "profiler.collector": 0.25, "profiler.nvml": 0.25}, 5.0) == 0.1
 
 
 def test_every_interval_says_where_the_cpu_went(tmp_path):
