@@ -20,6 +20,7 @@ from report.runs import Run, counter_total, gpu_key
 from report.runs import gpus as nvml_gpus
 
 HEADROOM_SHARE = 0.05
+LOOP_ONLY = "a loop of its own: the split and the batch margin are for dflash-train's target and drafter ranks"
 
 
 def _predicted(t: int, d: int, cap_t: float, cap_d: float) -> float:
@@ -117,6 +118,9 @@ def split(run: Run, n_gpus: int | None = None, ranks: list | None = None) -> dic
     out = {"n_gpus": n, "n_gpus_from": "--gpus" if n_gpus else "the run", "topology": topo, "roles": caps,
            "best": None, "splits": [], "current": None, "reason": None,
            "model": "tokens/s = D * min(floor(T/D) * target capacity, drafter capacity), 1 <= D <= T"}
+    if not run.pipeline:
+        out["reason"] = LOOP_ONLY
+        return out
     if n < 2:
         out["reason"] = _too_few_gpus(topo) if not n_gpus else f"a split needs at least 2 GPUs, got --gpus {n}"
         return out
@@ -197,6 +201,9 @@ def memory_margin(run: Run) -> dict:
     out = {"headroom_share": headroom_share, "tokens_per_batch": run.config.get("tokens_per_batch"),
            "mean_tokens_per_batch": mean, "max_tokens_per_batch": None, "growth_exponent": exponent,
            "growth": why, "limited_by": None, "gpus": [], "reason": None}
+    if not run.pipeline:
+        out["reason"] = LOOP_ONLY
+        return out
     models = [m for log in run.ranks.values() if (m := _rank_memory(log))]
     if not models:
         out["reason"] = "no GPU memory measured (needs NVML and allocator stats)"

@@ -8,13 +8,16 @@ import statistics
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
-from report.runs import Run, counter_total, gpus, merged_window, phase_spans, steady_window, wall_seconds
+from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, merged_window, phase_spans, steady_window, \
+    wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
 STRAGGLER_GAP = 0.2        # a rank this much below its peers' median capacity is a straggler
 COLLECTIVE_SPANS = ("drafter.allreduce",)   # lock-step waits on peers, left out of a rank's own work
 NO_METER = "no throughput event (a run stopped during warm-up, or a log not written by this dflash-train)"
+LOOP_NO_METER = ("no throughput meter (a loop of its own writes no throughput event; the steady state section gives "
+                 "its steady intervals' rates)")
 
 
 # ---- span ranking ----------------------------------------------------------------------------
@@ -170,9 +173,11 @@ def _span_seconds(intervals: list, names) -> float:
 
 
 def _wait_share(intervals: list, role: str) -> float | None:
-    """The share of `intervals`' wall time the role waits on the other side (its WAIT_SPANS)."""
+    """The share of `intervals`' wall time the role waits on the other side (its WAIT_SPANS); None for a role
+    that has none (a loop of its own waits on no other role)."""
+    waits = [n for n, r in WAIT_SPANS.items() if r == role]
     wall = wall_seconds(intervals)
-    return _span_seconds(intervals, [n for n, r in WAIT_SPANS.items() if r == role]) / wall if wall > 0 else None
+    return _span_seconds(intervals, waits) / wall if wall > 0 and waits else None
 
 
 def role_shares(run: Run) -> dict:
@@ -247,13 +252,15 @@ def _pipeline_verdict(run: Run) -> dict:
     """Which side bounds the pipeline, from the wait shares: the drafter starving on drafter.recv means
     target-bound, the target blocked on transfer.wait_slot drafter-bound, both waiting transfer-bound."""
     shares = role_shares(run)
+    if not run.pipeline:   # a loop of its own: no target and drafter to weigh
+        return {"verdict": None, "applies": False, "roles": shares, "queue_depth_mean": None, "evidence": []}
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
     drafters = merged_window(run.by_role().get("drafter", []))
     depths = [g["mean"] for r in drafters.intervals
               if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
-    out = {"verdict": None, "roles": shares, "queue_depth_mean": statistics.fmean(depths) if depths else None,
-           "evidence": []}
+    out = {"verdict": None, "applies": True, "roles": shares,
+           "queue_depth_mean": statistics.fmean(depths) if depths else None, "evidence": []}
     if wt is None or wd is None:
         out["evidence"].append("needs the intervals of both a target and a drafter rank")
         return out
@@ -329,7 +336,8 @@ def _rank_row(log) -> dict:
     stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
             "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
-            "steady_tokens_per_s": rate, "steady_reason": None if meter else NO_METER,
+            "steady_tokens_per_s": rate,
+            "steady_reason": None if meter else NO_METER if log.role in PIPELINE_ROLES else LOOP_NO_METER,
             "window": w.label, "window_seconds": wall, "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": rate / work if rate and work else None,
@@ -397,8 +405,10 @@ def rank_table(run: Run) -> dict:
     """{"ranks": per-rank rows (_rank_row), "straggler": the slow rank or None, "reason"}."""
     rows = [_rank_row(log) for log in run.ranks.values()]
     multi = any(sum(1 for r in rows if r["role"] == role) >= 2 for role in {r["role"] for r in rows})
+    measured = any(r["capacity_tokens_per_s"] for r in rows)
     return {"ranks": rows, "straggler": _straggler(rows),
-            "reason": None if multi else "no role has two ranks to compare"}
+            "reason": None if multi and measured else "no role has two ranks to compare" if not multi else
+            "no rank has a capacity to compare (steady_tokens_per_s over its work share)"}
 
 
 # ---- the steady state ------------------------------------------------------------------------
@@ -419,7 +429,28 @@ def steady_state(run: Run) -> dict:
                        "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
                        "warmup_seconds": wall_seconds([r for log in logs for r in log.intervals if r.get("warmup")]),
                        "segments": max((m["segments"] for m in got), default=0),
-                       "reason": None if got else NO_METER}
+                       "reason": None if got else NO_METER if role in PIPELINE_ROLES else LOOP_NO_METER}
+        if not got and role not in PIPELINE_ROLES:
+            roles[role]["intervals"] = interval_rates(logs)
     drafter = roles.get("drafter") or {}
     return {"steady_tokens_per_s": drafter.get("steady_tokens_per_s"), "window": "steady state",
             "roles": roles, "phase_spans": list(phases)}
+
+
+def interval_rates(logs: list) -> dict:
+    """A role's rates over its ranks' steady windows (runs.merged_window, named by `window`), from the interval
+    records, for a loop without a throughput meter: tokens/s summed over its ranks (each rank's `tokens` counter over
+    its window's wall time), steps/s the ranks' mean (`step_rate`: the steps its set_step advanced)."""
+    w = merged_window(logs)
+    tokens, steps = [], []
+    for log in logs:
+        mine = steady_window(log).intervals
+        wall = wall_seconds(mine)
+        if wall > 0:
+            tokens.append(counter_total(mine, "tokens") / wall)
+            counted = [r for r in mine if (r.get("step_rate") or {}).get("steps") is not None]
+            if counted and wall_seconds(counted) > 0:
+                steps.append(sum(r["step_rate"]["steps"] for r in counted) / wall_seconds(counted))
+    return {"window": w.label, "seconds": wall_seconds(w.intervals), "ranks": len(logs),
+            "tokens_per_s": sum(tokens) if any(tokens) else None,
+            "steps_per_s": statistics.fmean(steps) if steps else None}

@@ -1,7 +1,8 @@
 """Findings: the few things in a report worth acting on, each with its evidence (window and sample count
 said) and the next experiment. A finding's `flags` are the dflash-train flags its `next` names, added to the
 run's own; each is one the trainer accepts on the run's topology (report.advice.run_topology, the trainer's
-rules read from dflash/preflight.py and dflash/worker.py, not imported)."""
+rules read from dflash/preflight.py and dflash/worker.py, not imported). A loop of its own (report["pipeline"]
+false) gets the same findings with a `next` in the profiler's terms and no flags: it has no dflash-train."""
 from __future__ import annotations
 
 from report.analysis import WAIT_BOUND_SHARE
@@ -18,6 +19,11 @@ _PINNED = "check the host buffer is pinned and the copy non_blocking; compare wi
 
 def _finding(kind: str, summary: str, evidence: str, next_: str, flags: list | None = None) -> dict:
     return {"kind": kind, "summary": summary, "evidence": evidence, "next": next_, "flags": list(flags or [])}
+
+
+def _loop(report: dict) -> bool:
+    """Whether the report is of a loop of its own (no target or drafter rank), whose user has no dflash-train flags."""
+    return not report.get("pipeline", True)
 
 
 def _topology(report: dict) -> dict:
@@ -48,8 +54,11 @@ def _copy_next(report: dict, span: str) -> tuple[str, list]:
     return "time the copy alone at this size against the floor", []
 
 
-def _batch_next(report: dict, otherwise: str) -> tuple[str, list]:
-    """Lower --tokens-per-batch to the memory margin where the trainer takes it (>= --max-length); else `otherwise`."""
+def _batch_next(report: dict, otherwise: str, loop: str = "lower the batch size") -> tuple[str, list]:
+    """Lower --tokens-per-batch to the memory margin where the trainer takes it (>= --max-length); else `otherwise`;
+    `loop` for a loop of its own."""
+    if _loop(report):
+        return loop, []
     margin = report["memory_margin"].get("max_tokens_per_batch")
     max_length = report["config"].get("max_length") or 1
     now = report["config"].get("tokens_per_batch")
@@ -92,11 +101,11 @@ def _allocator(report: dict) -> list:
                       f"first interval, {a['alloc_retries_last']} at the last (whole run, {a['intervals']} "
                       "intervals)" for a in retried) + ": it freed its cache to fit",
             f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {nxt}", flags))
-    out += [_leak(a, t) for a in allocs for t in (a.get("trends") or {}).values() if t["leak"]]
+    out += [_leak(a, t, _loop(report)) for a in allocs for t in (a.get("trends") or {}).values() if t["leak"]]
     return out
 
 
-def _leak(a: dict, t: dict) -> dict:
+def _leak(a: dict, t: dict, loop: bool) -> dict:
     what = t["series"].replace("_bytes", "")
     first, last = t["intervals"]
     exhaust = (f"; at this slope the {t['headroom_bytes'] / GIB:.1f} GiB headroom of the last interval is gone in "
@@ -111,8 +120,9 @@ def _leak(a: dict, t: dict) -> dict:
         f"({t['rise_bytes'] / t['total_bytes']:.1%} of the GPU's {t['total_bytes'] / GIB:.0f} GiB) against a "
         f"residual MAD of {t['mad_bytes'] / GIB:.3f} GiB{exhaust}",
         "look for tensors kept across steps (buffers held for in-flight transfers, lists of losses); rerun with "
-        "--memory-history 100000 so an out-of-memory error leaves the allocator's history under RUN_DIR/forensics/",
-        ["--memory-history", "100000"])
+        + ("ProfilerConfig(memory_history=100000)" if loop else "--memory-history 100000")
+        + " so an out-of-memory error leaves the allocator's history under RUN_DIR/forensics/",
+        [] if loop else ["--memory-history", "100000"])
 
 
 def _more_drafter(report: dict) -> tuple[str, list]:
@@ -163,7 +173,8 @@ def _stalls(report: dict) -> list:
                      "; ".join(f"rank {r['rank']}: its last {r['stalled_intervals']} intervals "
                                f"({r['stalled_seconds']:.0f} s) at step {r['steps']}" for r in stalled),
                      "while it stalls, dflash-profile snapshot --run-dir shows the span each thread holds open and "
-                     "its stack; a first call that compiles shows as drafter.compile or triton.autotune")]
+                     "its stack" + ("" if _loop(report) else
+                                    "; a first call that compiles shows as drafter.compile or triton.autotune"))]
 
 
 def _straggler(report: dict) -> list:
@@ -188,7 +199,8 @@ def _headroom(report: dict) -> list:
         if low["headroom_ratio"] >= LOW_HEADROOM_SHARE:
             continue
         when = f" at +{low['seconds_since_start']:.0f} s" if low["seconds_since_start"] is not None else ""
-        nxt, flags = _batch_next(report, "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        nxt, flags = _batch_next(report, "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                                 "lower the batch size, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         out.append(_finding(
             "low_headroom", f"gpu {g['gpu']} fell to {low['headroom_ratio']:.1%} headroom during "
             f"{low['dominant_span']} (the interval's dominant span)",
@@ -215,8 +227,18 @@ _NEXT_FOR_EVENT = {
 }
 
 
+_LOOP_NEXT_FOR_EVENT = {
+    "nonfinite": "check the tensors of the spans before it with profiler.check_finite(span, {name: tensor}) and rerun "
+                 "to that step: the first span that produced a NaN/Inf is named",
+    "signal": "nothing to fix if the stop was intended",
+    "run_failed": "read the process's stderr and its last event",
+}
+
+
 def _event_next(report: dict, kind: str, first: dict) -> tuple[str, list]:
-    """The next experiment for an event kind, with the flags it names."""
+    """The next experiment for an event kind, with the flags it names (none for a loop of its own)."""
+    if _loop(report) and kind in _LOOP_NEXT_FOR_EVENT:
+        return _LOOP_NEXT_FOR_EVENT[kind], []
     if kind == "nonfinite":
         step = first.get("step")
         to = ["--max-steps", str(step)] if isinstance(step, int) and step >= 1 else []
@@ -273,20 +295,30 @@ def _profiler_cost(report: dict) -> list:
     costly = [r for r in report["ranks"]["ranks"] if (r.get("profiler_share") or 0.0) > PROFILER_SHARE_HIGH]
     if not costly:
         return []
+    if _loop(report):
+        return [_finding("profiler_cost", f"the profiler's own threads cost {_costly(costly)}", _PROFILER_COST_EVIDENCE,
+                         "raise ProfilerConfig(interval_s=...), keep only the sinks someone reads in "
+                         "exporters.build(...), and see the interval records' threads_cpu_seconds for the thread "
+                         "that costs it")]
     interval = (report.get("config") or {}).get("profile_interval")
     known = isinstance(interval, (int, float)) and interval > 0
     longer = f"{2 * interval:g}" if known else "120"
     flags = ["--profile-interval", longer, "--metrics-port", "0", "--stack-samples-per-interval", "0"]
     now = f" (now {interval:g} s)" if known else ""
-    who = ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%} of its wall time ({r['window']})"
-                    for r in costly)
-    return [_finding("profiler_cost", f"the profiler's own threads cost {who}",
-                     "CPU seconds of the collector, exporter, NVML, stack and control threads and the exporters' "
-                     "over the window's wall time (interval records' profiler_share); under the GIL the "
-                     "training thread waits for much of it",
+    return [_finding("profiler_cost", f"the profiler's own threads cost {_costly(costly)}", _PROFILER_COST_EVIDENCE,
                      f"raise --profile-interval{now} to {longer}, drop exporters nobody reads (--metrics-port 0, no "
                      "OTEL_EXPORTER_OTLP_ENDPOINT, --stack-samples-per-interval 0), and see the interval "
                      "records' threads_cpu_seconds for the thread that costs it", flags)]
+
+
+_PROFILER_COST_EVIDENCE = ("CPU seconds of the collector, exporter, NVML, stack and control threads and the "
+                           "exporters' over the window's wall time (interval records' profiler_share); under the GIL "
+                           "the training thread waits for much of it")
+
+
+def _costly(rows: list) -> str:
+    return ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%} of its wall time ({r['window']})"
+                     for r in rows)
 
 
 # The rules, problems first: each reads the assembled report and returns its findings.

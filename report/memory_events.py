@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+from profiler.threadcpu import is_profiler_thread
 from report.runs import Run, gpu_key, gpus, steady_window, wall_seconds
 
 # Event kinds that mean something went wrong, shown first and with examples.
@@ -194,8 +195,9 @@ def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
 
 
 def hot_frames(run: Run) -> dict:
-    """Per thread, hottest first: its stack samples' top frames, and its snapshots' innermost frames,
-    stuck count and open spans."""
+    """Per thread, hottest first: its stack samples' top frames, and its snapshots' innermost frames, stuck count
+    and open spans; the training's threads in "threads", the profiler's and its exporters' own (profiler.*,
+    threadcpu.is_profiler_thread) apart in "profiler_threads", so they never crowd out the training's."""
     threads: dict = {}
     for log in run.ranks.values():
         for rec in log.intervals:
@@ -223,7 +225,11 @@ def hot_frames(run: Run) -> dict:
         out.append(acc)
     out.sort(key=lambda a: (-sum(f["count"] for f in a["top_frames"]), -a["stuck_snapshots"], -a["snapshots"],
                             a["rank"]))
-    reason = None if out else ("no stack samples or snapshots in the logs (run with --stack-samples-per-interval N, "
-                               "or take one with dflash-profile snapshot)")
-    return {"threads": out, "reason": reason}
+    how = ("run with --stack-samples-per-interval N" if run.pipeline else
+           "give the Profiler deps=ProfilerDeps(stack_sampler=profiler.stacks.make_stack_sampler(os.getpid(), N, "
+           "interval_s))")
+    reason = None if out else (f"no stack samples or snapshots in the logs ({how}, or take one with dflash-profile "
+                               "snapshot)")
+    return {"threads": [a for a in out if not is_profiler_thread(a["thread"])],
+            "profiler_threads": [a for a in out if is_profiler_thread(a["thread"])], "reason": reason}
 

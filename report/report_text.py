@@ -76,6 +76,8 @@ def _open_spans(rows: list) -> list:
 
 def _verdict(rep: dict) -> list:
     v = rep["verdict"]
+    if not v.get("applies", True):   # a loop of its own: no target and drafter to weigh; its GPUs' activity
+        return ["GPU activity (NVML and GPM)", *(f"  {e}" for e in v["evidence"])] if v["evidence"] else []
     over = "; ".join(f"{role}: {r['window']}, {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
     return [f"Verdict ({over or 'no intervals'}): {v['verdict'] or 'none'}", *(f"  {e}" for e in v["evidence"])]
 
@@ -161,9 +163,9 @@ def _rings(rep: dict) -> list:
 
 def _frames(rep: dict) -> list:
     hf = rep["hot_frames"]
-    if not hf["threads"]:
+    if hf["reason"]:
         return [f"Hot frames: {hf['reason']}"]
-    lines = ["Hot frames per thread over the whole run"]
+    lines = ["Hot frames per thread over the whole run (the training's threads; the profiler's own below)"]
     idle = [t for t in hf["threads"] if not t["top_frames"] and not t["snapshot_frames"] and not t["open_spans"]]
     for t in (t for t in hf["threads"] if t not in idle):
         seen = ([f"{t['stack_samples']} samples"] if t["stack_samples"] else []) + (
@@ -176,6 +178,18 @@ def _frames(rep: dict) -> list:
                                                       for s in t["open_spans"]))
     if idle:
         lines.append("  no hot frame: " + ", ".join(f"rank {t['rank']} {t['thread']}" for t in idle))
+    return lines + _profiler_frames(hf.get("profiler_threads") or [])
+
+
+def _profiler_frames(threads: list) -> list:
+    """The profiler's and its exporters' threads in one line each, apart: their hottest frame, if they ran."""
+    if not threads:
+        return []
+    lines = ["  the profiler's own threads (profiler.*, exporters), apart from the training's:"]
+    for t in threads:
+        top = t["top_frames"][0] if t["top_frames"] else None
+        lines.append(f"    rank {t['rank']} {t['thread']}: " + (f"{_pct(top['share'])} {top['frame']}" if top else
+                                                                 "no hot frame (waiting)"))
     return lines
 
 
@@ -192,7 +206,7 @@ def _ranks(rep: dict) -> list:
                      + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else "")
                      + f"; {r['window']}, {r['window_seconds']:.0f} s")
     lines += [f"  rank {r['rank']}: no steady tokens/s: {r['steady_reason']}"
-              for r in rt["ranks"] if r["steady_reason"]]
+              for r in rt["ranks"] if r["steady_reason"] and rep["pipeline"]]
     s = rt["straggler"]
     if s:
         lines.append(f"  straggler: rank {s['rank']} ({s['role']}) at {_pct(s['capacity_ratio'])} of its peers' "
@@ -205,7 +219,7 @@ def _ranks(rep: dict) -> list:
 def _split(rep: dict) -> list:
     """Absent below two GPUs (a CPU run, ranks sharing one GPU, without --gpus N): the JSON says why."""
     s = rep["split"]
-    if s["n_gpus"] < 2:
+    if s["n_gpus"] < 2 or not rep["pipeline"]:
         return []
     if not s["best"]:
         return [f"Split: {s['reason']}"]
@@ -229,6 +243,8 @@ def _split(rep: dict) -> list:
 
 def _margin(rep: dict) -> list:
     m = rep["memory_margin"]
+    if not rep["pipeline"]:   # batch-size advice in dflash-train's terms
+        return []
     if m["max_tokens_per_batch"] is None:
         return [f"Memory margin: {m['reason']}"]
     lim = m["limited_by"]
@@ -256,6 +272,9 @@ def _steady(rep: dict) -> list:
     st = rep.get("steady") or {}
     lines = ["Steady state (after warm-up; compile, evaluation and checkpoint time left out)"]
     for role, r in (st.get("roles") or {}).items():
+        if r.get("intervals"):
+            lines.append(_interval_rates(role, r["intervals"]))
+            continue
         if r.get("steady_tokens_per_s") is None:
             lines.append(f"  {role}: - ({r.get('reason')})")
             continue
@@ -265,6 +284,13 @@ def _steady(rep: dict) -> list:
                      f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
                      f"{phases or 'none'}; warm-up intervals {r['warmup_seconds']:.1f} s")
     return lines
+
+
+def _interval_rates(role: str, ir: dict) -> str:
+    """A loop without a throughput meter: its rates read from the interval records over its steady window."""
+    return (f"  {role}: {_g(ir['tokens_per_s'], ',.0f')} tokens/s (sum over {ir['ranks']} rank(s)), "
+            f"{_g(ir['steps_per_s'], '.3g')} steps/s (per rank) over {ir['window']}, {ir['seconds']:.1f} s "
+            "(interval counters and set_step: a loop of its own has no throughput meter)")
 
 
 def format_hotspots(rep: dict) -> str:

@@ -36,10 +36,21 @@ class RankLog:
         return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
 
 
+PIPELINE_ROLES = ("target", "drafter")
+"""dflash-train's roles. A run with neither is a loop of its own (the README's `trainer`, a Hugging Face Trainer):
+the report leaves out what only the pipeline has (the verdict, the GPU split, the batch-size margin, dflash-train
+flags in advice)."""
+
+
 @dataclass
 class Run:
     run_dir: str
     ranks: dict  # {rank: RankLog}
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether the run has a target or a drafter rank (PIPELINE_ROLES): dflash-train's, not a loop of its own."""
+        return any(log.role in PIPELINE_ROLES for log in self.ranks.values())
 
     def by_role(self) -> dict:
         """{role: [RankLog, ...]} in rank order."""
