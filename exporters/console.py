@@ -3,6 +3,7 @@ hotspot table. Times are GPU times where measured, else CPU (the `on` column).
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from collections import Counter, defaultdict
 
@@ -55,8 +56,10 @@ def format_memory(memory: dict | None) -> list[str]:
 def format_interval(record: dict) -> str:
     """A short block for one interval record: spans by share (and how long the open ones had been open),
     counters' rates, gauges, metrics, memory, thread CPU."""
+    rate = (record.get("step_rate") or {}).get("per_second")
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
-            f"step {record.get('step')}  {record.get('duration_seconds', 0.0):.1f} s"
+            f"step {record.get('step')}{'' if rate is None else f' ({rate:.3g} steps/s)'}  "
+            f"{record.get('duration_seconds', 0.0):.1f} s"
             f"{'  (warm-up)' if record.get('warmup') else ''}  [every figure: this interval]")
     lines = [head]
     spans = record.get("spans") or {}
@@ -193,19 +196,25 @@ def format_steady(throughput_events: list, resumed=()) -> list:
 class ConsoleExporter:
     """The console summary as an exporter: on the exporter thread, each `interval` record is printed
     with `format_interval`, followed by the spans open the whole interval (what a stalled interval
-    waits on). Whoever builds a rank's exporters registers it (dflash/telemetry.py: rank 0 only)."""
+    waits on). Whoever builds a rank's exporters registers it (dflash/telemetry.py: rank 0 only).
+    With `run_dir` (a loop's own profiler: exporters.build), the run_end record is printed too: this rank's
+    whole-run table and the `dflash-report hotspots RUN_DIR` command; dflash-train prints its own over every rank."""
 
     name = "console"
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, run_dir=None):
         self.stream = stream   # None: sys.stdout at print time (pytest's capture swaps it)
+        self.run_dir = run_dir
 
     def export(self, record: dict) -> None:
+        out = self.stream or sys.stdout
+        if record.get("type") == "run_end" and self.run_dir is not None:
+            print(printable(f"{format_hotspots([record])}\nrun directory: {self.run_dir}  (report: dflash-report "
+                            f"hotspots {shlex.quote(str(self.run_dir))})"), file=out, flush=True)
         if record.get("type") != "interval":
             return
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
-        out = self.stream or sys.stdout
         print(printable(format_interval(record)), file=out, flush=True)   # thread names are anyone's
         stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
         if stuck:

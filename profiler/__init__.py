@@ -1,7 +1,8 @@
 """Instrumentation core: spans, CUDA event timers, intervals, memory sampling, run log, control.
 
-The public API is `__all__` (README.md, docs/ARCHITECTURE.md). It imports nothing of ours, so it works in any
-training loop; `Profiler` (torch) loads on first use, so `profiler.records` and `profiler.snapshot` need no torch.
+The public API is `__all__`; docs/API.md is its reference (README.md has a whole loop). It imports nothing of
+ours, so it works in any training loop; `Profiler` (torch) loads on first use, so `profiler.records` and
+`profiler.snapshot` need no torch.
 """
 from profiler.api import (active, check_finite, check_flags, corrupt, count, disk_full, event, forensics, gauge,
                           in_detail, keep_step, metric, nonfinite_found, note_disk_full, register_forensics, set_step,

@@ -35,7 +35,9 @@ logger = logging.getLogger("profiler")
 class Profiler:
     """Per-process profiler; `with Profiler(run_dir, ...):` makes it the active one, so the profiler API records
     into RUN_DIR/profile/rank{R}.jsonl (docs/RUNLOG.md). `run_config` goes into run_start as "config";
-    `exporters` (profiler/export.py) get every record on the exporter thread."""
+    `exporters` (profiler/export.py) get every record on the exporter thread: a list of them, or a function of
+    this Profiler that makes the list when the run starts (`exporters.build("console,prometheus,trace")`, so
+    the sinks see its run directory, rank and role). docs/API.md is the reference."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", device=None,
                  run_config=None, config: ProfilerConfig | None = None, deps: ProfilerDeps | None = None,
@@ -53,12 +55,13 @@ class Profiler:
         self.is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
         self.clock, self.wall_clock = self.deps.clock or time.perf_counter, self.deps.wall_clock
         self.log_path = self.run_dir / "profile" / f"rank{rank}.jsonl"
-        self.hub = ExportHub(exporters)
+        self._exporters = exporters
+        self.hub = ExportHub(())   # the run's own, made at start
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self.captures = NullCaptures()   # Captures once started (profiler/capture.py)
         self.step, self._first_step, self._step_changed = 0, None, False
-        self._interval_start_step = None   # the step when the current interval began (None: before any)
+        self._interval_start_step = None   # the step when the current interval began (None: before set_step)
         self._started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -89,6 +92,8 @@ class Profiler:
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
                                           readback=make_readback(self.is_cuda, self.device, self.event_pool))
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
+        made = self._exporters(self) if callable(self._exporters) else self._exporters
+        self.hub = ExportHub(made)
         self.hub.start()
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
         self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device))
@@ -126,7 +131,7 @@ class Profiler:
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, self.capture_spans)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
                     threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
-                    self._stack_samples, self._warmup_section)
+                    self._stack_samples, self._steps_section)
         return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
@@ -171,14 +176,21 @@ class Profiler:
                                            open_spans, self.event, self.wall_clock)
         return reply
 
-    def _warmup_section(self, duration_s: float) -> dict:
-        """{"warmup": True} for an interval that began before the first `warmup_steps` steps were done."""
-        began_at, self._interval_start_step = self._interval_start_step, self.step
-        if self.cfg.warmup_steps <= 0:
-            return {}
-        done = self._first_step is not None and began_at is not None and (
-            began_at >= self._first_step + self.cfg.warmup_steps)
-        return {} if done else {"warmup": True}
+    def _steps_section(self, duration_s: float) -> dict:
+        """The interval's `step_rate` (steps the loop's `set_step` advanced in it, and per second; absent before
+        the first `set_step`), and {"warmup": True} for an interval that began before the first `warmup_steps`
+        steps were done."""
+        began_at = self._interval_start_step
+        self._interval_start_step = self.step if self._first_step is not None else None
+        out = {}
+        if self._first_step is not None:
+            steps = self.step - (self._first_step if began_at is None else began_at)
+            out["step_rate"] = {"steps": steps if steps >= 0 else None,   # None: the loop set a smaller step
+                                "per_second": steps / duration_s if steps >= 0 and duration_s > 0 else None}
+        if self.cfg.warmup_steps > 0 and not (self._first_step is not None and began_at is not None and (
+                began_at >= self._first_step + self.cfg.warmup_steps)):
+            out["warmup"] = True
+        return out
 
     def _stack_samples(self, duration_s: float) -> dict:
         summary = self.stack_sampler.interval_summary()
