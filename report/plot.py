@@ -1,5 +1,7 @@
 """`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per interval stacked by
-span per role, tokens/s per role, headroom per GPU). matplotlib is imported by `plot_run` only.
+span per role, tokens/s per role, the training's loss and acceptance length tau, headroom per GPU), one panel per
+quantity the run measured: a CPU run has no headroom panel, a loop without `tau` no tau panel. matplotlib is
+imported by `plot_run` only.
 
 The stacks are self (exclusive) CPU time: host wall time, children left out and split across intervals
 exactly, so a child is never stacked on its parent and a stack stays within the role's threads x interval
@@ -12,12 +14,15 @@ from report.runs import Run, gpu_key, gpus
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
 GIB = 1024 ** 3
+TRAIN_METRICS = {"loss": "loss", "tau": "acceptance length tau (simulated)"}
+"""The interval records' `metrics` drawn, each in a panel of its own when some rank recorded it."""
 
 
 def timeline(run: Run) -> dict:
     """{"interval_s", "roles": {role: {"ranks", "start_seconds", "seconds", "spans": {name: [self CPU seconds]},
-    "tokens_per_s"}}, "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run
-    started, at each interval's end ("start_seconds": where the first interval began)."""
+    "tokens_per_s", "metrics": {name: [the interval's mean over the ranks that recorded it, or None]}}},
+    "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run started, at each
+    interval's end ("start_seconds": where the first interval began)."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
     t0 = min((s["time_unix"] for s in starts), default=None) or \
         min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
@@ -30,12 +35,18 @@ def timeline(run: Run) -> dict:
         for k, rec in enumerate(log.intervals):
             # the k-th interval of every rank of a role in one bin: ranks start a little apart, and a
             # final, partial interval must not fold into the one before it
-            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": []})
+            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": [],
+                                           "metrics": {}})
             b["seconds"].append(rec["time_unix"] - t0)
             b["starts"].append(rec["time_unix"] - t0 - (rec.get("duration_seconds") or 0.0))
             for name, e in (rec.get("spans") or {}).items():
                 b["spans"][name] = b["spans"].get(name, 0.0) + self_seconds(e, "cpu")
             b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
+            for name in TRAIN_METRICS:
+                m = (rec.get("metrics") or {}).get(name) or {}
+                value = m.get("mean") if m.get("mean") is not None else m.get("last")
+                if isinstance(value, (int, float)):
+                    b["metrics"].setdefault(name, []).append(value)
             for g in gpus(rec):
                 if g.get("headroom_bytes") is not None:
                     s = headroom.setdefault(gpu_key(log, g), {"seconds": [], "headroom_bytes": [],
@@ -52,7 +63,9 @@ def _series(acc: dict) -> dict:
     return {"ranks": acc["ranks"], "start_seconds": min(acc["bins"][keys[0]]["starts"]) if keys else 0.0,
             "seconds": [sum(acc["bins"][k]["seconds"]) / len(acc["bins"][k]["seconds"]) for k in keys],
             "spans": {n: [acc["bins"][k]["spans"].get(n, 0.0) for k in keys] for n in names},
-            "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys]}
+            "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys],
+            "metrics": {n: [sum(v) / len(v) if (v := acc["bins"][k]["metrics"].get(n)) else None for k in keys]
+                        for n in TRAIN_METRICS if any(n in acc["bins"][k]["metrics"] for k in keys)}}
 
 
 def _top_spans(spans: dict) -> list:
@@ -89,6 +102,16 @@ def _plot_role(ax, role: str, s: dict, per: float, colors: dict, interval_s: flo
                  f"span (sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9, loc="left")
 
 
+def panels(tl: dict) -> list:
+    """(kind, key) of each panel the run has data for, top to bottom: a role's stacked spans, tokens/s, each
+    training metric, GPU headroom."""
+    out = [("role", role) for role, s in tl["roles"].items() if s["spans"]]
+    if any(v for s in tl["roles"].values() for v in s["tokens_per_s"]):
+        out.append(("tokens", None))
+    out += [("metric", name) for name in TRAIN_METRICS if any(name in s["metrics"] for s in tl["roles"].values())]
+    return out + ([("headroom", None)] if tl["gpus"] else [])
+
+
 def plot_run(run: Run, png_path) -> str:
     """Write the PNG; returns its path. Needs matplotlib (the `test` extra)."""
     import matplotlib
@@ -97,37 +120,57 @@ def plot_run(run: Run, png_path) -> str:
     import matplotlib.pyplot as plt
 
     tl = timeline(run)
-    roles = tl["roles"]
     unit, per = _time_unit(tl)
-    names = sorted({n for s in roles.values() for n in s["spans"]})
+    names = sorted({n for s in tl["roles"].values() for n in s["spans"]})
     palette = plt.get_cmap("tab20").colors
     colors = {n: palette[i % len(palette)] for i, n in enumerate(names)}
-    fig, axes = plt.subplots(len(roles) + 2, 1, figsize=(12, 3.0 * (len(roles) + 2)), sharex=True, squeeze=False)
-    axes = axes[:, 0]
-    for ax, (role, s) in zip(axes, roles.items()):
-        _plot_role(ax, role, s, per, colors, tl["interval_s"])
-    ax = axes[len(roles)]
-    for role, s in roles.items():
-        ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))
-    ax.set_ylabel("tokens/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title("tokens/s per role per interval (sum over its ranks' interval rates)", fontsize=9, loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
-    _plot_headroom(axes[-1], tl["gpus"], per)
-    axes[-1].set_xlabel(f"{unit} since the run started")
+    shown = panels(tl) or [("empty", None)]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 3.0 * len(shown)), sharex=True, squeeze=False)
+    for ax, (kind, key) in zip(axes[:, 0], shown):
+        if kind == "role":
+            _plot_role(ax, key, tl["roles"][key], per, colors, tl["interval_s"])
+        elif kind == "tokens":
+            _plot_tokens(ax, tl["roles"], per)
+        elif kind == "metric":
+            _plot_metric(ax, key, tl["roles"], per)
+        elif kind == "headroom":
+            _plot_headroom(ax, tl["gpus"], per)
+        else:
+            ax.text(0.5, 0.5, "no interval records", ha="center", va="center", transform=ax.transAxes)
+    axes[-1, 0].set_xlabel(f"{unit} since the run started")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return str(png_path)
 
 
+def _plot_tokens(ax, roles: dict, per: float) -> None:
+    for role, s in roles.items():
+        if any(s["tokens_per_s"]):
+            ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("tokens/s per role per interval (sum over its ranks' interval rates)", fontsize=9, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+
+
+def _plot_metric(ax, name: str, roles: dict, per: float) -> None:
+    """One training metric per role that recorded it: each interval's mean (of its ranks' interval means)."""
+    for role, s in roles.items():
+        values = s["metrics"].get(name)
+        if values:
+            pts = [(t / per, v) for t, v in zip(s["seconds"], values) if v is not None]
+            ax.plot([x for x, _ in pts], [v for _, v in pts], label=role, **_line_style(len(pts)))
+    ax.set_ylabel(name)
+    ax.set_title(f"{TRAIN_METRICS[name]} per interval (the mean of the values recorded in it, over the role's "
+                 "ranks)", fontsize=9, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+
+
 def _plot_headroom(ax, gpus: dict, per: float) -> None:
     ax.set_title("GPU memory headroom per interval (total minus the interval's peak used; dashed: 5% of the GPU)",
                  fontsize=9, loc="left")
     ax.set_ylabel("headroom GiB")
-    if not gpus:
-        ax.text(0.5, 0.5, "no GPU memory measured", ha="center", va="center", transform=ax.transAxes)
-        return
     for gpu, s in sorted(gpus.items()):
         line, = ax.plot([t / per for t in s["seconds"]], [h / GIB for h in s["headroom_bytes"]], label=f"gpu {gpu}",
                         **_line_style(len(s["seconds"])))
