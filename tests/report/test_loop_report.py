@@ -57,7 +57,8 @@ def test_a_loop_of_its_own_gets_the_sections_that_apply_without_pipeline_noise(t
     assert all(r["busy_share"] is None and r["capacity_tokens_per_s"] is None for r in rep["ranks"]["ranks"])
     assert rep["ranks"]["straggler"] is None and "no rank has a capacity" in rep["ranks"]["reason"]
     assert rep["split"]["best"] is None and "a loop of its own" in rep["split"]["reason"]
-    assert rep["memory_margin"]["max_tokens_per_batch"] is None and "a loop of its own" in rep["memory_margin"]["reason"]
+    margin = rep["memory_margin"]
+    assert margin["max_tokens_per_batch"] is None and "a loop of its own" in margin["reason"]
     kinds = {f["kind"]: f for f in rep["findings"]}
     assert set(kinds) == {"nonfinite", "profiler_cost"}, kinds
     assert all(f["flags"] == [] for f in rep["findings"])
@@ -114,3 +115,20 @@ def assert_no_pipeline_noise(text: str) -> None:
                   "--stack-samples-per-interval", "--profile-interval"):
         assert noise not in text, (noise, text)
     assert not re.search(r"(?<![\w-])--[a-z]", text.replace("dflash-profile snapshot --run-dir", "")), text
+
+
+def test_a_loops_gpus_keep_their_activity_line_without_a_pipeline_verdict(tmp_path):
+    """On a Hopper GPU, GPM's launch-bound reading applies to any loop: it stays, under "GPU activity"."""
+    from tests.report.test_gpm_verdict import _gpu
+
+    run = loop_run()
+    for rec in run["logs"][0]:
+        if rec.get("type") == "interval":
+            rec["memory"] = {"available": True, "gpus": [_gpu(97.0, 30.0, 5.0, 10.0)],
+                             "allocator": {"available": False, "reason": "-"}}
+    rep = hotspots(write(tmp_path / "run", run))
+    assert rep["verdict"]["applies"] is False and rep["verdict"]["gpu"]["trainer"]["bound"] == "launch-bound"
+    text = format_hotspots(rep)
+    block = text[text.index("GPU activity (NVML and GPM)"):].split("\n\n")[0]
+    assert "trainer GPUs (GPM, 2 interval x GPU means; steady intervals (2))" in block and "launch-bound" in block
+    assert_no_pipeline_noise(text)
