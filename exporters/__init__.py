@@ -8,7 +8,6 @@ Profiler and the profiler imports nothing of ours. docs/API.md says what each si
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 SINKS = ("console", "prometheus", "trace", "otel")
@@ -32,7 +31,8 @@ def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.
     if unknown:
         raise ValueError(f"exporters.build: unknown sink {unknown[0]!r} in {spec!r} (known: {', '.join(SINKS)})")
     if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
-        raise ValueError(f"exporters.build: metrics_port must be a port number (0: any free port), got {metrics_port!r}")
+        raise ValueError(f"exporters.build: metrics_port must be a port number (0: any free port), "
+                         f"got {metrics_port!r}")
     if "otel" in names and not (otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
         raise ValueError("exporters.build: 'otel' needs otlp_endpoint= or OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -65,8 +65,7 @@ def _prometheus(prof, options):
 
     host, base = options["metrics_host"], options["metrics_port"]
     port = base + prof.rank if base else 0
-    exporter = PrometheusExporter({"rank": prof.rank, "role": prof.role, "host": socket.gethostname()},
-                                  host=host, port=port, strict=False)
+    exporter = PrometheusExporter({"rank": prof.rank, "role": prof.role}, host=host, port=port, strict=False)
     where = f"[{host}]" if ":" in host else host
     busy = f" (port {port} was busy)" if port and exporter.port != port else ""
     print(f"profiler: rank {prof.rank} ({prof.role}) serves Prometheus metrics at "
@@ -83,7 +82,7 @@ def _trace(prof, options):
 def _otel(prof, options):
     from exporters import otel
 
-    ids = {"rank": prof.rank, "role": prof.role, "host": socket.gethostname(), "run_id": prof.run_dir.name}
+    ids = {"rank": prof.rank, "role": prof.role, "run_id": prof.run_dir.name}   # host: the machine's name
     if options["otlp_endpoint"]:
         return otel.OtelExporter(options["otlp_endpoint"], **ids)
     return otel.from_env(**ids)

@@ -71,12 +71,16 @@ class PrometheusExporter:
 
     name = "prometheus"
 
-    def __init__(self, labels: dict, host: str = "127.0.0.1", port: int = 0, strict: bool = True,
+    def __init__(self, labels: dict | None = None, host: str = "127.0.0.1", port: int = 0, strict: bool = True,
                  keep_serving: bool = False):
-        """keep_serving: close() leaves the endpoint answering (a daemon thread) until the process exits."""
+        """labels: the series' COMMON_LABELS, each defaulted (rank 0, role "main" as the Profiler's, host this
+        machine's name); keep_serving: close() leaves the endpoint answering (a daemon thread) until the process
+        exits."""
+        import socket
+
         from prometheus_client import CollectorRegistry
 
-        self.state = MetricsState(labels)
+        self.state = MetricsState({"rank": 0, "role": "main", "host": socket.gethostname(), **(labels or {})})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.state)
         self.registry.register(ProcessMetrics(self.state.base))

@@ -3,6 +3,7 @@ sink made from the Profiler's own run directory, rank and role when the run star
 announced (a busy port replaced), the console on rank 0 only, and what a later sink's failure leaves behind."""
 import io
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -105,3 +106,25 @@ def test_a_profiler_given_a_build_writes_through_its_sinks(tmp_path, capsys):
     assert "[profile] rank 0 trainer  interval 0  step 1 (" in out and "steps/s)" in out
     assert "whole run:" in out and f"dflash-report hotspots {run}" in out
     assert json.loads((run / "trace" / "rank0.json").read_text())["traceEvents"]
+
+
+def test_otel_sends_a_loops_spans_to_the_endpoint_it_is_given(tmp_path, otlp_receiver_cls, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    receiver = otlp_receiver_cls()
+    try:
+        with make_profiler(tmp_path / "loop-7", role="trainer", rank=1, interval_s=60, background=False,
+                           measure_floors=False, exporters=exporters.build("otel", otlp_endpoint=receiver.url)) as prof:
+            prof.set_step(0)
+            with profiler.span("trainer.step"):
+                pass
+            prof.set_step(1)
+            prof.close_interval()
+        spans = receiver.spans()
+    finally:
+        receiver.close()
+    assert "trainer.step" in {s.name for _, s in spans}
+    resource = spans[0][0]
+    assert (resource["dflash.rank"].int_value, resource["dflash.role"].string_value) == (1, "trainer")
+    assert resource["dflash.run_id"].string_value == "loop-7"
+    assert resource["host.name"].string_value == socket.gethostname()

@@ -195,3 +195,19 @@ def test_close_waits_for_a_scrape_of_the_last_records_only_where_something_scrap
         assert 0.25 < time.monotonic() - t < 1.5
     finally:
         watched.shutdown()
+
+
+def test_every_label_is_defaulted_the_host_from_the_machine():
+    """Issue 37: PrometheusExporter raised KeyError: 'host' unless given one; each common label now has a default."""
+    e = PrometheusExporter(port=0)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5).read().decode()
+        assert f'dflash_profile_intervals_total{{host="{socket.gethostname()}",rank="0",role="main"}} 0.0' in text
+    finally:
+        e.close(0.0)
+    e = PrometheusExporter({"role": "trainer"}, port=0)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5).read().decode()
+        assert f'host="{socket.gethostname()}",rank="0",role="trainer"' in text
+    finally:
+        e.close(0.0)
