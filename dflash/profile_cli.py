@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from dflash.cli_output import cli_output
+from dflash.cli_output import cli_output, exit_status
 
 from profiler import capture_client
 from profiler.capture import MAX_STEPS
@@ -133,6 +133,7 @@ def _drill(args) -> int:
     except CaptureError as exc:
         print(f"dflash-profile: error: {exc}", file=sys.stderr)
         return 2
+    exit_status(code)   # before printing: a closed pipe still ends with it
     return _emit(args, result, formatter) or code
 
 

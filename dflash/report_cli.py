@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from dflash.cli_output import cli_output
+from dflash.cli_output import cli_output, exit_status
 
 
 def _positive_int(text: str) -> int:
@@ -100,6 +100,7 @@ def _check(args) -> int:
     from report.check import check
 
     res = check(args.run_dir)
+    code = exit_status(1 if res.violations else 0)   # before printing: a closed pipe still ends with it
     if args.json:
         print(json.dumps(res.to_json(), indent=1, allow_nan=False))
     else:
@@ -109,7 +110,7 @@ def _check(args) -> int:
             print(res.summary())
         for line in res.notes:
             print(f"check: note: {line}", file=sys.stderr)
-    return 1 if res.violations else 0
+    return code
 
 
 def _kernels(args) -> int:

@@ -62,6 +62,17 @@ def test_every_report_command_piped_into_head_ends_quietly(tmp_path, command):
             assert p.returncode in (0, 2), (reader, p)
 
 
+def test_a_failing_check_piped_into_a_gone_reader_still_fails(tmp_path):
+    """The reader leaving early ends the command quietly, but with the status the command found: exit 1 for a
+    broken invariant, so `set -o pipefail; dflash-report check RUN | head` still fails."""
+    run = clean()
+    next(r for r in run["logs"][0] if r.get("type") == "interval")["spans"]["drafter.fwd_bwd"]["share"] = 5.0
+    run_dir = write(tmp_path / "run", run)
+    p = subprocess.run(f"{sys.executable} -m dflash.report_cli check {run_dir} | true; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="/bin/bash", cwd=REPO, capture_output=True, text=True)
+    assert (p.returncode, p.stderr) == (1, ""), p
+
+
 def test_the_console_summary_escapes_a_thread_name(tmp_path):
     """A training process's own threads can be named by anyone's code: rank 0's interval summary escapes them."""
     import io
