@@ -18,6 +18,7 @@ from tests.report.test_loop_report import assert_no_pipeline_noise
 
 pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate (pip install accelerate)")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## A Hugging Face `Trainer`"

@@ -13,9 +13,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from dflash import report_cli
 from profiler.records import read_records
 from tests.report.test_loop_report import assert_no_pipeline_noise
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## Using the profiler in any training loop"
