@@ -50,6 +50,11 @@ class Scale:
                 return f"{ms // size}{unit}"
         return f"{ms}ms"
 
+    def at_least(self, seconds: float, floor_s: float) -> str:
+        """`seconds` times the factor as a duration, but never under `floor_s` (a lag outside the rules that no
+        time scale shortens)."""
+        return self(max(seconds, floor_s / self.factor))
+
     def number(self, seconds: float) -> str:
         """A number of seconds (a threshold, a horizon) times the factor, as PromQL writes it."""
         return f"{self.seconds(seconds):g}"
@@ -69,6 +74,8 @@ class Alert:
     severity: str
     summary: str
     description: str
+    min_for_s: float = 0.0
+    """The shortest `for:` at any time scale (`Scale.at_least`)."""
 
 
 def name(key: str) -> str:
@@ -112,6 +119,12 @@ def records(d: Scale) -> list[Record]:
 def _event(kind: str, d: Scale) -> str:
     """New run-log events of `kind` in the last 10 minutes, per rank."""
     return (f'sum by ({RUN_LABELS}) (increase({name("events")}{{{JOB}, kind="{kind}"}}[{d(600)}])) > 0')
+
+
+DISCOVERY_LAG_S = 10.0
+"""Prometheus's discovery manager passes file_sd changes to the scrapers every 5 s: a run that withdraws its
+targets at its clean end is still scraped, `up == 0`, for up to that long after its processes exit. DFlashRankDown
+waits longer than that at any time scale (the shipped 2 minutes are far above it)."""
 
 
 def _rank_down(d: Scale) -> str:
@@ -161,7 +174,7 @@ def _failure_alerts(d: Scale) -> list[Alert]:
               "Prometheus has not scraped {{ if $labels.rank }}rank {{ $labels.rank }} ({{ $labels.role }})"
               "{{ else }}a rank it never reached{{ end }} of run {{ $labels.run }} at {{ $labels.instance }} for 2 "
               "minutes while the run's targets still list it: the rank's process is gone without having finished "
-              "its run."),
+              "its run.", min_for_s=DISCOVERY_LAG_S),
         Alert("DFlashRankSilent", _heartbeat(d), 120, "warning", "A training rank stopped writing records.",
               "The last record of " + RANK + " is {{ $value | humanizeDuration }} old, more than three of its "
               "profile intervals: its collector or exporter thread is stuck."),
@@ -231,7 +244,7 @@ def anchor(alert_name: str) -> str:
 def rule_groups(d: Scale, runbook_base: str = RUNBOOK) -> dict:
     """The rule file's content: one group, the recording rules then the alerts."""
     recording = [{"record": r.record, "expr": r.expr} for r in records(d)]
-    alerting = [{"alert": a.name, "expr": a.expr, "for": d(a.for_s), "labels": {"severity": a.severity},
+    alerting = [{"alert": a.name, "expr": a.expr, "for": d.at_least(a.for_s, a.min_for_s), "labels": {"severity": a.severity},
                  "annotations": {"summary": a.summary, "description": a.description,
                                  "runbook_url": f"{runbook_base}#{anchor(a.name)}"}} for a in alerts(d)]
     return {"groups": [{"name": "dflash", "rules": recording + alerting}]}

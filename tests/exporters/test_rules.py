@@ -83,7 +83,10 @@ def test_the_time_scale_changes_durations_only():
     assert rules.Scale(1 / 60).number(300) == "5"
     with pytest.raises(ValueError, match="rounds to nothing"):
         rules.Scale(1e-6)(60)
-    assert "[10s]" in s_alerts["rules"][3]["expr"] and s_alerts["rules"][0]["for"] == "2s"
+    assert "[10s]" in s_alerts["rules"][3]["expr"] and s_alerts["rules"][1]["for"] == "2s"
+    # except where a lag outside the rules sets a floor: RankDown waits out Prometheus's discovery at any scale
+    assert s_alerts["rules"][0]["alert"] == "DFlashRankDown" and s_alerts["rules"][0]["for"] == "10s"
+    assert [r["for"] for r in shipped["rules"] if r.get("alert") == "DFlashRankDown"] == ["2m"]
 
 
 # ---- monitoring-mixins lint (mixtool lint's rules, ported) -----------------------------------------------------
