@@ -1,13 +1,24 @@
-"""Where the target and data come from: the user's paths, or the built-in tiny target and corpus,
-built by rank 0 inside the run directory (so the run carries the target it was trained against)."""
+"""Where the target and data come from: the user's paths, or the built-in tiny target and corpus.
+
+The built-ins are built once per content into the user cache (`builtin_cache_dir()`, one entry per key of
+the build's settings: dflash.tiny.builtin_settings) and copied into RUN_DIR/builtin by rank 0, so a second
+run starts in seconds and every run still carries the target it was trained against. An entry is built
+in a temporary directory and renamed into place: two runs building at once each make a whole one, the
+first rename wins and the other's is dropped. --no-cache builds in the run directory, cache untouched.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
+from dflash.compile_cache import cache_dir_problem, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 
 
@@ -24,6 +35,8 @@ class RunPaths:
 def prepare(cfg: TrainConfig, run_dir: Path, rank: int, ctrl_group) -> RunPaths:
     """Rank 0 builds the built-ins (idempotent, so --resume reuses them); every rank then agrees. The
     preflight (dflash.preflight, run before any rank under either launcher) has checked the paths."""
+    import torch.distributed as dist
+
     paths: list = [None]
     if rank == 0:
         paths[0] = _prepare_local(cfg, run_dir)
@@ -34,12 +47,117 @@ def prepare(cfg: TrainConfig, run_dir: Path, rank: int, ctrl_group) -> RunPaths:
 def _prepare_local(cfg: TrainConfig, run_dir: Path) -> RunPaths:
     if cfg.model.target_model is not None:
         return RunPaths(Path(cfg.model.target_model), Path(cfg.data.path), None)
-    from dflash.tiny import ensure_builtin
+    from dflash.tiny import builtin_settings, ensure_builtin
 
-    built = ensure_builtin(run_dir / "builtin", seed=cfg.optim.seed, num_train=cfg.data.builtin_conversations,
-                           num_eval=max(cfg.data.eval_prompts, 16))
+    settings = builtin_settings(cfg.optim.seed, cfg.data.builtin_conversations, max(cfg.data.eval_prompts, 16))
+    dest = run_dir / "builtin"
+    if cfg.data.builtin_cache:
+        built = copy_from_cache(builtin_cache_dir(), dest, settings)
+    else:   # a matching build already there (a --resume) is reused
+        built = ensure_builtin(dest, seed=settings["seed"], num_train=settings["num_train"],
+                               num_eval=settings["num_eval"])
     data = Path(cfg.data.path) if cfg.data.path is not None else built.train_path
     return RunPaths(built.target_dir, data, built.eval_path if cfg.data.path is None else None)
+
+
+# ------------------------------------------------------------------------------------ the user cache
+CACHE_WHAT = "the built-in target and corpus"
+"""What the cache holds, in its safety checks' words (dflash.compile_cache.cache_dir_problem)."""
+
+
+def builtin_cache_dir(env=None) -> Path:
+    """$XDG_CACHE_HOME/dflash/builtin, else ~/.cache/dflash/builtin."""
+    return resolve_cache_dir(None, env, name="builtin")
+
+
+def check_builtin_cache(root: Path) -> None:
+    """ConfigError (one line, exit 2) when `root` is not a directory only this user could have filled."""
+    problem = cache_dir_problem(root, CACHE_WHAT)
+    if problem:
+        raise ConfigError(f"built-in cache {root}: {problem}; or pass --no-cache to build the built-ins in the "
+                          "run directory")
+
+
+def cache_key(settings: dict) -> str:
+    """The cache entry's name: a digest of everything the build depends on."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_build(root: Path, settings: dict, before_publish: Callable[[], None] = lambda: None) -> Path:
+    """The cache entry for `settings` under `root`, built first when missing or incomplete: in a temporary
+    directory of this process, then renamed into place (`before_publish` runs just before: tests hold
+    two builders there). Another process's entry that won the rename is used and ours dropped."""
+    from dflash.tiny import builtin_complete, ensure_builtin
+
+    entry = root / cache_key(settings)
+    if builtin_complete(entry, settings):
+        return entry
+    _make_private_dir(root)
+    _remove_dead_partials(root)
+    tmp = root / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ensure_builtin(tmp, seed=settings["seed"], num_train=settings["num_train"], num_eval=settings["num_eval"])
+    before_publish()
+    if entry.exists() and not builtin_complete(entry, settings):   # a broken entry: set aside, then replaced
+        stale = root / f".{entry.name}.stale-{os.getpid()}"
+        os.rename(entry, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(tmp, entry)
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)   # another run published the same build first
+    return entry
+
+
+def copy_from_cache(root: Path, dest: Path, settings: dict):
+    """RUN_DIR/builtin (`dest`) holding the build for `settings`: kept when it already does (a --resume),
+    else copied from the cache entry (built first when missing) through a temporary name."""
+    from dflash.tiny import BUILTIN_FILES, builtin_complete, builtin_data
+
+    if builtin_complete(dest, settings):
+        return builtin_data(dest)
+    entry = cached_build(root, settings)
+    check_builtin_cache(entry)   # what we are about to read: still a directory of ours alone
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(entry, tmp)
+    if dest.exists():   # another build (other settings) of this run directory: replaced
+        foreign = [p.name for p in dest.iterdir() if p.name not in BUILTIN_FILES]
+        if foreign:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"{dest}: exists and is not a built-in build (holds {', '.join(sorted(foreign)[:3])})")
+        shutil.rmtree(dest)
+    os.rename(tmp, dest)
+    return builtin_data(dest)
+
+
+def _make_private_dir(root: Path) -> None:
+    """`root` made 0700 when missing, then checked again (a directory swapped in since the preflight)."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"built-in cache {root}: cannot create it ({e.strerror or e})") from None
+    check_builtin_cache(root)
+
+
+def _remove_dead_partials(root: Path) -> None:
+    """Temporary builds (`.KEY.tmp-PID`, `.KEY.stale-PID`) of processes that are gone."""
+    for path in root.glob(".*-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_tokenizer(target_dir: Path):

@@ -21,18 +21,19 @@ SPAN = "drafter.compile"
 
 
 # ------------------------------------------------------------------------------------------- cache
-def resolve_cache_dir(value: str | None, env: Mapping[str, str] | None = None) -> Path:
-    """The compile cache directory: `value` when given, else $XDG_CACHE_HOME/dflash/compile (an
-    absolute XDG_CACHE_HOME only, as the XDG spec says), else ~/.cache/dflash/compile."""
+def resolve_cache_dir(value: str | None, env: Mapping[str, str] | None = None, name: str = "compile") -> Path:
+    """A cache directory of ours: `value` when given, else $XDG_CACHE_HOME/dflash/NAME (an absolute
+    XDG_CACHE_HOME only, as the XDG spec says), else ~/.cache/dflash/NAME (`compile` for the compile cache,
+    `builtin` for the built-in target and corpus: dflash/builtin.py)."""
     env = os.environ if env is None else env
     if value:
         return Path(value).expanduser().absolute()
     xdg = env.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path(env.get("HOME") or Path.home()) / ".cache"
-    return (base / "dflash" / "compile").absolute()
+    return (base / "dflash" / name).absolute()
 
 
-def _ancestor_problem(path: Path) -> str | None:
+def _ancestor_problem(path: Path, what: str) -> str | None:
     """Why a directory above `path` (as written and as resolved) would let another user swap what is
     loaded from it: one not yours or root's, or writable by others and not sticky; else None."""
     me = os.geteuid()
@@ -46,7 +47,7 @@ def _ancestor_problem(path: Path) -> str | None:
                 return f"its parent {d} cannot be examined ({e.strerror or e})"
             if st.st_uid not in (0, me):
                 return (f"its parent {d} is owned by uid {st.st_uid}, who could swap what is loaded from it; "
-                        "compiled kernels and bytecode must live under directories of yours or root's")
+                        f"{what} must live under directories of yours or root's")
             if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
                     and not st.st_mode & stat.S_ISVTX:
                 return (f"its parent {d} is writable by others and not sticky (mode {stat.S_IMODE(st.st_mode):04o}), "
@@ -54,10 +55,10 @@ def _ancestor_problem(path: Path) -> str | None:
     return None
 
 
-def cache_dir_problem(path: Path) -> str | None:
-    """Why `path` may not hold compiled code that this process will load, or None when it may (or does
-    not exist yet). Reads only; a link itself is examined, never its target."""
-    problem = _ancestor_problem(path)
+def cache_dir_problem(path: Path, what: str = "compiled kernels") -> str | None:
+    """Why `path` may not hold `what` (compiled code, by default) that this process will load, or None when
+    it may (or does not exist yet). Reads only; a link itself is examined, never its target."""
+    problem = _ancestor_problem(path, "compiled kernels and bytecode" if what == "compiled kernels" else what)
     if problem:
         return problem
     try:
@@ -67,15 +68,15 @@ def cache_dir_problem(path: Path) -> str | None:
     except OSError as e:
         return f"cannot be examined ({e.strerror or e})"
     if stat.S_ISLNK(st.st_mode):
-        return "is a symlink; compiled kernels are loaded from it, so it must be a real directory of yours"
+        return f"is a symlink; {what} are loaded from it, so it must be a real directory of yours"
     if not stat.S_ISDIR(st.st_mode):
         return "exists and is not a directory"
     if st.st_uid != os.geteuid():
-        return (f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); compiled kernels are "
+        return (f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); {what} are "
                 "loaded from it, so only you may own it")
     writers = [who for bit, who in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if st.st_mode & bit]
     if writers:
-        return (f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):04o}); compiled kernels "
+        return (f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):04o}); {what} "
                 "are loaded from it, so only you may write there (chmod go-w)")
     return None
 

@@ -89,6 +89,11 @@ class DataConfig:
     """Token budget of one target batch (padded batch size times longest sequence)."""
     builtin_conversations: int = _f(1000, ge=16)
     """Conversations in the built-in synthetic corpus."""
+    builtin_cache: bool = _f(True, flag="cache")
+    """Build the built-in target and corpus once per seed and settings into the user cache
+    ($XDG_CACHE_HOME/dflash/builtin, else ~/.cache/dflash/builtin; created 0700, and a symlink, another
+    user's or a group/world-writable directory is refused, exit 2) and copy them into RUN_DIR/builtin.
+    --no-cache: build them in the run directory, the cache neither read nor written."""
     on_bad_record: str = _f("skip", choices=("skip", "fail"))
     """What a bad data record does: skip (counted and reported) or fail."""
     eval_prompts: int = _f(8, ge=0)

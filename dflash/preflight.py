@@ -1,7 +1,7 @@
 """Everything a launch can check before any rank does work (the ranks only import meanwhile, behind
 their gates: dflash/launch.py). Each problem is one ConfigError line (exit 2) naming the field or
 FILE:LINE. It reads and never writes, so a corrected retry starts clean. Checked, cheapest first: the
-faults, devices and rank split, the metrics ports, the compile cache directory, the run directory
+faults, devices and rank split, the metrics ports, the compile and built-in cache directories, the run directory
 (and --resume's checkpoint), a --target-model directory, and the --data file up to its first record.
 """
 
@@ -13,6 +13,7 @@ import os
 import socket
 from pathlib import Path
 
+from dflash.builtin import builtin_cache_dir, check_builtin_cache
 from dflash.compile_cache import check_cache_dir, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from dflash.topology import resolve_topology
@@ -29,6 +30,8 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
     _check_devices(cfg, world, local_world, gpus)
     _check_metrics_ports(cfg, local_world)
     check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
+    if cfg.model.target_model is None and cfg.data.builtin_cache:
+        check_builtin_cache(builtin_cache_dir())
     _check_run_dir(cfg)
     tokenizer = _check_target(cfg)
     if cfg.data.path is not None:

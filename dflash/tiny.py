@@ -249,16 +249,44 @@ class BuiltinData:
     """JSONL held-out conversations (different seed, no prompt shared with train)."""
 
 
+CORPUS_MARKER = ".dflash_builtin_corpus.json"
+BUILTIN_FILES = ("tiny-target", "train.jsonl", "eval.jsonl", CORPUS_MARKER)
+"""What a built-in build directory holds (RUN_DIR/builtin, or a user-cache entry: dflash/builtin.py)."""
+
+
+def builtin_settings(seed: int, num_train: int, num_eval: int) -> dict:
+    """Everything a built-in build depends on: its marker's content, and what its cache key is made from."""
+    return {"seed": seed, "num_train": num_train, "num_eval": num_eval, "version": BUILD_VERSION}
+
+
+def builtin_data(build_dir) -> BuiltinData:
+    """The paths of the built-ins under `build_dir` (built or not)."""
+    build_dir = Path(build_dir)
+    return BuiltinData(build_dir / "tiny-target", build_dir / "train.jsonl", build_dir / "eval.jsonl")
+
+
+def builtin_complete(build_dir, settings: dict) -> bool:
+    """Whether `build_dir` holds a whole build made with `settings` (both markers match, every file there)."""
+    data, build_dir = builtin_data(build_dir), Path(build_dir)
+    try:
+        corpus = json.loads((build_dir / CORPUS_MARKER).read_text())
+        target = json.loads((data.target_dir / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return (corpus == settings and target == {"seed": settings["seed"], "version": settings["version"]}
+            and data.train_path.is_file() and data.eval_path.is_file()
+            and all((data.target_dir / n).is_file() for n in ("config.json", "model.safetensors", "tokenizer.json")))
+
+
 def ensure_builtin(cache_dir, seed: int = 0, num_train: int = 1000, num_eval: int = 64) -> BuiltinData:
     """Build (once) the tiny target and both corpora under `cache_dir`; reuse a matching build."""
     cache_dir = Path(cache_dir)
+    expected = builtin_settings(seed, num_train, num_eval)
+    if builtin_complete(cache_dir, expected):
+        return builtin_data(cache_dir)
     target_dir = build_tiny_target(cache_dir / "tiny-target", seed=seed)
     data = BuiltinData(target_dir, cache_dir / "train.jsonl", cache_dir / "eval.jsonl")
-    marker = cache_dir / ".dflash_builtin_corpus.json"
-    expected = {"seed": seed, "num_train": num_train, "num_eval": num_eval, "version": BUILD_VERSION}
-    if marker.is_file() and json.loads(marker.read_text()) == expected \
-            and data.train_path.is_file() and data.eval_path.is_file():
-        return data
+    marker = cache_dir / CORPUS_MARKER
     build_builtin_corpus(target_dir, data.train_path, num_train, seed=seed)
     build_builtin_corpus(target_dir, data.eval_path, num_eval, seed=seed + 1_000_003,
                          exclude_from=data.train_path)

@@ -76,23 +76,46 @@ def otlp_receiver_cls():
     return OtlpReceiver
 
 
-@pytest.fixture(scope="session")
-def small_builtin(tmp_path_factory) -> Path:
-    """RUN_DIR/builtin as a run with `--builtin-conversations 48` (seed 0, up to 16 eval prompts) builds
-    it: the tiny target and both corpora, from dflash.tiny.ensure_builtin, the function rank 0 calls."""
-    from dflash.tiny import ensure_builtin
+def pytest_configure(config):
+    """The session's own user cache: XDG_CACHE_HOME points at a fresh private directory (made before any
+    fixture, so every run the suite starts inherits it), so no test reads or writes the real ~/.cache and the
+    runs share the built-ins they build (dflash/builtin.py) and their compile cache."""
+    import tempfile
 
-    built = ensure_builtin(tmp_path_factory.mktemp("small-builtin") / "builtin", seed=0, num_train=48, num_eval=16)
-    return built.train_path.parent
+    config._dflash_cache_home = tempfile.mkdtemp(prefix="dflash-test-cache-")
+    config._dflash_saved_cache_home = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = config._dflash_cache_home
+
+
+def pytest_unconfigure(config):
+    home = getattr(config, "_dflash_cache_home", None)
+    if home is None:
+        return
+    shutil.rmtree(home, ignore_errors=True)
+    saved = config._dflash_saved_cache_home
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
+@pytest.fixture(scope="session")
+def small_builtin() -> Path:
+    """The built-ins of a run with `--builtin-conversations 48` (seed 0, up to 16 eval prompts): the tiny
+    target and both corpora, built once into the session's user cache by dflash.builtin.cached_build, the
+    function rank 0 calls, so a small run that finds no built-ins in its run directory copies these. Read only."""
+    from dflash.builtin import builtin_cache_dir, cached_build
+    from dflash.tiny import builtin_settings
+
+    return cached_build(builtin_cache_dir(), builtin_settings(0, 48, 16))
 
 
 @pytest.fixture(scope="session")
 def prebuilt(small_builtin):
     """prebuilt(run_dir) -> run_dir: a new run directory that already holds those built-ins, as one
-    that a run (or a --resume) left. Rank 0 reuses a matching build (ensure_builtin checks its marker)
-    instead of spending ~3.5 s of every small run's start-up building the same ones again. Tests of
-    the built-ins themselves, of the run directory's creation (its mode) or of the default run do
-    not use it."""
+    that a run (or a --resume) left. Rank 0 keeps a matching build (builtin_complete checks its markers);
+    a small run without it copies them from the session's cache instead. Tests of the built-ins
+    themselves, of the run directory's creation (its mode) or of the default run do not use it."""
     def seed(run_dir: Path) -> Path:
         shutil.copytree(small_builtin, Path(run_dir) / "builtin")
         return Path(run_dir)
