@@ -206,6 +206,12 @@ class ReliabilityConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: bool = False
     """Continue from the run directory's latest checkpoint."""
+    stop_timeout_s: float = _f(25.0, gt=0)
+    """After a first SIGTERM/SIGINT: the drafter finishes its step, checkpoints it, skips evaluation, and the
+    run exits 0, printing the step, the checkpoint and the resume command. A rank not done within this many
+    seconds of the signal (a longer step or checkpoint, a rank blocked on a lost peer) dumps its stacks and
+    exits 1, latest staying the last checkpoint written; so is one given a second signal a second or more
+    later. Keep it under the scheduler's grace before SIGKILL (30 s by default under Kubernetes and Slurm)."""
     hang_timeout_s: float = _f(300.0, ge=0)
     """Seconds without progress after which a rank dumps its stacks and open spans to RUN_DIR/forensics/
     and stops the run (exit 1); armed at the first step change (keep it above the drafter's first

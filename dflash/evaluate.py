@@ -52,7 +52,12 @@ def run_eval(ctx, model, heldout: list, tokenizer) -> None:
         layer_ids = list(model.config.target_layer_ids)
         stops = _stop_token_ids(tokenizer, target)
         taus, mismatches, produced = [], 0, 0
-        for sample in heldout[:cfg.data.eval_prompts]:
+        prompts = heldout[:cfg.data.eval_prompts]
+        for sample in prompts:
+            if ctx.stop_requested():   # a stop skips what is left of the evaluation
+                _stopped(ctx, len(taus), len(prompts))
+                model.train()
+                return
             n = _prompt_length(sample)
             prompt = torch.tensor([sample.input_ids[:n]], device=device)
             ref = greedy_generate(target, prompt, cfg.data.eval_new_tokens, stops)
@@ -71,6 +76,12 @@ def run_eval(ctx, model, heldout: list, tokenizer) -> None:
           f"{simulated_independent:.2f} by the independent-positions formula)",
           file=sys.stderr if mismatches else sys.stdout)
     model.train()
+
+
+def _stopped(ctx, done: int, total: int) -> None:
+    """A signal came during the evaluation: no result (a part of the prompts would be another figure)."""
+    signame = getattr(ctx.stop_requested, "name", None) or "a signal"
+    profiler.event("eval_skipped", reason=f"stopped by {signame} after {done} of {total} held-out prompts")
 
 
 def _simulated_tau(ctx, model, target, layer_ids, heldout) -> float:

@@ -19,9 +19,12 @@ from dflash.config import TrainConfig
 from dflash.run_lock import hold_run_dir
 from dflash.handoff import ENV_GATE_FD, ENV_STORE_FD, RUN_UMASK, long_lived, write_gate
 
-# After a rank fails (or a second signal), how long the others get to exit before SIGKILL (a blocked
-# rank exits 2 s after SIGTERM by itself: dflash.worker._forensics).
+# After a rank fails (or a second signal), how long the others get to exit before SIGKILL.
 _GRACE_SECONDS = 3.0
+_REPEAT_SECONDS = 1.2
+"""After a rank fails, the others get a second SIGTERM this long after the first: a rank stops at once, with its
+dump and run_end, on a second signal a second or more after its first (dflash.worker._forensics), where the
+first alone gives it --stop-timeout-s to finish its step."""
 
 
 def world_for(cfg: TrainConfig, gpus: int) -> int:
@@ -191,11 +194,14 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = self.clock() + self.grace_s
-        while any(p.poll() is None for p in self.procs) and self.clock() < deadline:
+        """After a failure: SIGTERM, a second one `_REPEAT_SECONDS` later (within the grace), then SIGKILL."""
+        start = self.clock()
+        repeat_at = start + _REPEAT_SECONDS if _REPEAT_SECONDS < self.grace_s else None
+        self._signal_live(signal.SIGTERM)
+        while any(p.poll() is None for p in self.procs) and self.clock() < start + self.grace_s:
+            if repeat_at is not None and self.clock() >= repeat_at:
+                repeat_at = None
+                self._signal_live(signal.SIGTERM)
             time.sleep(self.poll_s / 2)
         for rank, p in enumerate(self.procs):
             if p.poll() is None:   # it could not stop itself: say why its log ends without a run_end
@@ -204,6 +210,11 @@ class Supervisor:
                 print(f"dflash-train: rank {rank} (pid {p.pid}) {why}: killed, so its log ends without a run_end",
                       file=self.stderr or sys.stderr)
         _kill_live(self.procs)
+
+    def _signal_live(self, signum: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
 
 
 def _proc_state(pid: int) -> str | None:

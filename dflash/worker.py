@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -21,9 +20,10 @@ import torch.distributed as dist
 import dflash
 import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
+from dflash.final import print_final
+from dflash.stopping import StopFlag, stop_line
 from dflash.config import ConfigError, TrainConfig
 from dflash.run_lock import hold_run_dir
-from profiler.records import printable, rank_logs
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
@@ -34,35 +34,6 @@ from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
 
 _SAID_IN_ONE_LINE = (ConfigError, checkpoint.CheckpointWriteError, loops.RankStop)
 """Errors a rank says in one line (bad input: exit 2; a full disk, a non-finite stop: exit 1)."""
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loops stop at the next step boundary. Only a flag: writing the run log
-    from a signal handler could deadlock on the log's lock."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.observed = False
-        """True once a loop saw the signal (it is at a step boundary and stopping by itself)."""
-
-    def install(self) -> None:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, lambda signum, frame: self.note(signum))
-
-    def note(self, signum: int) -> None:
-        """Also called by the signal watch's thread, for a main thread blocked where no handler runs."""
-        if self.signum is None:  # the first signal is the one recorded (Ctrl-C reaches us twice)
-            self.signum = signum
-
-    def __call__(self) -> bool:
-        self.observed = self.observed or self.signum is not None
-        return self.observed
-
-    def wait(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.signum is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.signum is not None
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -78,7 +49,7 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
     as (name, unix ns) (default: the imports, ending now)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    stop = _StopFlag()
+    stop = StopFlag(cfg.reliability.stop_timeout_s, on_expired=lambda name, why: _exit_unstopped(rank, name, why))
     stop.install()
     from transformers.utils import logging as hf_logging
 
@@ -127,7 +98,13 @@ def run(cfg: TrainConfig, marks: tuple = ()) -> int:
             dist.destroy_process_group()
 
 
-def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device, stop: _StopFlag,
+def _exit_unstopped(rank: int, signame: str, why: str) -> None:
+    """The stop's deadline passed before the profiler runs (still starting up): nothing to record into."""
+    print(f"dflash-train: rank {rank}: {signame}: {why} (still starting up); exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device, stop: StopFlag,
               timeline: startup.StartupTimeline) -> int:
     # Group creation is collective: every rank makes the same groups in the same order.
     ctrl = dist.new_group(backend="gloo")
@@ -164,6 +141,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
             if cfg.profile.enabled else telemetry.Telemetry())
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
+    step = 0
     with contextlib.closing(tele), prof, _forensics(stop, rank):
         _startup_event(timeline, rank)
         for kind, fields in _PENDING_EVENTS:
@@ -175,14 +153,16 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             progress = Progress(cfg.optim.max_steps) if rank == 0 else NullProgress()
             loops.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
-            if rank == 0 and cfg.data.eval_prompts > 0:
+            step = state.step
+            if rank == 0 and cfg.data.eval_prompts > 0 and not stop():   # a stop skips the evaluation
                 _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
         if stop():
-            profiler.event("signal", signal=signal.Signals(stop.signum).name)
+            profiler.event("signal", signal=stop.name)
+    stop.finish()   # the run log is closed: what is left (the barrier, rank 0's summary) takes moments
     _said_if_disk_full(prof)
     dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
-        _print_final(run_dir)
+        _say_the_end(cfg, run_dir, stop, step, timeline)
     return 0
 
 
@@ -191,6 +171,14 @@ def _said_if_disk_full(prof) -> None:
     full = getattr(prof, "disk_full", None)   # None too under --no-profile: no run log
     if full is not None:
         raise loops.DiskFullStop(loops.disk_full_line(full, "as the run ended"))
+
+
+def _say_the_end(cfg: TrainConfig, run_dir: Path, stop: StopFlag, step: int,
+                 timeline: startup.StartupTimeline) -> None:
+    """Rank 0's end of the run; after a stop by a signal, with the line that says how to resume it."""
+    said = (stop_line(stop.name, step, checkpoint.latest_checkpoint(run_dir / "checkpoints"), cfg, run_dir)
+            if stop() else None)
+    print_final(run_dir, timeline.origin, timeline.origin_ns, said)
 
 
 def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
@@ -224,20 +212,23 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
 
 
 @contextlib.contextmanager
-def _forensics(stop: _StopFlag, rank: int):
-    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`); a signal
-    no loop sees within 2 s (a blocked rank), or a second one, stops the rank with a dump (SignalWatch)."""
+def _forensics(stop: StopFlag, rank: int):
+    """Inside the profiler: an exception leaving the role is recorded (`oom` or `thread_crash`); a stop that
+    overruns --stop-timeout-s (a step or checkpoint too long, a rank blocked on a lost peer: the deadline of
+    StopFlag, and SignalWatch's rule of no progress for as long), or a second signal, ends the rank with a dump."""
     prof = profiler.active()
     if prof is None:   # --no-profile: nothing to record into
         yield
         return
 
     def blocked(signame: str, why: str) -> None:
-        print(f"dflash-train: rank {rank}: {signame}: {why}; stopping now", file=sys.stderr, flush=True)
+        print(f"dflash-train: rank {rank}: {signame}: {why}; stopping now (latest stays the last checkpoint "
+              "written)", file=sys.stderr, flush=True)
         prof.dumper.abort("signal", f"killed: {signame}", signal=signame, reason=why, forced=True)
 
     watch = SignalWatch(on_signal=stop.note, observed=lambda: stop.observed, on_blocked=blocked,
-                        progress=lambda: prof.progress()[1])
+                        progress=lambda: prof.progress()[1], grace_s=stop.timeout_s)
+    before, stop.on_expired = stop.on_expired, blocked
     watch.install()
     try:
         # Said in one line by run() (bad input, a full disk) or a lost peer's consequence: no crash record.
@@ -245,6 +236,7 @@ def _forensics(stop: _StopFlag, rank: int):
             yield
     finally:
         watch.close()
+        stop.on_expired = before
 
 
 def _record_peer_lost(prof, exc: BaseException) -> bool:
@@ -344,19 +336,6 @@ def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, devi
     tmp = run_dir / f"config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(resolved, indent=2) + "\n")
     tmp.replace(run_dir / "config.json")
-
-
-def _print_final(run_dir: Path) -> None:
-    from exporters.console import format_hotspots
-
-    ends, steady = [], []
-    for path in rank_logs(run_dir).values():
-        records, _ = profiler.read_records(path)
-        ends += [r for r in records if r.get("type") == "run_end"]
-        steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
-    if ends:
-        print(printable(format_hotspots(ends, steady)))
-    print(f"run directory: {run_dir}")
 
 
 def main() -> int:
