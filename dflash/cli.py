@@ -8,6 +8,7 @@ import sys
 import time
 
 from dflash import handoff
+from dflash.cli_output import quiet_on_closed_pipe
 from dflash.config import ConfigError, add_config_flags, config_from_args
 
 
@@ -17,15 +18,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a DFlash drafter against a frozen target, instrumented end to end. With no "
                     "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",
         epilog="Of an on/off pair given twice (--resume --no-resume), the last one wins. Bad input exits 2 "
-               "with one line, before any rank does work.")
+               "with one line, before any rank does work. SIGTERM or SIGINT: the step in progress is finished and "
+               "checkpointed, evaluation skipped, the resume command printed and the run exits 0, all within "
+               "--stop-timeout-s (else exit 1 with the previous checkpoint as latest). With stdout closed "
+               "(dflash-train | head) the run trains on to its end and stops printing.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file: a mapping of sections "
-                   "{optim: {lr: ...}} or of flag keys {lr: ...} (flags > env > file)")
+                   "{optim: {lr: ...}} or of flag keys {lr: ...} (flags > env > file; an error names FILE:LINE) "
+                   "(default: none)")
     add_config_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     started_ns = time.time_ns()   # the start-up timeline's origin (dflash/startup.py)
+    with quiet_on_closed_pipe():   # `dflash-train | head`: the run goes on, silently
+        return _main(argv, started_ns)
+
+
+def _main(argv: list[str] | None, started_ns: int) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)

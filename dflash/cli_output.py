@@ -1,5 +1,6 @@
 """What the CLIs print goes through here: control characters escaped (a thread name or a log field cannot
-drive the terminal) and a closed pipe (`dflash-report ... | head`) ends the command quietly, with its own status."""
+drive the terminal) and a closed pipe (`dflash-report ... | head`) ends the command quietly, with its own status; a training run
+(`dflash-train ... | head`) trains on and stops printing instead."""
 from __future__ import annotations
 
 import contextlib
@@ -48,3 +49,50 @@ def cli_output():
         raise SystemExit(_status["code"]) from None
     finally:
         sys.stdout, sys.stderr = out, err
+
+
+class QuietOnClosedPipe:
+    """A stream that, once its reader has gone (EPIPE: `dflash-train ... | head`), drops what is written instead
+    of raising, so a run whose output nobody reads any more trains on to its end. The descriptor is pointed at
+    /dev/null then, so the buffered rest and the interpreter's final flush cannot raise either."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, s: str) -> int:
+        if not self.reader_gone:
+            try:
+                return self._stream.write(s)
+            except BrokenPipeError:
+                self._gone()
+        return len(s)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self.reader_gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_on_closed_pipe():
+    """sys.stdout a QuietOnClosedPipe while a training command runs (put back after: tests call it in-process)."""
+    out = sys.stdout
+    sys.stdout = quiet = QuietOnClosedPipe(out)
+    try:
+        yield
+    finally:
+        quiet.flush()   # what is buffered goes now, where a closed pipe is caught, not at the interpreter's exit
+        sys.stdout = out

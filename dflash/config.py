@@ -330,51 +330,85 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: field '{name}' expects {ftype}, got {value!r}") from None
 
 
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+def load_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[tuple, int]]:
+    """The file's mapping, and the line of each key in it ({("optim", "lr"): 3}; from the YAML parser's marks,
+    which read a JSON file too; {} where it cannot). A syntax error is `FILE:LINE:COLUMN: not valid ...`."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: no such file: {p}")
     text = p.read_text()
+    kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
-        if p.suffix == ".json":
+        if kind == "JSON":
             data = json.loads(text)
         else:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as e:  # the parser's own message names line and column
-        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}")
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except Exception as e:  # yaml.MarkedYAMLError carries where; anything else its own first line
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        why = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        began = getattr(e, "context_mark", None)
+        if getattr(e, "context", None) and began is not None and mark is not None and began.line != mark.line:
+            why += f" ({e.context} that began at line {began.line + 1})"
+        raise ConfigError(f"{where}: not valid {kind}: {why}") from None
     if not isinstance(data, dict | None):
-        raise ConfigError(f"{p}: top level must be a mapping of config sections or fields")
-    return data or {}
+        raise ConfigError(f"{p}:1: top level must be a mapping of config sections or fields")
+    return data or {}, _key_lines(text)
 
 
-def _file_keys(file_values: Mapping[str, Any], file_name: str) -> dict[str, Any]:
+def _key_lines(text: str) -> dict[tuple, int]:
+    """1-based line of each key of the top mapping and of the mappings under it, from PyYAML's node marks."""
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except Exception:   # JSON that YAML does not read (a tab in its indentation): no lines, the errors still say the file
+        return {}
+    lines: dict[tuple, int] = {}
+    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
+        lines[(key.value,)] = key.start_mark.line + 1
+        for sub, _ in value.value if isinstance(value, yaml.MappingNode) else ():
+            lines[(key.value, sub.value)] = sub.start_mark.line + 1
+    return lines
+
+
+def _file_keys(file_values: Mapping[str, Any], file_name: str, file_lines: Mapping[tuple, int]) -> dict[str, Any]:
     """A config file's values by flag key: sections ({"optim": {"lr": ...}}) and flat keys alike
-    ("data" is both: a mapping is the section, anything else the flag key of data.path)."""
+    ("data" is both: a mapping is the section, anything else the flag key of data.path). Errors name
+    FILE:LINE where the file's parser gave the key's line."""
     by_path = {_path(k): k for k in _SPECS}
     out: dict[str, Any] = {}
+
+    def at(*keys) -> str:
+        line = file_lines.get(tuple(str(k) for k in keys))
+        return f"{file_name}:{line}" if line else file_name
+
     for key, value in file_values.items():
         if key in SECTIONS and isinstance(value, Mapping):
-            items = [(f"{key}.{sub}", v) for sub, v in value.items()]
+            items = [(f"{key}.{sub}", v, at(key, sub)) for sub, v in value.items()]
         elif key in SECTIONS and key not in _SPECS:
-            raise ConfigError(f"{file_name}: section '{key}' must be a mapping of its fields, got {value!r}")
+            raise ConfigError(f"{at(key)}: section '{key}' must be a mapping of its fields, got {value!r}")
         else:
-            items = [(_path(key) if key in _SPECS else key, value)]
-        for path, v in items:
+            items = [(_path(key) if key in _SPECS else key, value, at(key))]
+        for path, v, where in items:
             if path not in by_path:
-                raise ConfigError(f"{file_name}: unknown config field '{path}'")
+                raise ConfigError(f"{where}: unknown config field '{path}'")
             if by_path[path] in out:
-                raise ConfigError(f"{file_name}: config field '{path}' given twice")
-            out[by_path[path]] = _coerce(by_path[path], v, file_name)
+                raise ConfigError(f"{where}: config field '{path}' given twice")
+            out[by_path[path]] = _coerce(by_path[path], v, where)
     return out
 
 
 def resolve_config(file_values: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-                   flag_values: Mapping[str, Any] | None = None, file_name: str = "config file") -> TrainConfig:
+                   flag_values: Mapping[str, Any] | None = None, file_name: str = "config file",
+                   file_lines: Mapping[tuple, int] | None = None) -> TrainConfig:
     """Defaults, then the file, then env vars, then flags (keyed by flag key): later sources win.
-    Unknown keys are errors."""
-    values = _file_keys(file_values or {}, file_name)
+    Unknown keys are errors; `file_lines` (load_config_file's) lets them name the file's line."""
+    values = _file_keys(file_values or {}, file_name, file_lines or {})
     env = os.environ if env is None else env
     flag_values = flag_values or {}
     for var, key in _ENV.items():
@@ -398,14 +432,25 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     docs = {None: field_docs(TrainConfig), **{name: field_docs(s) for name, s in SECTIONS.items()}}
     for key, (section, f) in _SPECS.items():
         where = parser if section is None else groups[section]
-        flag, doc = "--" + key.replace("_", "-"), f"[{_path(key)}] {docs[section].get(f.name, '')}"
+        flag = "--" + key.replace("_", "-")
+        doc = f"[{_path(key)}] {docs[section].get(f.name, '')} (default: {default_text(f.default)})"
         if str(f.type).startswith("bool"):
             where.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=doc)
         else:
             where.add_argument(flag, dest=key, default=None, metavar=key.upper(), help=doc)
 
 
+def default_text(value) -> str:
+    """A field's default as --help shows it: on/off for a switch, the number or word as typed on a command line."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == "":
+        return "none"
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TrainConfig:
-    file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    file_values, lines = load_config_file(args.config) if getattr(args, "config", None) else ({}, {})
     flags = {key: getattr(args, key, None) for key in _SPECS}
-    return resolve_config(file_values, env, flags, file_name=str(getattr(args, "config", "config file")))
+    return resolve_config(file_values, env, flags, file_name=str(getattr(args, "config", "config file")),
+                          file_lines=lines)

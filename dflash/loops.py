@@ -24,7 +24,7 @@ from dflash.model import DFlashDraftModel, draft_config_for_target
 from dflash.compile_cache import compile_seconds
 from dflash.optim import build_optimizer
 from dflash.pack import PackedBatch, WireHeader, pack_hidden
-from dflash.progress import LazyScalar, Progress
+from dflash.progress import Progress
 from dflash.target import TargetCapture, default_layer_ids, load_target_head
 from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
@@ -274,8 +274,8 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
         profiler.gauge("queue_depth", rx.qsize())
         if _agree_to_stop(ctx, msg is None or ctx.stop_requested()):
             return "stream ended" if msg is None else "signal"
-        loss, tau = drafter_step(ctx, state, msg)
-        progress.observe(LazyScalar(loss), LazyScalar(tau))
+        loss, tau, lr = drafter_step(ctx, state, msg)
+        progress.observe(loss, tau, lr)
         progress.update(state.step, state.tokens_total)
         meter.after_step(state.step, state.tokens_total)
         every = cfg.reliability.checkpoint_every
@@ -329,13 +329,14 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
-    # The loss as trained on (nan@drafter.fwd_bwd included).
-    metrics = {"loss": loss, "tau": out.tau, "tau_prefix": out.tau_prefix, "lr": state.scheduler.get_last_lr()[0],
+    # The loss as trained on (nan@drafter.fwd_bwd included); lr: the next step's, as the interval's metric says.
+    lr = state.scheduler.get_last_lr()[0]
+    metrics = {"loss": loss, "tau": out.tau, "tau_prefix": out.tau_prefix, "lr": lr,
                **{f"acc_{k + 1}": out.acc[k] for k in range(min(4, out.acc.numel()))}, "grad_norm": grad_norm}
     for name, value in metrics.items():
         if value is not None:
             profiler.metric(name, value.detach() if isinstance(value, torch.Tensor) else value)
-    return loss.detach(), out.tau.detach()
+    return loss.detach(), out.tau.detach(), lr
 
 
 def _check_payload(ctx: WorkerContext, msg: transfer.Message, hidden: torch.Tensor, step: int,

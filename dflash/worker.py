@@ -20,6 +20,7 @@ import torch.distributed as dist
 import dflash
 import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
+from dflash.cli_output import quiet_on_closed_pipe
 from dflash.final import print_final
 from dflash.stopping import StopFlag, stop_line
 from dflash.config import ConfigError, TrainConfig
@@ -150,7 +151,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             loops.run_target(ctx)
         else:
             state = loops.build_drafter(ctx)
-            progress = Progress(cfg.optim.max_steps) if rank == 0 else NullProgress()
+            progress = Progress(cfg.optim.max_steps, start_step=state.step) if rank == 0 else NullProgress()
             loops.run_drafter(ctx, state, progress)
             progress.update(state.step, state.tokens_total, force=True)
             step = state.step
@@ -350,7 +351,8 @@ def main() -> int:
     if not data:
         return 2
     marks = (("imports", imported_ns), ("preflight", time.time_ns()))
-    return run(TrainConfig.from_dict(json.loads(data)).validate(), marks)
+    with quiet_on_closed_pipe():   # `dflash-train | head`: the rank trains on, silently
+        return run(TrainConfig.from_dict(json.loads(data)).validate(), marks)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def format_memory(memory: dict | None) -> list[str]:
 
 
 def format_interval(record: dict) -> str:
-    """A short block for one interval record: spans by share (and how long the open ones had been open),
-    counters' rates, gauges, metrics, memory, thread CPU."""
+    """A short block for one interval record: spans by share (each column what its header says), then the spans
+    open at the interval's end and for how long, counters' rates, gauges, metrics, memory, thread CPU."""
     rate = (record.get("step_rate") or {}).get("per_second")
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
             f"step {record.get('step')}{'' if rate is None else f' ({rate:.3g} steps/s)'}  "
@@ -75,9 +75,8 @@ def format_interval(record: dict) -> str:
                 line += f"  {bw / 1e9:.2f} GB/s"
                 if e.get("floor_ratio") is not None:
                     line += f" ({e['floor_ratio'] * 100:.0f}% of {e['floor']})"
-            if name in opened:   # how long it had been open at the interval's end: "  open 75.2 s (MainThread)"
-                line += "  open " + ", ".join(f"{age_s:.3g} s ({thread})" for thread, age_s in opened[name])
             lines.append(line)
+        lines.extend(_open_line(opened))
         lines.extend(_gpu_sample_note(spans))
         if any(e.get("gpu") for e in spans.values()):
             lines.append("  on gpu: mean/p95/share of the GPU window (CUDA events: stream reached start to end, "
@@ -96,6 +95,15 @@ def format_interval(record: dict) -> str:
     lines.extend(format_memory(record.get("memory")))
     lines.extend(format_thread_cpu(record))
     return "\n".join(lines)
+
+
+def _open_line(opened: dict) -> list:
+    """One line for the spans open at the interval's end (their rows hold only the part of their time that fell
+    in this interval), with how long each had been open and on which thread: `drafter.fwd_bwd 75.2 s (main)`."""
+    if not opened:
+        return []
+    return ["  open at the interval's end: " + ", ".join(
+        f"{name} {age_s:.3g} s ({thread})" for name, ages in opened.items() for thread, age_s in ages)]
 
 
 def _gpu_sample_note(spans: dict) -> list:

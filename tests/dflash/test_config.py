@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dflash.cli import build_parser, main
-from dflash.config import SECTIONS, ConfigError, TrainConfig, field_docs, resolve_config
+from dflash.config import SECTIONS, ConfigError, TrainConfig, config_from_args, field_docs, resolve_config
 
 
 def test_precedence_flags_over_env_over_file():
@@ -88,11 +88,11 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     cfg.write_text("max_steps: 3\nblock_sise: 8\n")
     assert main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"dflash-train: error: {cfg}: unknown config field 'block_sise'"]
+    assert err == [f"dflash-train: error: {cfg}:2: unknown config field 'block_sise'"]
     bad = tmp_path / "b.json"
     bad.write_text("{not json")
     assert main(["--config", str(bad)]) == 2
-    assert "not valid JSON" in capsys.readouterr().err
+    assert f"{bad}:1:2: not valid JSON" in capsys.readouterr().err
     assert main(["--resume"]) == 2
     assert "--resume: needs --run-dir" in capsys.readouterr().err
 
@@ -103,6 +103,53 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "dflash-train: error: config field 'optim.num_anchors': must be >= 1 (got -3)"
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,text,line", [
+    ("syntax.yaml", "optim:\n  lr: 0.01\n  max_steps: [1, 2\nprofile:\n  interval_s: 5\n",
+     "syntax.yaml:4:8: not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence that began "
+     "at line 3)"),
+    ("tab.yaml", "optim:\n\tlr: 0.01\n", "tab.yaml:2:1: not valid YAML: found character '\\t' that cannot start any token"),
+    ("unknown.yaml", "optim:\n  lr: 0.01\n  max_stepz: 3\n", "unknown.yaml:3: unknown config field 'optim.max_stepz'"),
+    ("type.yaml", "seed: 1\nmax_steps: ten\n", "type.yaml:2: field 'optim.max_steps' expects int, got 'ten'"),
+    ("twice.yaml", "lr: 0.1\noptim:\n  lr: 0.2\n", "twice.yaml:3: config field 'optim.lr' given twice"),
+    ("section.yaml", "\noptim: 3\n", "section.yaml:2: section 'optim' must be a mapping of its fields, got 3"),
+    ("syntax.json", '{\n  "optim": {\n    "lr": 0.01,\n  }\n}\n',
+     "syntax.json:4:3: not valid JSON: Expecting property name enclosed in double quotes"),
+    ("type.json", '{\n  "optim": {\n    "lr": 0.01,\n    "max_steps": "ten"\n  }\n}\n',
+     "type.json:4: field 'optim.max_steps' expects int, got 'ten'"),
+    ("list.json", "[1]", "list.json:1: top level must be a mapping of config sections or fields"),
+])
+def test_a_config_file_error_names_its_file_and_line(tmp_path, name, text, line):
+    """Syntax errors at the parser's line and column; an unknown key or a wrong type at its key's line (the YAML
+    parser's marks, which read JSON files too)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config_from_args(build_parser().parse_args(["--config", str(path)]), env={})
+    assert str(e.value) == f"{tmp_path}/{line}"
+
+
+def test_a_yaml_error_in_a_real_launch_is_one_line_with_its_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.01\n  warmup_steps: {10\n")
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "--config", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"dflash-train: error: {path}:4:1: not valid YAML: ") and len(r.stderr.splitlines()) == 1
+
+
+def test_help_shows_every_default(capsys):
+    """Each flag's help ends with its default, as a command line would spell it."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert all("(default: " in (a.help or "") for a in flags), [a.dest for a in flags if "(default: " not in a.help]
+    for needle in ("(default: 150)", "(default: 0.003)", "(default: auto)", "(default: on)", "(default: off)",
+                   "[data.builtin_cache]", "--no-cache", "(default: 25)", "--stop-timeout-s"):
+        assert needle in text, needle
 
 
 def test_every_dflash_variable_lands_in_the_config():

@@ -177,10 +177,12 @@ def test_console_and_report_say_a_span_was_still_open_and_for_how_long(tmp_path)
     thread = threading.current_thread().name
     ages_s = []
     for rec in (first, second):
-        row = next(line for line in format_interval(rec).splitlines() if line.strip().startswith(LONG))
+        text = format_interval(rec).splitlines()
+        row = next(line for line in text if line.strip().startswith(LONG))
         ages_s.append(rec["open_spans"][0]["spans"][0]["open_seconds"])
         assert row.split()[1] == "0"                                                     # no count yet
-        assert row.endswith(f"open {ages_s[-1]:.3g} s ({thread})")
+        assert row.split()[-1].endswith("%")                                             # nothing past share
+        assert f"  open at the interval's end: {LONG} {ages_s[-1]:.3g} s ({thread})" in text   # on its own line
         assert format_interval(rec) in out.getvalue()                                    # what was printed
     assert 0.02 <= ages_s[0] < ages_s[1] and ages_s[1] >= 0.04
     assert second["spans"][LONG]["share"] == 1.0 and "100.0%" in format_interval(second)  # all of its time
