@@ -113,3 +113,17 @@ def test_sigterm_during_a_long_evaluation_skips_the_rest_and_exits_0_at_once(tmp
     found = re.fullmatch(r"stopped by SIGTERM after (\d+) of 16 held-out prompts", skipped["reason"])
     assert found and int(found.group(1)) < 16, skipped
     assert "eval: acceptance length" not in out
+
+
+def test_sigterm_as_training_begins_exits_0_whichever_rank_sees_it_first(tmp_path, prebuilt):
+    """The signal as soon as the run log exists: often the target, stopping at its first boundary, ends the stream
+    before the drafter has looked at the signal, and the drafter, given the end in its loop, used to wait in its
+    drain for a second end that never comes (until the stop's deadline: exit 1)."""
+    run = prebuilt(tmp_path / "run")
+    p, err = start(run, ["--max-steps", "100000", "--eval-prompts", "0", *SMALL])
+    wait_for(lambda: any(r["type"] == "run_start" for r in records(run, 0) + records(run, 1)), p=p)
+    out, took_s = sigterm_and_time(p)
+    assert p.returncode == 0, err.read_text()[-3000:]
+    assert took_s < 10, took_s
+    said = stop_line(err)
+    assert said.group(2) == str(run / "checkpoints" / f"step_{int(said.group(1)):07d}")
