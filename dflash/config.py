@@ -194,6 +194,11 @@ class TelemetryConfig:
     to a free port (announced) when busy; 0: no endpoint; a port given here must be free (exit 2)."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
+    prometheus_sd_dir: str | None = None
+    """Directory where every run writes its Prometheus file_sd copy, RUN_ID.json (removed when the run ends),
+    for one glob to find every run's ranks. None: $XDG_CACHE_HOME/dflash/prometheus-sd, else
+    ~/.cache/dflash/prometheus-sd. Made 0755 with 0644 files (a Prometheus may run as another user); another
+    user's directory or a symlink is refused with a warning, and the run goes on without the copy."""
 
     def check(self, need) -> None:
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")

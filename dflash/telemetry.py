@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dflash.compile_cache import resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from profiler.runlog import is_disk_full
 
 DEFAULT_METRICS_PORT = 9464
-SD_DIR_NAME = "prometheus-sd"   # beside the run directories: RUNS/prometheus-sd/<run>.json (file_sd glob)
+SD_DIR_NAME = "prometheus-sd"   # the shared file_sd directory's name under the user cache (sd_dir)
 
 
 @dataclass
@@ -39,16 +40,19 @@ class Telemetry:
                 pass
 
 
-def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str, ctrl_group) -> Telemetry:
-    """The rank's exporters; ConfigError (exit 2) when a metrics port the user asked for is taken."""
+def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str, ctrl_group,
+          run_id: str | None = None) -> Telemetry:
+    """The rank's exporters; ConfigError (exit 2) when a metrics port the user asked for is taken. `run_id`: the
+    run's unique id (dflash.worker; default the directory's name), the `run` label and OTel's dflash.run_id."""
+    run_id = run_id or run_dir.name
     tele = Telemetry()
     host = socket.gethostname()
     labels = {"rank": rank, "role": role, "host": host}
     endpoint = _prometheus(cfg, labels, rank, local_rank)
-    _write_targets(cfg, run_dir, rank, endpoint, ctrl_group, tele)
+    _write_targets(cfg, run_dir, run_id, rank, endpoint, ctrl_group, tele)
     from exporters import console, otel, trace
 
-    exporter = otel.from_env(rank=rank, role=role, host=host, run_id=run_dir.name)
+    exporter = otel.from_env(rank=rank, role=role, host=host, run_id=run_id)
     if exporter is not None:
         tele.exporters.append(exporter)
     tele.exporters.append(trace.TraceExporter(run_dir, rank))
@@ -99,8 +103,16 @@ def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
     return exporter
 
 
-def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_group, tele: Telemetry) -> None:
-    """RUN_DIR/prometheus/targets.json (and a copy in ../prometheus-sd/) listing every rank's endpoint."""
+def sd_dir(cfg: TrainConfig, env=None) -> Path:
+    """Where every run writes its shared file_sd copy: --prometheus-sd-dir, else $XDG_CACHE_HOME/dflash/prometheus-sd
+    (else ~/.cache/dflash/prometheus-sd): one place per user, whatever --run-dir says."""
+    return resolve_cache_dir(cfg.telemetry.prometheus_sd_dir, env, name=SD_DIR_NAME)
+
+
+def _write_targets(cfg: TrainConfig, run_dir: Path, run_id: str, rank: int, endpoint, ctrl_group,
+                   tele: Telemetry) -> None:
+    """RUN_DIR/prometheus/targets.json (and the shared copy SD_DIR/RUN_ID.json) listing every rank's endpoint,
+    labelled with the run's unique id (`run`) and its directory's name (`run_dir`)."""
     mine = None
     if endpoint is not None:
         addr = endpoint.host if endpoint.host not in ("0.0.0.0", "::", "") else socket.gethostname()
@@ -110,18 +122,18 @@ def _write_targets(cfg: TrainConfig, run_dir: Path, rank: int, endpoint, ctrl_gr
     targets = [t for t in everyone if t is not None]
     if rank != 0 or not targets:
         return
-    text = json.dumps([{"targets": targets, "labels": {"run": run_dir.name}}], indent=2) + "\n"
+    text = json.dumps([{"targets": targets, "labels": {"run": run_id, "run_dir": run_dir.name}}], indent=2) + "\n"
     # A full disk: no targets, quietly (the run log finds it too, and the rank stops saying so).
     with _unless_disk_full():
         _write_private(run_dir / "prometheus" / "targets.json", text, 0o700, 0o600)
-    # The shared copy holds only endpoint addresses and the run's name, and is made readable on purpose:
+    # The shared copy holds only endpoint addresses and the run's names, and is made readable on purpose:
     # a Prometheus (a container, a service user) runs as another user. The run's own stays private.
-    shared = run_dir.parent / SD_DIR_NAME / f"{run_dir.name}.json"
+    shared = sd_dir(cfg) / f"{run_id}.json"
     try:
         with _unless_disk_full():
             _write_private(shared, text, 0o755, 0o644)
             tele.sd_files.append(shared)
-    except PermissionError as exc:
+    except OSError as exc:   # PermissionError: another user's directory, a link; or one that cannot be made
         print(f"dflash-train: warning: no shared file_sd copy: {exc}", file=sys.stderr, flush=True)
 
 

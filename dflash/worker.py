@@ -111,7 +111,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     ctrl = dist.new_group(backend="gloo")
     drafter_group = dist.new_group(topo.drafter_ranks)
     drafter_ctrl = dist.new_group(topo.drafter_ranks, backend="gloo")
-    run_dir = _agree_run_dir(cfg, rank, ctrl)
+    run_dir, run_id = _agree_run_dir(cfg, rank, ctrl)
     timeline.mark("groups")
     role = topo.role(rank)
     paths = builtin.prepare(cfg, run_dir, rank, ctrl)  # rank 0 builds the built-ins, others wait
@@ -137,11 +137,11 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         ctrl_group=ctrl, drafter_group=drafter_group, drafter_ctrl_group=drafter_ctrl,
         stop_requested=stop, resume_state=resume_state, device_payload=device_payload)
     if rank == 0:
-        _write_resolved_config(cfg, topo, run_dir, device, device_payload)
+        _write_resolved_config(cfg, topo, run_dir, run_id, device, device_payload)
     threading.current_thread().name = f"{role}.main"
-    tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl)
+    tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl, run_id)
             if cfg.profile.enabled else telemetry.Telemetry())
-    prof = _make_profiler(cfg, topo, rank, role, device, run_dir, tele)
+    prof = _make_profiler(cfg, topo, rank, role, device, run_dir, run_id, tele)
     step = 0
     with contextlib.closing(tele), prof, _forensics(stop, rank):
         _startup_event(timeline, rank)
@@ -193,7 +193,7 @@ def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
 
 
 def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, device: torch.device, run_dir: Path,
-                   tele: telemetry.Telemetry):
+                   run_id: str, tele: telemetry.Telemetry):
     """The rank's profiler, with compile time as `drafter.compile` spans (never inside drafter.fwd_bwd);
     a null context under --no-profile."""
     if not cfg.profile.enabled:
@@ -209,7 +209,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,
-                             run_config=cfg.flat_dict(), config=config, deps=deps, exporters=tele.exporters)
+                             run_config=cfg.flat_dict(), config=config, deps=deps, exporters=tele.exporters,
+                             run_id=run_id)
 
 
 @contextlib.contextmanager
@@ -310,12 +311,13 @@ def _device_payload(cfg: TrainConfig, topo: Topology, device: torch.device) -> b
     return cfg.parallel.transfer == "nccl" or (cfg.parallel.transfer == "auto" and distinct)
 
 
-def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
-    """Rank 0 names and checks the run directory; every rank gets its answer (so all exit 2 alike)."""
-    box = [None, None]
+def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> tuple[Path, str]:
+    """Rank 0 names and checks the run directory and gives the run its id; every rank gets its answer (so all
+    exit 2 alike)."""
+    box = [None, None, None]
     if rank == 0:
         path = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
-        box = [str(path), preflight.run_dir_conflict(path, cfg.reliability.resume)]
+        box = [str(path), preflight.run_dir_conflict(path, cfg.reliability.resume), _run_id(path, cfg)]
         if box[1] is None and startup.ENV_LAUNCH_NS not in os.environ:   # torchrun: no launcher holds it
             try:
                 hold_run_dir(path)   # kept for this process's life
@@ -326,11 +328,26 @@ def _agree_run_dir(cfg: TrainConfig, rank: int, ctrl) -> Path:
         raise ConfigError(box[1])
     path = Path(box[0])
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, box[2]
 
 
-def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, device, device_payload) -> None:
-    resolved = dict(cfg.to_dict(), run_dir=str(run_dir),
+def _run_id(run_dir: Path, cfg: TrainConfig) -> str:
+    """The run's id (run_start's `run_id`, the Prometheus `run` label, OTel's dflash.run_id): unique per run, as
+    `DIRNAME-STARTTIME-PID`, and kept by a --resume (RUN_DIR/config.json holds it), so two runs in directories
+    of the same name never share it while the segments of one run do."""
+    if cfg.reliability.resume:
+        try:
+            kept = json.loads((run_dir / "config.json").read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            kept = None
+        if isinstance(kept, str) and kept:
+            return kept
+    return f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, run_id: str, device,
+                           device_payload) -> None:
+    resolved = dict(cfg.to_dict(), run_dir=str(run_dir), run_id=run_id,
                     resolved={"target_ranks": topo.num_targets, "drafter_ranks": topo.num_drafters,
                               "device": str(device.type), "transfer": "nccl" if device_payload else "host",
                               "compile_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")})

@@ -34,14 +34,15 @@ logger = logging.getLogger("profiler")
 
 class Profiler:
     """Per-process profiler; `with Profiler(run_dir, ...):` makes it the active one, so the profiler API records
-    into RUN_DIR/profile/rank{R}.jsonl (docs/RUNLOG.md). `run_config` goes into run_start as "config";
-    `exporters` (profiler/export.py) get every record on the exporter thread: a list of them, or a function of
-    this Profiler that makes the list when the run starts (`exporters.build("console,prometheus,trace")`, so
-    the sinks see its run directory, rank and role). docs/API.md is the reference."""
+    into RUN_DIR/profile/rank{R}.jsonl (docs/RUNLOG.md). `run_config` goes into run_start as "config", `run_id`
+    as "run_id" (default: the run directory's name); `exporters` (profiler/export.py) get every record on the
+    exporter thread: a list of them, or a function of this Profiler that makes the list when the run starts
+    (`exporters.build("console,prometheus,trace")`, so the sinks see its run directory, rank and role).
+    docs/API.md is the reference."""
 
     def __init__(self, run_dir, rank: int = 0, world_size: int = 1, role: str = "main", device=None,
                  run_config=None, config: ProfilerConfig | None = None, deps: ProfilerDeps | None = None,
-                 exporters=()):
+                 exporters=(), run_id: str | None = None):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"Profiler: rank must be a non-negative int, got {rank!r}")
         if not isinstance(role, str) or not role:
@@ -50,6 +51,7 @@ class Profiler:
             raise TypeError(f"Profiler: config must be a ProfilerConfig (the run's own goes in run_config), "
                             f"got {type(config).__name__}")
         self.run_dir, self.rank, self.world_size, self.role = Path(run_dir), rank, world_size, role
+        self.run_id = run_id or self.run_dir.resolve().name
         self.cfg, self.deps = config or ProfilerConfig(), deps or ProfilerDeps()
         self.interval_s, self.run_config, self.device = self.cfg.interval_s, run_config, device
         self.is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
@@ -306,7 +308,7 @@ class Profiler:
         return rec
 
     def _run_start_record(self) -> dict:
-        return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_dir.resolve().name,
+        return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
                 "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,

@@ -240,7 +240,7 @@ class HealthyRun:
     live receiver, so that the default-run, Prometheus, dashboard-panel, OTLP and trace checks read one run."""
 
     run: Path
-    """Its run directory, RUNS/run (the Prometheus file_sd copy is RUNS/prometheus-sd/run.json)."""
+    """Its run directory, RUNS/run (its Prometheus file_sd copy is RUNS/prometheus-sd/RUN_ID.json while it runs)."""
     returncode: int
     stdout: str
     stderr: str
@@ -297,7 +297,8 @@ def _run_watched(run: Path, port: int, receiver: OtlpReceiver, prometheus: str |
     started, t0 = time.time(), time.monotonic()
     with open(out, "w") as o, open(err, "w") as e:
         train = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), *HEALTHY_ARGS,
-                                  "--metrics-port", str(port)], cwd=REPO, stdout=o, stderr=e,
+                                  "--metrics-port", str(port), "--prometheus-sd-dir", str(run.parent / "prometheus-sd")],
+                                 cwd=REPO, stdout=o, stderr=e,
                                  env=dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url),
                                  start_new_session=True)
         scrapes: dict = {}

@@ -85,3 +85,18 @@ def test_the_metrics_endpoint_closes_last_and_serves_until_the_rank_exits(tmp_pa
         assert b"dflash_events_total" in urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics").read()
     finally:
         endpoint.shutdown()
+
+
+def test_the_shared_file_sd_directory_is_one_place_whatever_the_run_directory():
+    """Issue 37 item 5: the user cache's prometheus-sd (XDG_CACHE_HOME honoured), or --prometheus-sd-dir; never a
+    folder beside the run directory."""
+    from pathlib import Path
+
+    from dflash.config import TrainConfig
+    from dflash.telemetry import sd_dir
+
+    cfg = TrainConfig()
+    assert sd_dir(cfg, {"HOME": "/home/u"}) == Path("/home/u/.cache/dflash/prometheus-sd")
+    assert sd_dir(cfg, {"HOME": "/home/u", "XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/dflash/prometheus-sd")
+    cfg.telemetry.prometheus_sd_dir = "/srv/sd"
+    assert sd_dir(cfg, {"XDG_CACHE_HOME": "/xdg"}) == Path("/srv/sd")

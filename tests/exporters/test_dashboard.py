@@ -335,7 +335,7 @@ def test_prometheus_provisioning_and_compose_agree():
     (job,) = prom["scrape_configs"]
     assert job["job_name"] == "dflash" and job["scrape_interval"] == "15s"
     (files,) = [sd["files"] for sd in job["file_sd_configs"]]
-    assert files == ["/runs/prometheus-sd/*.json"] and "*" not in files[0].rsplit("/", 1)[0]
+    assert files == ["/prometheus-sd/*.json"] and "*" not in files[0].rsplit("/", 1)[0]
 
     datasources = GRAFANA / "provisioning" / "datasources" / "prometheus.yml"
     (source,) = yaml.safe_load(datasources.read_text())["datasources"]
@@ -352,8 +352,10 @@ def test_prometheus_provisioning_and_compose_agree():
     assert "--web.listen-address=127.0.0.1:9090" in prometheus["command"]
     config = next(c for c in prometheus["command"] if c.startswith("--config.file="))
     assert f"./prometheus.yml:{config.split('=', 1)[1]}:ro" in prometheus["volumes"]
-    # Only the shared targets directory is mounted: the sd glob's directory, nothing else of the runs.
-    assert f"../runs/prometheus-sd:{files[0].rsplit('/', 1)[0]}:ro" in prometheus["volumes"]
+    # Only the shared targets directory is mounted: the sd glob's directory, nothing else of the runs; by default
+    # where dflash-train writes it (dflash.telemetry.sd_dir: ~/.cache/dflash/prometheus-sd)
+    mount = "${DFLASH_PROMETHEUS_SD_DIR:-${HOME}/.cache/dflash/prometheus-sd}"
+    assert f"{mount}:{files[0].rsplit('/', 1)[0]}:ro" in prometheus["volumes"]
     assert "./provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     assert f"./dflash.json:{provider['options']['path']}/dflash.json:ro" in grafana["volumes"]
 

@@ -169,11 +169,13 @@ def fault_alerts(stack, live_run, prebuilt) -> dict:
         trains = {}
         t0 = time.monotonic()
         for name, (fault, args, _, _) in FAULTS.items():
-            run = prebuilt(stack["runs"] / name / name)   # the run label is the directory's name
-            trains[name] = runs.enter_context(live_run(run, [*SMALL, "--metrics-port", str(free_port_pair()), *args],
-                                                       {"DFLASH_FAULT": fault}))
+            run = prebuilt(stack["runs"] / name / name)   # its file_sd copy in its own directory, beside it
+            sd = ["--prometheus-sd-dir", str(stack["runs"] / name / "prometheus-sd")]
+            trains[name] = runs.enter_context(live_run(run, [*SMALL, "--metrics-port", str(free_port_pair()), *sd,
+                                                             *args], {"DFLASH_FAULT": fault}))
         for name, (_, _, alertname, rank) in FAULTS.items():
-            out[name] = stack["webhook"].wait_for(alertname, name, rank, t0 + ALERT_WAIT_S)
+            label = wait_for_run_id(stack, name, t0 + ALERT_WAIT_S)
+            out[name] = label and stack["webhook"].wait_for(alertname, label, rank, t0 + ALERT_WAIT_S)
         for train in trains.values():
             if train.poll() is None:
                 os.killpg(train.pid, signal.SIGTERM)
@@ -188,8 +190,23 @@ def alert_of(stack, fault_alerts: dict, name: str) -> dict:
     if alert is None:
         log = (stack["runs"] / name / "train.log").read_text()
         pytest.fail(f"no {FAULTS[name][2]} for run {name} within {ALERT_WAIT_S:.0f} s; the webhook got "
-                    f"{sorted(stack['webhook'].names(name))}; a log tail:\n{log[-2000:]}")
+                    f"{sorted(stack['webhook'].names(wait_for_run_id(stack, name, 0)))}; a log tail:\n{log[-2000:]}")
     return alert
+
+
+def run_id(stack, name: str) -> str:
+    """The run label of the fault run `name`: its unique id, which its config.json keeps."""
+    return json.loads((stack["runs"] / name / name / "config.json").read_text())["run_id"]
+
+
+def wait_for_run_id(stack, name: str, deadline: float) -> str | None:
+    """run_id(), once rank 0 has written config.json (before the monotonic `deadline`), else None."""
+    while True:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return run_id(stack, name)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
 
 
 def check_alert(alert: dict, alertname: str, run: str, rank: str, role: str, severity: str) -> None:
@@ -201,20 +218,22 @@ def check_alert(alert: dict, alertname: str, run: str, rank: str, role: str, sev
 
 
 def test_a_nan_in_the_drafters_loss_raises_the_nonfinite_alert_for_rank_0(stack, fault_alerts):
-    check_alert(alert_of(stack, fault_alerts, "nan"), "DFlashNonFiniteValue", "nan", "0", "drafter", "critical")
+    check_alert(alert_of(stack, fault_alerts, "nan"), "DFlashNonFiniteValue", run_id(stack, "nan"), "0", "drafter",
+                "critical")
 
 
 def test_a_hung_target_raises_the_hang_alert_for_rank_1(stack, fault_alerts):
-    check_alert(alert_of(stack, fault_alerts, "hang"), "DFlashHang", "hang", "1", "target", "critical")
+    check_alert(alert_of(stack, fault_alerts, "hang"), "DFlashHang", run_id(stack, "hang"), "1", "target", "critical")
 
 
 def test_a_slow_target_stage_raises_drafter_starved_and_the_dashboard_shows_it(stack, fault_alerts):
-    check_alert(alert_of(stack, fault_alerts, "slow"), "DFlashDrafterStarved", "slow", "0", "drafter", "warning")
+    check_alert(alert_of(stack, fault_alerts, "slow"), "DFlashDrafterStarved", run_id(stack, "slow"), "0", "drafter",
+                "warning")
     # the dashboard's alert panel and annotation read the same ALERTS series
     from tests.exporters.grafana_model import panel_queries, substitute_variables
 
     dashboard = json.loads((Path(__file__).resolve().parents[2] / "grafana" / "dflash.json").read_text())
-    values = {"job": ".+", "run": "slow", "instance": ".+", "role": ".+", "rank": ".+", "rate_interval": "20s"}
+    values = {"job": ".+", "run": run_id(stack, "slow"), "instance": ".+", "role": ".+", "rank": ".+", "rate_interval": "20s"}
     queries = [e for title, _, e in panel_queries(dashboard) if title == "Firing alerts"]
     queries += [a["expr"] for a in dashboard["annotations"]["list"] if a.get("name") == "Alerts"]
     assert len(queries) == 2

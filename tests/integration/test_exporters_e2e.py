@@ -59,9 +59,10 @@ def live(request):
         pytest.skip("prometheus/promtool not installed (scripts/test.sh installs Debian's package as root)")
     healthy_run = request.getfixturevalue("healthy_run")
     assert healthy_run.returncode == 0, healthy_run.stderr[-3000:]
+    run_id = json.loads((healthy_run.run / "config.json").read_text())["run_id"]   # the `run` label
     return {"base": healthy_run.prometheus, "run": healthy_run.run, "receiver": healthy_run.receiver,
-            "scrapes": healthy_run.scrapes, "stdout": healthy_run.stdout, "port": healthy_run.port,
-            "sd_file": healthy_run.run.parent / "prometheus-sd" / "run.json", "since": healthy_run.started_unix}
+            "scrapes": healthy_run.scrapes, "stdout": healthy_run.stdout, "port": healthy_run.port, "run_id": run_id,
+            "sd_file": healthy_run.run.parent / "prometheus-sd" / f"{run_id}.json", "since": healthy_run.started_unix}
 
 
 def both_ranks_times(base: str, since: float, query: str) -> list[float]:
@@ -102,7 +103,7 @@ def test_live_scrape_passes_promtool_and_carries_the_families(live):
 def test_targets_file_lists_every_rank_and_is_withdrawn_at_the_end(live):
     groups = json.loads((live["run"] / "prometheus" / "targets.json").read_text())
     assert groups == [{"targets": [f"127.0.0.1:{live['port']}", f"127.0.0.1:{live['port'] + 1}"],
-                       "labels": {"run": "run"}}]
+                       "labels": {"run": live["run_id"], "run_dir": "run"}}]
     assert not live["sd_file"].exists()
 
 
@@ -112,7 +113,7 @@ def default_values(live: dict, at: float) -> dict:
     the variable's sort order."""
     from tests.exporters.grafana_model import substitute_variables
 
-    values = {"datasource": "prometheus", "job": ".+", "instance": ".+", "run": "run", "role": ".+", "rank": ".+",
+    values = {"datasource": "prometheus", "job": ".+", "instance": ".+", "run": live["run_id"], "role": ".+", "rank": ".+",
               "gpu": ".+", "rate_interval": RATE_INTERVAL, "interval": "1s", "range": "60s"}
     clock = next(v for v in shipped_dashboard()["templating"]["list"] if v["name"] == "clock")
     selector = clock["query"][len("label_values("):-len(", clock)")]
@@ -190,7 +191,7 @@ def test_otlp_receiver_gets_catalog_spans_with_parents_and_resource(live):
     assert children and all(s.parent_span_id in ids for s in children)
     roles = {attrs["dflash.role"].string_value for attrs, _ in spans}
     assert roles == {"target", "drafter"}
-    assert {attrs["dflash.run_id"].string_value for attrs, _ in spans} == {"run"}
+    assert {attrs["dflash.run_id"].string_value for attrs, _ in spans} == {live["run_id"]}
     assert all(s.end_time_unix_nano >= s.start_time_unix_nano > 1.7e18 for _, s in spans)
 
 
