@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dflash.compile_cache import cache_dir_problem, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
+from profiler.control import pid_alive
 
 
 @dataclass
@@ -146,18 +147,8 @@ def _remove_dead_partials(root: Path) -> None:
     """Temporary builds (`.KEY.tmp-PID`, `.KEY.stale-PID`) of processes that are gone."""
     for path in root.glob(".*-*"):
         pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_tokenizer(target_dir: Path):
