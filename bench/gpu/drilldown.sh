@@ -3,10 +3,11 @@
 # both ranks; `ncu --nvtx --nvtx-include "target.pack_hidden/"` on a short --nvtx run checked against a capture;
 # the benchmarks of bench/RESULTS.md's drill-down rows (bench_capture.py, bench_span.py --mirror). Needs the
 # carried .whl (HTA, plotly, narwhals, pandas, psutil where the image lacks them). Logs and JSON land in $OUT.
-# Parts (default all three, about 12 min on an H200; name fewer to fit one call): tests (the CUDA tests, the
-# reports and HTA on their run), ncu (needs tests' run), bench.
+# Parts (default all four, about 12 min on an H200; name fewer to fit one call): tests (the drill-down's CUDA
+# tests), reports (the reports and HTA on the tests' capture, in /tmp/dd-tests: also after
+# `pytest -m cuda --basetemp=/tmp/dd-tests tests`), ncu (needs the tests' capture), bench.
 source "$(dirname "$0")/env.sh"   # environment and carried wheels
-PARTS=${*:-tests ncu bench}
+PARTS=${*:-tests reports ncu bench}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 step() { echo "=== $1"; shift; local t0=$SECONDS; timeout "$@"; echo "=== exit $? in $((SECONDS - t0)) s"; }
 SMALL="--builtin-conversations 48 --eval-prompts 0 --tokens-per-batch 1024 --max-length 128 --metrics-port 0"
@@ -18,7 +19,7 @@ step "drill-down cuda tests" 300 python3 -m pytest -q -rs -m cuda -p no:cachepro
   tests/integration/test_capture_cuda.py
 fi
 CAP=$(ls -d /tmp/dd-tests/gpu-capture*/run | head -1)
-if want tests; then
+if want reports; then
 step "dflash-report kernels (scheduled capture)" 60 python3 -m dflash.report_cli kernels "$CAP" --capture 12
 step "dflash-report memory" 60 python3 -m dflash.report_cli memory "$CAP" --top 5
 step "HTA breakdowns" 120 python3 - "$CAP" <<'PY'
