@@ -30,7 +30,6 @@ mutant drafter_record_stream dflash/transfer.py 's/^                t\.record_st
 mutant target_record_stream dflash/transfer.py 's/^        hidden\.record_stream(self\.copy_stream)$/        pass/' host
 step "check_flex" 150 python3 bench/gpu/check_flex.py
 step "bench_drafter" 150 python3 bench/bench_drafter.py
-step "bench_target_capture" 120 python3 bench/bench_target_capture.py
 step "train nccl" 120 python3 -m dflash.cli --max-steps 30 --eval-prompts 2 --run-dir /tmp/gpu_nccl --profile-interval 10
 step "train host" 100 python3 -m dflash.cli --max-steps 30 --eval-prompts 0 --run-dir /tmp/gpu_host --transfer host --profile-interval 10
 } 2>&1 | tee "$OUT/verify.log"
