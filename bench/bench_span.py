@@ -23,18 +23,10 @@ import sys
 import tempfile
 import time
 
+from common import env_int, parser
 
-def _env_int(name: str, default: int, least: int) -> int:
-    """An integer setting from the environment; bad input is one line on stderr and exit 2."""
-    text = os.environ.get(name, str(default))
-    if not text.strip().isdigit() or int(text) < least:
-        print(f"bench_span: {name}={text!r} must be an integer >= {least}", file=sys.stderr)
-        sys.exit(2)
-    return int(text)
-
-
-N = _env_int("BENCH_SPAN_N", 200000, 5000)
-REPEATS = _env_int("BENCH_SPAN_REPEATS", 7, 1)
+N = env_int("BENCH_SPAN_N", 200000, 5000)
+REPEATS = env_int("BENCH_SPAN_REPEATS", 7, 1)
 CHUNK = 5000
 GOALS = {"span active (cpu)": 0.25, "span inactive": 0.12}
 
@@ -139,6 +131,9 @@ def _mirror_rows(prof, ref_ns: float) -> None:
 
 
 def main() -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--mirror", action="store_true", help="add the capture's rows (see above)")
+    mirror = ap.parse_args().mirror
     cpu = _pin()
     import profiler
     from prometheus_client import CollectorRegistry, Histogram
@@ -177,7 +172,7 @@ def main() -> int:
         print(f"{k:<20} {v:>9.1f} {v / ref:>8.3f} {('' if goal is None else f'{goal:.2f}'):>6}  {ok:<4} | "
               f"{best[k]:>6.0f}  {best[k] / best['histogram.time()']:.3f}")
     print(_paired_line(results))
-    if "--mirror" in sys.argv[1:]:
+    if mirror:
         _mirror_rows(prof, ref)
     print(f"active minus floor: {med['span active (cpu)'] - floor:.1f} ns; "
           f"inactive minus floor: {med['span inactive'] - floor:.1f} ns")

@@ -1,7 +1,6 @@
 """What profiling costs a whole run: dflash-train with the profiler on against `--no-profile`, in pairs.
 
-    python3 bench/overhead_ab.py [--pairs 6] [--aa] [--metric steady_tokens_per_s] [--workdir DIR]
-                                 [--keep-runs] [-- DFLASH-TRAIN ARGS...]
+    python3 bench/overhead_ab.py [--pairs 6] [--aa] [--workdir DIR] [--keep-runs] [-- DFLASH-TRAIN ARGS...]
 
 Each run is `python -m dflash.cli --run-dir RUN ARGS` (this interpreter, this checkout first on
 PYTHONPATH), the two arms differing only in `--no-profile`. Pairs alternate their order (ABBA: on, off,
@@ -15,9 +14,7 @@ the floor, what this harness reads on this machine when nothing differs. A ratio
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,42 +25,30 @@ from typing import Callable
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-METRICS = ("steady_tokens_per_s", "steady_steps_per_s")
+import common
+
+METRIC = "steady_tokens_per_s"   # the meter's steady state: after warm-up, compile and checkpoint time
 OWNED_FLAGS = ("--run-dir", "--profile", "--no-profile")   # set by this script, per arm
 DEFAULT_TRAIN = ["--device", "cpu", "--max-steps", "40", "--eval-prompts", "0", "--builtin-conversations", "64"]
 
 
-class BadArgs(Exception):
-    """A command-line mistake: reported in one line, exit status 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that raises BadArgs instead of printing its usage and exiting."""
-
-    def error(self, message: str):
-        raise BadArgs(message)
-
-
-def drafter_tokens_per_s(run_dir: Path, metric: str) -> float:
-    """The run's drafter tokens/s: `metric` summed over every drafter rank file the meter wrote."""
+def drafter_tokens_per_s(run_dir: Path) -> float:
+    """The run's drafter tokens/s: METRIC summed over every drafter rank file the meter wrote."""
     files = [json.loads(f.read_text()) for f in sorted((run_dir / "throughput").glob("rank*.json"))]
-    values = [d.get(metric) for d in files if d.get("role") == "drafter"]
+    values = [d.get(METRIC) for d in files if d.get("role") == "drafter"]
     if not values or None in values:
-        raise RuntimeError(f"{run_dir}: no {metric} in throughput/rank*.json (too few steps for the meter?)")
+        raise RuntimeError(f"{run_dir}: no {METRIC} in throughput/rank*.json (too few steps for the meter?)")
     return float(sum(values))
 
 
-def run_train(train_args: list[str], run_dir: Path, metric: str) -> float:
+def run_train(train_args: list[str], run_dir: Path) -> float:
     """One dflash-train run in `run_dir`; its output goes to RUN_DIR.log. Returns its drafter tokens/s."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     log = run_dir.with_suffix(".log")
     with log.open("w") as out:
-        rc = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *train_args],
-                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        rc = common.train(run_dir, train_args, stdout=out, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"dflash-train exited {rc}; its output: {log}")
-    return drafter_tokens_per_s(run_dir, metric)
+    return drafter_tokens_per_s(run_dir)
 
 
 def bootstrap_median_ci(ratios: list[float], level: float = 0.95, resamples: int = 10_000,
@@ -84,15 +69,15 @@ def summary_line(name: str, ratios: list[float]) -> str:
             f"min..max {pct(min(ratios))} .. {pct(max(ratios))}, 95% CI {pct(lo)} .. {pct(hi)}")
 
 
-def run_pair(name: str, arms: list[tuple[str, list[str]]], reverse: bool, workdir: Path, metric: str,
-             run: Callable[[list[str], Path, str], float], keep_runs: bool) -> float:
+def run_pair(name: str, arms: list[tuple[str, list[str]]], reverse: bool, workdir: Path,
+             run: Callable[[list[str], Path], float], keep_runs: bool) -> float:
     """Both arms of one pair, in reverse order when asked; the first arm's rate over the second's."""
     rates = [0.0, 0.0]
     for k in ((1, 0) if reverse else (0, 1)):
         label, args = arms[k]
         run_dir = workdir / f"{name}-{k}-{label}"
         t0_s = time.monotonic()
-        rates[k] = run(args, run_dir, metric)
+        rates[k] = run(args, run_dir)
         if not keep_runs:
             shutil.rmtree(run_dir, ignore_errors=True)
         print(f"  {name} {label}: {rates[k]:,.1f} tokens/s in {time.monotonic() - t0_s:.1f} s", flush=True)
@@ -100,8 +85,8 @@ def run_pair(name: str, arms: list[tuple[str, list[str]]], reverse: bool, workdi
     return rates[0] / rates[1]
 
 
-def measure(pairs: int, aa: bool, train_args: list[str], workdir: Path, metric: str,
-            run: Callable[[list[str], Path, str], float] = run_train, keep_runs: bool = False) -> dict:
+def measure(pairs: int, aa: bool, train_args: list[str], workdir: Path,
+            run: Callable[[list[str], Path], float] = run_train, keep_runs: bool = False) -> dict:
     """The ratios per comparison: on/off pairs in ABBA order, each followed by an off/off pair with `aa`."""
     off = [*train_args, "--no-profile"]
     plans = {"on/off": [("on", train_args), ("off", off)], "off/off": [("off", off), ("off", off)]}
@@ -109,41 +94,36 @@ def measure(pairs: int, aa: bool, train_args: list[str], workdir: Path, metric: 
     for i in range(pairs):
         for name in ratios:
             ratios[name].append(run_pair(f"pair{i}-{name.replace('/', '-')}", plans[name], i % 2 == 1,
-                                         workdir, metric, run, keep_runs))
+                                         workdir, run, keep_runs))
     return ratios
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """This script's options before `--`, dflash-train's after it; BadArgs on a mistake."""
+def parse_args(argv: list[str]):
+    """This script's options before `--`, dflash-train's after it; a mistake is one line and exit 2."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--pairs", type=int, default=6, help="A/B pairs (each two runs)")
     ap.add_argument("--aa", action="store_true", help="also an A/A pair (two --no-profile runs) after each")
-    ap.add_argument("--metric", choices=METRICS, default=METRICS[0], help="throughput file field")
     ap.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     ap.add_argument("--keep-runs", action="store_true", help="keep every run directory")
     args = ap.parse_args(argv[:cut])
     args.train = argv[cut + 1:] or list(DEFAULT_TRAIN)
     if args.pairs < 1:
-        raise BadArgs(f"--pairs must be at least 1, got {args.pairs}")
+        ap.error(f"--pairs must be at least 1, got {args.pairs}")
     owned = [a for a in args.train if a.split("=")[0] in OWNED_FLAGS]
     if owned:
-        raise BadArgs(f"{owned[0]} is set by overhead_ab.py per arm; leave it out of the dflash-train arguments")
+        ap.error(f"{owned[0]} is set by overhead_ab.py per arm; leave it out of the dflash-train arguments")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run the pairs, print the summaries; exit status 2 on bad arguments, 1 on a failed run."""
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except BadArgs as e:
-        print(f"overhead_ab: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="overhead_ab-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"dflash-train {' '.join(args.train)}; {args.metric}; runs in {workdir}", flush=True)
+    print(f"dflash-train {' '.join(args.train)}; {METRIC}; runs in {workdir}", flush=True)
     try:
-        ratios = measure(args.pairs, args.aa, args.train, workdir, args.metric, keep_runs=args.keep_runs)
+        ratios = measure(args.pairs, args.aa, args.train, workdir, keep_runs=args.keep_runs)
     except RuntimeError as e:
         print(f"overhead_ab: {e}", file=sys.stderr)
         return 1
