@@ -10,7 +10,6 @@ Needs 2 GPUs. Writes the runs under /tmp/dflash-bench and a JSON summary under $
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -20,10 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from profiler.records import read_records  # noqa: E402
+import common
+from common import REPO
 
 
 def make_long_corpus(path: Path, n: int, words_per_turn: int, seed: int = 0) -> None:
@@ -41,11 +38,11 @@ def make_long_corpus(path: Path, n: int, words_per_turn: int, seed: int = 0) -> 
 
 
 def run_train(name: str, args: list[str], root: Path) -> Path:
+    """A fresh run ROOT/NAME (the trainer refuses a used dir); the tail of its output is printed."""
     run_dir = root / name
-    shutil.rmtree(run_dir, ignore_errors=True)   # a fresh run each time (the trainer refuses a used dir)
-    cmd = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), *args]
+    shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    r = common.train(run_dir, args, capture_output=True, text=True)
     print(f"--- {name}: exit {r.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
     if r.returncode != 0:
         print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
@@ -63,25 +60,11 @@ def measure_peer(nbytes: int, gap_s: float = 0.0) -> dict:
     return peer
 
 
-def run_end(run_dir: Path, role: str) -> dict:
-    for p in sorted((run_dir / "profile").glob("rank*.jsonl")):
-        records, _ = read_records(p)
-        for r in records:
-            if r.get("type") == "run_end" and r.get("role") == role:
-                return r
-    return {}
-
-
-def span(end: dict, name: str) -> dict:
-    return end.get("spans", {}).get(name, {})
-
-
-def steady_intervals(run_dir: Path, rank: int) -> list[dict]:
+def steady_intervals(run_dir: Path, rank: int = 1) -> list[dict]:
     """Interval records of the steady state: full-length intervals in which the target ran at least
     half as many forwards as in its best interval and never waited a whole second for a slot
     (start-up, the drafter's first-step compilation and the final partial interval fall out)."""
-    records, _ = read_records(run_dir / "profile" / f"rank{rank}.jsonl")
-    ivs = [r for r in records if r.get("type") == "interval"]
+    ivs = common.records(run_dir, rank, "interval")
     fwd = lambda r: r["spans"].get("target.fwd", {}).get("count", 0)  # noqa: E731
     full = [r for r in ivs if r["duration_seconds"] >= 0.9 * max(x["duration_seconds"] for x in ivs)]
     # A single wait over a second is the drafter's compilation stall, not steady back-pressure.
@@ -90,36 +73,11 @@ def steady_intervals(run_dir: Path, rank: int) -> list[dict]:
     return [r for r in full if best and fwd(r) >= best / 2 and not stall(r)]
 
 
-def steady_tokens_per_s(run_dir: Path, rank: int = 1) -> float:
-    """What the target produces in steady state, which the drafter consumes at equilibrium. The
-    drafter-side meter (RUN_DIR/throughput) also counts batches buffered during start-up."""
-    ivs = steady_intervals(run_dir, rank)
-    tokens = sum(r["counters"].get("tokens", {}).get("total", 0) for r in ivs)
-    return tokens / max(sum(r["duration_seconds"] for r in ivs), 1e-9)
-
-
-def steady_step_seconds(run_dir: Path, rank: int = 1) -> float:
-    """The target's steady time per batch: the pipeline's cadence, one transfer per batch."""
-    ivs = steady_intervals(run_dir, rank)
-    batches = sum(r["spans"].get("target.fwd", {}).get("count", 0) for r in ivs)
-    return sum(r["duration_seconds"] for r in ivs) / max(batches, 1)
-
-
-def busy_share(run_dir: Path, rank: int = 1) -> float:
-    """Share of the target loop's steady-state time not spent waiting for a transfer slot."""
-    busy = wait = 0.0
-    for r in steady_intervals(run_dir, rank):
-        busy += sum((r["spans"].get(n, {}).get("cpu") or {}).get("total_seconds", 0.0)
-                    for n in ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy"))
-        wait += (r["spans"].get("transfer.wait_slot", {}).get("cpu") or {}).get("total_seconds", 0.0)
-    return busy / max(busy + wait, 1e-9)
-
-
-def steady_span(run_dir: Path, name: str, rank: int = 1) -> dict:
-    """One span over the steady intervals: count, bytes, CPU and GPU totals, median GPU p50."""
+def steady_span(ivs: list[dict], name: str) -> dict:
+    """One span over the steady intervals `ivs`: count, bytes, CPU and GPU totals, median GPU p50."""
     count = nbytes = cpu = gpu = 0.0
     p50s = []
-    for r in steady_intervals(run_dir, rank):
+    for r in ivs:
         s = r["spans"].get(name)
         if not s:
             continue
@@ -135,13 +93,8 @@ def steady_span(run_dir: Path, name: str, rank: int = 1) -> dict:
             "gpu_bytes_per_s": nbytes / gpu if gpu else None, "cpu_bytes_per_s": nbytes / cpu if cpu else None}
 
 
-def tail_rate(run_dir: Path) -> float:
-    """The drafter meter's steady rate (after warm-up, phases left out), measured with or without profiling."""
-    return json.loads((run_dir / "throughput" / "rank0.json").read_text())["steady_tokens_per_s"]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--target", default="/tmp/dflash-bench/qwen3-8b-random")
     ap.add_argument("--anchors", type=int, default=256)
@@ -153,14 +106,13 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     if not (Path(a.target) / "config.json").is_file():
         subprocess.run([sys.executable, str(REPO / "bench/make_random_target.py"), "--out", a.target], check=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     data = root / "long.jsonl"
     make_long_corpus(data, 400, words_per_turn=a.max_length)
-    common = ["--target-model", a.target, "--data", str(data), "--max-steps", str(a.steps),
-              "--max-length", str(a.max_length), "--tokens-per-batch", str(2 * a.max_length),
-              "--num-anchors", str(a.anchors), "--eval-prompts", "0", "--target-gpus", "1",
-              "--drafter-gpus", "1", "--warmup-steps", "2", "--profile-interval", a.profile_interval]
-    flags = {"nccl": ["--transfer", "nccl"], "host": ["--transfer", "host"]}
+    args = ["--target-model", a.target, "--data", str(data), "--max-steps", str(a.steps),
+            "--max-length", str(a.max_length), "--tokens-per-batch", str(2 * a.max_length),
+            "--num-anchors", str(a.anchors), "--eval-prompts", "0", "--target-gpus", "1",
+            "--drafter-gpus", "1", "--warmup-steps", "2", "--profile-interval", a.profile_interval]
     summary: dict = {"command": sys.argv, "steps": a.steps}
     if a.runs:
         # The peers of `transfer.send`: a bare NCCL send/recv of one packed batch's bytes (K layers x
@@ -170,54 +122,59 @@ def main() -> None:
         # much idle time is slower, so the same transfer is also measured at the run's cadence.
         payload_bytes = 5 * 2 * a.max_length * 4096 * 2
         before = measure_peer(payload_bytes)
-        runs = {name: run_train(name, common + flags[name], root) for name in a.runs.split(",")}
+        runs = {name: run_train(name, [*args, "--transfer", name], root) for name in a.runs.split(",")}
         after = measure_peer(payload_bytes)
         peer = min((before, after), key=lambda p: p["nccl_seconds"])
         summary["rows"] = rows = [path_row(name, run_dir) for name, run_dir in runs.items()]
-        period_s = rows[0]["step_seconds"]
-        peer["cadence"] = measure_peer(payload_bytes, gap_s=round(period_s, 3))
+        peer["cadence"] = measure_peer(payload_bytes, gap_s=round(rows[0]["step_seconds"], 3))
         summary["nccl_peer"], summary["nccl_peer_runs"] = peer, [before, after]
         print_paths(rows, peer)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_pipeline.json").write_text(json.dumps(summary, indent=2))
+    common.write_out("bench_pipeline.json", summary)
 
 
 def path_row(name: str, run_dir: Path) -> dict:
-    t_end = run_end(run_dir, "target")
-    pack, send, d2h = (steady_span(run_dir, n) for n in ("target.pack_hidden", "transfer.send", "d2h_copy"))
-    fwd = steady_span(run_dir, "target.fwd")
-    ivs = steady_intervals(run_dir, 1)
+    """One run's figures from the target's (rank 1) steady intervals and both ranks' run_end records."""
+    ivs = steady_intervals(run_dir)
+    sp = {n: steady_span(ivs, n) for n in ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy",
+                                           "transfer.wait_slot", "transfer.send")}
+    seconds = sum(r["duration_seconds"] for r in ivs)
+    # The target's busy share: its loop's steady time not spent waiting for a transfer slot.
+    busy = sum(sp[n]["cpu_s"] for n in ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy"))
+    ends = {rank: next(iter(common.records(run_dir, rank, "run_end")), {}).get("spans", {}) for rank in (0, 1)}
+    pack_end, pack = ends[1].get("target.pack_hidden", {}), sp["target.pack_hidden"]
+    # tokens/s: what the target produces in steady state, which the drafter consumes at equilibrium (the
+    # drafter-side meter, RUN_DIR/throughput, also counts batches buffered during start-up).
     return {"run": name, "steady_intervals": [r["index"] for r in ivs],
-            "tokens_per_s": steady_tokens_per_s(run_dir), "drafter_tail_tokens_per_s": tail_rate(run_dir),
-            "target_busy_share": busy_share(run_dir),
-            "fwd_gpu_ms": 1e3 * fwd["gpu_s"] / max(fwd["count"], 1),
-            "step_seconds": steady_step_seconds(run_dir),
+            "tokens_per_s": sum(r["counters"].get("tokens", {}).get("total", 0) for r in ivs) / max(seconds, 1e-9),
+            "target_busy_share": busy / max(busy + sp["transfer.wait_slot"]["cpu_s"], 1e-9),
+            "fwd_gpu_ms": 1e3 * sp["target.fwd"]["gpu_s"] / max(sp["target.fwd"]["count"], 1),
+            "step_seconds": seconds / max(sp["target.fwd"]["count"], 1),   # the cadence: one transfer a batch
             "pack_gpu_ms": 1e3 * pack["gpu_s"] / max(pack["count"], 1),
-            "pack_floor_ratio": span(t_end, "target.pack_hidden").get("floor_ratio"),
-            "pack_floor_bytes_per_s": span(t_end, "target.pack_hidden").get("floor_bytes_per_s"),
-            "pack_bytes_per_s": pack["gpu_bytes_per_s"],
-            "send": send, "d2h": d2h,
-            "d2h_floor_bytes_per_s": span(t_end, "d2h_copy").get("floor_bytes_per_s"),
-            "drafter_fwd_bwd_gpu_ms": 1e3 * ((span(run_end(run_dir, "drafter"), "drafter.fwd_bwd").get("gpu") or {})
+            "pack_floor_ratio": pack_end.get("floor_ratio"),
+            "pack_floor_bytes_per_s": pack_end.get("floor_bytes_per_s"),
+            "pack_bytes_per_s": pack["gpu_bytes_per_s"], "send": sp["transfer.send"], "d2h": sp["d2h_copy"],
+            "d2h_floor_bytes_per_s": ends[1].get("d2h_copy", {}).get("floor_bytes_per_s"),
+            "drafter_fwd_bwd_gpu_ms": 1e3 * ((ends[0].get("drafter.fwd_bwd", {}).get("gpu") or {})
                                              .get("p50_seconds") or float("nan"))}
 
 
 def print_paths(rows: list[dict], peer: dict) -> None:
-    cad = peer["cadence"]
-    print("\n| run | tokens/s (steady) | target busy | fwd GPU ms | pack GPU ms (x floor time) "
-          "| send GPU ms p50 | send GB/s | of peer back to back | of peer at cadence "
-          "| d2h GB/s (of pinned floor) | drafter fwd+bwd ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    """The runs' table, each figure next to its floor or peer, and the peer's own line."""
+    cad, cells = peer["cadence"], []
     for r in rows:
         pack_x = (r["pack_floor_bytes_per_s"] / r["pack_bytes_per_s"]) if r["pack_bytes_per_s"] else float("nan")
         send_bw = r["send"]["gpu_bytes_per_s"] or r["send"]["cpu_bytes_per_s"] or 0
         d2h_bw = r["d2h"]["gpu_bytes_per_s"]
         d2h = (f"{d2h_bw / 1e9:.1f} ({d2h_bw / r['d2h_floor_bytes_per_s']:.2f})"
                if d2h_bw and r["d2h_floor_bytes_per_s"] else "n/a")
-        print(f"| {r['run']} | {r['tokens_per_s']:,.0f} | {r['target_busy_share']:.1%} | {r['fwd_gpu_ms']:.1f} "
-              f"| {r['pack_gpu_ms']:.3f} ({pack_x:.2f}x) | {1e3 * (r['send']['gpu_p50_s'] or float('nan')):.2f} "
-              f"| {send_bw / 1e9:.1f} | {send_bw / peer['nccl_bytes_per_s']:.2f} "
-              f"| {send_bw / cad['nccl_bytes_per_s']:.2f} | {d2h} | {r['drafter_fwd_bwd_gpu_ms']:.1f} |")
+        cells.append([r["run"], f"{r['tokens_per_s']:,.0f}", f"{r['target_busy_share']:.1%}",
+                      f"{r['fwd_gpu_ms']:.1f}", f"{r['pack_gpu_ms']:.3f} ({pack_x:.2f}x)",
+                      f"{1e3 * (r['send']['gpu_p50_s'] or float('nan')):.2f}",
+                      f"{send_bw / 1e9:.1f}", f"{send_bw / peer['nccl_bytes_per_s']:.2f}",
+                      f"{send_bw / cad['nccl_bytes_per_s']:.2f}", d2h, f"{r['drafter_fwd_bwd_gpu_ms']:.1f}"])
+    print("\n" + common.table(["run", "tokens/s (steady)", "target busy", "fwd GPU ms", "pack GPU ms (x floor time)",
+                               "send GPU ms p50", "send GB/s", "of peer back to back", "of peer at cadence",
+                               "d2h GB/s (of pinned floor)", "drafter fwd+bwd ms"], cells))
     print(f"peer: bare NCCL send/recv of {peer['bytes'] / 1e6:.0f} MB back to back {peer['nccl_seconds'] * 1e3:.2f} ms = "
           f"{peer['nccl_bytes_per_s'] / 1e9:.1f} GB/s (faster of before/after the runs); after "
           f"{cad['gap_seconds']:.3f} s idle, the run's cadence, {cad['nccl_seconds'] * 1e3:.2f} ms = "
