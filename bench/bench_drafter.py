@@ -1,7 +1,7 @@
 """Drafter fwd+bwd at Qwen3-8B shapes: flex vs dense attention, chunked vs unchunked LM-head loss.
 
     python3 bench/bench_drafter.py [--repeats 8] [--backends flex,dense] [--loss chunked]
-                                   [--chunk-mib MIB] [--fused on|off|both] [--tiny]
+                                   [--fused on|off|both] [--tiny]
 
 Shapes: 5-layer drafter (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288,
 vocab 151936), K=5 target layers, bf16 parameters, block 16, 2 documents x 3072 tokens, 512 anchors
@@ -14,9 +14,10 @@ warm-up). Writes bench_drafter.json under $OUT when set.
 `--loss` picks the LM-head loss (comma-separated, one row per backend and loss): `unchunked` is the
 computation before dflash.lm_loss (all [rows, vocab] logits at once, then .float(), cross_entropy,
 argmax), `chunked` is dflash.lm_loss's eager path, `fused` its torch.compile'd elementwise path
-(the trainer's default on CUDA); `both` means all three. `--chunk-mib` sets dflash.lm_loss.CHUNK_LOGIT_BYTES. Every row builds the
-same seeded model, so the loss column must agree across loss variants. `--tiny` runs tiny shapes on
-the CPU with the dense backend (a smoke test of this script; its timings mean nothing).
+(the trainer's default on CUDA); `both` means all three. Every row builds the same seeded model, so the
+loss column must agree across loss variants. `--tiny` runs tiny shapes on the CPU with the dense backend
+and 1 MiB of logits a chunk, so the tiny vocabulary still takes several chunks (a smoke test of this
+script; its timings mean nothing).
 
 `--fused` sets dflash.fused.ENABLED, the drafter's compiled RMSNorm / add+RMSNorm / q,k norm+RoPE /
 SiLU*mul kernels (CUDA only; default on, as in the trainer); `both` runs each row off, then on.
@@ -32,20 +33,17 @@ table says so in its last line; compare with a peer only when it runs in the sam
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
-import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import namedtuple
 
 import torch
 from torch import nn
 
+import common
 import dflash.loss as loss_mod
 from dflash import fused, lm_loss
 from dflash.attention import build_layout, dense_mask
@@ -53,25 +51,10 @@ from dflash.loss import block_targets, compute_loss, sample_anchors
 from dflash.model import DFlashConfig, DFlashDraftModel
 from dflash.pack import PackedBatch
 
-@dataclass(frozen=True)
-class Shape:
-    """Drafter and batch shape of one benchmark setting."""
 
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    vocab: int
-    target_layer_ids: tuple
-    num_target_layers: int
-    layers: int
-    block: int
-    doc_len: int
-    docs: int
-    anchors: int
-    """Anchors per document."""
-
+# The drafter's and the batch's shape in one benchmark setting; `anchors` are per document.
+Shape = namedtuple("Shape", "hidden heads kv_heads head_dim inter vocab target_layer_ids num_target_layers "
+                            "layers block doc_len docs anchors")
 
 QWEN3_8B = Shape(4096, 32, 8, 128, 12288, 151936, (1, 9, 17, 25, 33), 36, 5, 16, 3072, 2, 512)
 TINY = Shape(64, 4, 2, 16, 128, 4096, (1, 3), 6, 2, 16, 128, 2, 8)
@@ -158,7 +141,6 @@ def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, s
     ctx = packed.context(0.0)
     times_ms = []
     cuda = device.type == "cuda"
-    t_warm = time.perf_counter()
     loss_mod.linear_cross_entropy = LOSSES[loss]
     fused_before, fused.ENABLED = fused.ENABLED, fused_on
     first_s = math.nan
@@ -177,8 +159,6 @@ def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, s
                 first_s = time.perf_counter() - t0
             if i >= warmup:
                 times_ms.append((time.perf_counter() - t0) * 1e3)
-            elif i == warmup - 1:
-                t_warm = time.perf_counter() - t_warm
             model.zero_grad(set_to_none=True)
     finally:
         loss_mod.linear_cross_entropy = lm_loss.linear_cross_entropy
@@ -189,7 +169,7 @@ def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, s
         torch.cuda.empty_cache()
     return {"backend": backend, "loss_variant": loss, "fused": "on" if fused_on else "off",
             "median_ms": statistics.median(times_ms), "min_ms": min(times_ms),
-            "warmup_s": t_warm if warmup else 0.0, "first_step_s": first_s, "peak_mem_gib": peak / 2 ** 30,
+            "first_step_s": first_s, "peak_mem_gib": peak / 2 ** 30,
             "loss": float(out.loss.detach()), "tau": float(out.tau)}
 
 
@@ -199,24 +179,23 @@ def print_rows(rows: list, shape: Shape, tokens: int, flops: float, peak: float)
           f"{shape.block}, bf16; chunk {lm_loss.CHUNK_LOGIT_BYTES / 2 ** 20:.0f} MiB of logits; measured "
           f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; model {flops / 1e12:.1f} TFLOP/step")
     print(f"{'backend':<8}{'loss':>10}{'fused':>6}{'median ms':>10}{'min ms':>9}{'tokens/s':>11}{'MFU':>7}"
-          f"{'peak GiB':>10}{'warmup s':>10}{'first s':>9}{'loss':>8}")
+          f"{'peak GiB':>10}{'first s':>9}{'loss':>8}")
     for r in rows:
         r["tokens_per_s"] = tokens / (r["median_ms"] / 1e3)
         r["mfu"] = flops / (r["median_ms"] / 1e3) / peak
         print(f"{r['backend']:<8}{r['loss_variant']:>10}{r['fused']:>6}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}"
-              f"{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}{r['peak_mem_gib']:>10.1f}{r['warmup_s']:>10.1f}{r['first_step_s']:>9.1f}{r['loss']:>8.4f}")
+              f"{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}{r['peak_mem_gib']:>10.1f}{r['first_step_s']:>9.1f}"
+              f"{r['loss']:>8.4f}")
     print("peer (SpecForge, same shapes): not measured in this run (not installable here)")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     """Command line; `--loss both` expands to every loss variant."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backends", default=None, help="comma-separated; default flex,dense (dense with --tiny)")
     ap.add_argument("--loss", default="chunked", help="unchunked, chunked, fused (comma-separated) or both")
-    ap.add_argument("--chunk-mib", type=float, default=None,
-                    help="logits per chunk, MiB (default: dflash.lm_loss's; 1 with --tiny)")
     ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
                     help="dflash.fused kernels (CUDA only): on (default, as trained), off, or both rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, dense: smoke-tests this script")
@@ -227,8 +206,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--loss: unknown variant {bad[0]!r} (choose from {', '.join(LOSSES)} or both)")
     args.fused_variants = {"on": [True], "off": [False], "both": [False, True]}[args.fused]
     args.backends = (args.backends or ("dense" if args.tiny else "flex,dense")).split(",")
-    if args.chunk_mib is None and args.tiny:
-        args.chunk_mib = 1.0
     return args
 
 
@@ -237,24 +214,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tiny:
         device, shape, peak = torch.device("cpu"), TINY, matmul_peak_flops(torch.device("cpu"), 256, 5)
+        lm_loss.CHUNK_LOGIT_BYTES = 2 ** 20
     elif not torch.cuda.is_available():
         print("bench_drafter: needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
     else:
         device, shape = torch.device("cuda"), QWEN3_8B
         peak = matmul_peak_flops(device)
-    if args.chunk_mib is not None:
-        lm_loss.CHUNK_LOGIT_BYTES = int(args.chunk_mib * 2 ** 20)
     packed = make_batch(device, shape)
     flops = model_flops(packed, device, shape)
     rows = [time_variant(b, v, f, packed, shape, args.repeats, args.warmup, device)
             for b in args.backends for v in args.losses for f in args.fused_variants]
     print_rows(rows, shape, packed.num_tokens, flops, peak)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_drafter.json").write_text(json.dumps(
-            {"peak_flops": peak, "model_flops": flops, "tokens": packed.num_tokens, "peer_ms": None,
-             "chunk_logit_bytes": lm_loss.CHUNK_LOGIT_BYTES, "tiny": args.tiny, "rows": rows}, indent=2))
+    common.write_out("bench_drafter.json", {"peak_flops": peak, "model_flops": flops, "tokens": packed.num_tokens,
+                                            "peer_ms": None, "chunk_logit_bytes": lm_loss.CHUNK_LOGIT_BYTES,
+                                            "tiny": args.tiny, "rows": rows})
     return 0
 
 
