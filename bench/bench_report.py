@@ -13,7 +13,6 @@ what is measured is the report's time on a log of the real size and shape.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -24,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import common
+from common import REPO
 
 BOUNDS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
           10.0, 30.0, 60.0, 120.0, 300.0]
@@ -149,20 +149,23 @@ def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: 
     return size
 
 
+def hotspots(run_dir: Path, *more: str, **kw) -> subprocess.CompletedProcess:
+    """`dflash-report hotspots RUN_DIR --json MORE` (what a user runs), to its end."""
+    return subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir), "--json", *more],
+                          cwd=REPO, check=True, **kw)
+
+
 def report_json(run_dir: Path, gpus: int | None = None) -> dict:
-    """`dflash-report hotspots RUN_DIR --json` (what a user runs), parsed."""
-    out = subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir), "--json",
-                          *(["--gpus", str(gpus)] if gpus else [])], cwd=REPO, check=True, capture_output=True,
-                         text=True).stdout
-    return json.loads(out)
+    """hotspots' JSON, parsed; `gpus` asks its split advice for that many GPUs."""
+    return json.loads(hotspots(run_dir, *(["--gpus", str(gpus)] if gpus else []), capture_output=True).stdout)
 
 
 def time_cli(run_dir: Path, repeat: int) -> list:
+    """Wall seconds of `repeat` whole hotspots runs, end to end (interpreter start to exit)."""
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "dflash.report_cli", "hotspots", str(run_dir), "--json"], cwd=REPO,
-                       check=True, stdout=subprocess.DEVNULL)
+        hotspots(run_dir, stdout=subprocess.DEVNULL)
         times.append(time.perf_counter() - t)
     return times
 
@@ -175,10 +178,8 @@ SPLIT_ARGS = ["--builtin-conversations", "96", "--eval-prompts", "0", "--tokens-
 
 def _train(run_dir: Path, targets: int, drafters: int, steps: int, fault: str) -> None:
     """One CPU run; dflash-train gives each of its processes one torch thread on 2 cores (2 // world)."""
-    subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), "--max-steps", str(steps),
-                    "--target-gpus", str(targets), "--drafter-gpus", str(drafters), *SPLIT_ARGS], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env=dict(os.environ, DFLASH_FAULT=fault))
+    common.train(run_dir, ["--max-steps", steps, "--target-gpus", targets, "--drafter-gpus", drafters, *SPLIT_ARGS],
+                 env={"DFLASH_FAULT": fault}, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
@@ -192,7 +193,8 @@ def split_check(work: Path, fault: str, splits: list, steps: int) -> list:
                          if (x["target_gpus"], x["drafter_gpus"]) == (t, d))
         run = work / f"{t}x{d}"
         _train(run, t, d, steps * max(1, t // d), fault)
-        measured = report_json(run)["split"]["current"]["measured_tokens_per_s"]
+        # --gpus: the report gives a CPU run's split only for a number of GPUs it is asked about.
+        measured = report_json(run, gpus=t + d)["split"]["current"]["measured_tokens_per_s"]
         best = advice["best"]
         rows.append({"split": f"{t}:{d}", "best_for_n": f"{best['target_gpus']}:{best['drafter_gpus']}",
                      "predicted": predicted, "measured": measured, "error": measured / predicted - 1,
@@ -207,10 +209,9 @@ def main_split(args) -> int:
         rows = split_check(work, args.fault, splits, args.steps)
     print(f"calibration 1:1 with DFLASH_FAULT={args.fault}: capacity per GPU "
           + ", ".join(f"{r} {c:.0f} tokens/s" for r, c in rows[0]["capacity"].items()))
-    print(f"{'split':>6} {'best for N':>10} {'predicted':>10} {'measured':>10} {'error':>7}")
-    for r in rows:
-        print(f"{r['split']:>6} {r['best_for_n']:>10} {r['predicted']:>10.0f} {r['measured']:>10.0f} "
-              f"{r['error']:>+7.1%}")
+    print(common.table(["split", "best for N", "predicted", "measured", "error"],
+                       [[r["split"], r["best_for_n"], f"{r['predicted']:.0f}", f"{r['measured']:.0f}",
+                         f"{r['error']:+.1%}"] for r in rows]))
     return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
 
 
@@ -238,16 +239,14 @@ def memory_check(run_dirs: list) -> list:
 
 
 def main_memory(run_dirs: list) -> int:
-    print(f"{'from (tokens/batch)':<22} {'to (tokens/batch)':<22} {'growth':<10} {'predicted GiB':>13} "
-          f"{'measured GiB':>12} {'error':>7}")
-    for r in memory_check(run_dirs):
-        print(f"{r['from']:<22} {r['to']:<22} {r['growth']:<10} {r['predicted_gib']:>13.2f} {r['measured_gib']:>12.2f} "
-              f"{r['error']:>+7.1%}")
+    print(common.table(["from (tokens/batch)", "to (tokens/batch)", "growth", "predicted GiB", "measured GiB", "error"],
+                       [[r["from"], r["to"], r["growth"], f"{r['predicted_gib']:.2f}", f"{r['measured_gib']:.2f}",
+                         f"{r['error']:+.1%}"] for r in memory_check(run_dirs)]))
     return 0
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--split-check", action="store_true", help="check the split advice against real CPU runs instead")
     p.add_argument("--memory-check", nargs="+", metavar="RUN_DIR",
                    help="check the memory model across runs at growing tokens per batch instead")
