@@ -9,40 +9,31 @@ checkpoint, the evaluation under way). Arguments after `--` go to dflash-train.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from profiler.records import read_records
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _events(run: Path, kind: str | None = None, rtype: str = "event") -> list:
-    log = run / "profile" / "rank0.jsonl"
-    recs = read_records(log)[0] if log.is_file() else []
-    return [r for r in recs if r.get("type") == rtype and (kind is None or r.get("kind") == kind)]
+import common
 
 
 def once(moment: str, extra: list, work: Path) -> dict:
+    """One run stopped by SIGTERM at `moment`: its exit status, the seconds to exit, the step its line named."""
     run = work / f"run-{time.time_ns()}"
     steps = {"step": "100000", "long-step": "8", "eval": "4"}[moment]
-    args = ["--run-dir", str(run), "--max-steps", steps, "--metrics-port", "0", "--profile-interval", "1"]
+    args = ["--max-steps", steps, "--metrics-port", "0", "--profile-interval", "1"]
     if moment == "eval":
         args += ["--eval-prompts", "16", "--eval-new-tokens", "160"]
-    env = dict(os.environ, **({"DFLASH_FAULT": "slow=8@drafter.fwd_bwd:step=3"} if moment == "long-step" else {}))
+    env = {"DFLASH_FAULT": "slow=8@drafter.fwd_bwd:step=3"} if moment == "long-step" else {}
     err = work / f"{run.name}.err"
-    p = subprocess.Popen([sys.executable, "-m", "dflash.cli", *args, *extra], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=open(err, "w"))
-    ready = {"step": lambda: _events(run, rtype="interval"),
+    p = common.train(run, [*args, *extra], env=env, wait=False, stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    checkpoints = lambda: common.records(run, 0, "event", "checkpoint")   # noqa: E731
+    ready = {"step": lambda: common.records(run, 0, "interval"),
              "long-step": lambda: "injected slow=8" in err.read_text(),
-             "eval": lambda: any(e.get("step") == int(steps) for e in _events(run, "checkpoint"))}[moment]
+             "eval": lambda: any(e.get("step") == int(steps) for e in checkpoints())}[moment]
     while not ready():
         if p.poll() is not None:
             raise SystemExit(f"the run ended before the moment: {err.read_text()[-2000:]}")
@@ -57,7 +48,7 @@ def once(moment: str, extra: list, work: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--moment", choices=("step", "long-step", "eval"), default="step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("rest", nargs=argparse.REMAINDER)
