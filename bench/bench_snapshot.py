@@ -12,7 +12,6 @@ bare `py-spy dump --nonblocking` (what the in-run sampler pays per sample). Goal
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,21 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from profiler.records import read_records  # noqa: E402
+import common
+from common import REPO
 
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))   # the venv's, unactivated
 
 SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",
          "--max-length", "128", "--profile-interval", "2", "--device", "cpu"]
-
-
-def start_run(run: Path) -> subprocess.Popen:
-    log = open(run.parent / "train.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--max-steps", "100000",
-                             *SMALL], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for_training(run: Path, train: subprocess.Popen, deadline_s: float = 240) -> int:
@@ -47,11 +38,8 @@ def wait_for_training(run: Path, train: subprocess.Popen, deadline_s: float = 24
     while time.monotonic() < deadline:
         if train.poll() is not None:
             raise SystemExit(f"dflash-train exited ({train.returncode}); see {run.parent}/train.log")
-        logs = [run / "profile" / f"rank{r}.jsonl" for r in (0, 1)]
-        if all(p.is_file() for p in logs):
-            recs = [read_records(p)[0] for p in logs]
-            if all(any(x["type"] == "interval" for x in r) for r in recs):
-                return next(x["pid"] for x in recs[1] if x["type"] == "run_start")
+        if all(common.records(run, rank, "interval") for rank in (0, 1)):
+            return common.records(run, 1, "run_start")[0]["pid"]
         time.sleep(0.5)
     raise SystemExit("the run did not start training in time")
 
@@ -86,21 +74,21 @@ def time_sampler_dump(pid: int, repeats: int) -> tuple[list, list]:
     return seconds, failures
 
 
-def row(name: str, values: list) -> str:
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return (f"| {name} | {len(values)} | {1000 * statistics.median(values):.0f} | {1000 * p90:.0f} | "
-            f"{1000 * ordered[-1]:.0f} |")
+def row(name: str, values: list) -> list:
+    """A table row: the case, its count, and the median, p90 and max of `values` (seconds) in ms."""
+    return [name, len(values), *(f"{1000 * x:.0f}" for x in (statistics.median(values), common.quantile(values, 0.9),
+                                                               max(values)))]
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--native-repeats", type=int, default=3)
     args = p.parse_args()
     load_before = os.getloadavg()[0]
     run = Path(tempfile.mkdtemp(prefix="dflash-bench-snapshot-")) / "run"
-    train = start_run(run)
+    train = common.train(run, ["--max-steps", "100000", *SMALL], wait=False, stdout=open(run.parent / "train.log", "w"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
     try:
         pid = wait_for_training(run, train)
         results = {"pid": time_cli(["--pid", str(pid)], args.repeats),
@@ -110,19 +98,20 @@ def main() -> int:
     finally:
         os.killpg(train.pid, signal.SIGKILL)
         train.wait()
-    print("| case | n | median ms | p90 ms | max ms |\n| --- | --- | --- | --- | --- |")
+    rows = []
     for key, name in (("pid", "`snapshot --pid` (whole CLI)"), ("run_dir", "`snapshot --run-dir`, 2 ranks"),
                       ("native", "`snapshot --pid --native`")):
-        print(row(name, results[key]["wall_seconds"]))
-        print(row(f"... its py-spy dump{' --native' if key == 'native' else ''}", results[key]["pyspy_seconds"]))
+        rows += [row(name, results[key]["wall_seconds"]),
+                 row(f"... its py-spy dump{' --native' if key == 'native' else ''}", results[key]["pyspy_seconds"])]
     seconds, failures = results["sampler_dump_seconds"]
-    print(row(f"`py-spy dump --nonblocking` (one in-run sample; {len(failures)} of {args.repeats} failed)", seconds))
+    rows.append(row(f"`py-spy dump --nonblocking` (one in-run sample; {len(failures)} of {args.repeats} failed)",
+                    seconds))
+    print(common.table(["case", "n", "median ms", "p90 ms", "max ms"], rows))
     print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} CPUs (the run's two ranks included)")
     goal = statistics.median(results["pid"]["wall_seconds"]) < 1.0 and max(results["pid"]["wall_seconds"]) < 1.0
     print(f"goal (--pid without --native under 1 s, every run): {'met' if goal else 'MISSED'}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_snapshot.json").write_text(json.dumps(results, indent=1))
+    common.write_out("bench_snapshot.json", results)
     return 0
 
 
