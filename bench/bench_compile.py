@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from profiler.records import read_records   # noqa: E402  (standard library only)
+import common
 
 FIXED = ["--max-steps", "3", "--eval-prompts", "0", "--profile-detail-steps", "3", "--profile-interval", "600"]
 DEFAULT = ["--builtin-conversations", "64"]
@@ -48,22 +43,21 @@ def run_once(name: str, out: Path, cache: Path, extra: list[str], timeout_s: flo
     run's directory for 3 more steps (a real restart: built-ins and checkpoint reused)."""
     run_dir = out / ("cold" if name == "resume" else name)
     more = ["--resume", "--max-steps", "6"] if name == "resume" else []
-    cmd = [sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir), "--compile-cache-dir", str(cache),
-           *FIXED, *extra, *more]
     launched = time.time()
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    r = common.train(run_dir, ["--compile-cache-dir", cache, *FIXED, *extra, *more], capture_output=True, text=True,
+                     timeout=timeout_s)
     wall = time.time() - launched
     (out / f"{name}.log").write_text(r.stdout + r.stderr)
     row = {"run": name, "exit": r.returncode, "wall_s": round(wall, 2), "run_dir": str(run_dir)}
     if r.returncode != 0:
         return dict(row, error=(r.stderr.strip().splitlines() or ["?"])[-1])
-    return dict(row, **timings(run_dir / "profile" / "rank0.jsonl", launched))
+    return dict(row, **timings(run_dir, launched))
 
 
-def timings(log: Path, launched: float) -> dict:
-    """Seconds to step 2 and the compile spans, from one rank's run log (its last segment: a resumed
+def timings(run_dir: Path, launched: float) -> dict:
+    """Seconds to step 2 and the compile spans, from drafter rank 0's run log (its last segment: a resumed
     run appends to the log it continues)."""
-    records, _ = read_records(log)
+    records = common.records(run_dir)
     last = max(i for i, r in enumerate(records) if r["type"] == "run_start")
     records = records[last:]
     start = records[0]
@@ -78,7 +72,7 @@ def timings(log: Path, launched: float) -> dict:
 
     optim, recv, compiles = named("drafter.optim"), named("drafter.recv"), named("drafter.compile")
     if len(optim) < 2:
-        return {"error": f"{log}: fewer than 2 drafter.optim spans in the detail window"}
+        return {"error": f"{run_dir}: fewer than 2 drafter.optim spans in rank 0's detail window"}
     step2_unix = optim[1]["end_unix_ns"] / 1e9
     return {
         "launch_to_step2_s": round(step2_unix - launched, 2),
@@ -95,7 +89,7 @@ def timings(log: Path, launched: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temp dir)")
     ap.add_argument("--keep-cache", type=Path, default=None,
                     help="compile cache dir to use (default: a fresh one under --out, so the first run is cold)")
@@ -120,8 +114,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['run']:<6} " + ", ".join(f"{k} {v:.2f}" for k, v in (r.get("startup_s") or {}).items()))
     print(f"\nruns and logs: {out}; compile cache: {cache}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_compile.json").write_text(json.dumps(rows, indent=2) + "\n")
+    common.write_out("bench_compile.json", rows)
     return 0 if all(r["exit"] == 0 and "error" not in r for r in rows) else 1
 
 

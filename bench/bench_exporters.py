@@ -9,17 +9,14 @@ detail record of 3 steps (about 60 spans) for the trace and OTel exporters.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from profiler.stats import HISTOGRAM_BUCKETS_SECONDS  # noqa: E402
+import common
+from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 SPANS = ["target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "transfer.wait_slot", "transfer.send",
          "drafter.recv", "h2d_copy", "drafter.fwd_bwd", "drafter.allreduce", "drafter.optim", "ckpt.save"]
@@ -86,7 +83,7 @@ def cpu_per_export(exporter, records: list) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = common.parser(__doc__)
     ap.add_argument("--scrapes", type=int, default=200)
     ap.add_argument("--intervals", type=int, default=200)
     args = ap.parse_args()
@@ -114,11 +111,9 @@ def main() -> None:
         rows.append(("trace export() CPU per spans record (54 spans)", cpu_per_export(trace, recs)))
         trace.close(5.0)
     print(f"scrape body: {len(text) / 1024:.1f} KiB, {len(text.splitlines())} lines")
-    print(f"{'what':<48} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
-    for name, xs in rows:
-        xs = sorted(xs)
-        print(f"{name:<48} {statistics.median(xs) * 1e3:>8.3f} {xs[int(0.95 * (len(xs) - 1))] * 1e3:>8.3f} "
-              f"{xs[-1] * 1e3:>8.3f}")
+    print(common.table(["what", "n", "p50 ms", "p95 ms", "max ms"],
+                       [[name, len(xs), *(f"{x * 1e3:.3f}" for x in (statistics.median(xs), common.quantile(xs, 0.95),
+                                                                      max(xs)))] for name, xs in rows]))
     prom.close(1.0)
     floor_server.shutdown()
 

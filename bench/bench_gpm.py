@@ -13,20 +13,15 @@ Prints JSON (to $OUT/bench_gpm.json too when OUT is set).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from profiler.memory import GPM_METRICS, GpmReader, make_memory_sampler  # noqa: E402
+import common
+from profiler.memory import GPM_METRICS, GpmReader, make_memory_sampler
 
 
 def _per_sample(fn, n: int) -> dict:
@@ -92,9 +87,11 @@ def readings(sampler, device) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--samples", type=int, default=400, help="sample_once() calls per arm (default 400)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU with NVML")
     device = torch.device("cuda", torch.cuda.current_device())
     sampler = make_memory_sampler(device, period_s=0.1)
     gpu = sampler._gpus[0]
@@ -105,10 +102,8 @@ def main() -> int:
         sampler.start()
         result["readings"] = readings(sampler, device)
         sampler.stop()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_gpm.json").write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    common.write_out("bench_gpm.json", result)
     return 0
 
 

@@ -1,16 +1,16 @@
 """Bare NCCL send/recv between GPU 0 and GPU 1 of the same bytes as a packed batch: the peer that
 `transfer.send` is compared with. Also the same bytes through pinned host memory (D2H + H2D).
 
-    python3 bench/nccl_p2p.py --bytes 839000000 [--reps 10] [--gap-seconds 0.25] [--barrier nccl|gloo]
-With --gap-seconds the GPUs idle that long before each send, as between a pipeline's batches: after
-a quarter of a second a send of 336 MB between two H200s takes about 1.16 ms, against about 0.95 ms
-back to back (bench/RESULTS.md).
+    python3 bench/nccl_p2p.py --bytes 839000000 [--reps 10] [--gap-seconds 0.25]
+
+With --gap-seconds the GPUs idle that long before each send, as between a pipeline's batches (a send
+after idle time is slower: bench/RESULTS.md). The ranks line up over NCCL before each send (a barrier,
+an all-reduce over the link), then each transfer is timed alone by CUDA events on the receiver.
 Prints one JSON line: {"bytes":..,"nccl_seconds":..,"nccl_bytes_per_s":..,"pinned_seconds":..}
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -21,17 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import common
 
-def _worker(rank: int, port: int, nbytes: int, reps: int, gap_s: float, barrier: str, q) -> None:
+
+def _worker(rank: int, port: int, nbytes: int, reps: int, gap_s: float, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
-    cpu = dist.new_group(backend="gloo")
     buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     times = []
     for i in range(reps + 3):
         time.sleep(gap_s)         # the GPUs and the link idle, as between a pipeline's batches
-        dist.barrier(group=cpu if barrier == "gloo" else None)   # "nccl": an all-reduce over the link
+        dist.barrier()            # the ranks lined up: an all-reduce over the link
         torch.cuda.synchronize()  # benchmark: time each transfer alone
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -66,20 +67,18 @@ def pinned_roundtrip(nbytes: int, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = common.parser(__doc__)
     ap.add_argument("--bytes", type=int, default=839_000_000)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--gap-seconds", type=float, default=0.0,
                     help="idle time before each send")
-    ap.add_argument("--barrier", choices=("nccl", "gloo"), default="nccl",
-                    help="line the ranks up before each send over NCCL (which wakes the link) or gloo")
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, a.bytes, a.reps, a.gap_seconds, a.barrier, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, a.bytes, a.reps, a.gap_seconds, q)) for r in range(2)]
     for p in procs:
         p.start()
     nccl_s = q.get(timeout=300)
