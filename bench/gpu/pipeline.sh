@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # A device call (2 GPUs): bench/bench_pipeline.py with the arguments given (8B-shaped random target).
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/env.sh"   # environment and carried wheels
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d cache ] && cat cache/cache.tgz.* | tar xzf -
 { t0=$SECONDS; timeout ${PIPE_TIMEOUT:-570} python3 bench/bench_pipeline.py "$@"; echo "=== exit $? in $((SECONDS - t0)) s"; } 2>&1 | tee "$OUT/pipeline.log"
 (cd /tmp/dflash-bench && tar czf "$OUT/runs.tgz" */profile */throughput */config.json 2>/dev/null)

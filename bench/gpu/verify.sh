@@ -3,11 +3,9 @@
 # record_stream (each must fail; a mutant whose edit changed nothing fails the call); the drafter
 # benchmark; short tiny-target runs of dflash-train on both transfer paths. Logs land in $OUT; the exit
 # status is nonzero when a mutant was not applied or survived.
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/env.sh"   # environment and carried wheels
 # Compilation caches inside the tree: kept while the machine stays warm, and sent back in $OUT.
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 step() { echo "=== $1"; shift; local t0=$SECONDS; timeout "$@"; echo "=== exit $? in $((SECONDS - t0)) s"; }
 mutant() {  # $1 name, $2 file, $3 sed expression, $4 pytest -k: the race test must FAIL on the mutant
   rm -rf /tmp/mut && mkdir /tmp/mut && cp -r dflash profiler exporters report monitoring tests pyproject.toml /tmp/mut/
