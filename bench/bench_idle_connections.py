@@ -7,7 +7,6 @@ pairing and summary), with the most threads its training processes had at any ti
 """
 from __future__ import annotations
 
-import argparse
 import socket
 import subprocess
 import sys
@@ -18,8 +17,9 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead_ab import DEFAULT_TRAIN, REPO, run_pair, summary_line  # noqa: E402
+import common
+from overhead_ab import DEFAULT_TRAIN, drafter_tokens_per_s, run_pair, summary_line
+
 ROUND_S = 5.0
 
 
@@ -65,15 +65,12 @@ def hold_idle(ports: list[int], count: int, stop: threading.Event) -> None:
 
 def run_with(connections: int):
     """A overhead_ab `run` callable: arm args starting with `idle` train under `connections` idle ones."""
-    def run(args: list[str], run_dir: Path, metric: str) -> float:
-        from overhead_ab import drafter_tokens_per_s
-
+    def run(args: list[str], run_dir: Path) -> float:
         idle = args[:1] == ["idle"]
         port = free_base_port()
         stop, most = threading.Event(), [0]
-        proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run_dir),
-                                 "--metrics-port", str(port), *args[1:]], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = common.train(run_dir, ["--metrics-port", port, *args[1:]], wait=False,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         holder = threading.Thread(target=hold_idle, args=([port, port + 1], connections, stop), daemon=True)
         if idle:
             holder.start()
@@ -88,20 +85,20 @@ def run_with(connections: int):
         print(f"    most threads in a rank: {most[0]}", flush=True)
         if proc.returncode != 0:
             raise RuntimeError(f"dflash-train exited {proc.returncode} in {run_dir}")
-        return drafter_tokens_per_s(run_dir, metric)
+        return drafter_tokens_per_s(run_dir)
     return run
 
 
 def main() -> int:
     cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--connections", type=int, default=1000)
     a = ap.parse_args(sys.argv[1:cut])
     train = sys.argv[cut + 1:] or list(DEFAULT_TRAIN)
     work = Path(tempfile.mkdtemp(prefix="idle-conn-"))
     arms = [("idle", ["idle", *train]), ("none", ["none", *train])]
-    ratios = [run_pair(f"pair{i}", arms, i % 2 == 1, work, "steady_tokens_per_s", run_with(a.connections), False)
+    ratios = [run_pair(f"pair{i}", arms, i % 2 == 1, work, run_with(a.connections), False)
               for i in range(a.pairs)]
     print(f"dflash-train {' '.join(train)}; {a.connections} idle connections")
     print(summary_line(f"with/without {a.connections} idle connections (drafter steady tokens/s)", ratios))
