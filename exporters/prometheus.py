@@ -34,7 +34,7 @@ class MetricsState:
         self.lock = threading.Lock()
         self.scraped = threading.Condition(self.lock)   # notified by every scrape answered
         self.folded = self.served = 0   # records folded so far; records folded when the last answered scrape read them
-        self.scrapes = 0                # scrapes answered
+        self.scrapes = 0                # scrapes begun (close() waits only where something scrapes)
         self._request = threading.local()   # what the scrape this handler thread answers has read
         self.base = tuple(str(labels[k]) for k in COMMON_LABELS)
         self.values: dict = {}        # family key or dynamic Family -> {extra label values: value}
@@ -49,6 +49,7 @@ class MetricsState:
         """The families at scrape time (a prometheus_client collector; auto_describe off: no describe)."""
         with self.lock:
             self._request.read = self.folded
+            self.scrapes += 1   # counted as it begins: a close() racing the first answer still waits for it
             return list(_families(self))
 
     def request_done(self) -> None:
@@ -57,7 +58,7 @@ class MetricsState:
         read, self._request.read = getattr(self._request, "read", None), None
         if read is not None:
             with self.lock:
-                self.served, self.scrapes = max(self.served, read), self.scrapes + 1
+                self.served = max(self.served, read)
                 self.scraped.notify_all()
 
     def set(self, family, value, *extra, add: bool = False) -> None:
