@@ -1,4 +1,4 @@
-# Sourced by the device scripts (perf.sh, exporters.sh): the environment every call shares. NCCL and
+# Sourced by the device scripts (perf.sh, exporters.sh, verify.sh, pipeline.sh, drilldown.sh): the environment every call shares. NCCL and
 # symmetric memory without NVLink multicast (the device tool's KINDS.md), unbuffered output, $OUT made,
 # and the carried wheels (.whl/*.whl: py-spy, OTel, ...) installed into /tmp/site and put first on the paths.
 set -u
