@@ -1,6 +1,7 @@
-# Sourced by the device scripts (perf.sh, exporters.sh, verify.sh, pipeline.sh, drilldown.sh): the environment every call shares. NCCL and
-# symmetric memory without NVLink multicast (the device tool's KINDS.md), unbuffered output, $OUT made,
-# and the carried wheels (.whl/*.whl: py-spy, OTel, ...) installed into /tmp/site and put first on the paths.
+# Sourced by the device scripts (perf.sh, exporters.sh, verify.sh, pipeline.sh, drilldown.sh): the environment
+# every call shares. NCCL and symmetric memory without NVLink multicast (the device tool's KINDS.md), unbuffered
+# output, $OUT made, and the carried wheels (.whl/*.whl: py-spy, OTel, ...) installed into /tmp/site and put first
+# on the paths.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
