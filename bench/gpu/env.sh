@@ -1,5 +1,5 @@
 # Sourced by the device scripts (perf.sh, exporters.sh, verify.sh, pipeline.sh, drilldown.sh): the environment
-# every call shares. NCCL and symmetric memory without NVLink multicast (the device tool's KINDS.md), unbuffered
+# every call shares. NCCL and symmetric memory without NVLink multicast (left off on shared hosts), unbuffered
 # output, $OUT made, and the carried wheels (.whl/*.whl: py-spy, OTel, ...) installed into /tmp/site and put first
 # on the paths.
 set -u
