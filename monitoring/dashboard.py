@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from monitoring import write_or_check
 from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, WAIT_SPANS
 from monitoring.rules import ROLE_WAIT_RATIO
 
@@ -405,16 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; exit 1 when --out differs from the generated dashboard")
     args = parser.parse_args(argv)
     text = render(build_dashboard())
-    if not args.check:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    elif (args.out.read_text() if args.out.exists() else None) != text:
-        print(f"{args.out} is out of date: run python -m monitoring.dashboard --out {args.out}", file=sys.stderr)
-        return 1
-    else:
-        print(f"{args.out} is up to date")
-    return 0
+    return write_or_check(args.out, text, "monitoring.dashboard", args.check)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from monitoring import write_or_check
 from monitoring.catalog import FAMILIES, WAIT_SPANS
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "grafana" / "dflash.rules.yml"
@@ -273,16 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--time-scale must be > 0, got {args.time_scale}")
     scale = Scale(args.time_scale)
     text = render(rule_groups(scale, args.runbook_base), scale)
-    if not args.check:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    elif (args.out.read_text() if args.out.exists() else None) != text:
-        print(f"{args.out} is out of date: run python -m monitoring.rules --out {args.out}", file=sys.stderr)
-        return 1
-    else:
-        print(f"{args.out} is up to date")
-    return 0
+    return write_or_check(args.out, text, "monitoring.rules", args.check)
 
 
 if __name__ == "__main__":
