@@ -198,7 +198,8 @@ class TelemetryConfig:
     """Directory where every run writes its Prometheus file_sd copy, RUN_ID.json (removed when the run ends),
     for one glob to find every run's ranks. None: $XDG_CACHE_HOME/dflash/prometheus-sd, else
     ~/.cache/dflash/prometheus-sd. Made 0755 with 0644 files (a Prometheus may run as another user); another
-    user's directory or a symlink is refused with a warning, and the run goes on without the copy."""
+    user's directory or a symlink is refused with a warning, and the run goes on without the copy (a path given
+    here that is a file or a symlink is refused before the run, exit 2)."""
 
     def check(self, need) -> None:
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")

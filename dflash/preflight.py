@@ -1,8 +1,9 @@
 """Everything a launch can check before any rank does work (the ranks only import meanwhile, behind
 their gates: dflash/launch.py). Each problem is one ConfigError line (exit 2) naming the field or
 FILE:LINE. It reads and never writes, so a corrected retry starts clean. Checked, cheapest first: the
-faults, devices and rank split, the metrics ports, the compile and built-in cache directories, the run directory
-(and --resume's checkpoint), a --target-model directory, and the --data file up to its first record.
+faults, devices and rank split, the metrics ports, a --prometheus-sd-dir given, the compile and built-in cache
+directories, the run directory (and --resume's checkpoint), a --target-model directory, and the --data file up to
+its first record.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
     _check_faults(cfg, world, gpus)
     _check_devices(cfg, world, local_world, gpus)
     _check_metrics_ports(cfg, local_world)
+    _check_sd_dir(cfg)
     check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
     if cfg.model.target_model is None and cfg.data.builtin_cache:
         check_builtin_cache(builtin_cache_dir())
@@ -123,6 +125,19 @@ def _check_metrics_ports(cfg: TrainConfig, local_world: int) -> None:
             why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
             raise ConfigError(f"--metrics-port {base}: port {port} on {host} (base + local rank {local_rank}) "
                               f"{why}; choose another base port, or 0 for no endpoint") from None
+
+
+def _check_sd_dir(cfg: TrainConfig) -> None:
+    """A --prometheus-sd-dir given must be a directory or not exist yet (a file or a symlink there is a mistake
+    the run would only warn about at its start); the default directory's problems stay warnings."""
+    given = cfg.telemetry.prometheus_sd_dir
+    if given is None or cfg.telemetry.metrics_port == 0 or not cfg.profile.enabled:
+        return
+    path = Path(given).expanduser()
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        what = "is a symlink" if path.is_symlink() else "is not a directory"
+        raise ConfigError(f"--prometheus-sd-dir {given}: {what}; give a directory of yours (or leave it out: the "
+                          "user cache's prometheus-sd)")
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:

@@ -182,6 +182,18 @@ def test_a_metrics_port_that_leaves_no_room_for_every_local_rank_is_one_line(tmp
     assert "--metrics-port 65535: local rank 1 would serve on port 65536 (base + local rank), past 65535" in r.stderr
 
 
+def test_a_prometheus_sd_dir_that_is_a_file_or_a_symlink_is_one_line_before_the_run(tmp_path, train_main):
+    """A --prometheus-sd-dir given that is a file or a symlink was only a warning once the ranks had started."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path)
+    for name, why in (("file", "is not a directory"), ("link", "is a symlink")):
+        r = train_main(["--device", "cpu", "--run-dir", tmp_path / f"run-{name}", "--prometheus-sd-dir",
+                        tmp_path / name])
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"--prometheus-sd-dir {tmp_path / name}: {why}; " in r.stderr, r.stderr
+        assert not (tmp_path / f"run-{name}").exists()   # refused before anything is written
+
+
 def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(tmp_path, capsys):
     """Issue 34 row 15: such a directory refused a fresh run ("already holds a run") and --resume ("no
     checkpoint"): a dead end. --resume now starts it from step 0 and says so; a directory with no run at all
