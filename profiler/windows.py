@@ -78,6 +78,24 @@ def phase_seconds(intervals: list, phase_spans) -> dict:
     return dict(out)
 
 
+STEADY_PHASE_SHARE_MAX = 0.1
+"""An interval with more than this share of its wall in phases (compile, evaluation, a checkpoint) is a phase
+interval, not steady work: a window read over it would average the phase in."""
+
+
+def phase_share(rec: dict, phase_spans) -> float:
+    """The share of the interval's wall its phases took: their self CPU seconds in it (cut at its edges, an open
+    phase's time so far included) over its duration."""
+    wall = rec.get("duration_seconds") or 0.0
+    return sum(phase_seconds([rec], phase_spans).values()) / wall if wall > 0 else 0.0
+
+
+def is_steady(rec: dict, phase_spans) -> bool:
+    """The interval is steady work: past warm-up (no `warmup` mark), not the run's last (`final`), and at most
+    STEADY_PHASE_SHARE_MAX of it in phases. Every reader's steady intervals are these."""
+    return not rec.get("warmup") and not rec.get("final") and phase_share(rec, phase_spans) <= STEADY_PHASE_SHARE_MAX
+
+
 def steady_throughput(events: list) -> dict | None:
     """A rank's steady state from its `throughput` events (one per segment, dflash/throughput.py): their
     tokens over their seconds; None when no segment got past warm-up."""

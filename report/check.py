@@ -8,8 +8,9 @@ agree      one quantity, one value: throughput file = its event = the report's J
            intervals summed; a one-rank role's percentiles = its run_end's (the console's end-of-run table)
 once       a span's time over the run fits in its threads' wall time; self <= total
 phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
-windows    a figure named steady is read over steady intervals (neither warm-up nor final), and the text names
-           each window; with none steady, its label says so
+windows    a figure named steady is read over steady intervals (neither warm-up nor final, at most a tenth in
+           phases: profiler.windows.is_steady), and the text names each window; with none steady, its label
+           says so
 flows      the merged trace matches at least FLOW_MATCH_MIN of its sends
 
 Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
@@ -21,9 +22,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiler.windows import clock_seconds, self_seconds, span_clock, steady_throughput
+from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
-from report.runs import Run, load_run, paused_gc, wall_seconds
+from report.runs import Run, load_run, paused_gc, rank_phase_spans, wall_seconds
 from report.trace import merged_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -400,7 +401,7 @@ def _check_role_rates(res: CheckResult, run: Run, rates: dict, report: dict) -> 
 
 def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: list) -> None:
     """Each rank's row and each role's verdict name the window their figures were read over: its steady
-    intervals (neither warm-up nor final, counted here from the marks, not by the report's code), or, with
+    intervals (profiler.windows.is_steady over the marks and phase spans, not the report's code), or, with
     none, a label saying none is steady; the text's verdict line and rank rows show those labels, and each row's
     tokens/s is the rank's throughput file's."""
     rows = {r["rank"]: r for r in report["ranks"]["ranks"]}
@@ -412,7 +413,7 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
             res.note(f"{_log_name(log)}: run_start without warmup_steps (written before warm-up marks): "
                      "its windows not checked")
             continue
-        steady[log.rank] = [r for r in log.intervals if not r.get("warmup") and not r.get("final")]
+        steady[log.rank] = [r for r in log.intervals if is_steady(r, rank_phase_spans(log))]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
         _expect_window(res, where, row["window"], len(steady[log.rank]))
         read = wall_seconds(steady[log.rank] or log.intervals)

@@ -52,7 +52,7 @@ def _after_warmup(log) -> tuple[list, str, bool]:
     segment = {id(r) for r in log.intervals[last_start:]}
     w = steady_window(log)
     kept = [r for r in w.intervals if id(r) in segment]
-    which = "steady intervals" if not w.fallback else "intervals (none steady: warm-up or final)"
+    which = "steady intervals" if not w.fallback else "intervals (none steady: warm-up, phases or final)"
     return kept[max(1, len(kept) // 10):], f"the last segment's {which} less their first tenth", not w.fallback
 
 

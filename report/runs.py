@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profiler import records as rl
+from profiler.windows import is_steady
 
 
 class ReportError(ValueError):
@@ -182,7 +183,7 @@ def _did_work(rec: dict) -> bool:
 @dataclass(frozen=True)
 class Window:
     """The intervals a figure is read over, and the words every surface names it with. A rank with no steady
-    interval (a short run: all warm-up or final) is read over all of its intervals, and its label says so."""
+    interval (a short run: all warm-up, phases or final) is read over all of its intervals, and its label says so."""
     intervals: list
     steady: int                 # how many of `intervals` are steady
     fallback: tuple = ()        # the ranks read over all their intervals: none of theirs is steady
@@ -193,20 +194,27 @@ class Window:
         if not self.fallback:
             return f"steady intervals ({n})"
         if not self.steady:
-            return ("the only interval" if n == 1 else f"all {n} intervals") + " (none steady: warm-up or final)"
+            return ("the only interval" if n == 1 else f"all {n} intervals") + " (none steady: warm-up, phases or final)"
         return (f"steady intervals ({self.steady}) and all {n - self.steady} of rank "
                 f"{', '.join(map(str, self.fallback))} (none steady there)")
 
 
+def rank_phase_spans(log: RankLog) -> tuple:
+    """The span names the rank's profiler called phases (its run_start `phase_spans`)."""
+    return tuple(next((s["phase_spans"] for s in log.run_starts if s.get("phase_spans")), ()))
+
+
 def steady_window(log: RankLog) -> Window:
-    """The rank's intervals neither warm-up (marked `warmup`) nor final (evaluation, the last checkpoint); in logs
-    written before warm-up marks (no run_start `warmup_steps`), each segment's start up to the first interval that
-    did work is left out. All of them, labelled so, when that leaves none."""
+    """The rank's steady intervals (profiler.windows.is_steady: past warm-up, not the last, under a tenth in
+    compile, evaluation or checkpoint phases); in logs written before warm-up marks (no run_start
+    `warmup_steps`), each segment's start up to the first interval that did work is left out. All of them,
+    labelled so, when that leaves none."""
     marked = any("warmup_steps" in s for s in log.run_starts)
+    phases = rank_phase_spans(log)
     steady, starting = [], True
     for rec in log.intervals:
         if marked:
-            if not rec.get("warmup") and not rec.get("final"):
+            if is_steady(rec, phases):
                 steady.append(rec)
             continue
         if rec.get("index") == 0:
@@ -229,8 +237,7 @@ def merged_window(logs) -> Window:
 
 def phase_spans(run) -> tuple:
     """The span names the run's profiler called phases (run_start `phase_spans`)."""
-    return tuple(next((s["phase_spans"] for log in run.ranks.values() for s in log.run_starts
-                       if s.get("phase_spans")), ()))
+    return next((names for log in run.ranks.values() if (names := rank_phase_spans(log))), ())
 
 
 def gpus(rec: dict) -> list:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import profiler  # noqa: E402
 import report    # noqa: E402
+from profiler.windows import is_steady  # noqa: E402
 
 TOKENS_RE = re.compile(r'^dflash_tokens_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
 
@@ -91,19 +92,21 @@ def figures(run_dir: Path, res: dict) -> list:
     drafter_files = [d for d in files if d.get("role") == "drafter"]
     rows.append(("throughput file", "steady state",
                  sum(d["steady_tokens_per_s"] for d in drafter_files) if drafter_files else None))
-    events, intervals = [], []
+    events, intervals, phases = [], [], ()
     for path in sorted((run_dir / "profile").glob("rank*.jsonl")):
         recs, _ = profiler.read_records(path)
         if any(r.get("role") == "drafter" for r in recs[:1]):
             events += [r for r in recs if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
             intervals += [r for r in recs if r.get("type") == "interval"]
+            phases = next((r["phase_spans"] for r in recs if r.get("type") == "run_start" and r.get("phase_spans")),
+                          phases)
     rows.append(("run-log throughput event", "steady state",
                  sum(e["steady_tokens_per_s"] for e in events) if events else None))
     rep = report.hotspots(run_dir)
     rows.append(("dflash-report hotspots --json", "steady state", rep.get("steady_tokens_per_s")))
     m = re.search(r"drafter steady state: ([0-9,]+) tokens/s", res["stdout"])
     rows.append(("end-of-run line", "steady state", float(m.group(1).replace(",", "")) if m else None))
-    steady = [r for r in intervals if not r.get("warmup") and not r.get("final")]
+    steady = [r for r in intervals if is_steady(r, phases)]
     rates = [((r.get("counters") or {}).get("tokens") or {}).get("per_second") for r in steady]
     rates = [x for x in rates if x is not None]
     tokens = sum(((r.get("counters") or {}).get("tokens") or {}).get("total") or 0 for r in steady)

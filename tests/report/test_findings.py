@@ -303,5 +303,5 @@ def test_a_climb_during_warm_up_is_no_leak_and_names_its_window(tmp_path):
                                         warmup=True))
     t = trends["allocated_bytes"]
     assert leaks == [] and not t["leak"] and t["why"].startswith("no interval past warm-up")
-    assert t["window"] == "the last segment's intervals (none steady: warm-up or final) less their first tenth"
+    assert t["window"] == "the last segment's intervals (none steady: warm-up, phases or final) less their first tenth"
     assert t["samples"] == n - 2
