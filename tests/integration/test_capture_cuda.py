@@ -108,7 +108,8 @@ def _workloads(device):
     tiny = torch.zeros(16, device=device)
     return {"bench.matmul": lambda: [torch.mm(a, a) for _ in range(6)], "bench.copy": lambda: dst.copy_(src),
             "bench.d2h": lambda: pinned.copy_(dev, non_blocking=True),
-            "bench.launch": lambda: [tiny.add_(1.0) for _ in range(2000)], "busy": lambda: torch.mm(a, a)}
+            "bench.launch": lambda: [tiny.add_(1.0) for _ in range(2000)], "busy": lambda: torch.mm(a, a),
+            "bench.sleep": lambda: torch.cuda._sleep(20_000_000)}   # one kernel, ~10 ms: the two clocks alone
 
 
 def test_span_windows_agree_with_kineto_and_a_launch_bound_span_is_named(tmp_path):
@@ -118,17 +119,22 @@ def test_span_windows_agree_with_kineto_and_a_launch_bound_span_is_named(tmp_pat
     with profiler.Profiler(tmp_path, device=device, config=cfg):
         for step in range(9):
             profiler.set_step(step)
-            for name in ("bench.matmul", "bench.copy", "bench.d2h", "bench.launch"):
+            for name in ("bench.sleep", "bench.matmul", "bench.copy", "bench.d2h", "bench.launch"):
                 with profiler.span("bench.busy"):   # the stream is busy when each measured span begins
                     work["busy"]()
                 with profiler.span(name):
                     work[name]()
     spans = {s["name"]: s for s in kernels(tmp_path)["ranks"][0]["spans"]}
+    ratio = {n: s["our_gpu_window_seconds"] / s["kineto_gpu_window_seconds"] for n, s in spans.items()
+             if s["our_gpu_window_seconds"] and s["kineto_gpu_window_seconds"]}
+    # one kernel per span: its window on either side is the kernel, so the ratio is the clocks' (CUDA events
+    # against Kineto's CUPTI timestamps), the peer the other spans' windows are held to
+    assert abs(ratio["bench.sleep"] - 1) < 0.03, ratio
     for name in ("bench.matmul", "bench.copy", "bench.d2h"):
         s = spans[name]
         assert s["our_gpu_count"] == s["kineto_gpu_count"] == s["count"] == 4, s
         assert s["kineto_gpu_window_seconds"] / 4 >= 1e-3, s
-        assert abs(s["our_gpu_window_seconds"] / s["kineto_gpu_window_seconds"] - 1) < 0.01, s
+        assert abs(ratio[name] / ratio["bench.sleep"] - 1) < 0.01, ratio
         assert s["busy_share"] > 0.9 and s["bound"] == "GPU-busy", s
     launch = spans["bench.launch"]
     assert launch["busy_share"] < 0.5 and launch["bound"] == "launch- or sync-bound", launch
