@@ -8,7 +8,8 @@ import sys
 from collections import Counter, defaultdict
 
 from profiler.records import printable
-from profiler.windows import basis, basis_seconds, open_at_end, whole_seconds
+from profiler.windows import (STEADY_PHASE_SHARE_MAX, basis, basis_seconds, open_at_end, phase_seconds,
+                              whole_seconds)
 
 GIB = 1024 ** 3
 
@@ -53,14 +54,15 @@ def format_memory(memory: dict | None) -> list[str]:
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
-def format_interval(record: dict) -> str:
+def format_interval(record: dict, phase_spans=()) -> str:
     """A short block for one interval record: spans by share (each column what its header says), then the spans
-    open at the interval's end and for how long, counters' rates, gauges, metrics, memory, thread CPU."""
+    open at the interval's end and for how long, counters' rates, gauges, metrics, memory, thread CPU. The head
+    says when the interval is not steady work: warm-up, or mostly in `phase_spans` (run_start's)."""
     rate = (record.get("step_rate") or {}).get("per_second")
     head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
             f"step {record.get('step')}{'' if rate is None else f' ({rate:.3g} steps/s)'}  "
-            f"{record.get('duration_seconds', 0.0):.1f} s"
-            f"{'  (warm-up)' if record.get('warmup') else ''}  [every figure: this interval]")
+            f"{record.get('duration_seconds', 0.0):.1f} s{_not_steady_tag(record, phase_spans)}  "
+            f"[every figure: this interval]")
     lines = [head]
     spans = record.get("spans") or {}
     opened = open_at_end(record.get("open_spans"))
@@ -95,6 +97,19 @@ def format_interval(record: dict) -> str:
     lines.extend(format_memory(record.get("memory")))
     lines.extend(format_thread_cpu(record))
     return "\n".join(lines)
+
+
+def _not_steady_tag(record: dict, phase_spans) -> str:
+    """"  (warm-up)", "  (phases 8.2 s: drafter.eval 8.2 s; not steady)" when the phases took more than
+    STEADY_PHASE_SHARE_MAX of the interval (profiler.windows.is_steady's test), else ""."""
+    if record.get("warmup"):
+        return "  (warm-up)"
+    phases = {n: s for n, s in phase_seconds([record], phase_spans).items() if s > 0}
+    wall = record.get("duration_seconds") or 0.0
+    if wall <= 0 or sum(phases.values()) <= STEADY_PHASE_SHARE_MAX * wall:
+        return ""
+    named = ", ".join(f"{n} {s:.1f} s" for n, s in sorted(phases.items(), key=lambda kv: -kv[1]))
+    return f"  (phases {sum(phases.values()):.1f} s: {named}; not steady)"
 
 
 def _open_line(opened: dict) -> list:
@@ -213,9 +228,12 @@ class ConsoleExporter:
     def __init__(self, stream=None, run_dir=None):
         self.stream = stream   # None: sys.stdout at print time (pytest's capture swaps it)
         self.run_dir = run_dir
+        self.phase_spans = ()   # from the run_start record: which spans are phases, to tag their intervals
 
     def export(self, record: dict) -> None:
         out = self.stream or sys.stdout
+        if record.get("type") == "run_start":
+            self.phase_spans = tuple(record.get("phase_spans") or ())
         if record.get("type") == "run_end" and self.run_dir is not None:
             print(printable(f"{format_hotspots([record])}\nrun directory: {self.run_dir}  (report: dflash-report "
                             f"hotspots {shlex.quote(str(self.run_dir))})"), file=out, flush=True)
@@ -223,7 +241,7 @@ class ConsoleExporter:
             return
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
-        print(printable(format_interval(record)), file=out, flush=True)   # thread names are anyone's
+        print(printable(format_interval(record, self.phase_spans)), file=out, flush=True)   # thread names are anyone's
         stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
         if stuck:
             print(printable(stuck), file=out, flush=True)

@@ -400,3 +400,30 @@ def test_the_interval_summary_says_its_training_scalars_are_the_last_values():
     text = format_interval({"rank": 0, "role": "drafter", "index": 3, "step": 40, "duration_seconds": 5.0,
                             "metrics": {"loss": {"last": 2.5, "mean": 2.9}, "tau": {"last": 3.1, "mean": 3.0}}})
     assert "[every figure: this interval]" in text and "\n  last: loss 2.5  tau 3.1\n" in text
+
+
+def test_the_console_tags_an_interval_spent_in_a_phase_as_not_steady():
+    """The console learns the phase spans from run_start and tags an interval mostly in them (the intervals every
+    steady figure leaves out), while an interval of plain steps and one with a short phase stay untagged."""
+    import io
+
+    from exporters.console import ConsoleExporter
+
+    def interval(index, eval_s):
+        spans = {"drafter.fwd_bwd": {"count": 10, "cpu": {"total_seconds": 9.0, "self_seconds": 9.0,
+                                                          "mean_seconds": 0.9}}}
+        if eval_s:
+            spans["drafter.eval"] = {"count": 1, "cpu": {"total_seconds": eval_s, "self_seconds": eval_s,
+                                                         "mean_seconds": eval_s}}
+        return {"type": "interval", "rank": 0, "role": "drafter", "index": index, "step": 10 * index,
+                "duration_seconds": 10.0, "spans": spans}
+
+    out = io.StringIO()
+    console = ConsoleExporter(stream=out)
+    console.export({"type": "run_start", "phase_spans": ["drafter.eval", "drafter.compile"]})
+    for rec in (interval(1, 0.0), interval(2, 0.5), interval(3, 6.2)):
+        console.export(rec)
+    heads = [line for line in out.getvalue().splitlines() if line.startswith("[profile]")]
+    assert len(heads) == 3
+    assert "not steady" not in heads[0] and "not steady" not in heads[1]   # 0.5 s of 10 s is under a tenth
+    assert "(phases 6.2 s: drafter.eval 6.2 s; not steady)" in heads[2]
