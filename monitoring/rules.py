@@ -154,6 +154,19 @@ def _full_window(seconds: float, d: Scale) -> str:
             f">= {d.number(seconds)}")
 
 
+def _own_gpu(role: str, other: str) -> str:
+    """`unless` the rank shares its GPU (by UUID, in its run) with a rank of role `other`: one GPU running both
+    sides is never idle while one of them waits, so the wait alerts' remedy (rebalance the GPUs) does not apply."""
+    total = f'{name("gpu_memory_total")}{{{JOB}, UUID!=""'
+    return (f'unless on ({RANK_BY}) (group by ({RANK_BY}, UUID) ({total}, role="{role}"}}) '
+            f'and on (job, run, UUID) group by (job, run, UUID) ({total}, role="{other}"}}))')
+
+
+def _waits(role: str, other: str, d: Scale) -> str:
+    """A `role` rank's wait share over its full 10-minute window above STARVED_RATIO, on a GPU of its own."""
+    return f'{RANK_WAIT_RATIO}{{role="{role}"}} > {STARVED_RATIO} {_full_window(600, d)} {_own_gpu(role, other)}'
+
+
 def _headroom_predicted(d: Scale) -> str:
     low = f'{name("gpu_headroom_min")}{{{JOB}}}'
     return f"predict_linear({low}[{d(3600)}], {d.number(3600)}) < 0 and {low} > 0"
@@ -210,13 +223,11 @@ def _health_alerts(d: Scale) -> list[Alert]:
               "A GPU's memory headroom is predicted to run out within the hour.",
               "The memory low point of GPU {{ $labels.gpu }} ({{ $labels.UUID }}) of " + RANK + " has been "
               "falling for 15 minutes at a rate that reaches zero within the hour."),
-        Alert("DFlashDrafterStarved", f'{RANK_WAIT_RATIO}{{role="drafter"}} > {STARVED_RATIO} {_full_window(600, d)}',
-              120, "warning",
+        Alert("DFlashDrafterStarved", _waits("drafter", "target", d), 120, "warning",
               "A drafter waits for its targets nearly all the time.",
               RANK_FIRST + " waited on drafter.recv for {{ $value | humanizePercentage }} of the last 10 minutes: "
               "its targets (or the transfer) bound it."),
-        Alert("DFlashTargetBlocked", f'{RANK_WAIT_RATIO}{{role="target"}} > {STARVED_RATIO} {_full_window(600, d)}',
-              120, "warning",
+        Alert("DFlashTargetBlocked", _waits("target", "drafter", d), 120, "warning",
               "A target waits for its drafter nearly all the time.",
               RANK_FIRST + " waited on transfer.wait_slot for {{ $value | humanizePercentage }} of the last 10 "
               "minutes: its drafter bounds it."),

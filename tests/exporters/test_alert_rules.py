@@ -221,3 +221,38 @@ def test_a_starting_rank_is_not_starved_before_its_window_is_full(tmp_path):
         {"labels": f'{rules.RANK_WAIT_RATIO}{{job="dflash", rank="0", role="drafter", run="r1"}}', "value": 1}]}]
     done = promtool_test(tmp_path, content)   # the ratio alone reads 1 there: the guard is what holds it
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_rank_sharing_its_gpu_with_the_other_side_is_never_blocked_or_starved(tmp_path):
+    """A target waiting 95% of its time for its drafter: on a GPU of its own (another UUID than the drafter's) the
+    GPU idles and DFlashTargetBlocked fires at 21m as in CASES; on the drafter's GPU (one GPU for both: the README's
+    main job on CUDA) the GPU runs the drafter's step meanwhile, so neither wait alert fires. The same holds for
+    a starved drafter on its target's GPU."""
+    def gpu(labels: dict, uuid: str) -> dict:
+        return series("dflash_gpu_memory_total_bytes", {**labels, "gpu": "0", "UUID": uuid}, "80000000000x40")
+
+    shipped = shipped_alerts()
+    inputs, fire, labels, description, _ = CASES["DFlashTargetBlocked"]
+    blocked = {"exp_labels": {**labels, "severity": "warning"},
+               "exp_annotations": {**shipped["DFlashTargetBlocked"]["annotations"], "description": description}}
+    starving = wait(DRAFTER, "drafter.recv", "0+30x10 357+57x29")
+    own = [*inputs, gpu(RUN, GPU["UUID"]), gpu(DRAFTER, "GPU-0d1e2f30-4152-6374-8596-a7b8c9d0e1f2")]
+    shared = [*inputs, gpu(RUN, GPU["UUID"]), gpu(DRAFTER, GPU["UUID"])]
+    shared_starved = [*starving, gpu(RUN, GPU["UUID"]), gpu(DRAFTER, GPU["UUID"])]
+    quiet = [{"eval_time": f"{m}m", "alertname": a, "exp_alerts": []} for m in (fire, fire + 10)
+             for a in ("DFlashTargetBlocked", "DFlashDrafterStarved")]
+    content = {"rule_files": [str(GRAFANA / "dflash.rules.yml")], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": own, "alert_rule_test": [
+            {"eval_time": f"{fire}m", "alertname": "DFlashTargetBlocked", "exp_alerts": [blocked]}]},
+        {"interval": "1m", "input_series": shared, "alert_rule_test": quiet},
+        {"interval": "1m", "input_series": shared_starved, "alert_rule_test": quiet}]}
+    done = promtool_test(tmp_path, content)
+    assert done.returncode == 0, done.stdout + done.stderr
+    content["tests"] = content["tests"][:1]
+    content["tests"][0]["input_series"] = starving + [gpu(DRAFTER, GPU["UUID"]), gpu(RUN, "GPU-0d1e2f30-4152")]
+    content["tests"][0]["alert_rule_test"] = [{"eval_time": "21m", "alertname": "DFlashDrafterStarved", "exp_alerts": [
+        {"exp_labels": {**only(DRAFTER, ("job", "run", "rank", "role")), "severity": "warning"},
+         "exp_annotations": {**shipped["DFlashDrafterStarved"]["annotations"], "description": CASES[
+             "DFlashDrafterStarved"][3]}}]}]
+    done = promtool_test(tmp_path, content)   # a starved drafter on a GPU of its own still fires
+    assert done.returncode == 0, done.stdout + done.stderr
