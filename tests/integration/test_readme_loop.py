@@ -81,8 +81,9 @@ def test_the_readme_loop_example_runs_as_printed_and_its_run_reads_back(tmp_path
     rates = [r["step_rate"]["per_second"] for r in intervals if not r.get("final")]
     assert len(rates) >= 2 and all(rate and rate > 0 for rate in rates), rates   # set_step: steps/s each interval
     assert all((r["counters"]["tokens"]["total"] or 0) > 0 for r in intervals if not r.get("final"))
-    losses = [r["metrics"]["loss"]["last"] for r in intervals]
-    assert losses[-1] < losses[0], losses                                         # it trains
+    # the last interval can close after the last step logged its loss: it then holds no loss of its own
+    losses = [r["metrics"]["loss"]["last"] for r in intervals if "loss" in (r.get("metrics") or {})]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses                    # it trains
     detail = [s["name"] for r in recs if r["type"] == "spans" for s in r["spans"]]
     assert {"trainer.data", "trainer.fwd_bwd", "trainer.optim"} <= set(detail)     # the detail window's raw spans
     trace = json.loads((run / "trace" / "rank0.json").read_text())
