@@ -8,7 +8,7 @@ import sys
 import time
 
 from dflash import handoff
-from dflash.cli_output import quiet_on_closed_pipe
+from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.config import ConfigError, add_config_flags, config_from_args
 
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     started_ns = time.time_ns()   # the start-up timeline's origin (dflash/startup.py)
+    whole_lines(sys.stderr)   # its lines and its ranks' share one stderr, under PYTHONUNBUFFERED too
     with quiet_on_closed_pipe():   # `dflash-train | head`: the run goes on, silently
         return _main(argv, started_ns)
 

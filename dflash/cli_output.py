@@ -4,6 +4,7 @@ drive the terminal) and a closed pipe (`dflash-report ... | head`) ends the comm
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 
@@ -84,6 +85,15 @@ class QuietOnClosedPipe:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+def whole_lines(stream) -> None:
+    """Make a text stream write each line in one write. A run's ranks share the launcher's stderr, and under
+    PYTHONUNBUFFERED (dflash.launch sets it) print() writes its text and its newline separately, so two ranks'
+    lines interleave ("... stop)dflash-train: error: rank 0: ..." on one line). Line-buffered, each line goes out
+    whole, one write of at most PIPE_BUF being atomic on a pipe. A stream that cannot be reconfigured is left."""
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        stream.reconfigure(line_buffering=True, write_through=False)
 
 
 @contextlib.contextmanager

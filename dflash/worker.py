@@ -20,7 +20,7 @@ import torch.distributed as dist
 import dflash
 import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
-from dflash.cli_output import quiet_on_closed_pipe
+from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.final import print_final
 from dflash.stopping import StopFlag, stop_line
 from dflash.config import ConfigError, TrainConfig
@@ -360,6 +360,7 @@ def main() -> int:
     """A rank started by dflash.launch, its imports done: the config from the gate once the preflight
     passed (EOF: it did not, or the launcher is gone; exit quietly)."""
     imported_ns = time.time_ns()
+    whole_lines(sys.stderr)   # the ranks' error lines share one stderr: each goes out whole
     try:
         data = read_gate()
     except ConfigError as e:

@@ -94,3 +94,21 @@ def test_every_cli_is_quiet_when_its_reader_is_gone(healthy_run, argv):
     finally:
         os.close(write_fd)
     assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+
+
+def test_two_ranks_lines_on_one_stderr_never_interleave():
+    """Ranks share the launcher's stderr under PYTHONUNBUFFERED (dflash.launch), where print() writes its text and
+    its newline separately: two ranks' error lines came out as one ("... stop)dflash-train: error: rank 0: ...",
+    seen in CI). Two real processes through the rank entry's `whole_lines` print 1,500 lines each into one pipe:
+    every line arrives whole (without it, about a quarter of such lines were broken on the 2-core VM)."""
+    child = ("import sys\nfrom dflash.cli_output import whole_lines\nwhole_lines(sys.stderr)\n"
+             "for i in range(1500):\n    print(f'rank {sys.argv[1]} line {i} ' + 'x' * 60, file=sys.stderr)\n")
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(r)], stderr=write_fd, env=env) for r in (0, 1)]
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        lines = pipe.read().decode().splitlines()
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    broken = [line for line in lines if not re.fullmatch(r"rank [01] line \d+ x{60}", line)]
+    assert len(lines) == 3000 and not broken, broken[:3]
