@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 from profiler.records import printable
 from profiler.windows import (STEADY_PHASE_SHARE_MAX, basis, basis_seconds, open_at_end, phase_seconds,
-                              whole_seconds)
+                              phase_share, whole_seconds)
 
 GIB = 1024 ** 3
 
@@ -104,10 +104,9 @@ def _not_steady_tag(record: dict, phase_spans) -> str:
     STEADY_PHASE_SHARE_MAX of the interval (profiler.windows.is_steady's test), else ""."""
     if record.get("warmup"):
         return "  (warm-up)"
-    phases = {n: s for n, s in phase_seconds([record], phase_spans).items() if s > 0}
-    wall = record.get("duration_seconds") or 0.0
-    if wall <= 0 or sum(phases.values()) <= STEADY_PHASE_SHARE_MAX * wall:
+    if phase_share(record, phase_spans) <= STEADY_PHASE_SHARE_MAX:
         return ""
+    phases = {n: s for n, s in phase_seconds([record], phase_spans).items() if s > 0}
     named = ", ".join(f"{n} {s:.1f} s" for n, s in sorted(phases.items(), key=lambda kv: -kv[1]))
     return f"  (phases {sum(phases.values()):.1f} s: {named}; not steady)"
 
@@ -241,7 +240,8 @@ class ConsoleExporter:
             return
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
-        print(printable(format_interval(record, self.phase_spans)), file=out, flush=True)   # thread names are anyone's
+        # thread names are anyone's: printable
+        print(printable(format_interval(record, self.phase_spans)), file=out, flush=True)
         stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
         if stuck:
             print(printable(stuck), file=out, flush=True)

@@ -157,9 +157,10 @@ def _full_window(seconds: float, d: Scale) -> str:
 def _own_gpu(role: str, other: str) -> str:
     """`unless` the rank shares its GPU (by UUID, in its run) with a rank of role `other`: one GPU running both
     sides is never idle while one of them waits, so the wait alerts' remedy (rebalance the GPUs) does not apply."""
-    total = f'{name("gpu_memory_total")}{{{JOB}, UUID!=""'
-    return (f'unless on ({RANK_BY}) (group by ({RANK_BY}, UUID) ({total}, role="{role}"}}) '
-            f'and on (job, run, UUID) group by (job, run, UUID) ({total}, role="{other}"}}))')
+    def gpus(r: str) -> str:
+        return f'{name("gpu_memory_total")}{{{JOB}, UUID!="", role="{r}"}}'
+    return (f"unless on ({RANK_BY}) (group by ({RANK_BY}, UUID) ({gpus(role)}) "
+            f"and on (job, run, UUID) group by (job, run, UUID) ({gpus(other)}))")
 
 
 def _waits(role: str, other: str, d: Scale) -> str:
