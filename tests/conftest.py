@@ -5,8 +5,10 @@ and the receiver) that every check which only reads a healthy run reads: started
 in the background, and read by those checks, run last."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -168,18 +170,34 @@ def train_main(capfd, monkeypatch):
     return call
 
 
+_HANDED_OUT_PORTS: set = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range; 32768 where unreadable)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port_pair() -> int:
-    """A base port P with P and P + 1 free on loopback (one metrics endpoint per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
+    """A base port P with P and P + 1 free on loopback (one metrics endpoint per rank), taken below the kernel's
+    ephemeral range and never twice in a session. A port from bind(0) lies in that range, where the local end of
+    any outgoing connection (Prometheus' scrapes, the ranks' rendezvous) can take it between this check and the
+    run's own bind: the run then refused its --metrics-port as in use (seen in CI, three runs started at once)."""
+    low = min(_ephemeral_low(), 65535)
+    for _ in range(200):
+        p = random.randrange(10000, max(low - 1, 10001))
+        if p in _HANDED_OUT_PORTS or p + 1 in _HANDED_OUT_PORTS:
+            continue
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
         except OSError:
             continue
+        _HANDED_OUT_PORTS.update((p, p + 1))
+        return p
     raise RuntimeError("no two adjacent free ports")
 
 
@@ -214,9 +232,7 @@ def start_prometheus(tmp: Path, sd_glob, rule_files=(), alertmanager: str | None
         + (f"rule_files:{rules}\n" if rules else "") + alerting
         + "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
         f"      - files: [{sd_glob}]\n        refresh_interval: 1s\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_pair()   # below the ephemeral range: no outgoing connection takes it before Prometheus binds
     proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={config}",
                              f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "wb"))

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -92,9 +91,7 @@ class Webhook:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_pair()   # below the ephemeral range (tests/conftest.py says why)
 
 
 def _ready(url: str, proc: subprocess.Popen, log: Path) -> None:
