@@ -275,11 +275,16 @@ def _memory_line(memory: dict) -> str:
     return "memory: " + ("; ".join(parts) or "not reported")
 
 
+def rate_text(per_s: float) -> str:
+    """A rate with at least three significant digits: 0.4 steps/s reads "0.4", 1739.2 tokens/s "1,739"."""
+    return f"{per_s:,.0f}" if abs(per_s) >= 100 else f"{per_s:.3g}"
+
+
 def _interval_line(last: dict) -> str:
     spans = ", ".join(f"{s['name']} {100 * (s['share'] or 0):.0f}%" +
                       (f" (p95 {s['p95_seconds']:.3f} s)" if s["p95_seconds"] is not None else "")
                       for s in last["spans"]) or "no span finished"
-    rates = ", ".join(f"{k} {v:.0f}/s" for k, v in last["per_second"].items() if v is not None)
+    rates = ", ".join(f"{k} {rate_text(v)}/s" for k, v in last["per_second"].items() if v is not None)
     return (f"last interval #{last['index']} ({last['duration_seconds']:.1f} s, to step {last['step']}): "
             f"{spans}" + (f"; {rates}" if rates else ""))
 

@@ -358,3 +358,14 @@ def test_the_cli_client_never_imports_torch():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0"
     assert json.loads(r.stdout[:r.stdout.rindex("NO-TORCH")])["pid"] == sleeper.pid
+
+
+def test_slow_rates_keep_their_significant_digits(served):
+    """0.4 steps/s used to print as "steps 0/s" (issue 45); large rates keep their thousands, no fake decimals."""
+    holder, disc, _ = served
+    last = interval({"target.fwd": 0.1})
+    last["counters"] = {"steps": {"per_second": 0.4}, "tokens": {"per_second": 1739.2}, "seqs": {"per_second": 12.345}}
+    holder["state"] = state_with(holder["run_dir"], [], last)
+    snap = snapshot_process(os.getpid(), runner=lambda pid, native=False, nonblocking=False: [], discovery_dir=disc)
+    text = format_process(snap)
+    assert "steps 0.4/s, tokens 1,739/s, seqs 12.3/s" in text
