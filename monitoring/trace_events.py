@@ -4,8 +4,9 @@ report.trace (all ranks, from the logs). Stdlib only.
 One process per rank (pid = rank + 1: pid 0 is Perfetto's idle process), one track per OS thread plus a "(GPU)"
 track (tid + GPU_TID_OFFSET), tids unique across the file. Slices are "X" events in integer Unix microseconds,
 both ends floored so nested spans stay nested; slices that would overlap without nesting get "[overlap N]" lanes.
-Flow arrows join each `transfer.send` tagged `flow` to the `drafter.recv` with the same string; a one-rank file
-draws its halves under the ids the pairs get, so files put together join.
+Flow arrows join each `transfer.send` tagged `flow` (from the send's start) to the `drafter.recv` with the same
+string (to the receive's end, when the batch arrived: arrows point forward in time); a one-rank file draws its
+halves under the ids the pairs get, so files put together join.
 """
 from __future__ import annotations
 
@@ -261,13 +262,24 @@ def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
 
 
 def _flow_point(ph: str, sl: dict, fid: int, flow: str) -> dict:
-    """A flow event at the start of slice `sl`: Perfetto binds it to the slice begun last on the track, so a
-    point later inside `sl` could bind to a child; at its start it follows `sl` (X events sort first)."""
+    """A flow event inside slice `sl`, which Perfetto binds it to (the innermost slice open on the track at its
+    time): a send's at the send's start; a receive's at the receive's last microsecond, when the batch is in
+    hand. A receive may begin long before the batch was sent (a drafter waiting for its first batch), so its
+    start would draw the arrow backwards in time; its end never precedes the send."""
+    ts = sl["ts"] if ph == "s" else sl["ts"] + max(0, sl["dur"] - 1)
     ev = {"ph": ph, "name": "batch", "cat": FLOW_CAT, "id": fid, "pid": sl["pid"], "tid": sl["tid"],
-          "ts": sl["ts"], "args": {"flow": flow}}
+          "ts": ts, "args": {"flow": flow}}
     if ph == "f":
         ev["bp"] = "e"
     return ev
+
+
+def backward_flows(events: list) -> list:
+    """The flows of a trace that point backwards in time, as (flow, send ts, receive ts) in microseconds: a
+    receive point ("f") earlier than its send point ("s") of the same id."""
+    sends = {e["id"]: e["ts"] for e in events if e.get("ph") == "s"}
+    return [(e["args"]["flow"], sends[e["id"]], e["ts"]) for e in events
+            if e.get("ph") == "f" and e["id"] in sends and e["ts"] < sends[e["id"]]]
 
 
 def _process_metadata(procs: list) -> list:

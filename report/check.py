@@ -11,7 +11,7 @@ phases     warm-up intervals marked, phase spans listed, a throughput event once
 windows    a figure named steady is read over steady intervals (neither warm-up nor final, at most a tenth in
            phases: profiler.windows.is_steady), and the text names each window; with none steady, its label
            says so
-flows      the merged trace matches at least FLOW_MATCH_MIN of its sends
+flows      the merged trace's flows point forward in time, and it matches at least FLOW_MATCH_MIN of its sends
 
 Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
 from report.runs import Run, load_run, paused_gc, rank_phase_spans, wall_seconds
+from monitoring.trace_events import backward_flows
 from report.trace import merged_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -468,21 +469,26 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
 # ---- flows in the merged trace ---------------------------------------------------------------------
 
 def _check_flows(res: CheckResult, run: Run) -> None:
-    """In the merged trace (report.trace's, built in memory), at least FLOW_MATCH_MIN of the sends have their
-    receive, when the run has a target and a drafter that sent."""
+    """In the merged trace (report.trace's, built in memory), every flow points forward in time (its receive
+    point at or after its send point), and at least FLOW_MATCH_MIN of the sends have their receive, when the
+    run has a target and a drafter that sent and no rank stopped early."""
     if not {"target", "drafter"} <= set(run.by_role()):
         res.note("flows: no transfers to match (they go from a target to a drafter rank, and the run lacks one): "
                  "not checked")
         return
+    events, counts = merged_trace(run)[:2]
+    backward = backward_flows(events)
+    res.expect(not backward, "flows", "merged trace", lambda: (
+        f"{len(backward)} flow(s) point backwards in time, e.g. batch {backward[0][0]}: received at "
+        f"{(backward[0][2] - backward[0][1]) / 1e6:+.3f} s from its send"))
     stopped = [log.rank for log in run.ranks.values()
                if any(e.get("kind") in ("stop", "signal") for e in log.events)
                or any(end.get("status") not in (None, "ok") for end in log.run_ends)
                or len(log.run_ends) < len(log.run_starts)]
     if stopped:   # a stop drops the batches in flight: their sends have no receive, by design
         res.note(f"flows: rank(s) {', '.join(map(str, stopped))} stopped early (a signal, a stop or a failure): "
-                 "the batches in flight at the stop are never received; not checked")
+                 "the batches in flight at the stop are never received; matching not checked")
         return
-    counts = merged_trace(run)[1]
     matched, sends = counts["flows_matched"], counts["flow_sends"]
     if not sends:
         res.note("flows: no transfer.send with a flow in any detail window: not checked")

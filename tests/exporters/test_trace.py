@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from exporters.trace import TraceExporter
-from monitoring.trace_events import GPU_START_UNKNOWN, trace_pid
+from monitoring.trace_events import GPU_START_UNKNOWN, backward_flows, trace_pid
 from dflash import report_cli
 from report.trace import merge_traces
 
@@ -241,12 +241,33 @@ def test_each_rank_file_carries_its_flow_halves_under_the_ids_of_the_merged_pair
 
 
 def _bound_to(events: list, point: dict) -> dict:
-    """The slice a v1 flow event binds to in Perfetto: the last slice begun on its track before it (in
-    ts order, which the file follows), provided the point lies inside that slice."""
+    """The slice a v1 flow event binds to in Perfetto: the innermost slice open on its track at its time (the
+    last begun, in ts order, which the file follows, of those that enclose the point)."""
     i = events.index(point)
-    sl = [e for e in events[:i] if e["ph"] == "X" and (e["pid"], e["tid"]) == (point["pid"], point["tid"])][-1]
-    assert sl["ts"] <= point["ts"] <= sl["ts"] + sl["dur"]
-    return sl
+    open_ = [e for e in events[:i] if e["ph"] == "X" and (e["pid"], e["tid"]) == (point["pid"], point["tid"])
+             and e["ts"] <= point["ts"] < e["ts"] + max(1, e["dur"])]
+    assert open_, point
+    return open_[-1]
+
+
+def test_a_receive_already_waiting_draws_its_flow_forward_to_when_the_batch_arrived(tmp_path):
+    """The drafter waits in drafter.recv from 20 ms, before the target's send at 40 ms: the flow ends where the
+    receive ends (the batch in hand), never at the receive's start, before the send (issue 45)."""
+    run = write_run(tmp_path)
+    path = run / "profile" / "rank0.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    recv = recs[1]["spans"][0]
+    assert recv["name"] == "drafter.recv"
+    recv["start_unix_ns"] = T0 + 20 * MS
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    merge_traces(run)
+    events = load(run / "trace" / "merged.json")["traceEvents"]
+    (s,) = [e for e in events if e["ph"] == "s" and e["args"]["flow"] == "1:0"]
+    (f,) = [e for e in events if e["ph"] == "f" and e["args"]["flow"] == "1:0"]
+    assert f["ts"] >= s["ts"]
+    assert f["ts"] == (T0 + 55 * MS) // 1000 - 1     # the receive's last microsecond
+    assert _bound_to(events, f)["name"] == "drafter.recv"
+    assert backward_flows(events) == []
 
 
 def test_merge_counts_a_flow_whose_other_rank_is_missing(tmp_path):

@@ -249,6 +249,9 @@ BROKEN = {
         "phases", "segment 0 span ckpt.save"),
     "flows without their receives": (
         lambda r: r["logs"][0].remove(_drafter(r, "spans")), "flows", "merged trace"),
+    "flows pointing backwards in time": (   # every receive ends before its send began
+        lambda r: r["logs"][0].__setitem__(4, flows(0, "drafter.recv", D, range(1, 5), T0 + 1.0)),
+        "flows", "merged trace"),
 }
 
 
