@@ -1,7 +1,7 @@
 """Drafter fwd+bwd at Qwen3-8B shapes: flex vs dense attention, chunked vs unchunked LM-head loss.
 
     python3 bench/bench_drafter.py [--repeats 8] [--backends flex,dense] [--loss chunked]
-                                   [--fused on|off|both] [--tiny]
+                                   [--fused on|off|both] [--tiny] [--no-peer]
 
 Shapes: 5-layer drafter (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288,
 vocab 151936), K=5 target layers, bf16 parameters, block 16, 2 documents x 3072 tokens, 512 anchors
@@ -26,9 +26,13 @@ the fused kernels (in the first row with them on). In `--fused both` the off row
 on row's first s minus its median step is what the fused kernels add to a start (cold, or loads from
 TORCHINDUCTOR_CACHE_DIR when it already holds them).
 
-No peer is measured: the public trainer (SpecForge) cannot be installed on the device machine, which
-reaches no package index, and a peer figure typed in from another session is not a measurement. The
-table says so in its last line; compare with a peer only when it runs in the same process.
+The peer, SpecForge's DFlash training step (bench/peer_specforge.py: its OnlineDFlashModel, anchors,
+mask and loss), is measured in the same process on the same documents, hidden states and loss mask, timed
+the same way, whenever `specforge` is importable; its row is the table's last and says its version. It is a
+pure-Python wheel: on the device machine, which reaches no package index, carry it as
+`.whl/specforge-0.2.0-py3-none-any.whl` (bench/gpu/env.sh installs it with `--no-deps`; torch and
+transformers are ours). Without it the last line says the peer was not measured, never a figure typed in
+from another session. `--no-peer` leaves it out.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 import common
+import peer_specforge
 import dflash.loss as loss_mod
 from dflash import fused, lm_loss
 from dflash.attention import build_layout, dense_mask
@@ -174,7 +179,7 @@ def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, s
 
 
 def print_rows(rows: list, shape: Shape, tokens: int, flops: float, peak: float) -> None:
-    """The results table; its last line says the peer is not measured."""
+    """The results table; its last line says which row is the peer, or why it was not measured."""
     print(f"drafter fwd+bwd, {shape.docs}x{shape.doc_len} tokens, {shape.anchors} anchors/doc, block "
           f"{shape.block}, bf16; chunk {lm_loss.CHUNK_LOGIT_BYTES / 2 ** 20:.0f} MiB of logits; measured "
           f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; model {flops / 1e12:.1f} TFLOP/step")
@@ -186,7 +191,19 @@ def print_rows(rows: list, shape: Shape, tokens: int, flops: float, peak: float)
         print(f"{r['backend']:<8}{r['loss_variant']:>10}{r['fused']:>6}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}"
               f"{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}{r['peak_mem_gib']:>10.1f}{r['first_step_s']:>9.1f}"
               f"{r['loss']:>8.4f}")
-    print("peer (SpecForge, same shapes): not measured in this run (not installable here)")
+    print(peer_line(rows))
+
+
+def peer_line(rows: list) -> str:
+    """The table's last line: which row is the peer (SpecForge, measured in this process), or why none is."""
+    peer = next((r for r in rows if r.get("peer")), None)
+    if peer is not None:
+        return (f"peer: the last row is SpecForge {peer_specforge.version()} (OnlineDFlashModel, same shapes and "
+                f"batch, {peer['backend']} attention), measured in this process; its MFU uses our model's FLOP count")
+    if peer_specforge.version() is None:
+        return ("peer (SpecForge): not measured: not importable here (carry its wheel in .whl/; "
+                "bench/gpu/env.sh installs it with --no-deps)")
+    return "peer (SpecForge): not measured: --no-peer"
 
 
 def parse_args(argv=None):
@@ -199,6 +216,7 @@ def parse_args(argv=None):
     ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
                     help="dflash.fused kernels (CUDA only): on (default, as trained), off, or both rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, dense: smoke-tests this script")
+    ap.add_argument("--no-peer", action="store_true", help="leave out SpecForge's row even when it is importable")
     args = ap.parse_args(argv)
     args.losses = list(LOSSES) if args.loss == "both" else args.loss.split(",")
     bad = [v for v in args.losses if v not in LOSSES]
@@ -225,9 +243,12 @@ def main(argv=None) -> int:
     flops = model_flops(packed, device, shape)
     rows = [time_variant(b, v, f, packed, shape, args.repeats, args.warmup, device)
             for b in args.backends for v in args.losses for f in args.fused_variants]
+    if not args.no_peer and peer_specforge.version() is not None:
+        rows.append(peer_specforge.time_peer(packed, shape, args.repeats, args.warmup, device, sync))
     print_rows(rows, shape, packed.num_tokens, flops, peak)
+    peer_ms = next((r["median_ms"] for r in rows if r.get("peer")), None)
     common.write_out("bench_drafter.json", {"peak_flops": peak, "model_flops": flops, "tokens": packed.num_tokens,
-                                            "peer_ms": None, "chunk_logit_bytes": lm_loss.CHUNK_LOGIT_BYTES,
+                                            "peer_ms": peer_ms, "chunk_logit_bytes": lm_loss.CHUNK_LOGIT_BYTES,
                                             "tiny": args.tiny, "rows": rows})
     return 0
 
