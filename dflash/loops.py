@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import checkpoint, fused, transfer
+from dflash import checkpoint, fused, startup, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -116,6 +116,9 @@ class WorkerContext:
     """Loaded training state when resuming (step, consumed per producer, optimizer, scheduler)."""
     device_payload: bool = False
     """Payload over NCCL device-to-device (else host-staged / CPU)."""
+    first_step: object = field(default_factory=startup.NoFirstStep)
+    """The end of start-up (dflash.startup.FirstStep): `mark("model")` once the model is built, `begin()` as
+    the first step begins, so the `startup` event counts everything before it."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,6 +138,7 @@ def run_target(ctx: WorkerContext) -> None:
     cfg, rank, topo = ctx.cfg, ctx.rank, ctx.topo
     target = TargetCapture.from_pretrained(ctx.target_dir, num_layers=cfg.model.num_target_layers,
                                            device=ctx.device, dtype=ctx.dtype)
+    ctx.first_step.mark("model")
     shard = topo.target_index(rank)
     consumed = (ctx.resume_state or {}).get("consumed", {}).get(rank, 0)
     batcher = TokenBatcher(ctx.samples, cfg.data.tokens_per_batch, ctx.pad_token_id, cfg.optim.seed,
@@ -149,6 +153,7 @@ def run_target(ctx: WorkerContext) -> None:
     meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
     done, tokens_total = consumed, 0
+    ctx.first_step.begin()
     try:
         for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
             if stop.requested() or ctx.stop_requested():
@@ -234,6 +239,7 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
         sched.load_state_dict(ctx.resume_state["scheduler"])
         state.step = ctx.resume_state["step"]
         state.consumed = dict(ctx.resume_state["consumed"])
+    ctx.first_step.mark("model")
     return state
 
 
@@ -264,6 +270,7 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
                   progress: Progress) -> str | None:
     """Steps until max_steps, the stream's end or a signal (returned: why it stopped early, or None)."""
     cfg = ctx.cfg
+    ctx.first_step.begin()
     while state.step < cfg.optim.max_steps:
         stop_if_needed(cfg, state.step)
         profiler.set_step(state.step)

@@ -1,6 +1,7 @@
-"""Where a rank's start-up goes before the profiler can time spans: the phases are the gaps between
-marks from `dflash-train`'s start (else the rank's process start), written as one `startup` event once
-the profiler runs. Standard library only: the first mark comes before torch is imported.
+"""Where a rank's start-up goes before its first step: the phases are the gaps between marks from
+`dflash-train`'s start (else the rank's process start) to the moment the rank's first step begins (the model
+built, a checkpoint loaded, the transfers set up), written as one `startup` event then. Standard library only:
+the first mark comes before torch is imported.
 """
 
 from __future__ import annotations
@@ -45,6 +46,40 @@ class StartupTimeline:
         return {"origin": self.origin, "origin_unix_ns": self.origin_ns,
                 "total_seconds": round((end - self.origin_ns) / 1e9, 4), "phases_seconds": self.phases_seconds(),
                 "bytecode": bytecode_source()}
+
+
+LOOP_PHASE = "loop setup"
+"""The last phase: from the model's build to the first step (transfers, the throughput meter, data replay)."""
+
+
+class FirstStep:
+    """The end of start-up, handed to the role's loop: `mark(phase)` ends a phase on the way (the model's
+    build), `begin()`, as the rank's first step begins, ends the last one (LOOP_PHASE) and hands the timeline's
+    fields to `on_done` (the `startup` event and rank 0's line); later calls do nothing."""
+
+    def __init__(self, timeline: StartupTimeline, on_done):
+        self.timeline, self.on_done, self.done = timeline, on_done, False
+
+    def mark(self, phase: str) -> None:
+        if not self.done:
+            self.timeline.mark(phase)
+
+    def begin(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.timeline.mark(LOOP_PHASE)
+        self.on_done(self.timeline.fields())
+
+
+class NoFirstStep:
+    """FirstStep's no-op stand-in (a loop run outside dflash.worker: tests, benchmarks)."""
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
 
 
 def bytecode_source() -> str:

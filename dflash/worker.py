@@ -144,7 +144,8 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, run_id, tele)
     step = 0
     with contextlib.closing(tele), prof, _forensics(stop, rank):
-        _startup_event(timeline, rank)
+        timeline.mark("profiler")
+        ctx.first_step = startup.FirstStep(timeline, lambda fields: _startup_event(fields, rank))
         for kind, fields in _PENDING_EVENTS:
             profiler.event(kind, **fields)
         if role == "target":
@@ -182,10 +183,10 @@ def _say_the_end(cfg: TrainConfig, run_dir: Path, stop: StopFlag, step: int,
     print_final(run_dir, timeline.origin, timeline.origin_ns, said)
 
 
-def _startup_event(timeline: startup.StartupTimeline, rank: int) -> None:
-    """The start-up phases up to now: a `startup` event, and rank 0's console line (not under --no-profile)."""
-    timeline.mark("profiler")
-    fields = dict(timeline.fields(), intra_op_threads=torch.get_num_threads(),
+def _startup_event(fields: dict, rank: int) -> None:
+    """The start-up phases, launch to the first step: a `startup` event, and rank 0's console line (not under
+    --no-profile)."""
+    fields = dict(fields, intra_op_threads=torch.get_num_threads(),
                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     profiler.event("startup", **fields)
     if rank == 0 and profiler.active() is not None:

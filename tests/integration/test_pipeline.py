@@ -103,7 +103,7 @@ def test_two_process_run_records_every_span_of_the_cpu_path(eight_step_run):
         (up,) = [x for x in recs if x["type"] == "event" and x["kind"] == "startup"]
         assert up["origin"] == "launch"
         assert list(up["phases_seconds"]) == ["spawn", "imports", "preflight", "device", "rendezvous", "groups",
-                                              "built-ins", "data", "profiler"]
+                                              "built-ins", "data", "profiler", "model", "loop setup"]
         assert sum(up["phases_seconds"].values()) == pytest.approx(up["total_seconds"], abs=1e-3)
         assert 0.5 < up["phases_seconds"]["imports"] and up["total_seconds"] < 120
         assert up["bytecode"] in ("beside sources", "not written") or up["bytecode"].endswith("/pycache")
