@@ -325,26 +325,43 @@ def bandwidth(run: Run) -> list:
 # ---- ranks and the straggler -----------------------------------------------------------------
 
 def _rank_row(log) -> dict:
-    """One rank: its rate is the steady state's (steady_tokens_per_s, its throughput events); its shares are
-    over its steady window (named by `window`); capacity = that rate over the window's work share."""
+    """One rank. Each figure beside the window it was read over: `tokens_per_s` is the steady state's
+    (steady_tokens_per_s, its throughput events, over `tokens_window_seconds`), or, for a loop of its own without
+    a meter, its steady intervals' (`tokens` counter over their wall, as the steady line reads it); busy share,
+    `window_tokens_per_s` and capacity (that rate over the work share) are all over its steady intervals
+    (`window`, `window_seconds`)."""
     w = steady_window(log)
     wall, wait = wall_seconds(w.intervals), _wait_share(w.intervals, log.role)
     collective = _span_seconds(w.intervals, COLLECTIVE_SPANS) / wall if wall > 0 else None
     meter = steady_throughput(log.events)
-    rate = meter["steady_tokens_per_s"] if meter else None
+    window_rate = counter_total(w.intervals, "tokens") / wall if wall > 0 else None
+    own_loop = meter is None and log.role not in PIPELINE_ROLES and bool(window_rate)
     work = None if wait is None else max(0.0, 1.0 - wait - collective)
     stalled = _trailing_idle(log.intervals)
     return {"rank": log.rank, "role": log.role, "host": log.hostname, "intervals": len(log.intervals),
             "stalled_intervals": len(stalled), "stalled_seconds": wall_seconds(stalled),
-            "steady_tokens_per_s": rate,
+            "steady_tokens_per_s": meter["steady_tokens_per_s"] if meter else None,
             "steady_reason": None if meter else NO_METER if log.role in PIPELINE_ROLES else LOOP_NO_METER,
-            "window": w.label, "window_seconds": wall, "wait_share": wait, "collective_share": collective,
+            **_tokens_window(meter, window_rate if own_loop else None, w.label, wall),
+            "window": w.label, "window_seconds": wall, "window_tokens_per_s": window_rate,
+            "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
-            "capacity_tokens_per_s": rate / work if rate and work else None,
+            "capacity_tokens_per_s": window_rate / work if window_rate and work and not w.fallback else None,
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
             "status": log.run_ends[-1].get("status") if log.run_ends else "no run_end", "bad_lines": log.bad_lines,
             "span_seconds_per_token": _span_seconds_per_token(w.intervals, counter_total(w.intervals, "tokens")),
             "profiler_share": _profiler_share(w.intervals)}
+
+
+def _tokens_window(meter: dict | None, loop_rate: float | None, label: str, wall: float) -> dict:
+    """The rank table's tokens/s with the window it is over: the meter's steady state, else a loop's steady
+    intervals, else none (None: the row shows "-")."""
+    if meter and meter["steady_tokens_per_s"] is not None:
+        return {"tokens_per_s": meter["steady_tokens_per_s"], "tokens_window": "steady state",
+                "tokens_window_seconds": meter["steady_seconds"]}
+    if loop_rate is not None:
+        return {"tokens_per_s": loop_rate, "tokens_window": label, "tokens_window_seconds": wall}
+    return {"tokens_per_s": None, "tokens_window": None, "tokens_window_seconds": None}
 
 
 def _profiler_share(intervals: list) -> float | None:
@@ -408,7 +425,7 @@ def rank_table(run: Run) -> dict:
     measured = any(r["capacity_tokens_per_s"] for r in rows)
     return {"ranks": rows, "straggler": _straggler(rows),
             "reason": None if multi and measured else "no role has two ranks to compare" if not multi else
-            "no rank has a capacity to compare (steady_tokens_per_s over its work share)"}
+            "no rank has a capacity to compare (its steady intervals' tokens/s over its work share)"}
 
 
 # ---- the steady state ------------------------------------------------------------------------

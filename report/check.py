@@ -10,7 +10,8 @@ once       a span's time over the run fits in its threads' wall time; self <= to
 phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
 windows    a figure named steady is read over steady intervals (neither warm-up nor final, at most a tenth in
            phases: profiler.windows.is_steady), and the text names each window; with none steady, its label
-           says so
+           says so; no window label beside another window's figure (each rank row's tokens/s, busy share and
+           capacity named by the window each was read over)
 flows      the merged trace's flows point forward in time, and it matches at least FLOW_MATCH_MIN of its sends
 
 Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
-from report.runs import Run, load_run, paused_gc, rank_phase_spans, wall_seconds
+from report.runs import Run, counter_total, load_run, paused_gc, rank_phase_spans, wall_seconds
 from monitoring.trace_events import backward_flows
 from report.trace import merged_trace
 
@@ -423,7 +424,7 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         line = table.get(log.rank, "")
         res.expect(row["window"] in line, "windows", f"hotspots text ranks rank {log.rank}",
                    lambda: f"the row does not name its window {row['window']!r}: {line!r}")
-        _expect_text_rate(res, log.rank, line, rates[log.rank])
+        _check_rank_line(res, log, row, line, rates[log.rank], steady[log.rank])
     if not report["verdict"].get("applies", True):   # a loop of its own: no verdict line to name windows
         return
     for role, logs in run.by_role().items():
@@ -454,7 +455,38 @@ def _rank_lines(text: list) -> dict:
     return out
 
 
-def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None) -> None:
+def _check_rank_line(res: CheckResult, log, row: dict, line: str, meter_rate, steady: list) -> None:
+    """No window label beside another window's figure, in a rank's row: its tokens/s is the meter's steady rate
+    named "steady state" with the meter's seconds, or, for a loop of its own without a meter, its steady
+    intervals' tokens/s named by their label and wall; busy and capacity are named by the steady intervals' label
+    and wall, and the capacity is those intervals' tokens/s over the work share."""
+    where = f"hotspots text ranks rank {log.rank}"
+    wall = wall_seconds(steady)
+    window_rate = counter_total(steady, "tokens") / wall if wall > 0 else None
+    meter = steady_throughput(log.events)
+    if meter_rate is not None and meter is not None:
+        want, label, source = meter_rate, f"tokens/s over steady state, {meter['steady_seconds']:.1f} s", \
+            "its throughput file's steady_tokens_per_s"
+    elif log.role not in ("target", "drafter") and window_rate:
+        want, label, source = window_rate, f"tokens/s over {row['window']}, {wall:.1f} s", \
+            "its steady intervals' tokens/s"
+    else:
+        want, label, source = None, "tokens/s over -", "no rate"
+    _expect_text_rate(res, log.rank, line, want, source)
+    res.expect(label in line, "windows", where, lambda: f"its tokens/s is over {label[len('tokens/s over '):]!r}, "
+                                                         f"the row names another window: {line!r}")
+    busy = f"busy, capacity over {row['window']}, {wall_seconds(steady or log.intervals):.1f} s"
+    res.expect(busy in line, "windows", where, lambda: f"the row does not name its busy/capacity window "
+                                                        f"{busy!r}: {line!r}")
+    cap, work = row.get("capacity_tokens_per_s"), row.get("work_share")
+    if cap is not None:
+        res.expect(steady and work and window_rate and _close(cap, window_rate / work), "windows",
+                   f"hotspots ranks rank {log.rank}", lambda: f"capacity {_fmt(cap)} is not its steady intervals' "
+                   f"tokens/s {_fmt(window_rate)} over their work share {_fmt(work)}")
+
+
+def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None,
+                      source: str = "its throughput file's steady_tokens_per_s") -> None:
     """The tokens/s cell of a rank's row (its third field, printed to the token) is `want`, or "-" without one."""
     cell = (line.split() + ["", "", ""])[2].replace(",", "")
     try:
@@ -463,7 +495,7 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
         got = cell
     ok = got is None if want is None else isinstance(got, float) and abs(got - want) <= 0.5 + RATE_TOLERANCE * want
     res.expect(ok, "agree", f"hotspots text ranks rank {rank}",
-               lambda: f"tokens/s {cell!r} != its throughput file's steady_tokens_per_s {_fmt(want)}")
+               lambda: f"tokens/s {cell!r} != {source} {_fmt(want)}")
 
 
 # ---- flows in the merged trace ---------------------------------------------------------------------

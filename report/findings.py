@@ -185,7 +185,7 @@ def _straggler(report: dict) -> list:
              f"{s['peers_span_seconds_per_token'] * 1e6:.1f} us/token on its peers" if s.get("span") else "")
     return [_finding("straggler",
                      f"rank {s['rank']} ({s['role']}) is {1 - s['capacity_ratio']:.0%} slower than its peers",
-                     f"capacity (steady_tokens_per_s over the work share of its {s['window']}) "
+                     f"capacity (tokens/s over the work share, both over its {s['window']}) "
                      f"{s['capacity_tokens_per_s']:.4g} tokens/s vs the peers' median "
                      f"{s['peers_median_tokens_per_s']:.4g}{where}",
                      "compare its GPU's clocks and throttle reasons, then swap its GPU with a peer's "

@@ -45,7 +45,21 @@ def _spans(rep: dict) -> list:
     if estimated:
         lines.append(f"  p50 and p95 of {len(estimated)} span(s) are estimates over several ranks, segments or "
                      "intervals (quantiles_from: summed histogram buckets, or older logs' percentiles); the others exact")
-    return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"])
+    return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"]) + _means_with_phases(s["rows"])
+
+
+def _means_with_phases(rows: list) -> list:
+    """A line naming the rows whose whole-run mean lies above their p95: the mean holds the phase steps (a first
+    call's compile, a checkpoint, evaluation) that the percentiles leave in the tail, and the steady state out."""
+    above = [r for r in rows if r["mean_seconds"] is not None and r["p95_seconds"] is not None
+             and r["mean_seconds"] > r["p95_seconds"]]
+    if not above:
+        return []
+    named = ", ".join(f"{r['span']} ({r['role']}: mean {_ms(r['mean_seconds'])} ms, p95 {_ms(r['p95_seconds'])} ms, "
+                      f"max {_ms(r['max_seconds'])} ms)" for r in above)
+    return [f"  mean above p95, whole run with its phases in (the first step's waits and compile, checkpoints, evaluation: the "
+            f"longest spans, which the mean averages in and p95 leaves in the tail; the Steady state section leaves "
+            f"them out): {named}"]
 
 
 def _gpu_sampled(rows: list) -> list:
@@ -195,18 +209,18 @@ def _profiler_frames(threads: list) -> list:
 
 def _ranks(rep: dict) -> list:
     rt = rep["ranks"]
-    lines = ["Ranks (tokens/s: the steady state's steady_tokens_per_s; busy share and capacity (tokens/s over the "
-             "work share) over the window that ends each row; steps: the last interval's)",
+    lines = ["Ranks (each figure with the window it is over, named at the row's end: tokens/s the steady state's "
+             "steady_tokens_per_s, or a loop of its own's interval rate; busy share and capacity (that window's "
+             "tokens/s over the work share) over the rank's interval window; steps: the last interval's)",
              f"  {'rank':>4} {'role':<8} {'tokens/s':>9} {'busy':>6} {'capacity':>9} {'steps':>6} {'host':<12} "
-             "status; window"]
+             "status; windows"]
     for r in rt["ranks"]:
-        lines.append(f"  {r['rank']:>4} {r['role']:<8} {_g(r['steady_tokens_per_s'], ',.0f'):>9} "
+        lines.append(f"  {r['rank']:>4} {r['role']:<8} {_g(r['tokens_per_s'], ',.0f'):>9} "
                      f"{_pct(r['busy_share']):>6} {_g(r['capacity_tokens_per_s'], ',.0f'):>9} {_g(r['steps'], 'd'):>6} "
                      f"{str(r['host'] or '-'):<12} {r['status']}"
-                     + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else "")
-                     + f"; {r['window']}, {r['window_seconds']:.0f} s")
+                     + (f", {r['bad_lines']} bad lines" if r["bad_lines"] else "") + "; " + rank_windows(r))
     lines += [f"  rank {r['rank']}: no steady tokens/s: {r['steady_reason']}"
-              for r in rt["ranks"] if r["steady_reason"] and rep["pipeline"]]
+              for r in rt["ranks"] if r["tokens_per_s"] is None and rep["pipeline"]]
     s = rt["straggler"]
     if s:
         lines.append(f"  straggler: rank {s['rank']} ({s['role']}) at {_pct(s['capacity_ratio'])} of its peers' "
@@ -265,6 +279,13 @@ def _findings(rep: dict) -> list:
     for i, f in enumerate(rep["findings"], 1):
         lines += [f"  {i}. {f['summary']}", f"     evidence: {f['evidence']}", f"     next: {f['next']}"]
     return lines
+
+
+def rank_windows(r: dict) -> str:
+    """The end of a rank's row: the window of its tokens/s, then that of its busy share and capacity."""
+    tokens = ("tokens/s over -" if r["tokens_per_s"] is None else
+              f"tokens/s over {r['tokens_window']}, {r['tokens_window_seconds']:.1f} s")
+    return f"{tokens}; busy, capacity over {r['window']}, {r['window_seconds']:.1f} s"
 
 
 def _steady(rep: dict) -> list:

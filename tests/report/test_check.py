@@ -337,7 +337,7 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
     assert [(r["window"], r["steady_tokens_per_s"]) for r in rep["ranks"]["ranks"]] == [(only, 350.0), (only, 360.0)]
     text = report.format_hotspots(rep)
     assert f"Verdict (drafter: {only}, 1 s; target: {only}, 1 s)" in text and "steady intervals" not in text
-    assert f"ok; {only}, 1 s" in text and "      350 " in text
+    assert f"ok; tokens/s over steady state, 2.0 s; busy, capacity over {only}, 1.0 s" in text and "      350 " in text
     table = report.compare(run_dir, run_dir)
     assert table["windows"] == {"a": "all 2 intervals (none steady: warm-up, phases or final)"} | {
         "b": "all 2 intervals (none steady: warm-up, phases or final)"}
@@ -405,12 +405,38 @@ def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypat
     def interval_rates(rep):
         rep = copy.deepcopy(rep)
         for row in rep["ranks"]["ranks"]:
-            row["steady_tokens_per_s"] *= 0.98
+            row["tokens_per_s"] *= 0.98
         return report_text.format_hotspots(rep)
 
     monkeypatch.setattr(check_mod, "format_hotspots", interval_rates)
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
     assert found == {("agree", "hotspots text ranks rank 0"), ("agree", "hotspots text ranks rank 1")}
+
+
+def test_no_window_label_beside_another_windows_figure_in_the_ranks_table(tmp_path, monkeypatch):
+    """Issue 45: the steady state's rate (over the meter's seconds) printed beside the steady intervals' label,
+    whose own rate differs. Each figure of a row names its own window, and check finds a row that does not."""
+    import report
+    from report import report_text
+
+    run_dir = write(tmp_path / "run", clean())
+    rep = report.hotspots(run_dir)
+    row = rep["ranks"]["ranks"][1]
+    line = next(x for x in report.format_hotspots(rep).splitlines() if x.split()[:2] == ["1", "target"])
+    assert row["window"] == "steady intervals (1)"
+    assert row["tokens_window"] == "steady state" and row["tokens_window_seconds"] == 2.0
+    assert line.endswith(f"tokens/s over steady state, 2.0 s; busy, capacity over {row['window']}, "
+                         f"{row['window_seconds']:.1f} s")
+    assert row["capacity_tokens_per_s"] == pytest.approx(row["window_tokens_per_s"] / row["work_share"])
+    assert row["window_tokens_per_s"] != pytest.approx(row["tokens_per_s"], rel=0.01)   # two windows, two rates
+
+    def one_label(rep):   # the old row: the meter's rate, only the steady intervals' label at its end
+        return report_text.format_hotspots(rep).replace("tokens/s over steady state, 2.0 s; busy, capacity over ",
+                                                         "")
+
+    monkeypatch.setattr(check_mod, "format_hotspots", one_label)
+    found = {(v.invariant, v.where) for v in check_run(run_dir)}
+    assert found == {("windows", "hotspots text ranks rank 0"), ("windows", "hotspots text ranks rank 1")}
 
 
 def test_a_rank_without_its_meter_says_so_instead_of_another_rate(tmp_path):
