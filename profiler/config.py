@@ -18,6 +18,12 @@ def check_interval_s(interval_s) -> float:
     return float(interval_s)
 
 
+AUTO_WARMUP_STEPS = 2
+"""ProfilerConfig.warmup_steps when left unset: the first step of any loop pays its one-time costs (a compile, lazy
+initialisation, cuDNN/Triton autotuning, the allocator's growth), and a second often does too (a recompile for a
+new shape, the optimizer's state made at its first update); everything before the first `set_step` is start-up."""
+
+
 @dataclass(frozen=True)
 class ProfilerConfig:
     """The profiler's settings; checked when made (ValueError naming the field)."""
@@ -48,9 +54,13 @@ class ProfilerConfig:
     """Run the collector thread; False: the caller drives collection with Profiler.tick() (tests)."""
     poll_s: float = 0.25
     """Seconds between the collector's drains of the span logs."""
-    warmup_steps: int = 0
+    warmup_steps: int | None = None
     """Steps from the segment's first `set_step` that are warm-up: an interval that began before they were done
-    is marked `warmup` and left out of steady-state figures (profiler/windows.py)."""
+    (the loop's own start-up before its first `set_step` included) is marked `warmup` and left out of
+    steady-state figures (profiler/windows.py). None, the default, is AUTO_WARMUP_STEPS, which fits any loop: its
+    start-up (a Trainer's data loader and model placement) and its first steps (a first call's compile, lazy
+    initialisation, the allocator's growth) are warm-up, and its steady state starts with the first interval
+    that began after them. 0: no warm-up at all."""
     phase_spans: tuple = ()
     """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
     seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
@@ -67,6 +77,8 @@ class ProfilerConfig:
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
         object.__setattr__(self, "phase_spans", tuple(self.phase_spans))
         self._check_capture()
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", AUTO_WARMUP_STEPS)
         for name in ("detail_steps", "memory_history", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

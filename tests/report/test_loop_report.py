@@ -132,3 +132,41 @@ def test_a_loops_gpus_keep_their_activity_line_without_a_pipeline_verdict(tmp_pa
     block = text[text.index("GPU activity (NVML and GPM)"):].split("\n\n")[0]
     assert "trainer GPUs (GPM, 2 interval x GPU means; steady intervals (2))" in block and "launch-bound" in block
     assert_no_pipeline_noise(text)
+
+
+def test_a_loop_without_warmup_steps_keeps_its_start_up_out_of_the_steady_state(tmp_path):
+    """Issue 45, from the CPU trial: docs/API.md's Trainer example sets no warmup_steps, and its first interval
+    (the Trainer's start, before any step) counted as steady: 179 tokens/s against 1,739 reached. The default
+    warm-up leaves the start-up and the first steps out; the ranks row shows the steady line's rate, not "-"."""
+    import time
+
+    import profiler
+    from tests.profiler.build import make_profiler
+
+    with make_profiler(tmp_path / "run", role="trainer", background=False, measure_floors=False,
+                       control=False, interval_s=60) as prof:
+        time.sleep(0.3)                   # the loop's own start-up: no step yet, no tokens
+        prof.close_interval()
+        for interval in range(4):
+            for step in range(3 * interval, 3 * interval + 3):
+                prof.set_step(step)
+                with profiler.span("trainer.step"):
+                    time.sleep(0.01)
+                profiler.count("tokens", 100)
+            prof.close_interval()
+    assert prof.cfg.warmup_steps == profiler.config.AUTO_WARMUP_STEPS == 2
+    recs = [json.loads(x) for x in (tmp_path / "run" / "profile" / "rank0.jsonl").read_text().splitlines()]
+    marks = [bool(r.get("warmup")) for r in recs if r["type"] == "interval"]
+    assert marks == [True, True, False, False, False, False]   # the start-up; steps 0-2; ...; the final close
+    rep = hotspots(tmp_path / "run")
+    rates = rep["steady"]["roles"]["trainer"]["intervals"]
+    assert rates["window"] == "steady intervals (3)"   # the last interval (the profiler's exit) is final
+    steady = [r for r in recs if r["type"] == "interval" and not r.get("warmup") and not r.get("final")]
+    want = sum(r["counters"]["tokens"]["total"] for r in steady) / sum(r["duration_seconds"] for r in steady)
+    assert rates["tokens_per_s"] == want and want > 5_000   # 300 tokens in ~0.03 s of each steady interval
+    (row,) = rep["ranks"]["ranks"]
+    assert row["tokens_per_s"] == want and row["tokens_window"] == rates["window"]
+    text = format_hotspots(rep)
+    (line,) = [x for x in text.splitlines() if x.split()[:2] == ["0", "trainer"]]
+    assert f"{want:,.0f}" in line and f"tokens/s over {rates['window']}" in line
+    assert check(tmp_path / "run").violations == []
