@@ -53,7 +53,7 @@ class Repeats(torch.utils.data.Dataset):
 args = TrainingArguments(output_dir="hf-out", max_steps={STEPS}, per_device_train_batch_size={BATCH}, logging_steps=2,
                          learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
                          dataloader_num_workers=0)
-config = profiler.ProfilerConfig(interval_s=0.5, warmup_steps=2)
+config = profiler.ProfilerConfig(interval_s=0.5)   # the default warm-up, as docs/API.md leaves it
 deps = profiler.ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), 2, config.interval_s))
 with profiler.Profiler("runs/hf", role="trainer", config=config, deps=deps,
                        exporters=exporters.build("console,trace", metrics_port=0)):
@@ -94,6 +94,11 @@ def test_a_hugging_face_trainer_profiled_by_the_documented_callback_reads_back(t
     assert report_cli.main(["hotspots", "--json", str(run)]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["pipeline"] is False and rep["steady"]["roles"]["trainer"]["intervals"]["steps_per_s"] > 0
+    # issue 45: no warmup_steps given, yet the Trainer's start-up (the first interval) is not steady, and the
+    # ranks row shows the steady line's rate over the same window
+    assert intervals[0].get("warmup") and rep["steady"]["roles"]["trainer"]["intervals"]["window"].startswith("steady")
+    (row,) = rep["ranks"]["ranks"]
+    assert row["tokens_per_s"] == rep["steady"]["roles"]["trainer"]["intervals"]["tokens_per_s"]
     hot = rep["hot_frames"]
     assert hot["threads"] and hot["profiler_threads"], hot   # py-spy sampled both
     assert not any(t["thread"].startswith("profiler.") for t in hot["threads"])
