@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
+from profiler.gpu_lag import NullGpuLag
 from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
@@ -72,8 +73,9 @@ class IntervalAggregator:
     """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
     def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
-                 detail=None):
+                 detail=None, gpu_lag=None):
         self.floors = floors or {}
+        self.gpu_lag = gpu_lag or NullGpuLag()   # places resolved pairs on the host timeline (profiler/gpu_lag.py)
         self.detail = detail or NullDetailWindow()   # sees every finished span (the `spans` record)
         self.floor_fn = floor_fn
         self.is_cuda = is_cuda
@@ -105,6 +107,7 @@ class IntervalAggregator:
                     self._gauges.setdefault(name, []).append(value)
                 else:
                     self._metrics.setdefault(name, []).append(value)
+        self.gpu_lag.tick()
         if self.pending:
             self.resolve_pending()
 
@@ -152,7 +155,7 @@ class IntervalAggregator:
 
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
-        done, self.pending = resolve(self.pending, self.event_pool)
+        done, self.pending = resolve(self.pending, self.event_pool, self.gpu_lag.place)
         if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
             self._add_whole(done, timed=True, seen_ns=time.perf_counter_ns())
         return len(self.pending)
@@ -217,6 +220,7 @@ class IntervalAggregator:
         ends the interval in span time; `open_spans` (open_spans(ids=True) after the last drain) get their time
         inside it credited (module doc). Without a boundary only finished spans' time counts."""
         spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans), boundary_ns)
+        add_gpu_lag(spans, self.gpu_lag.take())
         self._start_ns = boundary_ns
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
                            "run_total": self._run_counters[name]}
@@ -294,6 +298,13 @@ class IntervalAggregator:
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}
+
+
+def add_gpu_lag(spans: dict, lags: dict) -> None:
+    """Each span entry with samples placed in the interval gets its `gpu_lag` (profiler/gpu_lag.py)."""
+    for name, lag in lags.items():
+        if name in spans:
+            spans[name]["gpu_lag"] = lag
 
 
 def to_floats(values) -> list:
