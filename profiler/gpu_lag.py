@@ -142,7 +142,8 @@ def lag_entry(samples: list, tol_s: float, unplaced: int = 0) -> dict:
     window_s = sum(w for _, _, w in samples)
     tail_s = sum(min(max(0.0, e), w) for _, e, w in samples if w > 0)
     return {"n": n, "launch_bound": classes.count(LAUNCH), "gpu_bound": classes.count(GPU),
-            "start_lag_p50_s": _median([s for s, _, _ in samples]), "end_lag_p50_s": _median([e for _, e, _ in samples]),
+            "start_lag_p50_s": _median([s for s, _, _ in samples]),
+            "end_lag_p50_s": _median([e for _, e, _ in samples]),
             "window_seconds": window_s, "tail_seconds": tail_s, "tolerance_s": tol_s, "unplaced": unplaced}
 
 

@@ -41,6 +41,7 @@ class _SpanAcc(_Bytes):
     gpu_windows: list = field(default_factory=list)   # (gpu seconds, begin ns, resolved ns) for the share's cap
     timed: int = 0            # spans that recorded CUDA events (resolved or not)
     gpu_self: float = 0.0     # their GPU seconds less their children's (self time)
+    path: str | None = None   # the copy path the spans' tag named (`profiler.tag(path=...)`): picks the floor
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class _RunSpan(_Bytes):
     self_ns: int = 0          # the same less the children's time (self time)
     gpu_self: float = 0.0
     threads: set = field(default_factory=set)
+    path: str | None = None
 
 
 @dataclass(slots=True)
@@ -181,6 +183,7 @@ class IntervalAggregator:
                 acc.gpu_self += max(0.0, gpu_s - kids_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
             if nbytes is not None:
+                acc.path = span_path(rec[7]) or acc.path
                 acc.bytes += nbytes
                 acc.bytes_n += 1
                 acc.bytes_cpu += cpu_s
@@ -209,7 +212,7 @@ class IntervalAggregator:
             bw = nbytes / t if t > 0 else None
             entry["bytes"] = acc.bytes
             entry["bandwidth_bytes_per_s"] = bw
-            floor = self.floor_fn(name, self.floors, self.is_cuda) if self.floor_fn else None
+            floor = self.floor_fn(name, self.floors, self.is_cuda, acc.path) if self.floor_fn else None
             if floor is not None:
                 entry["floor"], entry["floor_bytes_per_s"] = floor[0], floor[1]
                 entry["floor_ratio"] = bw / floor[1] if bw is not None and floor[1] > 0 else None
@@ -252,6 +255,7 @@ class IntervalAggregator:
             run.time_ns += time_ns
             run.self_ns += self_ns
             run.gpu_self += acc.gpu_self
+            run.path = acc.path or run.path
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
             cpu["self_seconds"] = self_ns / 1e9
@@ -298,6 +302,11 @@ class IntervalAggregator:
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}
+
+
+def span_path(attrs) -> str | None:
+    """The copy path a span's attributes name (`profiler.tag(path="host")`), else None."""
+    return attrs.get("path") if attrs else None
 
 
 def add_gpu_lag(spans: dict, lags: dict) -> None:
