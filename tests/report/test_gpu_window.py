@@ -63,18 +63,16 @@ def test_hotspots_names_the_gpu_window_and_shows_the_class_and_busy_beside_it(la
     assert "launch-bound: transfer.send" in text
 
 
-def test_a_launch_bound_copy_gets_the_launch_finding_and_no_bandwidth_finding(launch_bound_run):
+def test_a_launch_bound_copy_gets_the_launch_finding_and_no_bandwidth_finding(launch_bound_run, tmp_path):
+    """... while the same copy GPU-bound keeps its bandwidth finding."""
     found = report.hotspots(launch_bound_run)["findings"]
     assert not [f for f in found if f["kind"] == "below_floor"]
     (launch,) = [f for f in found if f["kind"] == "launch_bound"]
     assert launch["summary"].startswith("transfer.send (target) is launch-bound")
     assert "CUDA graphs" in launch["next"] and "torch.compile" in launch["next"] and "larger batch" in launch["next"]
     assert "97% of 1200 spans" in launch["evidence"] and "busy 6% (GPM SM active)" in launch["evidence"]
-
-
-def test_a_copy_that_is_not_launch_bound_keeps_its_bandwidth_finding(tmp_path):
-    run = _with_lags(_pipeline(tmp_path / "run", ("cuda:0", "cuda:0")), {"transfer.send": _lag(100, 10, 80)})
-    kinds = [f["kind"] for f in report.hotspots(run)["findings"]]
+    busy = _with_lags(_pipeline(tmp_path / "busy", ("cuda:0", "cuda:0")), {"transfer.send": _lag(100, 10, 80)})
+    kinds = [f["kind"] for f in report.hotspots(busy)["findings"]]
     assert "below_floor" in kinds and "launch_bound" not in kinds
 
 
