@@ -68,12 +68,14 @@ def format_interval(record: dict, phase_spans=()) -> str:
     opened = open_at_end(record.get("open_spans"))
     if spans:
         sm = _sm_active_percent(record.get("memory"))
-        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}  "
-                     f"{'GPU':<13} {'busy':>5}  bandwidth")
+        on_gpu = any(e.get("gpu") for e in spans.values())   # the GPU and busy columns: CUDA runs only
+        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
+                     + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "") + "  bandwidth")
         for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
             stats, on = basis(e)
             line = (f"  {name:<24} {e.get('count', 0):>7} {on:>3} {_ms(stats.get('mean_seconds')):>9} "
-                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}  {_gpu_cells(e, sm)}")
+                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}"
+                    + (f"  {_gpu_cells(e, sm)}" if on_gpu else ""))
             bw = e.get("bandwidth_bytes_per_s")
             if bw is not None:
                 line += f"  {bw / 1e9:.2f} GB/s"

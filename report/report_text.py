@@ -25,18 +25,20 @@ def _g(v, fmt: str = ".4g") -> str:
 
 def _spans(rep: dict) -> list:
     s = rep["spans"]
+    on_gpu = any(r["gpu_window_seconds"] is not None for r in s["rows"])   # the GPU and busy columns: CUDA runs
     lines = ["Spans over the whole run by total time (share of the role's whole-run time; each span on one clock, "
              "'on': gpu = its GPU window (CUDA events: the stream reached its start .. its end, idle gaps included), "
              "cpu = host wall time; self s leaves its children out; mean, p50 and p95 over the whole spans on that "
              "clock; GPU: what the GPU did in the window, busy: the capture's kernels over the window, else GPM SM "
              "active, see below)",
              f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'self s':>9} {'share':>6} {'cpu s':>9} "
-             f"{'GPU window s':>12} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}  {'GPU':<13} {'busy':>5}"]
+             f"{'GPU window s':>12} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"
+             + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "")]
     for r in s["rows"]:
         lines.append(f"  {r['span']:<22} {r['role']:<8} {r['count']:>7} {r['on']:>3} {r['total_seconds']:>9.3f} "
                      f"{r['self_seconds']:>9.3f} {_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_window_seconds'], '.3f'):>12} "
-                     f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}  "
-                     f"{gpu_class_cells(r.get('gpu_bound'))}" + ("  (wait)" if r["wait"] else ""))
+                     f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}"
+                     + (f"  {gpu_class_cells(r.get('gpu_bound'))}" if on_gpu else "") + ("  (wait)" if r["wait"] else ""))
     if not s["rows"]:
         lines.append("  (no spans recorded)")
     if s["spans_total"] > len(s["rows"]):

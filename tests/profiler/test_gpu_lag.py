@@ -143,3 +143,41 @@ def test_the_aggregator_puts_each_span_entrys_gpu_lag_into_the_interval():
     assert gpu_bound([spans["drafter.fwd_bwd"]])["class"] == LAUNCH
     assert gpu_bound([spans["target.fwd"]])["class"] == GPU
     assert "gpu_lag" not in agg.close_parts(1.0)["spans"].get("target.fwd", {})   # the next interval starts empty
+
+
+def test_the_profiler_writes_each_cuda_spans_gpu_lag_into_its_interval_record(tmp_path):
+    """Through the real recorder, collector and run log, with events stamped on the host clock plus a chosen GPU
+    delay: a span whose GPU ends with the host is launch-bound, one whose GPU ends 50 ms later GPU-bound."""
+    import time
+
+    import profiler
+    from tests.profiler.build import make_profiler
+
+    delay_ms = {"now": 0.0}
+
+    class HostEvent(FakeEvent):
+        def record(self, stream=None):
+            self.t_ns = GPU_OFFSET_NS + time.perf_counter_ns() + int(delay_ms["now"] * 1e6)
+
+    pool = EventPool(HostEvent, prealloc=0)
+    lag = GpuLag(HostEvent, lambda ev, s: ev.record(s), None)
+    with make_profiler(tmp_path, control=False, background=False, measure_floors=False, interval_s=3600.0,
+                       event_pool=pool, gpu_lag=lag) as prof:
+        prof.collector.poll()          # the first anchor
+        time.sleep(0.002)
+        prof.collector.poll()          # resolved
+        time.sleep(0.002)
+        for _ in range(3):
+            with profiler.span("k.tiny"):
+                time.sleep(0.005)      # the host launching; the GPU keeps pace
+            with profiler.span("k.matmul"):
+                delay_ms["now"] = 0.0
+                time.sleep(0.001)
+                delay_ms["now"] = 50.0  # the end event: the GPU reaches it 50 ms after the host's end
+            delay_ms["now"] = 0.0
+        prof.close_interval()
+    recs, _ = profiler.read_records(prof.log_path)
+    spans = next(r for r in recs if r["type"] == "interval")["spans"]
+    assert spans["k.tiny"]["gpu_lag"]["launch_bound"] == 3 and spans["k.tiny"]["gpu_lag"]["n"] == 3
+    assert spans["k.matmul"]["gpu_lag"]["gpu_bound"] == 3
+    assert spans["k.matmul"]["gpu_lag"]["end_lag_p50_s"] == pytest.approx(0.050, abs=0.002)
