@@ -206,6 +206,9 @@ def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
     several = sorted(str(role) for role, r in roles.items() if r["segments"] > 1)
     if several:
         lines.append(f"(p95 of {', '.join(several)}: the worst of its ranks' and segments')")
+    if any(e.get("gpu") for rec in run_end_records for e in (rec.get("spans") or {}).values()):
+        lines.append("(a CUDA span's times are its GPU window: the stream reached its start event .. its end event, "
+                     "idle gaps included; `dflash-report hotspots` says which spans are launch-bound)")
     for role, r in roles.items():
         rates = ", ".join(f"{n} {v:.1f}/s" for n, v in sorted(r["rates"].items())) or "no counters"
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "

@@ -180,10 +180,10 @@ def _rank_lines(r: dict) -> list:
     steps = f"steps {r['steps'][0]}-{r['steps'][1]}" if r["steps"] else "no ProfilerStep ranges"
     lines = [f"rank {r['rank']} ({r['role']}, {r['device']}): {r['file']}, {r['bytes'] / 1e6:.2f} MB, {steps}"]
     if r["device"] == "cuda":
-        lines.append(f"  {'span':<22}{'n':>4}{'our GPU ms':>12}{'busy ms':>10}{'busy':>6}{'idle ms':>10}"
+        lines.append(f"  {'span':<22}{'n':>4}{'GPU window ms':>14}{'busy ms':>10}{'busy':>6}{'idle ms':>10}"
                      f"{'launch ms':>11}{'sync ms':>9}  verdict")
         for s in r["spans"]:
-            lines.append(f"  {s['name']:<22}{s['count']:>4}{_ms(s['our_gpu_window_seconds']):>12}"
+            lines.append(f"  {s['name']:<22}{s['count']:>4}{_ms(s['our_gpu_window_seconds']):>14}"
                          f"{_ms(s['kernel_busy_seconds']):>10}{_pct(s['busy_share']):>6}{_ms(s['idle_seconds']):>10}"
                          f"{_ms(s['host_launch_seconds']):>11}{_ms(s['host_sync_seconds']):>9}  {s['bound'] or ''}")
             lines += _detail_lines(s)

@@ -105,3 +105,13 @@ def test_a_host_staged_send_is_held_to_the_host_paths_floor():
     entry = agg.close_parts(1.0)["spans"]["transfer.send"]
     assert entry["floor"] == "host_staged" and entry["floor_ratio"] == pytest.approx(1e9 / (1 / (1 / 50e9 + 1 / 40e9)))
     assert agg.run_parts(1.0)["spans"]["transfer.send"]["floor"] == "host_staged"
+
+
+def test_the_end_of_run_table_says_its_cuda_times_are_gpu_windows():
+    from exporters.console import format_hotspots
+    end = {"role": "drafter", "rank": 0, "duration_seconds": 10.0, "counters": {},
+           "spans": {"drafter.fwd_bwd": {"count": 10, "share": 0.9, "cpu": {"total_seconds": 9.0},
+                                         "gpu": {"total_seconds": 9.1, "mean_seconds": 0.91, "p95_seconds": 1.0}}}}
+    assert "GPU window" in format_hotspots([end])
+    cpu = {**end, "spans": {"drafter.fwd_bwd": {"count": 10, "cpu": {"total_seconds": 9.0, "mean_seconds": 0.9}}}}
+    assert "GPU window" not in format_hotspots([cpu])
