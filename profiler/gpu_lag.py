@@ -35,8 +35,9 @@ from collections import deque
 LAUNCH_SLACK_S = 50e-6
 """A launch latency (~5-10 us on H100/H200) plus a small last kernel: a GPU that ends this soon after the host
 kept pace with it."""
-HOST_PACED_SHARE = 0.1
-"""... or within this share of the span's window: the window is at least 90% host time."""
+HOST_PACED_SHARE = 0.2
+"""... or within this share of the span's window: the window is at least 80% host time (wide enough for a last
+kernel of a few ms, or a time slice of another process sharing the GPU, on a window of tens of ms)."""
 GPU_BOUND_TAIL_SHARE = 0.5
 """A span whose GPU work runs on after the host's end for at least this share of its window is GPU-bound."""
 CLASS_SHARE_MIN = 2 / 3

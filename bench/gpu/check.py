@@ -166,6 +166,9 @@ def grade_classification(run_dir: Path) -> bool:
         share = "-" if g.get("launch_bound_share") is None else f"{g['launch_bound_share']:.0%}"
         print(f"   {rank:>4} {str(role):<8} {span:<22} {busy:>11.0%} {str(g.get('class')):<13} {share:>12} "
               f"{g.get('samples', 0):>7} {lag('start_lag_p50_s'):>10} {lag('end_lag_p50_s'):>10}  {verdict}")
+    if (hot.get("split") or {}).get("topology", {}).get("ranks_share_gpus"):
+        print("   (the ranks share a GPU: a span can wait on the other rank's kernels, time-sliced, which its own "
+              "capture does not show; such a span is not launch-bound, though its capture reads idle)")
     failed = [r for r in rows if r[-1] == "FAIL"]
     print(f"   graded {len(rows)} spans: {len(failed)} failed (under {LAUNCH_BUSY_MAX:.0%} busy must be launch-bound, "
           f"over {GPU_BUSY_MIN:.0%} must not be)")
