@@ -1,7 +1,7 @@
 """The GPU check to run before calling GPU work done: real runs on CUDA, every surface's figures side by side.
 
     python3 bench/gpu/check.py [--out DIR] [--only main|gpu-bound] [--steps-main 800] [--steps-bound 60]
-                               [--capture-main 300] [--capture-bound 30]
+                               [--capture-main 300] [--capture-bound 20]
 
 Two runs of dflash-train on the GPU: the main job (the built-in target, target and drafter sharing the
 GPU) and a GPU-bound one (a random Qwen3-8B-shaped target cut to 8 layers, long sequences). While each
@@ -203,7 +203,7 @@ def main() -> int:
     ap.add_argument("--steps-main", type=int, default=800)
     ap.add_argument("--steps-bound", type=int, default=60)
     ap.add_argument("--capture-main", type=int, default=300, help="the main job's captured step (3 steps)")
-    ap.add_argument("--capture-bound", type=int, default=30, help="the GPU-bound job's captured step (3 steps)")
+    ap.add_argument("--capture-bound", type=int, default=20, help="the GPU-bound job's captured step (3 steps)")
     a = ap.parse_args()
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
