@@ -275,7 +275,8 @@ class Sender:
             msg.ready.synchronize()
         self._handshake(msg)
         with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
-            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1])   # as in _launch
+            # as in _launch; path="host": held to the host-staged floor (pinned D2H + H2D), not device_copy
+            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1], path="host")
             payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))   # nan@transfer.send
             dist.send(_as_wire(payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
         if msg.fingerprint is not None:

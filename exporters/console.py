@@ -8,7 +8,7 @@ import sys
 from collections import Counter, defaultdict
 
 from profiler.records import printable
-from profiler.windows import (STEADY_PHASE_SHARE_MAX, basis, basis_seconds, open_at_end, phase_seconds,
+from profiler.windows import (STEADY_PHASE_SHARE_MAX, basis, basis_seconds, gpu_bound, open_at_end, phase_seconds,
                               phase_share, whole_seconds)
 
 GIB = 1024 ** 3
@@ -67,11 +67,15 @@ def format_interval(record: dict, phase_spans=()) -> str:
     spans = record.get("spans") or {}
     opened = open_at_end(record.get("open_spans"))
     if spans:
-        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}  bandwidth")
+        sm = _sm_active_percent(record.get("memory"))
+        on_gpu = any(e.get("gpu") for e in spans.values())   # the GPU and busy columns: CUDA runs only
+        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
+                     + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "") + "  bandwidth")
         for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
             stats, on = basis(e)
             line = (f"  {name:<24} {e.get('count', 0):>7} {on:>3} {_ms(stats.get('mean_seconds')):>9} "
-                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}")
+                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}"
+                    + (f"  {_gpu_cells(e, sm)}" if on_gpu else ""))
             bw = e.get("bandwidth_bytes_per_s")
             if bw is not None:
                 line += f"  {bw / 1e9:.2f} GB/s"
@@ -82,7 +86,8 @@ def format_interval(record: dict, phase_spans=()) -> str:
         lines.extend(_gpu_sample_note(spans))
         if any(e.get("gpu") for e in spans.values()):
             lines.append("  on gpu: mean/p95/share of the GPU window (CUDA events: stream reached start to end, "
-                         "idle gaps included)")
+                         "idle gaps included); GPU: launch-bound (the GPU kept pace with the host's launches: the "
+                         "window is host time), GPU-bound (it ran behind the host) or mixed; busy: GPM SM active")
     else:
         lines.append("  (no spans finished in this interval)")
     for name, c in (record.get("counters") or {}).items():
@@ -97,6 +102,22 @@ def format_interval(record: dict, phase_spans=()) -> str:
     lines.extend(format_memory(record.get("memory")))
     lines.extend(format_thread_cpu(record))
     return "\n".join(lines)
+
+
+def _sm_active_percent(memory) -> float | None:
+    """The interval's GPM SM active percent (the mean over its GPUs), None where GPM did not measure it."""
+    values = [g["sm_active_percent_mean"] for g in (memory or {}).get("gpus") or []
+              if g.get("sm_active_percent_mean") is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _gpu_cells(entry: dict, sm_active_percent) -> str:
+    """A span row's GPU class and busy estimate in this interval (profiler.windows.gpu_bound), "-" where unknown."""
+    g = gpu_bound([entry], sm_active_percent=sm_active_percent)
+    if g is None:
+        return f"{'-':<13} {'-':>5}"
+    busy = "-" if g["busy_share"] is None else f"{100 * g['busy_share']:.0f}%"
+    return f"{g['class']:<13} {busy:>5}"
 
 
 def _not_steady_tag(record: dict, phase_spans) -> str:
@@ -185,6 +206,9 @@ def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
     several = sorted(str(role) for role, r in roles.items() if r["segments"] > 1)
     if several:
         lines.append(f"(p95 of {', '.join(several)}: the worst of its ranks' and segments')")
+    if any(e.get("gpu") for rec in run_end_records for e in (rec.get("spans") or {}).values()):
+        lines.append("(a CUDA span's times are its GPU window: the stream reached its start event .. its end event, "
+                     "idle gaps included; `dflash-report hotspots` says which spans are launch-bound)")
     for role, r in roles.items():
         rates = ", ".join(f"{n} {v:.1f}/s" for n, v in sorted(r["rates"].items())) or "no counters"
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "

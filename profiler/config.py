@@ -122,6 +122,9 @@ class ProfilerDeps:
     """The NVML sampler (profiler/memory.py: start, stop, interval_summary, latest, headroom_history)."""
     event_pool: Any = None
     """The CUDA event pool spans record on (profiler/cuda_timing.py EventPool, or a fake)."""
+    gpu_lag: Any = None
+    """Places CUDA spans on the host timeline (profiler/gpu_lag.py: tick, place, take); None: GpuLag on a private
+    stream when the profiler made its own CUDA event pool, else none."""
     floors: dict | None = None
     """Copy floors to use instead of measuring them."""
     fault_plan: Any = None

@@ -18,6 +18,7 @@ from profiler.export import ExportHub
 from profiler.faults import FaultPlan
 from profiler.floors import floor_for_span, measure_floors
 from profiler.forensics import Forensics, install_autotune_spans, make_memory_history
+from profiler.gpu_lag import NullGpuLag
 from profiler.intervals import IntervalAggregator
 from profiler.memory import make_memory_sampler, memory_state
 from profiler.nonfinite import NonfiniteMonitor, make_readback
@@ -130,7 +131,8 @@ class Profiler:
                   if self.cfg.detail_steps > 0 else NullDetailWindow())
         self.capture_spans = CaptureSpans(detail, lambda **f: self.event("capture", **f), self.to_unix_ns,
                                           self.recorder.native_ids)
-        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, self.capture_spans)
+        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, self.capture_spans,
+                                        gpu_lag=self._gpu_lag())
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
                     threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
                     self._stack_samples, self._steps_section)
@@ -138,6 +140,16 @@ class Profiler:
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
                          sections=sections)
+
+    def _gpu_lag(self):
+        """The injected GpuLag; else one on a private stream when the profiler made its own CUDA event pool
+        (profiler/gpu_lag.py); else none (a test's fake pool, the CPU)."""
+        if self.deps.gpu_lag is not None:
+            return self.deps.gpu_lag
+        if self.is_cuda and self.deps.event_pool is None:
+            from profiler.gpu_lag import make_gpu_lag
+            return make_gpu_lag(self.event_pool.device_index)
+        return NullGpuLag()
 
     def _make_captures(self) -> Captures:
         """Kineto captures at step boundaries (profiler/capture.py), asked through the endpoint or scheduled."""

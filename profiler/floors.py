@@ -96,10 +96,22 @@ def measure_floors(device, budget_s: float = 0.5) -> dict[str, float]:
     return floors
 
 
-def floor_for_span(name: str, floors: dict, is_cuda: bool) -> tuple[str, float] | None:
-    """(floor name, bytes/s) to compare a span's achieved bandwidth against, or None if unmeasured. On CUDA:
+def floor_for_span(name: str, floors: dict, is_cuda: bool, path: str | None = None) -> tuple[str, float] | None:
+    """(floor name, bytes/s) to compare a span's achieved bandwidth against, or None if unmeasured. On CUDA: a
+    span tagged `path="host"` (a device-to-device send staged through pinned host memory) -> host_staged;
     "d2h"/"h2d" in the name -> pinned_d2h/pinned_h2d, else device_copy; on the CPU every copy is host_copy."""
+    if is_cuda and path == "host":
+        return host_staged_floor(floors)
     way = next((w for w in ("d2h", "h2d") if w in name), None)
     key = "host_copy" if not is_cuda else f"pinned_{way}" if way else "device_copy"
     value = floors.get(key)
     return (key, value) if value is not None else None
+
+
+def host_staged_floor(floors: dict) -> tuple[str, float] | None:
+    """("host_staged", bytes/s): the host path's best end to end, a pinned D2H copy then a pinned H2D copy of the
+    same bytes one after the other (1 / (1/d2h + 1/h2d)); None unless both were measured."""
+    d2h, h2d = floors.get("pinned_d2h"), floors.get("pinned_h2d")
+    if not d2h or not h2d:
+        return None
+    return "host_staged", 1.0 / (1.0 / d2h + 1.0 / h2d)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
+from profiler.gpu_lag import NullGpuLag
 from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
@@ -40,6 +41,7 @@ class _SpanAcc(_Bytes):
     gpu_windows: list = field(default_factory=list)   # (gpu seconds, begin ns, resolved ns) for the share's cap
     timed: int = 0            # spans that recorded CUDA events (resolved or not)
     gpu_self: float = 0.0     # their GPU seconds less their children's (self time)
+    path: str | None = None   # the copy path the spans' tag named (`profiler.tag(path=...)`): picks the floor
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class _RunSpan(_Bytes):
     self_ns: int = 0          # the same less the children's time (self time)
     gpu_self: float = 0.0
     threads: set = field(default_factory=set)
+    path: str | None = None
 
 
 @dataclass(slots=True)
@@ -72,8 +75,9 @@ class IntervalAggregator:
     """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
     def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
-                 detail=None):
+                 detail=None, gpu_lag=None):
         self.floors = floors or {}
+        self.gpu_lag = gpu_lag or NullGpuLag()   # places resolved pairs on the host timeline (profiler/gpu_lag.py)
         self.detail = detail or NullDetailWindow()   # sees every finished span (the `spans` record)
         self.floor_fn = floor_fn
         self.is_cuda = is_cuda
@@ -105,6 +109,7 @@ class IntervalAggregator:
                     self._gauges.setdefault(name, []).append(value)
                 else:
                     self._metrics.setdefault(name, []).append(value)
+        self.gpu_lag.tick()
         if self.pending:
             self.resolve_pending()
 
@@ -152,7 +157,7 @@ class IntervalAggregator:
 
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
-        done, self.pending = resolve(self.pending, self.event_pool)
+        done, self.pending = resolve(self.pending, self.event_pool, self.gpu_lag.place)
         if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
             self._add_whole(done, timed=True, seen_ns=time.perf_counter_ns())
         return len(self.pending)
@@ -178,6 +183,7 @@ class IntervalAggregator:
                 acc.gpu_self += max(0.0, gpu_s - kids_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
             if nbytes is not None:
+                acc.path = span_path(rec[7]) or acc.path
                 acc.bytes += nbytes
                 acc.bytes_n += 1
                 acc.bytes_cpu += cpu_s
@@ -206,7 +212,7 @@ class IntervalAggregator:
             bw = nbytes / t if t > 0 else None
             entry["bytes"] = acc.bytes
             entry["bandwidth_bytes_per_s"] = bw
-            floor = self.floor_fn(name, self.floors, self.is_cuda) if self.floor_fn else None
+            floor = self.floor_fn(name, self.floors, self.is_cuda, acc.path) if self.floor_fn else None
             if floor is not None:
                 entry["floor"], entry["floor_bytes_per_s"] = floor[0], floor[1]
                 entry["floor_ratio"] = bw / floor[1] if bw is not None and floor[1] > 0 else None
@@ -217,6 +223,7 @@ class IntervalAggregator:
         ends the interval in span time; `open_spans` (open_spans(ids=True) after the last drain) get their time
         inside it credited (module doc). Without a boundary only finished spans' time counts."""
         spans = self._close_spans(duration_s, self._credit_open(boundary_ns, open_spans), boundary_ns)
+        add_gpu_lag(spans, self.gpu_lag.take())
         self._start_ns = boundary_ns
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None,
                            "run_total": self._run_counters[name]}
@@ -248,6 +255,7 @@ class IntervalAggregator:
             run.time_ns += time_ns
             run.self_ns += self_ns
             run.gpu_self += acc.gpu_self
+            run.path = acc.path or run.path
             cpu = summarize(cpu_s, buckets=True)
             cpu["total_seconds"] = time_ns / 1e9   # split time; the rest of the block is whole spans
             cpu["self_seconds"] = self_ns / 1e9
@@ -294,6 +302,18 @@ class IntervalAggregator:
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}
+
+
+def span_path(attrs) -> str | None:
+    """The copy path a span's attributes name (`profiler.tag(path="host")`), else None."""
+    return attrs.get("path") if attrs else None
+
+
+def add_gpu_lag(spans: dict, lags: dict) -> None:
+    """Each span entry with samples placed in the interval gets its `gpu_lag` (profiler/gpu_lag.py)."""
+    for name, lag in lags.items():
+        if name in spans:
+            spans[name]["gpu_lag"] = lag
 
 
 def to_floats(values) -> list:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from profiler.gpu_lag import class_of
+
 
 def basis(entry: dict) -> tuple[dict, str]:
     """(stats, "gpu"|"cpu"): the stats a span's times are read from."""
@@ -111,3 +113,32 @@ def steady_throughput(events: list) -> dict | None:
             "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": sum(e.get("steady_steps") or 0
                                                                                    for e in segs),
             "segments": len(segs), "phases_seconds": dict(phases)}
+
+
+# ---- what the GPU did in a span (profiler/gpu_lag.py) -------------------------------------------------------
+
+def gpu_bound(entries, capture_busy_share: float | None = None, sm_active_percent: float | None = None) -> dict | None:
+    """A span's class over the window its interval `entries` cover: launch-bound / GPU-bound / mixed from its
+    entries' `gpu_lag` samples (class_of), the lags' medians (of the intervals' p50s), and the busy estimate
+    beside it: the capture's busy share (kernels over our GPU window, report/kernels.py) where a capture has the
+    span, else the GPU's SM activity (GPM) over the window, else none. None when no sample was placed."""
+    lags = [e["gpu_lag"] for e in entries if (e.get("gpu_lag") or {}).get("n")]
+    if not lags:
+        return None
+    n = sum(g["n"] for g in lags)
+    launch, gpu = sum(g["launch_bound"] for g in lags), sum(g["gpu_bound"] for g in lags)
+    busy, source = ((capture_busy_share, "capture") if capture_busy_share is not None else
+                    (sm_active_percent / 100.0, "GPM SM active") if sm_active_percent is not None else (None, None))
+    return {"class": class_of(launch, gpu, n), "samples": n, "intervals": len(lags),
+            "launch_bound_share": launch / n, "gpu_bound_share": gpu / n,
+            "start_lag_p50_s": _median_of(g.get("start_lag_p50_s") for g in lags),
+            "end_lag_p50_s": _median_of(g.get("end_lag_p50_s") for g in lags),
+            "busy_share": busy, "busy_source": source}
+
+
+def _median_of(values) -> float | None:
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2

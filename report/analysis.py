@@ -6,8 +6,9 @@ from __future__ import annotations
 import statistics
 
 from monitoring.catalog import WAIT_SPANS
-from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
+from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
+from report.kernels import capture_busy
 from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, merged_window, phase_spans, steady_window, \
     wall_seconds
 
@@ -89,8 +90,9 @@ def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, 
     return p50, p95, source
 
 
-def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None) -> dict:
-    """One ranked span from its entries in every interval of the role's ranks (and their run_ends')."""
+def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None, busy: tuple = (None, None)) -> dict:
+    """One ranked span from its entries in every interval of the role's ranks (and their run_ends'); `busy`:
+    (the captures' busy share of the span, the role's GPM SM active percent), the estimates beside its class."""
     entries = a["entries"]
     on = span_clock(entries)
     timed = [e for e in entries if e.get("gpu")]
@@ -103,8 +105,9 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
     return {"role": role, "span": name, "count": sum(e.get("count") or 0 for e in entries), "on": on,
             "total_seconds": total, "self_seconds": sum((self_seconds(e, on) for e in entries), 0.0),
             "cpu_seconds": sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0),
-            "gpu_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
+            "gpu_window_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
             if timed else None,
+            "gpu_bound": gpu_bound(entries, *busy),
             "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
             "share": total / role_wall if role_wall > 0 else None,
             "mean_seconds": _mean_seconds(measured, on, n) if n else None,
@@ -156,9 +159,23 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
         for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in (end.get("spans") or {}).items()):
             if closed and (role, name) in agg:
                 agg[(role, name)]["ends"].append(e)
-    rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds) for (role, name), a in agg.items()]
+    sm, captured = sm_active_by_role(run), capture_busy(run)
+    rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds, (captured.get((role, name)), sm.get(role)))
+            for (role, name), a in agg.items()]
     rows.sort(key=lambda r: -r["total_seconds"])
     return {"rows": rows[:top] if top else rows, "spans_total": len(rows), "roles": roles}
+
+
+def sm_active_by_role(run: Run) -> dict:
+    """{role: GPM SM active percent, the mean over every interval x GPU of its ranks that has it} (the spans
+    table's window: the whole run)."""
+    out = {}
+    for role, logs in run.by_role().items():
+        values = [g["sm_active_percent_mean"] for log in logs for rec in log.intervals for g in gpus(rec)
+                  if g.get("sm_active_percent_mean") is not None]
+        if values:
+            out[role] = statistics.fmean(values)
+    return out
 
 
 # ---- verdict ---------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ windows    a figure named steady is read over steady intervals (neither warm-up 
            says so; no window label beside another window's figure (each rank row's tokens/s, busy share and
            capacity named by the window each was read over)
 flows      the merged trace's flows point forward in time, and it matches at least FLOW_MATCH_MIN of its sends
+gpu        every GPU-timed span of an interval is placed on the host timeline or counted unplaced (gpu_lag), and
+           an entry whose spans were all launch-bound has a GPU window within its CPU time / (1 - HOST_PACED_SHARE)
+           plus the tolerance per span: the window of a launch-bound span is host time
 
 Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
 """
@@ -23,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
 from report.runs import Run, counter_total, load_run, paused_gc, rank_phase_spans, wall_seconds
@@ -134,6 +138,7 @@ def _check_interval(res: CheckResult, where: str, rec: dict) -> None:
         res.expect(_le(e.get("share"), max(1, len(threads)), SHARE_SLACK), "shares", here,
                    lambda: f"share {_fmt(e.get('share'))} over {max(1, len(threads))} thread(s)")
         _check_entry_stats(res, here, e)
+        _check_gpu_lag(res, here, e)
         own = (e.get("cpu") or {}).get("self_seconds")
         if own is None:
             res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
@@ -143,6 +148,24 @@ def _check_interval(res: CheckResult, where: str, rec: dict) -> None:
     for thread, own in per_thread.items():
         res.expect(_le(own, duration, SHARE_SLACK), "shares", f"{at} thread {thread}",
                    lambda: f"self CPU time of its spans {_fmt(own)} s > the interval's {_fmt(duration)} s")
+
+
+def _check_gpu_lag(res: CheckResult, here: str, e: dict) -> None:
+    """The `gpu` invariants of one interval span entry with a `gpu_lag` (module doc)."""
+    lag = e.get("gpu_lag")
+    if not lag:
+        return
+    placed, unplaced, timed = lag.get("n") or 0, lag.get("unplaced") or 0, e.get("gpu_count") or 0
+    res.expect(placed + unplaced == timed, "gpu", here,
+               lambda: f"gpu_lag placed {placed} + unplaced {unplaced} spans != gpu_count {timed}")
+    cpu, gpu = e.get("cpu") or {}, e.get("gpu") or {}
+    if not (placed and lag.get("launch_bound") == placed == timed == e.get("count")) or cpu.get("mean_seconds") is None:
+        return
+    host_s = cpu["mean_seconds"] * placed
+    bound_s = host_s / (1 - HOST_PACED_SHARE) + placed * (lag.get("tolerance_s") or 0.0)
+    res.expect(_le(gpu.get("total_seconds"), bound_s, 1e-6), "gpu", here,
+               lambda: f"launch-bound, yet its GPU window {_fmt(gpu.get('total_seconds'))} s exceeds its CPU time "
+                       f"{_fmt(host_s)} s / {1 - HOST_PACED_SHARE:g} + the tolerance")
 
 
 def _check_entry_stats(res: CheckResult, here: str, e: dict) -> None:

@@ -12,6 +12,7 @@ FLOOR_LOSS_SHARE = 0.01        # ... and losing at least this share of its role'
 LOW_HEADROOM_SHARE = 0.05
 SPLIT_GAIN = 0.10              # a better split must predict at least this much more throughput
 PROFILER_SHARE_HIGH = 0.02     # the profiler's threads using over 2% of a rank's wall time in CPU
+LAUNCH_SHARE_MIN = 0.05       # a launch-bound span holding at least this share of its role's time is a finding
 GIB = 1024 ** 3
 
 _PINNED = "check the host buffer is pinned and the copy non_blocking; compare with bench/nccl_p2p.py"
@@ -70,14 +71,22 @@ def _batch_next(report: dict, otherwise: str, loop: str = "lower the batch size"
     return otherwise, []
 
 
+def _launch_bound_spans(report: dict) -> set:
+    """{(role, span)} the spans table calls launch-bound (profiler.windows.gpu_bound): their time is launches."""
+    return {(r["role"], r["span"]) for r in report["spans"]["rows"]
+            if (r.get("gpu_bound") or {}).get("class") == "launch-bound"}
+
+
 def _bandwidth(report: dict) -> list:
+    """Copies far below their path's floor, except launch-bound ones: their time is launch overhead, not bytes."""
     walls = {role: r["wall_seconds"] for role, r in report["spans"]["roles"].items()}
+    launch = _launch_bound_spans(report)
     out = []
     for b in report["bandwidth"]:
         wall = walls.get(b["role"]) or 0.0
         lost = b["seconds_over_floor"]
         if b["floor_ratio"] is None or b["floor_ratio"] >= FLOOR_RATIO_LOW or not wall \
-                or lost < FLOOR_LOSS_SHARE * wall:
+                or lost < FLOOR_LOSS_SHARE * wall or (b["role"], b["span"]) in launch:
             continue
         out.append(_finding(
             "below_floor", f"{b['span']} ({b['role']}) moves its bytes at {b['floor_ratio'] * 100:.2g}% of the "
@@ -86,6 +95,47 @@ def _bandwidth(report: dict) -> list:
             f"GB/s vs {b['floor_bytes_per_s'] / 1e9:.3g} GB/s measured at start; {lost:.3g} s over the floor "
             f"({lost / wall:.1%} of the {b['role']}'s whole-run time)", *_copy_next(report, b["span"])))
     return out
+
+
+def _launch_bound(report: dict) -> list:
+    """One finding per role whose launch-bound spans hold at least LAUNCH_SHARE_MIN of its time each."""
+    by_role: dict = {}
+    for r in report["spans"]["rows"]:
+        g = r.get("gpu_bound") or {}
+        if g.get("class") == "launch-bound" and (r["share"] or 0.0) >= LAUNCH_SHARE_MIN and not r["wait"]:
+            by_role.setdefault(r["role"], []).append(r)
+    out = []
+    for role, rows in by_role.items():
+        names = ", ".join(r["span"] for r in rows)
+        evidence = "; ".join(_launch_evidence(r) for r in rows)
+        nxt, flags = _launch_next(report)
+        out.append(_finding("launch_bound", f"{names} ({role}) {'is' if len(rows) == 1 else 'are'} launch-bound: the "
+                                            "GPU keeps pace with the host's kernel launches and idles between them",
+                            "whole run: " + evidence, nxt, flags))
+    return out
+
+
+def _launch_evidence(r: dict) -> str:
+    g = r["gpu_bound"]
+    only = ": its steps only" if g["busy_source"] == "capture" else ""
+    busy = "" if g["busy_share"] is None else f", busy {g['busy_share']:.0%} ({g['busy_source']}{only})"
+    lag = "-" if g["end_lag_p50_s"] is None else f"{g['end_lag_p50_s'] * 1e6:.0f} us"
+    return (f"{r['span']}: GPU window {r['gpu_window_seconds'] or 0.0:.3g} s against {r['cpu_seconds']:.3g} s on the "
+            f"host, {r['share']:.0%} of the {r['role']}'s time; {g['launch_bound_share']:.0%} of {g['samples']} spans "
+            f"ended on the GPU within a launch latency of the host (median end lag {lag}){busy}")
+
+
+def _launch_next(report: dict) -> tuple[str, list]:
+    """Fewer, larger kernels; where the memory margin allows, a larger batch (flags)."""
+    steps = "fewer and larger kernels (fuse small ops), CUDA graphs for the step, torch.compile"
+    if _loop(report):
+        return f"{steps}, or a larger batch", []
+    margin = report["memory_margin"].get("max_tokens_per_batch")
+    now = report["config"].get("tokens_per_batch")
+    if margin and now and margin > now:
+        return (f"{steps}; or a larger batch: raise --tokens-per-batch to {margin} (the memory margin)",
+                ["--tokens-per-batch", str(margin)])
+    return f"{steps}; or a larger batch (--tokens-per-batch) where memory allows", []
 
 
 def _allocator(report: dict) -> list:
@@ -322,7 +372,8 @@ def _costly(rows: list) -> str:
 
 
 # The rules, problems first: each reads the assembled report and returns its findings.
-RULES = (_events, _stalls, _headroom, _allocator, _straggler, _waits, _split, _bandwidth, _profiler_cost)
+RULES = (_events, _stalls, _headroom, _allocator, _straggler, _waits, _split, _launch_bound, _bandwidth,
+         _profiler_cost)
 
 
 def findings(report: dict) -> list:

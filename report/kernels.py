@@ -61,6 +61,26 @@ def kernels(run_dir, capture: int | None = None, top: int = TOP) -> dict:
             "aligned": all(r["steps"] and r["steps"][0] == step for r in ranks)}
 
 
+def capture_busy(run) -> dict:
+    """{(role, span): busy share} over every capture of the run (its kernels' busy time over our GPU windows of the
+    captured spans, summed over captures and ranks); traces that cannot be read are left out. The window: the
+    captured steps only."""
+    sums: dict = {}
+    for step, paths in captures_in(run.run_dir).items():
+        for rank, path in paths.items():
+            log = run.ranks.get(rank)
+            try:
+                rows = rank_report(log, rank, path, step, TOP)["spans"]
+            except (ReportError, OSError):
+                continue
+            for r in rows:
+                if r["our_gpu_window_seconds"] and not r["outside_spans"]:
+                    acc = sums.setdefault((log.role if log else None, r["name"]), [0.0, 0.0])
+                    acc[0] += r["kernel_busy_seconds"]
+                    acc[1] += r["our_gpu_window_seconds"]
+    return {key: busy / window for key, (busy, window) in sums.items() if window > 0}
+
+
 def _capture_event(log, step: int):
     events = [e for e in (log.events if log else []) if e.get("kind") == "capture" and e.get("step") == step]
     return events[-1] if events else None
@@ -160,10 +180,10 @@ def _rank_lines(r: dict) -> list:
     steps = f"steps {r['steps'][0]}-{r['steps'][1]}" if r["steps"] else "no ProfilerStep ranges"
     lines = [f"rank {r['rank']} ({r['role']}, {r['device']}): {r['file']}, {r['bytes'] / 1e6:.2f} MB, {steps}"]
     if r["device"] == "cuda":
-        lines.append(f"  {'span':<22}{'n':>4}{'our GPU ms':>12}{'busy ms':>10}{'busy':>6}{'idle ms':>10}"
+        lines.append(f"  {'span':<22}{'n':>4}{'GPU window ms':>14}{'busy ms':>10}{'busy':>6}{'idle ms':>10}"
                      f"{'launch ms':>11}{'sync ms':>9}  verdict")
         for s in r["spans"]:
-            lines.append(f"  {s['name']:<22}{s['count']:>4}{_ms(s['our_gpu_window_seconds']):>12}"
+            lines.append(f"  {s['name']:<22}{s['count']:>4}{_ms(s['our_gpu_window_seconds']):>14}"
                          f"{_ms(s['kernel_busy_seconds']):>10}{_pct(s['busy_share']):>6}{_ms(s['idle_seconds']):>10}"
                          f"{_ms(s['host_launch_seconds']):>11}{_ms(s['host_sync_seconds']):>9}  {s['bound'] or ''}")
             lines += _detail_lines(s)

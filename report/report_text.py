@@ -25,16 +25,20 @@ def _g(v, fmt: str = ".4g") -> str:
 
 def _spans(rep: dict) -> list:
     s = rep["spans"]
+    on_gpu = any(r["gpu_window_seconds"] is not None for r in s["rows"])   # the GPU and busy columns: CUDA runs
     lines = ["Spans over the whole run by total time (share of the role's whole-run time; each span on one clock, "
-             "'on': gpu = its GPU window (CUDA events, idle gaps included), cpu = host wall time; self s leaves "
-             "its children out; mean, p50 and p95 over the whole spans on that clock)",
+             "'on': gpu = its GPU window (CUDA events: the stream reached its start .. its end, idle gaps included), "
+             "cpu = host wall time; self s leaves its children out; mean, p50 and p95 over the whole spans on that "
+             "clock; GPU: what the GPU did in the window, busy: the capture's kernels over the window, else GPM SM "
+             "active, see below)",
              f"  {'span':<22} {'role':<8} {'count':>7} {'on':>3} {'total s':>9} {'self s':>9} {'share':>6} {'cpu s':>9} "
-             f"{'gpu s':>9} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"]
+             f"{'GPU window s':>12} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9}"
+             + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "")]
     for r in s["rows"]:
         lines.append(f"  {r['span']:<22} {r['role']:<8} {r['count']:>7} {r['on']:>3} {r['total_seconds']:>9.3f} "
-                     f"{r['self_seconds']:>9.3f} {_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_seconds'], '.3f'):>9} "
+                     f"{r['self_seconds']:>9.3f} {_pct(r['share']):>6} {r['cpu_seconds']:>9.3f} {_g(r['gpu_window_seconds'], '.3f'):>12} "
                      f"{_ms(r['mean_seconds']):>9} {_ms(r['p50_seconds']):>9} {_ms(r['p95_seconds']):>9}"
-                     + ("  (wait)" if r["wait"] else ""))
+                     + (f"  {gpu_class_cells(r.get('gpu_bound'))}" if on_gpu else "") + ("  (wait)" if r["wait"] else ""))
     if not s["rows"]:
         lines.append("  (no spans recorded)")
     if s["spans_total"] > len(s["rows"]):
@@ -45,7 +49,8 @@ def _spans(rep: dict) -> list:
     if estimated:
         lines.append(f"  p50 and p95 of {len(estimated)} span(s) are estimates over several ranks, segments or "
                      "intervals (quantiles_from: summed histogram buckets, or older logs' percentiles); the others exact")
-    return lines + _gpu_sampled(s["rows"]) + _open_spans(s["rows"]) + _means_with_phases(s["rows"])
+    return (lines + _gpu_sampled(s["rows"]) + _gpu_classes(s["rows"]) + _open_spans(s["rows"])
+            + _means_with_phases(s["rows"]))
 
 
 def _means_with_phases(rows: list) -> list:
@@ -62,14 +67,36 @@ def _means_with_phases(rows: list) -> list:
             f"them out): {named}"]
 
 
+def gpu_class_cells(g: dict | None) -> str:
+    """The GPU and busy cells of a span row: its class and busy estimate ("-" where unknown)."""
+    if not g:
+        return f"{'-':<13} {'-':>5}"
+    busy = "-" if g["busy_share"] is None else f"{100 * g['busy_share']:.0f}%"
+    return f"{g['class']:<13} {busy:>5}"
+
+
+def _gpu_classes(rows: list) -> list:
+    """How the GPU column was read, with its samples and the busy estimate's sources."""
+    classed = [r for r in rows if r.get("gpu_bound")]
+    if not classed:
+        return []
+    sources = sorted({r["gpu_bound"]["busy_source"] for r in classed if r["gpu_bound"]["busy_source"]})
+    launch = [r["span"] for r in classed if r["gpu_bound"]["class"] == "launch-bound"]
+    return [f"  GPU: each CUDA span placed on the host timeline ({sum(r['gpu_bound']['samples'] for r in classed)} "
+            "spans over the whole run): launch-bound = the GPU kept pace with the host's launches (its window is host "
+            "time, idle between kernels), GPU-bound = the GPU ran behind the host, mixed = neither for 2/3 of its "
+            f"spans; busy from {', '.join(sources) or 'nothing measured'} (the capture: its steps only)"
+            + (f"; launch-bound: {', '.join(launch)}" if launch else "")]
+
+
 def _gpu_sampled(rows: list) -> list:
     """A line when some spans carry no GPU time (an older run's sampled steps, unresolved pairs): estimates."""
     timed = [(r["gpu_timed"], r["count"]) for r in rows if r.get("gpu_timed") is not None]
     n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
     if n >= total:
         return []
-    return [f"  GPU times for {n} of {total} spans (sampled steps in an older run, or pairs left unresolved); gpu s, "
-            "total s and share on the GPU scale them by count / timed"]
+    return [f"  GPU times for {n} of {total} spans (sampled steps in an older run, or pairs left unresolved); GPU "
+            "window s, total s and share on the GPU scale them by count / timed"]
 
 
 def _open_spans(rows: list) -> list:

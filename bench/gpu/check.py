@@ -1,6 +1,7 @@
 """The GPU check to run before calling GPU work done: real runs on CUDA, every surface's figures side by side.
 
     python3 bench/gpu/check.py [--out DIR] [--only main|gpu-bound] [--steps-main 800] [--steps-bound 60]
+                               [--capture-main 300] [--capture-bound 20]
 
 Two runs of dflash-train on the GPU: the main job (the built-in target, target and drafter sharing the
 GPU) and a GPU-bound one (a random Qwen3-8B-shaped target cut to 8 layers, long sequences). While each
@@ -10,6 +11,11 @@ the throughput file, the run log's throughput event, `dflash-report hotspots --j
 the interval records (steady intervals and the last one), the Prometheus counter's rate over the scrape
 window and the progress line. Figures over the same window must agree within 1 %; the script prints the
 spread of the steady-state ones and exits 1 when `check` failed or they disagree.
+
+Each run also takes a Kineto capture of a few steps (`--capture-at-step`), which grades the always-on GPU
+classification (profiler/gpu_lag.py, the hotspots JSON's `gpu_bound`): per rank and span with GPU work, the
+capture's busy share (its kernels over our GPU window, `dflash-report kernels`) beside our class over the whole
+run; a span the capture shows under 30% busy must be launch-bound, one above 70% must not be. A failure exits 1.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import profiler  # noqa: E402
 import report    # noqa: E402
 from profiler.windows import is_steady  # noqa: E402
 
+LAUNCH_BUSY_MAX, GPU_BUSY_MIN = 0.30, 0.70   # the grade: Kineto busy under this is launch-bound, above that is not
 TOKENS_RE = re.compile(r'^dflash_tokens_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
 
 
@@ -124,6 +131,50 @@ def figures(run_dir: Path, res: dict) -> list:
     return rows
 
 
+def grade_rows(kin: dict, hot: dict) -> list:
+    """[(rank, role, span, Kineto busy share, our gpu_bound or None, verdict)] for every captured span with GPU
+    work (report.kernels' `bound` set); verdict "FAIL" when a span under LAUNCH_BUSY_MAX busy is not launch-bound
+    or one above GPU_BUSY_MIN is, else "ok"."""
+    ours = {(r["role"], r["span"]): r.get("gpu_bound") for r in hot["spans"]["rows"]}
+    rows = []
+    for rk in kin["ranks"]:
+        for s in rk["spans"]:
+            if s["bound"] is None or s["outside_spans"] or s["busy_share"] is None:
+                continue
+            g = ours.get((rk["role"], s["name"]))
+            cls = g["class"] if g else None
+            bad = ((s["busy_share"] < LAUNCH_BUSY_MAX and cls != "launch-bound")
+                   or (s["busy_share"] > GPU_BUSY_MIN and cls == "launch-bound"))
+            rows.append((rk["rank"], rk["role"], s["name"], s["busy_share"], g, "FAIL" if bad else "ok"))
+    return rows
+
+
+def grade_classification(run_dir: Path) -> bool:
+    """Print the capture-vs-always-on table (module doc); False when a span fails or there is nothing to grade."""
+    try:
+        kin, hot = report.kernels(run_dir), report.hotspots(run_dir)
+    except report.ReportError as exc:
+        print(f"   GPU classification: not graded: {exc}")
+        return False
+    rows = grade_rows(kin, hot)
+    print(f"   GPU classification vs the capture ({kin['window']}; ours over the whole run):")
+    print(f"   {'rank':>4} {'role':<8} {'span':<22} {'Kineto busy':>11} {'ours':<13} {'launch-bound':>12} "
+          f"{'samples':>7} {'start lag':>10} {'end lag':>10}  grade")
+    for rank, role, span, busy, g, verdict in rows:
+        g = g or {}
+        lag = (lambda k: "-" if g.get(k) is None else f"{g[k] * 1e6:.0f} us")
+        share = "-" if g.get("launch_bound_share") is None else f"{g['launch_bound_share']:.0%}"
+        print(f"   {rank:>4} {str(role):<8} {span:<22} {busy:>11.0%} {str(g.get('class')):<13} {share:>12} "
+              f"{g.get('samples', 0):>7} {lag('start_lag_p50_s'):>10} {lag('end_lag_p50_s'):>10}  {verdict}")
+    if (hot.get("split") or {}).get("topology", {}).get("ranks_share_gpus"):
+        print("   (the ranks share a GPU: a span can wait on the other rank's kernels, time-sliced, which its own "
+              "capture does not show; such a span is not launch-bound, though its capture reads idle)")
+    failed = [r for r in rows if r[-1] == "FAIL"]
+    print(f"   graded {len(rows)} spans: {len(failed)} failed (under {LAUNCH_BUSY_MAX:.0%} busy must be launch-bound, "
+          f"over {GPU_BUSY_MIN:.0%} must not be)")
+    return bool(rows) and not failed
+
+
 def check_and_print(name: str, run_dir: Path, res: dict) -> bool:
     chk = subprocess.run([sys.executable, "-m", "dflash.report_cli", "check", str(run_dir)], cwd=REPO,
                          capture_output=True, text=True)
@@ -140,7 +191,9 @@ def check_and_print(name: str, run_dir: Path, res: dict) -> bool:
     print(f"   steady-state surfaces: {len(same)}, spread {'-' if spread is None else f'{spread:.3%}'} (want <= 1%)")
     tail = [ln for ln in res["stdout"].splitlines() if ln.strip()][-14:]
     print("   end of the run's output:\n" + "\n".join("     " + ln for ln in tail))
-    return res["rc"] == 0 and chk.returncode == 0 and len(same) == 4 and spread is not None and spread <= 0.01
+    graded = grade_classification(run_dir)
+    return (res["rc"] == 0 and chk.returncode == 0 and len(same) == 4 and spread is not None and spread <= 0.01
+            and graded)
 
 
 def main() -> int:
@@ -149,13 +202,16 @@ def main() -> int:
     ap.add_argument("--only", choices=("main", "gpu-bound"), default=None)
     ap.add_argument("--steps-main", type=int, default=800)
     ap.add_argument("--steps-bound", type=int, default=60)
+    ap.add_argument("--capture-main", type=int, default=300, help="the main job's captured step (3 steps)")
+    ap.add_argument("--capture-bound", type=int, default=20, help="the GPU-bound job's captured step (3 steps)")
     a = ap.parse_args()
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     ok = True
     if a.only in (None, "main"):
         run = root / "main"
-        res = train(run, ["--profile-interval", "10", "--max-steps", str(a.steps_main)], after_intervals=3)
+        res = train(run, ["--profile-interval", "10", "--max-steps", str(a.steps_main), "--capture-at-step",
+                          str(a.capture_main), "--capture-steps", "3"], after_intervals=3)
         ok &= check_and_print("main job (built-in target, one GPU)", run, res)
     if a.only in (None, "gpu-bound"):
         target = Path("/tmp/qwen3-8b-shape-8l")
@@ -169,7 +225,8 @@ def main() -> int:
         run = root / "gpu-bound"
         res = train(run, ["--target-model", str(target), "--data", str(data), "--max-length", "2048",
                           "--tokens-per-batch", "4096", "--num-anchors", "256", "--eval-prompts", "0",
-                          "--profile-interval", "5", "--max-steps", str(a.steps_bound)], after_intervals=4)
+                          "--profile-interval", "5", "--max-steps", str(a.steps_bound), "--capture-at-step",
+                          str(a.capture_bound), "--capture-steps", "3"], after_intervals=4)
         ok &= check_and_print("GPU-bound (Qwen3-8B-shaped target, 8 layers, 4096 tokens a batch)", run, res)
     return 0 if ok else 1
 

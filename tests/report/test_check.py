@@ -61,7 +61,7 @@ def drafter_intervals(t0: float = T0, warm: bool = True) -> list:
                                       "drafter.recv": entry([], D, total=0.3, open_s=0.3)}, 400, t0,
                  **({"warmup": True} if warm else {})),
         interval(0, "drafter", 2, 8, {"drafter.recv": entry([0.5], D, total=0.2),
-                                      "drafter.fwd_bwd": entry([0.2] * 3, D, gpu=[0.05] * 3),
+                                      "drafter.fwd_bwd": {**entry([0.2] * 3, D, gpu=[0.05] * 3), "gpu_lag": _lag(3, 3)},
                                       "ckpt.save": entry([0.1], D)}, 300, t0, final=True),
     ]
 
@@ -210,7 +210,24 @@ def _more_optim(run):
     end["total_seconds"] = end["self_seconds"] = 0.45
 
 
+def _lag(n: int, launch: int, unplaced: int = 0) -> dict:
+    return {"n": n, "launch_bound": launch, "gpu_bound": 0, "unplaced": unplaced, "tolerance_s": 5e-5,
+            "start_lag_p50_s": 4e-6, "end_lag_p50_s": 9e-6, "window_seconds": 0.21, "tail_seconds": 0.0}
+
+
+def _launch_bound_beyond_its_host_time(run):
+    """drafter.fwd_bwd of interval 1 all launch-bound (4 of 4), its CPU spans 0.04 s each: 0.16 s on the host
+    against a 0.21 s GPU window."""
+    e = _drafter(run, "interval", 1)["spans"]["drafter.fwd_bwd"]
+    e["gpu_lag"], e["cpu"]["mean_seconds"] = _lag(4, 4), 0.04
+
+
 BROKEN = {
+    "a GPU-timed span neither placed nor counted unplaced": (
+        _set(lambda r: _drafter(r, "interval", 1)["spans"]["drafter.fwd_bwd"], "gpu_lag", _lag(3, 3)),
+        "gpu", "rank0.jsonl (drafter) interval 1 span drafter.fwd_bwd"),
+    "a launch-bound span's GPU window beyond its host time": (
+        _launch_bound_beyond_its_host_time, "gpu", "rank0.jsonl (drafter) interval 1 span drafter.fwd_bwd"),
     "an interval share above 1": (
         _set(lambda r: _drafter(r, "interval", 1)["spans"]["drafter.optim"], "share", 1.2),
         "shares", "rank0.jsonl (drafter) interval 1 span drafter.optim"),
@@ -238,7 +255,7 @@ BROKEN = {
         "agree", "segment 0 run_end counter tokens"),
     "GPU time counted beyond the rank's wall": (   # the report's row, over the same time, says so too
         _set(lambda r: _drafter(r, "interval", 2)["spans"]["drafter.fwd_bwd"]["gpu"], "total_seconds", 2.5),
-        ("once", "shares"), "rank0.jsonl (drafter) span drafter.fwd_bwd"),
+        ("once", "shares", "gpu"), "rank0.jsonl (drafter) span drafter.fwd_bwd"),   # gpu: launch-bound there
     "a child's self time above its total": (
         _set(lambda r: _drafter(r, "interval", 0)["spans"]["drafter.compile"]["cpu"], "self_seconds", 0.61),
         "once", "interval 0 span drafter.compile cpu"),

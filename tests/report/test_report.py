@@ -74,7 +74,7 @@ def test_ranking_matches_the_run_end_totals(runs):
             row = by_key[(rtype, name)]
             assert row["count"] == e["count"]
             assert row["cpu_seconds"] == pytest.approx(e["cpu"]["total_seconds"], rel=1e-6)
-            assert row["gpu_seconds"] is None and row["on"] == "cpu"
+            assert row["gpu_window_seconds"] is None and row["on"] == "cpu"
     for r in rows:
         assert 0 < r["share"] <= 1 and r["p50_seconds"] <= r["p95_seconds"] <= r["max_seconds"] + 1e-12
 
@@ -360,7 +360,7 @@ def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
                                                                                           ("sampled", sampled))]
     rows = [{r["span"]: r for r in rep["spans"]["rows"]} for rep in reports]
     for name in spans:
-        for key in ("total_seconds", "gpu_seconds", "mean_seconds", "share"):
+        for key in ("total_seconds", "gpu_window_seconds", "mean_seconds", "share"):
             assert rows[1][name][key] == pytest.approx(rows[0][name][key]), (name, key)
     assert rows[1]["drafter.fwd_bwd"]["total_seconds"] == pytest.approx(0.2 * 100 * 3)
     assert (rows[0]["drafter.fwd_bwd"]["gpu_timed"], rows[1]["drafter.fwd_bwd"]["gpu_timed"]) == (300, 75)
