@@ -1,6 +1,7 @@
 """`dflash-report`: parse, build, run, print. The analyses live in report/ (docs/REPORT.md).
 
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
+    dflash-report compare A B [--json]         the A/B verdict of two runs (report.compare; = hotspots B --compare A)
     dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
     dflash-report check RUN_DIR [--json]      the run's invariants (report.check): one line per violation
     dflash-report kernels RUN_DIR [--capture N] [--top N] [--json]   a Kineto capture per span (report.kernels)
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--plot", metavar="FILE", help="write a PNG of span time, tokens/s and headroom over time")
     h.add_argument("--gpus", type=_positive_int, metavar="N",
                    help="GPU count for the split advice (default: the run's)")
+    cp = sub.add_parser("compare", help="A/B verdict of two runs: spans, tokens/s and GPU memory (A the baseline)")
+    cp.add_argument("run_a", metavar="A", help="the baseline run directory")
+    cp.add_argument("run_b", metavar="B", help="the run compared with it")
+    cp.add_argument("--json", action="store_true", help="print the table as JSON (docs/REPORT.md)")
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
     t.add_argument("-o", "--output", metavar="FILE", help="output file (default RUN_DIR/trace/merged.json)")
@@ -75,6 +80,14 @@ def _hotspots(args) -> int:
             print("\n" + report.format_compare(table))
     if args.plot:
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _compare(args) -> int:
+    import report
+
+    table = report.compare(args.run_a, args.run_b)
+    print(json.dumps(table, indent=1, allow_nan=False) if args.json else report.format_compare(table))
     return 0
 
 
@@ -129,7 +142,7 @@ def _memory(args) -> int:
     return 0
 
 
-COMMANDS = {"hotspots": _hotspots, "trace": _trace, "check": _check, "kernels": _kernels, "memory": _memory}
+COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check": _check, "kernels": _kernels, "memory": _memory}
 
 
 def main(argv: list[str] | None = None) -> int:

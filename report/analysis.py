@@ -208,7 +208,7 @@ def gpu_activity(run: Run) -> dict:
     is `launch-bound` (the host's launches set the pace), not compute-bound; {} without GPM (no GPU, pre-Hopper)."""
     out = {}
     for role, logs in run.by_role().items():
-        w = merged_window(logs)
+        w = merged_window(logs, ticks=False)   # NVML and GPM are sampled per interval only
         rows = [g for rec in w.intervals for g in gpus(rec)
                 if g.get("tensor_active_percent_mean") is not None and g.get("util_percent_mean") is not None]
         if not rows:
@@ -256,7 +256,7 @@ def _pipeline_verdict(run: Run) -> dict:
         return {"verdict": None, "applies": False, "roles": shares, "queue_depth_mean": None, "evidence": []}
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
-    drafters = merged_window(run.by_role().get("drafter", []))
+    drafters = merged_window(run.by_role().get("drafter", []), ticks=False)   # gauges: interval records only
     depths = [g["mean"] for r in drafters.intervals
               if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
     out = {"verdict": None, "applies": True, "roles": shares,
@@ -344,7 +344,14 @@ def _rank_row(log) -> dict:
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
             "status": log.run_ends[-1].get("status") if log.run_ends else "no run_end", "bad_lines": log.bad_lines,
             "span_seconds_per_token": _span_seconds_per_token(w.intervals, counter_total(w.intervals, "tokens")),
-            "profiler_share": _profiler_share(w.intervals)}
+            **_profiler_row(log)}
+
+
+def _profiler_row(log) -> dict:
+    """The profiler's share and the window it was read over: the rank's steady intervals (the interval records
+    carry it; tick windows do not)."""
+    w = steady_window(log, ticks=False)
+    return {"profiler_share": _profiler_share(w.intervals), "profiler_window": w.label}
 
 
 def _profiler_share(intervals: list) -> float | None:
@@ -441,10 +448,10 @@ def interval_rates(logs: list) -> dict:
     """A role's rates over its ranks' steady windows (runs.merged_window, named by `window`), from the interval
     records, for a loop without a throughput meter: tokens/s summed over its ranks (each rank's `tokens` counter over
     its window's wall time), steps/s the ranks' mean (`step_rate`: the steps its set_step advanced)."""
-    w = merged_window(logs)
+    w = merged_window(logs, ticks=False)   # step_rate: interval records only
     tokens, steps = [], []
     for log in logs:
-        mine = steady_window(log).intervals
+        mine = steady_window(log, ticks=False).intervals
         wall = wall_seconds(mine)
         if wall > 0:
             tokens.append(counter_total(mine, "tokens") / wall)

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
+from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput, tick_windows
 from report import format_hotspots, hotspots_of
 from report.runs import Run, load_run, paused_gc, rank_phase_spans, wall_seconds
 from report.trace import merged_trace
@@ -413,10 +413,11 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
             res.note(f"{_log_name(log)}: run_start without warmup_steps (written before warm-up marks): "
                      "its windows not checked")
             continue
-        steady[log.rank] = [r for r in log.intervals if is_steady(r, rank_phase_spans(log))]
+        windows = _windows_of(log)
+        steady[log.rank] = [r for r in windows if is_steady(r, rank_phase_spans(log))]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
-        _expect_window(res, where, row["window"], len(steady[log.rank]))
-        read = wall_seconds(steady[log.rank] or log.intervals)
+        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(log.ticks))
+        read = wall_seconds(steady[log.rank] or windows)
         res.expect(abs(row["window_seconds"] - read) <= 1e-6, "windows", where,
                    lambda: f"window_seconds {_fmt(row['window_seconds'])} != its intervals' {_fmt(read)}")
         line = table.get(log.rank, "")
@@ -429,16 +430,25 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         if all(log.rank in steady for log in logs):
             label = report["verdict"]["roles"][role]["window"]
             ks = [len(steady[log.rank]) for log in logs]
-            _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0)
+            _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0,
+                           all(log.ticks for log in logs))
             res.expect(f"{role}: {label}" in verdict, "windows", f"hotspots text verdict {role}",
                        lambda: f"the verdict line does not name {role}'s window {label!r}: {verdict!r}")
 
 
-def _expect_window(res: CheckResult, where: str, label: str, steady: int) -> None:
-    """`label` names `steady` steady intervals, or, with none, says that none is steady."""
-    want = f"steady intervals ({steady})" if steady else "a label saying none is steady"
-    res.expect(label == want if steady else "none steady" in label and not label.startswith("steady"),
-               "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
+def _windows_of(log) -> list:
+    """What a rank's figures are read over: its tick windows (profiler.windows.tick_windows) where it wrote ticks,
+    else its intervals."""
+    return tick_windows(log.ticks) or log.intervals
+
+
+def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False) -> None:
+    """`label` names `steady` steady intervals (or tick windows: `ticks`), or, with none, says none is steady."""
+    want = (f"steady windows ({steady} x" if ticks else f"steady intervals ({steady})") if steady else \
+        "a label saying none is steady"
+    ok = (label.startswith(want) if ticks else label == want) if steady else \
+        "none steady" in label and not label.startswith("steady")
+    res.expect(ok, "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
 
 
 def _rank_lines(text: list) -> dict:

@@ -336,9 +336,8 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
     assert f"Verdict (drafter: {only}, 1 s; target: {only}, 1 s)" in text and "steady intervals" not in text
     assert f"ok; {only}, 1 s" in text and "      350 " in text
     table = report.compare(run_dir, run_dir)
-    assert table["windows"] == {"a": "all 2 intervals (none steady: warm-up, phases or final)"} | {
-        "b": "all 2 intervals (none steady: warm-up, phases or final)"}
-    assert "over A's all 2 intervals (none steady: warm-up, phases or final) and B's" in report.format_compare(table)
+    assert table["role_windows"] == {role: {"a": only, "b": only} for role in ("drafter", "target")}
+    assert f"  drafter: A over {only}; B over {only}" in report.format_compare(table)
 
 
 def test_a_run_without_warm_up_steps_is_steady_from_its_first_interval(tmp_path):
