@@ -3,7 +3,8 @@
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
     dflash-report compare A B [--json]         the A/B verdict of two runs (report.compare; = hotspots B --compare A)
     dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
-    dflash-report check RUN_DIR [--json]      the run's invariants (report.check): one line per violation
+    dflash-report check RUN_DIR [--json] [--compare BASELINE_DIR]   the run's invariants (report.check): one
+                                               line per violation (and a compare's, against BASELINE_DIR)
     dflash-report kernels RUN_DIR [--capture N] [--top N] [--json]   a Kineto capture per span (report.kernels)
     dflash-report memory RUN_DIR [--top N] [--json]     the allocator snapshots (report.memory_snapshot)
 
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="the invariants every figure of a run must keep: one line per violation")
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("--json", action="store_true", help="print violations, notes and counts as JSON")
+    c.add_argument("--compare", metavar="BASELINE_DIR",
+                   help="also the compare invariants of BASELINE_DIR (A) against RUN_DIR (B)")
     k = sub.add_parser("kernels", help="one Kineto capture per rank and span: kernels, copies, idle and launch time")
     k.add_argument("run_dir", metavar="RUN_DIR")
     k.add_argument("--capture", type=int, metavar="N", help="the capture that begins at step N (default: the latest)")
@@ -110,9 +113,14 @@ def _trace(args) -> int:
 
 def _check(args) -> int:
     """Exit 1 when an invariant does not hold; notes (what the log cannot hold) go to stderr."""
-    from report.check import check
+    from report.check import check, check_compare
 
     res = check(args.run_dir)
+    if args.compare:
+        pair = check_compare(args.compare, args.run_dir)
+        res.violations += pair.violations
+        res.notes += [n for n in pair.notes if n not in res.notes]
+        res.checked += pair.checked
     code = exit_status(1 if res.violations else 0)   # before printing: a closed pipe still ends with it
     if args.json:
         print(json.dumps(res.to_json(), indent=1, allow_nan=False))

@@ -422,7 +422,7 @@ def rank_table(run: Run) -> dict:
 
 def steady_state(run: Run) -> dict:
     """{"steady_tokens_per_s": the drafters' summed rate, "roles": {role: ...}}: a role's rate sums its ranks'
-    throughput meters (dflash/throughput.py); beside it the phases' self time and the warm-up intervals'."""
+    throughput meters (dflash/throughput.py); beside it the phases' self time and the warm-up windows' (_warmup)."""
     phases = phase_spans(run)
     roles: dict = {}
     for role, logs in run.by_role().items():
@@ -434,7 +434,7 @@ def steady_state(run: Run) -> dict:
                        "steady_seconds": max((m["steady_seconds"] for m in got), default=None),
                        "steady_steps": sum(m["steady_steps"] for m in got) if got else None,
                        "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
-                       "warmup_seconds": wall_seconds([r for log in logs for r in log.intervals if r.get("warmup")]),
+                       **_warmup(logs),
                        "segments": max((m["segments"] for m in got), default=0),
                        "reason": None if got else NO_METER if role in PIPELINE_ROLES else LOOP_NO_METER}
         if not got and role not in PIPELINE_ROLES:
@@ -442,6 +442,15 @@ def steady_state(run: Run) -> dict:
     drafter = roles.get("drafter") or {}
     return {"steady_tokens_per_s": drafter.get("steady_tokens_per_s"), "window": "steady state",
             "roles": roles, "phase_spans": list(phases)}
+
+
+def _warmup(logs: list) -> dict:
+    """{"warmup_seconds", "warmup_from"}: the wall time of the ranks' warm-up windows, their tick windows where
+    every rank wrote ticks (as fine as the steady windows beside them), else their intervals."""
+    ticks = all(log.tick_windows for log in logs)
+    windows = [r for log in logs for r in (log.tick_windows if ticks else log.intervals)]
+    return {"warmup_seconds": wall_seconds([r for r in windows if r.get("warmup")]),
+            "warmup_from": "tick windows" if ticks else "intervals"}
 
 
 def interval_rates(logs: list) -> dict:

@@ -88,10 +88,11 @@ class AllWindows:
     label: str
 
 
-def _samples(run: Run, kinds: dict) -> dict:
+def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
     """One sample per window of each rank (the role's kind of window, `kinds`: windows_alike): {"spans": {(role,
     span): mean seconds per call}, "calls_per_s": {(role, span): calls per second of role time}, "rates": {role:
-    tokens/s, a rank's rate times the role's rank count}, "memory": {gpu: NVML peak used, per steady interval},
+    tokens/s, a rank's rate times the role's rank count}, "memory": {gpu: NVML peak used, per steady interval, or
+    per interval where one run has none `memory_steady`},
     "windows": {role: their name}, "present": every (role, span) the run has in any interval}."""
     out = {"spans": {}, "rates": {}, "memory": {}, "windows": {}, "present": set()}
     calls, walls = Counter(), Counter()
@@ -109,13 +110,17 @@ def _samples(run: Run, kinds: dict) -> dict:
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
                     out["rates"].setdefault(role, []).append(rate * len(logs))
-            for rec in steady_window(log, ticks=False).intervals:   # NVML: interval records only
+            memory = steady_window(log, ticks=False).intervals if memory_steady else log.intervals
+            for rec in memory:   # NVML: interval records only
                 for g in gpus(rec):
                     if g.get("used_bytes_peak") is not None:
                         out["memory"].setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
     out["calls_per_s"] = {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
     out["window"] = "; ".join(f"{role}: {label}" for role, label in out["windows"].items())
-    out["memory_window"] = merged_window(run.ranks.values(), ticks=False).label
+    w = merged_window(run.ranks.values(), ticks=False)
+    out["memory_window"] = w.label if memory_steady or not w.steady else \
+        f"all {sum(len(log.intervals) for log in run.ranks.values())} intervals (read alike: the other run has no " \
+        "steady intervals)"
     return out
 
 
@@ -144,7 +149,8 @@ def compare(run_a: Run, run_b: Run) -> dict:
     "memory_reason" when neither run measured GPU memory, "windows": what each run was sampled over (per role in
     "role_windows": both runs over the same kind, windows_alike)}."""
     kinds = windows_alike(run_a, run_b)
-    a, b = _samples(run_a, kinds), _samples(run_b, kinds)
+    memory_steady = all(merged_window(r.ranks.values(), ticks=False).steady for r in (run_a, run_b))
+    a, b = _samples(run_a, kinds, memory_steady), _samples(run_b, kinds, memory_steady)
     spans = _span_rows(a, b)
     rates = {role: classify(a["rates"].get(role, []), b["rates"].get(role, []), higher_is_worse=False)
              for role in sorted(set(a["rates"]) | set(b["rates"]))}

@@ -282,7 +282,7 @@ def _steady(rep: dict) -> list:
         segs = f", {r['segments']} segments" if r["segments"] > 1 else ""
         lines.append(f"  {role}: {r['steady_tokens_per_s']:,.0f} tokens/s (steady_tokens_per_s, {r['ranks_measured']} "
                      f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
-                     f"{phases or 'none'}; warm-up intervals {r['warmup_seconds']:.1f} s")
+                     f"{phases or 'none'}; warm-up {r.get('warmup_from', 'intervals')} {r['warmup_seconds']:.1f} s")
     return lines
 
 
@@ -332,7 +332,7 @@ def format_compare(table: dict) -> str:
     lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
     lines += ["", "Tokens/s", head]
     lines += [_cmp_row(role, c, 1.0, "tokens/s") for role, c in table["tokens_per_s"].items()]
-    mw = table.get("memory_windows") or {}
+    mw = table.get("memory_windows") if table["memory"] else None
     lines += ["", "GPU memory (peak used" + (f"; A over {mw['a']}, B over {mw['b']}" if mw else "") + ")"]
     if table["memory"]:
         lines += [head] + [_cmp_row(f"gpu {gpu}", c, 1 / GIB, "GiB") for gpu, c in table["memory"].items()]

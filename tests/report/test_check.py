@@ -391,7 +391,8 @@ def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypat
     monkeypatch.setattr(runs.Window, "label", property(lambda w: f"steady intervals ({len(w.intervals)})"))
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
     assert found == {("windows", "hotspots ranks rank 0"), ("windows", "hotspots ranks rank 1"),
-                     ("windows", "hotspots verdict drafter"), ("windows", "hotspots verdict target")}
+                     ("windows", "hotspots verdict drafter"), ("windows", "hotspots verdict target"),
+                     *{("compare", f"compare {role} {side}") for role in ("drafter", "target") for side in "AB"}}
 
 
 def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypatch):
