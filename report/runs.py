@@ -88,6 +88,8 @@ def shape_problem(rec: dict) -> str | None:
     """Why a record cannot be read as docs/RUNLOG.md says (a field of the wrong type), or None."""
     if rec.get("type") == rl.SPANS:   # a detail window: its spans are a list of raw spans
         return None if isinstance(rec.get("spans", []), list) else "spans is not a list"
+    if rec.get("type") == rl.TICK:    # cumulative totals: counters are numbers, span entries flat
+        return _tick_shape_problem(rec)
     for key, want in _SHAPES.items():
         if key in rec and (not isinstance(rec[key], want) or isinstance(rec[key], bool)):
             return f"{key} is {type(rec[key]).__name__}"
@@ -102,6 +104,19 @@ def shape_problem(rec: dict) -> str | None:
     for name, c in (rec.get("counters") or {}).items():
         if not isinstance(c, dict) or not isinstance(c.get("total", 0), _NUM):
             return f"counter {name!r} has no numeric total"
+    return None
+
+
+def _tick_shape_problem(rec: dict) -> str | None:
+    """Why a `tick` record cannot be read as docs/RUNLOG.md says, or None."""
+    for key, want in (("index", int), ("t_s", _NUM), ("spans", dict), ("counters", dict)):
+        if not isinstance(rec.get(key), want) or isinstance(rec.get(key), bool):
+            return f"tick: {key} is {type(rec.get(key)).__name__}"
+    for name, e in rec["spans"].items():
+        if not isinstance(e, dict) or not all(isinstance(v, _NUM) for v in e.values()):
+            return f"tick: span {name!r} holds a non-number"
+    if not all(isinstance(v, _NUM) for v in rec["counters"].values()):
+        return "tick: a counter is not a number"
     return None
 
 
