@@ -199,7 +199,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     if not cfg.profile.enabled:
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
-    config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
+    config = ProfilerConfig(interval_s=cfg.profile.interval_s, tick_s=cfg.profile.tick_s, detail_steps=cfg.profile.detail_steps,
                             detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",

@@ -137,7 +137,7 @@ class Profiler:
         return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
-                         sections=sections)
+                         sections=sections, tick_s=self.cfg.tick_s, tick_fields=self._tick_fields)
 
     def _make_captures(self) -> Captures:
         """Kineto captures at step boundaries (profiler/capture.py), asked through the endpoint or scheduled."""
@@ -191,6 +191,15 @@ class Profiler:
                                 "per_second": steps / duration_s if steps >= 0 and duration_s > 0 else None}
         if self.cfg.warmup_steps > 0 and not (self._first_step is not None and began_at is not None and (
                 began_at >= self._first_step + self.cfg.warmup_steps)):
+            out["warmup"] = True
+        return out
+
+    def _tick_fields(self) -> dict:
+        """A tick's "step" (None before the first `set_step`) and "warmup": True while the instant is before the
+        steady window (the interval's rule: before the first `warmup_steps` steps were done)."""
+        first = self._first_step
+        out = {"step": None if first is None else self.step}
+        if self.cfg.warmup_steps > 0 and not (first is not None and self.step >= first + self.cfg.warmup_steps):
             out["warmup"] = True
         return out
 

@@ -77,10 +77,8 @@ class Run:
                      if s.get("histogram_buckets_seconds")), None)
 
 
-TICK = "tick"
-"""The type of the light cumulative records written every tick_s (docs/RUNLOG.md, "tick")."""
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
-               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans", TICK: "ticks"}
+               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans", rl.TICK: "ticks"}
 
 
 # Detail-window `spans` records are for traces (report.trace), not for this report: a whole such line is
@@ -98,8 +96,8 @@ def shape_problem(rec: dict) -> str | None:
     """Why a record cannot be read as docs/RUNLOG.md says (a field of the wrong type), or None."""
     if rec.get("type") == rl.SPANS:   # a detail window: its spans are a list of raw spans
         return None if isinstance(rec.get("spans", []), list) else "spans is not a list"
-    if rec.get("type") == TICK:
-        return tick_problem(rec)
+    if rec.get("type") == rl.TICK:    # cumulative totals: counters are numbers, span entries flat
+        return _tick_shape_problem(rec)
     for key, want in _SHAPES.items():
         if key in rec and (not isinstance(rec[key], want) or isinstance(rec[key], bool)):
             return f"{key} is {type(rec[key]).__name__}"
@@ -117,15 +115,16 @@ def shape_problem(rec: dict) -> str | None:
     return None
 
 
-def tick_problem(rec: dict) -> str | None:
-    """Why a `tick` record cannot be read (cumulative numbers where docs/RUNLOG.md puts them), or None."""
-    if not isinstance(rec.get("t_s"), _NUM) or not isinstance(rec.get("index"), int):
-        return "a tick without a numeric t_s and an integer index"
-    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in (rec.get("counters") or {}).values()):
-        return "a tick counter is not a number"
-    for name, s in (rec.get("spans") or {}).items():
-        if not isinstance(s, dict) or not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in s.values()):
-            return f"tick span {name!r} holds a non-number"
+def _tick_shape_problem(rec: dict) -> str | None:
+    """Why a `tick` record cannot be read as docs/RUNLOG.md says, or None."""
+    for key, want in (("index", int), ("t_s", _NUM), ("spans", dict), ("counters", dict)):
+        if not isinstance(rec.get(key), want) or isinstance(rec.get(key), bool):
+            return f"tick: {key} is {type(rec.get(key)).__name__}"
+    for name, e in rec["spans"].items():
+        if not isinstance(e, dict) or not all(isinstance(v, _NUM) for v in e.values()):
+            return f"tick: span {name!r} holds a non-number"
+    if not all(isinstance(v, _NUM) for v in rec["counters"].values()):
+        return "tick: a counter is not a number"
     return None
 
 
