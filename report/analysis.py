@@ -8,8 +8,8 @@ import statistics
 from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
-from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, merged_window, phase_spans, steady_window, \
-    wall_seconds
+from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
+    steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -208,7 +208,7 @@ def gpu_activity(run: Run) -> dict:
     is `launch-bound` (the host's launches set the pace), not compute-bound; {} without GPM (no GPU, pre-Hopper)."""
     out = {}
     for role, logs in run.by_role().items():
-        w = merged_window(logs, ticks=False)   # NVML and GPM are sampled per interval only
+        w = interval_window(logs)   # NVML and GPM are sampled per interval only
         rows = [g for rec in w.intervals for g in gpus(rec)
                 if g.get("tensor_active_percent_mean") is not None and g.get("util_percent_mean") is not None]
         if not rows:
@@ -256,7 +256,7 @@ def _pipeline_verdict(run: Run) -> dict:
         return {"verdict": None, "applies": False, "roles": shares, "queue_depth_mean": None, "evidence": []}
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
-    drafters = merged_window(run.by_role().get("drafter", []), ticks=False)   # gauges: interval records only
+    drafters = interval_window(run.by_role().get("drafter", []))   # gauges: interval records only
     depths = [g["mean"] for r in drafters.intervals
               if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
     out = {"verdict": None, "applies": True, "roles": shares,
@@ -350,7 +350,7 @@ def _rank_row(log) -> dict:
 def _profiler_row(log) -> dict:
     """The profiler's share and the window it was read over: the rank's steady intervals (the interval records
     carry it; tick windows do not)."""
-    w = steady_window(log, ticks=False)
+    w = interval_window([log])
     return {"profiler_share": _profiler_share(w.intervals), "profiler_window": w.label}
 
 

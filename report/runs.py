@@ -7,7 +7,7 @@ import gc
 import json
 import statistics
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -212,10 +212,13 @@ class Window:
     steady: int                 # how many of `intervals` are steady
     fallback: tuple = ()        # the ranks read over all their windows: none of theirs is steady
     source: str = "intervals"   # "intervals", "ticks", or "mixed" (ranks of both kinds)
+    named: str = ""             # a label of its own (interval_window's whole run)
 
     @property
     def label(self) -> str:
         n = len(self.intervals)
+        if self.named:
+            return self.named
         if self.source != "intervals":
             return self._tick_label(n)
         if not self.fallback:
@@ -280,6 +283,18 @@ def merged_window(logs, ticks: bool = True) -> Window:
     return Window([r for w in parts for r in w.intervals], sum(w.steady for w in parts),
                   tuple(rank for w in parts for rank in w.fallback),
                   sources.pop() if len(sources) == 1 else "mixed")
+
+
+def interval_window(logs) -> Window:
+    """The ranks' steady intervals, for what only interval records hold (gauges, NVML and GPM, the profiler's
+    share). Where none is steady but every rank's tick windows are (a run of one or two intervals: the README's
+    default), all its intervals, named as the whole run: "none steady" never sits beside steady tick windows."""
+    w = merged_window(logs, ticks=False)
+    if not w.fallback or not all(log.tick_windows and not steady_window(log).fallback for log in logs):
+        return w
+    n = len(w.intervals)
+    return replace(w, named=f"the whole run ({n} interval{'s' if n != 1 else ''}, warm-up included: this figure is "
+                            "per interval only)")
 
 
 def phase_spans(run) -> tuple:

@@ -122,3 +122,17 @@ def test_the_check_names_a_compare_not_alike_and_a_label_beside_another_figure(r
     check_mod._expect_beside(res, "verdict", "Verdict (drafter: steady windows (12 x 5 s), 80 s): x",
                              "drafter: steady windows (12 x 5 s)", 60.0)
     assert [v.invariant for v in res.violations] == ["windows"]
+
+
+def test_per_interval_figures_beside_steady_tick_windows_never_say_none_steady(tmp_path):
+    """The drafters' queue depth is a gauge of the interval records only: on the README run (no steady interval,
+    steady tick windows) it is named as the whole run's, not "none steady" beside the verdict's steady windows."""
+    run = ticked_run()
+    for r in run["logs"][0]:
+        if r["type"] == "interval":
+            r["gauges"] = {"queue_depth": {"mean": 1.5, "last": 1.0, "max": 2.0}}
+    rep = report.hotspots(write(tmp_path / "run", run))
+    depth = [e for e in rep["verdict"]["evidence"] if e.startswith("received batches")]
+    assert depth == ["received batches waiting for the drafter: 1.50 on average (2 interval means; drafter: the whole "
+                     "run (2 intervals, warm-up included: this figure is per interval only))"]
+    assert "none steady" not in report.format_hotspots(rep)
