@@ -422,7 +422,7 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         windows = _windows_of(log)
         steady[log.rank] = [r for r in windows if is_steady(r, rank_phase_spans(log))]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
-        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(log.ticks))
+        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(_fine_ticks(log)))
         read = wall_seconds(steady[log.rank] or windows)
         res.expect(abs(row["window_seconds"] - read) <= 1e-6, "windows", where,
                    lambda: f"window_seconds {_fmt(row['window_seconds'])} != its intervals' {_fmt(read)}")
@@ -437,7 +437,7 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
             label = report["verdict"]["roles"][role]["window"]
             ks = [len(steady[log.rank]) for log in logs]
             _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0,
-                           all(log.ticks for log in logs))
+                           all(_fine_ticks(log) for log in logs))
             res.expect(f"{role}: {label}" in verdict, "windows", f"hotspots text verdict {role}",
                        lambda: f"the verdict line does not name {role}'s window {label!r}: {verdict!r}")
             wall = wall_seconds([r for log in logs for r in (steady[log.rank] if all(ks) else _windows_of(log))])
@@ -457,16 +457,21 @@ def _expect_steady_beside_steady(res: CheckResult, role: str, logs: list, label:
     """Where the role wrote ticks and its steady state has a rate, its verdict's window is a steady one: "steady"
     never sits beside "none steady"."""
     rate = (((report.get("steady") or {}).get("roles") or {}).get(role) or {}).get("steady_tokens_per_s")
-    if rate is None or not all(log.ticks for log in logs):
+    if rate is None or not all(_fine_ticks(log) for log in logs):
         return
     res.expect("none steady" not in label, "windows", f"hotspots verdict {role}",
                lambda: f"the steady state reads {rate:,.0f} tokens/s, but the verdict's window is {label!r}")
 
 
 def _windows_of(log) -> list:
-    """What a rank's figures are read over: its tick windows (profiler.windows.tick_windows) where it wrote ticks,
-    else its intervals."""
-    return tick_windows(log.ticks) or log.intervals
+    """What a rank's figures are read over: its tick windows (profiler.windows.tick_windows) where it wrote ticks
+    finer than its intervals, else its intervals."""
+    return _fine_ticks(log) or log.intervals
+
+
+def _fine_ticks(log) -> list:
+    windows = tick_windows(log.ticks)
+    return windows if len(windows) > len(log.intervals) else []
 
 
 def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False) -> None:
@@ -527,7 +532,7 @@ def _check_compare(res: CheckResult, run_a: Run, run_b: Run) -> None:
         if not all(_marks_phases(log) for log in logs):
             res.note(f"compare {role}: a log without warm-up marks: its windows not checked")
             continue
-        ticks = all(tick_windows(log.ticks) for log in logs)
+        ticks = all(_fine_ticks(log) for log in logs)
         kept = {side: [[w for w in _windows_alike_of(log, ticks) if is_steady(w, rank_phase_spans(log))]
                        for log in sides[side][role]] for side in sides}
         steady = all(all(ws) for ws in kept.values())
@@ -565,7 +570,7 @@ def _check_compare_rows(res: CheckResult, run_a: Run, run_b: Run, table: dict, t
 
 
 def _windows_alike_of(log, ticks: bool) -> list:
-    return tick_windows(log.ticks) if ticks else log.intervals
+    return _fine_ticks(log) if ticks else log.intervals
 
 
 # ---- flows in the merged trace ---------------------------------------------------------------------

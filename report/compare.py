@@ -1,11 +1,14 @@
 """A/B comparison of two runs (A the baseline): spans and tokens/s sampled once per window of every rank, both
 runs over the same kind of window per role (windows_alike: steady tick windows where both runs wrote ticks, else
 steady intervals; all of them where one run has none steady), GPU memory once per steady interval (spread: the
-10th-90th percentile range). A change is a regression (or improvement) only beyond the larger spread, negligible
-under MIN_EFFECT_SHARE of its role's time; wait spans show as waits.
+10th-90th percentile range; a span's mean is per call, its windows weighted by their calls). A change is a
+regression (or improvement) only beyond the larger of the two runs' spread of the mean (spread / sqrt(n): the
+range a mean of n such samples varies over), negligible under MIN_EFFECT_SHARE of its role's time; wait spans
+show as waits.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -19,17 +22,22 @@ MIN_EFFECT_SHARE = 0.01
 TOO_FEW = "too few windows"
 
 
-def _summary(values: list) -> dict:
+def _summary(values: list, weights: list | None = None) -> dict:
+    """{"mean" (weighted by `weights` when given), "intervals" (the sample count), "spread" (the samples' 10th-90th
+    percentile range), "mean_spread" (the range their mean varies over: spread / sqrt(n))}."""
     deciles = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else [0.0] * 9
-    return {"mean": statistics.fmean(values) if values else None, "intervals": len(values),
-            "spread": deciles[-1] - deciles[0] if values else None}
+    spread = deciles[-1] - deciles[0] if values else None
+    mean = statistics.fmean(values, weights) if values else None
+    return {"mean": mean, "intervals": len(values), "spread": spread,
+            "mean_spread": spread / math.sqrt(len(values)) if values else None}
 
 
-def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 0.0) -> dict:
-    """{"a", "b" (mean, intervals: the sample count, spread), "change_ratio", "verdict"} for two runs' per-window
-    samples;
-    a change beyond the spread but under min_delta is "negligible"."""
-    sa, sb = _summary(a), _summary(b)
+def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 0.0,
+             weights: tuple = (None, None)) -> dict:
+    """{"a", "b" (_summary), "change_ratio", "verdict"} for two runs' per-window samples (their means weighted by
+    `weights`, one list per run, when given): a change is called when the means differ by more than the larger
+    of the two runs' mean_spread; beyond it but under min_delta it is "negligible"."""
+    sa, sb = _summary(a, weights[0]), _summary(b, weights[1])
     out = {"a": sa, "b": sb, "change_ratio": None, "verdict": "within spread"}
     if not a or not b:
         out["verdict"] = "only in B" if b else "only in A"
@@ -40,7 +48,7 @@ def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 
         out["verdict"] = TOO_FEW
         return out
     delta = sb["mean"] - sa["mean"]
-    if abs(delta) > max(sa["spread"], sb["spread"]):
+    if abs(delta) > max(sa["mean_spread"], sb["mean_spread"]):
         out["verdict"] = ("negligible" if abs(delta) < min_delta
                           else "regression" if (delta > 0) == higher_is_worse else "improvement")
     return out
@@ -94,7 +102,7 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
     tokens/s, a rank's rate times the role's rank count}, "memory": {gpu: NVML peak used, per steady interval, or
     per interval where one run has none `memory_steady`},
     "windows": {role: their name}, "present": every (role, span) the run has in any interval}."""
-    out = {"spans": {}, "rates": {}, "memory": {}, "windows": {}, "present": set()}
+    out = {"spans": {}, "calls": {}, "rates": {}, "memory": {}, "windows": {}, "present": set()}
     calls, walls = Counter(), Counter()
     for role, logs in run.by_role().items():
         per_rank, w = _role_windows(logs, *kinds[role])
@@ -106,6 +114,7 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
                 for name, e in (rec.get("spans") or {}).items():
                     if e.get("count") and basis(e)[0].get("total_seconds") is not None:
                         out["spans"].setdefault((role, name), []).append(per_call_seconds(e))
+                        out["calls"].setdefault((role, name), []).append(e["count"])
                         calls[(role, name)] += e["count"]
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
@@ -133,7 +142,8 @@ def _span_rows(a: dict, b: dict) -> list:
         min_delta = MIN_EFFECT_SHARE / calls_per_s if calls_per_s else 0.0
         role, name = key
         row = {"role": role, "span": name, **classify(a["spans"].get(key, []), b["spans"].get(key, []),
-                                                      min_delta=min_delta)}
+                                                      min_delta=min_delta,
+                                                      weights=(a["calls"].get(key), b["calls"].get(key)))}
         if row["verdict"].startswith("only in") and key in a["present"] and key in b["present"]:
             row["verdict"] = TOO_FEW
         if WAIT_SPANS.get(name) == role and row["verdict"] in ("regression", "improvement"):

@@ -325,9 +325,10 @@ def format_compare(table: dict) -> str:
     head = (f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'n A':>4} {'n B':>4} "
             f"{'unit':<9} verdict")
     lines = [f"dflash-report compare  A {table['a']}  B {table['b']}",
-             "(A and B: means of one sample per window and rank, n of them (a span's: the windows it ran in), "
-             "both runs over the same kind of window; spread: their 10th-90th percentile range; a change is called "
-             "only when it exceeds both runs' spread)",
+             "(A and B: means of one sample per window and rank, n of them (a span's: the windows it ran in, "
+             "weighted by its calls), both runs over the same kind of window; spread: the samples' 10th-90th "
+             "percentile range; a change is called only when it exceeds both runs' spread of the mean, spread / "
+             "sqrt(n))",
              *_compare_windows(table), "", "Spans (mean per call)", head]
     lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
     lines += ["", "Tokens/s", head]

@@ -41,8 +41,11 @@ class RankLog:
 
     @cached_property
     def tick_windows(self) -> list:
-        """The windows between the rank's consecutive ticks (profiler.windows.tick_windows), read once."""
-        return tick_windows(self.ticks)
+        """The windows between the rank's consecutive ticks (profiler.windows.tick_windows), read once, where
+        they are finer than its intervals (more of them); none where ticks came only at the closes (tick_s at or
+        above interval_s): the intervals, with their whole spans, say the same then."""
+        windows = tick_windows(self.ticks)
+        return windows if len(windows) > len(self.intervals) else []
 
 
 PIPELINE_ROLES = ("target", "drafter")

@@ -136,3 +136,28 @@ def test_per_interval_figures_beside_steady_tick_windows_never_say_none_steady(t
     assert depth == ["received batches waiting for the drafter: 1.50 on average (2 interval means; drafter: the whole "
                      "run (2 intervals, warm-up included: this figure is per interval only))"]
     assert "none steady" not in report.format_hotspots(rep)
+
+
+def test_ticks_only_at_the_closes_leave_the_intervals_in_place(tmp_path):
+    """tick_s at or above interval_s: a tick at each close only, no finer than the intervals, which keep their whole
+    spans: the report reads the intervals and names them so."""
+    rep = report.hotspots(write(tmp_path / "run", ticked_run(tick_s=60.0)))
+    assert rep["verdict"]["roles"]["drafter"]["window"] == "all 2 intervals (none steady: warm-up, phases or final)"
+
+
+def test_a_change_is_weighed_against_the_spread_of_the_mean():
+    """Forty noisy 5 s windows a run (+-50%): a 30% slower B is beyond the range their mean varies over
+    (spread / sqrt(n)) though well within the samples' spread; the same run against itself is within it."""
+    import random
+
+    from report.compare import classify
+
+    rng = random.Random(7)
+    a = [1.0 + rng.uniform(-0.5, 0.5) for _ in range(40)]
+    b = [1.3 + rng.uniform(-0.5, 0.5) for _ in range(40)]
+    slower = classify(a, b)
+    assert slower["a"]["spread"] > 0.3 and slower["verdict"] == "regression"
+    assert slower["a"]["mean_spread"] == pytest.approx(slower["a"]["spread"] / 40 ** 0.5)
+    assert classify(a, list(a))["verdict"] == "within spread"
+    # a span's mean weighs its windows by their calls: its total over its calls
+    assert classify([2.0, 1.0], [2.0, 1.0], weights=([1, 3], [1, 3]))["a"]["mean"] == pytest.approx(1.25)
