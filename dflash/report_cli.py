@@ -150,7 +150,8 @@ def _memory(args) -> int:
     return 0
 
 
-COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check": _check, "kernels": _kernels, "memory": _memory}
+COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check": _check, "kernels": _kernels,
+            "memory": _memory}
 
 
 def main(argv: list[str] | None = None) -> int:
