@@ -195,6 +195,10 @@ class TelemetryConfig:
     metrics_port: int | None = _f(None, ge=0, le=65535)
     """Prometheus endpoint base port; each rank serves on base + local rank. None: 9464, falling back
     to a free port (announced) when busy; 0: no endpoint; a port given here must be free (exit 2)."""
+    export_timeout_s: float = _f(12.0, gt=0)
+    """Seconds a rank's end gives its exporters to drain and close; the Prometheus endpoint, when something scrapes
+    it, waits within them for a scrape of its last records (run_end). More than the scrape interval of
+    grafana/prometheus.yml (5 s), so a Prometheus configured as shipped reads every run's end."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
     prometheus_sd_dir: str | None = None

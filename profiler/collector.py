@@ -13,8 +13,9 @@ class Collector:
     """`poll()` drains the recorder into the aggregator and reads back the non-finite checks; `close()` writes
     the detail window's `spans` record, then the `interval` record (aggregates plus `sections`: duration_s ->
     more fields), then a `tick`. The thread polls every `poll_s`, writes a `tick` (cumulative totals:
-    `write_tick()`) every `tick_s` and closes past the boundary; `tick()` is one iteration. `tick_fields()`: a tick's
-    "step" and, before the steady window, "warmup" (docs/RUNLOG.md)."""
+    `write_tick()`) every `tick_s` on a grid of its own (regular samples for live rates), and closes past the
+    boundary; `tick()` is one iteration. `tick_fields()`: a tick's "step" and, before the steady window, "warmup"
+    (docs/RUNLOG.md)."""
 
     def __init__(self, recorder, aggregator, nonfinite, *, interval_s: float, clock, perf_clock: bool,
                  poll_s: float, header, write, step_fn, sections=(), tick_s: float | None = None,
@@ -132,7 +133,9 @@ class Collector:
             self.last_interval = rec = self._write(rec)
             # The interval's instant, its closed totals (time carried past the boundary goes to the next tick).
             self._write_tick_record(rec["time_unix"], rec["end_s"], self.aggregator.tick_parts(), final)
-            self.next_tick_s = self.clock() + self.tick_s   # the close was a tick: the next is a whole tick_s on
+            if self.tick_s >= self.interval_s:   # only the closes' ticks: the next tick never comes before a close
+                self.next_tick_s = self.clock() + self.tick_s
+            self._next_tick()                    # a grid tick due now was this one
         return rec
 
     def write_tick(self) -> dict:
@@ -143,9 +146,13 @@ class Collector:
             self._drain(None)
             parts = self.aggregator.tick_parts(tick_ns, self.recorder.open_spans(ids=True))
             rec = self._write_tick_record(time_unix, self._clock_s(tick_ns), parts, False)
-            while self.next_tick_s <= self.clock():   # on the grid; ticks missed by a stalled thread skipped
-                self.next_tick_s += self.tick_s
+            self._next_tick()
             return rec
+
+    def _next_tick(self) -> None:
+        now_s = self.clock()
+        while self.next_tick_s <= now_s:   # on the grid; ticks missed by a stalled thread skipped
+            self.next_tick_s += self.tick_s
 
     def _write_tick_record(self, time_unix: float, t_s: float, parts: dict, final: bool) -> dict:
         rec = {**self._header("tick"), "time_unix": time_unix, "index": self.ticks_written, "t_s": t_s,

@@ -319,7 +319,8 @@ class Profiler:
     def _run_start_record(self) -> dict:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
-                "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
+                "t_s": self.collector.run_start_s, "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS),
+                "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
