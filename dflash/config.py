@@ -159,6 +159,9 @@ class ProfileConfig:
     """Record spans, intervals and memory. False (--no-profile): every span is the no-op."""
     interval_s: float = _f(60.0, flag="profile_interval", gt=0)
     """Seconds between profile intervals. Env DFLASH_PROFILE_INTERVAL."""
+    tick_s: float = _f(5.0, flag="profile_tick_s", gt=0)
+    """Seconds between `tick` records (cumulative totals between intervals: live Prometheus counters, finer
+    analysis windows); one is also written at every interval close. Env DFLASH_PROFILE_TICK_S."""
     detail_steps: int = _f(3, flag="profile_detail_steps", ge=0)
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
     stack_samples_per_interval: int = _f(0, ge=0)
@@ -192,6 +195,10 @@ class TelemetryConfig:
     metrics_port: int | None = _f(None, ge=0, le=65535)
     """Prometheus endpoint base port; each rank serves on base + local rank. None: 9464, falling back
     to a free port (announced) when busy; 0: no endpoint; a port given here must be free (exit 2)."""
+    export_timeout_s: float = _f(12.0, gt=0)
+    """Seconds a rank's end gives its exporters to drain and close; the Prometheus endpoint, when something scrapes
+    it, waits within them for a scrape of its last records (run_end). More than the scrape interval of
+    grafana/prometheus.yml (5 s), so a Prometheus configured as shipped reads every run's end."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoints bind to. Loopback unless you widen it (e.g. 0.0.0.0)."""
     prometheus_sd_dir: str | None = None
@@ -285,7 +292,8 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConf
 _SPECS: dict[str, tuple[str | None, dataclasses.Field]] = {"run_dir": (None, fields(TrainConfig)[0]), **{
     f.metadata.get("flag", f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}}
 """Flag key -> (section, field); section None for the top-level run_dir."""
-_ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
+_ENV = {"DFLASH_PROFILE_INTERVAL": "profile_interval", "DFLASH_PROFILE_TICK_S": "profile_tick_s",
+        "DFLASH_SPLIT_FC_LAYERS": "split_fc_layers",
         "DFLASH_FUSED_ELEMENTWISE": "fused_elementwise", "DFLASH_FUSED_CE": "fused_ce", "DFLASH_FAULT": "fault",
         "DFLASH_NVTX": "nvtx"}
 """Every DFLASH_* environment variable the trainer reads, and the flag key it sets (file < env < flags)."""

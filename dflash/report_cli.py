@@ -1,8 +1,10 @@
 """`dflash-report`: parse, build, run, print. The analyses live in report/ (docs/REPORT.md).
 
     dflash-report hotspots RUN_DIR [--json] [--top N] [--compare BASELINE_DIR] [--plot FILE] [--gpus N]
+    dflash-report compare A B [--json]         the A/B verdict of two runs (report.compare; = hotspots B --compare A)
     dflash-report trace RUN_DIR [-o FILE]      one Perfetto trace of every rank (report.trace)
-    dflash-report check RUN_DIR [--json]      the run's invariants (report.check): one line per violation
+    dflash-report check RUN_DIR [--json] [--compare BASELINE_DIR]   the run's invariants (report.check): one
+                                               line per violation (and a compare's, against BASELINE_DIR)
     dflash-report kernels RUN_DIR [--capture N] [--top N] [--json]   a Kineto capture per span (report.kernels)
     dflash-report memory RUN_DIR [--top N] [--json]     the allocator snapshots (report.memory_snapshot)
 
@@ -37,12 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--plot", metavar="FILE", help="write a PNG of span time, tokens/s and headroom over time")
     h.add_argument("--gpus", type=_positive_int, metavar="N",
                    help="GPU count for the split advice (default: the run's)")
+    cp = sub.add_parser("compare", help="A/B verdict of two runs: spans, tokens/s and GPU memory (A the baseline)")
+    cp.add_argument("run_a", metavar="A", help="the baseline run directory")
+    cp.add_argument("run_b", metavar="B", help="the run compared with it")
+    cp.add_argument("--json", action="store_true", help="print the table as JSON (docs/REPORT.md)")
     t = sub.add_parser("trace", help="merge every rank's detail spans into one Perfetto/Chrome trace")
     t.add_argument("run_dir", metavar="RUN_DIR")
     t.add_argument("-o", "--output", metavar="FILE", help="output file (default RUN_DIR/trace/merged.json)")
     c = sub.add_parser("check", help="the invariants every figure of a run must keep: one line per violation")
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("--json", action="store_true", help="print violations, notes and counts as JSON")
+    c.add_argument("--compare", metavar="BASELINE_DIR",
+                   help="also the compare invariants of BASELINE_DIR (A) against RUN_DIR (B)")
     k = sub.add_parser("kernels", help="one Kineto capture per rank and span: kernels, copies, idle and launch time")
     k.add_argument("run_dir", metavar="RUN_DIR")
     k.add_argument("--capture", type=int, metavar="N", help="the capture that begins at step N (default: the latest)")
@@ -78,6 +86,14 @@ def _hotspots(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    import report
+
+    table = report.compare(args.run_a, args.run_b)
+    print(json.dumps(table, indent=1, allow_nan=False) if args.json else report.format_compare(table))
+    return 0
+
+
 def _trace(args) -> int:
     from report.trace import merge_traces
 
@@ -97,9 +113,14 @@ def _trace(args) -> int:
 
 def _check(args) -> int:
     """Exit 1 when an invariant does not hold; notes (what the log cannot hold) go to stderr."""
-    from report.check import check
+    from report.check import check, check_compare
 
     res = check(args.run_dir)
+    if args.compare:
+        pair = check_compare(args.compare, args.run_dir)
+        res.violations += pair.violations
+        res.notes += [n for n in pair.notes if n not in res.notes]
+        res.checked += pair.checked
     code = exit_status(1 if res.violations else 0)   # before printing: a closed pipe still ends with it
     if args.json:
         print(json.dumps(res.to_json(), indent=1, allow_nan=False))
@@ -129,7 +150,8 @@ def _memory(args) -> int:
     return 0
 
 
-COMMANDS = {"hotspots": _hotspots, "trace": _trace, "check": _check, "kernels": _kernels, "memory": _memory}
+COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check": _check, "kernels": _kernels,
+            "memory": _memory}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,26 +143,27 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
             if cfg.profile.enabled else telemetry.Telemetry())
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, run_id, tele)
     step = 0
-    with contextlib.closing(tele), prof, _forensics(stop, rank):
-        timeline.mark("profiler")
-        ctx.first_step = startup.FirstStep(timeline, lambda fields: _startup_event(fields, rank))
-        for kind, fields in _PENDING_EVENTS:
-            profiler.event(kind, **fields)
-        if role == "target":
-            loops.run_target(ctx)
-        else:
-            state = loops.build_drafter(ctx)
-            progress = Progress(cfg.optim.max_steps, start_step=state.step) if rank == 0 else NullProgress()
-            loops.run_drafter(ctx, state, progress)
-            progress.update(state.step, state.tokens_total, force=True)
-            step = state.step
-            if rank == 0 and cfg.data.eval_prompts > 0 and not stop():   # a stop skips the evaluation
-                _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
-        if stop():
-            profiler.event("signal", signal=stop.name)
-    stop.finish()   # the run log is closed: what is left (the barrier, rank 0's summary) takes moments
-    _said_if_disk_full(prof)
-    dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
+    with contextlib.closing(tele):   # file_sd withdrawn after the barrier: every rank's last records scraped
+        with prof, _forensics(stop, rank):
+            timeline.mark("profiler")
+            ctx.first_step = startup.FirstStep(timeline, lambda fields: _startup_event(fields, rank))
+            for kind, fields in _PENDING_EVENTS:
+                profiler.event(kind, **fields)
+            if role == "target":
+                loops.run_target(ctx)
+            else:
+                state = loops.build_drafter(ctx)
+                progress = Progress(cfg.optim.max_steps, start_step=state.step) if rank == 0 else NullProgress()
+                loops.run_drafter(ctx, state, progress)
+                progress.update(state.step, state.tokens_total, force=True)
+                step = state.step
+                if rank == 0 and cfg.data.eval_prompts > 0 and not stop():   # a stop skips the evaluation
+                    _evaluate(ctx, state.model, heldout, tokenizer, paths.data, len(samples))
+            if stop():
+                profiler.event("signal", signal=stop.name)
+        stop.finish()   # the run log is closed: what is left (the barrier, rank 0's summary) takes moments
+        _said_if_disk_full(prof)
+        dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
         _say_the_end(cfg, run_dir, stop, step, timeline)
     return 0
@@ -200,7 +201,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     if not cfg.profile.enabled:
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
-    config = ProfilerConfig(interval_s=cfg.profile.interval_s, detail_steps=cfg.profile.detail_steps,
+    config = ProfilerConfig(interval_s=cfg.profile.interval_s, tick_s=cfg.profile.tick_s,
+                            export_timeout_s=cfg.telemetry.export_timeout_s, detail_steps=cfg.profile.detail_steps,
                             detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",

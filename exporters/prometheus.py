@@ -1,7 +1,11 @@
 """Prometheus: one HTTP endpoint per rank. `export(record)` folds each record into plain values under a lock; a
 scrape turns them into families. Span-time histograms sum the intervals' fixed bucket counts, so
-`histogram_quantile` aggregates across ranks. Every series carries `rank`, `role` and `host`, the process's
-`process_*` series (prometheus_client's ProcessCollector) included; GPU series carry the GPU's `UUID`.
+`histogram_quantile` aggregates across ranks. Counters whose rate a window needs (tokens, samples, steps, span
+seconds and counts, profiled seconds) move with every `tick` record and each sample carries the tick's time
+(an explicit timestamp), so `rate()` over any window reads the run log's figure for it whatever the scrape's phase;
+they exist at 0 from the first scrape, stamped with the exporter's start. Every series carries `rank`, `role` and
+`host`, the process's `process_*` series (prometheus_client's ProcessCollector) included; GPU series carry the
+GPU's `UUID`.
 
 A rank's last records (a non-finite value, a hang, its run_end) matter most to alerts, and the rank may exit right
 after them: `close()` waits, within its deadline, for one scrape to have read them, when something scrapes this
@@ -14,6 +18,7 @@ import errno
 import itertools
 import logging
 import threading
+import time
 
 from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, COMMON_LABELS, EVENT_KINDS, FAMILIES, \
     WAIT_SPANS, Family, gpu_gauges, gpu_labels, metric_name, train_metric_family, train_metric_value
@@ -38,10 +43,15 @@ class MetricsState:
         self._request = threading.local()   # what the scrape this handler thread answers has read
         self.base = tuple(str(labels[k]) for k in COMMON_LABELS)
         self.values: dict = {}        # family key or dynamic Family -> {extra label values: value}
+        self.stamps: dict = {}        # the same keys -> Unix seconds a value describes (tick-fed counters only)
+        self.profiled_base_s = 0.0    # profiled seconds of earlier segments (a resume)
+        self.segment_start_s: float | None = None   # the segment's start on its interval clock (run_start "t_s")
         self.histograms: dict = {}    # (span, clock) -> [cumulative bucket counts, sum seconds]
         self.bounds: list = []
         self.info: dict | None = None
         self.set("intervals", 0)   # counters present at 0 before anything happens, for dashboards and alerts
+        for key in TICK_COUNTERS:     # stamped: a tick written before a scrape but folded after it is still newer
+            self.set(key, 0, stamp=time.time())
         for kind in EVENT_KINDS:
             self.set("events", 0, kind)
 
@@ -61,10 +71,13 @@ class MetricsState:
                 self.served = max(self.served, read)
                 self.scraped.notify_all()
 
-    def set(self, family, value, *extra, add: bool = False) -> None:
+    def set(self, family, value, *extra, add: bool = False, stamp: float | None = None) -> None:
+        """One series' value; `stamp`: the Unix seconds it describes (exposed as the sample's timestamp)."""
         if value is not None:
             series, key = self.values.setdefault(family, {}), tuple(str(e) for e in extra)
             series[key] = float(value) + (series.get(key, 0.0) if add else 0.0)
+            if stamp is not None:
+                self.stamps.setdefault(family, {})[key] = float(stamp)
 
 
 class PrometheusExporter:
@@ -221,8 +234,14 @@ def _serve(host: str, port: int, strict: bool, registry, on_request_done):
 
 
 # ---- folding records into values (on the exporter thread) -------------------------------------------
+TICK_COUNTERS = ("tokens", "samples", "steps", "profiled_seconds")
+"""Counters folded from ticks that every rank serves from its first scrape (at 0)."""
+
+
 def _fold_run_start(st: MetricsState, rec: dict) -> None:
     st.values.pop("run_end", None)   # a resumed segment runs again
+    st.profiled_base_s = st.values.get("profiled_seconds", {}).get((), 0.0)
+    st.segment_start_s = rec.get("t_s")
     st.bounds = list(rec.get("histogram_buckets_seconds") or [])
     info = {label: rec.get(label) or "unknown" for label in FAMILIES["build_info"].labels}
     st.info = dict(info, schema=str(rec.get("schema", 0)))
@@ -233,7 +252,6 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
     st.set("step", rec.get("step"))
     st.set("profiler_cpu", rec.get("profiler_share"))
     duration = rec.get("duration_seconds") or 0.0
-    st.set("profiled_seconds", duration, add=True)
     st.set("profiler_cpu_seconds", (rec.get("profiler_share") or 0.0) * duration, add=True)
     for thread, seconds in (rec.get("threads_cpu_seconds") or {}).items():
         st.set("thread_cpu", seconds, thread, add=True)
@@ -258,6 +276,7 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
     shares = st.values.get("span_share", {})
     for key in shares:
         shares[key] = 0.0    # a span that finished nothing this interval had no share of it
+    st.values.pop("span_p95", None)   # the last interval's: a span that ended none in it has none
     for span, waiter in WAIT_SPANS.items():
         if waiter == role:
             st.set("wait_share", (spans.get(span) or {}).get("share") or 0.0, span)
@@ -265,6 +284,8 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
         st.set("span_share", e.get("share"), name)
         for clock in ("cpu", "gpu"):
             stats = e.get(clock)
+            if stats:
+                st.set("span_p95", stats.get("p95_seconds"), name, clock)
             if stats and stats.get("buckets") and len(stats["buckets"]) == len(st.bounds) + 1:
                 h = st.histograms.setdefault((name, clock), [[0] * len(stats["buckets"]), 0.0])
                 h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]
@@ -276,12 +297,33 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
             st.set("span_floor_ratio", e.get("floor_ratio"), name)
 
 
+def _counter_family(name: str):
+    """A profiler counter's family: the catalog's, or one made for a loop's own counter."""
+    known = name in FAMILIES and FAMILIES[name].kind == "counter"
+    return name if known else Family(name, metric_name(name, kind="counter"), "counter", f"profiler counter {name}")
+
+
+_TICK_SPAN_KEYS = {"cpu": ("cpu_seconds", "self_seconds", "count"),
+                   "gpu": ("gpu_seconds", "gpu_self_seconds", "gpu_count")}
+
+
+def _fold_tick(st: MetricsState, rec: dict) -> None:
+    """The run totals a tick holds, each sample stamped with the instant the tick describes."""
+    stamp = rec.get("time_unix")
+    for name, value in (rec.get("counters") or {}).items():
+        st.set(_counter_family(name), value, stamp=stamp)
+    for name, e in (rec.get("spans") or {}).items():
+        for clock, keys in _TICK_SPAN_KEYS.items():
+            if keys[0] in e:   # the GPU's only where a CUDA pair was timed
+                for family, key in zip(("span_time", "span_self_time", "span_count"), keys):
+                    st.set(family, e.get(key), name, clock, stamp=stamp)
+    t_s = rec.get("t_s")
+    if st.segment_start_s is not None and t_s is not None:
+        st.set("profiled_seconds", st.profiled_base_s + max(0.0, t_s - st.segment_start_s), stamp=stamp)
+
+
 def _fold_counters(st: MetricsState, counters: dict) -> None:
-    for name, c in counters.items():
-        known = name in FAMILIES and FAMILIES[name].kind == "counter"
-        fam = name if known else Family(name, metric_name(name, kind="counter"), "counter",
-                                        f"profiler counter {name}")
-        st.set(fam, c.get("run_total"))
+    """An interval's counters: its tokens rate (the run totals come from ticks: _fold_tick)."""
     tokens = counters.get("tokens")
     if tokens is not None:
         st.set("tokens_rate", tokens.get("per_second"))
@@ -311,7 +353,7 @@ def _fold_run_end(st: MetricsState, rec: dict) -> None:
     st.set("run_end", rec.get("time_unix"), rec.get("status") or "unknown")
 
 
-_FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "event": _fold_event,
+_FOLDERS = {"run_start": _fold_run_start, "interval": _fold_interval, "tick": _fold_tick, "event": _fold_event,
             "run_end": _fold_run_end}
 
 
@@ -324,8 +366,9 @@ def _families(st: MetricsState):
         fam = FAMILIES[key] if isinstance(key, str) else key
         cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
         mf = cls(fam.name, fam.help, labels=base_names + list(fam.labels))
+        stamps = st.stamps.get(key, {})
         for extra, value in series.items():
-            mf.add_metric(list(st.base + extra), value)
+            mf.add_metric(list(st.base + extra), value, timestamp=stamps.get(extra))
         yield mf
     hist = FAMILIES["span_seconds"]
     mf = HistogramMetricFamily(hist.name, hist.help, labels=base_names + list(hist.labels))

@@ -60,6 +60,20 @@ FAMILIES = {f.key: f for f in (
        "or GPU window (CUDA events, idle gaps included): buckets and count hold whole spans; the CPU sum "
        "is time in the interval (a long span split across intervals).", "span", "clock",
        otel=Otel("dflash.span.duration", "s", "histogram")),
+    _f("span_time", "span_time", "seconds", "counter",
+       "Seconds spent in the span (whole run, from every tick: spans still open count their elapsed part; CPU wall "
+       "time, or the GPU window of resolved CUDA pairs on clock=\"gpu\"); each sample stamped with its tick's "
+       "time, so rate() over any window is the time per second the run log gives for it.", "span", "clock"),
+    _f("span_self_time", "span_self_time", "seconds", "counter",
+       "The span's self (exclusive) seconds, its children's left out (whole run, from every tick; stamped).",
+       "span", "clock"),
+    _f("span_count", "spans", None, "counter",
+       "Spans completed (whole run, from every tick; on clock=\"gpu\" those with a resolved CUDA pair; stamped).",
+       "span", "clock"),
+    _f("span_p95", "span_p95", "seconds", "gauge",
+       "Exact 95th percentile of the span's whole durations in the rank's last interval (window: one interval; "
+       "absent where none ended in it); the run log's and the report's figure, not a bucket estimate.",
+       "span", "clock"),
     _f("span_share", "span_share", "ratio", "gauge",
        "Share of the last interval spent in the span (window: one interval; its GPU window when CUDA-timed, "
        "else CPU wall time).", "span", otel=Otel("dflash.span.share", "1")),
@@ -75,11 +89,14 @@ FAMILIES = {f.key: f for f in (
        otel=Otel("dflash.span.bandwidth.utilization", "1")),
     _f("wait_share", "wait", "ratio", "gauge",
        "Share of the last interval a role spent waiting on the other side.", "span", otel=Otel("dflash.wait.share", "1")),
-    _f("tokens", "tokens", None, "counter", "Tokens processed by this rank (whole run; rate() gives any window).",
-       otel=Otel("dflash.tokens", "{token}")),
-    _f("samples", "samples", None, "counter", "Sequences processed by this rank (whole run).",
+    _f("tokens", "tokens", None, "counter",
+       "Tokens processed by this rank (whole run, from every tick, stamped with the tick's time: rate() gives any "
+       "window).", otel=Otel("dflash.tokens", "{token}")),
+    _f("samples", "samples", None, "counter",
+       "Sequences processed by this rank (whole run, from every tick, stamped).",
        otel=Otel("dflash.samples", "{sequence}")),
-    _f("steps", "steps", None, "counter", "Drafter optimiser steps taken by this rank (whole run).",
+    _f("steps", "steps", None, "counter",
+       "Drafter optimiser steps taken by this rank (whole run, from every tick, stamped).",
        otel=Otel("dflash.steps", "{step}")),
     _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval.",
        otel=Otel("dflash.tokens.rate", "{token}/s")),
@@ -162,8 +179,9 @@ FAMILIES = {f.key: f for f in (
     _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed.",
        otel=Otel("dflash.profile.intervals", "{interval}")),
     _f("profiled_seconds", "profiled", "seconds", "counter",
-       "Wall seconds of the rank's closed profile intervals (whole run): what any share over a window divides by "
-       "(sum the numerators and these over ranks for a role's share).", otel=Otel("dflash.profile.time", "s")),
+       "Wall seconds the rank has profiled, up to its last tick (whole run; stamped with the tick's time): what "
+       "any share over a window divides by (sum the numerators and these over ranks for a role's share).",
+       otel=Otel("dflash.profile.time", "s")),
     _f("profiler_cpu", "profiler_cpu", "ratio", "gauge",
        "CPU time of the profiler's and its exporters' threads over the last interval's wall time.",
        otel=Otel("dflash.profiler.cpu.utilization", "1")),

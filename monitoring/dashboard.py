@@ -83,16 +83,17 @@ def recorded(rule: str, **fixed: str) -> str:
 
 
 def _share(role: str) -> Panel:
-    """A role's time share by span (its ranks' span seconds over their profiled seconds); on the GPU clock scaled
-    by spans over GPU-timed spans."""
-    per_timed = (f"(rate({sel('span_seconds', '_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
-                 f"(rate({sel('span_seconds', '_count', role=role)}[{RATE}]) > 0))")
-    spent = f"sum by (span) (rate({sel('span_seconds', '_sum', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
+    """A role's self-time share by span (its ranks' span self seconds over their profiled seconds, both moving
+    with every tick); on the GPU clock scaled by spans over GPU-timed spans."""
+    per_timed = (f"(rate({sel('span_count', role=role, clock='cpu')}[{RATE}]) / ignoring(clock) "
+                 f"(rate({sel('span_count', role=role)}[{RATE}]) > 0))")
+    spent = f"sum by (span) (rate({sel('span_self_time', role=role)}[{RATE}]) * ignoring(clock) {per_timed})"
     expr = f"{spent} / on () group_left sum(rate({sel('profiled_seconds', role=role)}[{RATE}]))"
     return Panel(f"{role.capitalize()} time share by span ($clock clock)",
-                 f"Seconds spent in each span per profiled second: the {role} ranks' span seconds over their "
-                 "profiled seconds (both summed over the ranks), stacked. Nested spans also count inside their "
-                 "parent, so the stack can pass 100%. On the GPU clock, spans that carry no GPU time yet (or "
+                 f"Self seconds spent in each span per profiled second: the {role} ranks' span self time (a "
+                 "child's time left out of its parent) over their profiled seconds (both summed over the ranks, "
+                 "both updated every profile tick), stacked, so the stack stays within 100% per thread. On the "
+                 "GPU clock, spans that carry no GPU time yet (or "
                  "sampled steps in an older run's log) are scaled in by spans over timed spans.",
                  "percentunit", (Query(expr, "{{span}}"),), stack=True)
 
@@ -115,8 +116,8 @@ _STEP_TIME = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
 _BOUND = tuple(Query(recorded(ROLE_WAIT_RATIO, role=role), f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound")
                for role in WAIT_SPANS.values())
 _P95 = f"histogram_quantile(0.95, sum by (le, role, span) (rate({sel('span_seconds', '_bucket')}[{RATE}])))"
-_MEAN = (f"sum by (role, span) (rate({sel('span_seconds', '_sum')}[{RATE}]))"
-         f" / sum by (role, span) (rate({sel('span_seconds', '_count')}[{RATE}]))")
+_MEAN = (f"sum by (role, span) (rate({sel('span_time')}[{RATE}]))"
+         f" / sum by (role, span) (rate({sel('span_count')}[{RATE}]))")
 GPU = "{{role}} {{rank}} gpu {{gpu}}"
 # The dashboard's rows, top to bottom, each with its panels.
 ROWS = (("Overview", (
@@ -145,12 +146,20 @@ ROWS = (("Overview", (
               "the span has it, else CPU): the hotspot table at a glance.", "percentunit",
               (Query(f"sort_desc(max by (role, span) ({sel('span_share')}))", "{{role}} {{span}}", instant=True),),
               kind="bargauge", max=1.0),
-        Panel("p95 span time ($clock clock)",
-              "95th percentile of span duration over all selected ranks of a role, from the span-time "
-              "histogram (aggregated over ranks with sum by le).",
-              "s", (Query(_P95, "{{role}} {{span}}"),), width=12),
-        Panel("Mean span time ($clock clock)", "Mean span duration per role: histogram sum over count.",
-              "s", (Query(_MEAN, "{{role}} {{span}}"),), width=12),
+        Panel("p95 span time, last interval, exact ($clock clock)",
+              "Exact 95th percentile of each span's whole durations in each rank's last profile interval: the "
+              "run log's and dflash-report's figure for that window (one per rank: percentiles do not add).",
+              "s", (Query(sel("span_p95"), "{{role}} {{rank}} {{span}}"),), width=8),
+        Panel("p95 span time over the rate window, bucket estimate ($clock clock)",
+              "An ESTIMATE: histogram_quantile over the span-time histogram's fixed buckets (0.0001 ... 0.5, 1, 2.5, "
+              "5, 10, 30 ... 300 s), all selected ranks of a role together. It interpolates inside the bucket that "
+              "holds the 95th percentile, so the true value can lie anywhere in that bucket: off by up to the "
+              "bucket's upper bound over its lower one (2x to 3x; 2.5x between 1 and 2.5 s, where 2.212 s was read "
+              "against an exact 1.512 s). The exact panel beside it gives the figure.", "s",
+              (Query(_P95, "{{role}} {{span}}"),), width=8),
+        Panel("Mean span time ($clock clock)",
+              "Mean span duration per role: span seconds over spans completed, both updated every profile tick.",
+              "s", (Query(_MEAN, "{{role}} {{span}}"),), width=8),
 )), ("Pipeline flow", (
         Panel("Queue depth (drafters)",
               "Received batches waiting for each drafter: last, mean and max of the interval. Near zero "

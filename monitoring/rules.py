@@ -85,9 +85,9 @@ def name(key: str) -> str:
 
 
 def wait_seconds_rate(window: str) -> str:
-    """Seconds per second each rank spent in its role's wait span (WAIT_SPANS)."""
+    """Seconds per second each rank spent in its role's wait span (WAIT_SPANS), from the tick-fed span time."""
     return " or ".join(
-        f'sum by (job, run, rank, role) (rate({name("span_seconds")}_sum{{{JOB}, clock="cpu", role="{role}", '
+        f'sum by (job, run, rank, role) (rate({name("span_time")}{{{JOB}, clock="cpu", role="{role}", '
         f'span="{span}"}}[{window}]))' for span, role in WAIT_SPANS.items())
 
 

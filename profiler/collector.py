@@ -12,13 +12,20 @@ logger = logging.getLogger("profiler")
 class Collector:
     """`poll()` drains the recorder into the aggregator and reads back the non-finite checks; `close()` writes
     the detail window's `spans` record, then the `interval` record (aggregates plus `sections`: duration_s ->
-    more fields). The thread polls every `poll_s` and closes past the boundary; `tick()` is one iteration."""
+    more fields), then a `tick`. The thread polls every `poll_s`, writes a `tick` (cumulative totals:
+    `write_tick()`) every `tick_s` on a grid of its own (regular samples for live rates), and closes past the
+    boundary; `tick()` is one iteration. `tick_fields()`: a tick's "step" and, before the steady window, "warmup"
+    (docs/RUNLOG.md)."""
 
     def __init__(self, recorder, aggregator, nonfinite, *, interval_s: float, clock, perf_clock: bool,
-                 poll_s: float, header, write, step_fn, sections=()):
+                 poll_s: float, header, write, step_fn, sections=(), tick_s: float | None = None,
+                 tick_fields=lambda: {"step": None}):
         self.recorder, self.aggregator, self.nonfinite = recorder, aggregator, nonfinite
         self.interval_s, self.clock, self.perf_clock, self.poll_s = interval_s, clock, perf_clock, poll_s
         self._header, self._write, self._step_fn, self._sections = header, write, step_fn, tuple(sections)
+        self.tick_s, self._tick_fields = interval_s if tick_s is None else tick_s, tick_fields
+        self.next_tick_s = clock() + self.tick_s
+        self.ticks_written = 0
         self.lock = threading.RLock()        # one drain or close at a time; records keep index order
         self.start_ns = time.perf_counter_ns()
         self.run_start_s = self.start_s = self._clock_s(self.start_ns)
@@ -45,19 +52,24 @@ class Collector:
 
     def _run(self) -> None:
         while True:
-            # Wake at the boundary itself when it comes before the next poll (accurate durations).
-            if self._stop.wait(min(self.poll_s, max(0.0, self.next_boundary_s - self.clock()))):
+            # Wake at the boundary or tick itself when it comes before the next poll (accurate durations).
+            due_s = min(self.next_boundary_s, self.next_tick_s)
+            if self._stop.wait(min(self.poll_s, max(0.0, due_s - self.clock()))):
                 return
             self.tick()
 
     def tick(self) -> bool:
-        """One iteration: close the interval if its boundary passed, else poll. True if it closed. A failure is
-        logged once and the collector goes on (telemetry never kills training)."""
+        """One iteration: close the interval if its boundary passed, else write a tick if one is due, else poll.
+        True if it closed. A failure is logged once and the collector goes on (telemetry never kills training)."""
         try:
-            if self.clock() >= self.next_boundary_s:
+            now_s = self.clock()
+            if now_s >= self.next_boundary_s:
                 self.close()
                 return True
-            self.poll()
+            if now_s >= self.next_tick_s:
+                self.write_tick()
+            else:
+                self.poll()
         except Exception:   # noqa: BLE001
             if not self._logged:
                 self._logged = True
@@ -119,7 +131,36 @@ class Collector:
             self.intervals_closed += 1
             self._next_boundary()
             self.last_interval = rec = self._write(rec)
+            # The interval's instant, its closed totals (time carried past the boundary goes to the next tick).
+            self._write_tick_record(rec["time_unix"], rec["end_s"], self.aggregator.tick_parts(), final)
+            if self.tick_s >= self.interval_s:   # only the closes' ticks: the next tick never comes before a close
+                self.next_tick_s = self.clock() + self.tick_s
+            self._next_tick()                    # a grid tick due now was this one
         return rec
+
+    def write_tick(self) -> dict:
+        """Write a `tick` record now: cumulative counters and span totals, open spans' elapsed time included."""
+        self.nonfinite.poll()   # Event.query() only: never a wait
+        with self.lock:
+            tick_ns, time_unix = time.perf_counter_ns(), self._header("tick")["time_unix"]
+            self._drain(None)
+            parts = self.aggregator.tick_parts(tick_ns, self.recorder.open_spans(ids=True))
+            rec = self._write_tick_record(time_unix, self._clock_s(tick_ns), parts, False)
+            self._next_tick()
+            return rec
+
+    def _next_tick(self) -> None:
+        now_s = self.clock()
+        while self.next_tick_s <= now_s:   # on the grid; ticks missed by a stalled thread skipped
+            self.next_tick_s += self.tick_s
+
+    def _write_tick_record(self, time_unix: float, t_s: float, parts: dict, final: bool) -> dict:
+        rec = {**self._header("tick"), "time_unix": time_unix, "index": self.ticks_written, "t_s": t_s,
+               **self._tick_fields()}
+        if final:
+            rec["final"] = True
+        self.ticks_written += 1
+        return self._write({**rec, **parts})
 
     def _interval_record(self, end_ns: int, final: bool) -> dict:
         end_s = self._clock_s(end_ns)

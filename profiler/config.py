@@ -30,6 +30,9 @@ class ProfilerConfig:
 
     interval_s: float = 60.0
     """Seconds between `interval` records."""
+    tick_s: float = 5.0
+    """Seconds between `tick` records (cumulative counters and span totals: docs/RUNLOG.md), written besides at
+    every interval close; larger than interval_s: only the closes' ticks."""
     detail_steps: int = 3
     """Steps at the start of each interval kept as raw spans (the `spans` record: profiler/detail.py); 0: none."""
     detail_follows: bool = False
@@ -75,6 +78,9 @@ class ProfilerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
+        if isinstance(self.tick_s, bool) or not isinstance(self.tick_s, (int, float)) or not self.tick_s > 0:
+            raise ValueError(f"tick_s must be a positive number of seconds, got {self.tick_s!r}")
+        object.__setattr__(self, "tick_s", float(self.tick_s))
         object.__setattr__(self, "phase_spans", tuple(self.phase_spans))
         self._check_capture()
         if self.warmup_steps is None:

@@ -139,7 +139,7 @@ class Profiler:
         return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                          clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
                          poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
-                         sections=sections)
+                         sections=sections, tick_s=self.cfg.tick_s, tick_fields=self._tick_fields)
 
     def _gpu_lag(self):
         """The injected GpuLag; else one on a private stream when the profiler made its own CUDA event pool
@@ -203,6 +203,15 @@ class Profiler:
                                 "per_second": steps / duration_s if steps >= 0 and duration_s > 0 else None}
         if self.cfg.warmup_steps > 0 and not (self._first_step is not None and began_at is not None and (
                 began_at >= self._first_step + self.cfg.warmup_steps)):
+            out["warmup"] = True
+        return out
+
+    def _tick_fields(self) -> dict:
+        """A tick's "step" (None before the first `set_step`) and "warmup": True while the instant is before the
+        steady window (the interval's rule: before the first `warmup_steps` steps were done)."""
+        first = self._first_step
+        out = {"step": None if first is None else self.step}
+        if self.cfg.warmup_steps > 0 and not (first is not None and self.step >= first + self.cfg.warmup_steps):
             out["warmup"] = True
         return out
 
@@ -322,7 +331,8 @@ class Profiler:
     def _run_start_record(self) -> dict:
         return {**self._header("run_start"), "schema": SCHEMA_VERSION, "run_id": self.run_id,
                 "clock": {"perf_counter_ns": self.anchor_perf_ns, "unix_ns": self.anchor_unix_ns},
-                "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS), "detail_steps": self.cfg.detail_steps,
+                "t_s": self.collector.run_start_s, "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS),
+                "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,

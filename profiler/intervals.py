@@ -289,6 +289,33 @@ class IntervalAggregator:
             total += min(gpu_s, max(0, hi - lo) / 1e9)
         return total
 
+    def tick_parts(self, boundary_ns: int | None = None, open_spans=()) -> dict:
+        """A `tick` record's cumulative "spans" and "counters" at `boundary_ns` (docs/RUNLOG.md): the run's closed
+        totals plus the current interval's so far, open spans credited up to the boundary by the same rule as a
+        close, on a copy (the interval's own split is untouched). Without a boundary (right after a close) the
+        closed totals alone: time carried past that close belongs to the next tick."""
+        now = _Split()
+        if boundary_ns is not None:
+            saved_now, saved_credited = self._now, self._credited
+            self._now = _Split(dict(saved_now.time_ns), dict(saved_now.self_ns), dict(saved_now.kids_ns))
+            try:
+                self._credit_open(boundary_ns, open_spans)
+                now = self._now
+            finally:
+                self._now, self._credited = saved_now, saved_credited
+        spans = {}
+        for name in {*self._run_spans, *self._spans, *now.time_ns}:
+            run, acc = self._run_spans.get(name) or _RunSpan(), self._spans.get(name) or _SpanAcc()
+            entry = {"count": run.cpu.count + len(acc.cpu),
+                     "cpu_seconds": (run.time_ns + now.time_ns.get(name, 0)) / 1e9,
+                     "self_seconds": (run.self_ns + now.self_ns.get(name, 0)) / 1e9}
+            gpu_count = run.gpu.count + len(acc.gpu)
+            if gpu_count:
+                entry.update(gpu_seconds=run.gpu.total + sum(acc.gpu), gpu_self_seconds=run.gpu_self + acc.gpu_self,
+                             gpu_count=gpu_count)
+            spans[name] = entry
+        return {"spans": dict(sorted(spans.items())), "counters": dict(self._run_counters)}
+
     def run_parts(self, duration_s: float) -> dict:
         """Whole-run "spans" (the interval shape; the CPU total sums the intervals' split time) and "counters"."""
         spans = {}

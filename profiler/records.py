@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-RUN_START, INTERVAL, SPANS, EVENT, SNAPSHOT, RUN_END = (
-    "run_start", "interval", "spans", "event", "snapshot", "run_end")
+RUN_START, INTERVAL, TICK, SPANS, EVENT, SNAPSHOT, RUN_END = (
+    "run_start", "interval", "tick", "spans", "event", "snapshot", "run_end")
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 

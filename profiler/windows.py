@@ -142,3 +142,68 @@ def _median_of(values) -> float | None:
         return None
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+# ---- tick windows: sub-interval windows from the cumulative `tick` records (docs/RUNLOG.md) ----------
+
+def _tick_span_delta(now: dict, before: dict | None) -> dict | None:
+    """One span's change between two ticks, shaped as an interval's span entry; None when nothing changed."""
+    before = before or {}
+
+    def d(key):
+        return (now.get(key) or 0) - (before.get(key) or 0)
+
+    entry = {"count": d("count"), "cpu": {"total_seconds": d("cpu_seconds"), "self_seconds": d("self_seconds")},
+             "gpu": None}
+    if "gpu_seconds" in now:
+        entry["gpu"] = {"total_seconds": d("gpu_seconds"), "self_seconds": d("gpu_self_seconds")}
+        if "gpu_count" in now:
+            entry["gpu_count"] = d("gpu_count")
+        if not entry["gpu"]["total_seconds"] and not entry.get("gpu_count"):
+            entry["gpu"] = None   # no CUDA pair resolved in this window: the span's time here is CPU only
+            entry.pop("gpu_count", None)
+    changed = entry["count"] or entry["cpu"]["total_seconds"] or entry["cpu"]["self_seconds"] or entry["gpu"]
+    return entry if changed else None
+
+
+def _tick_window(before: dict, now: dict, index: int) -> dict:
+    """The interval-shaped window between two ticks of one segment (tick_windows); `index` is the earlier
+    tick's (0: the segment's first window), `time_unix` the later tick's, as an interval's."""
+    duration = now["t_s"] - before["t_s"]
+    spans = {}
+    for name, s in (now.get("spans") or {}).items():
+        e = _tick_span_delta(s, (before.get("spans") or {}).get(name))
+        if e is not None:
+            spans[name] = e
+    counters = {}
+    for name, total in (now.get("counters") or {}).items():
+        delta = total - ((before.get("counters") or {}).get(name) or 0)
+        counters[name] = {"total": delta, "per_second": delta / duration}
+    out = {"index": index, "start_s": before["t_s"], "end_s": now["t_s"], "duration_seconds": duration,
+           "time_unix": now.get("time_unix"), "step": now.get("step"), "source": "ticks",
+           "spans": spans, "counters": counters}
+    if before.get("warmup"):
+        out["warmup"] = True
+    if now.get("final"):
+        out["final"] = True
+    return out
+
+
+def tick_windows(ticks: list) -> list:
+    """Each consecutive pair of one segment's `tick` records (their `index` runs 0, 1, 2 ...; a resume starts
+    again at 0) as an interval-shaped dict that is_steady, phase_share, clock_seconds, self_seconds,
+    basis_seconds and span_clock read unchanged: the spans' and counters' changes between the two instants,
+    "warmup" when the earlier tick was in warm-up, "final" when the later one is the run's final close. Two ticks
+    at one instant (a timer tick beside an interval close) make no window; a final mark moves to the window
+    before."""
+    out, before = [], None
+    for now in ticks:
+        if before is None or now.get("index", 0) <= before.get("index", 0):   # a segment's first tick
+            before = now
+            continue
+        if now["t_s"] - before["t_s"] > 0:
+            out.append(_tick_window(before, now, before.get("index", 0)))
+        elif now.get("final") and out and out[-1]["end_s"] == before["t_s"]:
+            out[-1]["final"] = True
+        before = now
+    return out

@@ -9,8 +9,8 @@ from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
 from report.kernels import capture_busy
-from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, merged_window, phase_spans, steady_window, \
-    wall_seconds
+from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
+    steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
@@ -225,7 +225,7 @@ def gpu_activity(run: Run) -> dict:
     is `launch-bound` (the host's launches set the pace), not compute-bound; {} without GPM (no GPU, pre-Hopper)."""
     out = {}
     for role, logs in run.by_role().items():
-        w = merged_window(logs)
+        w = interval_window(logs)   # NVML and GPM are sampled per interval only
         rows = [g for rec in w.intervals for g in gpus(rec)
                 if g.get("tensor_active_percent_mean") is not None and g.get("util_percent_mean") is not None]
         if not rows:
@@ -273,7 +273,7 @@ def _pipeline_verdict(run: Run) -> dict:
         return {"verdict": None, "applies": False, "roles": shares, "queue_depth_mean": None, "evidence": []}
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
-    drafters = merged_window(run.by_role().get("drafter", []))
+    drafters = interval_window(run.by_role().get("drafter", []))   # gauges: interval records only
     depths = [g["mean"] for r in drafters.intervals
               if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
     out = {"verdict": None, "applies": True, "roles": shares,
@@ -367,7 +367,14 @@ def _rank_row(log) -> dict:
             "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
             "status": log.run_ends[-1].get("status") if log.run_ends else "no run_end", "bad_lines": log.bad_lines,
             "span_seconds_per_token": _span_seconds_per_token(w.intervals, counter_total(w.intervals, "tokens")),
-            "profiler_share": _profiler_share(w.intervals)}
+            **_profiler_row(log)}
+
+
+def _profiler_row(log) -> dict:
+    """The profiler's share and the window it was read over: the rank's steady intervals (the interval records
+    carry it; tick windows do not)."""
+    w = interval_window([log])
+    return {"profiler_share": _profiler_share(w.intervals), "profiler_window": w.label}
 
 
 def _tokens_window(meter: dict | None, loop_rate: float | None, label: str, wall: float) -> dict:
@@ -449,7 +456,7 @@ def rank_table(run: Run) -> dict:
 
 def steady_state(run: Run) -> dict:
     """{"steady_tokens_per_s": the drafters' summed rate, "roles": {role: ...}}: a role's rate sums its ranks'
-    throughput meters (dflash/throughput.py); beside it the phases' self time and the warm-up intervals'."""
+    throughput meters (dflash/throughput.py); beside it the phases' self time and the warm-up windows' (_warmup)."""
     phases = phase_spans(run)
     roles: dict = {}
     for role, logs in run.by_role().items():
@@ -461,7 +468,7 @@ def steady_state(run: Run) -> dict:
                        "steady_seconds": max((m["steady_seconds"] for m in got), default=None),
                        "steady_steps": sum(m["steady_steps"] for m in got) if got else None,
                        "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
-                       "warmup_seconds": wall_seconds([r for log in logs for r in log.intervals if r.get("warmup")]),
+                       **_warmup(logs),
                        "segments": max((m["segments"] for m in got), default=0),
                        "reason": None if got else NO_METER if role in PIPELINE_ROLES else LOOP_NO_METER}
         if not got and role not in PIPELINE_ROLES:
@@ -471,14 +478,23 @@ def steady_state(run: Run) -> dict:
             "roles": roles, "phase_spans": list(phases)}
 
 
+def _warmup(logs: list) -> dict:
+    """{"warmup_seconds", "warmup_from"}: the wall time of the ranks' warm-up windows, their tick windows where
+    every rank wrote ticks (as fine as the steady windows beside them), else their intervals."""
+    ticks = all(log.tick_windows for log in logs)
+    windows = [r for log in logs for r in (log.tick_windows if ticks else log.intervals)]
+    return {"warmup_seconds": wall_seconds([r for r in windows if r.get("warmup")]),
+            "warmup_from": "tick windows" if ticks else "intervals"}
+
+
 def interval_rates(logs: list) -> dict:
     """A role's rates over its ranks' steady windows (runs.merged_window, named by `window`), from the interval
     records, for a loop without a throughput meter: tokens/s summed over its ranks (each rank's `tokens` counter over
     its window's wall time), steps/s the ranks' mean (`step_rate`: the steps its set_step advanced)."""
-    w = merged_window(logs)
+    w = merged_window(logs, ticks=False)   # step_rate: interval records only
     tokens, steps = [], []
     for log in logs:
-        mine = steady_window(log).intervals
+        mine = steady_window(log, ticks=False).intervals
         wall = wall_seconds(mine)
         if wall > 0:
             tokens.append(counter_total(mine, "tokens") / wall)

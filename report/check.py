@@ -8,10 +8,14 @@ agree      one quantity, one value: throughput file = its event = the report's J
            intervals summed; a one-rank role's percentiles = its run_end's (the console's end-of-run table)
 once       a span's time over the run fits in its threads' wall time; self <= total
 phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
-windows    a figure named steady is read over steady intervals (neither warm-up nor final, at most a tenth in
-           phases: profiler.windows.is_steady), and the text names each window; with none steady, its label
-           says so; no window label beside another window's figure (each rank row's tokens/s, busy share and
-           capacity named by the window each was read over)
+windows    a figure named steady is read over steady windows (tick windows where the run wrote ticks, else
+           intervals; neither warm-up nor final, at most a tenth in phases: profiler.windows.is_steady), and the
+           text names each window, followed by its own length; with none steady, its label says so, and never
+           beside a steady state with ticks; no window label beside another window's figure (each rank row's
+           tokens/s, busy share and capacity named by the window each was read over)
+compare    both sides of a compare (the run against itself; check_compare for two) read each role over the same
+           kind of window, each label's count is its tokens/s row's n, no span both runs have is "only in" one,
+           the Regressions line lists every regression of the table
 flows      the merged trace's flows point forward in time, and it matches at least FLOW_MATCH_MIN of its sends
 gpu        every GPU-timed span of an interval is placed on the host timeline or counted unplaced (gpu_lag), and
            an entry whose spans were all launch-bound has a GPU window within its CPU time / (1 - HOST_PACED_SHARE)
@@ -26,11 +30,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiler.gpu_lag import HOST_PACED_SHARE
-from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
-from report import format_hotspots, hotspots_of
-from report.runs import Run, counter_total, load_run, paused_gc, rank_phase_spans, wall_seconds
 from monitoring.trace_events import backward_flows
+from profiler.gpu_lag import HOST_PACED_SHARE
+from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput, tick_windows
+from report import format_compare, format_hotspots, hotspots_of
+from report.compare import compare as compare_runs
+from report.runs import Run, counter_total, load_run, paused_gc, rank_phase_spans, wall_seconds
 from report.trace import merged_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -113,6 +118,7 @@ def check(run_dir) -> CheckResult:
         _check_report_rows(res, run, report)
         _check_role_rates(res, run, rates, report)
         _check_windows(res, run, report, rates, format_hotspots(report).splitlines())
+        _check_compare(res, run, run)
         _check_flows(res, run)
     return res
 
@@ -438,10 +444,11 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
             res.note(f"{_log_name(log)}: run_start without warmup_steps (written before warm-up marks): "
                      "its windows not checked")
             continue
-        steady[log.rank] = [r for r in log.intervals if is_steady(r, rank_phase_spans(log))]
+        windows = _windows_of(log)
+        steady[log.rank] = [r for r in windows if is_steady(r, rank_phase_spans(log))]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
-        _expect_window(res, where, row["window"], len(steady[log.rank]))
-        read = wall_seconds(steady[log.rank] or log.intervals)
+        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(_fine_ticks(log)))
+        read = wall_seconds(steady[log.rank] or windows)
         res.expect(abs(row["window_seconds"] - read) <= 1e-6, "windows", where,
                    lambda: f"window_seconds {_fmt(row['window_seconds'])} != its intervals' {_fmt(read)}")
         line = table.get(log.rank, "")
@@ -454,16 +461,51 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         if all(log.rank in steady for log in logs):
             label = report["verdict"]["roles"][role]["window"]
             ks = [len(steady[log.rank]) for log in logs]
-            _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0)
+            _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0,
+                           all(_fine_ticks(log) for log in logs))
             res.expect(f"{role}: {label}" in verdict, "windows", f"hotspots text verdict {role}",
                        lambda: f"the verdict line does not name {role}'s window {label!r}: {verdict!r}")
+            wall = wall_seconds([r for log in logs for r in (steady[log.rank] if all(ks) else _windows_of(log))])
+            _expect_beside(res, f"hotspots text verdict {role}", verdict, f"{role}: {label}", wall)
+            _expect_steady_beside_steady(res, role, logs, label, report)
 
 
-def _expect_window(res: CheckResult, where: str, label: str, steady: int) -> None:
-    """`label` names `steady` steady intervals, or, with none, says that none is steady."""
-    want = f"steady intervals ({steady})" if steady else "a label saying none is steady"
-    res.expect(label == want if steady else "none steady" in label and not label.startswith("steady"),
-               "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
+def _expect_beside(res: CheckResult, where: str, text: str, label: str, seconds: float) -> None:
+    """A window's label in `text` is followed by its own length ("LABEL, 70 s"), not another window's figure."""
+    at = text.find(label)
+    said = text[at + len(label):].split(";")[0].split(")")[0] if at >= 0 else ""
+    res.expect(said.strip(", ") == f"{seconds:.0f} s", "windows", where,
+               lambda: f"{label!r} is followed by {said!r}, but its windows last {seconds:.0f} s")
+
+
+def _expect_steady_beside_steady(res: CheckResult, role: str, logs: list, label: str, report: dict) -> None:
+    """Where the role wrote ticks and its steady state has a rate, its verdict's window is a steady one: "steady"
+    never sits beside "none steady"."""
+    rate = (((report.get("steady") or {}).get("roles") or {}).get(role) or {}).get("steady_tokens_per_s")
+    if rate is None or not all(_fine_ticks(log) for log in logs):
+        return
+    res.expect("none steady" not in label, "windows", f"hotspots verdict {role}",
+               lambda: f"the steady state reads {rate:,.0f} tokens/s, but the verdict's window is {label!r}")
+
+
+def _windows_of(log) -> list:
+    """What a rank's figures are read over: its tick windows (profiler.windows.tick_windows) where it wrote ticks
+    finer than its intervals, else its intervals."""
+    return _fine_ticks(log) or log.intervals
+
+
+def _fine_ticks(log) -> list:
+    windows = tick_windows(log.ticks)
+    return windows if len(windows) > len(log.intervals) else []
+
+
+def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False) -> None:
+    """`label` names `steady` steady intervals (or tick windows: `ticks`), or, with none, says none is steady."""
+    want = (f"steady windows ({steady} x" if ticks else f"steady intervals ({steady})") if steady else \
+        "a label saying none is steady"
+    ok = (label.startswith(want) if ticks else label == want) if steady else \
+        "none steady" in label and not label.startswith("steady")
+    res.expect(ok, "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
 
 
 def _rank_lines(text: list) -> dict:
@@ -519,6 +561,72 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
     ok = got is None if want is None else isinstance(got, float) and abs(got - want) <= 0.5 + RATE_TOLERANCE * want
     res.expect(ok, "agree", f"hotspots text ranks rank {rank}",
                lambda: f"tokens/s {cell!r} != {source} {_fmt(want)}")
+
+
+# ---- compare: both runs over the same kind of window, counts and the summary agreeing ------------------
+
+def check_compare(run_dir_a, run_dir_b) -> CheckResult:
+    """The compare invariants of `dflash-report compare A B` (`check RUN_DIR --compare BASELINE`)."""
+    with paused_gc():
+        run_a, run_b = load_run(run_dir_a), load_run(run_dir_b)
+        res = CheckResult(run_dir=f"{run_dir_a} vs {run_dir_b}", ranks=len(run_a.ranks) + len(run_b.ranks),
+                          intervals=sum(len(log.intervals) for r in (run_a, run_b) for log in r.ranks.values()))
+        _check_compare(res, run_a, run_b)
+    return res
+
+
+def _check_compare(res: CheckResult, run_a: Run, run_b: Run) -> None:
+    """Per role, both runs are read over the same kind of window (tick windows where every rank of both wrote
+    ticks, else intervals; steady ones where both have some, else all), each label names its window count, the
+    tokens/s row has one sample per window; a span both runs have is never "only in" one; the Regressions line
+    lists every row called a regression."""
+    table = compare_runs(run_a, run_b)
+    text = format_compare(table)
+    sides = {"a": run_a.by_role(), "b": run_b.by_role()}
+    for role in sorted(set(sides["a"]) & set(sides["b"])):
+        logs = sides["a"][role] + sides["b"][role]
+        if not all(_marks_phases(log) for log in logs):
+            res.note(f"compare {role}: a log without warm-up marks: its windows not checked")
+            continue
+        ticks = all(_fine_ticks(log) for log in logs)
+        kept = {side: [[w for w in _windows_alike_of(log, ticks) if is_steady(w, rank_phase_spans(log))]
+                       for log in sides[side][role]] for side in sides}
+        steady = all(all(ws) for ws in kept.values())
+        for side in sides:
+            windows = [w for k, log in enumerate(sides[side][role])
+                       for w in (kept[side][k] if steady else _windows_alike_of(log, ticks))]
+            label = table["role_windows"][role][side]
+            want = (f"steady windows ({len(windows)} x" if ticks else f"steady intervals ({len(windows)})") if steady \
+                else f"all {len(windows)} " if len(windows) > 1 else "the only "
+            res.expect(label.startswith(want), "compare", f"compare {role} {side.upper()}",
+                       lambda: f"read over {label!r}, but both runs' windows alike are {want}...")
+            rate = table["tokens_per_s"].get(role)
+            timed = sum(1 for w in windows if ((w.get("counters") or {}).get("tokens") or {}).get("per_second")
+                        is not None)
+            res.expect(rate is None or rate[side]["intervals"] == timed, "compare", f"compare {role} {side.upper()}",
+                       lambda: f"tokens/s n = {rate[side]['intervals']}, but {timed} of its windows have a rate")
+        res.expect(f"{role}: A over {table['role_windows'][role]['a']}; B over {table['role_windows'][role]['b']}"
+                   in text, "compare", f"compare text {role}", "the text does not name both runs' windows")
+    _check_compare_rows(res, run_a, run_b, table, text)
+
+
+def _check_compare_rows(res: CheckResult, run_a: Run, run_b: Run, table: dict, text: str) -> None:
+    have = [{(log.role, n) for log in r.ranks.values() for rec in log.intervals for n in (rec.get("spans") or {})}
+            for r in (run_a, run_b)]
+    for row in table["spans"]:
+        key = (row["role"], row["span"])
+        res.expect(not (row["verdict"].startswith("only in") and key in have[0] and key in have[1]), "compare",
+                   f"compare {row['role']}/{row['span']}", lambda: f"{row['verdict']!r}, but both runs have it")
+    called = ([f"{r['role']}/{r['span']}" for r in table["spans"] if r["verdict"] == "regression"]
+              + [f"tokens/s ({k})" for k, c in table["tokens_per_s"].items() if c["verdict"] == "regression"]
+              + [f"peak used (gpu {k})" for k, c in table["memory"].items() if c["verdict"] == "regression"])
+    line = next((x for x in text.splitlines() if x.startswith("Regressions: ")), "")
+    res.expect(line == "Regressions: " + (", ".join(called) or "none"), "compare", "compare text Regressions",
+               lambda: f"{line!r}, but the table calls {called or 'none'} regressions")
+
+
+def _windows_alike_of(log, ticks: bool) -> list:
+    return _fine_ticks(log) if ticks else log.intervals
 
 
 # ---- flows in the merged trace ---------------------------------------------------------------------

@@ -367,8 +367,8 @@ _PROFILER_COST_EVIDENCE = ("CPU seconds of the collector, exporter, NVML, stack 
 
 
 def _costly(rows: list) -> str:
-    return ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%} of its wall time ({r['window']})"
-                     for r in rows)
+    return ", ".join(f"rank {r['rank']} ({r['role']}) {r['profiler_share']:.1%} of its wall time "
+                     f"({r.get('profiler_window', r['window'])})" for r in rows)
 
 
 # The rules, problems first: each reads the assembled report and returns its findings.

@@ -50,7 +50,7 @@ def _after_warmup(log) -> tuple[list, str, bool]:
     over. A rank with no steady interval gets all of the segment's, named so, and never a leak."""
     last_start = max((i for i, r in enumerate(log.intervals) if r.get("index") == 0), default=0)
     segment = {id(r) for r in log.intervals[last_start:]}
-    w = steady_window(log)
+    w = steady_window(log, ticks=False)   # the allocator's series: interval records only
     kept = [r for r in w.intervals if id(r) in segment]
     which = "steady intervals" if not w.fallback else "intervals (none steady: warm-up, phases or final)"
     return kept[max(1, len(kept) // 10):], f"the last segment's {which} less their first tenth", not w.fallback

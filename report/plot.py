@@ -1,5 +1,6 @@
-"""`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per interval stacked by
-span per role, tokens/s per role, the training's loss and acceptance length tau, headroom per GPU), one panel per
+"""`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per window stacked by span per role
+and tokens/s per role, per tick window where the run wrote ticks, else per interval; the training's loss and
+acceptance length tau and headroom per GPU per interval; every line in time order), one panel per
 quantity the run measured: a CPU run has no headroom panel, a loop without `tau` no tau panel. matplotlib is
 imported by `plot_run` only.
 
@@ -19,24 +20,35 @@ TRAIN_METRICS = {"loss": "loss", "tau": "acceptance length tau (simulated)"}
 
 
 def timeline(run: Run) -> dict:
-    """{"interval_s", "roles": {role: {"ranks", "start_seconds", "seconds", "spans": {name: [self CPU seconds]},
-    "tokens_per_s", "metrics": {name: [the interval's mean over the ranks that recorded it, or None]}}},
-    "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the run started, at each
-    interval's end ("start_seconds": where the first interval began)."""
+    """{"interval_s", "window_s", "source", "roles": {role: {"ranks", "start_seconds", "seconds", "spans": {name:
+    [self CPU seconds]}, "tokens_per_s", "metrics": {name: [the interval's mean over the ranks that recorded it, or
+    None]}, "metric_seconds"}}, "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the
+    run started, at each window's end ("start_seconds": where the first began), in time order. Spans and tokens/s
+    are per tick window where the run wrote ticks (`source` "ticks", typically `window_s` long), else per
+    interval; the training metrics and the GPU headroom are the interval records' own."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
     t0 = min((s["time_unix"] for s in starts), default=None) or \
         min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
     step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
+    ticks = all(log.tick_windows for log in run.ranks.values()) and bool(run.ranks)
     roles: dict = {}
-    headroom: dict = {}
-    for log in run.ranks.values():
-        acc = roles.setdefault(log.role, {"ranks": 0, "bins": {}})
-        acc["ranks"] += 1
-        for k, rec in enumerate(log.intervals):
-            # the k-th interval of every rank of a role in one bin: ranks start a little apart, and a
-            # final, partial interval must not fold into the one before it
-            b = acc["bins"].setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": [],
-                                           "metrics": {}})
+    for role, logs in sorted(run.by_role().items()):
+        roles[role] = _series(_bins([log.tick_windows if ticks else log.intervals for log in logs], t0), len(logs))
+        metrics = _series(_bins([log.intervals for log in logs], t0), len(logs))
+        roles[role]["metrics"], roles[role]["metric_seconds"] = metrics["metrics"], metrics["seconds"]
+    durations = sorted(r.get("duration_seconds") or 0.0 for log in run.ranks.values() for r in log.tick_windows)
+    return {"interval_s": step, "source": "ticks" if ticks else "intervals",
+            "window_s": durations[len(durations) // 2] if ticks else step, "roles": roles,
+            "gpus": _headroom(run, t0)}
+
+
+def _bins(windows_per_rank: list, t0: float) -> dict:
+    """{k: the k-th window of every rank of a role}: ranks start a little apart, and a final, partial window
+    must not fold into the one before it."""
+    bins: dict = {}
+    for windows in windows_per_rank:
+        for k, rec in enumerate(windows):
+            b = bins.setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": [], "metrics": {}})
             b["seconds"].append(rec["time_unix"] - t0)
             b["starts"].append(rec["time_unix"] - t0 - (rec.get("duration_seconds") or 0.0))
             for name, e in (rec.get("spans") or {}).items():
@@ -47,25 +59,33 @@ def timeline(run: Run) -> dict:
                 value = m.get("mean") if m.get("mean") is not None else m.get("last")
                 if isinstance(value, (int, float)):
                     b["metrics"].setdefault(name, []).append(value)
+    return bins
+
+
+def _headroom(run: Run, t0: float) -> dict:
+    """{gpu: its headroom per interval record, in time order}: ranks sharing a GPU both sample it, so their
+    points interleave in time (a line drawn in rank order would run backwards)."""
+    points: dict = {}
+    for log in run.ranks.values():
+        for rec in log.intervals:
             for g in gpus(rec):
                 if g.get("headroom_bytes") is not None:
-                    s = headroom.setdefault(gpu_key(log, g), {"seconds": [], "headroom_bytes": [],
-                                                              "total_bytes": g.get("total_bytes")})
-                    s["seconds"].append(rec["time_unix"] - t0)
-                    s["headroom_bytes"].append(g["headroom_bytes"])
-    return {"interval_s": step, "roles": {role: _series(acc) for role, acc in sorted(roles.items())},
-            "gpus": headroom}
+                    s = points.setdefault(gpu_key(log, g), {"points": [], "total_bytes": g.get("total_bytes")})
+                    s["points"].append((rec["time_unix"] - t0, g["headroom_bytes"]))
+    return {gpu: {"seconds": [t for t, _ in sorted(s["points"])], "headroom_bytes": [h for _, h in sorted(s["points"])],
+                  "total_bytes": s["total_bytes"]} for gpu, s in points.items()}
 
 
-def _series(acc: dict) -> dict:
-    keys = sorted(acc["bins"])
-    names = sorted({n for b in acc["bins"].values() for n in b["spans"]})
-    return {"ranks": acc["ranks"], "start_seconds": min(acc["bins"][keys[0]]["starts"]) if keys else 0.0,
-            "seconds": [sum(acc["bins"][k]["seconds"]) / len(acc["bins"][k]["seconds"]) for k in keys],
-            "spans": {n: [acc["bins"][k]["spans"].get(n, 0.0) for k in keys] for n in names},
-            "tokens_per_s": [acc["bins"][k]["tokens_per_s"] for k in keys],
-            "metrics": {n: [sum(v) / len(v) if (v := acc["bins"][k]["metrics"].get(n)) else None for k in keys]
-                        for n in TRAIN_METRICS if any(n in acc["bins"][k]["metrics"] for k in keys)}}
+def _series(bins: dict, ranks: int) -> dict:
+    """A role's series from its bins, in the order of their times (the ranks' mean end of each bin)."""
+    keys = sorted(bins, key=lambda k: (sum(bins[k]["seconds"]) / len(bins[k]["seconds"]), k))
+    names = sorted({n for b in bins.values() for n in b["spans"]})
+    return {"ranks": ranks, "start_seconds": min(bins[keys[0]]["starts"]) if keys else 0.0,
+            "seconds": [sum(bins[k]["seconds"]) / len(bins[k]["seconds"]) for k in keys],
+            "spans": {n: [bins[k]["spans"].get(n, 0.0) for k in keys] for n in names},
+            "tokens_per_s": [bins[k]["tokens_per_s"] for k in keys],
+            "metrics": {n: [sum(v) / len(v) if (v := bins[k]["metrics"].get(n)) else None for k in keys]
+                        for n in TRAIN_METRICS if any(n in bins[k]["metrics"] for k in keys)}}
 
 
 def _top_spans(spans: dict) -> list:
@@ -88,7 +108,7 @@ def _line_style(n_points: int) -> dict:
     return {"marker": ".", "markersize": 4} if n_points <= 120 else {"linewidth": 0.8}
 
 
-def _plot_role(ax, role: str, s: dict, per: float, colors: dict, interval_s: float) -> None:
+def _plot_role(ax, role: str, s: dict, per: float, colors: dict, window: str) -> None:
     """Steps drawn "pre" from each interval's end back to the previous one's, and the first from where it
     began, so the first interval is drawn too."""
     layers = _top_spans(s["spans"])
@@ -97,8 +117,8 @@ def _plot_role(ax, role: str, s: dict, per: float, colors: dict, interval_s: flo
         ax.stackplot(x, *[[v[0], *v] for _, v in layers], labels=[n for n, _ in layers], step="pre",
                      colors=[colors.get(n, "0.6") for n, _ in layers])
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
-    ax.set_ylabel("self CPU seconds\nper interval")
-    ax.set_title(f"{role}: self CPU time (host wall, children left out) per {interval_s:g} s interval, stacked by "
+    ax.set_ylabel(f"self CPU seconds\nper {window.split()[-1]}")
+    ax.set_title(f"{role}: self CPU time (host wall, children left out) per {window}, stacked by "
                  f"span (sum over {s['ranks']} rank{'s' if s['ranks'] != 1 else ''})", fontsize=9, loc="left")
 
 
@@ -128,9 +148,9 @@ def plot_run(run: Run, png_path) -> str:
     fig, axes = plt.subplots(len(shown), 1, figsize=(12, 3.0 * len(shown)), sharex=True, squeeze=False)
     for ax, (kind, key) in zip(axes[:, 0], shown):
         if kind == "role":
-            _plot_role(ax, key, tl["roles"][key], per, colors, tl["interval_s"])
+            _plot_role(ax, key, tl["roles"][key], per, colors, _window_words(tl))
         elif kind == "tokens":
-            _plot_tokens(ax, tl["roles"], per)
+            _plot_tokens(ax, tl["roles"], per, _window_words(tl))
         elif kind == "metric":
             _plot_metric(ax, key, tl["roles"], per)
         elif kind == "headroom":
@@ -144,13 +164,18 @@ def plot_run(run: Run, png_path) -> str:
     return str(png_path)
 
 
-def _plot_tokens(ax, roles: dict, per: float) -> None:
+def _window_words(tl: dict) -> str:
+    """What one point stands for: "5 s tick window" or "60 s interval"."""
+    return f"{tl['window_s']:.2g} s " + ("tick window" if tl["source"] == "ticks" else "interval")
+
+
+def _plot_tokens(ax, roles: dict, per: float, window: str) -> None:
     for role, s in roles.items():
         if any(s["tokens_per_s"]):
             ax.plot([t / per for t in s["seconds"]], s["tokens_per_s"], label=role, **_line_style(len(s["seconds"])))
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
-    ax.set_title("tokens/s per role per interval (sum over its ranks' interval rates)", fontsize=9, loc="left")
+    ax.set_title(f"tokens/s per role per {window} (sum over its ranks' rates)", fontsize=9, loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
 
 
@@ -159,7 +184,7 @@ def _plot_metric(ax, name: str, roles: dict, per: float) -> None:
     for role, s in roles.items():
         values = s["metrics"].get(name)
         if values:
-            pts = [(t / per, v) for t, v in zip(s["seconds"], values) if v is not None]
+            pts = [(t / per, v) for t, v in zip(s["metric_seconds"], values) if v is not None]
             ax.plot([x for x, _ in pts], [v for _, v in pts], label=role, **_line_style(len(pts)))
     ax.set_ylabel(name)
     ax.set_title(f"{TRAIN_METRICS[name]} per interval (the mean of the values recorded in it, over the role's "

@@ -330,7 +330,7 @@ def _steady(rep: dict) -> list:
         segs = f", {r['segments']} segments" if r["segments"] > 1 else ""
         lines.append(f"  {role}: {r['steady_tokens_per_s']:,.0f} tokens/s (steady_tokens_per_s, {r['ranks_measured']} "
                      f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
-                     f"{phases or 'none'}; warm-up intervals {r['warmup_seconds']:.1f} s")
+                     f"{phases or 'none'}; warm-up {r.get('warmup_from', 'intervals')} {r['warmup_seconds']:.1f} s")
     return lines
 
 
@@ -360,19 +360,29 @@ def _cmp_row(label: str, c: dict, scale: float, unit: str) -> str:
             f"{v(a['spread']):>9} {v(b['spread']):>9} {a['intervals']:>4} {b['intervals']:>4} {unit:<9} {c['verdict']}")
 
 
+def _compare_windows(table: dict) -> list:
+    """One line per role: the windows each run was sampled over (their count is the tokens/s row's n)."""
+    per_role = table.get("role_windows") or {}
+    if not per_role:
+        return [f"  over A's {table['windows']['a']} and B's {table['windows']['b']}"]
+    return [f"  {role}: A over {w['a'] or 'no ranks'}; B over {w['b'] or 'no ranks'}" for role, w in per_role.items()]
+
+
 def format_compare(table: dict) -> str:
     """The A/B table: spans (mean per call), tokens/s per role, peak GPU memory; then the regressions."""
     head = (f"  {'':<32} {'A':>10} {'B':>10} {'change':>8} {'spread A':>9} {'spread B':>9} {'n A':>4} {'n B':>4} "
             f"{'unit':<9} verdict")
     lines = [f"dflash-report compare  A {table['a']}  B {table['b']}",
-             f"(A and B: means of one sample per interval and rank, n of them, over A's {table['windows']['a']} and "
-             f"B's {table['windows']['b']}; spread: their 10th-90th percentile range; a change is called only when "
-             "it exceeds both runs' spread)",
-             "", "Spans (mean per call)", head]
+             "(A and B: means of one sample per window and rank, n of them (a span's: the windows it ran in, "
+             "weighted by its calls), both runs over the same kind of window; spread: the samples' 10th-90th "
+             "percentile range; a change is called only when it exceeds both runs' spread of the mean, spread / "
+             "sqrt(n))",
+             *_compare_windows(table), "", "Spans (mean per call)", head]
     lines += [_cmp_row(f"{r['span']} ({r['role']})", r, 1e3, "ms/call") for r in table["spans"]]
     lines += ["", "Tokens/s", head]
     lines += [_cmp_row(role, c, 1.0, "tokens/s") for role, c in table["tokens_per_s"].items()]
-    lines += ["", "GPU memory (peak used)"]
+    mw = table.get("memory_windows") if table["memory"] else None
+    lines += ["", "GPU memory (peak used" + (f"; A over {mw['a']}, B over {mw['b']}" if mw else "") + ")"]
     if table["memory"]:
         lines += [head] + [_cmp_row(f"gpu {gpu}", c, 1 / GIB, "GiB") for gpu, c in table["memory"].items()]
     else:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from profiler import records as rl
-from profiler.windows import is_steady
+from profiler.windows import is_steady, tick_windows
 
 
 class ReportError(ValueError):
@@ -28,6 +30,7 @@ class RankLog:
     events: list = field(default_factory=list)
     snapshots: list = field(default_factory=list)
     run_ends: list = field(default_factory=list)
+    ticks: list = field(default_factory=list)     # cumulative `tick` records: profiler.windows.tick_windows
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
     bad_lines: int = 0
     bad_examples: list = field(default_factory=list)   # "file:line: why" of the first bad lines
@@ -35,6 +38,14 @@ class RankLog:
     @property
     def config(self) -> dict:
         return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
+
+    @cached_property
+    def tick_windows(self) -> list:
+        """The windows between the rank's consecutive ticks (profiler.windows.tick_windows), read once, where
+        they are finer than its intervals (more of them); none where ticks came only at the closes (tick_s at or
+        above interval_s): the intervals, with their whole spans, say the same then."""
+        windows = tick_windows(self.ticks)
+        return windows if len(windows) > len(self.intervals) else []
 
 
 PIPELINE_ROLES = ("target", "drafter")
@@ -70,7 +81,7 @@ class Run:
 
 
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
-               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans"}
+               rl.SNAPSHOT: "snapshots", rl.RUN_END: "run_ends", rl.SPANS: "spans", rl.TICK: "ticks"}
 
 
 # Detail-window `spans` records are for traces (report.trace), not for this report: a whole such line is
@@ -88,6 +99,8 @@ def shape_problem(rec: dict) -> str | None:
     """Why a record cannot be read as docs/RUNLOG.md says (a field of the wrong type), or None."""
     if rec.get("type") == rl.SPANS:   # a detail window: its spans are a list of raw spans
         return None if isinstance(rec.get("spans", []), list) else "spans is not a list"
+    if rec.get("type") == rl.TICK:    # cumulative totals: counters are numbers, span entries flat
+        return _tick_shape_problem(rec)
     for key, want in _SHAPES.items():
         if key in rec and (not isinstance(rec[key], want) or isinstance(rec[key], bool)):
             return f"{key} is {type(rec[key]).__name__}"
@@ -102,6 +115,19 @@ def shape_problem(rec: dict) -> str | None:
     for name, c in (rec.get("counters") or {}).items():
         if not isinstance(c, dict) or not isinstance(c.get("total", 0), _NUM):
             return f"counter {name!r} has no numeric total"
+    return None
+
+
+def _tick_shape_problem(rec: dict) -> str | None:
+    """Why a `tick` record cannot be read as docs/RUNLOG.md says, or None."""
+    for key, want in (("index", int), ("t_s", _NUM), ("spans", dict), ("counters", dict)):
+        if not isinstance(rec.get(key), want) or isinstance(rec.get(key), bool):
+            return f"tick: {key} is {type(rec.get(key)).__name__}"
+    for name, e in rec["spans"].items():
+        if not isinstance(e, dict) or not all(isinstance(v, _NUM) for v in e.values()):
+            return f"tick: span {name!r} holds a non-number"
+    if not all(isinstance(v, _NUM) for v in rec["counters"].values()):
+        return "tick: a counter is not a number"
     return None
 
 
@@ -182,15 +208,22 @@ def _did_work(rec: dict) -> bool:
 
 @dataclass(frozen=True)
 class Window:
-    """The intervals a figure is read over, and the words every surface names it with. A rank with no steady
-    interval (a short run: all warm-up, phases or final) is read over all of its intervals, and its label says so."""
+    """The windows a figure is read over (interval records, or the tick windows of profiler.windows.tick_windows
+    where the run wrote ticks: `source`), and the words every surface names it with. A rank with no steady window
+    (a short run: all warm-up, phases or final) is read over all of its windows, and its label says so."""
     intervals: list
     steady: int                 # how many of `intervals` are steady
-    fallback: tuple = ()        # the ranks read over all their intervals: none of theirs is steady
+    fallback: tuple = ()        # the ranks read over all their windows: none of theirs is steady
+    source: str = "intervals"   # "intervals", "ticks", or "mixed" (ranks of both kinds)
+    named: str = ""             # a label of its own (interval_window's whole run)
 
     @property
     def label(self) -> str:
         n = len(self.intervals)
+        if self.named:
+            return self.named
+        if self.source != "intervals":
+            return self._tick_label(n)
         if not self.fallback:
             return f"steady intervals ({n})"
         if not self.steady:
@@ -198,17 +231,35 @@ class Window:
         return (f"steady intervals ({self.steady}) and all {n - self.steady} of rank "
                 f"{', '.join(map(str, self.fallback))} (none steady there)")
 
+    def _tick_label(self, n: int) -> str:
+        """"steady windows (14 x 5 s)": how many windows, and their typical (median) length."""
+        durations = [r.get("duration_seconds") or 0.0 for r in self.intervals]
+        each = f" x {statistics.median(durations):.2g} s" if durations and self.source == "ticks" else \
+            ": tick windows and intervals"
+        if not self.fallback:
+            return f"steady windows ({n}{each})"
+        if not self.steady:
+            return ("the only tick window" if n == 1 else f"all {n} tick windows") + \
+                " (none steady: warm-up, phases or final)"
+        return (f"steady windows ({self.steady} of {n}{each}, all of rank "
+                f"{', '.join(map(str, self.fallback))}: none steady there)")
+
 
 def rank_phase_spans(log: RankLog) -> tuple:
     """The span names the rank's profiler called phases (its run_start `phase_spans`)."""
     return tuple(next((s["phase_spans"] for s in log.run_starts if s.get("phase_spans")), ()))
 
 
-def steady_window(log: RankLog) -> Window:
-    """The rank's steady intervals (profiler.windows.is_steady: past warm-up, not the last, under a tenth in
-    compile, evaluation or checkpoint phases); in logs written before warm-up marks (no run_start
-    `warmup_steps`), each segment's start up to the first interval that did work is left out. All of them,
-    labelled so, when that leaves none."""
+def steady_window(log: RankLog, ticks: bool = True) -> Window:
+    """The rank's steady windows: where it wrote ticks (and `ticks`), its steady tick windows; else its steady
+    intervals. Steady is profiler.windows.is_steady (past warm-up, not the last, under a tenth in compile,
+    evaluation or checkpoint phases); in logs written before warm-up marks (no run_start `warmup_steps`), each
+    segment's start up to the first interval that did work is left out. All of them, labelled so, when that
+    leaves none. Figures that need an interval's own fields (memory, gauges) pass ticks=False."""
+    windows = log.tick_windows if ticks else []
+    if windows:
+        steady = [w for w in windows if is_steady(w, rank_phase_spans(log))]
+        return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
     marked = any("warmup_steps" in s for s in log.run_starts)
     phases = rank_phase_spans(log)
     steady, starting = [], True
@@ -228,11 +279,25 @@ def steady_window(log: RankLog) -> Window:
     return Window(list(log.intervals), 0, (log.rank,))
 
 
-def merged_window(logs) -> Window:
-    """One window over several ranks (a role, a run): their windows' intervals, in rank order."""
-    parts = [steady_window(log) for log in logs]
+def merged_window(logs, ticks: bool = True) -> Window:
+    """One window over several ranks (a role, a run): their windows, in rank order (steady_window's `ticks`)."""
+    parts = [steady_window(log, ticks) for log in logs]
+    sources = {w.source for w in parts}
     return Window([r for w in parts for r in w.intervals], sum(w.steady for w in parts),
-                  tuple(rank for w in parts for rank in w.fallback))
+                  tuple(rank for w in parts for rank in w.fallback),
+                  sources.pop() if len(sources) == 1 else "mixed")
+
+
+def interval_window(logs) -> Window:
+    """The ranks' steady intervals, for what only interval records hold (gauges, NVML and GPM, the profiler's
+    share). Where none is steady but every rank's tick windows are (a run of one or two intervals: the README's
+    default), all its intervals, named as the whole run: "none steady" never sits beside steady tick windows."""
+    w = merged_window(logs, ticks=False)
+    if not w.fallback or not all(log.tick_windows and not steady_window(log).fallback for log in logs):
+        return w
+    n = len(w.intervals)
+    return replace(w, named=f"the whole run ({n} interval{'s' if n != 1 else ''}, warm-up included: this figure is "
+                            "per interval only)")
 
 
 def phase_spans(run) -> tuple:

@@ -232,3 +232,11 @@ def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_holder(tmp_pat
     assert sorted(p.name for p in run.iterdir()) == before
     os.close(fd)                       # the holder ends: its lock goes with it
     os.close(hold_run_dir(run))        # and is taken over
+
+
+def test_the_trainer_takes_tick_s_from_its_flag_and_env():
+    assert resolve_config({}, {}, {}).profile.tick_s == 5.0
+    assert resolve_config({}, {"DFLASH_PROFILE_TICK_S": "2"}, {}).profile.tick_s == 2.0
+    assert resolve_config({}, {"DFLASH_PROFILE_TICK_S": "2"}, {"profile_tick_s": "1.5"}).profile.tick_s == 1.5
+    with pytest.raises(ConfigError, match="'profile.tick_s': must be > 0"):
+        resolve_config({}, {}, {"profile_tick_s": "0"})

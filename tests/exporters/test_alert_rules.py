@@ -34,7 +34,7 @@ def event(kind: str, values: str, labels=RUN) -> dict:
 
 def wait(labels: dict, span: str, sum_values: str) -> list:
     """A rank's wait-span seconds (cumulative) beside its profiled seconds, 1 s per second."""
-    return [series("dflash_span_seconds_sum", {**labels, "span": span, "clock": "cpu"}, sum_values),
+    return [series("dflash_span_time_seconds_total", {**labels, "span": span, "clock": "cpu"}, sum_values),
             series("dflash_profiled_seconds_total", labels, "0+60x40")]
 
 
@@ -189,9 +189,9 @@ def test_a_roles_wait_share_sums_numerators_over_denominators(tmp_path):
     say: a share of 0.5), rank 2 0.375 over 0.5 (0.75). The role's share is (0.75 + 0.375) / 2 = 0.5625, not the
     mean of the ratios (0.625)."""
     other = {**DRAFTER, "rank": "2", "instance": "127.0.0.1:9466"}
-    inputs = [series("dflash_span_seconds_sum", {**DRAFTER, "span": "drafter.recv", "clock": "cpu"}, "0+45x40"),
+    inputs = [series("dflash_span_time_seconds_total", {**DRAFTER, "span": "drafter.recv", "clock": "cpu"}, "0+45x40"),
               series("dflash_profiled_seconds_total", DRAFTER, "0+90x40"),
-              series("dflash_span_seconds_sum", {**other, "span": "drafter.recv", "clock": "cpu"}, "0+22.5x40"),
+              series("dflash_span_time_seconds_total", {**other, "span": "drafter.recv", "clock": "cpu"}, "0+22.5x40"),
               series("dflash_profiled_seconds_total", other, "0+30x40")]
     tests = [{"expr": rules.ROLE_WAIT_RATIO, "eval_time": "20m",
               "exp_samples": [{"labels": f'{rules.ROLE_WAIT_RATIO}{{job="dflash", role="drafter", run="r1"}}',

@@ -333,7 +333,7 @@ def test_promtool_accepts_the_prometheus_config():
 def test_prometheus_provisioning_and_compose_agree():
     prom = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
     (job,) = prom["scrape_configs"]
-    assert job["job_name"] == "dflash" and job["scrape_interval"] == "15s"
+    assert job["job_name"] == "dflash" and job["scrape_interval"] == "5s"
     (files,) = [sd["files"] for sd in job["file_sd_configs"]]
     assert files == ["/prometheus-sd/*.json"] and "*" not in files[0].rsplit("/", 1)[0]
 
@@ -370,9 +370,10 @@ def test_time_share_panels_scale_gpu_time_sampled_on_one_step_in_n(tmp_path):
     (expr,) = [e for t, _, e in panel_queries(json.loads((GRAFANA / "dflash.json").read_text()))
                if t.startswith("Drafter time share")]
     labels = 'job="dflash", run="r", instance="h:1", role="drafter", rank="0", span="drafter.fwd_bwd"'
-    series = {"sum": {"gpu": "0+3x20", "cpu": "0+12x20"}, "count": {"gpu": "0+15x20", "cpu": "0+60x20"}}
-    inputs = [{"series": f"dflash_span_seconds_{kind}{{{labels}, clock=\"{clock}\"}}", "values": values}
-              for kind, by_clock in series.items() for clock, values in by_clock.items()]
+    series = {"dflash_span_self_time_seconds_total": {"gpu": "0+3x20", "cpu": "0+12x20"},
+              "dflash_spans_total": {"gpu": "0+15x20", "cpu": "0+60x20"}}
+    inputs = [{"series": f"{name}{{{labels}, clock=\"{clock}\"}}", "values": values}
+              for name, by_clock in series.items() for clock, values in by_clock.items()]
     inputs.append({"series": f"dflash_profiled_seconds_total{{{labels.rsplit(', span=', 1)[0]}}}",
                    "values": "0+60x20"})   # the rank's intervals cover its wall time
     values = {"datasource": "prometheus", "job": "dflash", "instance": ".*", "run": ".*", "role": ".*",

@@ -21,6 +21,11 @@ def interval(spans, tokens_run_total, role="drafter", **extra):
             "counters": {"tokens": {"total": 10, "per_second": 5.0, "run_total": tokens_run_total}}, **extra}
 
 
+def tick(time_unix, t_s, counters, spans=None):
+    return {"type": "tick", "time_unix": time_unix, "role": "drafter", "index": 0, "t_s": t_s, "step": 5,
+            "counters": counters, "spans": spans or {}}
+
+
 def span(share, buckets, total):
     return {"share": share, "cpu": {"total_seconds": total, "buckets": buckets}, "gpu": None}
 
@@ -28,7 +33,8 @@ def span(share, buckets, total):
 @pytest.fixture
 def exporter():
     e = PrometheusExporter({"rank": 3, "role": "drafter", "host": "h1"}, port=0)
-    e.export({"type": "run_start", "time_unix": time.time(), "histogram_buckets_seconds": BOUNDS, "schema": 1})
+    e.export({"type": "run_start", "time_unix": time.time(), "histogram_buckets_seconds": BOUNDS, "schema": 1,
+              "t_s": 10.0})
     yield e
     e.close(1.0)
 
@@ -54,6 +60,7 @@ def test_histograms_accumulate_and_absent_spans_lose_their_share(exporter):
     exporter.export(interval({"drafter.recv": span(0.5, [1, 2, 0, 0], 0.2),
                               "drafter.fwd_bwd": span(0.4, [0, 0, 3, 1], 3.0)}, 100))
     exporter.export(interval({"drafter.fwd_bwd": span(0.9, [0, 1, 1, 0], 0.5)}, 250, profiler_share=0.004))
+    exporter.export(tick(time.time(), 12.0, {"tokens": 250}))
     got = samples(scrape(exporter))
     assert got[("dflash_profiler_cpu_ratio", frozenset())] == 0.004
     fwd = {"clock": "cpu", "span": "drafter.fwd_bwd"}
@@ -156,6 +163,7 @@ def test_profiled_seconds_profiler_and_thread_cpu_accumulate_and_run_end_carries
     for share in (0.01, 0.03):
         exporter.export(interval({}, 5, duration_seconds=2.0, profiler_share=share,
                                  threads_cpu_seconds={"drafter.main": 1.5, "profiler.collector": 0.01}))
+    exporter.export(tick(time.time(), 14.0, {}))   # the fixture's run_start began the segment at t_s 10.0
     exporter.export({"type": "run_end", "time_unix": 1234.5, "status": "hang"})
     got = samples(scrape(exporter))
     assert got[("dflash_profiled_seconds_total", frozenset())] == 4.0
@@ -211,3 +219,57 @@ def test_every_label_is_defaulted_the_host_from_the_machine():
         assert f'host="{socket.gethostname()}",rank="0",role="trainer"' in text
     finally:
         e.close(0.0)
+
+
+def exposition_lines(text: str, name: str) -> list:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_counters_exist_at_zero_and_move_with_every_tick_stamped_with_its_time():
+    """Before anything: tokens, samples, steps and profiled seconds at 0, stamped (never newer than a tick folded
+    later). Each tick sets the run totals and the span counters with the tick's time as the sample's timestamp."""
+    e = PrometheusExporter({"rank": 3, "role": "drafter", "host": "h1"}, port=0)
+    try:
+        before = time.time()
+        first = scrape(e)
+        for name in ("dflash_tokens_total", "dflash_samples_total", "dflash_steps_total",
+                     "dflash_profiled_seconds_total"):
+            (line,) = exposition_lines(first, name)
+            value, stamp_ms = line.split()[-2:]
+            assert float(value) == 0.0 and int(stamp_ms) <= before * 1000 + 1
+        e.export({"type": "run_start", "time_unix": 1.7e9, "histogram_buckets_seconds": BOUNDS, "t_s": 100.0})
+        spans = {"drafter.fwd_bwd": {"count": 3, "cpu_seconds": 2.5, "self_seconds": 2.0, "gpu_seconds": 2.25,
+                                     "gpu_self_seconds": 1.75, "gpu_count": 2},
+                 "drafter.compile": {"count": 0, "cpu_seconds": 7.5, "self_seconds": 7.5}}
+        e.export(tick(1.7e9 + 12.5, 112.5, {"tokens": 4096, "steps": 4}, spans))
+        text = scrape(e)
+    finally:
+        e.close(0.1)
+    got = samples(text)
+    stamp = str(int((1.7e9 + 12.5) * 1000))
+    for name in ("dflash_tokens_total", "dflash_steps_total", "dflash_profiled_seconds_total",
+                 "dflash_span_time_seconds_total", "dflash_span_self_time_seconds_total", "dflash_spans_total"):
+        assert all(line.endswith(" " + stamp) for line in exposition_lines(text, name)), name
+    assert got[("dflash_tokens_total", frozenset())] == 4096 and got[("dflash_steps_total", frozenset())] == 4
+    assert got[("dflash_profiled_seconds_total", frozenset())] == 12.5
+    fwd = lambda clock: frozenset({"span": "drafter.fwd_bwd", "clock": clock}.items())   # noqa: E731
+    assert got[("dflash_span_time_seconds_total", fwd("cpu"))] == 2.5
+    assert got[("dflash_span_time_seconds_total", fwd("gpu"))] == 2.25
+    assert got[("dflash_span_self_time_seconds_total", fwd("gpu"))] == 1.75
+    assert (got[("dflash_spans_total", fwd("cpu"))], got[("dflash_spans_total", fwd("gpu"))]) == (3, 2)
+    compile_gpu = frozenset({"span": "drafter.compile", "clock": "gpu"}.items())
+    assert ("dflash_span_time_seconds_total", compile_gpu) not in got      # no CUDA pair timed: no GPU series
+
+
+def test_the_exact_p95_of_the_last_interval_is_a_gauge_gone_where_the_span_ended_none(exporter):
+    """The dashboard's exact p95 (the run log's figure), not histogram_quantile's bucket estimate."""
+    fwd = {"share": 0.5, "cpu": {"total_seconds": 3.0, "p95_seconds": 1.512, "buckets": [0, 0, 0, 2]},
+           "gpu": {"total_seconds": 2.0, "p95_seconds": 0.703, "buckets": [0, 0, 1, 1]}}
+    exporter.export(interval({"drafter.fwd_bwd": fwd}, 10))
+    got = samples(scrape(exporter))
+    p95 = lambda clock: got.get(("dflash_span_p95_seconds",   # noqa: E731
+                                 frozenset({"span": "drafter.fwd_bwd", "clock": clock}.items())))
+    assert (p95("cpu"), p95("gpu")) == (1.512, 0.703)
+    exporter.export(interval({"drafter.recv": span(0.1, [1, 0, 0, 0], 0.01)}, 20))
+    got = samples(scrape(exporter))
+    assert (p95("cpu"), p95("gpu")) == (None, None)

@@ -35,10 +35,10 @@ def test_run_log_records(tmp_path):
         profiler.event("checkpoint", path="/x")
     recs, bad = profiler.read_records(tmp_path / "profile" / "rank1.jsonl")
     assert bad == 0
-    assert [r["type"] for r in recs] == ["run_start", "event", "interval", "run_end"]
+    assert [r["type"] for r in recs] == ["run_start", "event", "interval", "tick", "run_end"]
     for r in recs:
         assert r["rank"] == 1 and r["role"] == "drafter" and isinstance(r["time_unix"], float)
-    start, ev, interval, end = recs
+    start, ev, interval, _tick, end = recs
     assert start["config"] == {"lr": 1e-3} and start["pid"] == os.getpid() and start["interval_s"] == 3600.0
     for k in ("hostname", "python_version", "torch_version", "device_name", "floors", "world_size"):
         assert k in start

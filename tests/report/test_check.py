@@ -356,9 +356,8 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
     assert f"Verdict (drafter: {only}, 1 s; target: {only}, 1 s)" in text and "steady intervals" not in text
     assert f"ok; tokens/s over steady state, 2.0 s; busy, capacity over {only}, 1.0 s" in text and "      350 " in text
     table = report.compare(run_dir, run_dir)
-    assert table["windows"] == {"a": "all 2 intervals (none steady: warm-up, phases or final)"} | {
-        "b": "all 2 intervals (none steady: warm-up, phases or final)"}
-    assert "over A's all 2 intervals (none steady: warm-up, phases or final) and B's" in report.format_compare(table)
+    assert table["role_windows"] == {role: {"a": only, "b": only} for role in ("drafter", "target")}
+    assert f"  drafter: A over {only}; B over {only}" in report.format_compare(table)
 
 
 def test_a_run_without_warm_up_steps_is_steady_from_its_first_interval(tmp_path):
@@ -412,7 +411,8 @@ def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypat
     monkeypatch.setattr(runs.Window, "label", property(lambda w: f"steady intervals ({len(w.intervals)})"))
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
     assert found == {("windows", "hotspots ranks rank 0"), ("windows", "hotspots ranks rank 1"),
-                     ("windows", "hotspots verdict drafter"), ("windows", "hotspots verdict target")}
+                     ("windows", "hotspots verdict drafter"), ("windows", "hotspots verdict target"),
+                     *{("compare", f"compare {role} {side}") for role in ("drafter", "target") for side in "AB"}}
 
 
 def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypatch):

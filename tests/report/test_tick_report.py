@@ -1,0 +1,163 @@
+"""The report over tick windows (issue 45): the README's main job (`--profile-interval 60`, 5 s ticks) reads its
+verdict, wait shares and ranks from steady tick windows, never "none steady" beside a steady state; compare reads
+both runs over one kind of window, concludes "regression" on a 30% slower drafter, lists every regression in its
+summary and has a subcommand; the plot has a point per tick window and draws every line in time order; and the
+check's invariants for each (simulated runs: tests/report/ticked.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import report
+import report.check as check_mod
+from dflash import report_cli
+from report.check import check, check_compare
+from report.plot import timeline
+from report.runs import load_run
+from tests.report.test_check import write
+from tests.report.ticked import ticked_run
+
+NVML = {"available": True, "gpus": [{"index": 0, "name": "H200", "total_bytes": 140 * 2**30,
+                                     "used_bytes_peak": 60 * 2**30, "headroom_bytes": 80 * 2**30}]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("ticked")
+    return {"a": write(d / "a", ticked_run()), "slow": write(d / "slow", ticked_run(fwd_s=0.26, seed=2)),
+            "old": write(d / "old", ticked_run(tick_s=None))}
+
+
+def test_the_readme_run_reads_its_verdict_from_steady_tick_windows(runs):
+    """One warm-up interval and one final: over intervals, "none steady" beside a 72 s steady state; over its
+    5 s ticks, steady windows (the drafter's checkpoint window left out as a phase), and a verdict."""
+    rep = report.hotspots(runs["a"])
+    roles = rep["verdict"]["roles"]
+    assert rep["verdict"]["verdict"] == "drafter-bound"
+    assert (roles["drafter"]["window"], roles["target"]["window"]) == ("steady windows (12 x 5 s)",
+                                                                     "steady windows (13 x 5 s)")
+    assert roles["target"]["wait_share"] == pytest.approx(0.5, abs=0.05)
+    text = report.format_hotspots(rep)
+    assert "Verdict (drafter: steady windows (12 x 5 s), 60 s; target: steady windows (13 x 5 s), 65 s): " \
+           "drafter-bound" in text
+    assert "none steady" not in text and "warm-up tick windows 10.0 s" in text
+    assert [r["window"] for r in rep["ranks"]["ranks"]] == ["steady windows (12 x 5 s)", "steady windows (13 x 5 s)"]
+    assert check(runs["a"]).violations == []
+    # the same run without ticks (a log written before them) reads as it did: over intervals, none steady
+    old = report.hotspots(runs["old"])
+    assert old["verdict"]["roles"]["drafter"]["window"] == "all 2 intervals (none steady: warm-up, phases or final)"
+    assert check(runs["old"]).violations == []
+
+
+def test_compare_concludes_regression_on_a_slower_drafter(runs):
+    table = report.compare(runs["a"], runs["slow"])
+    assert {"drafter/drafter.fwd_bwd", "tokens/s (drafter)"} <= set(table["regressions"])
+    assert table["role_windows"]["drafter"] == {"a": "steady windows (12 x 5 s)", "b": "steady windows (12 x 5 s)"}
+    assert (table["tokens_per_s"]["drafter"]["a"]["intervals"], table["tokens_per_s"]["drafter"]["b"]["intervals"]) \
+        == (12, 12)   # the labels' counts
+    text = report.format_compare(table)
+    assert text.splitlines()[-1] == "Regressions: " + ", ".join(table["regressions"])
+    assert "tokens/s (drafter)" in text.splitlines()[-1]
+    assert check_compare(runs["a"], runs["slow"]).violations == []
+
+
+def test_compare_reads_both_runs_over_one_kind_of_window(runs, tmp_path):
+    """B without ticks: both runs over intervals; A with steady intervals and B none: both over all of them; a
+    phase span in A's steady windows and out of B's is "too few windows", not "only in A"."""
+    long_old = write(tmp_path / "long", ticked_run(tick_s=None, length_s=200.0))
+    table = report.compare(long_old, runs["old"])
+    assert table["role_windows"]["drafter"] == {
+        "a": "all 4 intervals (read alike: the other run has no steady intervals)",
+        "b": "all 2 intervals (none steady: warm-up, phases or final)"}
+    assert report.compare(runs["a"], runs["old"])["role_windows"]["target"]["a"].startswith("all 2 intervals")
+    short_ckpt = write(tmp_path / "short", ticked_run(ckpt_s=0.3))
+    rows = {(r["role"], r["span"]): r for r in report.compare(short_ckpt, runs["a"])["spans"]}
+    assert rows[("drafter", "ckpt.save")]["verdict"] == "too few windows"
+    for a, b in ((long_old, runs["old"]), (runs["a"], runs["old"]), (short_ckpt, runs["a"])):
+        assert check_compare(a, b).violations == []
+
+
+def test_compare_is_a_subcommand(runs, capsys):
+    assert report_cli.main(["compare", str(runs["a"]), str(runs["slow"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dflash-report compare  A ") and "Regressions: " in out and "tokens/s (drafter)" in out
+    assert report_cli.main(["compare", str(runs["a"]), str(runs["slow"]), "--json"]) == 0
+    assert "tokens/s (drafter)" in json.loads(capsys.readouterr().out)["regressions"]
+    assert report_cli.main(["check", str(runs["slow"]), "--compare", str(runs["a"])]) == 0
+    with pytest.raises(SystemExit) as e:
+        report_cli.main(["compare", str(runs["a"])])
+    assert e.value.code == 2
+
+
+def test_the_plot_has_a_point_per_tick_window_and_lines_in_time_order(runs, tmp_path):
+    tl = timeline(load_run(runs["a"]))
+    assert tl["source"] == "ticks" and tl["window_s"] == 5.0
+    for s in tl["roles"].values():
+        assert len(s["seconds"]) >= 10 and s["seconds"] == sorted(s["seconds"])
+    # two ranks on one GPU, their intervals closing apart: the headroom line runs forward in time
+    run = ticked_run(tick_s=None, length_s=200.0)
+    for rank, recs in run["logs"].items():
+        for r in recs:
+            if r["type"] == "interval":
+                r["memory"] = NVML
+                r["time_unix"] -= 30.0 * rank
+    gpu = timeline(load_run(write(tmp_path / "gpu", run)))["gpus"]["h:0"]
+    assert len(gpu["seconds"]) == 8 and gpu["seconds"] == sorted(gpu["seconds"])
+
+
+def test_the_check_names_a_compare_not_alike_and_a_label_beside_another_figure(runs, monkeypatch):
+    real = check_mod.compare_runs
+
+    def a_over_all(run_a, run_b):   # as before: A over all its intervals, B over steady windows
+        table = real(run_a, run_b)
+        table["role_windows"]["drafter"]["a"] = "all 2 intervals (none steady: warm-up, phases or final)"
+        table["regressions"] = table["regressions"][:1]
+        return table
+
+    monkeypatch.setattr(check_mod, "compare_runs", a_over_all)
+    found = {(v.invariant, v.where) for v in check_compare(runs["a"], runs["slow"]).violations}
+    assert {("compare", "compare drafter A"), ("compare", "compare text Regressions")} <= found
+    res = check_mod.CheckResult(run_dir="x")
+    check_mod._expect_beside(res, "verdict", "Verdict (drafter: steady windows (12 x 5 s), 80 s): x",
+                             "drafter: steady windows (12 x 5 s)", 60.0)
+    assert [v.invariant for v in res.violations] == ["windows"]
+
+
+def test_per_interval_figures_beside_steady_tick_windows_never_say_none_steady(tmp_path):
+    """The drafters' queue depth is a gauge of the interval records only: on the README run (no steady interval,
+    steady tick windows) it is named as the whole run's, not "none steady" beside the verdict's steady windows."""
+    run = ticked_run()
+    for r in run["logs"][0]:
+        if r["type"] == "interval":
+            r["gauges"] = {"queue_depth": {"mean": 1.5, "last": 1.0, "max": 2.0}}
+    rep = report.hotspots(write(tmp_path / "run", run))
+    depth = [e for e in rep["verdict"]["evidence"] if e.startswith("received batches")]
+    assert depth == ["received batches waiting for the drafter: 1.50 on average (2 interval means; drafter: the whole "
+                     "run (2 intervals, warm-up included: this figure is per interval only))"]
+    assert "none steady" not in report.format_hotspots(rep)
+
+
+def test_ticks_only_at_the_closes_leave_the_intervals_in_place(tmp_path):
+    """tick_s at or above interval_s: a tick at each close only, no finer than the intervals, which keep their whole
+    spans: the report reads the intervals and names them so."""
+    rep = report.hotspots(write(tmp_path / "run", ticked_run(tick_s=60.0)))
+    assert rep["verdict"]["roles"]["drafter"]["window"] == "all 2 intervals (none steady: warm-up, phases or final)"
+
+
+def test_a_change_is_weighed_against_the_spread_of_the_mean():
+    """Forty noisy 5 s windows a run (+-50%): a 30% slower B is beyond the range their mean varies over
+    (spread / sqrt(n)) though well within the samples' spread; the same run against itself is within it."""
+    import random
+
+    from report.compare import classify
+
+    rng = random.Random(7)
+    a = [1.0 + rng.uniform(-0.5, 0.5) for _ in range(40)]
+    b = [1.3 + rng.uniform(-0.5, 0.5) for _ in range(40)]
+    slower = classify(a, b)
+    assert slower["a"]["spread"] > 0.3 and slower["verdict"] == "regression"
+    assert slower["a"]["mean_spread"] == pytest.approx(slower["a"]["spread"] / 40 ** 0.5)
+    assert classify(a, list(a))["verdict"] == "within spread"
+    # a span's mean weighs its windows by their calls: its total over its calls
+    assert classify([2.0, 1.0], [2.0, 1.0], weights=([1, 3], [1, 3]))["a"]["mean"] == pytest.approx(1.25)
