@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash.builtin import builtin_cache_dir, check_builtin_cache
 from dflash.compile_cache import check_cache_dir, resolve_cache_dir
-from dflash.config import ConfigError, TrainConfig
+from dflash.config import ConfigError, TrainConfig, path_problem
 from dflash.topology import resolve_topology
 
 # Run-directory entries that show a run already lives there.
@@ -154,6 +154,9 @@ def run_dir_conflict(path: Path, resume: bool) -> str | None:
 def _check_run_dir(cfg: TrainConfig) -> None:
     if cfg.reliability.resume and cfg.run_dir is None:
         raise ConfigError("--resume: needs --run-dir naming the run to continue")
+    problem = path_problem(cfg.run_dir or "runs")
+    if problem:   # the system's ENAMETOOLONG, said before anything resolves or creates it
+        raise ConfigError(f"--run-dir: {problem}")
     path = Path(cfg.run_dir or "runs").resolve()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path}: exists and is not a directory")
@@ -176,8 +179,7 @@ def _check_run_dir(cfg: TrainConfig) -> None:
                                   "to start one there")
             return
         checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
-        if not (ckpt / checkpoint.WEIGHTS_NAME).is_file():
-            raise ConfigError(f"--resume: {ckpt} has no {checkpoint.WEIGHTS_NAME}")
+        checkpoint.check_weights_header(ckpt / checkpoint.WEIGHTS_NAME)
 
 
 def _check_writable(path: Path) -> None:
