@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 
 from dflash.builtin import builtin_cache_dir, check_builtin_cache
-from dflash.compile_cache import check_cache_dir, resolve_cache_dir
+from dflash.compile_cache import check_cache_dir, foreign_component, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig, path_problem
 from dflash.topology import resolve_topology
 
@@ -138,6 +138,10 @@ def _check_sd_dir(cfg: TrainConfig) -> None:
         what = "is a symlink" if path.is_symlink() else "is not a directory"
         raise ConfigError(f"--prometheus-sd-dir {given}: {what}; give a directory of yours (or leave it out: the "
                           "user cache's prometheus-sd)")
+    foreign = foreign_component(path)   # the run makes it 0755: never through another user's link or directory
+    if foreign:
+        raise ConfigError(f"--prometheus-sd-dir {given}: {foreign}; give a directory reached only through yours "
+                          "or root's")
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:

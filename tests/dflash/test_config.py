@@ -377,3 +377,32 @@ def test_a_lock_symlink_planted_in_a_shared_run_dir_is_one_line_and_its_victim_u
     assert err == [f"dflash-train: error: --run-dir {run}: its lock file {run / '.lock'} is a symlink; not "
                    "followed, nothing written: remove it if it is not yours, or choose another directory"]
     assert victim.read_text() == "precious\n" and sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+def test_a_prometheus_sd_dir_through_another_users_symlink_is_refused_before_any_chmod(tmp_path, train_main):
+    """Issue 46: with another user's symlink in a middle component of --prometheus-sd-dir, root's 0700 directory
+    behind it was made 0755 (only the last component was checked)."""
+    import os
+
+    from dflash import telemetry
+
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    link = shared / "link"
+    link.symlink_to(secret)
+    try:
+        os.lchown(link, 4242, 4242)   # planted by another user
+    except PermissionError:
+        pytest.skip("needs root to make a symlink of another user")
+    given = link / "sd"
+    with pytest.raises(PermissionError, match="is a symlink of uid 4242"):   # the run's own write, a warning
+        telemetry.write_shared(given / "run-1.json", "[]\n")
+    r = train_main(["--device", "cpu", "--run-dir", tmp_path / "run", "--prometheus-sd-dir", given])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"dflash-train: error: --prometheus-sd-dir {given}: {link} is a symlink of uid 4242, neither yours nor "
+        "root's: refused; give a directory reached only through yours or root's"]
+    assert (secret.stat().st_mode & 0o777) == 0o700 and not (secret / "sd").exists()
+    telemetry.write_shared(tmp_path / "mine" / "sd" / "run-1.json", "[]\n")   # ours all the way: written, 0755
+    assert (tmp_path / "mine" / "sd").stat().st_mode & 0o777 == 0o755
