@@ -217,7 +217,9 @@ class ReliabilityConfig:
     checkpoint_every: int = _f(0, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: bool = False
-    """Continue from the run directory's latest checkpoint."""
+    """Continue from the run directory's latest checkpoint with the run's own settings (RUN_DIR/config.json); a
+    setting given with it changes only that one (kept in config.json's overrides), unless the checkpoint cannot
+    take the change (model shape, target, data order: refused, exit 2)."""
     stop_timeout_s: float = _f(25.0, gt=0, le=3600)
     """After a first SIGTERM/SIGINT: the drafter finishes its step, checkpoints it, skips evaluation, and the
     run exits 0, printing the step, the checkpoint and the resume command. A rank not done within this many
