@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,16 @@ def cached_build(root: Path, settings: dict, before_publish: Callable[[], None] 
 
     entry = root / cache_key(settings)
     if builtin_complete(entry, settings):
-        return entry
+        damage = manifest_problem(entry)
+        if damage is None:
+            return entry
+        _set_aside(entry, damage)
     _make_private_dir(root)
     _remove_dead_partials(root)
     tmp = root / f".{entry.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     ensure_builtin(tmp, seed=settings["seed"], num_train=settings["num_train"], num_eval=settings["num_eval"])
+    write_manifest(tmp)
     before_publish()
     if entry.exists() and not builtin_complete(entry, settings):   # a broken entry: set aside, then replaced
         stale = root / f".{entry.name}.stale-{os.getpid()}"
@@ -117,7 +122,7 @@ def copy_from_cache(root: Path, dest: Path, settings: dict):
     else copied from the cache entry (built first when missing) through a temporary name."""
     from dflash.tiny import BUILTIN_FILES, builtin_complete, builtin_data
 
-    if builtin_complete(dest, settings):
+    if builtin_complete(dest, settings) and manifest_problem(dest) is None:
         return builtin_data(dest)
     entry = cached_build(root, settings)
     check_builtin_cache(entry)   # what we are about to read: still a directory of ours alone
@@ -125,13 +130,67 @@ def copy_from_cache(root: Path, dest: Path, settings: dict):
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(entry, tmp)
     if dest.exists():   # another build (other settings) of this run directory: replaced
-        foreign = [p.name for p in dest.iterdir() if p.name not in BUILTIN_FILES]
+        foreign = [p.name for p in dest.iterdir() if p.name not in (*BUILTIN_FILES, MANIFEST_NAME)]
         if foreign:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ConfigError(f"{dest}: exists and is not a built-in build (holds {', '.join(sorted(foreign)[:3])})")
         shutil.rmtree(dest)
     os.rename(tmp, dest)
     return builtin_data(dest)
+
+
+MANIFEST_NAME = ".dflash_manifest.json"
+"""A user-cache build's files (path relative to the build -> size in bytes and sha256), written when the entry is
+built and checked at every use, in the cache and in the run's copy: a truncated or changed file is found, named
+and replaced before a run loads it."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(build_dir: Path) -> None:
+    """MANIFEST_NAME over every file of `build_dir` (a build just made, before it is published)."""
+    files = sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    manifest = {str(p.relative_to(build_dir)): {"size_bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in files}
+    (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def manifest_problem(build_dir: Path) -> str | None:
+    """What differs in `build_dir` from its manifest (the first file missing, resized or changed), or None."""
+    try:
+        manifest = json.loads((build_dir / MANIFEST_NAME).read_text())
+        wanted = [(name, int(want["size_bytes"]), str(want["sha256"])) for name, want in manifest.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST_NAME} (made by an older dflash, or by hand)"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return f"{MANIFEST_NAME} unreadable ({type(e).__name__})"
+    for name, size_bytes, sha256 in wanted:
+        path = build_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size_bytes:
+            return f"{name} is {path.stat().st_size} bytes, {size_bytes} as built (truncated or changed)"
+        if _sha256(path) != sha256:
+            return f"{name} differs from its build (sha256)"
+    return None
+
+
+def _set_aside(entry: Path, damage: str) -> None:
+    """A damaged cache entry renamed `.KEY.damaged-PID` (removed by a later build once this process is gone), said
+    in one line; the caller builds it again."""
+    aside = entry.with_name(f".{entry.name}.damaged-{os.getpid()}")
+    try:
+        os.rename(entry, aside)
+    except FileNotFoundError:   # another run set it aside first
+        return
+    print(f"dflash-train: built-in cache entry {entry}: {damage}; set aside as {aside.name} and built again",
+          file=sys.stderr, flush=True)
 
 
 def _make_private_dir(root: Path) -> None:

@@ -206,6 +206,21 @@ def load_training_state(ckpt_path: Path, mmap: bool = False) -> dict:
     return state
 
 
+def check_weights_header(path: Path) -> None:
+    """CheckpointError (one line naming `path`) unless it is a safetensors file whose header parses and whose
+    tensors lie inside the file: what loading it needs, read without reading the tensors."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the checkpoint has no weights to resume)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors parses the header and checks the offsets: no code runs
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: unreadable: {first}") from None
+
+
 def load_resume_state(run_dir: Path) -> dict | None:
     """The latest checkpoint's training state plus its model weights ("model") and path ("path"); None
     when the run directory has no checkpoint."""

@@ -10,6 +10,7 @@ import time
 from dflash import handoff
 from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.config import ConfigError, add_config_flags, config_from_args
+from profiler.records import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +48,15 @@ def _main(argv: list[str] | None, started_ns: int) -> int:
             world = int(os.environ["WORLD_SIZE"])
             preflight.check(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             os.umask(handoff.RUN_UMASK)  # what this rank writes is private to this user
-            return worker.run(cfg)
+            try:
+                return worker.run(cfg)
+            finally:
+                worker.ignore_further_signals()   # a late signal must not kill the exit (dflash/stopping.py)
         from dflash import launch
 
         return launch.launch(cfg, started_ns)  # preflight first, then one process per rank
-    except ConfigError as e:
-        print(f"dflash-train: error: {e}", file=sys.stderr)
+    except ConfigError as e:   # escaped: a value from a file or argv may hold a terminal's control sequence
+        print(printable(f"dflash-train: error: {e}").replace("\n", "\\n"), file=sys.stderr)
         return 2
 
 

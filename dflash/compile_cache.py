@@ -55,6 +55,25 @@ def _ancestor_problem(path: Path, what: str) -> str | None:
     return None
 
 
+def foreign_component(path: Path) -> str | None:
+    """The first component of `path` (as written and as resolved, itself included: a link is examined, not
+    followed) owned by neither this user nor root, said as why it is refused; None when there is none. What we
+    chmod must be reached through directories and links only we (or root) could have placed."""
+    me = os.geteuid()
+    for end in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
+        for d in (*reversed(end.parents), end):
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                break   # the rest is made by us
+            except OSError as e:
+                return f"{d} cannot be examined ({e.strerror or e})"
+            if st.st_uid not in (0, me):
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
+                return f"{d} is {kind} of uid {st.st_uid}, neither yours nor root's: refused"
+    return None
+
+
 def cache_dir_problem(path: Path, what: str = "compiled kernels") -> str | None:
     """Why `path` may not hold `what` (compiled code, by default) that this process will load, or None when
     it may (or does not exist yet). Reads only; a link itself is examined, never its target."""

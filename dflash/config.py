@@ -75,6 +75,8 @@ class ModelConfig:
     (PYTHONPYCACHEPREFIX) rather than compile from source at every start. False: honour the environment."""
 
     def check(self, need) -> None:
+        need(self.target_model is None or not path_problem(self.target_model), "target_model",
+             path_problem(self.target_model or "") or "")
         need(self.target_model is None or Path(self.target_model).is_dir(), "target_model", "no such directory")
 
 
@@ -103,6 +105,7 @@ class DataConfig:
 
     def check(self, need) -> None:
         need(self.tokens_per_batch >= self.max_length, "tokens_per_batch", "must be >= max_length")
+        need(self.path is None or not path_problem(self.path), "path", path_problem(self.path or "") or "")
         need(self.path is None or Path(self.path).is_file(), "path", "no such file")
 
 
@@ -147,9 +150,9 @@ class ParallelConfig:
     """Transfers a target rank may have in flight before it waits (transfer.wait_slot)."""
     split_fc_layers: bool = False
     """Ship the K layers separately and concatenate (and add noise) on the drafter side. Env DFLASH_SPLIT_FC_LAYERS."""
-    rendezvous_timeout_s: float = _f(300.0, gt=0)
+    rendezvous_timeout_s: float = _f(300.0, gt=0, le=86400)
     """Seconds the ranks wait for each other to join before giving up (exit 1); after a few seconds
-    of waiting, each says what it waits for."""
+    of waiting, each says what it waits for. At most a day."""
 
 
 @dataclass
@@ -157,9 +160,9 @@ class ProfileConfig:
     """What the profiler records (profiler/)."""
     enabled: bool = _f(True, flag="profile")
     """Record spans, intervals and memory. False (--no-profile): every span is the no-op."""
-    interval_s: float = _f(60.0, flag="profile_interval", gt=0)
-    """Seconds between profile intervals. Env DFLASH_PROFILE_INTERVAL."""
-    tick_s: float = _f(5.0, flag="profile_tick_s", gt=0)
+    interval_s: float = _f(60.0, flag="profile_interval", gt=0, le=86400)
+    """Seconds between profile intervals (at most a day). Env DFLASH_PROFILE_INTERVAL."""
+    tick_s: float = _f(5.0, flag="profile_tick_s", gt=0, le=86400)
     """Seconds between `tick` records (cumulative totals between intervals: live Prometheus counters, finer
     analysis windows); one is also written at every interval close. Env DFLASH_PROFILE_TICK_S."""
     detail_steps: int = _f(3, flag="profile_detail_steps", ge=0)
@@ -195,7 +198,7 @@ class TelemetryConfig:
     metrics_port: int | None = _f(None, ge=0, le=65535)
     """Prometheus endpoint base port; each rank serves on base + local rank. None: 9464, falling back
     to a free port (announced) when busy; 0: no endpoint; a port given here must be free (exit 2)."""
-    export_timeout_s: float = _f(12.0, gt=0)
+    export_timeout_s: float = _f(12.0, gt=0, le=3600)
     """Seconds a rank's end gives its exporters to drain and close; the Prometheus endpoint, when something scrapes
     it, waits within them for a scrape of its last records (run_end). More than the scrape interval of
     grafana/prometheus.yml (5 s), so a Prometheus configured as shipped reads every run's end."""
@@ -210,6 +213,9 @@ class TelemetryConfig:
 
     def check(self, need) -> None:
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")
+        # A host name is printable ASCII or IDNA text: a control character (an escape sequence from a file) or an
+        # undecodable byte of argv (a lone surrogate) is refused here, shown escaped by the message's repr.
+        need(self.metrics_host.isprintable(), "metrics_host", "must be an address (no control or undecodable bytes)")
 
 
 @dataclass
@@ -218,17 +224,20 @@ class ReliabilityConfig:
     checkpoint_every: int = _f(0, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume: bool = False
-    """Continue from the run directory's latest checkpoint."""
-    stop_timeout_s: float = _f(25.0, gt=0)
+    """Continue from the run directory's latest checkpoint with the run's own settings (RUN_DIR/config.json); a
+    setting given with it changes only that one (kept in config.json's overrides), unless the checkpoint cannot
+    take the change (model shape, target, data order: refused, exit 2)."""
+    stop_timeout_s: float = _f(25.0, gt=0, le=3600)
     """After a first SIGTERM/SIGINT: the drafter finishes its step, checkpoints it, skips evaluation, and the
     run exits 0, printing the step, the checkpoint and the resume command. A rank not done within this many
     seconds of the signal (a longer step or checkpoint, a rank blocked on a lost peer) dumps its stacks and
     exits 1, latest staying the last checkpoint written; so is one given a second signal a second or more
-    later. Keep it under the scheduler's grace before SIGKILL (30 s by default under Kubernetes and Slurm)."""
-    hang_timeout_s: float = _f(300.0, ge=0)
+    later. Keep it under the scheduler's grace before SIGKILL (30 s by default under Kubernetes and Slurm); at most
+    an hour."""
+    hang_timeout_s: float = _f(300.0, ge=0, le=604800)
     """Seconds without progress after which a rank dumps its stacks and open spans to RUN_DIR/forensics/
     and stops the run (exit 1); armed at the first step change (keep it above the drafter's first
-    compile, which a target waits on); 0 = off."""
+    compile, which a target waits on); 0 = off; at most a week."""
     on_nonfinite: str = _f("stop", choices=("stop", "skip-step", "warn"))
     """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (after a
     `nonfinite` event): stop (exit 1), skip-step (skip that optimizer step) or warn. With --no-profile
@@ -419,10 +428,11 @@ def _file_keys(file_values: Mapping[str, Any], file_name: str, file_lines: Mappi
 
 def resolve_config(file_values: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                    flag_values: Mapping[str, Any] | None = None, file_name: str = "config file",
-                   file_lines: Mapping[tuple, int] | None = None) -> TrainConfig:
-    """Defaults, then the file, then env vars, then flags (keyed by flag key): later sources win.
-    Unknown keys are errors; `file_lines` (load_config_file's) lets them name the file's line."""
-    values = _file_keys(file_values or {}, file_name, file_lines or {})
+                   file_lines: Mapping[tuple, int] | None = None, base: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults (or `base`, typed values by flag key: a resumed run's own), then the file, then env vars, then
+    flags (keyed by flag key): later sources win. Unknown keys are errors; `file_lines` (load_config_file's)
+    lets them name the file's line."""
+    values = {**(base or {}), **_file_keys(file_values or {}, file_name, file_lines or {})}
     env = os.environ if env is None else env
     flag_values = flag_values or {}
     for var, key in _ENV.items():
@@ -464,7 +474,111 @@ def default_text(value) -> str:
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TrainConfig:
+    """The run's config. With --resume --run-dir D: D/config.json's settings under the file, env and flags given
+    now; a change the checkpoint cannot take is refused (ConfigError naming the field)."""
     file_values, lines = load_config_file(args.config) if getattr(args, "config", None) else ({}, {})
     flags = {key: getattr(args, key, None) for key in _SPECS}
-    return resolve_config(file_values, env, flags, file_name=str(getattr(args, "config", "config file")),
-                          file_lines=lines)
+    name = str(getattr(args, "config", "config file"))
+    cfg = resolve_config(file_values, env, flags, file_name=name, file_lines=lines)
+    if not cfg.reliability.resume or cfg.run_dir is None:
+        return cfg
+    saved = saved_settings(Path(cfg.run_dir))
+    if saved is None:   # no run there: the preflight says so
+        return cfg
+    base = {k: v for k, v in saved.items() if k not in _NOT_RESTORED}
+    resumed = resolve_config(file_values, env, flags, file_name=name, file_lines=lines, base=base)
+    clash = resume_conflict(saved, resumed.flat_dict())
+    if clash:
+        raise ConfigError(f"--resume: {clash}")
+    return resumed
+
+
+SAVED_CONFIG = "config.json"
+"""RUN_DIR/config.json: the run's resolved settings (TrainConfig.to_dict), its id, resolved topology and the
+history of the settings a --resume changed (`overrides`); rank 0 writes it at every start (dflash/worker.py)."""
+_NOT_RESTORED = ("run_dir", "resume", "fault")
+"""Settings a --resume never takes from the saved run: where it is, the resume itself, injected faults."""
+RESUME_FIXED: dict[str, str] = {
+    "target_model": "the target the checkpoint was trained against",
+    "num_target_layers": "the drafter's input width (its state dict)",
+    "num_draft_layers": "the drafter's layers (its state dict)",
+    "block_size": "the draft block (the drafter and its loss)",
+    "data": "the data the checkpoint's data order walks",
+    "max_length": "the batches of the data order",
+    "tokens_per_batch": "the batches of the data order",
+    "builtin_conversations": "the built-in corpus of the data order",
+    "num_anchors": "the anchors' layout (and the random stream the data order continues)",
+    "seed": "the data order, anchors and noise",
+    "target_gpus": "the batches consumed per target rank",
+    "drafter_gpus": "the batches consumed per target rank",
+}
+"""Settings a checkpoint cannot take a change of (flag key -> what depends on it): a --resume changing one is
+refused. `eval_prompts` too where the held-out prompts come out of --data (they change its training records)."""
+_PATH_KEYS = ("target_model", "data")
+
+
+def saved_settings(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/config.json's settings by flag key; None where the directory holds no run (nothing to restore).
+    ConfigError when a run is there but its settings cannot be read."""
+    path = run_dir / SAVED_CONFIG
+    problem = path_problem(str(path))
+    if problem:
+        raise ConfigError(f"--run-dir {run_dir}: {problem}")
+    if not path.is_file():
+        if (run_dir / "checkpoints").is_dir() or (run_dir / "profile").is_dir():
+            raise ConfigError(f"{path}: missing, so the run's settings cannot be restored; put back the run's "
+                              "config.json, or start a new run")
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        sections = {name: saved[name] for name in SECTIONS if name in saved}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable, so the run's settings cannot be restored: {e}") from None
+    return _file_keys(sections, str(path), {})
+
+
+def resume_conflict(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """Why the settings `now` cannot continue a checkpoint made with `saved` (flag keys), or None."""
+    fixed = dict(RESUME_FIXED)
+    if saved.get("data") is not None:
+        fixed["eval_prompts"] = "the held-out prompts taken out of --data (its training records)"
+    for key, why in fixed.items():
+        old, new = saved.get(key, _SPECS[key][1].default), now[key]
+        if key in _PATH_KEYS and old is not None and new is not None:
+            old, new = os.path.abspath(old), os.path.abspath(new)
+        if old != new:
+            return (f"config field '{_path(key)}' cannot change from {old!r} to {new!r}: it fixes {why}; "
+                    f"drop --{key.replace('_', '-')} (the run's own setting is restored), or start a new run")
+    return None
+
+
+def override_history(previous: Mapping[str, Any] | None, now: Mapping[str, Any], when: str) -> list[dict]:
+    """config.json's `overrides` after this start: the previous ones, and the settings this --resume changed
+    (flag key -> {"from", "to"}) with when, if any. `previous` is the config.json being replaced (None: none)."""
+    history = list((previous or {}).get("overrides") or [])
+    if previous is None:
+        return history
+    try:
+        old = _file_keys({n: previous[n] for n in SECTIONS if n in previous}, SAVED_CONFIG, {})
+    except ConfigError:   # a config.json of another version: its settings are not comparable
+        return history
+    changed = {k: {"from": old.get(k), "to": v} for k, v in now.items()
+               if k not in _NOT_RESTORED and k in old and old[k] != v}
+    return history + ([{"at": when, "changed": changed}] if changed else [])
+
+
+PATH_MAX_BYTES = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+NAME_MAX_BYTES = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+
+
+def path_problem(path: str) -> str | None:
+    """Why the system would refuse `path` (ENAMETOOLONG: a component over NAME_MAX bytes, the whole over
+    PATH_MAX once made absolute), or None."""
+    absolute = os.fsencode(os.path.abspath(path))
+    if len(absolute) >= PATH_MAX_BYTES:
+        return f"path of {len(absolute)} bytes, over the system's limit of {PATH_MAX_BYTES - 1}"
+    long = [part for part in absolute.split(b"/") if len(part) > NAME_MAX_BYTES]
+    if long:
+        return (f"a component of {len(long[0])} bytes ({long[0][:24]!r}...), over the system's limit of "
+                f"{NAME_MAX_BYTES}")
+    return None

@@ -27,6 +27,11 @@ dump and run_end, on a second signal a second or more after its first (dflash.wo
 first alone gives it --stop-timeout-s to finish its step."""
 
 
+_SECOND_SIGNAL_SECONDS = 1.0
+"""A second SIGINT/SIGTERM to the launcher escalates (SIGKILL `_GRACE_SECONDS` later) only this long or more after
+the first, as a rank's own second signal does (profiler.watchdog.SignalWatch's repeat_after_s)."""
+
+
 def world_for(cfg: TrainConfig, gpus: int) -> int:
     """How many ranks this host runs: CPU one of each role unless told; GPUs one per device."""
     if cfg.parallel.target_gpus is not None and cfg.parallel.drafter_gpus is not None:
@@ -158,22 +163,25 @@ def _spawn(env: dict, rank: int, store_socket: socket.socket | None, gate_fd: in
 
 class Supervisor:
     """Waits for all ranks; the first non-zero exit stops the rest (SIGTERM, SIGKILL after `grace_s`)
-    and decides the exit code. Signals are forwarded; a second one also SIGKILLs `grace_s` later."""
+    and decides the exit code. Signals are forwarded; a second one `repeat_after_s` or more after the first also
+    SIGKILLs `grace_s` later (sooner, it is the same Ctrl-C or a double press: the clean stop goes on)."""
 
     def __init__(self, procs: list[subprocess.Popen], grace_s: float = _GRACE_SECONDS, clock=time.monotonic,
-                 poll_s: float = 0.1, stderr=None):
+                 poll_s: float = 0.1, stderr=None, repeat_after_s: float = _SECOND_SIGNAL_SECONDS):
         self.procs, self.grace_s, self.clock, self.poll_s = procs, grace_s, clock, poll_s
-        self.stderr = stderr
-        self.signals = 0
+        self.stderr, self.repeat_after_s = stderr, repeat_after_s
+        self.first_signal_s: float | None = None
         self.kill_at_s: float | None = None
 
     def forward(self, signum, frame=None) -> None:
-        self.signals += 1
+        now = self.clock()
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)  # the signal received, so the run records which one it was
-        if self.signals >= 2 and self.kill_at_s is None:
-            self.kill_at_s = self.clock() + self.grace_s
+        if self.first_signal_s is None:
+            self.first_signal_s = now
+        elif now - self.first_signal_s >= self.repeat_after_s and self.kill_at_s is None:
+            self.kill_at_s = now + self.grace_s
 
     def run(self) -> int:
         while True:

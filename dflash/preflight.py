@@ -15,8 +15,8 @@ import socket
 from pathlib import Path
 
 from dflash.builtin import builtin_cache_dir, check_builtin_cache
-from dflash.compile_cache import check_cache_dir, resolve_cache_dir
-from dflash.config import ConfigError, TrainConfig
+from dflash.compile_cache import check_cache_dir, foreign_component, resolve_cache_dir
+from dflash.config import ConfigError, TrainConfig, path_problem
 from dflash.topology import resolve_topology
 
 # Run-directory entries that show a run already lives there.
@@ -138,6 +138,10 @@ def _check_sd_dir(cfg: TrainConfig) -> None:
         what = "is a symlink" if path.is_symlink() else "is not a directory"
         raise ConfigError(f"--prometheus-sd-dir {given}: {what}; give a directory of yours (or leave it out: the "
                           "user cache's prometheus-sd)")
+    foreign = foreign_component(path)   # the run makes it 0755: never through another user's link or directory
+    if foreign:
+        raise ConfigError(f"--prometheus-sd-dir {given}: {foreign}; give a directory reached only through yours "
+                          "or root's")
 
 
 def run_dir_conflict(path: Path, resume: bool) -> str | None:
@@ -154,6 +158,9 @@ def run_dir_conflict(path: Path, resume: bool) -> str | None:
 def _check_run_dir(cfg: TrainConfig) -> None:
     if cfg.reliability.resume and cfg.run_dir is None:
         raise ConfigError("--resume: needs --run-dir naming the run to continue")
+    problem = path_problem(cfg.run_dir or "runs")
+    if problem:   # the system's ENAMETOOLONG, said before anything resolves or creates it
+        raise ConfigError(f"--run-dir: {problem}")
     path = Path(cfg.run_dir or "runs").resolve()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path}: exists and is not a directory")
@@ -176,8 +183,7 @@ def _check_run_dir(cfg: TrainConfig) -> None:
                                   "to start one there")
             return
         checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
-        if not (ckpt / checkpoint.WEIGHTS_NAME).is_file():
-            raise ConfigError(f"--resume: {ckpt} has no {checkpoint.WEIGHTS_NAME}")
+        checkpoint.check_weights_header(ckpt / checkpoint.WEIGHTS_NAME)
 
 
 def _check_writable(path: Path) -> None:

@@ -18,7 +18,12 @@ def hold_run_dir(run_dir) -> int:
     exiting, releases the lock). ConfigError when another live process holds it."""
     path = Path(run_dir)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:   # a symlink planted there (ELOOP), a directory, another user's file: never followed
+        what = "is a symlink" if (path / LOCK_NAME).is_symlink() else f"cannot be opened ({exc.strerror})"
+        raise ConfigError(f"--run-dir {path}: its lock file {path / LOCK_NAME} {what}; not followed, nothing "
+                          "written: remove it if it is not yours, or choose another directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

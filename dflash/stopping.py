@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-from dflash.config import TrainConfig
 
 
 class StopFlag:
@@ -70,24 +69,23 @@ class StopFlag:
             self.on_expired(self.name, f"not stopped within --stop-timeout-s {self.timeout_s:g} s")
 
 
-def resume_command(cfg: TrainConfig, run_dir: Path) -> str:
-    """The command that continues this run: `dflash-train --resume --run-dir DIR` and every setting that is not
-    its default (from a file, the environment or a flag), as flags; the injected faults are left out."""
-    defaults = TrainConfig().flat_dict()
-    args = ["dflash-train", "--resume", "--run-dir", str(run_dir)]
-    for key, value in cfg.flat_dict().items():
-        if key in ("run_dir", "resume", "fault") or value == defaults[key]:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            args += [flag, str(value)]
-    return shlex.join(args)
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run: `dflash-train --resume --run-dir DIR`, nothing more, since a --resume
+    restores the run's own settings from DIR/config.json (dflash.config.config_from_args)."""
+    return shlex.join(["dflash-train", "--resume", "--run-dir", str(run_dir)])
 
 
-def stop_line(signame: str, step: int, checkpoint: Path | None, cfg: TrainConfig, run_dir: Path) -> str:
+def ignore_further_signals() -> None:
+    """From the main thread, as a rank's stop is done: SIGINT and SIGTERM ignored from here to the exit. At the
+    interpreter's finalization Python puts SIG_DFL back where it had a handler of ours, so a second Ctrl-C or
+    forwarded signal landing then killed a rank that had written its run_end and checkpoint ("rank N was
+    killed by SIGINT", exit 1); an ignored signal stays ignored. The launcher's SIGKILL still bounds the exit."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def stop_line(signame: str, step: int, checkpoint: Path | None, run_dir: Path) -> str:
     """Rank 0's one line after a stop by a signal: where it stopped, what holds it, how to go on."""
     where = f"checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint written"
     return (f"dflash-train: stopped by {signame} at step {step} (evaluation skipped); {where}; "
-            f"resume with: {resume_command(cfg, run_dir)}")
+            f"resume with: {resume_command(run_dir)}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dflash.compile_cache import resolve_cache_dir
+from dflash.compile_cache import foreign_component, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from profiler.runlog import is_disk_full
 
@@ -131,10 +131,19 @@ def _write_targets(cfg: TrainConfig, run_dir: Path, run_id: str, rank: int, endp
     shared = sd_dir(cfg) / f"{run_id}.json"
     try:
         with _unless_disk_full():
-            _write_private(shared, text, 0o755, 0o644)
+            write_shared(shared, text)
             tele.sd_files.append(shared)
     except OSError as exc:   # PermissionError: another user's directory, a link; or one that cannot be made
         print(f"dflash-train: warning: no shared file_sd copy: {exc}", file=sys.stderr, flush=True)
+
+
+def write_shared(path: Path, text: str) -> None:
+    """The shared file_sd copy, in a directory made 0755: refused (PermissionError) before any mkdir or chmod when
+    a component of the way there (a middle symlink included) is neither ours nor root's."""
+    foreign = foreign_component(path.parent)
+    if foreign:
+        raise PermissionError(foreign)
+    _write_private(path, text, 0o755, 0o644)
 
 
 @contextlib.contextmanager

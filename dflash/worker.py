@@ -22,8 +22,8 @@ import profiler
 from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
 from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.final import print_final
-from dflash.stopping import StopFlag, stop_line
-from dflash.config import ConfigError, TrainConfig
+from dflash.stopping import StopFlag, ignore_further_signals, stop_line
+from dflash.config import SAVED_CONFIG, ConfigError, TrainConfig, override_history
 from dflash.run_lock import hold_run_dir
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
@@ -165,7 +165,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         _said_if_disk_full(prof)
         dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
-        _say_the_end(cfg, run_dir, stop, step, timeline)
+        _say_the_end(run_dir, stop, step, timeline)
     return 0
 
 
@@ -176,10 +176,9 @@ def _said_if_disk_full(prof) -> None:
         raise loops.DiskFullStop(loops.disk_full_line(full, "as the run ended"))
 
 
-def _say_the_end(cfg: TrainConfig, run_dir: Path, stop: StopFlag, step: int,
-                 timeline: startup.StartupTimeline) -> None:
+def _say_the_end(run_dir: Path, stop: StopFlag, step: int, timeline: startup.StartupTimeline) -> None:
     """Rank 0's end of the run; after a stop by a signal, with the line that says how to resume it."""
-    said = (stop_line(stop.name, step, checkpoint.latest_checkpoint(run_dir / "checkpoints"), cfg, run_dir)
+    said = (stop_line(stop.name, step, checkpoint.latest_checkpoint(run_dir / "checkpoints"), run_dir)
             if stop() else None)
     print_final(run_dir, timeline.origin, timeline.origin_ns, said)
 
@@ -350,13 +349,28 @@ def _run_id(run_dir: Path, cfg: TrainConfig) -> str:
 
 def _write_resolved_config(cfg: TrainConfig, topo: Topology, run_dir: Path, run_id: str, device,
                            device_payload) -> None:
-    resolved = dict(cfg.to_dict(), run_dir=str(run_dir), run_id=run_id,
+    """RUN_DIR/config.json (atomic): the settings a --resume restores (paths made absolute, so it works from any
+    directory), the run's id and topology, and the history of what each --resume changed (never lost)."""
+    path = run_dir / SAVED_CONFIG
+    previous = None
+    if cfg.reliability.resume:
+        try:
+            previous = json.loads(path.read_text())
+        except (OSError, ValueError):   # no config.json (a run that died before writing it): no history
+            previous = None
+    settings = cfg.to_dict()
+    for section, key in (("model", "target_model"), ("data", "path")):
+        if settings[section][key] is not None:
+            settings[section][key] = os.path.abspath(settings[section][key])
+    now = TrainConfig.from_dict(settings).flat_dict()
+    overrides = override_history(previous, now, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    resolved = dict(settings, run_dir=str(run_dir), run_id=run_id, overrides=overrides,
                     resolved={"target_ranks": topo.num_targets, "drafter_ranks": topo.num_drafters,
                               "device": str(device.type), "transfer": "nccl" if device_payload else "host",
                               "compile_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")})
-    tmp = run_dir / f"config.json.tmp-{os.getpid()}"
+    tmp = run_dir / f"{SAVED_CONFIG}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(resolved, indent=2) + "\n")
-    tmp.replace(run_dir / "config.json")
+    tmp.replace(path)
 
 
 def main() -> int:
@@ -372,8 +386,11 @@ def main() -> int:
     if not data:
         return 2
     marks = (("imports", imported_ns), ("preflight", time.time_ns()))
-    with quiet_on_closed_pipe():   # `dflash-train | head`: the rank trains on, silently
-        return run(TrainConfig.from_dict(json.loads(data)).validate(), marks)
+    try:
+        with quiet_on_closed_pipe():   # `dflash-train | head`: the rank trains on, silently
+            return run(TrainConfig.from_dict(json.loads(data)).validate(), marks)
+    finally:
+        ignore_further_signals()   # done: a late signal must not kill the exit (dflash/stopping.py)
 
 
 if __name__ == "__main__":

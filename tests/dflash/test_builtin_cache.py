@@ -120,3 +120,26 @@ def test_a_run_directory_holding_something_else_under_builtin_is_refused(small_b
         builtin.copy_from_cache(builtin.builtin_cache_dir(), dest, builtin_settings(0, 48, 16))
     assert (dest / "notes.txt").read_text() == "keep me"
     assert not list(dest.parent.glob(".builtin.tmp-*"))
+
+
+@pytest.mark.parametrize("damaged", ["tiny-target/model.safetensors", "train.jsonl"])
+def test_a_truncated_file_in_a_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, damaged, capsys):
+    """Issue 46: a truncated model.safetensors in the cache was two SafetensorError tracebacks at every run until
+    the entry was deleted by hand; a truncated train.jsonl trained on 8 of 48 conversations, the line naming the
+    run's copy, not the cache. The manifest written at build (sizes and sha256) finds both at the next use."""
+    root, settings = tmp_path / "cache", builtin_settings(4, 16, 16)
+    entry = builtin.cached_build(root, settings)
+    whole = (entry / damaged).read_bytes()
+    run = builtin.copy_from_cache(root, tmp_path / "run" / "builtin", settings).train_path.parent
+    assert builtin.manifest_problem(run) is None   # the run's copy carries the manifest too
+    (entry / damaged).write_bytes(whole[: len(whole) // 3])
+    again = builtin.cached_build(root, settings)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train:")]
+    assert err == [f"dflash-train: built-in cache entry {entry}: {damaged} is {len(whole) // 3} bytes, {len(whole)} "
+                   f"as built (truncated or changed); set aside as .{entry.name}.damaged-{os.getpid()} and built "
+                   "again"]
+    assert again == entry and (entry / damaged).read_bytes() == whole and builtin.manifest_problem(entry) is None
+    assert (root / f".{entry.name}.damaged-{os.getpid()}").is_dir()   # kept aside, removed by a later build
+    (run / damaged).write_bytes(whole[:10])        # the run's own copy damaged: copied again from the cache
+    builtin.copy_from_cache(root, run, settings)
+    assert (run / damaged).read_bytes() == whole

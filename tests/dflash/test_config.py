@@ -240,3 +240,177 @@ def test_the_trainer_takes_tick_s_from_its_flag_and_env():
     assert resolve_config({}, {"DFLASH_PROFILE_TICK_S": "2"}, {"profile_tick_s": "1.5"}).profile.tick_s == 1.5
     with pytest.raises(ConfigError, match="'profile.tick_s': must be > 0"):
         resolve_config({}, {}, {"profile_tick_s": "0"})
+
+
+# ------------------------------------------------------------------------------------------- issue 46
+def saved_run(tmp_path, flags: dict, name: str = "run"):
+    """A run directory as a run leaves it: profile/ and the config.json rank 0 writes (settings, id, history)."""
+    run = tmp_path / name
+    (run / "profile").mkdir(parents=True)
+    cfg = resolve_config({}, {}, dict(flags, run_dir=str(run)))
+    (run / "config.json").write_text(json.dumps(dict(cfg.to_dict(), run_id="run-1", overrides=[])))
+    return run, cfg
+
+
+def resumed(run, *flags, env=None):
+    return config_from_args(build_parser().parse_args(["--resume", "--run-dir", str(run), *flags]), env=env or {})
+
+
+def test_a_resume_restores_the_runs_settings_and_a_flag_overrides_only_its_own(tmp_path):
+    """Issue 46: `--resume --run-dir D --max-steps N` built the default settings (num_anchors 8, max_length 256,
+    tokens_per_batch 2048) over a run made with others, silently."""
+    run, cfg = saved_run(tmp_path, {"num_anchors": "16", "max_length": "128", "tokens_per_batch": "1024",
+                                    "max_steps": "3", "lr": "0.01", "profile_interval": "2"})
+    again = resumed(run, "--max-steps", "9", "--profile-interval", "5")
+    assert (again.optim.num_anchors, again.data.max_length, again.data.tokens_per_batch, again.optim.lr) == (
+        16, 128, 1024, 0.01)
+    assert (again.optim.max_steps, again.profile.interval_s, again.reliability.resume) == (9, 5.0, True)
+    env = resumed(run, env={"DFLASH_PROFILE_INTERVAL": "7"})   # file < env < flags, over the run's own
+    assert env.profile.interval_s == 7.0 and env.optim.max_steps == 3
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--block-size", "8"], "model.block_size"), (["--num-anchors", "32"], "optim.num_anchors"),
+    (["--seed", "1"], "optim.seed"), (["--max-length", "64"], "data.max_length"),
+    (["--num-draft-layers", "3"], "model.num_draft_layers")])
+def test_a_change_the_checkpoint_cannot_take_is_one_line_exit_2_before_any_rank(tmp_path, flags, field, capsys,
+                                                                              monkeypatch):
+    run, _ = saved_run(tmp_path, {"num_anchors": "16", "max_length": "128", "tokens_per_batch": "1024"})
+    before = (run / "config.json").read_bytes()
+    from dflash import launch
+
+    monkeypatch.setattr(launch, "GatedRanks", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--resume", "--run-dir", str(run), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash-train: error: --resume: config field '{field}' cannot "
+                                               "change from "), err
+    assert (run / "config.json").read_bytes() == before
+    resumed(run, "--num-anchors", "16", "--block-size", "16")   # the run's own values repeated: accepted
+
+
+def test_a_target_and_data_given_relative_or_absolute_are_the_same_on_resume(tmp_path, monkeypatch):
+    target, data = tmp_path / "target", tmp_path / "train.jsonl"
+    target.mkdir()
+    data.write_text("{}\n")
+    run, _ = saved_run(tmp_path, {"target_model": str(target), "data": str(data)})
+    monkeypatch.chdir(tmp_path)
+    again = resumed(run, "--target-model", "target", "--data", "train.jsonl")
+    assert again.model.target_model == "target"
+    assert resumed(run).model.target_model == str(target)   # not repeated: restored
+    with pytest.raises(ConfigError, match=r"config field 'data.eval_prompts' cannot change from 8 to 2"):
+        resumed(run, "--eval-prompts", "2")   # the held-out prompts come out of --data: its records change
+
+
+def test_a_resume_whose_run_lost_its_config_json_is_refused_and_one_with_no_run_left_to_preflight(tmp_path):
+    run, _ = saved_run(tmp_path, {})
+    (run / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config.json: missing, so the run's settings cannot be restored"):
+        resumed(run)
+    (run / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config.json: unreadable, so the run's settings cannot be restored"):
+        resumed(run)
+    assert resumed(tmp_path / "nothing-here").reliability.resume   # the preflight refuses it, in its words
+
+
+def test_the_override_history_keeps_every_resumes_changes():
+    from dflash.config import override_history
+
+    first = resolve_config({}, {}, {"max_steps": "3", "run_dir": "r"})
+    saved = dict(first.to_dict(), overrides=[{"at": "T0", "changed": {"lr": {"from": 0.003, "to": 0.01}}}])
+    now = resolve_config({}, {}, {"max_steps": "9", "run_dir": "r", "resume": True, "fault": "x@y"}).flat_dict()
+    assert override_history(saved, now, "T1") == [
+        {"at": "T0", "changed": {"lr": {"from": 0.003, "to": 0.01}}},
+        {"at": "T1", "changed": {"max_steps": {"from": 3, "to": 9}}}]   # resume and faults are no settings
+    assert override_history(saved, first.flat_dict(), "T2") == saved["overrides"]   # nothing changed: nothing added
+    assert override_history(None, now, "T3") == []
+
+
+@pytest.mark.parametrize("flag, field, bound", [
+    ("--stop-timeout-s", "reliability.stop_timeout_s", "3600"),
+    ("--rendezvous-timeout-s", "parallel.rendezvous_timeout_s", "86400"),
+    ("--hang-timeout-s", "reliability.hang_timeout_s", "604800"),
+    ("--profile-interval", "profile.interval_s", "86400")])
+def test_every_timeout_is_bounded_and_a_huge_one_is_refused_naming_the_field(flag, field, bound):
+    """Issue 46: --stop-timeout-s 1e308 was accepted and a SIGTERM then crashed both ranks (OverflowError:
+    timestamp out of range); --rendezvous-timeout-s 1e308, two tracebacks (C int overflow). A ConfigError is one
+    line and exit 2 (test_cli_bad_input_exits_2_with_one_line)."""
+    with pytest.raises(ConfigError) as e:
+        config_from_args(build_parser().parse_args([flag, "1e308"]), env={})
+    assert str(e.value) == f"config field '{field}': must be <= {bound} (got 1e+308)"
+    config_from_args(build_parser().parse_args([flag, bound]), env={})   # the bound itself is accepted
+
+
+@pytest.mark.parametrize("host, shown", [("127.0.0.\udcff", r"'127.0.0.\udcff'"),
+                                         ("\x1b]0;owned\x07\x1b[2J", r"'\x1b]0;owned\x07\x1b[2J'")])
+def test_a_metrics_host_with_an_undecodable_byte_or_an_escape_is_refused_escaped(tmp_path, host, shown, capfd,
+                                                                                  monkeypatch):
+    """Issue 46: a non-UTF-8 byte in --metrics-host was a TypeError traceback (encoding of hostname failed); a
+    config file's metrics_host holding escape sequences reached stderr raw (window title, clear screen)."""
+    monkeypatch.delenv("RANK", raising=False)
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"metrics_host": host}, ensure_ascii=True))
+    for args in (["--metrics-host", host], ["--config", str(conf)]):
+        assert main(["--device", "cpu", "--run-dir", str(tmp_path / "run"), *args]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "\x1b" not in err and "Traceback" not in err, err
+        assert f"config field 'telemetry.metrics_host': must be an address (no control or undecodable bytes) " \
+               f"(got {shown})" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("make", [lambda t: t / ("x" * 256) / "run", lambda t: t / "/".join(["y" * 200] * 21)])
+def test_a_run_dir_too_long_for_the_system_is_one_line_exit_2(tmp_path, make, capfd, monkeypatch):
+    """Issue 46: a 256-byte --run-dir component, or a path over PATH_MAX: an ENAMETOOLONG traceback from the
+    preflight, exit 1."""
+    monkeypatch.delenv("RANK", raising=False)
+    run = make(tmp_path)
+    for resume in ([], ["--resume"]):
+        assert main(["--device", "cpu", "--run-dir", str(run), *resume]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "over the system's limit" in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_lock_symlink_planted_in_a_shared_run_dir_is_one_line_and_its_victim_untouched(tmp_path, capfd,
+                                                                                           monkeypatch):
+    """Issue 46: the victim stayed untouched (O_NOFOLLOW) but the refusal was an ELOOP traceback, exit 1."""
+    monkeypatch.delenv("RANK", raising=False)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "shared"
+    run.mkdir()
+    (run / ".lock").symlink_to(victim)
+    assert main(["--device", "cpu", "--run-dir", str(run), "--max-steps", "1"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"dflash-train: error: --run-dir {run}: its lock file {run / '.lock'} is a symlink; not "
+                   "followed, nothing written: remove it if it is not yours, or choose another directory"]
+    assert victim.read_text() == "precious\n" and sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+def test_a_prometheus_sd_dir_through_another_users_symlink_is_refused_before_any_chmod(tmp_path, train_main):
+    """Issue 46: with another user's symlink in a middle component of --prometheus-sd-dir, root's 0700 directory
+    behind it was made 0755 (only the last component was checked)."""
+    import os
+
+    from dflash import telemetry
+
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    link = shared / "link"
+    link.symlink_to(secret)
+    try:
+        os.lchown(link, 4242, 4242)   # planted by another user
+    except PermissionError:
+        pytest.skip("needs root to make a symlink of another user")
+    given = link / "sd"
+    with pytest.raises(PermissionError, match="is a symlink of uid 4242"):   # the run's own write, a warning
+        telemetry.write_shared(given / "run-1.json", "[]\n")
+    r = train_main(["--device", "cpu", "--run-dir", tmp_path / "run", "--prometheus-sd-dir", given])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"dflash-train: error: --prometheus-sd-dir {given}: {link} is a symlink of uid 4242, neither yours nor "
+        "root's: refused; give a directory reached only through yours or root's"]
+    assert (secret.stat().st_mode & 0o777) == 0o700 and not (secret / "sd").exists()
+    telemetry.write_shared(tmp_path / "mine" / "sd" / "run-1.json", "[]\n")   # ours all the way: written, 0755
+    assert (tmp_path / "mine" / "sd").stat().st_mode & 0o777 == 0o755

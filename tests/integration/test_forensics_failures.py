@@ -164,10 +164,11 @@ def test_the_first_failure_stops_the_rest_sigkilling_a_rank_that_ignores_sigterm
 
 def test_a_second_signal_to_the_launcher_escalates():
     procs = [sleeper(ignore_sigterm=True)]
-    sup = Supervisor(procs, grace_s=0.5, poll_s=0.05)
+    sup = Supervisor(procs, grace_s=0.5, poll_s=0.05, repeat_after_s=0.2)
     sup.forward(signal.SIGTERM)                  # ignored by the rank: the run would go on
     assert procs[0].poll() is None
-    sup.forward(signal.SIGTERM)                  # the second: SIGKILL after the grace
+    time.sleep(0.25)
+    sup.forward(signal.SIGTERM)                  # the second, repeat_after_s later: SIGKILL after the grace
     t0 = time.monotonic()
     assert sup.run() == 1 and time.monotonic() - t0 < 3
     assert procs[0].returncode == -signal.SIGKILL

@@ -102,10 +102,21 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+def saved_config(run: Path, args: list) -> None:
+    """RUN_DIR/config.json as rank 0 writes it for a run made with `args` (what a --resume restores)."""
+    from dflash.cli import build_parser
+    from dflash.config import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(args), env={})
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text(json.dumps(dict(cfg.to_dict(), run_dir=str(run), run_id="run-1")))
+
+
 def test_resume_refuses_a_training_state_that_would_run_code(tmp_path, refused):
     run, marker = tmp_path / "run", tmp_path / "pwned"
     ckpt = run / "checkpoints" / "step_0000004"
     ckpt.mkdir(parents=True)
+    saved_config(run, SMALL)
     (run / "checkpoints" / "latest").write_text("step_0000004\n")
     save_file({"fc.weight": torch.zeros(2, 2)}, str(ckpt / "model.safetensors"))
     torch.save({"step": 4, "consumed": {1: 4}, "optimizer": RunsCode(marker), "scheduler": {}},
@@ -115,6 +126,70 @@ def test_resume_refuses_a_training_state_that_would_run_code(tmp_path, refused):
     assert line.startswith(f"dflash-train: error: {ckpt / 'training_state.pt'}: refused: it references ")
     assert "system" in line
     assert not marker.exists() and tree(run) == before
+
+
+def test_resume_refuses_a_checkpoint_whose_weights_header_is_bad_in_one_line_before_any_rank(tmp_path, refused):
+    """Issue 46: a bad model.safetensors header was found by each rank after they started: two lines, exit 2."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_0000004"
+    ckpt.mkdir(parents=True)
+    saved_config(run, SMALL)
+    (run / "checkpoints" / "latest").write_text("step_0000004\n")
+    torch.save({"step": 4, "consumed": {1: 4}, "optimizer": {}, "scheduler": {}}, ckpt / "training_state.pt")
+    save_file({"fc.weight": torch.zeros(64, 64)}, str(ckpt / "model.safetensors"))
+    whole = (ckpt / "model.safetensors").read_bytes()
+    for bad, why in ((whole[:len(whole) // 2], "file not fully covered"), (b"\xff" * 8 + b"{", "header too large")):
+        (ckpt / "model.safetensors").write_bytes(bad)
+        before = tree(run)
+        line = refused(["--run-dir", str(run), "--resume"])
+        assert line.startswith(f"dflash-train: error: {ckpt / 'model.safetensors'}: unreadable: ") and why in line
+        assert tree(run) == before
+
+
+def test_a_resume_without_the_runs_flags_trains_with_its_settings_and_keeps_an_override_history(tmp_path,
+                                                                                                prebuilt):
+    """Issue 46: `--resume --run-dir D --max-steps N` without the run's other flags trained on with the defaults
+    (num_anchors 8, max_length 256, tokens_per_batch 2048) and overwrote config.json with them."""
+    run = prebuilt(tmp_path / "run")
+    first = ["--run-dir", str(run), *SMALL, "--num-anchors", "16", "--max-steps", "2"]
+    r = train(first)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train(["--resume", "--run-dir", str(run), "--max-steps", "4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["optim"]["num_anchors"], saved["data"]["max_length"], saved["data"]["tokens_per_batch"],
+            saved["data"]["builtin_conversations"], saved["optim"]["max_steps"]) == (16, 128, 1024, 48, 4)
+    assert [o["changed"] for o in saved["overrides"]] == [{"max_steps": {"from": 2, "to": 4}}]
+    starts = [x for x in read_records(run / "profile" / "rank0.jsonl")[0] if x["type"] == "run_start"]
+    assert len(starts) == 2 and starts[1]["config"]["num_anchors"] == 16   # the resumed segment trained so
+    assert (starts[1]["config"]["tokens_per_batch"], starts[1]["config"]["max_length"]) == (1024, 128)
+    check = subprocess.run([sys.executable, "-m", "dflash.report_cli", "check", str(run)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout[-3000:]
+
+
+def test_a_run_with_a_target_model_resumes_without_repeating_it(tmp_path, small_builtin):
+    """Issue 46: on the GPU a --target-model run resumed without its flags built the default target: a 40-line
+    load_state_dict size-mismatch traceback, exit 1. The built-in target's directory serves as a local target."""
+    run = tmp_path / "run"
+    given = ["--target-model", str(small_builtin / "tiny-target"), "--data", str(small_builtin / "train.jsonl")]
+    r = train(["--run-dir", str(run), *given, *SMALL, "--max-steps", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train(["--resume", "--run-dir", str(run), "--max-steps", "3"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000003" and not (run / "builtin").exists()
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["target_model"] == str(small_builtin / "tiny-target")
+    line = refused_line(["--resume", "--run-dir", str(run), "--target-model", str(tmp_path)])
+    assert line.startswith("dflash-train: error: --resume: config field 'model.target_model' cannot change from ")
+
+
+def refused_line(args: list) -> str:
+    r = train(args, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    return lines[0]
 
 
 def listeners(pids: list[int]) -> list[tuple[str, int]]:
