@@ -105,7 +105,7 @@ def span_slices(entry: dict, steps=None) -> list | None:
     return out
 
 
-def _cost(entry) -> int:
+def slice_cost(entry) -> int:
     """Slices a span entry becomes (the unit of the event bound)."""
     return 1 + (isinstance(entry, dict) and num(entry.get("gpu_seconds")) is not None)
 
@@ -116,7 +116,7 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
     kept, used = [], 0
     for i in range(len(records) - 1, -1, -1):
         spans = records[i].get("spans") or []
-        cost = sum(_cost(s) for s in spans)
+        cost = sum(slice_cost(s) for s in spans)
         if used + cost <= max_events:
             kept.append(records[i])
             used += cost
@@ -125,9 +125,9 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
         if kept:
             return kept[::-1], i + 1, evicted + len(spans)
         n = len(spans)
-        while n and used + _cost(spans[n - 1]) <= max_events:
+        while n and used + slice_cost(spans[n - 1]) <= max_events:
             n -= 1
-            used += _cost(spans[n])
+            used += slice_cost(spans[n])
         return [{**records[i], "spans": spans[n:]}], i, evicted + n
     return kept[::-1], 0, 0
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import json
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from monitoring.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
 from profiler.windows import is_steady
 
@@ -29,6 +31,8 @@ class RankLog:
     snapshots: list = field(default_factory=list)
     run_ends: list = field(default_factory=list)
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
+    spans_evicted: int = 0             # spans of older detail windows let go while loading (DetailWindows)
+    spans_profiler_dropped: int = 0    # the profiler's `dropped` count over every detail window of the log
     bad_lines: int = 0
     bad_examples: list = field(default_factory=list)   # "file:line: why" of the first bad lines
 
@@ -105,35 +109,77 @@ def shape_problem(rec: dict) -> str | None:
     return None
 
 
-def _read_for_report(path: Path, with_spans: bool) -> tuple[list, int, list]:
-    """(records, bad line count, up to 3 "file:line: why" examples). Detail-window `spans` lines are skipped
-    unparsed unless asked for; a record of the wrong shape counts as a bad line, with where and why."""
+class DetailWindows:
+    """A rank's newest detail-window `spans` records whose slices fit in `max_events` (all a trace draws of it:
+    monitoring.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
+    week's detail windows cost the report its trace's size, not the log's."""
+
+    def __init__(self, max_events: int):
+        self.max_events = max_events
+        self.records: deque = deque()
+        self._costs: deque = deque()
+        self._used = 0
+        self.evicted_spans = 0      # spans of the records let go here (never drawn)
+        self.profiler_dropped = 0   # the profiler's own `dropped` count, over every record read
+
+    def add(self, rec: dict) -> None:
+        spans = rec.get("spans") or []
+        self.profiler_dropped += int(num(rec.get("dropped")) or 0)
+        self.records.append(rec)
+        self._costs.append(sum(slice_cost(s) for s in spans))
+        self._used += self._costs[-1]
+        # the oldest goes once the newer ones fill the bound without it (newest_within would never reach it)
+        while len(self.records) > 1 and self._used - self._costs[0] >= self.max_events:
+            self._used -= self._costs.popleft()
+            self.evicted_spans += len(self.records.popleft().get("spans") or [])
+
+
+def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) or (None, why the line cannot be read as docs/RUNLOG.md says)."""
+    if rl.too_deep(raw):
+        return None, f"nested deeper than {rl.MAX_NESTING} brackets"
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError):
+        rec = None
+    why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
+    return (rec, None) if why is None else (None, why)
+
+
+def _read_for_report(path: Path, spans: DetailWindows | None) -> tuple[list, int, list]:
+    """(records, bad line count, up to 3 "file:line: why" examples), read line by line. Detail-window `spans`
+    lines are skipped unparsed unless `spans` keeps them (they go there, not into records); a record of the wrong
+    shape counts as a bad line, with where and why."""
     records, bad, examples = [], 0, []
-    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip() or (not with_spans and raw.startswith(_SPANS_LINE) and raw.rstrip().endswith(b"}")):
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            rec = None
-        why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
-        if why is None:
-            records.append(rec)
-            continue
-        bad += 1
-        if len(examples) < 3:
-            examples.append(f"{path}:{n}: {why}")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip() or (spans is None and raw.startswith(_SPANS_LINE) and raw.rstrip().endswith(b"}")):
+                continue
+            rec, why = _why_bad(raw)
+            if why is None:
+                if spans is not None and rec.get("type") == rl.SPANS:
+                    spans.add(rec)
+                else:
+                    records.append(rec)
+                continue
+            bad += 1
+            if len(examples) < 3:
+                examples.append(f"{path}:{n}: {why}")
     return records, bad, examples
 
 
-def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
-    recs, bad, examples = _read_for_report(path, with_spans)
+def _rank_log(rank: int, path: Path, spans_events: int | None) -> RankLog:
+    spans = DetailWindows(spans_events) if spans_events is not None else None
+    recs, bad, examples = _read_for_report(path, spans)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
     log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad, bad_examples=examples)
     for rec in recs:
         name = _KIND_LISTS.get(rec.get("type"))
         if name is not None:
             getattr(log, name).append(rec)
+    if spans is not None:
+        log.spans, log.spans_evicted, log.spans_profiler_dropped = (list(spans.records), spans.evicted_spans,
+                                                                    spans.profiler_dropped)
     for start in log.run_starts:
         rl.check_schema(start, where=str(path))
         log.hostname = log.hostname or start.get("hostname")
@@ -152,8 +198,9 @@ def paused_gc():
             gc.enable()
 
 
-def load_run(run_dir, with_spans: bool = False) -> Run:
-    """Every rank's log of RUN_DIR (with its `spans` records with_spans); ReportError if it cannot be read."""
+def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS) -> Run:
+    """Every rank's log of RUN_DIR (with_spans: with its newest `spans` records, the ones a trace of at most
+    max_events slices draws); ReportError if it cannot be read."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -164,7 +211,8 @@ def load_run(run_dir, with_spans: bool = False) -> Run:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
     with paused_gc():
         try:
-            ranks = {rank: _rank_log(rank, p, with_spans) for rank, p in logs.items()}
+            per_rank = max(1, max_events // len(logs)) if with_spans else None
+            ranks = {rank: _rank_log(rank, p, per_rank) for rank, p in logs.items()}
         except ValueError as e:   # a schema newer than this reader
             raise ReportError(str(e)) from None
         except OSError as e:

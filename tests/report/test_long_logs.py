@@ -1,0 +1,73 @@
+"""The report on long and hostile run logs: linear in the log (a 30,000-interval log through hotspots and check in
+seconds of CPU), detail windows kept to what a trace draws while the log streams by, and a deeply nested line
+read as one bad line, never a RecursionError."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import report
+from profiler import records as rl
+from report.check import check
+from report.runs import load_run
+from report.trace import merge_traces
+
+from tests.report.longlog import write_long_run
+
+CPU_SECONDS_MAX = 10.0
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_a_30000_interval_log_reports_in_seconds(tmp_path):
+    # CPU seconds, not wall: a busy machine slows the wall clock, not the work a quadratic path adds (2 x 4,000
+    # intervals took 27 s with span_clock recomputed per entry; 2 x 15,000 would take minutes)
+    run_dir = write_long_run(tmp_path / "long", 15_000)
+    t = time.process_time()
+    rep = report.hotspots(run_dir)
+    hot_s = time.process_time() - t
+    t = time.process_time()
+    res = check(run_dir)
+    check_s = time.process_time() - t
+    assert rep["verdict"]["roles"]["drafter"]["window"] == "steady intervals (14998)"
+    assert res.intervals == 30_000 and res.ranks == 2
+    assert hot_s < CPU_SECONDS_MAX and check_s < CPU_SECONDS_MAX, (hot_s, check_s)
+
+
+def test_detail_windows_are_kept_to_what_the_trace_draws(tmp_path):
+    run_dir = write_long_run(tmp_path / "r", 300)
+    run = load_run(run_dir, with_spans=True, max_events=40)
+    assert [len(log.spans) for log in run.ranks.values()] == [20, 20]   # 40 slices over 2 ranks, 1 span a window
+    assert [log.spans_evicted for log in run.ranks.values()] == [280, 280]
+    assert [r["index"] for r in run.ranks[0].spans] == list(range(280, 300))   # the newest
+    summary = merge_traces(run_dir, tmp_path / "t.json", max_events=40)
+    assert (summary["evicted_spans"], summary["spans"]) == (560, 40)
+
+
+def _with_line(run_dir: Path, line: str) -> Path:
+    log = run_dir / "profile" / "rank0.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([*lines[:5], line, *lines[5:]]) + "\n")
+    return log
+
+
+def test_a_deeply_nested_line_is_one_bad_line(tmp_path):
+    run_dir = write_long_run(tmp_path / "r", 20)
+    log = _with_line(run_dir, '{"type": "event", "kind": "x", "a": ' + DEEP + "}")
+    run = load_run(run_dir)
+    assert run.ranks[0].bad_lines == 1 and len(run.ranks[0].intervals) == 20
+    assert run.ranks[0].bad_examples == [f"{log}:6: nested deeper than {rl.MAX_NESTING} brackets"]
+    assert rl.read_records(log)[1] == 1
+    assert merge_traces(run_dir, tmp_path / "t.json")["bad_lines"] == 1
+    assert check(run_dir).intervals == 40
+    assert report.hotspots(run_dir)["ranks"]["ranks"][0]["bad_lines"] == 1
+
+
+def test_nesting_is_measured_outside_strings_and_within_the_limit():
+    nested = lambda d: json.dumps({"a": json.loads("[" * d + "]" * d)}).encode()  # noqa: E731
+    assert not rl.too_deep(nested(rl.MAX_NESTING - 1))          # the object's own level counts
+    assert rl.too_deep(nested(rl.MAX_NESTING))
+    assert not rl.too_deep(json.dumps({"text": "[" * 500}).encode())               # brackets in a string
+    assert rl.too_deep(('[' + '"]", [' * 100 + "]" * 100 + "]").encode())          # closers in strings hide none
+    assert rl.too_deep(json.dumps([{"q": 'a\\"]'}] * 1 + [0]).encode()[:-1] + b"[" * 100)
+    assert rl.parse_line(DEEP.encode()) is None
