@@ -51,6 +51,7 @@ flags in advice)."""
 class Run:
     run_dir: str
     ranks: dict  # {rank: RankLog}
+    empty_logs: int = 0   # rank logs holding not a byte: counted (empty_logs_line), never read as ranks
 
     @property
     def pipeline(self) -> bool:
@@ -186,6 +187,19 @@ def _rank_log(rank: int, path: Path, spans_events: int | None) -> RankLog:
     return log
 
 
+def empty_logs_line(count: int) -> str:
+    """The one line every surface says the left-out empty rank logs with (they are counted, never listed)."""
+    return (f"{count} empty run log{'s' if count != 1 else ''} (profile/rank*.jsonl of 0 bytes) left out, "
+            "not counted as ranks")
+
+
+def _split_empty(logs: dict) -> tuple[dict, int]:
+    """(the rank logs holding any byte, how many hold none): an empty rankN.jsonl (a rank that died before its
+    first record, or files left beside the run) is counted once, not reported as a rank of unknown role."""
+    kept = {rank: p for rank, p in logs.items() if p.stat().st_size > 0}
+    return kept, len(logs) - len(kept)
+
+
 @contextmanager
 def paused_gc():
     """The cyclic collector off for the block: a run log is millions of small objects, all kept."""
@@ -211,7 +225,8 @@ def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS) ->
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
     with paused_gc():
         try:
-            per_rank = max(1, max_events // len(logs)) if with_spans else None
+            logs, empty = _split_empty(logs)
+            per_rank = max(1, max_events // max(1, len(logs))) if with_spans else None
             ranks = {rank: _rank_log(rank, p, per_rank) for rank, p in logs.items()}
         except ValueError as e:   # a schema newer than this reader
             raise ReportError(str(e)) from None
@@ -220,7 +235,7 @@ def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS) ->
     if not any(log.run_starts or log.intervals for log in ranks.values()):
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
-    return Run(run_dir=str(path), ranks=ranks)
+    return Run(run_dir=str(path), ranks=ranks, empty_logs=empty)
 
 
 def _did_work(rec: dict) -> bool:

@@ -71,3 +71,20 @@ def test_nesting_is_measured_outside_strings_and_within_the_limit():
     assert rl.too_deep(('[' + '"]", [' * 100 + "]" * 100 + "]").encode())          # closers in strings hide none
     assert rl.too_deep(json.dumps([{"q": 'a\\"]'}] * 1 + [0]).encode()[:-1] + b"[" * 100)
     assert rl.parse_line(DEEP.encode()) is None
+
+
+def test_empty_rank_logs_are_counted_in_one_line_not_listed(tmp_path, capsys):
+    from dflash import report_cli
+    run_dir = write_long_run(tmp_path / "r", 20)
+    for rank in range(2, 10_002):
+        (run_dir / "profile" / f"rank{rank}.jsonl").touch()
+    line = "10000 empty run logs (profile/rank*.jsonl of 0 bytes) left out, not counted as ranks"
+    rep = report.hotspots(run_dir)
+    assert rep["empty_logs"] == 10_000 and [r["rank"] for r in rep["ranks"]["ranks"]] == [0, 1]
+    text = report.format_hotspots(rep)
+    assert "unknown" not in text and text.count(line) == 1 and len(text.splitlines()) < 100
+    res = check(run_dir)
+    assert res.ranks == 2 and line in res.notes and not any("rank2.jsonl" in n for n in res.notes)
+    assert merge_traces(run_dir, tmp_path / "t.json")["ranks"] == [0, 1]
+    report_cli.main(["check", str(run_dir)])
+    assert len(capsys.readouterr().err.splitlines()) < 20
