@@ -214,6 +214,8 @@ def size_rows(work: Path, sizes_mb: list, ranks: int, targets: int, interval_s: 
             seconds, rss, status = measure(args)
             rows.append({"size_mb": written / 1e6, "intervals": intervals, "command": name, "seconds": seconds,
                          "rss_bytes": rss, "status": status})
+            print(f"{written / 1e6:.0f} MB {name}: {seconds:.2f} s, {rss / 2 ** 20:.0f} MiB peak, exit {status}",
+                  flush=True)
         shutil.rmtree(run_dir)
     return rows
 
