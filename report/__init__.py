@@ -48,7 +48,8 @@ def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> dict
 
 def compare(run_dir_a, run_dir_b) -> dict:
     with paused_gc():
-        return _compare.compare(load_run(run_dir_a), load_run(run_dir_b))
+        a = _compare.samples(load_run(run_dir_a))   # A's records let go before B's are read
+        return _compare.compare_samples(a, _compare.samples(load_run(run_dir_b)))
 
 
 def plot(run_dir, png_path) -> str:

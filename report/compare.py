@@ -42,10 +42,10 @@ def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 
     return out
 
 
-def _samples(run: Run) -> dict:
+def samples(run: Run) -> dict:
     """One sample per interval of each rank's steady window: {"spans": {(role, span): mean seconds per call},
     "calls_per_s": {(role, span): calls per second of role time}, "rates": {role: tokens/s, a rank's rate times
-    the role's rank count}, "memory": {gpu: NVML peak used}, "window": their name}."""
+    the role's rank count}, "memory": {gpu: NVML peak used}, "window": their name, "run_dir"}."""
     out = {"spans": {}, "rates": {}, "memory": {}}
     calls, walls = Counter(), Counter()
     roles = run.by_role()
@@ -66,6 +66,7 @@ def _samples(run: Run) -> dict:
                     out["memory"].setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
     out["calls_per_s"] = {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
     out["window"] = merged_window(run.ranks.values()).label
+    out["run_dir"] = run.run_dir
     return out
 
 
@@ -73,7 +74,12 @@ def compare(run_a: Run, run_b: Run) -> dict:
     """{"spans": rows by |change|, "tokens_per_s": per role, "memory": per GPU peak used, "regressions":
     the span names called regressions, "memory_reason" when neither run measured GPU memory, "windows": what
     each run was sampled over}."""
-    a, b = _samples(run_a), _samples(run_b)
+    return compare_samples(samples(run_a), samples(run_b))
+
+
+def compare_samples(a: dict, b: dict) -> dict:
+    """compare() from the two runs' samples (report.compare takes each run's and lets the run go before loading
+    the next: a compare holds one run's records at a time)."""
     spans = []
     for key in sorted(set(a["spans"]) | set(b["spans"])):
         calls_per_s = max(a["calls_per_s"].get(key, 0.0), b["calls_per_s"].get(key, 0.0))
@@ -89,7 +95,7 @@ def compare(run_a: Run, run_b: Run) -> dict:
              for role in sorted(set(a["rates"]) | set(b["rates"]))}
     memory = {gpu: classify(a["memory"].get(gpu, []), b["memory"].get(gpu, []))
               for gpu in sorted(set(a["memory"]) | set(b["memory"]))}
-    return {"a": run_a.run_dir, "b": run_b.run_dir, "windows": {"a": a["window"], "b": b["window"]},
+    return {"a": a["run_dir"], "b": b["run_dir"], "windows": {"a": a["window"], "b": b["window"]},
             "spans": spans, "tokens_per_s": rates, "memory": memory,
             "memory_reason": None if memory else "no GPU memory measured in either run",
             "regressions": [f"{r['role']}/{r['span']}" for r in spans if r["verdict"] == "regression"]}

@@ -26,7 +26,7 @@ def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, li
 def merge_traces(run_dir, out_path=None, max_events: int = MAX_EVENTS) -> dict:
     """The merged trace of RUN_DIR's run logs, written to out_path (default RUN_DIR/trace/merged.json); returns
     a summary. ReportError for a directory with no run logs."""
-    run = load_run(run_dir, with_spans=True, max_events=max_events)
+    run = load_run(run_dir, with_spans=True, max_events=max_events, with_intervals=False)   # a trace draws no interval
     events, counts, procs = merged_trace(run, max_events)
     out = Path(out_path) if out_path is not None else Path(run_dir) / "trace" / "merged.json"
     summary = {"out": str(out), "ranks": list(run.ranks), **counts,
