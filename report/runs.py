@@ -175,7 +175,9 @@ def _batches(lines, size: int):
 
 def _parsed(batch: list) -> list:
     """[(line number, record or None, why not)] of a batch of lines: one json.loads over them all when together they
-    nest within MAX_NESTING and give one object per line; else line by line, each bad one with its reason."""
+    nest within MAX_NESTING and give one object per line; else line by line, each bad one with its reason. (Only a
+    crafted pair of cut lines could close each other into one record, and a third split in two to keep the count:
+    a log's writer writes whole lines, and a cut last line leaves the batch unparsable.)"""
     joined = b"[" + b",".join(raw for _, raw in batch) + b"]"
     if not rl.too_deep(joined, rl.MAX_NESTING + 1):
         try:
