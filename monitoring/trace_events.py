@@ -237,6 +237,15 @@ def _claim(taken: set, preferred) -> int:
     return tid
 
 
+def flows_matched(flows: list) -> int:
+    """How many of prepare()'s flow halves pair up, as _flow_events pairs them (the i-th send of a flow string with
+    its i-th receive): build_trace's `flows_matched`, without laying out the trace."""
+    halves: dict = {}
+    for flow, is_start, _ in flows:
+        halves.setdefault(flow, [0, 0])[0 if is_start else 1] += 1
+    return sum(min(sends, receives) for sends, receives in halves.values())
+
+
 def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
     """Flow pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched, unmatched): the
     i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse a batch id); an

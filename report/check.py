@@ -25,7 +25,7 @@ from pathlib import Path
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_hotspots, hotspots_of
 from report.runs import Run, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
-from report.trace import merged_trace
+from report.trace import flow_counts
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
 """The phase spans DESIGN.md names ("Phases"): a run that shows one must list it in run_start `phase_spans`."""
@@ -484,7 +484,7 @@ def _check_flows(res: CheckResult, run: Run) -> None:
         res.note(f"flows: rank(s) {', '.join(map(str, stopped))} stopped early (a signal, a stop or a failure): "
                  "the batches in flight at the stop are never received; not checked")
         return
-    counts = merged_trace(run)[1]
+    counts = flow_counts(run)   # merged_trace's flow counts, without holding its events
     matched, sends = counts["flows_matched"], counts["flow_sends"]
     if not sends:
         res.note("flows: no transfer.send with a flow in any detail window: not checked")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monitoring.trace_events import MAX_EVENTS, build_trace, json_safe, newest_within, prepare, proc_info, \
-    write_trace
+from monitoring.trace_events import MAX_EVENTS, build_trace, flows_matched, json_safe, newest_within, prepare, \
+    proc_info, write_trace
 from report.runs import Run, load_run
 
 
@@ -21,6 +21,15 @@ def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, li
         procs.append(proc)
     events, counts = build_trace(procs, [prepare(p["rank"], r) for p in procs for r in p["records"]])
     return events, counts, procs
+
+
+def flow_counts(run: Run, max_events: int = MAX_EVENTS) -> dict:
+    """{"flows_matched", "flow_sends"} of merged_trace(run, max_events), from the same detail windows, without
+    building its events (what `check` reads: the trace's half a million slices are not held for two numbers)."""
+    budget = max(1, max_events // len(run.ranks))
+    flows = [f for rank, log in run.ranks.items() for r in newest_within(log.spans, budget)[0]
+             for f in prepare(rank, r)["flows"]]
+    return {"flows_matched": flows_matched(flows), "flow_sends": sum(1 for _, is_start, _ in flows if is_start)}
 
 
 def merge_traces(run_dir, out_path=None, max_events: int = MAX_EVENTS) -> dict:

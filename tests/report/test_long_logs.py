@@ -88,3 +88,20 @@ def test_empty_rank_logs_are_counted_in_one_line_not_listed(tmp_path, capsys):
     assert merge_traces(run_dir, tmp_path / "t.json")["ranks"] == [0, 1]
     report_cli.main(["check", str(run_dir)])
     assert len(capsys.readouterr().err.splitlines()) < 20
+
+
+def test_checks_flow_counts_are_the_merged_traces(tmp_path):
+    from report.trace import flow_counts, merged_trace
+    run_dir = write_long_run(tmp_path / "r", 30)
+    for rank, name in ((0, "drafter.recv"), (1, "transfer.send")):   # batches 0..29, the drafter missing the last 3
+        log = run_dir / "profile" / f"rank{rank}.jsonl"
+        recs = [json.loads(line) for line in log.read_text().splitlines()]
+        for rec in recs:
+            if rec["type"] == "spans" and (rank == 1 or rec["index"] < 27):
+                rec["spans"][0].update(name=name, attrs={"flow": f"1:{rec['index']}"})
+        log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(run_dir, with_spans=True)
+    counts = merged_trace(run)[1]
+    assert flow_counts(run) == {"flows_matched": counts["flows_matched"], "flow_sends": counts["flow_sends"]}
+    assert (counts["flows_matched"], counts["flow_sends"]) == (27, 30)
+    assert flow_counts(run, max_events=20)["flow_sends"] == 10   # the same newest windows merged_trace keeps
