@@ -182,17 +182,19 @@ LINEAR_SLACK = 1.5
 """Time grows linearly when the largest size's seconds per MB are within this factor of the smallest's."""
 TARGET_SECONDS, TARGET_RSS_BYTES = 20.0, 2 * GIB   # issue 46: each command at 1 GB on the 2-core VM
 COMMANDS = {"hotspots": ["hotspots", "{run}", "--json"], "check": ["check", "{run}"],
-            "trace": ["trace", "{run}", "-o", "{out}"], "compare": ["hotspots", "{run}", "--compare", "{run}", "--json"]}
+            "trace": ["trace", "{run}", "-o", "{out}"],
+            "compare": ["hotspots", "{run}", "--compare", "{run}", "--json"]}
 
 
-def measure(args: list) -> tuple[float, int, int]:
-    """(wall seconds, peak RSS bytes, exit status) of one `python -m dflash.report_cli ARGS` run to its end."""
+def measure(args: list) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds, peak RSS bytes, exit status) of one `python -m dflash.report_cli ARGS` run to its
+    end (CPU seconds: what a shared, busy machine cannot inflate as it does the wall clock)."""
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "dflash.report_cli", *args], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)   # this child's own rusage: its peak RSS alone
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return time.perf_counter() - t, usage.ru_maxrss * 1024, proc.returncode
+    return time.perf_counter() - t, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, proc.returncode
 
 
 def bytes_per_interval(ranks: int, targets: int, interval_s: float) -> float:
@@ -202,8 +204,8 @@ def bytes_per_interval(ranks: int, targets: int, interval_s: float) -> float:
 
 
 def size_rows(work: Path, sizes_mb: list, ranks: int, targets: int, interval_s: float) -> list:
-    """One row per size and command: {size_mb, intervals (per rank), command, seconds, rss_bytes, status}; each
-    size's logs are removed once measured."""
+    """One row per size and command: {size_mb, intervals (per rank), command, seconds, cpu_seconds, rss_bytes,
+    status}; each size's logs are removed once measured."""
     per_interval, rows = bytes_per_interval(ranks, targets, interval_s), []
     for mb in sizes_mb:
         run_dir = work / f"run-{mb}mb"
@@ -211,11 +213,11 @@ def size_rows(work: Path, sizes_mb: list, ranks: int, targets: int, interval_s: 
         written = generate(run_dir, intervals * interval_s / 3600, ranks, targets, interval_s)
         for name, template in COMMANDS.items():
             args = [a.format(run=run_dir, out=work / "trace.json") for a in template]
-            seconds, rss, status = measure(args)
+            seconds, cpu_s, rss, status = measure(args)
             rows.append({"size_mb": written / 1e6, "intervals": intervals, "command": name, "seconds": seconds,
-                         "rss_bytes": rss, "status": status})
-            print(f"{written / 1e6:.0f} MB {name}: {seconds:.2f} s, {rss / 2 ** 20:.0f} MiB peak, exit {status}",
-                  flush=True)
+                         "cpu_seconds": cpu_s, "rss_bytes": rss, "status": status})
+            print(f"{written / 1e6:.0f} MB {name}: {seconds:.2f} s ({cpu_s:.2f} s CPU), {rss / 2 ** 20:.0f} MiB peak, "
+                  f"exit {status}", flush=True)
         shutil.rmtree(run_dir)
     return rows
 
@@ -234,9 +236,9 @@ def main_sizes(args) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         rows = size_rows(Path(args.dir or tmp), sizes, args.ranks, args.targets, args.interval)
-    print(common.table(["log MB", "intervals/rank", "command", "seconds", "peak RSS MiB", "exit"],
+    print(common.table(["log MB", "intervals/rank", "command", "seconds", "CPU seconds", "peak RSS MiB", "exit"],
                        [[f"{r['size_mb']:.0f}", r["intervals"], r["command"], f"{r['seconds']:.2f}",
-                         f"{r['rss_bytes'] / 2 ** 20:.0f}", r["status"]] for r in rows]))
+                         f"{r['cpu_seconds']:.2f}", f"{r['rss_bytes'] / 2 ** 20:.0f}", r["status"]] for r in rows]))
     lin = linearity(rows)
     for name, (first, last, ok) in lin.items():
         print(f"{name}: {first * 100:.3f} s per 100 MB at the smallest size, {last * 100:.3f} at the largest: "
