@@ -470,8 +470,8 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
 # ---- flows in the merged trace ---------------------------------------------------------------------
 
 def _check_flows(res: CheckResult, run: Run) -> None:
-    """In the merged trace (report.trace's, built in memory), at least FLOW_MATCH_MIN of the sends have their
-    receive, when the run has a target and a drafter that sent."""
+    """In the merged trace (its detail windows, counted by report.trace.flow_counts), at least FLOW_MATCH_MIN of
+    the sends have their receive, when the run has a target and a drafter that sent."""
     if not {"target", "drafter"} <= set(run.by_role()):
         res.note("flows: no transfers to match (they go from a target to a drafter rank, and the run lacks one): "
                  "not checked")
