@@ -15,15 +15,15 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 MAX_NESTING = 64
 """Brackets a record may nest (ours nest under 10): json.loads recurses once per level, so a deeper line (a
 corrupted or hostile log) is a bad line, never a RecursionError in a reader."""
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+_NOT_BRACKETS_OR_QUOTES = bytes(range(256)).translate(None, b'[]{}"')
 
 
-def _outside_strings(raw: bytes) -> bytes:
-    """The line with its JSON strings cut out (a bracket inside a string nests nothing)."""
-    if b"\\" not in raw:   # no escapes: every other quote opens a string
-        return b"".join(raw.split(b'"')[::2])
-    return _STRING.sub(b"", raw)
+def _brackets(raw: bytes) -> bytes:
+    """The line's brackets outside its JSON strings, in order: escaped backslashes, then escaped quotes, are dropped
+    first (escapes pair left to right), so every quote left opens or closes a string."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(raw.translate(None, _NOT_BRACKETS_OR_QUOTES).split(b'"')[::2])
 
 
 def too_deep(raw: bytes, limit: int = MAX_NESTING) -> bool:
@@ -31,7 +31,7 @@ def too_deep(raw: bytes, limit: int = MAX_NESTING) -> bool:
     each drops the innermost pairs); a cut line's unclosed brackets count when there are more than `limit`."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
-    brackets = _outside_strings(raw).translate(None, _NOT_BRACKETS)
+    brackets = _brackets(raw)
     for _ in range(limit):
         if not brackets:
             return False

@@ -70,6 +70,9 @@ def test_nesting_is_measured_outside_strings_and_within_the_limit():
     assert not rl.too_deep(json.dumps({"text": "[" * 500}).encode())               # brackets in a string
     assert rl.too_deep(('[' + '"]", [' * 100 + "]" * 100 + "]").encode())          # closers in strings hide none
     assert rl.too_deep(json.dumps([{"q": 'a\\"]'}] * 1 + [0]).encode()[:-1] + b"[" * 100)
+    deep = json.loads("[" * 100 + "]" * 100)
+    assert rl.too_deep(json.dumps({"t": "ends in a backslash\\", "d": deep}).encode())   # "\\" then the quote
+    assert not rl.too_deep(json.dumps({"t": 'quoted \\" [[[' * 40, "u": "\\\\[" * 70}).encode())
     assert rl.parse_line(DEEP.encode()) is None
 
 
