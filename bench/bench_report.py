@@ -1,21 +1,26 @@
-"""dflash-report hotspots on a long run: generates the run logs of a 24-hour, 8-rank run at a 60 s
-profile interval (5 target ranks feeding 3 drafter ranks, as the seeds ran it) in the schema-1 shape of
-docs/RUNLOG.md: every interval with CPU and GPU stats and histogram buckets per span, NVML and allocator
-memory, threads, a detail-window `spans` record before it, stack samples every 10th interval, hourly
-checkpoints. Then times the report end to end through the CLI (`python -m dflash.report_cli hotspots DIR
---json`, what a user waits for). `--split-check` and `--memory-check` hold the report's split advice and
-memory model against real runs, reading them from the same CLI's JSON.
+"""dflash-report on long runs: generates the run logs of an 8-rank run at a 60 s profile interval (5 target ranks
+feeding 3 drafter ranks, as the seeds ran it) in the schema-1 shape of docs/RUNLOG.md: every interval with CPU and
+GPU stats and histogram buckets per span (target.fetch, host work, CPU-timed only), NVML and allocator memory,
+threads, a detail-window `spans` record before it, stack samples every 10th interval, hourly checkpoints. Then, at
+each size of `--sizes` (MB of logs), runs `hotspots --json`, `check`, `trace` and `hotspots --compare` (the run
+against itself) through the CLI (`python -m dflash.report_cli`, what a user waits for), each timed end to end with
+its peak RSS, and says whether the time grows linearly with the log (seconds per MB at the largest size within
+LINEAR_SLACK of the smallest's). `--hours` times only `hotspots` on a log of that many hours instead (the old
+24-hour figure). `--split-check` and `--memory-check` hold the report's split advice and memory model against real
+runs, reading them from the same CLI's JSON.
 
-    python bench/bench_report.py [--hours 24] [--ranks 8] [--targets 5] [--interval 60] [--dir DIR] [--repeat 3]
+    python bench/bench_report.py [--sizes 100,300,1000] [--ranks 8] [--targets 5] [--interval 60] [--dir DIR]
+    python bench/bench_report.py --hours 24 [--repeat 3]
 
 The numbers inside the generated logs are synthetic (a seeded random walk around GPU-like step times);
-what is measured is the report's time on a log of the real size and shape.
+what is measured is the report's time and memory on a log of the real size and shape.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +34,7 @@ from common import REPO
 BOUNDS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
           10.0, 30.0, 60.0, 120.0, 300.0]
 GIB = 1024 ** 3
+CPU_ONLY = ("target.fetch",)   # host work: no GPU times, so the report reads it on the CPU clock over every entry
 # role -> [(span, seconds per call, bytes per call or None, thread)]; one call per step
 SPANS = {
     "target": [("target.fetch", 0.002, None, "target.main"), ("target.fwd", 1.10, None, "target.main"),
@@ -55,7 +61,8 @@ def _span_entries(rng: random.Random, role: str, steps: int, slow: float) -> dic
     out = {}
     for name, mean_s, nbytes, thread in SPANS[role]:
         m = mean_s * slow * rng.uniform(0.95, 1.05)
-        e = {"count": steps, "threads": [thread], "cpu": _stats(rng, m * 0.2, steps), "gpu": _stats(rng, m, steps),
+        e = {"count": steps, "threads": [thread], "cpu": _stats(rng, m * 0.2, steps),
+             **({} if name in CPU_ONLY else {"gpu": _stats(rng, m, steps)}),
              "share": m * steps / 60.0}
         if nbytes:
             e.update(bytes=nbytes * steps, bandwidth_bytes_per_s=nbytes / m, floor="device_copy",
@@ -97,21 +104,22 @@ def _stacks(role: str) -> dict:
         {"frame": f"forward ({role}.py:120)", "count": 12}, {"frame": "_conv_forward (conv.py:456)", "count": 5}]}]}
 
 
-def _rank_records(rank: int, role: str, hours: float, interval_s: float, t0: float, slow: float) -> list:
+def _rank_records(rank: int, role: str, hours: float, interval_s: float, t0: float, slow: float):
+    """The rank's records, one at a time (a 1 GB log is written without holding it)."""
     rng = random.Random(rank)
     step_s = sum(m for _, m, _, t in SPANS[role] if t.endswith("main")) * slow
     steps = max(1, int(interval_s / step_s))
-    recs = [{"type": "run_start", "time_unix": t0, "rank": rank, "role": role, "schema": 1, "run_id": "bench-24h",
+    yield {"type": "run_start", "time_unix": t0, "rank": rank, "role": role, "schema": 1, "run_id": "bench-24h",
              "clock": {"perf_counter_ns": 0, "unix_ns": int(t0 * 1e9)}, "histogram_buckets_seconds": BOUNDS,
              "detail_steps": 3, "world_size": 8, "pid": 1000 + rank, "hostname": "node0", "device": "cuda",
              "device_name": "NVIDIA H200", "floors": {"device_copy": 2.0e12, "pinned_d2h": 5.0e10,
                                                        "pinned_h2d": 5.0e10}, "interval_s": interval_s,
-             "config": {"tokens_per_batch": 65536, "max_in_flight": 2, "target_gpus": 5, "drafter_gpus": 3}}]
+             "config": {"tokens_per_batch": 65536, "max_in_flight": 2, "target_gpus": 5, "drafter_gpus": 3}}
     for k in range(int(hours * 3600 / interval_s)):
         t = t0 + (k + 1) * interval_s
-        recs.append({"type": "spans", "time_unix": t, "rank": rank, "role": role, "index": k,
-                     "steps": [k * steps, k * steps + 2], "spans": _detail(rng, role, int((t - interval_s) * 1e9)),
-                     "dropped": 0})
+        yield {"type": "spans", "time_unix": t, "rank": rank, "role": role, "index": k,
+               "steps": [k * steps, k * steps + 2], "spans": _detail(rng, role, int((t - interval_s) * 1e9)),
+               "dropped": 0}
         rec = {"type": "interval", "time_unix": t, "rank": rank, "role": role, "index": k, "step": (k + 1) * steps,
                "start_s": k * interval_s, "end_s": (k + 1) * interval_s, "duration_seconds": interval_s,
                "spans": _span_entries(rng, role, steps, slow),
@@ -123,16 +131,15 @@ def _rank_records(rank: int, role: str, hours: float, interval_s: float, t0: flo
                "exporters": {"prometheus": {"exported": k, "dropped": 0, "failed": 0}}}
         if k % 10 == 0:
             rec["stack_samples"] = _stacks(role)
-        recs.append(rec)
+        yield rec
         if role == "drafter" and k % 60 == 59:
-            recs.append({"type": "event", "time_unix": t, "rank": rank, "role": role, "kind": "checkpoint",
-                         "step": (k + 1) * steps, "path": f"checkpoints/step_{(k + 1) * steps}", "seconds": 4.2})
+            yield {"type": "event", "time_unix": t, "rank": rank, "role": role, "kind": "checkpoint",
+                   "step": (k + 1) * steps, "path": f"checkpoints/step_{(k + 1) * steps}", "seconds": 4.2}
     n = int(hours * 3600 / interval_s)
-    recs.append({"type": "run_end", "time_unix": t0 + n * interval_s, "rank": rank, "role": role, "step": n * steps,
-                 "status": "ok", "duration_seconds": n * interval_s, "intervals": n,
-                 "spans": _span_entries(rng, role, n * steps, slow),
-                 "counters": {"tokens": {"total": 65536 * steps * n, "per_second": 65536 * steps / interval_s}}})
-    return recs
+    yield {"type": "run_end", "time_unix": t0 + n * interval_s, "rank": rank, "role": role, "step": n * steps,
+           "status": "ok", "duration_seconds": n * interval_s, "intervals": n,
+           "spans": _span_entries(rng, role, n * steps, slow),
+           "counters": {"tokens": {"total": 65536 * steps * n, "per_second": 65536 * steps / interval_s}}}
 
 
 def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: float) -> int:
@@ -142,10 +149,9 @@ def generate(run_dir: Path, hours: float, ranks: int, targets: int, interval_s: 
     t0, size = 1_700_000_000.0, 0
     for rank in range(ranks):
         role = "drafter" if rank < ranks - targets else "target"
-        recs = _rank_records(rank, role, hours, interval_s, t0, slow=1.3 if rank == 3 else 1.0)
-        data = "".join(json.dumps(r) + "\n" for r in recs)
-        (run_dir / "profile" / f"rank{rank}.jsonl").write_text(data)
-        size += len(data)
+        with open(run_dir / "profile" / f"rank{rank}.jsonl", "w") as f:
+            for rec in _rank_records(rank, role, hours, interval_s, t0, slow=1.3 if rank == 3 else 1.0):
+                size += f.write(json.dumps(rec) + "\n")
     return size
 
 
@@ -168,6 +174,83 @@ def time_cli(run_dir: Path, repeat: int) -> list:
         hotspots(run_dir, stdout=subprocess.DEVNULL)
         times.append(time.perf_counter() - t)
     return times
+
+
+# ---- time and memory at several sizes: linear in the log ------------------------------------------
+
+LINEAR_SLACK = 1.5
+"""Time grows linearly when the largest size's seconds per MB are within this factor of the smallest's."""
+TARGET_SECONDS, TARGET_RSS_BYTES = 20.0, 2 * GIB   # issue 46: each command at 1 GB on the 2-core VM
+COMMANDS = {"hotspots": ["hotspots", "{run}", "--json"], "check": ["check", "{run}"],
+            "trace": ["trace", "{run}", "-o", "{out}"],
+            "compare": ["hotspots", "{run}", "--compare", "{run}", "--json"]}
+
+
+def measure(args: list) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds, peak RSS bytes, exit status) of one `python -m dflash.report_cli ARGS` run to its
+    end (CPU seconds: what a shared, busy machine cannot inflate as it does the wall clock)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.report_cli", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)   # this child's own rusage: its peak RSS alone
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - t, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, proc.returncode
+
+
+def bytes_per_interval(ranks: int, targets: int, interval_s: float) -> float:
+    """Log bytes one interval of every rank adds (a 20-interval probe)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return generate(Path(tmp) / "probe", 20 * interval_s / 3600, ranks, targets, interval_s) / 20
+
+
+def size_rows(work: Path, sizes_mb: list, ranks: int, targets: int, interval_s: float) -> list:
+    """One row per size and command: {size_mb, intervals (per rank), command, seconds, cpu_seconds, rss_bytes,
+    status}; each size's logs are removed once measured."""
+    per_interval, rows = bytes_per_interval(ranks, targets, interval_s), []
+    for mb in sizes_mb:
+        run_dir = work / f"run-{mb}mb"
+        intervals = max(1, round(mb * 1e6 / per_interval))
+        written = generate(run_dir, intervals * interval_s / 3600, ranks, targets, interval_s)
+        for name, template in COMMANDS.items():
+            args = [a.format(run=run_dir, out=work / "trace.json") for a in template]
+            seconds, cpu_s, rss, status = measure(args)
+            rows.append({"size_mb": written / 1e6, "intervals": intervals, "command": name, "seconds": seconds,
+                         "cpu_seconds": cpu_s, "rss_bytes": rss, "status": status})
+            print(f"{written / 1e6:.0f} MB {name}: {seconds:.2f} s ({cpu_s:.2f} s CPU), {rss / 2 ** 20:.0f} MiB peak, "
+                  f"exit {status}", flush=True)
+        shutil.rmtree(run_dir)
+    return rows
+
+
+def linearity(rows: list) -> dict:
+    """{command: (smallest size's s/MB, largest's, linear?)} over the rows' sizes."""
+    out = {}
+    for name in COMMANDS:
+        mine = sorted((r for r in rows if r["command"] == name), key=lambda r: r["size_mb"])
+        first, last = (mine[0]["seconds"] / mine[0]["size_mb"], mine[-1]["seconds"] / mine[-1]["size_mb"])
+        out[name] = (first, last, last <= LINEAR_SLACK * first)
+    return out
+
+
+def main_sizes(args) -> int:
+    sizes = [int(x) for x in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = size_rows(Path(args.dir or tmp), sizes, args.ranks, args.targets, args.interval)
+    print(common.table(["log MB", "intervals/rank", "command", "seconds", "CPU seconds", "peak RSS MiB", "exit"],
+                       [[f"{r['size_mb']:.0f}", r["intervals"], r["command"], f"{r['seconds']:.2f}",
+                         f"{r['cpu_seconds']:.2f}", f"{r['rss_bytes'] / 2 ** 20:.0f}", r["status"]] for r in rows]))
+    lin = linearity(rows)
+    for name, (first, last, ok) in lin.items():
+        print(f"{name}: {first * 100:.3f} s per 100 MB at the smallest size, {last * 100:.3f} at the largest: "
+              + ("linear" if ok else f"NOT linear (over {LINEAR_SLACK}x)"))
+    big = [r for r in rows if r["size_mb"] >= 900]
+    for r in big:
+        print(f"{r['command']} at {r['size_mb']:.0f} MB: {r['seconds']:.1f} s (target < {TARGET_SECONDS:g} s), "
+              f"{r['rss_bytes'] / GIB:.2f} GiB peak (target < {TARGET_RSS_BYTES / GIB:g} GiB)")
+    print(f"cpu: {os.cpu_count()} cores; python {sys.version.split()[0]}; one run per size and command")
+    ok = all(v[2] for v in lin.values()) and all(r["seconds"] < TARGET_SECONDS and r["rss_bytes"] < TARGET_RSS_BYTES
+                                                  for r in big)
+    return 0 if ok else 1
 
 
 # ---- the split advice against real runs of the splits it predicts ---------------------------------
@@ -253,7 +336,8 @@ def main() -> int:
     p.add_argument("--fault", default="slow=0.4@target.fwd", help="DFLASH_FAULT of every split-check run")
     p.add_argument("--splits", default="2:1", help="T:D splits to run, comma-separated (split check)")
     p.add_argument("--steps", type=int, default=40, help="drafter steps of the 1:1 run (split check)")
-    p.add_argument("--hours", type=float, default=24.0)
+    p.add_argument("--sizes", default="100,300,1000", help="MB of logs to time every command at (comma-separated)")
+    p.add_argument("--hours", type=float, help="time only hotspots on a log of this many hours instead")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--targets", type=int, default=5)
     p.add_argument("--interval", type=float, default=60.0)
@@ -264,6 +348,8 @@ def main() -> int:
         return main_split(args)
     if args.memory_check:
         return main_memory(args.memory_check)
+    if args.hours is None:
+        return main_sizes(args)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.dir or tmp) / "bench-24h"
         t = time.perf_counter()

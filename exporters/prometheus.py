@@ -165,7 +165,26 @@ def _os_threads() -> int | None:
 MAX_CONNECTIONS = 16
 """Scrapes served at once; a connection beyond them is closed at once (the scraper retries next time)."""
 READ_TIMEOUT_S = 5.0
-"""A connection that sends no full request within this is closed: idle connections cannot pile up threads."""
+"""A connection that sends no full request within this of connecting is closed, however it trickles its bytes (a
+deadline for the whole request, not per recv): idle or slow connections cannot hold the slots."""
+
+
+def _deadline_reader(sock, deadline_s: float):
+    """The connection's request stream, each read given only what is left of a deadline deadline_s from now (a
+    client sending a byte a second would reset a per-recv timeout forever)."""
+    import io
+    import socket
+    import time
+    deadline = time.monotonic() + deadline_s
+
+    class DeadlineIO(socket.SocketIO):
+        def readinto(self, b):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"no full request within {deadline_s:g} s")
+            self._sock.settimeout(left_s)
+            return super().readinto(b)
+    return io.BufferedReader(DeadlineIO(sock, "rb"))
 
 
 def _server_class(family, on_request_done):
@@ -210,6 +229,10 @@ def _start(host: str, port: int, registry, on_request_done):
 
     class Handler(WSGIRequestHandler):
         timeout = READ_TIMEOUT_S
+
+        def setup(self):
+            super().setup()
+            self.rfile = _deadline_reader(self.connection, READ_TIMEOUT_S)
 
         def log_message(self, format, *args):   # noqa: A002 - the base class's name
             pass

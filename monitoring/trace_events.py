@@ -106,7 +106,7 @@ def span_slices(entry: dict, steps=None) -> list | None:
     return out
 
 
-def _cost(entry) -> int:
+def slice_cost(entry) -> int:
     """Slices a span entry becomes (the unit of the event bound)."""
     return 1 + (isinstance(entry, dict) and num(entry.get("gpu_seconds")) is not None)
 
@@ -117,7 +117,7 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
     kept, used = [], 0
     for i in range(len(records) - 1, -1, -1):
         spans = records[i].get("spans") or []
-        cost = sum(_cost(s) for s in spans)
+        cost = sum(slice_cost(s) for s in spans)
         if used + cost <= max_events:
             kept.append(records[i])
             used += cost
@@ -126,9 +126,9 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
         if kept:
             return kept[::-1], i + 1, evicted + len(spans)
         n = len(spans)
-        while n and used + _cost(spans[n - 1]) <= max_events:
+        while n and used + slice_cost(spans[n - 1]) <= max_events:
             n -= 1
-            used += _cost(spans[n])
+            used += slice_cost(spans[n])
         return [{**records[i], "spans": spans[n:]}], i, evicted + n
     return kept[::-1], 0, 0
 
@@ -236,6 +236,15 @@ def _claim(taken: set, preferred) -> int:
             tid += 1
     taken.add(tid)
     return tid
+
+
+def flows_matched(flows: list) -> int:
+    """How many of prepare()'s flow halves pair up, as _flow_events pairs them (the i-th send of a flow string with
+    its i-th receive): build_trace's `flows_matched`, without laying out the trace."""
+    halves: dict = {}
+    for flow, is_start, _ in flows:
+        halves.setdefault(flow, [0, 0])[0 if is_start else 1] += 1
+    return sum(min(sends, receives) for sends, receives in halves.values())
 
 
 def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import selectors
 import socket
 import stat
 import struct
@@ -29,7 +30,8 @@ logger = logging.getLogger("profiler")
 MAX_SOCKET_PATH_BYTES = 107
 MAX_REQUEST_BYTES = 4 * 1024 * 1024   # a `record` request carries a snapshot (every thread's stack)
 MAX_REPLY_BYTES = 64 * 1024 * 1024    # a `state` reply carries the last interval record
-CLIENT_TIMEOUT_S = 2.0
+CLIENT_TIMEOUT_S = 2.0   # a client's whole request, from connecting, and the send of its reply
+MAX_CLIENTS = 64         # connections held at once: one more drops the oldest
 ACCEPT_RETRY_S = 0.2  # pause after a failed accept() (close() wakes a blocked one with shutdown())
 
 
@@ -185,7 +187,7 @@ class ControlServer:
         try:
             sock.bind(self.socket_path)
             os.chmod(self.socket_path, 0o600)  # before listen(): nobody can connect before this
-            sock.listen(8)   # a blocking accept(): no wakeups while idle
+            sock.listen(MAX_CLIENTS)   # served by a blocking select(): no wakeups while idle
         except BaseException:
             sock.close()
             raise
@@ -238,21 +240,89 @@ class ControlServer:
 
     # ---- server thread ------------------------------------------------------------------------
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                logger.warning("control endpoint accept failed: %s", exc)
-                time.sleep(ACCEPT_RETRY_S)
-                continue
-            try:
-                self._handle(conn)
-            except Exception as exc:  # noqa: BLE001 - a bad client never kills the server
-                logger.debug("control endpoint client error: %s", exc)
-            finally:
-                conn.close()
+        """One thread over every connection at once (a selector): a request is answered once its whole line is in,
+        so clients that connect and send nothing, or trickle, never stop it serving the others; each has
+        CLIENT_TIMEOUT_S from connecting for its whole request, and past MAX_CLIENTS the oldest is dropped."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        pending: dict = {}   # connection -> [bytes so far, deadline (monotonic s)], oldest first
+        try:
+            while not self._stop.is_set():
+                wait_s = min((d for _, d in pending.values()), default=None)
+                for key, _ in sel.select(None if wait_s is None else max(0.0, wait_s - time.monotonic())):
+                    if key.fileobj is self._sock:
+                        if not self._accept(sel, pending):
+                            return
+                    else:
+                        self._receive(sel, pending, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, (_, deadline) in pending.items() if deadline <= now]:
+                    self._drop(sel, pending, conn)
+        finally:
+            for conn in list(pending):
+                self._drop(sel, pending, conn)
+            sel.close()
+
+    def _accept(self, sel, pending: dict) -> bool:
+        """Take one connection (False once the server is stopping); a foreign uid is answered at once."""
+        try:
+            conn, _ = self._sock.accept()
+        except OSError as exc:
+            if self._stop.is_set():
+                return False
+            logger.warning("control endpoint accept failed: %s", exc)
+            time.sleep(ACCEPT_RETRY_S)
+            return True
+        uid = self._peer_uid(conn)
+        if uid is not None and uid not in (os.getuid(), 0):
+            self._answer(conn, {"ok": False, "error": f"uid {uid} may not query this process"})
+            return True
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ)
+        pending[conn] = [b"", time.monotonic() + CLIENT_TIMEOUT_S]
+        if len(pending) > MAX_CLIENTS:
+            self._drop(sel, pending, next(iter(pending)))
+        return True
+
+    def _receive(self, sel, pending: dict, conn: socket.socket) -> None:
+        """Read what the connection has; answer it once its line (or its end of stream) is in."""
+        try:
+            data = conn.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = None
+        if data is None or (not data and not pending[conn][0]):
+            self._drop(sel, pending, conn)
+            return
+        got = pending[conn][0] + data
+        pending[conn][0] = got
+        if data and b"\n" not in data and len(got) <= MAX_REQUEST_BYTES:
+            return
+        self._drop(sel, pending, conn, close=False)
+        if b"\n" not in got and len(got) > MAX_REQUEST_BYTES:
+            reply = {"ok": False, "error": f"request is not a JSON line: message longer than {MAX_REQUEST_BYTES} "
+                                           "bytes without a newline"}
+        else:
+            reply = self._reply(got.split(b"\n", 1)[0])
+        self._answer(conn, reply)
+
+    def _drop(self, sel, pending: dict, conn: socket.socket, close: bool = True) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        pending.pop(conn, None)
+        if close:
+            conn.close()
+
+    def _answer(self, conn: socket.socket, reply: dict) -> None:
+        """Send the reply within CLIENT_TIMEOUT_S (sendall's timeout bounds the whole send) and close."""
+        try:
+            conn.settimeout(CLIENT_TIMEOUT_S)
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError as exc:   # a client that hung up or does not read: nothing to report
+            logger.debug("control endpoint client error: %s", exc)
+        finally:
+            conn.close()
 
     def _peer_uid(self, conn: socket.socket) -> int | None:
         try:
@@ -260,15 +330,6 @@ class ControlServer:
         except (AttributeError, OSError):
             return None  # no SO_PEERCRED on this platform: the 0600 mode is the guard
         return struct.unpack("3i", creds)[1]
-
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(CLIENT_TIMEOUT_S)
-        uid = self._peer_uid(conn)
-        if uid is not None and uid not in (os.getuid(), 0):
-            reply = {"ok": False, "error": f"uid {uid} may not query this process"}
-        else:
-            reply = self._reply(_read_line(conn))
-        conn.sendall(json.dumps(reply).encode() + b"\n")
 
     def _reply(self, line: bytes) -> dict:
         try:

@@ -12,21 +12,62 @@ RUN_START, INTERVAL, TICK, SPANS, EVENT, SNAPSHOT, RUN_END = (
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 
+MAX_NESTING = 64
+"""Brackets a record may nest (ours nest under 10): json.loads recurses once per level, so a deeper line (a
+corrupted or hostile log) is a bad line, never a RecursionError in a reader."""
+_NOT_BRACKETS_OR_QUOTES = bytes(range(256)).translate(None, b'[]{}"')
+
+
+def _brackets(raw: bytes) -> bytes:
+    """The line's brackets outside its JSON strings, in order: escaped backslashes, then escaped quotes, are dropped
+    first (escapes pair left to right), so every quote left opens or closes a string."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(raw.translate(None, _NOT_BRACKETS_OR_QUOTES).split(b'"')[::2])
+
+
+def too_deep(raw: bytes, limit: int = MAX_NESTING) -> bool:
+    """Whether the JSON line nests brackets deeper than `limit`, found without recursing (C-speed byte passes:
+    each drops the innermost pairs); a cut line's unclosed brackets count when there are more than `limit`."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _brackets(raw)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        inner_removed = brackets.replace(b"{}", b"").replace(b"[]", b"")
+        if inner_removed == brackets:   # unbalanced (a cut line): json.loads says so
+            return len(brackets) > limit
+        brackets = inner_removed
+    return bool(brackets)
+
+
+def parse_line(raw: bytes):
+    """One run-log line -> its record (a dict), or None for a line that is not one: not JSON, not an object, or
+    nested deeper than MAX_NESTING."""
+    if too_deep(raw):
+        return None
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def read_records(path) -> tuple[list, int]:
-    """Read one run log -> (records, n_bad). A line that is not a JSON object (a truncated last line after a
-    crash, or one glued to a later run's first record) is dropped and counted, never raised."""
-    with open(path, "rb") as f:
-        data = f.read()
+    """Read one run log -> (records, n_bad), line by line. A line that is not a JSON object (a truncated last line
+    after a crash, one glued to a later run's first record, one nested too deep) is dropped and counted, never
+    raised."""
     records, bad = [], 0
-    for raw in filter(bytes.strip, data.split(b"\n")):
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            rec = None
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            rec = parse_line(raw)
+            if rec is None:
+                bad += 1
+            else:
+                records.append(rec)
     return records, bad
 
 

@@ -33,7 +33,7 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> 
         run_id=next((s["run_id"] for s in starts if s.get("run_id")), None),
         log_schema=max((s.get("schema", 0) for s in starts), default=None),
         segments=max((len(log.run_starts) for log in run.ranks.values()), default=0), pipeline=run.pipeline,
-        config=run.config, steady_tokens_per_s=steady["steady_tokens_per_s"], steady=steady,
+        empty_logs=run.empty_logs, config=run.config, steady_tokens_per_s=steady["steady_tokens_per_s"], steady=steady,
         spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
         memory=headroom(run), events=events(run), transfer_rings=transfer_rings(run), hot_frames=hot_frames(run),
         ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])

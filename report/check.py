@@ -35,7 +35,7 @@ from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput, tick_windows
 from report import format_compare, format_hotspots, hotspots_of
 from report.compare import compare as compare_runs
-from report.runs import Run, counter_total, load_run, paused_gc, rank_phase_spans, wall_seconds
+from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
 from report.trace import merged_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -104,6 +104,8 @@ def check(run_dir) -> CheckResult:
         run = load_run(run_dir, with_spans=True)
         res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
                           intervals=sum(len(log.intervals) for log in run.ranks.values()))
+        if run.empty_logs:
+            res.note(empty_logs_line(run.empty_logs))
         report = hotspots_of(run)
         files = {rank: _read_throughput(res, run, log) for rank, log in run.ranks.items()}
         rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}

@@ -10,8 +10,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from pathlib import Path
 
+from profiler.records import MAX_NESTING, too_deep
 from report.kineto_trace import OUTSIDE, Capture, copy_rows, gpu_breakdown, host_breakdown, kineto_windows
 from report.runs import ReportError, load_run
 
@@ -32,12 +34,38 @@ def captures_in(run_dir) -> dict:
     return out
 
 
-def load_trace(path: Path) -> dict:
+MAX_TRACE_BYTES = 512 << 20
+"""Decompressed bytes a Kineto trace may hold: a capture of a few steps is tens of MB, and parsed it costs several
+times its size; a file that inflates past this (a gzip bomb: 13 MB of whitespace became 3 GB) is refused unread."""
+
+
+def _decompressed(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes, gunzipped into at most max_bytes (+1 to see it go past); ReportError beyond."""
+    with gzip.open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ReportError(f"{path}: decompresses past {max_bytes} bytes (MAX_TRACE_BYTES, this reader's limit); "
+                          "not read")
+    return data
+
+
+def _unreadable(path: Path, why: str) -> ReportError:
+    return ReportError(f"{path}: not a readable Kineto trace ({why})")
+
+
+def load_trace(path: Path, max_bytes: int | None = None) -> dict:
+    """The capture's trace, read within max_bytes (MAX_TRACE_BYTES) decompressed and MAX_NESTING brackets deep;
+    ReportError (one line naming the file) for one that is not a readable trace within those."""
     try:
-        with gzip.open(path, "rt") as f:
-            trace = json.load(f)
-    except (OSError, EOFError, ValueError) as exc:
-        raise ReportError(f"{path}: not a readable Kineto trace ({type(exc).__name__}: {exc})") from None
+        data = _decompressed(path, MAX_TRACE_BYTES if max_bytes is None else max_bytes)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise _unreadable(path, f"{type(exc).__name__}: {exc}") from None
+    if too_deep(data):
+        raise _unreadable(path, f"nested deeper than {MAX_NESTING} brackets")
+    try:
+        trace = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(path, f"{type(exc).__name__}: {exc}") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ReportError(f"{path}: not a Kineto trace (no traceEvents list)")
     return trace

@@ -3,6 +3,8 @@ Every figure says its window in words (whole run, steady state, an interval, the
 statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
+from report.runs import empty_logs_line
+
 GIB = 1024 ** 3
 
 
@@ -346,6 +348,8 @@ def format_hotspots(rep: dict) -> str:
     roles = ", ".join(f"{len(r['ranks'])} {role}" for role, r in rep["spans"]["roles"].items())
     head = [f"dflash-report hotspots {rep['run_dir']}" + (f"  (run {rep['run_id']})" if rep["run_id"] else ""),
             f"  ranks: {roles}; segments: {rep['segments']}"]
+    if rep.get("empty_logs"):
+        head.append(f"  {empty_logs_line(rep['empty_logs'])}")
     sections = [head, _steady(rep), _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
                 _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
     return "\n\n".join("\n".join(s) for s in sections if s)

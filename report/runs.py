@@ -6,11 +6,13 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
+from monitoring.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
 from profiler.windows import is_steady, tick_windows
 
@@ -32,6 +34,8 @@ class RankLog:
     run_ends: list = field(default_factory=list)
     ticks: list = field(default_factory=list)     # cumulative `tick` records: profiler.windows.tick_windows
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
+    spans_evicted: int = 0             # spans of older detail windows let go while loading (DetailWindows)
+    spans_profiler_dropped: int = 0    # the profiler's `dropped` count over every detail window of the log
     bad_lines: int = 0
     bad_examples: list = field(default_factory=list)   # "file:line: why" of the first bad lines
 
@@ -58,6 +62,7 @@ flags in advice)."""
 class Run:
     run_dir: str
     ranks: dict  # {rank: RankLog}
+    empty_logs: int = 0   # rank logs holding not a byte: counted (empty_logs_line), never read as ranks
 
     @property
     def pipeline(self) -> bool:
@@ -131,39 +136,134 @@ def _tick_shape_problem(rec: dict) -> str | None:
     return None
 
 
-def _read_for_report(path: Path, with_spans: bool) -> tuple[list, int, list]:
-    """(records, bad line count, up to 3 "file:line: why" examples). Detail-window `spans` lines are skipped
-    unparsed unless asked for; a record of the wrong shape counts as a bad line, with where and why."""
-    records, bad, examples = [], 0, []
-    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip() or (not with_spans and raw.startswith(_SPANS_LINE) and raw.rstrip().endswith(b"}")):
-            continue
+class DetailWindows:
+    """A rank's newest detail-window `spans` records whose slices fit in `max_events` (all a trace draws of it:
+    monitoring.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
+    week's detail windows cost the report its trace's size, not the log's."""
+
+    def __init__(self, max_events: int):
+        self.max_events = max_events
+        self.records: deque = deque()
+        self._costs: deque = deque()
+        self._used = 0
+        self.evicted_spans = 0      # spans of the records let go here (never drawn)
+        self.profiler_dropped = 0   # the profiler's own `dropped` count, over every record read
+
+    def add(self, rec: dict) -> None:
+        spans = rec.get("spans") or []
+        self.profiler_dropped += int(num(rec.get("dropped")) or 0)
+        self.records.append(rec)
+        self._costs.append(sum(slice_cost(s) for s in spans))
+        self._used += self._costs[-1]
+        # the oldest goes once the newer ones fill the bound without it (newest_within would never reach it)
+        while len(self.records) > 1 and self._used - self._costs[0] >= self.max_events:
+            self._used -= self._costs.popleft()
+            self.evicted_spans += len(self.records.popleft().get("spans") or [])
+
+
+def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) or (None, why the line cannot be read as docs/RUNLOG.md says)."""
+    if rl.too_deep(raw):
+        return None, f"nested deeper than {rl.MAX_NESTING} brackets"
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError):
+        rec = None
+    why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
+    return (rec, None) if why is None else (None, why)
+
+
+BATCH_LINES = 256
+"""Lines parsed by one json.loads: its key memo then holds each field name once for all of them (a quarter less
+memory than a call per line, and faster)."""
+_INTERVAL_LINE = b'{"type": "' + rl.INTERVAL.encode() + b'"'
+
+
+def _lines(path: Path, skip: tuple):
+    """(line number, bytes) of the log's lines to parse, read one at a time: blank lines and whole lines that start
+    with a `skip` prefix (a record kind left unparsed) are left out."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip() and not (skip and raw.startswith(skip) and raw.rstrip().endswith(b"}")):
+                yield n, raw
+
+
+def _batches(lines, size: int):
+    batch: list = []
+    for item in lines:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _parsed(batch: list) -> list:
+    """[(line number, record or None, why not)] of a batch of lines: one json.loads over them all when together they
+    nest within MAX_NESTING and give one object per line; else line by line, each bad one with its reason. (Only a
+    crafted pair of cut lines could close each other into one record, and a third split in two to keep the count:
+    a log's writer writes whole lines, and a cut last line leaves the batch unparsable.)"""
+    joined = b"[" + b",".join(raw for _, raw in batch) + b"]"
+    if not rl.too_deep(joined, rl.MAX_NESTING + 1):
         try:
-            rec = json.loads(raw)
-        except ValueError:
-            rec = None
-        why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
-        if why is None:
-            records.append(rec)
-            continue
-        bad += 1
-        if len(examples) < 3:
-            examples.append(f"{path}:{n}: {why}")
+            recs = json.loads(joined)
+        except (ValueError, RecursionError):
+            recs = None
+        if recs is not None and len(recs) == len(batch) and all(isinstance(r, dict) for r in recs):
+            return [(n, rec, shape_problem(rec)) for (n, _), rec in zip(batch, recs)]
+    return [(n, *_why_bad(raw)) for n, raw in batch]
+
+
+def _read_for_report(path: Path, spans: DetailWindows | None, skip: tuple = ()) -> tuple[list, int, list]:
+    """(records, bad line count, up to 3 "file:line: why" examples), streamed in batches of BATCH_LINES. Lines of
+    the `skip` prefixes are left unparsed, detail-window `spans` lines too unless `spans` keeps them (they go
+    there, not into records); a record of the wrong shape counts as a bad line, with where and why."""
+    records, bad, examples = [], 0, []
+    skip = skip if spans is not None else (*skip, _SPANS_LINE)
+    for batch in _batches(_lines(path, skip), BATCH_LINES):
+        for n, rec, why in _parsed(batch):
+            if why is None:
+                if spans is not None and rec.get("type") == rl.SPANS:
+                    spans.add(rec)
+                else:
+                    records.append(rec)
+                continue
+            bad += 1
+            if len(examples) < 3:
+                examples.append(f"{path}:{n}: {why}")
     return records, bad, examples
 
 
-def _rank_log(rank: int, path: Path, with_spans: bool) -> RankLog:
-    recs, bad, examples = _read_for_report(path, with_spans)
+def _rank_log(rank: int, path: Path, spans_events: int | None, skip: tuple = ()) -> RankLog:
+    spans = DetailWindows(spans_events) if spans_events is not None else None
+    recs, bad, examples = _read_for_report(path, spans, skip)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
     log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad, bad_examples=examples)
     for rec in recs:
         name = _KIND_LISTS.get(rec.get("type"))
         if name is not None:
             getattr(log, name).append(rec)
+    if spans is not None:
+        log.spans, log.spans_evicted, log.spans_profiler_dropped = (list(spans.records), spans.evicted_spans,
+                                                                    spans.profiler_dropped)
     for start in log.run_starts:
         rl.check_schema(start, where=str(path))
         log.hostname = log.hostname or start.get("hostname")
     return log
+
+
+def empty_logs_line(count: int) -> str:
+    """The one line every surface says the left-out empty rank logs with (they are counted, never listed)."""
+    return (f"{count} empty run log{'s' if count != 1 else ''} (profile/rank*.jsonl of 0 bytes) left out, "
+            "not counted as ranks")
+
+
+def _split_empty(logs: dict) -> tuple[dict, int]:
+    """(the rank logs holding any byte, how many hold none): an empty rankN.jsonl (a rank that died before its
+    first record, or files left beside the run) is counted once, not reported as a rank of unknown role."""
+    kept = {rank: p for rank, p in logs.items() if p.stat().st_size > 0}
+    return kept, len(logs) - len(kept)
 
 
 @contextmanager
@@ -178,8 +278,10 @@ def paused_gc():
             gc.enable()
 
 
-def load_run(run_dir, with_spans: bool = False) -> Run:
-    """Every rank's log of RUN_DIR (with its `spans` records with_spans); ReportError if it cannot be read."""
+def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS, with_intervals: bool = True) -> Run:
+    """Every rank's log of RUN_DIR (with_spans: with its newest `spans` records, the ones a trace of at most
+    max_events slices draws; without its interval records unless with_intervals); ReportError if it cannot be
+    read."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -190,7 +292,10 @@ def load_run(run_dir, with_spans: bool = False) -> Run:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
     with paused_gc():
         try:
-            ranks = {rank: _rank_log(rank, p, with_spans) for rank, p in logs.items()}
+            logs, empty = _split_empty(logs)
+            per_rank = max(1, max_events // max(1, len(logs))) if with_spans else None
+            skip = () if with_intervals else (_INTERVAL_LINE,)
+            ranks = {rank: _rank_log(rank, p, per_rank, skip) for rank, p in logs.items()}
         except ValueError as e:   # a schema newer than this reader
             raise ReportError(str(e)) from None
         except OSError as e:
@@ -198,7 +303,7 @@ def load_run(run_dir, with_spans: bool = False) -> Run:
     if not any(log.run_starts or log.intervals for log in ranks.values()):
         raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
                           "empty, or not written by dflash-train")
-    return Run(run_dir=str(path), ranks=ranks)
+    return Run(run_dir=str(path), ranks=ranks, empty_logs=empty)
 
 
 def _did_work(rec: dict) -> bool:

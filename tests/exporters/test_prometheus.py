@@ -273,3 +273,30 @@ def test_the_exact_p95_of_the_last_interval_is_a_gauge_gone_where_the_span_ended
     exporter.export(interval({"drafter.recv": span(0.1, [1, 0, 0, 0], 0.01)}, 20))
     got = samples(scrape(exporter))
     assert (p95("cpu"), p95("gpu")) == (None, None)
+
+
+def test_a_client_trickling_bytes_loses_its_slot_at_the_request_deadline(monkeypatch):
+    """Issue 46: a byte every 0.3 s never trips a per-recv timeout; the whole request has READ_TIMEOUT_S. Every
+    slot held by such a client, and still a scrape is answered once their deadline has passed."""
+    from exporters import prometheus
+    monkeypatch.setattr(prometheus, "READ_TIMEOUT_S", 1.0)
+    exp = PrometheusExporter({"rank": 0, "role": "drafter", "host": "h"}, port=0)
+    try:
+        slow = [socket.create_connection(("127.0.0.1", exp.port)) for _ in range(prometheus.MAX_CONNECTIONS)]
+        start, closed = time.monotonic(), set()
+        while len(closed) < len(slow) and time.monotonic() - start < 6.0:
+            for i, s in enumerate(slow):
+                if i not in closed:
+                    try:
+                        s.sendall(b"G")
+                    except OSError:
+                        closed.add(i)
+            time.sleep(0.3)
+        held_s = time.monotonic() - start
+        assert len(closed) == len(slow) and held_s < 4.0, (len(closed), held_s)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{exp.port}/metrics", timeout=5).read().decode()
+        assert "dflash_" in body
+        for s in slow:
+            s.close()
+    finally:
+        exp.close(1.0)

@@ -290,3 +290,49 @@ def test_a_discovery_file_the_disk_cannot_take_is_one_warning_and_the_endpoint_s
         assert list(disc.iterdir()) == []
     finally:
         server.close()
+
+
+def test_idle_clients_do_not_stop_it_serving_and_each_gets_its_deadline(tmp_path, disc_dir):
+    """Issue 46: 10 same-uid connections that send nothing (or a byte now and then) held the one server thread
+    (and filled the backlog of 8): the snapshot degraded to stacks only for 20 s. Now every request is answered as
+    soon as its line is in, and an idle connection is closed CLIENT_TIMEOUT_S after it connected."""
+    import time
+
+    from profiler import control
+    server = ControlServer(tmp_path / "run", rank=0, role="drafter", state_fn=lambda: {"step": 3},
+                           discovery_dir=disc_dir)
+    server.start()
+    idle = []
+    try:
+        for i in range(10):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(server.socket_path)
+            if i % 2:
+                s.sendall(b'{"cmd": ')   # half a request, the rest never sent
+            idle.append(s)
+        for _ in range(3):
+            t = time.monotonic()
+            assert query(server.socket_path, "state", timeout_s=1.0) == {"ok": True, "state": {"step": 3}}
+            assert time.monotonic() - t < 0.5
+        for s in idle:   # each one closed at its deadline: the server's end of stream
+            s.settimeout(control.CLIENT_TIMEOUT_S + 2.0)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+def test_a_request_split_across_sends_is_answered(tmp_path, disc_dir):
+    server = ControlServer(tmp_path / "run", rank=0, role="drafter", state_fn=lambda: {"step": 3},
+                           discovery_dir=disc_dir)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(server.socket_path)
+            for part in (b'{"cmd"', b': "ping"', b"}\n"):
+                s.sendall(part)
+            assert json.loads(s.makefile("rb").readline())["rank"] == 0
+    finally:
+        server.close()

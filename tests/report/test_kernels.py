@@ -142,3 +142,34 @@ def test_the_report_reads_captures_without_torch(tmp_path):
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60)
     assert r.stderr.strip().splitlines()[-1] == "NO-TORCH 0", r.stderr
+
+
+def test_a_gzip_bomb_is_refused_at_the_limit_unread(tmp_path, capsys, monkeypatch):
+    import importlib
+    import tracemalloc
+
+    kernels_mod = importlib.import_module("report.kernels")   # the package's `kernels` is the function
+    run = build(tmp_path)
+    path = run / "kineto" / "rank1-step10.json.gz"
+    with gzip.open(path, "wb") as f:   # 16 MB of whitespace: a few kB on disk
+        for _ in range(16):
+            f.write(b" " * (1 << 20))
+    monkeypatch.setattr(kernels_mod, "MAX_TRACE_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        assert report_cli.main(["kernels", str(run)]) == 2
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and f"past {1 << 20} bytes" in err
+    assert peak_bytes < 4 << 20   # the limit's bytes, not the file's 16 MB
+
+
+def test_a_deeply_nested_trace_is_one_line_exit_2(tmp_path, capsys):
+    run = build(tmp_path)
+    with gzip.open(run / "kineto" / "rank1-step10.json.gz", "wt") as f:
+        f.write('{"traceEvents": [' + "[" * 100_000 + "]" * 100_000 + "]}")
+    assert report_cli.main(["kernels", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nested deeper than" in err
