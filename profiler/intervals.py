@@ -265,7 +265,10 @@ class IntervalAggregator:
             entry = self._span_entry(name, cpu, gpu, acc.threads | open_threads, acc, duration_s)
             entry["open_cpu_seconds"] = open_ns / 1e9
             if entry["gpu"] is not None and duration_s > 0:   # each span's GPU time capped at its host window
-                entry["share"] = self._gpu_share_seconds(acc.gpu_windows, boundary_ns) / duration_s
+                # and, together, at the interval per thread: one thread's spans of a name run one after another on
+                # its stream, so their GPU windows are disjoint (a span resolved late would otherwise overlap the next)
+                entry["share"] = min(self._gpu_share_seconds(acc.gpu_windows, boundary_ns),
+                                     duration_s * max(1, len(acc.threads))) / duration_s
             if len(acc.gpu) < acc.timed:
                 entry["gpu_unresolved"] = acc.timed - len(acc.gpu)
             spans[name] = entry

@@ -7,12 +7,9 @@ The collector sees a pair resolved only at its next poll, so that window runs pa
 span of the same name on the same thread, whose GPU time is counted too: a target that waits for the rest of the
 interval then holds more than all of it. One thread's spans of a name run one after another on its stream, so
 their GPU windows are disjoint and together fill at most the interval.
-
-The fix belongs in profiler/intervals.py (`_close_spans`' share), which another branch owns in this round: the
-test is strict xfail until it lands (it then passes, and the marker must go)."""
+The share of a name is therefore capped at the interval times its threads (`_close_spans`)."""
 import time
 
-import pytest
 
 import profiler
 from profiler.cuda_timing import EventPool
@@ -21,7 +18,6 @@ from tests.profiler.test_intervals_split import FakeEvent, make_prof
 WAIT = "transfer.wait_slot"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45: the share's cap in profiler/intervals.py (another branch's file)")
 def test_a_wait_resolved_late_and_the_next_wait_never_hold_more_than_the_interval(tmp_path):
     gpu = {"now_ms": 0.0, "done_ms": -1.0}
     with make_prof(tmp_path, event_pool=EventPool(lambda: FakeEvent(gpu), prealloc=4)) as prof:
