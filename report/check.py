@@ -524,25 +524,27 @@ def _rank_lines(text: list) -> dict:
 
 def _check_rank_line(res: CheckResult, log, row: dict, line: str, meter_rate, steady: list) -> None:
     """No window label beside another window's figure, in a rank's row: its tokens/s is the meter's steady rate
-    named "steady state" with the meter's seconds, or, for a loop of its own without a meter, its steady
-    intervals' tokens/s named by their label and wall; busy and capacity are named by the steady intervals' label
-    and wall, and the capacity is those intervals' tokens/s over the work share."""
+    named "steady state" with the meter's seconds, or, for a loop of its own without a meter, the tokens/s of the
+    row's window (its steady windows; all of them, the row's label saying none is steady, where none is: the steady
+    line's rate, runs.steady_window) named by their label and wall; busy and capacity are named by that label and
+    wall, and the capacity is the steady windows' tokens/s over the work share (none without a steady one)."""
     where = f"hotspots text ranks rank {log.rank}"
-    wall = wall_seconds(steady)
-    window_rate = counter_total(steady, "tokens") / wall if wall > 0 else None
+    read = steady or _windows_of(log)
+    wall = wall_seconds(read)
+    window_rate = counter_total(read, "tokens") / wall if wall > 0 else None
     meter = steady_throughput(log.events)
     if meter_rate is not None and meter is not None:
         want, label, source = meter_rate, f"tokens/s over steady state, {meter['steady_seconds']:.1f} s", \
             "its throughput file's steady_tokens_per_s"
     elif log.role not in ("target", "drafter") and window_rate:
         want, label, source = window_rate, f"tokens/s over {row['window']}, {wall:.1f} s", \
-            "its steady intervals' tokens/s"
+            "its window's tokens/s"
     else:
         want, label, source = None, "tokens/s over -", "no rate"
     _expect_text_rate(res, log.rank, line, want, source)
     res.expect(label in line, "windows", where, lambda: f"its tokens/s is over {label[len('tokens/s over '):]!r}, "
                                                          f"the row names another window: {line!r}")
-    busy = f"busy, capacity over {row['window']}, {wall_seconds(steady or log.intervals):.1f} s"
+    busy = f"busy, capacity over {row['window']}, {wall:.1f} s"
     res.expect(busy in line, "windows", where, lambda: f"the row does not name its busy/capacity window "
                                                         f"{busy!r}: {line!r}")
     cap, work = row.get("capacity_tokens_per_s"), row.get("work_share")

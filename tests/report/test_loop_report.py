@@ -170,3 +170,31 @@ def test_a_loop_without_warmup_steps_keeps_its_start_up_out_of_the_steady_state(
     (line,) = [x for x in text.splitlines() if x.split()[:2] == ["0", "trainer"]]
     assert f"{want:,.0f}" in line and f"tokens/s over {rates['window']}" in line
     assert check(tmp_path / "run").violations == []
+
+
+def test_a_loop_that_ends_in_its_first_interval_shows_that_intervals_rate_and_check_agrees(tmp_path):
+    """Issue 45, the Hugging Face Trainer on a quiet machine: all 48 steps ran inside the first interval, so the
+    only interval is warm-up and final and none is steady. The steady line and the ranks row read that interval,
+    labelled "none steady", and check expected "-" for the row (its steady intervals only): exit 1."""
+    import time
+
+    import profiler
+    from tests.profiler.build import make_profiler
+
+    with make_profiler(tmp_path / "run", role="trainer", background=False, measure_floors=False,
+                       control=False, interval_s=60) as prof:
+        for step in range(6):
+            prof.set_step(step)
+            with profiler.span("trainer.step"):
+                time.sleep(0.01)
+            profiler.count("tokens", 100)
+    rep = hotspots(tmp_path / "run")
+    rates = rep["steady"]["roles"]["trainer"]["intervals"]
+    assert rates["window"] == "the only interval (none steady: warm-up, phases or final)"
+    (row,) = rep["ranks"]["ranks"]
+    assert row["tokens_per_s"] == rates["tokens_per_s"] > 0 and row["tokens_window"] == rates["window"]
+    assert row["capacity_tokens_per_s"] is None
+    (line,) = [x for x in format_hotspots(rep).splitlines() if x.split()[:2] == ["0", "trainer"]]
+    assert f"{rates['tokens_per_s']:,.0f}" in line and f"tokens/s over {rates['window']}" in line
+    res = check(tmp_path / "run")
+    assert res.violations == [], res.violations
