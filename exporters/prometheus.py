@@ -295,6 +295,20 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
         st.set("exporter_dropped", s.get("dropped", 0), exporter)
 
 
+P95_KEPT_S = 300.0
+"""How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
+finds no older sample), and well inside the head block's bounds (an older stamp would be refused at every scrape)."""
+
+
+def _expire_p95(st: MetricsState, now_unix: float | None) -> None:
+    """Drop each span's kept exact p95 whose interval ended more than P95_KEPT_S before `now_unix`."""
+    stamps = st.stamps.get("span_p95", {})
+    old = [key for key, stamp in stamps.items() if now_unix is not None and stamp < now_unix - P95_KEPT_S]
+    for key in old:
+        stamps.pop(key)
+        st.values.get("span_p95", {}).pop(key, None)
+
+
 def _fold_spans(st: MetricsState, spans: dict, role, end_unix: float | None) -> None:
     """`end_unix`: the interval's end. A span's exact p95 stays that of the last interval in which it ended any,
     stamped with that interval's end (the window it describes): the run's last intervals, an evaluation or the
@@ -302,6 +316,7 @@ def _fold_spans(st: MetricsState, spans: dict, role, end_unix: float | None) -> 
     shares = st.values.get("span_share", {})
     for key in shares:
         shares[key] = 0.0    # a span that finished nothing this interval had no share of it
+    _expire_p95(st, end_unix)
     for span, waiter in WAIT_SPANS.items():
         if waiter == role:
             st.set("wait_share", (spans.get(span) or {}).get("share") or 0.0, span)

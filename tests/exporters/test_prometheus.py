@@ -281,6 +281,8 @@ def test_the_exact_p95_is_a_gauge_kept_from_the_last_interval_the_span_ended_any
     exporter.export(dict(interval({"drafter.fwd_bwd": dict(fwd, cpu=dict(fwd["cpu"], p95_seconds=0.9))}, 30),
                          time_unix=1796600002.25))
     assert p95(samples(scrape(exporter)), "cpu") == 0.9
+    exporter.export(dict(interval({}, 40), time_unix=1796600002.25 + 300.5))   # past Prometheus' lookback: gone
+    assert (p95(samples(scrape(exporter)), "cpu"), p95(samples(scrape(exporter)), "gpu")) == (None, None)
 
 
 def test_a_client_trickling_bytes_loses_its_slot_at_the_request_deadline(monkeypatch):
