@@ -278,7 +278,7 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
     st.set("profiler_cpu_seconds", (rec.get("profiler_share") or 0.0) * duration, add=True)
     for thread, seconds in (rec.get("threads_cpu_seconds") or {}).items():
         st.set("thread_cpu", seconds, thread, add=True)
-    _fold_spans(st, rec.get("spans") or {}, rec.get("role"))
+    _fold_spans(st, rec.get("spans") or {}, rec.get("role"), rec.get("time_unix"))
     _fold_counters(st, rec.get("counters") or {})
     for name, g in (rec.get("gauges") or {}).items():
         fam = name if name in FAMILIES else Family(name, metric_name(name), "gauge", f"profiler gauge {name}",
@@ -295,11 +295,28 @@ def _fold_interval(st: MetricsState, rec: dict) -> None:
         st.set("exporter_dropped", s.get("dropped", 0), exporter)
 
 
-def _fold_spans(st: MetricsState, spans: dict, role) -> None:
+P95_KEPT_S = 300.0
+"""How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
+finds no older sample), and well inside the head block's bounds (an older stamp would be refused at every scrape)."""
+
+
+def _expire_p95(st: MetricsState, now_unix: float | None) -> None:
+    """Drop each span's kept exact p95 whose interval ended more than P95_KEPT_S before `now_unix`."""
+    stamps = st.stamps.get("span_p95", {})
+    old = [key for key, stamp in stamps.items() if now_unix is not None and stamp < now_unix - P95_KEPT_S]
+    for key in old:
+        stamps.pop(key)
+        st.values.get("span_p95", {}).pop(key, None)
+
+
+def _fold_spans(st: MetricsState, spans: dict, role, end_unix: float | None) -> None:
+    """`end_unix`: the interval's end. A span's exact p95 stays that of the last interval in which it ended any,
+    stamped with that interval's end (the window it describes): the run's last intervals, an evaluation or the
+    wind-down, leave the panel its last figure instead of none."""
     shares = st.values.get("span_share", {})
     for key in shares:
         shares[key] = 0.0    # a span that finished nothing this interval had no share of it
-    st.values.pop("span_p95", None)   # the last interval's: a span that ended none in it has none
+    _expire_p95(st, end_unix)
     for span, waiter in WAIT_SPANS.items():
         if waiter == role:
             st.set("wait_share", (spans.get(span) or {}).get("share") or 0.0, span)
@@ -308,7 +325,7 @@ def _fold_spans(st: MetricsState, spans: dict, role) -> None:
         for clock in ("cpu", "gpu"):
             stats = e.get(clock)
             if stats:
-                st.set("span_p95", stats.get("p95_seconds"), name, clock)
+                st.set("span_p95", stats.get("p95_seconds"), name, clock, stamp=end_unix)
             if stats and stats.get("buckets") and len(stats["buckets"]) == len(st.bounds) + 1:
                 h = st.histograms.setdefault((name, clock), [[0] * len(stats["buckets"]), 0.0])
                 h[0] = [a + b for a, b in zip(h[0], stats["buckets"])]

@@ -71,8 +71,9 @@ FAMILIES = {f.key: f for f in (
        "Spans completed (whole run, from every tick; on clock=\"gpu\" those with a resolved CUDA pair; stamped).",
        "span", "clock"),
     _f("span_p95", "span_p95", "seconds", "gauge",
-       "Exact 95th percentile of the span's whole durations in the rank's last interval (window: one interval; "
-       "absent where none ended in it); the run log's and the report's figure, not a bucket estimate.",
+       "Exact 95th percentile of the span's whole durations in the last interval in which the rank ended any "
+       "(window: that interval, the sample stamped with its end; kept 300 s); the run log's and the report's "
+       "figure, not a bucket estimate.",
        "span", "clock"),
     _f("span_share", "span_share", "ratio", "gauge",
        "Share of the last interval spent in the span (window: one interval; its GPU window when CUDA-timed, "

@@ -261,18 +261,28 @@ def test_counters_exist_at_zero_and_move_with_every_tick_stamped_with_its_time()
     assert ("dflash_span_time_seconds_total", compile_gpu) not in got      # no CUDA pair timed: no GPU series
 
 
-def test_the_exact_p95_of_the_last_interval_is_a_gauge_gone_where_the_span_ended_none(exporter):
-    """The dashboard's exact p95 (the run log's figure), not histogram_quantile's bucket estimate."""
+def test_the_exact_p95_is_a_gauge_kept_from_the_last_interval_the_span_ended_any_stamped_with_its_end(exporter):
+    """The dashboard's exact p95 (the run log's figure), not histogram_quantile's bucket estimate. An interval in
+    which the span ended none (the run's last ones: evaluation, wind-down) leaves it the last figure, stamped with
+    the end of the interval it describes, so the panel is not blank at the end of every run."""
     fwd = {"share": 0.5, "cpu": {"total_seconds": 3.0, "p95_seconds": 1.512, "buckets": [0, 0, 0, 2]},
            "gpu": {"total_seconds": 2.0, "p95_seconds": 0.703, "buckets": [0, 0, 1, 1]}}
-    exporter.export(interval({"drafter.fwd_bwd": fwd}, 10))
+    exporter.export(dict(interval({"drafter.fwd_bwd": fwd}, 10), time_unix=1796600000.25))
+    p95 = lambda got, clock: got.get(("dflash_span_p95_seconds",   # noqa: E731
+                                      frozenset({"span": "drafter.fwd_bwd", "clock": clock}.items())))
     got = samples(scrape(exporter))
-    p95 = lambda clock: got.get(("dflash_span_p95_seconds",   # noqa: E731
-                                 frozenset({"span": "drafter.fwd_bwd", "clock": clock}.items())))
-    assert (p95("cpu"), p95("gpu")) == (1.512, 0.703)
-    exporter.export(interval({"drafter.recv": span(0.1, [1, 0, 0, 0], 0.01)}, 20))
-    got = samples(scrape(exporter))
-    assert (p95("cpu"), p95("gpu")) == (None, None)
+    assert (p95(got, "cpu"), p95(got, "gpu")) == (1.512, 0.703)
+    exporter.export(dict(interval({"drafter.recv": span(0.1, [1, 0, 0, 0], 0.01)}, 20), time_unix=1796600001.25))
+    text = scrape(exporter)
+    got = samples(text)
+    assert (p95(got, "cpu"), p95(got, "gpu")) == (1.512, 0.703)
+    lines = [ln for ln in exposition_lines(text, "dflash_span_p95_seconds") if 'span="drafter.fwd_bwd"' in ln]
+    assert len(lines) == 2 and all(ln.endswith(" 1796600000250") for ln in lines), lines
+    exporter.export(dict(interval({"drafter.fwd_bwd": dict(fwd, cpu=dict(fwd["cpu"], p95_seconds=0.9))}, 30),
+                         time_unix=1796600002.25))
+    assert p95(samples(scrape(exporter)), "cpu") == 0.9
+    exporter.export(dict(interval({}, 40), time_unix=1796600002.25 + 300.5))   # past Prometheus' lookback: gone
+    assert (p95(samples(scrape(exporter)), "cpu"), p95(samples(scrape(exporter)), "gpu")) == (None, None)
 
 
 def test_a_client_trickling_bytes_loses_its_slot_at_the_request_deadline(monkeypatch):
