@@ -76,7 +76,8 @@ def gauge(name: str, value) -> None:
 
 
 def metric(name: str, value) -> None:
-    """Record a training scalar; a 0-dim tensor is kept as is and converted at interval close."""
+    """Record a training scalar; a 0-dim tensor is kept as is and read on the collector thread at the next tick or
+    interval close."""
     _check(name, "metric")
     rec = _recorder
     if rec is not None:

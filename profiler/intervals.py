@@ -11,6 +11,7 @@ Per span name and interval, two things differ for a span crossing a boundary:
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -89,6 +90,7 @@ class IntervalAggregator:
         self._run_counters: dict = {}    # name -> run total
         self._gauges: dict = {}          # name -> [values]
         self._metrics: dict = {}         # name -> [values (floats or 0-dim tensors)]
+        self._run_metrics: dict = {}     # name -> _MetricSum of the closed intervals' values (ticks' "metrics")
         self._now, self._carry = _Split(), _Split()   # the current interval's time; the next one's so far
         self._credited: dict = {}        # open span id -> boundary (perf_counter_ns) its time is credited up to
         self._kids_basis_s: dict = {}    # span id -> its finished children's whole seconds (GPU, else CPU)
@@ -231,6 +233,8 @@ class IntervalAggregator:
         gauge_floats, metric_floats = to_floats_by_name(self._gauges, self._metrics)
         gauges = {name: {"last": v[-1], "mean": sum(v) / len(v), "max": max(v)} for name, v in gauge_floats.items()}
         metrics = {name: {"last": v[-1], "mean": sum(v) / len(v)} for name, v in metric_floats.items()}
+        for name, v in metric_floats.items():
+            self._run_metrics.setdefault(name, _MetricSum()).add(v)
         self._counters, self._gauges, self._metrics = {}, {}, {}
         return {"spans": spans, "counters": counters, "gauges": gauges, "metrics": metrics}
 
@@ -317,7 +321,20 @@ class IntervalAggregator:
                 entry.update(gpu_seconds=run.gpu.total + sum(acc.gpu), gpu_self_seconds=run.gpu_self + acc.gpu_self,
                              gpu_count=gpu_count)
             spans[name] = entry
-        return {"spans": dict(sorted(spans.items())), "counters": dict(self._run_counters)}
+        return {"spans": dict(sorted(spans.items())), "counters": dict(self._run_counters),
+                "metrics": self._tick_metrics()}
+
+    def _tick_metrics(self) -> dict:
+        """A tick's cumulative "metrics": {name: {"sum", "count"[, "nonfinite"]}}, the closed intervals' plus the
+        current interval's values so far. The current values are read to floats IN PLACE, so each 0-dim tensor
+        is read once (the close then finds floats): on CUDA a deliberate device->host read, one per device per
+        tick, on the collector thread (as a close does once per interval), never on the training loop."""
+        self._metrics, = to_floats_by_name(self._metrics)
+        out = {}
+        for name in sorted({*self._run_metrics, *self._metrics}):
+            total = (self._run_metrics.get(name) or _MetricSum()).plus(self._metrics.get(name) or [])
+            out[name] = total.entry()
+        return out
 
     def run_parts(self, duration_s: float) -> dict:
         """Whole-run "spans" (the interval shape; the CPU total sums the intervals' split time) and "counters"."""
@@ -332,6 +349,33 @@ class IntervalAggregator:
         counters = {name: {"total": total, "per_second": total / duration_s if duration_s > 0 else None}
                     for name, total in self._run_counters.items()}
         return {"spans": spans, "counters": counters}
+
+
+class _MetricSum:
+    """A metric's run totals: the finite values' sum and count, the non-finite ones counted apart (a NaN loss
+    is written null in its interval's mean; here it must not make every later tick's sum NaN)."""
+
+    def __init__(self, total: float = 0.0, count: int = 0, nonfinite: int = 0):
+        self.total, self.count, self.nonfinite = total, count, nonfinite
+
+    def add(self, values: list) -> None:
+        for v in values:
+            if math.isfinite(v):
+                self.total += v
+                self.count += 1
+            else:
+                self.nonfinite += 1
+
+    def plus(self, values: list) -> "_MetricSum":
+        out = _MetricSum(self.total, self.count, self.nonfinite)
+        out.add(values)
+        return out
+
+    def entry(self) -> dict:
+        out = {"sum": self.total, "count": self.count}
+        if self.nonfinite:
+            out["nonfinite"] = self.nonfinite
+        return out
 
 
 def span_path(attrs) -> str | None:

@@ -166,6 +166,18 @@ def _tick_span_delta(now: dict, before: dict | None) -> dict | None:
     return entry if changed else None
 
 
+def _tick_metric_means(before: dict, now: dict) -> dict:
+    """{name: {"mean": the mean of the finite values recorded between two ticks}}, an interval's metrics shape,
+    for each metric recorded in the window (its cumulative count moved)."""
+    out = {}
+    for name, m in (now.get("metrics") or {}).items():
+        b = (before.get("metrics") or {}).get(name) or {}
+        d_count = (m.get("count") or 0) - (b.get("count") or 0)
+        if d_count > 0:
+            out[name] = {"mean": ((m.get("sum") or 0.0) - (b.get("sum") or 0.0)) / d_count}
+    return out
+
+
 def _tick_window(before: dict, now: dict, index: int) -> dict:
     """The interval-shaped window between two ticks of one segment (tick_windows); `index` is the earlier
     tick's (0: the segment's first window), `time_unix` the later tick's, as an interval's."""
@@ -181,7 +193,7 @@ def _tick_window(before: dict, now: dict, index: int) -> dict:
         counters[name] = {"total": delta, "per_second": delta / duration}
     out = {"index": index, "start_s": before["t_s"], "end_s": now["t_s"], "duration_seconds": duration,
            "time_unix": now.get("time_unix"), "step": now.get("step"), "source": "ticks",
-           "spans": spans, "counters": counters}
+           "spans": spans, "counters": counters, "metrics": _tick_metric_means(before, now)}
     if before.get("warmup"):
         out["warmup"] = True
     if now.get("final"):

@@ -1,6 +1,6 @@
 """`dflash-report hotspots --plot FILE`: a PNG of a run over time (span time per window stacked by span per role
-and tokens/s per role, per tick window where the run wrote ticks, else per interval; the training's loss and
-acceptance length tau and headroom per GPU per interval; every line in time order), one panel per
+and tokens/s per role, and the training's loss and acceptance length tau, per tick window where the run wrote
+ticks, else per interval; headroom per GPU per interval; every line in time order), one panel per
 quantity the run measured: a CPU run has no headroom panel, a loop without `tau` no tau panel. matplotlib is
 imported by `plot_run` only.
 
@@ -16,29 +16,33 @@ from report.runs import Run, gpu_key, gpus
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
 GIB = 1024 ** 3
 TRAIN_METRICS = {"loss": "loss", "tau": "acceptance length tau (simulated)"}
-"""The interval records' `metrics` drawn, each in a panel of its own when some rank recorded it."""
+"""The windows' `metrics` drawn (tick windows' where the ticks carry them, else the intervals'), each in a panel of
+its own when some rank recorded it."""
 
 
 def timeline(run: Run) -> dict:
     """{"interval_s", "window_s", "source", "roles": {role: {"ranks", "start_seconds", "seconds", "spans": {name:
     [self CPU seconds]}, "tokens_per_s", "metrics": {name: [the interval's mean over the ranks that recorded it, or
-    None]}, "metric_seconds"}}, "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}}; "seconds" since the
-    run started, at each window's end ("start_seconds": where the first began), in time order. Spans and tokens/s
-    are per tick window where the run wrote ticks (`source` "ticks", typically `window_s` long), else per
-    interval; the training metrics and the GPU headroom are the interval records' own."""
+    None]}, "metric_seconds"}}, "metric_source", "gpus": {gpu: {"seconds", "headroom_bytes", "total_bytes"}}};
+    "seconds" since the run started, at each window's end ("start_seconds": where the first began), in time order.
+    Spans and tokens/s are per tick window where the run wrote ticks (`source` "ticks", typically `window_s`
+    long), else per interval; the training metrics likewise where the ticks carry them (`metric_source`; ticks
+    written before they did: the intervals'); the GPU headroom is the interval records' own."""
     starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
     t0 = min((s["time_unix"] for s in starts), default=None) or \
         min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
     step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
     ticks = all(log.tick_windows for log in run.ranks.values()) and bool(run.ranks)
+    tick_metrics = ticks and any(w.get("metrics") for log in run.ranks.values() for w in log.tick_windows)
     roles: dict = {}
     for role, logs in sorted(run.by_role().items()):
         roles[role] = _series(_bins([log.tick_windows if ticks else log.intervals for log in logs], t0), len(logs))
-        metrics = _series(_bins([log.intervals for log in logs], t0), len(logs))
+        metrics = _series(_bins([log.tick_windows if tick_metrics else log.intervals for log in logs], t0), len(logs))
         roles[role]["metrics"], roles[role]["metric_seconds"] = metrics["metrics"], metrics["seconds"]
     durations = sorted(r.get("duration_seconds") or 0.0 for log in run.ranks.values() for r in log.tick_windows)
     return {"interval_s": step, "source": "ticks" if ticks else "intervals",
             "window_s": durations[len(durations) // 2] if ticks else step, "roles": roles,
+            "metric_source": "ticks" if tick_metrics else "intervals",
             "gpus": _headroom(run, t0)}
 
 
@@ -152,7 +156,7 @@ def plot_run(run: Run, png_path) -> str:
         elif kind == "tokens":
             _plot_tokens(ax, tl["roles"], per, _window_words(tl))
         elif kind == "metric":
-            _plot_metric(ax, key, tl["roles"], per)
+            _plot_metric(ax, key, tl["roles"], per, _window_words(tl, tl["metric_source"]))
         elif kind == "headroom":
             _plot_headroom(ax, tl["gpus"], per)
         else:
@@ -164,9 +168,11 @@ def plot_run(run: Run, png_path) -> str:
     return str(png_path)
 
 
-def _window_words(tl: dict) -> str:
-    """What one point stands for: "5 s tick window" or "60 s interval"."""
-    return f"{tl['window_s']:.2g} s " + ("tick window" if tl["source"] == "ticks" else "interval")
+def _window_words(tl: dict, source: str | None = None) -> str:
+    """What one point stands for: "5 s tick window" or "60 s interval" (`source`: the timeline's by default)."""
+    source = source or tl["source"]
+    return f"{tl['window_s'] if source == tl['source'] else tl['interval_s']:.2g} s " + \
+        ("tick window" if source == "ticks" else "interval")
 
 
 def _plot_tokens(ax, roles: dict, per: float, window: str) -> None:
@@ -179,15 +185,15 @@ def _plot_tokens(ax, roles: dict, per: float, window: str) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
 
 
-def _plot_metric(ax, name: str, roles: dict, per: float) -> None:
-    """One training metric per role that recorded it: each interval's mean (of its ranks' interval means)."""
+def _plot_metric(ax, name: str, roles: dict, per: float, window: str) -> None:
+    """One training metric per role that recorded it: each window's mean (of its ranks' window means)."""
     for role, s in roles.items():
         values = s["metrics"].get(name)
         if values:
             pts = [(t / per, v) for t, v in zip(s["metric_seconds"], values) if v is not None]
             ax.plot([x for x, _ in pts], [v for _, v in pts], label=role, **_line_style(len(pts)))
     ax.set_ylabel(name)
-    ax.set_title(f"{TRAIN_METRICS[name]} per interval (the mean of the values recorded in it, over the role's "
+    ax.set_title(f"{TRAIN_METRICS[name]} per {window} (the mean of the values recorded in it, over the role's "
                  "ranks)", fontsize=9, loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
 

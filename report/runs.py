@@ -133,6 +133,12 @@ def _tick_shape_problem(rec: dict) -> str | None:
             return f"tick: span {name!r} holds a non-number"
     if not all(isinstance(v, _NUM) for v in rec["counters"].values()):
         return "tick: a counter is not a number"
+    metrics = rec.get("metrics", {})
+    if not isinstance(metrics, dict):
+        return f"tick: metrics is {type(metrics).__name__}"
+    for name, m in metrics.items():
+        if not isinstance(m, dict) or not all(isinstance(v, _NUM) for v in m.values()):
+            return f"tick: metric {name!r} holds a non-number"
     return None
 
 

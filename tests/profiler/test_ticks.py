@@ -1,11 +1,13 @@
 """`tick` records (docs/RUNLOG.md): cumulative counters and span totals every tick_s and at every interval close,
 open spans' elapsed time included, so the difference of two ticks is a window as exact as an interval."""
+import math
 import time
 
 import pytest
 
 import profiler
 from profiler.config import ProfilerConfig
+from profiler.intervals import IntervalAggregator
 from report.runs import load_run
 from tests.profiler.build import make_profiler
 
@@ -120,3 +122,37 @@ def test_the_report_reads_a_log_with_ticks_without_a_bad_line(tmp_path):
 def test_tick_s_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match="tick_s must be a positive number of seconds"):
         ProfilerConfig(tick_s=bad)
+
+
+def test_tick_metrics_are_cumulative_across_a_close_with_a_nan_counted_apart():
+    """A tick's "metrics": the closed intervals' finite values plus the current interval's so far; a 0-dim tensor
+    is read to a float in place by the tick (the close then finds floats); a NaN is counted apart, so the sum
+    stays finite for every later tick while the interval's own mean is NaN (written null, with its reason)."""
+    torch = pytest.importorskip("torch")
+    agg = IntervalAggregator()
+    agg.add_drained([("main", [], [(2, "loss", 4.0), (2, "loss", torch.tensor(2.0)), (2, "tau", 1.5)])])
+    assert agg.tick_parts()["metrics"] == {"loss": {"sum": 6.0, "count": 2}, "tau": {"sum": 1.5, "count": 1}}
+    assert all(type(v) is float for values in agg._metrics.values() for v in values)   # read once, by the tick
+    assert agg.close_parts(1.0)["metrics"]["loss"] == {"last": 2.0, "mean": 3.0}
+    assert agg.tick_parts()["metrics"]["loss"] == {"sum": 6.0, "count": 2}   # right after the close: closed totals
+    agg.add_drained([("main", [], [(2, "loss", 6.0), (2, "loss", float("nan"))])])
+    mid = agg.tick_parts()["metrics"]
+    assert mid == {"loss": {"sum": 12.0, "count": 3, "nonfinite": 1}, "tau": {"sum": 1.5, "count": 1}}
+    assert math.isnan(agg.close_parts(1.0)["metrics"]["loss"]["mean"])
+    agg.add_drained([("main", [], [(2, "loss", 3.0)])])
+    assert agg.tick_parts()["metrics"]["loss"] == {"sum": 15.0, "count": 4, "nonfinite": 1}
+
+
+def test_ticks_carry_the_metrics_through_the_run_log(tmp_path):
+    with make_profiler(tmp_path, control=False, background=False, measure_floors=False, interval_s=3600.0) as prof:
+        profiler.metric("loss", 5.0)
+        prof.collector.write_tick()
+        prof.close_interval()
+        profiler.metric("loss", 3.0)
+        profiler.metric("loss", float("inf"))
+        prof.collector.write_tick()
+    ticks = ticks_of(prof)
+    assert [t["metrics"]["loss"] for t in ticks] == [{"sum": 5.0, "count": 1}, {"sum": 5.0, "count": 1},
+                                                     {"sum": 8.0, "count": 2, "nonfinite": 1},
+                                                     {"sum": 8.0, "count": 2, "nonfinite": 1}]
+    assert load_run(tmp_path).ranks[0].bad_lines == 0

@@ -28,7 +28,7 @@ def test_each_pair_of_ticks_is_a_window_of_their_changes():
                      "spans": {"fwd": {"count": 10, "cpu": {"total_seconds": 2.0, "self_seconds": 1.5}, "gpu": None},
                                "ckpt.save": {"count": 0, "cpu": {"total_seconds": 0.5, "self_seconds": 0.5},
                                              "gpu": None}},
-                     "counters": {"tokens": {"total": 500, "per_second": 100.0}}}
+                     "counters": {"tokens": {"total": 500, "per_second": 100.0}}, "metrics": {}}
     # the unchanged ckpt.save is left out; the later tick's final mark, not the earlier's warm-up
     assert second["spans"] == {"fwd": {"count": 15, "cpu": {"total_seconds": 3.0, "self_seconds": 2.0}, "gpu": None}}
     assert second["final"] is True and "warmup" not in second and second["counters"]["tokens"]["per_second"] == 200.0
@@ -61,3 +61,15 @@ def test_a_resume_starts_a_new_segment_and_one_instant_makes_no_window():
     assert [w["counters"]["tokens"]["total"] for w in windows] == [100, 300, 100]   # never across the resume
     assert windows[-1].get("final") is True   # the final close at the timer tick's instant marks the window before
     assert tick_windows([]) == [] and tick_windows(ticks[:1]) == []
+
+
+def test_a_window_s_metric_mean_is_the_change_of_the_sums_over_that_of_the_counts():
+    """The finite values recorded between two ticks, an interval's metrics shape (readers take ["mean"]); a metric
+    whose count did not move (nothing recorded, or only non-finite values) is left out of that window."""
+    ticks = [tick(0, 0.0, {}, 0), tick(1, 5.0, {}, 500), tick(2, 10.0, {}, 1000), tick(3, 15.0, {}, 1500)]
+    ticks[1]["metrics"] = {"loss": {"sum": 20.0, "count": 2}, "tau": {"sum": 3.0, "count": 2}}
+    ticks[2]["metrics"] = {"loss": {"sum": 26.0, "count": 4}, "tau": {"sum": 3.0, "count": 2, "nonfinite": 1}}
+    ticks[3]["metrics"] = {"loss": {"sum": 29.0, "count": 5, "nonfinite": 2}, "tau": {"sum": 6.0, "count": 3}}
+    windows = tick_windows(ticks)
+    assert [w["metrics"] for w in windows] == [{"loss": {"mean": 10.0}, "tau": {"mean": 1.5}}, {"loss": {"mean": 3.0}},
+                                               {"loss": {"mean": 3.0}, "tau": {"mean": 3.0}}]

@@ -13,7 +13,7 @@ import report
 import report.check as check_mod
 from dflash import report_cli
 from report.check import check, check_compare
-from report.plot import timeline
+from report.plot import _window_words, timeline
 from report.runs import load_run
 from tests.report.test_check import write
 from tests.report.ticked import ticked_run
@@ -106,6 +106,26 @@ def test_the_plot_has_a_point_per_tick_window_and_lines_in_time_order(runs, tmp_
     assert len(gpu["seconds"]) == 8 and gpu["seconds"] == sorted(gpu["seconds"])
 
 
+def test_the_loss_panel_has_a_point_per_tick_window(runs, tmp_path):
+    """The README run's two intervals would give the loss line 2 points; its ticks' cumulative loss sums give one
+    mean per 5 s tick window (the finite values recorded in it), and the title says so."""
+    tl = timeline(load_run(runs["a"]))
+    drafter = tl["roles"]["drafter"]
+    assert tl["metric_source"] == "ticks"
+    losses = [v for v in drafter["metrics"]["loss"] if v is not None]
+    assert len(losses) >= 10 and losses == sorted(losses, reverse=True)   # the simulated loss falls
+    assert drafter["metric_seconds"] == sorted(drafter["metric_seconds"])
+    assert "loss" not in tl["roles"]["target"]["metrics"]
+    assert _window_words(tl, tl["metric_source"]) == "5 s tick window"
+    # a log written before ticks carried metrics: the intervals' own, named so
+    old = ticked_run()
+    for r in (r for recs in old["logs"].values() for r in recs if r["type"] == "tick"):
+        del r["metrics"]
+    tl_old = timeline(load_run(write(tmp_path / "old", old)))
+    assert tl_old["metric_source"] == "intervals" and len(tl_old["roles"]["drafter"]["metrics"]["loss"]) == 2
+    assert _window_words(tl_old, tl_old["metric_source"]) == "60 s interval"
+
+
 def test_the_check_names_a_compare_not_alike_and_a_label_beside_another_figure(runs, monkeypatch):
     real = check_mod.compare_runs
 
@@ -161,3 +181,14 @@ def test_a_change_is_weighed_against_the_spread_of_the_mean():
     assert classify(a, list(a))["verdict"] == "within spread"
     # a span's mean weighs its windows by their calls: its total over its calls
     assert classify([2.0, 1.0], [2.0, 1.0], weights=([1, 3], [1, 3]))["a"]["mean"] == pytest.approx(1.25)
+
+
+def test_a_tick_s_metrics_are_read_or_its_line_is_bad(runs, tmp_path):
+    assert all(log.bad_lines == 0 for log in load_run(runs["a"]).ranks.values())
+    run = ticked_run()
+    ticks = [r for r in run["logs"][0] if r["type"] == "tick"]
+    ticks[3]["metrics"] = {"loss": {"sum": "x", "count": 2}}
+    ticks[4]["metrics"] = [1.0]
+    ticks[5]["metrics"] = {"loss": 3.0}
+    loaded = load_run(write(tmp_path / "bad", run))
+    assert loaded.ranks[0].bad_lines == 3 and loaded.ranks[1].bad_lines == 0

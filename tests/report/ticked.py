@@ -1,6 +1,7 @@
 """A simulated run as the README's main job writes it (`--profile-interval 60`, 5 s ticks, ~80 s of training):
-two intervals (warm-up, then final) and the cumulative `tick` records (docs/RUNLOG.md) of the same spans, made
-from one timeline of whole spans per rank, so the intervals, ticks, run_end and throughput events agree."""
+two intervals (warm-up, then final) and the cumulative `tick` records (docs/RUNLOG.md) of the same spans and the
+drafter's loss, made from one timeline of whole spans per rank, so the intervals, ticks, run_end and throughput
+events agree."""
 from __future__ import annotations
 
 import random
@@ -44,9 +45,16 @@ def _tick(rank: int, role: str, index: int, t: float, spans: list, steps: list, 
             c["cpu_seconds"] += min(end, t) - start
             c["self_seconds"] += min(end, t) - start
     done = sum(1 for s in steps if s <= t)
+    losses = [loss(k) for k in range(done)] if role == "drafter" else []
+    metrics = {"loss": {"sum": sum(losses), "count": len(losses)}} if losses else {}
     return {"type": "tick", "time_unix": T0 + t, "rank": rank, "role": role, "index": index, "t_s": t,
             "step": done or None, "counters": {"tokens": done * TOKENS_PER_STEP, "steps": done}, "spans": cum,
-            **({"warmup": True} if t < WARM_END_S else {}), **marks}
+            "metrics": metrics, **({"warmup": True} if t < WARM_END_S else {}), **marks}
+
+
+def loss(step: int) -> float:
+    """The drafter's simulated loss at a step (0-based): falling as training goes."""
+    return 10.0 / (1.0 + 0.05 * step)
 
 
 def _interval(rank: int, role: str, index: int, a: float, b: float, spans: list, steps: list, **marks) -> dict:
@@ -58,6 +66,9 @@ def _interval(rank: int, role: str, index: int, a: float, b: float, spans: list,
         entries[name] = entry(whole, thread, total=sum(min(e, b) - max(s, a) for s, e in mine))
         entries[name]["share"] = entries[name]["cpu"]["total_seconds"] / (b - a)
     tokens = sum(1 for s in steps if a < s <= b) * TOKENS_PER_STEP
+    losses = [loss(k) for k, s in enumerate(steps) if a < s <= b] if role == "drafter" else []
+    if losses:
+        marks["metrics"] = {"loss": {"last": losses[-1], "mean": sum(losses) / len(losses)}}
     return {"type": "interval", "rank": rank, "role": role, "index": index, "start_s": a, "end_s": b,
             "step": sum(1 for s in steps if s <= b), "time_unix": T0 + b, "duration_seconds": b - a, "spans": entries,
             "counters": {"tokens": {"total": tokens, "per_second": tokens / (b - a)}}, **marks}
