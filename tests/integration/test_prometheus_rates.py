@@ -174,8 +174,9 @@ def test_rate_at_unaligned_times_agrees_with_the_run_logs_ticks(scraped):
     first, last = sampled_span(base, rank, tks)
     assert last - first >= 4 * INTERVAL_S, (first, last)   # room for both windows, each at 8 times
     checked = []
-    # every window and t lies inside the span (a quiet machine trains the run in less than 6 intervals' time)
-    for window_s in (2 * INTERVAL_S, min(6 * INTERVAL_S, 0.75 * (last - first))):
+    # every window and t lies inside the span (a quiet machine trains the run in less than 6 intervals' time);
+    # whole seconds: a PromQL duration takes no fraction
+    for window_s in (2 * INTERVAL_S, min(6 * INTERVAL_S, int(0.75 * (last - first)))):
         for k in range(8):   # spread over the training, off every tick, interval and scrape instant
             t = first + window_s + (last - first - window_s) * (k + 0.37) / 8
             checked.append(check_one(base, rank, tks, t, window_s))
