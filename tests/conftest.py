@@ -232,6 +232,11 @@ def start_prometheus(tmp: Path, sd_glob, rule_files=(), alertmanager: str | None
         + (f"rule_files:{rules}\n" if rules else "") + alerting
         + "scrape_configs:\n  - job_name: dflash\n    file_sd_configs:\n"
         f"      - files: [{sd_glob}]\n        refresh_interval: 1s\n")
+    return serve_prometheus(config, tmp)
+
+
+def serve_prometheus(config: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus on `config`, its TSDB and log under `tmp`; (process, base URL) once it answers /-/ready."""
     port = free_port_pair()   # below the ephemeral range: no outgoing connection takes it before Prometheus binds
     proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={config}",
                              f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],

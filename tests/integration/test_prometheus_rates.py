@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from monitoring.catalog import FAMILIES
-from tests.conftest import free_port_pair, start_prometheus
+from tests.conftest import free_port_pair, serve_prometheus, start_prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -54,21 +54,7 @@ def start_shipped_prometheus(tmp: Path, sd_glob: Path) -> tuple[subprocess.Popen
     sd["files"] = [str(sd_glob)]
     tmp.mkdir()
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port_pair()
-    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "wb"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"prometheus exited; see {tmp / 'prometheus.log'}"
-        try:
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=1):
-                return proc, base
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("prometheus did not become ready")
+    return serve_prometheus(tmp / "prometheus.yml", tmp)
 
 
 def train(run: Path, sd: Path, args: list) -> float:
