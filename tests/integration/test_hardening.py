@@ -428,8 +428,11 @@ def test_a_disk_that_fills_mid_run_stops_each_rank_in_one_line_with_whole_logs_e
         recs, bad = read_records(log)
         assert bad == 0 and log.read_bytes().endswith(b"\n")   # whole lines only, none torn
         [end] = [x for x in recs if x["type"] == "run_end"]
-        assert recs[-1] is end and end["status"] == "DiskFullStop"
+        # a rank that found the disk full stops on it; its peer may first end on the protocol's END it sent (a
+        # loaded machine orders them so), its own log full all the same
+        assert recs[-1] is end and end["status"] == ("DiskFullStop" if rank in said else "ok"), (rank, said)
         assert end["run_log"]["error"] == "No space left on device" and end["run_log"]["dropped_records"] >= 1
+    assert said   # at least one rank found the disk full and said so
     assert not [p.name for p in out.rglob("*") if ".tmp" in p.name]   # no half-written file left
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
     from report.check import check_run
