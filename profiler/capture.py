@@ -129,7 +129,7 @@ class CaptureSpans:
             return
         for thread_name, rec, gpu_s in done:
             for w in windows:
-                if w.holds(rec[1]):
+                if w.holds(rec.t0_ns):
                     w.spans.append(self._entry(w, thread_name, rec, gpu_s))
         self._flush()
 
@@ -139,15 +139,15 @@ class CaptureSpans:
         return out
 
     def _entry(self, w: Window, thread_name: str, rec, gpu_s) -> dict:
-        return {"name": rec[0], "thread": thread_name, "tid": self.native_ids.get(thread_name), "depth": rec[3],
-                "step": w.step_at(rec[1]), "start_unix_ns": self.to_unix_ns(rec[1]),
-                "end_unix_ns": self.to_unix_ns(rec[2]), "cpu_seconds": (rec[2] - rec[1]) / 1e9,
-                "gpu_seconds": gpu_s, "bytes": rec[4]}
+        return {"name": rec.name, "thread": thread_name, "tid": self.native_ids.get(thread_name), "depth": rec.depth,
+                "step": w.step_at(rec.t0_ns), "start_unix_ns": self.to_unix_ns(rec.t0_ns),
+                "end_unix_ns": self.to_unix_ns(rec.t1_ns), "cpu_seconds": (rec.t1_ns - rec.t0_ns) / 1e9,
+                "gpu_seconds": gpu_s, "bytes": rec.bytes}
 
     def _unfinished(self, w: Window) -> int:
         """Spans begun in the capture that are still open or await their GPU window."""
         starts = [s["t0_ns"] for entry in self.open_fn() for s in entry["spans"]]
-        starts += [rec[1] for _thread, rec in self.pending_fn()]
+        starts += [rec.t0_ns for _thread, rec in self.pending_fn()]
         return sum(1 for t in starts if w.holds(t))
 
     def _flush(self) -> None:

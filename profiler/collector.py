@@ -33,7 +33,7 @@ class Collector:
         self.intervals_closed = 0
         self.last_interval: dict | None = None
         self.spans_finished = 0              # spans drained so far (the hang watchdog's progress)
-        self.last_finished: dict = {}        # thread name -> (span name, end perf_counter_ns)
+        self.last_finished: dict = {}        # thread name -> the SpanRecord that ended last on it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged = False
@@ -88,7 +88,7 @@ class Collector:
         for thread_name, spans, _ in drained:
             if spans:   # finished in end order: the last one ended last (an OOM's span, unwinding)
                 self.spans_finished += len(spans)
-                self.last_finished[thread_name] = (spans[-1][0], spans[-1][2])
+                self.last_finished[thread_name] = spans[-1]
         self.aggregator.add_drained(drained, boundary_ns)
 
     def last_finished_span(self, thread_name: str) -> dict | None:
@@ -97,7 +97,7 @@ class Collector:
         found = self.last_finished.get(thread_name)
         if found is None:
             return None
-        return {"name": found[0], "ended_seconds_ago": (time.perf_counter_ns() - found[1]) / 1e9}
+        return {"name": found.name, "ended_seconds_ago": (time.perf_counter_ns() - found.t1_ns) / 1e9}
 
     def _clock_s(self, perf_ns: int) -> float:
         """The interval clock at `perf_ns` (the same instant on the default clock; an injected one is read now)."""

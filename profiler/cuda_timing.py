@@ -66,18 +66,19 @@ def _stream_functions(event_factory, device_index):
 
 
 def resolve(pending: list, pool: EventPool, place=None):
-    """(thread_name, record) pairs in -> (resolved: (thread_name, record, gpu_seconds) of the records whose
+    """(thread_name, SpanRecord) pairs in -> (resolved: (thread_name, record, gpu_seconds) of the records whose
     events both completed, their events back in the pool; still_pending: the rest, in order). `place(name,
     record)` (profiler/gpu_lag.py) sees each resolved record while its events are still its own."""
     resolved, still, freed = [], [], []
     for item in pending:
-        rec = item[1]
-        ms = elapsed_ms(rec[8], rec[9])   # the record's start and end events
+        thread_name, rec = item
+        start, end = rec.start_event, rec.end_event
+        ms = elapsed_ms(start, end)
         if ms is not None:
             if place is not None:
-                place(rec[0], rec)
-            resolved.append((item[0], rec, ms / 1000.0))   # ms -> seconds
-            freed += (rec[8], rec[9])
+                place(rec.name, rec)
+            resolved.append((thread_name, rec, ms / 1000.0))   # ms -> seconds
+            freed += (start, end)
         else:
             still.append(item)
     if freed:

@@ -90,12 +90,12 @@ class DetailWindow:
         return self.marks.range_steps[i // 2] if i % 2 else None
 
     def offer(self, done) -> None:
-        """Keep each finished span, (thread_name, record, gpu_seconds or None), that the window holds."""
+        """Keep each finished span, (thread_name, SpanRecord, gpu_seconds or None), that the window holds."""
         for thread_name, rec, gpu_s in done:
-            attrs = rec[7]
+            attrs = rec.attrs
             tagged = attrs.get("detail") if attrs else None
             if tagged is None:
-                step = self._range_step(rec[1])
+                step = self._range_step(rec.t0_ns)
                 if step is None:
                     continue
                 self.first = step if self.first is None else min(self.first, step)
@@ -105,10 +105,10 @@ class DetailWindow:
             if len(self.spans) >= self.max_spans:
                 self.dropped += 1
                 continue
-            entry = {"id": rec[5], "parent": rec[6], "name": rec[0], "thread": thread_name,
-                     "tid": self.native_ids.get(thread_name), "depth": rec[3],
-                     "start_unix_ns": self.to_unix_ns(rec[1]), "end_unix_ns": self.to_unix_ns(rec[2]),
-                     "cpu_seconds": (rec[2] - rec[1]) / 1e9, "gpu_seconds": gpu_s, "bytes": rec[4]}
+            entry = {"id": rec.id, "parent": rec.parent, "name": rec.name, "thread": thread_name,
+                     "tid": self.native_ids.get(thread_name), "depth": rec.depth,
+                     "start_unix_ns": self.to_unix_ns(rec.t0_ns), "end_unix_ns": self.to_unix_ns(rec.t1_ns),
+                     "cpu_seconds": (rec.t1_ns - rec.t0_ns) / 1e9, "gpu_seconds": gpu_s, "bytes": rec.bytes}
             if attrs:
                 entry["attrs"] = attrs
             self.spans.append(entry)

@@ -96,19 +96,19 @@ class GpuLag:
             self.pending = (after_ns, ev)   # after the call, as a span's t0 follows its start record
 
     def place(self, name: str, rec) -> None:
-        """A finished CUDA record (profiler/spans.py: t0 [1], t1 [2], events [8], [9], both done): its lags."""
-        i = bisect.bisect_right(self.anchors_ns, rec[1] - ANCHOR_BEFORE_NS) - 1
+        """A finished CUDA SpanRecord (profiler/spans.py), both events done: its lags."""
+        i = bisect.bisect_right(self.anchors_ns, rec.t0_ns - ANCHOR_BEFORE_NS) - 1
         if i < 0:
             self.unplaced[name] = self.unplaced.get(name, 0) + 1
             return
         anchor_ns, anchor = self.anchors_ns[i], self.anchors[i]
         try:
-            start_ns = anchor_ns + anchor.elapsed_time(rec[8]) * 1e6   # ms -> ns
-            end_ns = anchor_ns + anchor.elapsed_time(rec[9]) * 1e6
+            start_ns = anchor_ns + anchor.elapsed_time(rec.start_event) * 1e6   # ms -> ns
+            end_ns = anchor_ns + anchor.elapsed_time(rec.end_event) * 1e6
         except RuntimeError:   # an event the driver will not time against the anchor: counted, never raised
             self.unplaced[name] = self.unplaced.get(name, 0) + 1
             return
-        self.samples.setdefault(name, []).append(((start_ns - rec[1]) / 1e9, (end_ns - rec[2]) / 1e9,
+        self.samples.setdefault(name, []).append(((start_ns - rec.t0_ns) / 1e9, (end_ns - rec.t1_ns) / 1e9,
                                                   (end_ns - start_ns) / 1e9))
 
     def tolerance_s(self) -> float:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, fields
 from profiler.cuda_timing import resolve
 from profiler.detail import NullDetailWindow
 from profiler.gpu_lag import NullGpuLag
-from profiler.spans import CPU_RECORD_LEN
 from profiler.stats import RunStats, as_seconds, summarize
 
 
@@ -119,8 +118,8 @@ class IntervalAggregator:
         """One thread's drained records: each credited, CUDA ones queued for their pair, CPU ones added whole."""
         cpu_records = []
         for rec in records:
-            self._credit(rec[0], rec[5], rec[6], rec[1], rec[2], boundary_ns)
-            if len(rec) > CPU_RECORD_LEN:
+            self._credit(rec.name, rec.id, rec.parent, rec.t0_ns, rec.t1_ns, boundary_ns)
+            if rec.end_event is not None:   # a CUDA span: whole once its event pair resolved
                 self.pending.append((thread_name, rec))
             else:
                 cpu_records.append((thread_name, rec, None))
@@ -169,7 +168,7 @@ class IntervalAggregator:
         window; `timed`: CUDA records (resolved, or at run end never resolved)."""
         spans = self._spans
         for thread_name, rec, gpu_s in done:
-            name, t0, t1, nbytes = rec[0], rec[1], rec[2], rec[4]
+            name, t0, t1, nbytes = rec.name, rec.t0_ns, rec.t1_ns, rec.bytes
             acc = spans.get(name)
             if acc is None:
                 acc = spans[name] = _SpanAcc()
@@ -177,15 +176,16 @@ class IntervalAggregator:
             acc.timed += timed
             acc.cpu.append(cpu_s)
             acc.threads.add(thread_name)
-            kids_s = self._kids_basis_s.pop(rec[5], 0.0)
-            if rec[6] is not None:   # the parent's children, on their own clock (GPU when timed)
-                self._kids_basis_s[rec[6]] = self._kids_basis_s.get(rec[6], 0.0) + (cpu_s if gpu_s is None else gpu_s)
+            kids_s = self._kids_basis_s.pop(rec.id, 0.0)
+            parent = rec.parent
+            if parent is not None:   # the parent's children, on their own clock (GPU when timed)
+                self._kids_basis_s[parent] = self._kids_basis_s.get(parent, 0.0) + (cpu_s if gpu_s is None else gpu_s)
             if gpu_s is not None:
                 acc.gpu.append(gpu_s)
                 acc.gpu_self += max(0.0, gpu_s - kids_s)
                 acc.gpu_windows.append((gpu_s, t0, seen_ns if seen_ns > t1 else t1))
             if nbytes is not None:
-                acc.path = span_path(rec[7]) or acc.path
+                acc.path = span_path(rec.attrs) or acc.path
                 acc.bytes += nbytes
                 acc.bytes_n += 1
                 acc.bytes_cpu += cpu_s
@@ -284,7 +284,7 @@ class IntervalAggregator:
         """Forget children's seconds noted for parents that finished first (a CUDA child resolved later): only
         pending records and open spans can still take them."""
         if len(self._kids_basis_s) > 4 * len(self.pending) + 1024:
-            keep = {rec[5] for _, rec in self.pending} | set(self._credited)
+            keep = {rec.id for _, rec in self.pending} | set(self._credited)
             self._kids_basis_s = {k: v for k, v in self._kids_basis_s.items() if k in keep}
 
     def _gpu_share_seconds(self, windows: list, boundary_ns: int | None) -> float:

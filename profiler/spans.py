@@ -7,8 +7,8 @@ thread's log against its open-span stack for nesting and finished records, off t
 Event-log items (appended by the owning thread only): begin `tag` then `t0_ns`, or CUDA `(tag, t0_ns,
 start_event)`, tag = name or (name, bytes); end `t1_ns`, or CUDA `(t1_ns, end_event)`; `None` cancels a begin
 whose enter raised (fault injection); a `SpanAttrs` dict tags the innermost open span (`profiler.tag`).
-Finished records (drain()): CPU `(name, t0_ns, t1_ns, depth, bytes, id, parent, attrs)`, CUDA adds
-`(start_event, end_event)`; `id` numbers spans in begin order, `parent` is the enclosing span's id (or None).
+The replay keeps each thread's open spans as `SpanRecord`s on a stack and completes them into finished ones
+(drain()); readers take their fields by name.
 
 Hand-over without a lock: the collector takes `n = len(log)`, copies `log[:n]` and deletes `log[:n]`, each an
 atomic list operation, so every item is taken exactly once however the owner's appends interleave.
@@ -20,6 +20,7 @@ import itertools
 import re
 import threading
 import time
+from typing import Any
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _now_ns = time.perf_counter_ns
@@ -39,7 +40,45 @@ def check_bytes(name: str, nbytes) -> None:
         raise ValueError(f"span {name!r}: bytes must be a non-negative int, got {nbytes!r}")
 
 
-CPU_RECORD_LEN = 8    # a finished record longer than this carries a CUDA event pair at [8], [9]
+class SpanRecord:
+    """One span on the collector side: open on its thread's stack while the replay has its begin and not its end,
+    finished once the end is replayed (SpanRecorder.drain() returns finished ones, read-only from then on). A
+    `__slots__` class, so the replay makes one object per span and every reader's field access is a slot read."""
+    __slots__ = ("name", "t0_ns", "t1_ns", "depth", "bytes", "id", "parent", "attrs", "start_event", "end_event")
+
+    name: str
+    t0_ns: int
+    """perf_counter_ns at the enter (a CUDA span: after its start event was recorded)."""
+    t1_ns: int | None
+    """perf_counter_ns at the exit (a CUDA span: before its end event was recorded); None while open."""
+    depth: int
+    """Spans open around it on its thread (0: outermost)."""
+    bytes: int | None
+    """What the span declared it moved (`bytes=`), else None."""
+    id: int
+    """The recorder's number for it, in begin order."""
+    parent: int | None
+    """The enclosing span's id, or None."""
+    attrs: dict | None
+    """What `profiler.tag()` gave it (merged), or None."""
+    start_event: Any
+    """A CUDA span's start event (profiler/cuda_timing.py), recorded on the current stream; None: CPU only."""
+    end_event: Any
+    """A CUDA span's end event; None: CPU only, or still open."""
+
+    @classmethod
+    def of(cls, name: str, t0_ns: int, t1_ns: int | None, depth: int = 0, nbytes: int | None = None,
+           span_id: int = 0, parent: int | None = None, attrs: dict | None = None, start_event=None,
+           end_event=None) -> "SpanRecord":
+        """A record from its fields. The replay fills a bare `SpanRecord()` itself, slot by slot (every slot: see
+        SpanRecorder._replay), so no Python `__init__` frame is a cost per span."""
+        s = cls()
+        s.name, s.t0_ns, s.t1_ns, s.depth, s.bytes = name, t0_ns, t1_ns, depth, nbytes
+        s.id, s.parent, s.attrs, s.start_event, s.end_event = span_id, parent, attrs, start_event, end_event
+        return s
+
+    def __repr__(self) -> str:
+        return "SpanRecord(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
 class SpanAttrs(dict):
@@ -56,7 +95,7 @@ class ThreadState:
         self.buf: list = []     # span event log, appended by the owning thread only
         self.misc: list = []    # (kind, name, value): 0 counter, 1 gauge, 2 metric; owner appends
         self.spans: dict = {}   # name -> this thread's span object (bytes=None)
-        self.open: list = []    # collector side: [name, t0_ns, bytes, id, attrs(, start_event)] per open span
+        self.open: list = []    # collector side: the open SpanRecords, outermost first
         self.begun = None       # collector side, CPU: a replayed tag whose t0 is still to come
 
 
@@ -339,47 +378,58 @@ class SpanRecorder:
         return out
 
     def _replay(self, st: ThreadState, events) -> list:
-        """Match begins and ends (LIFO per thread) into finished records; `st.open` carries open spans over."""
+        """Match begins and ends (LIFO per thread) into finished SpanRecords; `st.open` carries open spans over.
+        A begin's record gets every slot here (no Python __init__: the collector pays this loop per span), its
+        depth and parent from the stack it opens on, which is the stack it ends on."""
         open_, out = st.open, []
         begun, next_id = st.begun, self._next_id   # locals in the loop; written back below
-        pop, push, emit = open_.pop, open_.append, out.append
+        pop, push, emit, Record = open_.pop, open_.append, out.append, SpanRecord
         unused = []   # events of cancelled or unmatched CUDA spans, back to the pool after the loop
         for e in events:
             te = type(e)
             if te is int:
-                if begun is not None:                   # CPU begin: the t0 after its tag
-                    name, nbytes = (begun, None) if type(begun) is str else begun
-                    push([name, e, nbytes, next_id, None])
-                    next_id += 1
-                    begun = None
-                elif open_:                             # CPU end
-                    b = pop()
-                    emit((b[0], b[1], e, len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4]))
-                else:
-                    self.unmatched += 1
+                if begun is None:                       # CPU end
+                    if open_:
+                        s = pop()
+                        s.t1_ns = e
+                        emit(s)
+                    else:
+                        self.unmatched += 1
+                    continue
+                tag = begun                             # CPU begin: the t0 after its tag
+                t0_ns = e
+                start = begun = None
             elif te is str or (te is tuple and len(e) == 2 and type(e[1]) is int and type(e[0]) is str):
                 begun = e                               # CPU tag: name, or (name, bytes)
-            elif e is None:                             # cancelled begin (the enter raised)
-                if open_:
-                    b = pop()
-                    if len(b) > 5:
-                        unused.append(b[5])
-            elif te is SpanAttrs:                       # profiler.tag(): for the innermost open span
-                if open_:
-                    open_[-1][4] = {**(open_[-1][4] or {}), **e}
+                continue
+            elif e is None or te is SpanAttrs:          # a cancelled begin, or profiler.tag()
+                _amend(open_, e, unused)
+                continue
             elif type(e[0]) is int:                     # CUDA end: (t1, end_event)
                 if open_:
-                    b = pop()
-                    emit((b[0], b[1], e[0], len(open_), b[2], b[3], open_[-1][3] if open_ else None, b[4],
-                          b[5], e[1]))
+                    s = pop()
+                    s.t1_ns, s.end_event = e
+                    emit(s)
                 else:
                     unused.append(e[1])
                     self.unmatched += 1
+                continue
             else:                                       # begin: (tag, t0[, start_event])
-                tag = e[0]
-                name, nbytes = (tag, None) if type(tag) is str else tag
-                push([name, e[1], nbytes, next_id, None, *e[2:3]])
-                next_id += 1
+                tag, t0_ns, start = e[0], e[1], e[2] if len(e) > 2 else None
+            s = Record()
+            if type(tag) is str:
+                s.name = tag
+                s.bytes = None
+            else:
+                s.name, s.bytes = tag
+            s.t0_ns = t0_ns
+            s.id = next_id
+            s.depth = len(open_)
+            s.parent = open_[-1].id if open_ else None
+            s.start_event = start
+            s.t1_ns = s.attrs = s.end_event = None
+            push(s)
+            next_id += 1
         st.begun, self._next_id = begun, next_id
         if unused:
             self.event_pool.put(*unused)
@@ -395,13 +445,27 @@ class SpanRecorder:
                 states = list(self._states)
             for st in states:
                 if st.open:
-                    spans = [{"name": e[0], "depth": i, "open_seconds": (now_ns - e[1]) / 1e9}
-                             for i, e in enumerate(st.open)]
+                    spans = [{"name": s.name, "depth": s.depth, "open_seconds": (now_ns - s.t0_ns) / 1e9}
+                             for s in st.open]
                     if ids:
-                        for s, e in zip(spans, st.open):
-                            s["id"], s["t0_ns"] = e[3], e[1]
+                        for entry, s in zip(spans, st.open):
+                            entry["id"], entry["t0_ns"] = s.id, s.t0_ns
                     out.append({"thread": st.thread.name, "native_id": st.thread.native_id, "spans": spans})
         return out
+
+
+def _amend(open_: list, e, unused: list) -> None:
+    """A replayed None (the innermost open span's enter raised: it is dropped, a CUDA one's start event goes to
+    `unused`) or SpanAttrs (merged into the innermost open span's attrs)."""
+    if not open_:
+        return
+    if e is None:
+        s = open_.pop()
+        if s.start_event is not None:
+            unused.append(s.start_event)
+    else:
+        s = open_[-1]
+        s.attrs = {**(s.attrs or {}), **e}
 
 
 def _take(buf: list) -> list:

@@ -12,11 +12,12 @@ import profiler
 from profiler import api
 from profiler.detail import MAX_RANGES, DetailWindow, StepMarks
 from profiler.records import read_records
+from profiler.spans import SpanRecord
 from tests.profiler.build import make_profiler
 
 
 def rec(name, t0, t1, sid=None, attrs=None):
-    return (name, t0, t1, 0, None, t0 if sid is None else sid, None, attrs)
+    return SpanRecord.of(name, t0, t1, 0, None, t0 if sid is None else sid, None, attrs)
 
 
 def window(steps=2, follows=False, **kw):

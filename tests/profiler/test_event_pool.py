@@ -2,6 +2,7 @@
 completed (Event.query(): never a wait), and resolution keeps order and gives back only resolved pairs' events.
 Real events: tests/profiler/test_cuda.py."""
 from profiler.cuda_timing import EventPool, elapsed_ms, resolve
+from profiler.spans import SpanRecord
 
 
 class Event:
@@ -29,7 +30,7 @@ def test_elapsed_is_none_while_either_event_is_pending_and_never_asks_then():
 def test_resolve_keeps_order_and_releases_only_resolved_pairs():
     pool = EventPool(event_factory=lambda: Event(0), prealloc=0)
     a, b, c, d = Event(0), Event(2), Event(3), Event(160)
-    rec = lambda s, e: [None] * 8 + [s, e]   # noqa: E731 - the record's start and end slots
+    rec = lambda s, e: SpanRecord.of("x", 0, 1, start_event=s, end_event=e)   # noqa: E731
     pending = [("t", rec(a, b)), ("t", rec(c, d)), ("u", rec(b, c))]
     done, still = resolve(pending, pool)
     assert [(n, sec) for n, _, sec in done] == [("t", 0.002), ("u", 0.001)]

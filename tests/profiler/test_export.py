@@ -161,10 +161,11 @@ def test_non_finite_metric_is_null_with_a_reason_for_exporters_too(tmp_path, val
 
 def test_detail_window_starts_on_an_aligned_step_once_intervals_are_long_enough():
     from profiler.detail import DetailWindow, StepMarks
+    from profiler.spans import SpanRecord
 
     marks = StepMarks()
     window = DetailWindow(2, marks, lambda t: t, {})
-    span = lambda t: ("x.step", t, t + 1, 0, None, t, None, None)   # noqa: E731
+    span = lambda t: SpanRecord.of("x.step", t, t + 1, 0, None, t, None, None)   # noqa: E731
     for step in range(0, 20):          # interval 0: 20 steps, window = its first two (0, 1)
         marks.mark(step * 100, step)
         window.offer([("main", span(step * 100 + 1), None)])

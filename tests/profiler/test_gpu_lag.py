@@ -5,6 +5,7 @@ import pytest
 from profiler.cuda_timing import EventPool
 from profiler.gpu_lag import GPU, LAUNCH, LAUNCH_SLACK_S, MIXED, GpuLag, lag_entry, sample_class
 from profiler.intervals import IntervalAggregator
+from profiler.spans import SpanRecord
 from profiler.windows import gpu_bound
 
 US, MS = 1_000, 1_000_000          # ns
@@ -54,8 +55,8 @@ def cuda_record(name, t0_ns, t1_ns, gpu_start_ns, gpu_end_ns):
     (the GPU clock is the host's plus GPU_OFFSET_NS, and an event reached on an idle stream shows the anchor's
     latency, so these are the lags that should be read)."""
     lat = 5 * US
-    return (name, t0_ns, t1_ns, 0, None, 1, None, None,
-            FakeEvent(GPU_OFFSET_NS + gpu_start_ns + lat), FakeEvent(GPU_OFFSET_NS + gpu_end_ns + lat))
+    return SpanRecord.of(name, t0_ns, t1_ns, 0, None, 1, None, None,
+                         FakeEvent(GPU_OFFSET_NS + gpu_start_ns + lat), FakeEvent(GPU_OFFSET_NS + gpu_end_ns + lat))
 
 
 def test_the_anchor_places_events_on_the_host_timeline_and_its_latency_cancels():

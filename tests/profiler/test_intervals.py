@@ -8,6 +8,7 @@ import torch
 import profiler
 from profiler.cuda_timing import EventPool, resolve
 from profiler.memory import UnavailableMemorySampler, make_memory_sampler
+from profiler.spans import SpanRecord
 from tests.profiler.build import make_profiler
 
 
@@ -224,7 +225,7 @@ def test_resolve_keeps_order():
         s.record()
         gpu.now_ms += 1
         e.record()
-        recs.append(("x", 0, 1, 0, None, i, None, None, s, e))
+        recs.append(SpanRecord.of("x", 0, 1, 0, None, i, None, None, s, e))
     gpu.done_ms = 2.0
     done, still = resolve([("t", r) for r in recs], pool)
     assert [r for _, r, _ in done] == recs[:2] and still == [("t", r) for r in recs[2:]]

@@ -15,6 +15,7 @@ from exporters.console import format_interval, hotspot_rows
 from report import format_hotspots, hotspots
 from profiler.cuda_timing import EventPool
 from profiler.intervals import IntervalAggregator
+from profiler.spans import SpanRecord
 from tests.profiler.build import make_profiler
 
 LONG = "drafter.compile"
@@ -104,7 +105,7 @@ def test_shares_stay_within_an_interval_and_pieces_add_up_with_a_busy_thread(tmp
 
 def rec(name, t0_ns, t1_ns, span_id):
     """A finished CPU record as SpanRecorder.drain() gives it."""
-    return (name, t0_ns, t1_ns, 0, None, span_id, None, None)
+    return SpanRecord.of(name, t0_ns, t1_ns, 0, None, span_id, None, None)
 
 
 def opened(name, t0_ns, span_id):

@@ -34,14 +34,14 @@ def test_nesting_depths_and_thread_names_in_three_threads(tmp_path):
     for spans in by_thread.values():
         assert len(spans) == 3 * n
         depth = {}
-        for name, t0, t1, d, nbytes, *_ in spans:
-            depth.setdefault(name, set()).add(d)
-            assert t1 >= t0 and nbytes is None
+        for s in spans:
+            depth.setdefault(s.name, set()).add(s.depth)
+            assert s.t1_ns >= s.t0_ns and s.bytes is None
         assert depth == {"t.outer": {0}, "t.mid": {1}, "t.inner": {2}}
         # inner ends first, then mid, then outer; outer encloses inner in time
-        names = [s[0] for s in spans[:3]]
+        names = [s.name for s in spans[:3]]
         assert names == ["t.inner", "t.mid", "t.outer"]
-        assert spans[2][1] <= spans[0][1] and spans[0][2] <= spans[2][2]
+        assert spans[2].t0_ns <= spans[0].t0_ns and spans[0].t1_ns <= spans[2].t1_ns
 
 
 def test_interval_reports_threads_and_counts(tmp_path):
@@ -163,7 +163,7 @@ def test_span_records_even_when_block_raises(tmp_path):
             pass
         drained = prof.recorder.drain()
     spans = drained[0][1]
-    assert [(s[0], s[3]) for s in spans] == [("x.fail", 0), ("x.after", 0)]
+    assert [(s.name, s.depth) for s in spans] == [("x.fail", 0), ("x.after", 0)]
 
 
 def test_open_spans_visible_from_another_thread(tmp_path):
@@ -203,8 +203,8 @@ def test_a_begin_split_by_a_drain_between_its_tag_and_its_time_is_still_one_span
     assert rec.drain() == []
     st.buf.extend([1_000, "target.fwd", 1_500, 2_000, 3_000])   # ... its t0, a nested span, both ends
     (_, spans, _), = rec.drain()
-    assert [s[:6] for s in spans] == [("target.fwd", 1_500, 2_000, 1, None, 1),
-                                      ("target.pack_hidden", 1_000, 3_000, 0, 64, 0)]
+    assert [(s.name, s.t0_ns, s.t1_ns, s.depth, s.bytes, s.id) for s in spans] == [
+        ("target.fwd", 1_500, 2_000, 1, None, 1), ("target.pack_hidden", 1_000, 3_000, 0, 64, 0)]
     assert rec.unmatched == 0
 
 
@@ -238,4 +238,4 @@ def test_a_cpu_span_enters_without_a_python_frame_and_logs_what_the_python_enter
     assert calls == ["__exit__"]
     assert log[0] == "target.fwd" and t0 <= log[1] <= log[2] <= t1 and len(log) == 3
     assert type(s).__enter__ is not CpuSpan.__enter__ and type(b) is CpuSpan
-    assert [r[0] for r in drained[0][1]] == ["target.fwd"]
+    assert [r.name for r in drained[0][1]] == ["target.fwd"]

@@ -11,6 +11,7 @@ import report
 from exporters.console import format_interval
 from profiler.floors import floor_for_span
 from profiler.intervals import IntervalAggregator
+from profiler.spans import SpanRecord
 from tests.report.test_findings import _pipeline
 
 FLOORS = {"device_copy": 4.2e12, "pinned_d2h": 50e9, "pinned_h2d": 40e9, "host_copy": 20e9}
@@ -96,7 +97,7 @@ def test_a_host_staged_send_is_held_to_the_host_paths_floor():
     assert floor_for_span("transfer.send", FLOORS, True) == ("device_copy", 4.2e12)
     assert floor_for_span("transfer.send", {"device_copy": 4.2e12}, True, "host") is None   # unmeasured: none
     agg = IntervalAggregator(FLOORS, floor_for_span, is_cuda=False)
-    rec = ("transfer.send", 0, 10_000_000, 0, 10_000_000, 1, None, {"flow": "1:0", "path": "host"})
+    rec = SpanRecord.of("transfer.send", 0, 10_000_000, 0, 10_000_000, 1, None, {"flow": "1:0", "path": "host"})
     agg.add_drained([("target.sender", [rec], [])])
     entry = agg.close_parts(1.0)["spans"]["transfer.send"]
     assert entry["floor"] == "host_copy"            # the CPU: every copy is a host copy
