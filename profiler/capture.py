@@ -112,14 +112,15 @@ class Window:
 class CaptureSpans:
     """The collector's side, in the detail window's place (`offer`, `take`, both passed on to `inner`): keeps each
     finished span that began in a capture, and writes a stopped capture's event once none of its spans is open
-    or awaits its GPU window (or SETTLE_S passed, or the run ends)."""
+    or awaits its GPU window (or SETTLE_S passed, or the run ends). `open_spans()` gives the open spans with their
+    begin times (SpanRecorder.open_spans(ids=True)); `pending` is the aggregator's list of (thread name,
+    SpanRecord) awaiting their GPU window, read here, changed only by the aggregator."""
 
-    def __init__(self, inner, write_event, to_unix_ns, native_ids: dict, clock=time.monotonic):
+    def __init__(self, inner, write_event, to_unix_ns, native_ids: dict, open_spans, pending: list,
+                 clock=time.monotonic):
         self.inner, self.write_event, self.to_unix_ns, self.native_ids = inner, write_event, to_unix_ns, native_ids
-        self.clock = clock
+        self.open_spans, self.pending, self.clock = open_spans, pending, clock
         self.windows: list = []     # appended by the training thread; read and trimmed here
-        self.open_fn = lambda: []   # recorder.open_spans(ids=True) and the aggregator's pending pairs,
-        self.pending_fn = lambda: []   # bound by the Profiler once both exist
         self.final = False          # the run ends: the next take() writes every stopped capture as it is
 
     def offer(self, done) -> None:
@@ -146,8 +147,8 @@ class CaptureSpans:
 
     def _unfinished(self, w: Window) -> int:
         """Spans begun in the capture that are still open or await their GPU window."""
-        starts = [s["t0_ns"] for entry in self.open_fn() for s in entry["spans"]]
-        starts += [rec.t0_ns for _thread, rec in self.pending_fn()]
+        starts = [s["t0_ns"] for entry in self.open_spans() for s in entry["spans"]]
+        starts += [rec.t0_ns for _thread, rec in self.pending]
         return sum(1 for t in starts if w.holds(t))
 
     def _flush(self) -> None:

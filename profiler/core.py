@@ -3,6 +3,7 @@ run log from one ProfilerConfig and the dependencies it is given (profiler/confi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -100,8 +101,7 @@ class Profiler:
         self.hub.start()
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
         self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device))
-        self.collector = self._make_collector()
-        self.captures = self._make_captures()
+        self.collector, self.captures = self._make_collector()
         self._write(self._run_start_record())
         self._start_forensics()
         api.activate(self, self.recorder)
@@ -125,21 +125,26 @@ class Profiler:
         self._cleanups.append(getattr(part, undo))
         return part
 
-    def _make_collector(self) -> Collector:
-        detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, self.recorder.native_ids,
+    def _make_collector(self) -> tuple[Collector, Captures]:
+        """The collector, its aggregator fed to the detail window through the captures' spans (CaptureSpans, given
+        the open spans and the aggregator's pending CUDA pairs), and the captures (profiler/capture.py)."""
+        recorder, pending = self.recorder, []   # pending: the aggregator's CUDA pairs, which CaptureSpans reads
+        detail = (DetailWindow(self.cfg.detail_steps, self.marks, self.to_unix_ns, recorder.native_ids,
                                follows=self.cfg.detail_follows)
                   if self.cfg.detail_steps > 0 else NullDetailWindow())
-        self.capture_spans = CaptureSpans(detail, lambda **f: self.event("capture", **f), self.to_unix_ns,
-                                          self.recorder.native_ids)
-        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, self.capture_spans,
-                                        gpu_lag=self._gpu_lag())
+        capture_spans = CaptureSpans(detail, functools.partial(self.event, "capture"), self.to_unix_ns,
+                                     recorder.native_ids, functools.partial(recorder.open_spans, ids=True), pending)
+        aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, capture_spans,
+                                        gpu_lag=self._gpu_lag(), pending=pending)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
-                    threads_section(self.recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
+                    threads_section(recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
                     self._stack_samples, self._steps_section)
-        return Collector(self.recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
-                         clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
-                         poll_s=self.cfg.poll_s, header=self._header, write=self._write, step_fn=lambda: self.step,
-                         sections=sections, tick_s=self.cfg.tick_s, tick_fields=self._tick_fields)
+        collector = Collector(recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
+                              clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
+                              poll_s=self.cfg.poll_s, header=self._header, write=self._write,
+                              step_fn=lambda: self.step, sections=sections, tick_s=self.cfg.tick_s,
+                              tick_fields=self._tick_fields)
+        return collector, self._make_captures(capture_spans)
 
     def _gpu_lag(self):
         """The injected GpuLag; else one on a private stream when the profiler made its own CUDA event pool
@@ -151,11 +156,9 @@ class Profiler:
             return make_gpu_lag(self.event_pool.device_index)
         return NullGpuLag()
 
-    def _make_captures(self) -> Captures:
+    def _make_captures(self, spans: CaptureSpans) -> Captures:
         """Kineto captures at step boundaries (profiler/capture.py), asked through the endpoint or scheduled."""
-        cfg, spans = self.cfg, self.capture_spans
-        spans.open_fn = lambda: self.recorder.open_spans(ids=True)
-        spans.pending_fn = lambda: self.collector.aggregator.pending
+        cfg = self.cfg
         schedule = (CaptureSchedule(cfg.capture_at_step, cfg.capture_steps, cfg.capture_every)
                     if cfg.capture_at_step is not None else None)
         return Captures(self.run_dir, self.rank, self.recorder, spans, self.deps.capture_session or self._kineto,

@@ -75,14 +75,15 @@ class IntervalAggregator:
     """Accumulates drained records: `close_parts()` the interval's sections (and a reset), `run_parts()` the run's."""
 
     def __init__(self, floors: dict | None = None, floor_fn=None, is_cuda: bool = False, event_pool=None,
-                 detail=None, gpu_lag=None):
+                 detail=None, gpu_lag=None, pending: list | None = None):
         self.floors = floors or {}
         self.gpu_lag = gpu_lag or NullGpuLag()   # places resolved pairs on the host timeline (profiler/gpu_lag.py)
         self.detail = detail or NullDetailWindow()   # sees every finished span (the `spans` record)
         self.floor_fn = floor_fn
         self.is_cuda = is_cuda
         self.event_pool = event_pool
-        self.pending: list = []          # (thread_name, cuda record) awaiting completion
+        # (thread_name, CUDA SpanRecord) awaiting completion; changed in place: `detail` may read the same list
+        self.pending: list = [] if pending is None else pending
         self._spans: dict = {}
         self._run_spans: dict = {}
         self._counters: dict = {}        # name -> interval total
@@ -158,7 +159,7 @@ class IntervalAggregator:
 
     def resolve_pending(self) -> int:
         """Resolve completed CUDA pairs (non-blocking); returns how many are still pending."""
-        done, self.pending = resolve(self.pending, self.event_pool, self.gpu_lag.place)
+        done, self.pending[:] = resolve(self.pending, self.event_pool, self.gpu_lag.place)
         if done:   # the span clock: a resolved pair's GPU work ended before seen_ns
             self._add_whole(done, timed=True, seen_ns=time.perf_counter_ns())
         return len(self.pending)
@@ -196,7 +197,8 @@ class IntervalAggregator:
 
     def add_unresolved(self) -> None:
         """At run end: the pairs still pending count CPU-only (their span's "gpu_unresolved" says how many)."""
-        done, self.pending = [(thread_name, rec, None) for thread_name, rec in self.pending], []
+        done = [(thread_name, rec, None) for thread_name, rec in self.pending]
+        self.pending.clear()
         self._add_whole(done, timed=True)
 
     # ---- output --------------------------------------------------------------------------------
