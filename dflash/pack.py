@@ -73,10 +73,10 @@ class PackedBatch:
         return rows, WireHeader(batch_index, self.noise_seed, int(self.split), int(detail))
 
     @classmethod
-    def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, ints, device) -> tuple["PackedBatch", "WireHeader"]:
-        """The batch to_wire() described, from the payload (on `device`), the metadata rows and the
-        header's ints; the metadata goes up in one copy."""
-        header = WireHeader(*ints)
+    def from_wire(cls, hidden: torch.Tensor, rows: torch.Tensor, header, device) -> tuple["PackedBatch", "WireHeader"]:
+        """The batch to_wire() described, from the payload (on `device`), the metadata rows and the header (a
+        WireHeader, or its four ints in order); the metadata goes up in one copy."""
+        header = header if isinstance(header, WireHeader) else WireHeader._make(header)
         if rows.shape[0] != len(META_FIELDS):
             raise ValueError(f"PackedBatch.from_wire: {rows.shape[0]} metadata rows, expected {len(META_FIELDS)}")
         cpu = {name: rows[i].to(dtype) for i, (name, dtype) in enumerate(zip(META_FIELDS, META_DTYPES))}

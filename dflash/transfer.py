@@ -16,18 +16,18 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import profiler
+from dflash.pack import WireHeader
 
 TAG_HEADER, TAG_META, TAG_PAYLOAD, TAG_STOP, TAG_FINGERPRINT = 11, 12, 13, 14, 15
 KIND_BATCH, KIND_END = 0, 1
-HEADER_LEN = 13
-_INTS = slice(8, 12)      # header slots of Message.ints
-_HAS_FINGERPRINT = 12     # header slot: 1 when a fingerprint follows the payload
+MAX_DIMS = 3              # payload dimensions a frame has slots for ([N, K*H] or [K, N, H])
+HEADER_LEN = 3 + MAX_DIMS + 2 + len(WireHeader._fields) + 1   # Frame's int64 slots (Frame.encode)
 RING_ENTRIES = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _POLL_SECONDS = 50e-6     # how often the sender thread polls an NCCL work for completion
@@ -40,8 +40,8 @@ class Message:
     """The packed hidden states ([N, K*H] or [K, N, H]); device or CPU."""
     meta: torch.Tensor
     """[rows, N] int64 CPU metadata (dflash.pack.META_FIELDS)."""
-    ints: list[int] = field(default_factory=list)
-    """At most four header ints (dflash.pack.WireHeader), received zero-padded to four; the first is the batch."""
+    ints: WireHeader = WireHeader(0, 0, 0, 0)
+    """The batch's header (dflash.pack.WireHeader); given as up to four ints, they are that header zero-padded."""
     src: int = -1
     """Sender rank (set on receipt)."""
     ready: object = None
@@ -54,6 +54,57 @@ class Message:
     """NCCL path: a threading.Event set once submit() has launched (or failed to launch) the send."""
     fingerprint: object = None
     """[finite count, sum] float64 of the payload as packed, or None."""
+
+    def __post_init__(self):
+        self.ints = wire_header(self.ints)
+
+
+def wire_header(ints) -> WireHeader:
+    """`ints` as a WireHeader: one already, or up to len(WireHeader._fields) ints, the missing ones 0 (as the wire
+    carries them)."""
+    if isinstance(ints, WireHeader):
+        return ints
+    n = len(WireHeader._fields)
+    if len(ints) > n:
+        raise ValueError(f"at most {n} header ints, got {len(ints)}")
+    return WireHeader._make([*ints, *[0] * (n - len(ints))])
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The header every message opens with, over gloo: HEADER_LEN int64 slots, in the order of these fields (a
+    shape's unused slots 0). END is a frame of kind KIND_END and nothing else."""
+    kind: int
+    dtype_index: int = 0
+    """The payload's dtype, as its index in _DTYPES."""
+    shape: tuple = ()
+    """The payload's shape, at most MAX_DIMS dimensions."""
+    meta_shape: tuple = (0, 0)
+    """The metadata tensor's [rows, N]."""
+    ints: WireHeader = WireHeader(0, 0, 0, 0)
+    has_fingerprint: bool = False
+    """A fingerprint follows the payload."""
+
+    @classmethod
+    def of(cls, msg: Message) -> "Frame":
+        p = msg.payload
+        if p.dim() > MAX_DIMS:
+            raise ValueError(f"a payload of at most {MAX_DIMS} dimensions, got shape {tuple(p.shape)}")
+        return cls(KIND_BATCH, _DTYPES.index(p.dtype), tuple(p.shape), tuple(msg.meta.shape), msg.ints,
+                   msg.fingerprint is not None)
+
+    def encode(self) -> torch.Tensor:
+        pad = [0] * (MAX_DIMS - len(self.shape))
+        return torch.tensor([self.kind, self.dtype_index, len(self.shape), *self.shape, *pad, *self.meta_shape,
+                             *self.ints, int(self.has_fingerprint)], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> "Frame":
+        kind, dtype_index, ndim, *rest = header.tolist()
+        shape, rest = rest[:MAX_DIMS], rest[MAX_DIMS:]
+        rows, cols, *rest = rest
+        *ints, has_fingerprint = rest
+        return cls(kind, dtype_index, tuple(shape[:ndim]), (rows, cols), WireHeader._make(ints), bool(has_fingerprint))
 
 
 # A float64 sum casts its input first (8 bytes per element); chunks bound that temporary to 128 MiB.
@@ -91,22 +142,6 @@ def dump_flight_recorder() -> list:
 
 def _event_state(ev) -> str | None:
     return None if ev is None else ("done" if ev.query() else "pending")
-
-
-def _header(kind: int, msg: Message | None) -> torch.Tensor:
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[0] = kind
-    if msg is not None:
-        p = msg.payload
-        h[1] = _DTYPES.index(p.dtype)
-        h[2] = p.dim()
-        h[3:3 + p.dim()] = torch.tensor(p.shape)
-        h[6], h[7] = msg.meta.shape
-        if len(msg.ints) > _INTS.stop - _INTS.start:
-            raise ValueError(f"at most {_INTS.stop - _INTS.start} header ints, got {len(msg.ints)}")
-        h[_INTS.start:_INTS.start + len(msg.ints)] = torch.tensor(msg.ints, dtype=torch.int64)
-        h[_HAS_FINGERPRINT] = int(msg.fingerprint is not None)
-    return h
 
 
 def _as_wire(t: torch.Tensor) -> torch.Tensor:
@@ -213,7 +248,7 @@ class Sender:
 
     def submit(self, msg: Message) -> None:
         self._check()
-        _ring("submit", dst=self.dst, batch=_batch(msg), ready=_event_state(msg.ready), queued=self._q.qsize())
+        _ring("submit", dst=self.dst, batch=msg.ints.batch_index, ready=_event_state(msg.ready), queued=self._q.qsize())
         if not self._device_payload:
             self._q.put(msg)
             return
@@ -233,10 +268,10 @@ class Sender:
             self._stream.wait_event(msg.ready)
         with torch.cuda.stream(self._stream), \
                 profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
-            # detail: WireHeader.detail (the 4th int), so the trace keeps this send when it keeps the batch.
-            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1])
+            # detail: the trace keeps this send when it keeps the batch.
+            profiler.tag(flow=self._flow + str(msg.ints.batch_index), detail=msg.ints.detail == 1)
             # nan@transfer.send: the corrupted copy is made on this stream and kept by msg until sent.
-            msg.payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))
+            msg.payload = profiler.corrupt("transfer.send", msg.payload, step=msg.ints.batch_index)
             works = [dist.isend(msg.payload, self.dst)]
             if msg.fingerprint is not None:
                 works.append(dist.isend(msg.fingerprint, self.dst))
@@ -256,9 +291,9 @@ class Sender:
     def _handshake(self, msg: Message) -> None:
         """Header and metadata over gloo: blocks while the drafter's queue is full (back-pressure, kept
         out of `transfer.send`, which would otherwise read as a slow link)."""
-        dist.send(_header(KIND_BATCH, msg), self.dst, group=self._ctrl, tag=TAG_HEADER)
+        dist.send(Frame.of(msg).encode(), self.dst, group=self._ctrl, tag=TAG_HEADER)
         dist.send(msg.meta, self.dst, group=self._ctrl, tag=TAG_META)
-        _ring("header_sent", dst=self.dst, batch=_batch(msg), shape=list(msg.payload.shape))
+        _ring("header_sent", dst=self.dst, batch=msg.ints.batch_index, shape=list(msg.payload.shape))
 
     def _send_device(self, msg: Message) -> None:
         self._handshake(msg)
@@ -276,8 +311,8 @@ class Sender:
         self._handshake(msg)
         with profiler.span("transfer.send", bytes=msg.payload.numel() * msg.payload.element_size()):
             # as in _launch; path="host": held to the host-staged floor (pinned D2H + H2D), not device_copy
-            profiler.tag(flow=self._flow + str(msg.ints[0]), detail=msg.ints[3:4] == [1], path="host")
-            payload = profiler.corrupt("transfer.send", msg.payload, step=_batch(msg))   # nan@transfer.send
+            profiler.tag(flow=self._flow + str(msg.ints.batch_index), detail=msg.ints.detail == 1, path="host")
+            payload = profiler.corrupt("transfer.send", msg.payload, step=msg.ints.batch_index)   # nan@transfer.send
             dist.send(_as_wire(payload), self.dst, group=self._ctrl, tag=TAG_PAYLOAD)
         if msg.fingerprint is not None:
             # Deliberate wait, on this thread only (a no-op on the CPU): 16 bytes to the host; the pack
@@ -292,11 +327,11 @@ class Sender:
                 self.sent += 1
                 if msg.release is not None:
                     msg.release()
-                _ring("completed", dst=self.dst, batch=_batch(msg), in_flight=self.in_flight - 1)
+                _ring("completed", dst=self.dst, batch=msg.ints.batch_index, in_flight=self.in_flight - 1)
                 del msg  # drop our reference before freeing the slot: the buffer may now be reused
                 self.in_flight -= 1
                 self._slots.release()
-            dist.send(_header(KIND_END, None), self.dst, group=self._ctrl, tag=TAG_HEADER)
+            dist.send(Frame(KIND_END).encode(), self.dst, group=self._ctrl, tag=TAG_HEADER)
             _ring("end_sent", dst=self.dst, sent=self.sent)
         except BaseException as e:  # surfaced on the main thread at its next acquire/submit/close
             _ring("sender_failed", dst=self.dst, error=repr(e)[:200])
@@ -354,10 +389,6 @@ def send_stop(producers: list[int], ctrl_group) -> None:
         _ring("stop_sent", dst=p)
 
 
-def _batch(msg: Message) -> int | None:
-    return msg.ints[0] if msg.ints else None
-
-
 class Receiver:
     """Drafter side: a thread receiving from any producer into a bounded queue; `get()` returns the
     next Message, or None once every producer has sent END. Host-staged on a GPU, it receives into
@@ -384,24 +415,22 @@ class Receiver:
         if isinstance(item, BaseException):
             raise RuntimeError(f"drafter.receiver thread failed: {item!r}") from item
         self._ended = item is None
-        if item is not None and item.ints:
-            # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`.
-            # detail (WireHeader.detail): kept in the detail window when the target kept its send.
-            profiler.tag(flow=f"{item.src}:{item.ints[0]}", detail=item.ints[3:4] == [1])
+        if item is not None:
+            # Called inside the caller's `drafter.recv`: link it to the target's `transfer.send`;
+            # kept in the detail window when the target kept its send.
+            profiler.tag(flow=f"{item.src}:{item.ints.batch_index}", detail=item.ints.detail == 1)
         return item
 
     def drain(self) -> int:
         """Discard messages until every producer has ended; returns how many were dropped."""
         return sum(1 for _ in iter(self.get, None))
 
-    def _recv_one(self, header: torch.Tensor, src: int) -> Message:
-        dtype = _DTYPES[int(header[1])]
-        shape = [int(s) for s in header[3:3 + int(header[2])]]
-        meta = torch.empty(int(header[6]), int(header[7]), dtype=torch.int64)
+    def _recv_one(self, frame: Frame, src: int) -> Message:
+        dtype, shape, ints = _DTYPES[frame.dtype_index], list(frame.shape), frame.ints
+        meta = torch.empty(*frame.meta_shape, dtype=torch.int64)
         dist.recv(meta, src, group=self._ctrl, tag=TAG_META)
-        ints = [int(v) for v in header[_INTS]]
         fp_device = self._device if self._device_payload else "cpu"
-        fp = torch.empty(2, dtype=torch.float64, device=fp_device) if int(header[_HAS_FINGERPRINT]) else None
+        fp = torch.empty(2, dtype=torch.float64, device=fp_device) if frame.has_fingerprint else None
         if self._device_payload:
             # Allocated on, and received into on, this thread's stream; NCCL's wait() orders the
             # stream after the receive without blocking the host.
@@ -440,14 +469,15 @@ class Receiver:
             while live:
                 # Any source: a slow producer never stalls the others.
                 src = dist.recv(header, None, group=self._ctrl, tag=TAG_HEADER)
-                _ring("header_received", src=src, end=int(header[0]) == KIND_END, batch=int(header[8]))
+                frame = Frame.decode(header)
+                _ring("header_received", src=src, end=frame.kind == KIND_END, batch=frame.ints.batch_index)
                 if src not in live:
                     raise RuntimeError(f"header from rank {src}, which is not a live producer of this drafter")
-                if int(header[0]) == KIND_END:
+                if frame.kind == KIND_END:
                     live.discard(src)
                     continue
-                msg = self._recv_one(header.clone(), src)
-                _ring("received", src=src, batch=_batch(msg), ready=_event_state(msg.ready),
+                msg = self._recv_one(frame, src)
+                _ring("received", src=src, batch=msg.ints.batch_index, ready=_event_state(msg.ready),
                       queued=self._q.qsize())
                 self._q.put(msg)
             self._q.put(None)
