@@ -19,7 +19,7 @@ loss column must agree across loss variants. `--tiny` runs tiny shapes on the CP
 and 1 MiB of logits a chunk, so the tiny vocabulary still takes several chunks (a smoke test of this
 script; its timings mean nothing).
 
-`--fused` sets dflash.fused.ENABLED, the drafter's compiled RMSNorm / add+RMSNorm / q,k norm+RoPE /
+`--fused` builds the drafter with `fused_elementwise` on or off: its compiled RMSNorm / add+RMSNorm / q,k norm+RoPE /
 SiLU*mul kernels (CUDA only; default on, as in the trainer); `both` runs each row off, then on.
 `first s` is the first step's wall time: it holds torch.compile of flex (in the first row) and of
 the fused kernels (in the first row with them on). In `--fused both` the off row runs first, so the
@@ -50,7 +50,7 @@ from torch import nn
 import common
 import peer_specforge
 import dflash.loss as loss_mod
-from dflash import fused, lm_loss
+from dflash import lm_loss
 from dflash.attention import build_layout, dense_mask
 from dflash.loss import block_targets, compute_loss, sample_anchors
 from dflash.model import DFlashConfig, DFlashDraftModel
@@ -123,7 +123,7 @@ def model_flops(packed: PackedBatch, device, shape: Shape = QWEN3_8B) -> float:
     return 3 * s.layers * per_layer + 2 * fc + 2 * head
 
 
-def build_model(backend: str, device, shape: Shape = QWEN3_8B) -> DFlashDraftModel:
+def build_model(backend: str, device, shape: Shape = QWEN3_8B, fused_elementwise: bool = True) -> DFlashDraftModel:
     """A bf16 drafter with a random frozen head, seeded: every call builds the same weights."""
     s = shape
     cfg = DFlashConfig(hidden_size=s.hidden, intermediate_size=s.inter, num_hidden_layers=s.layers,
@@ -135,19 +135,18 @@ def build_model(backend: str, device, shape: Shape = QWEN3_8B) -> DFlashDraftMod
         embed = nn.Embedding(s.vocab, s.hidden, dtype=torch.bfloat16)
         lm_head = nn.Linear(s.hidden, s.vocab, bias=False, dtype=torch.bfloat16)
         nn.init.normal_(lm_head.weight, std=0.02)
-        model = DFlashDraftModel(cfg, embed, lm_head)
+        model = DFlashDraftModel(cfg, embed, lm_head, fused_elementwise)
     return model.to(torch.bfloat16)
 
 
 def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, shape: Shape, repeats: int,
                  warmup: int, device) -> dict:
     """Median step time and peak memory of one (attention backend, LM-head loss, fused kernels) row."""
-    model = build_model(backend, device, shape)
+    model = build_model(backend, device, shape, fused_on)
     ctx = packed.context(0.0)
     times_ms = []
     cuda = device.type == "cuda"
     loss_mod.linear_cross_entropy = LOSSES[loss]
-    fused_before, fused.ENABLED = fused.ENABLED, fused_on
     first_s = math.nan
     try:
         for i in range(warmup + repeats):
@@ -167,7 +166,6 @@ def time_variant(backend: str, loss: str, fused_on: bool, packed: PackedBatch, s
             model.zero_grad(set_to_none=True)
     finally:
         loss_mod.linear_cross_entropy = lm_loss.linear_cross_entropy
-        fused.ENABLED = fused_before
     peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
     del model
     if cuda:

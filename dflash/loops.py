@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import profiler
-from dflash import checkpoint, fused, startup, transfer
+from dflash import checkpoint, startup, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.loss import compute_loss
@@ -223,13 +223,12 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
     cfg = ctx.cfg
     head = load_target_head(ctx.target_dir, ctx.device, ctx.dtype)
     layer_ids = default_layer_ids(head.config.num_hidden_layers, cfg.model.num_target_layers)
-    fused.ENABLED = cfg.model.fused_elementwise
     torch.manual_seed(cfg.optim.seed)  # identical initialisation on every drafter rank
     num_layers = cfg.model.num_draft_layers or (2 if cfg.model.target_model is None else 5)
     dcfg = draft_config_for_target(head.config, num_layers=num_layers, block_size=cfg.model.block_size,
                                    layer_ids=layer_ids, mask_token_id=ctx.mask_token_id,
                                    attn_backend=cfg.model.attn_backend)
-    model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head).to(ctx.device)
+    model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head, cfg.model.fused_elementwise).to(ctx.device)
     opt, sched = build_optimizer(model.parameters(), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps,
                                  cfg.optim.max_steps, cfg.optim.min_lr_ratio)
     state = DrafterState(model, opt, sched)

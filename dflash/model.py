@@ -136,29 +136,31 @@ def draft_config_for_target(target_config, num_layers: int, block_size: int, lay
         sliding_window=sliding_window, attn_backend=attn_backend)
 
 
-def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return fused.rms_norm(x, norm) if fused.active(x) else norm(x)
+def _norm(norm: RMSNorm, x: torch.Tensor, fused_on: bool) -> torch.Tensor:
+    """norm(x); one compiled kernel when `fused_on` (the model's fused_elementwise) and fused serves x."""
+    return fused.rms_norm(x, norm) if fused_on and fused.active(x) else norm(x)
 
 
-def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm):
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, fused_on: bool):
     """(s, norm(s)) for the residual stream s = x + delta (x when delta is None), one kernel when fused."""
     if delta is None:
-        return x, _norm(norm, x)
-    if fused.active(x):
+        return x, _norm(norm, x, fused_on)
+    if fused_on and fused.active(x):
         return fused.add_rms_norm(x, delta, norm)
     x = x + delta
     return x, norm(x)
 
 
-def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    if fused.active(x) and mlp.config.hidden_act == "silu":
+def _mlp(mlp: MLP, x: torch.Tensor, fused_on: bool) -> torch.Tensor:
+    if fused_on and fused.active(x) and mlp.config.hidden_act == "silu":
         return mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     return mlp(x)
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, config: DFlashConfig, layer_idx: int):
+    def __init__(self, config: DFlashConfig, layer_idx: int, fused_elementwise: bool = True):
         super().__init__()
+        self.fused_elementwise = fused_elementwise
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scaling = c.head_dim ** -0.5
@@ -176,7 +178,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(nq, self.num_heads, self.head_dim)
         k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=0).view(nk, self.num_kv_heads, self.head_dim)
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=0).view(nk, self.num_kv_heads, self.head_dim)
-        if fused.active(x):
+        if self.fused_elementwise and fused.active(x):
             # norms + RoPE + the cast attend() would make (to v's dtype) in one compiled function.
             q, k = fused.qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin, v.dtype)
         else:
@@ -188,9 +190,10 @@ class DraftAttention(nn.Module):
 
 
 class DraftDecoderLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, hf_config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: DFlashConfig, hf_config: Qwen3Config, layer_idx: int, fused_elementwise: bool = True):
         super().__init__()
-        self.self_attn = DraftAttention(config, layer_idx)
+        self.fused_elementwise = fused_elementwise
+        self.self_attn = DraftAttention(config, layer_idx, fused_elementwise)
         self.mlp = MLP(hf_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -198,21 +201,28 @@ class DraftDecoderLayer(nn.Module):
     def forward(self, x, delta, ctx, cos, sin, masks):
         """(x, delta) -> (x, delta): the residual stream and the previous MLP output not yet added to
         it (None at first), so the add fuses with the next norm."""
-        x, h = _add_norm(x, delta, self.input_layernorm)
-        x, h = _add_norm(x, self.self_attn(h, ctx, cos, sin, masks), self.post_attention_layernorm)
-        return x, _mlp(self.mlp, h)
+        on = self.fused_elementwise
+        x, h = _add_norm(x, delta, self.input_layernorm, on)
+        x, h = _add_norm(x, self.self_attn(h, ctx, cos, sin, masks), self.post_attention_layernorm, on)
+        return x, _mlp(self.mlp, h, on)
 
 
 class DFlashDraftModel(nn.Module):
-    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+    """The drafter. `fused_elementwise`: on CUDA, its RMSNorms, add+RMSNorms, q/k norm+RoPE and SiLU*up run as
+    dflash.fused's compiled kernels (the trainer's `model.fused_elementwise`); False: the eager modules."""
+
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 fused_elementwise: bool = True):
         super().__init__()
+        self.fused_elementwise = fused_elementwise
         c = config
         if embed_tokens.weight.shape[1] != c.hidden_size or lm_head.weight.shape[1] != c.hidden_size:
             raise ValueError(f"embed_tokens/lm_head: width {embed_tokens.weight.shape[1]} != "
                              f"hidden_size {c.hidden_size}")
         self.config = config
         hf = c.hf_config()
-        self.layers = nn.ModuleList([DraftDecoderLayer(c, hf, i) for i in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([DraftDecoderLayer(c, hf, i, fused_elementwise)
+                                     for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Outside the module tree (its buffers are non-persistent anyway) so model.to(bf16) leaves
         # inv_freq in float32, as the reference's HF loading does; moved to the device on use.
@@ -256,7 +266,7 @@ class DFlashDraftModel(nn.Module):
                              f"{tuple(block_ids.shape)} do not match the layout")
         if not torch.is_autocast_enabled(context.device.type):
             context = context.to(dtype)  # under autocast fc casts itself; no float32 copy of [N, K*H]
-        ctx = _norm(self.hidden_norm, self.fc(context))
+        ctx = _norm(self.hidden_norm, self.fc(context), self.fused_elementwise)
         ctx = torch.cat([ctx, ctx.new_zeros(np_ - ctx.shape[0], ctx.shape[1])])
         ids = block_ids.new_full((mp, bs), self.config.mask_token_id)
         ids[: block_ids.shape[0]] = block_ids
@@ -271,4 +281,4 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x, delta = layer(x, delta, ctx, cos[0], sin[0], masks)
         # An eager add: a fused add+norm's unread sum would get a materialised zero gradient.
-        return _norm(self.norm, x if delta is None else x + delta)
+        return _norm(self.norm, x if delta is None else x + delta, self.fused_elementwise)

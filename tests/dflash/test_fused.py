@@ -116,7 +116,7 @@ DRAFTER_TOL = {"fp32": dict(rtol=1e-4, atol=1e-5), "bf16": dict(rtol=2e-2, atol=
 other side of a tie and propagate."""
 
 
-def _drafter_case(seed: int, anchors: list[int], mode: str, device: str):
+def _drafter_case(seed: int, anchors: list[int], mode: str, device: str, fused_elementwise: bool = True):
     """A 2-layer drafter (non-trivial norm weights; bf16 parameters in mode "bf16"), its context,
     block ids and layout, on `device`."""
     from transformers import Qwen3Config
@@ -125,7 +125,7 @@ def _drafter_case(seed: int, anchors: list[int], mode: str, device: str):
                          num_key_value_heads=2, head_dim=16, vocab_size=V)
     torch.manual_seed(seed)
     cfg = draft_config_for_target(target, 2, BS, [1, 3, 5], V - 1, attn_backend="dense")
-    model = DFlashDraftModel(cfg, nn.Embedding(V, H), nn.Linear(H, V, bias=False))
+    model = DFlashDraftModel(cfg, nn.Embedding(V, H), nn.Linear(H, V, bias=False), fused_elementwise)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -179,3 +179,16 @@ def test_drafter_fused_path_matches_eager(monkeypatch, mode):
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
 def test_cuda_drafter_fused_path_matches_eager(monkeypatch, mode):
     _check_drafter(monkeypatch, mode, "cuda")
+
+
+def test_a_drafter_built_without_fused_elementwise_never_calls_the_compiled_kernels(monkeypatch):
+    """`fused_elementwise=False` (--no-fused-elementwise) keeps every block on its eager modules even for tensors
+    the kernels would serve; the same drafter built with it on calls them."""
+    calls = []
+    monkeypatch.setattr(fused, "active", lambda x: True)
+    monkeypatch.setattr(fused, "compiled", lambda name: calls.append(name) or fused._MATH[name])
+    for on in (False, True):
+        model, ctx, block, layout = _drafter_case(0, [3, 12, 25, 30], "fp32", "cpu", fused_elementwise=on)
+        _drafter_step(model, ctx, block, layout, "fp32")
+        assert bool(calls) == on, calls
+    assert set(calls) == set(fused._MATH)
