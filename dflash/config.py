@@ -20,6 +20,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from profiler.capture import MAX_STEPS
+from profiler.config import ConfigFieldError, ProfilerConfig
+
 
 class ConfigError(ValueError):
     """A bad config key, value or file. The CLI prints it as one line and exits 2."""
@@ -177,7 +180,7 @@ class ProfileConfig:
     capture_at_step: int | None = _f(None, ge=0)
     """Record steps N.. with torch.profiler on every rank into RUN_DIR/kineto/rank{R}-step{N}.json.gz
     (what `dflash-profile capture` asks a live run for). None: no scheduled capture."""
-    capture_steps: int = _f(3, ge=1, le=20)
+    capture_steps: int = _f(3, ge=1, le=MAX_STEPS)
     """Steps each scheduled capture records."""
     capture_every: int = _f(0, ge=0)
     """Capture again every M steps after --capture-at-step (M > --capture-steps); 0 = once."""
@@ -185,11 +188,21 @@ class ProfileConfig:
     """On CUDA, every span is also an NVTX range, for Nsight Systems and `ncu --nvtx --nvtx-include
     "target.pack_hidden/"`; ignored on the CPU. Env DFLASH_NVTX."""
 
+    def profiler_config(self, **rest) -> ProfilerConfig:
+        """This section as the profiler's settings; `rest`: the ProfilerConfig fields the trainer sets from its
+        other sections and a rank's role (TrainConfig.profiler_config)."""
+        return ProfilerConfig(interval_s=self.interval_s, tick_s=self.tick_s, detail_steps=self.detail_steps,
+                              memory_history=self.memory_history, nvtx=self.nvtx,
+                              capture_at_step=self.capture_at_step, capture_steps=self.capture_steps,
+                              capture_every=self.capture_every, **rest)
+
     def check(self, need) -> None:
-        need(not self.capture_every or self.capture_at_step is not None, "capture_every",
-             "needs --capture-at-step (the first capture)")
-        need(not self.capture_every or self.capture_every > self.capture_steps, "capture_every",
-             f"must be more than capture_steps ({self.capture_steps}): captures do not overlap")
+        """The rules between fields, which ProfilerConfig checks when made, said with this section's flags."""
+        try:
+            self.profiler_config()
+        except ConfigFieldError as e:
+            flags = {f.name: "--" + f.metadata.get("flag", f.name).replace("_", "-") for f in fields(ProfileConfig)}
+            need(False, e.field, e.why_in(flags.__getitem__))
 
 
 @dataclass
@@ -280,6 +293,13 @@ class TrainConfig:
             if hasattr(part, "check"):
                 part.check(need)
         return self
+
+    def profiler_config(self, **role_fields) -> ProfilerConfig:
+        """A rank's profiler settings: the profile section's, the exporters' deadline, the hang timeout and the
+        faults; `role_fields` are what the rank's role decides (detail_follows, warmup_steps, phase_spans)."""
+        return self.profile.profiler_config(export_timeout_s=self.telemetry.export_timeout_s,
+                                            hang_timeout_s=self.reliability.hang_timeout_s,
+                                            faults=self.reliability.fault or "", **role_fields)
 
     def to_dict(self) -> dict[str, Any]:
         """Sectioned, as config.json and checkpoints hold it (from_dict reads it back)."""

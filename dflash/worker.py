@@ -28,7 +28,7 @@ from dflash.run_lock import hold_run_dir
 from dflash.handoff import RendezvousError, read_gate, rendezvous_store
 from dflash.data import load_conversations
 from dflash.progress import NullProgress, Progress
-from profiler.config import ProfilerConfig, ProfilerDeps
+from profiler.config import ProfilerDeps
 from profiler.stacks import make_stack_sampler
 from profiler.watchdog import SignalWatch
 from dflash.topology import Topology, cpu_threads, host_cores, resolve_topology
@@ -200,14 +200,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     if not cfg.profile.enabled:
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
-    config = ProfilerConfig(interval_s=cfg.profile.interval_s, tick_s=cfg.profile.tick_s,
-                            export_timeout_s=cfg.telemetry.export_timeout_s, detail_steps=cfg.profile.detail_steps,
-                            detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
-                            hang_timeout_s=cfg.reliability.hang_timeout_s,
-                            memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
-                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS,
-                            nvtx=cfg.profile.nvtx, capture_at_step=cfg.profile.capture_at_step,
-                            capture_steps=cfg.profile.capture_steps, capture_every=cfg.profile.capture_every)
+    config = cfg.profiler_config(detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
+                                 warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS)
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,

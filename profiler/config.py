@@ -11,10 +11,32 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
+class ConfigFieldError(ValueError):
+    """A ProfilerConfig value refused (the message as raised). `field` names it and `why` says what is wrong, with
+    each other field it depends on, `refs`, as a `{name}` placeholder: a caller that sets the fields under names
+    of its own (a trainer's flags) says the same in its own terms with `why_in(name_of)`."""
+
+    def __init__(self, message: str, field: str, why: str, refs: tuple = ()):
+        super().__init__(message)
+        self.field, self.why, self.refs = field, why, refs
+
+    def why_in(self, name_of) -> str:
+        """`why` with each referenced field named by `name_of(field)`."""
+        text = self.why
+        for ref in self.refs:
+            text = text.replace("{" + ref + "}", name_of(ref))
+        return text
+
+
+def _refused(field: str, why: str) -> ConfigFieldError:
+    """The error saying `field` `why` ("capture_steps must be ..., got 0")."""
+    return ConfigFieldError(f"{field} {why}", field, why)
+
+
 def check_interval_s(interval_s) -> float:
-    """interval_s as a float; ValueError unless it is a positive number of seconds."""
+    """interval_s as a float; ConfigFieldError (a ValueError) unless it is a positive number of seconds."""
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
-        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+        raise _refused("interval_s", f"must be a positive number of seconds, got {interval_s!r}")
     return float(interval_s)
 
 
@@ -26,7 +48,7 @@ new shape, the optimizer's state made at its first update); everything before th
 
 @dataclass(frozen=True)
 class ProfilerConfig:
-    """The profiler's settings; checked when made (ValueError naming the field)."""
+    """The profiler's settings; checked when made (ConfigFieldError, a ValueError, naming the field)."""
 
     interval_s: float = 60.0
     """Seconds between `interval` records."""
@@ -79,7 +101,7 @@ class ProfilerConfig:
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
         if isinstance(self.tick_s, bool) or not isinstance(self.tick_s, (int, float)) or not self.tick_s > 0:
-            raise ValueError(f"tick_s must be a positive number of seconds, got {self.tick_s!r}")
+            raise _refused("tick_s", f"must be a positive number of seconds, got {self.tick_s!r}")
         object.__setattr__(self, "tick_s", float(self.tick_s))
         object.__setattr__(self, "phase_spans", tuple(self.phase_spans))
         self._check_capture()
@@ -88,31 +110,32 @@ class ProfilerConfig:
         for name in ("detail_steps", "memory_history", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+                raise _refused(name, f"must be a non-negative integer, got {value!r}")
         if not isinstance(self.detail_follows, bool):
-            raise ValueError(f"detail_follows must be a bool, got {self.detail_follows!r}")
+            raise _refused("detail_follows", f"must be a bool, got {self.detail_follows!r}")
         for name in ("hang_timeout_s", "export_timeout_s", "gpu_drain_timeout_s", "poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+                raise _refused(name, f"must be a number of seconds >= 0, got {value!r}")
 
     def _check_capture(self) -> None:
         from profiler.capture import MAX_STEPS
 
         at, steps, every = self.capture_at_step, self.capture_steps, self.capture_every
         if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
-            raise ValueError(f"capture_at_step must be None or a non-negative integer, got {at!r}")
+            raise _refused("capture_at_step", f"must be None or a non-negative integer, got {at!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-            raise ValueError(f"capture_steps must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
+            raise _refused("capture_steps", f"must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"capture_every must be a non-negative integer, got {every!r}")
+            raise _refused("capture_every", f"must be a non-negative integer, got {every!r}")
         if every and at is None:
-            raise ValueError("capture_every needs capture_at_step (the first capture)")
+            raise ConfigFieldError("capture_every needs capture_at_step (the first capture)", "capture_every",
+                                   "needs {capture_at_step} (the first capture)", refs=("capture_at_step",))
         if every and every <= steps:
-            raise ValueError(f"capture_every ({every}) must be more than capture_steps ({steps}): captures do not "
-                             "overlap")
+            why = f"must be more than capture_steps ({steps}): captures do not overlap"
+            raise ConfigFieldError(f"capture_every ({every}) {why}", "capture_every", why)
         if not isinstance(self.nvtx, bool):
-            raise ValueError(f"nvtx must be a bool, got {self.nvtx!r}")
+            raise _refused("nvtx", f"must be a bool, got {self.nvtx!r}")
 
 
 @dataclass

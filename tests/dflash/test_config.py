@@ -70,6 +70,10 @@ def test_every_field_has_a_docstring_and_help_is_grouped_by_section():
     ({}, {}, {"gamma": "-inf"}, "config field 'optim.gamma': must be a finite number"),
     ({}, {}, {"hidden_noise": "1e999"}, "config field 'optim.hidden_noise': must be a finite number"),
     ({}, {}, {"rendezvous_timeout_s": "0"}, "config field 'parallel.rendezvous_timeout_s': must be > 0"),
+    ({}, {}, {"capture_every": "3"},
+     "config field 'profile.capture_every': needs --capture-at-step (the first capture) (got 3)"),
+    ({}, {}, {"capture_at_step": "1", "capture_every": "2", "capture_steps": "2"},
+     "config field 'profile.capture_every': must be more than capture_steps (2): captures do not overlap (got 2)"),
 ])
 def test_bad_values_name_the_field(file, env, flags, needle):
     with pytest.raises(ConfigError) as e:
@@ -414,3 +418,15 @@ def test_a_prometheus_sd_dir_through_another_users_symlink_is_refused_before_any
     assert (secret.stat().st_mode & 0o777) == 0o700 and not (secret / "sd").exists()
     telemetry.write_shared(tmp_path / "mine" / "sd" / "run-1.json", "[]\n")   # ours all the way: written, 0755
     assert (tmp_path / "mine" / "sd").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_ranks_profiler_settings_come_from_the_profile_telemetry_and_reliability_sections():
+    cfg = resolve_config({}, {}, {"profile_interval": "7", "profile_tick_s": "1.5", "profile_detail_steps": "2",
+                                  "memory_history": "9", "nvtx": True, "capture_at_step": "4", "capture_steps": "2",
+                                  "capture_every": "10", "export_timeout_s": "3", "hang_timeout_s": "40",
+                                  "fault": "nan@target.fwd"})
+    got = cfg.profiler_config(detail_follows=True, warmup_steps=5, phase_spans=("ckpt.save",))
+    assert (got.interval_s, got.tick_s, got.detail_steps, got.memory_history, got.nvtx) == (7.0, 1.5, 2, 9, True)
+    assert (got.capture_at_step, got.capture_steps, got.capture_every) == (4, 2, 10)
+    assert (got.export_timeout_s, got.hang_timeout_s, got.faults) == (3.0, 40.0, "nan@target.fwd")
+    assert (got.detail_follows, got.warmup_steps, got.phase_spans) == (True, 5, ("ckpt.save",))

@@ -167,6 +167,19 @@ def test_bad_capture_settings_are_refused(bad, why):
         ProfilerConfig(**bad)
 
 
+def test_a_refused_capture_setting_names_its_field_and_the_fields_it_needs_for_a_caller_to_reword():
+    from profiler.config import ConfigFieldError
+
+    with pytest.raises(ConfigFieldError) as e:
+        ProfilerConfig(capture_every=3)
+    assert (str(e.value), e.value.field) == ("capture_every needs capture_at_step (the first capture)", "capture_every")
+    assert e.value.why_in(lambda name: f"<{name}>") == "needs <capture_at_step> (the first capture)"
+    with pytest.raises(ConfigFieldError) as e:
+        ProfilerConfig(capture_at_step=1, capture_every=2, capture_steps=2)
+    assert str(e.value) == "capture_every (2) must be more than capture_steps (2): captures do not overlap"
+    assert e.value.why_in(str) == "must be more than capture_steps (2): captures do not overlap"
+
+
 def test_nvtx_ranges_hold_every_span_for_the_run_and_a_capture_nests_inside(tmp_path):
     log: list = []
 
