@@ -356,7 +356,7 @@ class SpanRecorder:
         self.thread_state().buf.append(SpanAttrs(attrs))
 
     def drain(self):
-        """Take and replay every logged item: [(thread_name, finished_records, misc)]; ended threads with
+        """Take and replay every logged item: [(thread_name, [finished SpanRecord], misc)]; ended threads with
         nothing left are dropped."""
         out = []
         with self.drain_lock:
