@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import dflash
 import profiler
-from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
+from dflash import builtin, checkpoint, compile_cache, evaluate, loops, pipeline, preflight, startup, telemetry
 from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.final import print_final
 from dflash.stopping import StopFlag, ignore_further_signals, stop_line
@@ -205,7 +205,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
                             detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                             hang_timeout_s=cfg.reliability.hang_timeout_s,
                             memory_history=cfg.profile.memory_history, faults=cfg.reliability.fault or "",
-                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS,
+                            warmup_steps=loops.warmup_steps(cfg, role), phase_spans=pipeline.phase_spans(),
+                            span_table=pipeline.span_table(),
                             nvtx=cfg.profile.nvtx, capture_at_step=cfg.profile.capture_at_step,
                             capture_steps=cfg.profile.capture_steps, capture_every=cfg.profile.capture_every)
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
