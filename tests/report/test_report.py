@@ -136,9 +136,10 @@ def test_compare_flags_the_slowed_span_first(runs):
     change, not noise to hide."""
     table = report.compare(runs["base"], runs["slow"])
     assert table["regressions"][:1] == ["target/target.fetch"], report.format_compare(table)
-    from report.compare import WAIT_SPANS
+    from report.runs import load_run, span_kinds
 
-    working = [r for r in table["spans"] if WAIT_SPANS.get(r["span"]) != r["role"]]
+    kinds = span_kinds(load_run(runs["slow"]))
+    working = [r for r in table["spans"] if not kinds.is_wait(r["span"], r["role"])]
     assert (working[0]["role"], working[0]["span"]) == ("target", "target.fetch"), report.format_compare(table)
     fetch = next(r for r in table["spans"] if r["span"] == "target.fetch")
     assert fetch["b"]["mean"] == pytest.approx(SLOW_FETCH_SECONDS, rel=0.2)
