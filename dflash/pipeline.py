@@ -74,45 +74,45 @@ SPANS = (
 )
 """Every span the pipeline enters, in the order a batch meets them, then the phases."""
 
-BY_NAME = {s.name: s for s in SPANS}
-
 
 def name(span: str) -> str:
-    """`span`, checked to be a row of the table (a KeyError at import where code names a span that is gone)."""
-    return BY_NAME[span].name
+    """`span`, checked to be a row of the table (a KeyError where code names a span that is gone)."""
+    if span not in {s.name for s in SPANS}:
+        raise KeyError(f"{span!r} is not a span of dflash/pipeline.py")
+    return span
 
 
-def named(kind: str, spans=SPANS) -> tuple:
-    """The names of the spans of one kind."""
-    return tuple(s.name for s in spans if s.kind == kind)
+def named(kind: str) -> tuple:
+    """The names of the spans of one kind, in the table's order."""
+    return tuple(s.name for s in SPANS if s.kind == kind)
 
 
-def phase_spans(spans=SPANS) -> tuple:
+def phase_spans() -> tuple:
     """The spans whose time is a phase (ProfilerConfig.phase_spans, run_start `phase_spans`)."""
-    return named(PHASE, spans)
+    return named(PHASE)
 
 
-def wait_spans(spans=SPANS) -> dict:
+def wait_spans() -> dict:
     """{span: role} of the spans in which a role waits on the other side (the dashboard's and rules' waits)."""
-    return {s.name: s.role for s in spans if s.kind == WAIT}
+    return {s.name: s.role for s in SPANS if s.kind == WAIT}
 
 
-def waits_for_role(spans=SPANS) -> dict:
+def waits_for_role() -> dict:
     """{span: role} of the spans in which a rank waits on ranks of that role (dflash-profile snapshot)."""
-    return {s.name: s.waits_for for s in spans if s.waits_for is not None}
+    return {s.name: s.waits_for for s in SPANS if s.waits_for is not None}
 
 
-def fault_spans(spans=SPANS) -> tuple:
+def fault_spans() -> tuple:
     """The spans where an entry fault (crash, oom, hang, slow) can fire."""
-    return tuple(s.name for s in spans if set(s.faults) & set(ENTRY_FAULTS))
+    return tuple(s.name for s in SPANS if set(s.faults) & set(ENTRY_FAULTS))
 
 
-def nan_fault_spans(spans=SPANS) -> tuple:
+def nan_fault_spans() -> tuple:
     """The spans with a `profiler.corrupt()` hook, where a nan fault can fire."""
-    return tuple(s.name for s in spans if "nan" in s.faults)
+    return tuple(s.name for s in SPANS if "nan" in s.faults)
 
 
-def span_table(spans=SPANS) -> dict:
+def span_table() -> dict:
     """The table as plain data for the profiler (ProfilerConfig.span_table, run_start `span_table`, docs/RUNLOG.md):
     {span: {"role", "kind"[, "flow"]}}."""
-    return {s.name: {"role": s.role, "kind": s.kind, **({"flow": s.flow} if s.flow else {})} for s in spans}
+    return {s.name: {"role": s.role, "kind": s.kind, **({"flow": s.flow} if s.flow else {})} for s in SPANS}

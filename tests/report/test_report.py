@@ -332,7 +332,10 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
     recs = [_interval(0, "drafter", i, spans, 10_000, profiler_share=p, **({"final": True} if i == 4 else {}))
             for i, p in enumerate(shares)]
     recs += [_interval(1, "target", i, {"target.fwd": (0.3, 100)}, 10_000) for i in range(5)]   # an older log
-    rep = report.hotspots(_write_run(tmp_path / "costly", {0: recs[:5], 1: recs[5:]}, profile_interval=5.0))
+    from dflash.advice import ADVICE
+
+    rep = report.hotspots(_write_run(tmp_path / "costly", {0: recs[:5], 1: recs[5:]}, profile_interval=5.0),
+                          advice=ADVICE)
     ranks = {r["rank"]: r for r in rep["ranks"]["ranks"]}
     assert ranks[0]["profiler_share"] == pytest.approx((0.05 + 0.01 + 0.04) / 3) and ranks[1]["profiler_share"] is None
     (f,) = [f for f in rep["findings"] if f["kind"] == "profiler_cost"]
