@@ -285,6 +285,21 @@ def test_each_broken_invariant_is_named_where_it_breaks(tmp_path, case):
     assert any(v.invariant == invariants[0] and where in v.where for v in found), [str(v) for v in found]
 
 
+def test_the_phases_checked_are_those_of_the_run_start_span_table(tmp_path):
+    """A run_start with a span_table: each span the table calls a phase must be listed in phase_spans, and only
+    those (an older log's phases are FALLBACK's, as every other case here)."""
+    run = clean()
+    start = _drafter(run, "run_start")
+    shown = {n for r in run["logs"][0] if r["type"] == "interval" for n in r["spans"]}
+    assert {"drafter.fwd_bwd", "drafter.compile"} <= shown
+    start["span_table"] = {"drafter.fwd_bwd": {"role": "drafter", "kind": "phase"},
+                           "drafter.compile": {"role": "drafter", "kind": "work"}}
+    start["phase_spans"] = []
+    found = [str(v) for v in check_run(write(tmp_path / "run", run)) if v.invariant == "phases"]
+    assert found == ["phases: profile/rank0.jsonl (drafter) segment 0 span drafter.fwd_bwd: a phase span not listed "
+                     "in run_start phase_spans"], found
+
+
 def test_a_drafter_past_warmup_without_a_throughput_event(tmp_path):
     run = clean()
     run["logs"][0].remove(_drafter(run, "throughput"))
