@@ -42,9 +42,18 @@ def env_var(path: str) -> str:
     return next(var for var, k in _ENV.items() if k == key(path))
 
 
-TRANSFER, SPLIT_FC, TOKENS = flag("parallel.transfer"), flag("parallel.split_fc_layers"), flag("data.tokens_per_batch")
-IN_FLIGHT, TARGET_GPUS, DRAFTER_GPUS = (flag("parallel.max_in_flight"), flag("parallel.target_gpus"),
-                                        flag("parallel.drafter_gpus"))
+# What the advice names, each from its definition: a renamed field or span fails here, at import.
+TRANSFER, SPLIT_FC, SPLIT_FC_OFF = (flag("parallel.transfer"), flag("parallel.split_fc_layers"),
+                                    flag("parallel.split_fc_layers", off=True))
+TOKENS, IN_FLIGHT, MAX_STEPS = flag("data.tokens_per_batch"), flag("parallel.max_in_flight"), flag("optim.max_steps")
+TARGET_GPUS, DRAFTER_GPUS = flag("parallel.target_gpus"), flag("parallel.drafter_gpus")
+MEMORY_HISTORY, RESUME, RUN_DIR = flag("profile.memory_history"), flag("reliability.resume"), flag("run_dir")
+EVERY, PORT, STACKS = (flag("profile.interval_s"), flag("telemetry.metrics_port"),
+                       flag("profile.stack_samples_per_interval"))
+SPLIT_FC_ENV, FAULT_ENV = env_var("parallel.split_fc_layers"), env_var("reliability.fault")
+KEYS = {path: key(path) for path in ("parallel.max_in_flight", "parallel.split_fc_layers", "data.max_length",
+                                      "data.tokens_per_batch", "profile.interval_s")}
+"""The run_start config keys the advice reads, by field."""
 SEND, PACK = pipeline.name("transfer.send"), pipeline.name("target.pack_hidden")
 HOST_COPIES = tuple(s.name for s in pipeline.SPANS if s.needs == pipeline.HOST_COPIES)
 PINNED = ("check the host buffer is pinned and the copy non_blocking; a capture (dflash-profile capture, then "
@@ -92,7 +101,7 @@ def slot_waits(report: dict, advice: Advice) -> list:
     wait = target.get("wait_share")
     if wait is None or wait < WAIT_BOUND_SHARE:
         return []
-    in_flight = report["config"].get(key("parallel.max_in_flight"))
+    in_flight = report["config"].get(KEYS["parallel.max_in_flight"])
     if v["verdict"] == "transfer-bound":
         nxt = (f"raise {IN_FLIGHT} from {in_flight} to {2 * in_flight}" if in_flight
                else f"raise {IN_FLIGHT} to 4") + f" and check {SEND}'s bandwidth against its floor"
@@ -148,9 +157,8 @@ class PipelineAdvice(Advice):
         if span == SEND:
             return _transfer_next(_topology(report))
         if span == PACK:
-            if report["config"].get(key("parallel.split_fc_layers")):
-                off = flag("parallel.split_fc_layers", off=True)
-                return f"try {off} (concatenate on the target, ship one tensor)", [off]
+            if report["config"].get(KEYS["parallel.split_fc_layers"]):
+                return f"try {SPLIT_FC_OFF} (concatenate on the target, ship one tensor)", [SPLIT_FC_OFF]
             return f"try {SPLIT_FC} (ship the layers, concatenate on the drafter)", [SPLIT_FC]
         if span in HOST_COPIES:
             return PINNED, []
@@ -160,8 +168,8 @@ class PipelineAdvice(Advice):
         """Lower the tokens per batch to the memory margin where the trainer takes it (at least max_length); else
         `otherwise`."""
         margin = report["memory_margin"].get("max_tokens_per_batch")
-        max_length = report["config"].get(key("data.max_length")) or 1
-        now = report["config"].get(key("data.tokens_per_batch"))
+        max_length = report["config"].get(KEYS["data.max_length"]) or 1
+        now = report["config"].get(KEYS["data.tokens_per_batch"])
         if margin and margin >= max_length and (now is None or margin < now):
             return f"lower {TOKENS} to {margin} (the memory margin)", [TOKENS, str(margin)]
         if margin is not None and margin < max_length:
@@ -177,42 +185,39 @@ class PipelineAdvice(Advice):
 
     def larger_batch(self, report: dict) -> tuple[str, list]:
         margin = report["memory_margin"].get("max_tokens_per_batch")
-        now = report["config"].get(key("data.tokens_per_batch"))
+        now = report["config"].get(KEYS["data.tokens_per_batch"])
         if margin and now and margin > now:
             return (f"{LAUNCH_FIXES}; or a larger batch: raise {TOKENS} to {margin} (the memory margin)",
                     [TOKENS, str(margin)])
         return f"{LAUNCH_FIXES}; or a larger batch ({TOKENS}) where memory allows", []
 
     def memory_history(self) -> tuple[str, list]:
-        history = flag("profile.memory_history")
-        return f"{history} 100000", [history, "100000"]
+        return f"{MEMORY_HISTORY} 100000", [MEMORY_HISTORY, "100000"]
 
     def event(self, report: dict, kind: str, first: dict) -> tuple[str, list]:
         if kind == "nonfinite":
             step = first.get("step")
-            to = [flag("optim.max_steps"), str(step)] if isinstance(step, int) and step >= 1 else []
+            to = [MAX_STEPS, str(step)] if isinstance(step, int) and step >= 1 else []
             flags = [IN_FLIGHT, "1", *to]
-            return (f"rerun with {' '.join(flags)}, then with {env_var('parallel.split_fc_layers')} toggled: a NaN "
+            return (f"rerun with {' '.join(flags)}, then with {SPLIT_FC_ENV} toggled: a NaN "
                     "that goes away is a race between streams or a freed buffer, one that stays is the span's math",
                     flags)
         if kind == "signal":
-            resume = [flag("reliability.resume"), flag("run_dir"), report["run_dir"]]
+            resume = [RESUME, RUN_DIR, report["run_dir"]]
             return f"nothing to fix if the stop was intended: continue it with {' '.join(resume)}", resume
         if kind == "run_failed":
             return (f"read the rank's stderr and its last event; rerun with the failing step's "
-                    f"{env_var('reliability.fault')} to reproduce", [])
+                    f"{FAULT_ENV} to reproduce", [])
         return super().event(report, kind, first)
 
     def profiler_cost(self, report: dict) -> tuple[str, list]:
-        interval = (report.get("config") or {}).get(key("profile.interval_s"))
+        interval = (report.get("config") or {}).get(KEYS["profile.interval_s"])
         known = isinstance(interval, (int, float)) and interval > 0
         longer = f"{2 * interval:g}" if known else "120"
-        every, port, stacks = (flag("profile.interval_s"), flag("telemetry.metrics_port"),
-                               flag("profile.stack_samples_per_interval"))
         now = f" (now {interval:g} s)" if known else ""
-        return (f"raise {every}{now} to {longer}, drop exporters nobody reads ({port} 0, no "
-                f"OTEL_EXPORTER_OTLP_ENDPOINT, {stacks} 0), and see the interval records' threads_cpu_seconds for "
-                "the thread that costs it", [every, longer, port, "0", stacks, "0"])
+        return (f"raise {EVERY}{now} to {longer}, drop exporters nobody reads ({PORT} 0, no "
+                f"OTEL_EXPORTER_OTLP_ENDPOINT, {STACKS} 0), and see the interval records' threads_cpu_seconds for "
+                "the thread that costs it", [EVERY, longer, PORT, "0", STACKS, "0"])
 
 
 ADVICE = PipelineAdvice()

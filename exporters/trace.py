@@ -28,7 +28,7 @@ class TraceExporter:
         self.rank, self.max_events, self._clock = int(rank), int(max_events), clock
         self.path = Path(run_dir) / "trace" / f"rank{self.rank}.json"
         self._proc = proc_info(self.rank, {})
-        self._flows = FlowSpans.of(of_run_start({}).flows())   # the run_start's span table, once it comes
+        self._flows = FlowSpans.of(of_run_start(None).flows())   # the fallback's, until run_start gives the table
         self._chunks: list = []                      # (spans record, prepare() of it), oldest first
         self._seq = self._written_seq = 0            # spans records received / covered by the last write
         self._exported = self._dropped = self._evicted_spans = self._profiler_dropped = 0

@@ -4,13 +4,13 @@ does not ship; the pipeline's advice keeps the report's rules and adds its own a
 loop of its own to the report's generic advice."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from dflash import advice, pipeline
 from dflash.cli import build_parser
+from dflash.config import TrainConfig
 from report.findings import RULES, Advice, straggler
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,11 +32,10 @@ def test_flags_keys_and_variables_come_from_the_config_fields():
 
 def test_every_flag_the_advice_names_is_one_dflash_train_accepts():
     known = set(build_parser()._option_string_actions)
-    source = (REPO / "dflash" / "advice.py").read_text()
-    paths = set(re.findall(r'flag\("([a-z_.]+)"(?:, off=True)?\)', source))
-    assert {"parallel.transfer", "data.tokens_per_batch", "profile.memory_history", "reliability.resume"} <= paths
-    named = {advice.flag(p) for p in paths} | {advice.flag("parallel.split_fc_layers", off=True)}
+    named = {v for v in vars(advice).values() if isinstance(v, str) and v.startswith("--")}
+    assert {"--transfer", "--tokens-per-batch", "--memory-history", "--resume", "--no-split-fc-layers"} <= named
     assert named <= known, named - known
+    assert set(advice.KEYS.values()) <= set(TrainConfig().flat_dict())   # the run_start config keys it reads
 
 
 def test_no_advice_points_at_a_file_the_package_does_not_ship():
