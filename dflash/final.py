@@ -42,9 +42,10 @@ def verdict_and_findings(run_dir: Path, top: int = TOP_FINDINGS) -> list[str]:
     """The verdict with the windows it was read over and its evidence, then the first `top` findings with
     their next experiment; one line saying why where the report cannot be made."""
     import report
+    from dflash.advice import ADVICE
 
     try:
-        rep = report.hotspots(run_dir)
+        rep = report.hotspots(run_dir, advice=ADVICE)
     except Exception as e:   # the run is over and its logs are written: the summary never fails it
         return [f"verdict: not available ({type(e).__name__}: {e})"]
     v = rep["verdict"]

@@ -1,4 +1,5 @@
-"""The two roles' loops; each step function reads top to bottom like DESIGN.md's data-flow lines:
+"""The two roles' loops; each step function reads top to bottom like DESIGN.md's data-flow lines (each span a row
+of dflash/pipeline.py, which says what its time is and where faults fire):
 
     target rank:  target.fetch -> target.fwd -> target.pack_hidden -> [d2h_copy] -> transfer.send
     drafter rank: drafter.recv -> [h2d_copy] -> drafter.unpack -> drafter.fwd_bwd -> drafter.allreduce -> drafter.optim
@@ -29,17 +30,6 @@ from dflash.target import TargetCapture, default_layer_ids, load_target_head
 from dflash.throughput import ThroughputMeter
 from dflash.topology import Topology
 from profiler import nonfinite
-
-# Where DFLASH_FAULT can fire (checked at start-up: profiler.faults.check_injection_points): every
-# span the pipeline enters, and for nan the spans that hand a tensor to profiler.corrupt().
-FAULT_SPANS = ("target.fetch", "target.fwd", "target.pack_hidden", "d2h_copy", "transfer.wait_slot",
-               "transfer.send", "drafter.recv", "h2d_copy", "drafter.unpack", "drafter.fwd_bwd", "drafter.allreduce",
-               "drafter.optim", "ckpt.save", "eval.decode")
-NAN_FAULT_SPANS = ("target.pack_hidden", "transfer.send", "drafter.fwd_bwd")
-PHASE_SPANS = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
-"""Spans whose time is a phase, not steady work: steady-state figures leave them out (dflash/throughput.py,
-profiler/windows.py)."""
-
 
 AHEAD_BATCHES = 3
 """Batches a target can make beyond its `max_in_flight` before its drafter takes any: the receiver's queue of

@@ -14,6 +14,7 @@ import os
 import socket
 from pathlib import Path
 
+from dflash import pipeline
 from dflash.builtin import builtin_cache_dir, check_builtin_cache
 from dflash.compile_cache import check_cache_dir, foreign_component, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig, path_problem
@@ -47,11 +48,9 @@ def _check_faults(cfg: TrainConfig, world: int, gpus: int) -> None:
     spec = cfg.reliability.fault or ""
     if not spec.strip():
         return
-    from dflash.loops import FAULT_SPANS, NAN_FAULT_SPANS   # late: only a run with faults pays the import
-
     try:
         faults = parse_faults(spec)
-        check_injection_points(faults, FAULT_SPANS, NAN_FAULT_SPANS)
+        check_injection_points(faults, pipeline.fault_spans(), pipeline.nan_fault_spans())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     never = spans_never_entered(cfg, world, gpus)
@@ -62,22 +61,29 @@ def _check_faults(cfg: TrainConfig, world: int, gpus: int) -> None:
 
 
 def spans_never_entered(cfg: TrainConfig, world: int, gpus: int) -> dict:
-    """{span: why} for the pipeline's spans this run's topology skips: the host-staged copies on a CPU run or
-    on NCCL transfers, the all-reduce with one drafter, the evaluation without prompts."""
-    never = {}
+    """{span: why} for the pipeline's spans this run's topology skips: each span whose `needs`
+    (dflash/pipeline.py) the run lacks."""
+    unmet = _unmet_needs(cfg, world, gpus)
+    return {s.name: unmet[s.needs] for s in pipeline.SPANS if s.needs in unmet}
+
+
+def _unmet_needs(cfg: TrainConfig, world: int, gpus: int) -> dict:
+    """{need: why} for the topologies of pipeline.NEEDS this run lacks: the host-staged copies on a CPU run or
+    on NCCL transfers, a second drafter, held-out prompts."""
+    unmet = {}
     distinct = gpus >= world
     if gpus == 0 or cfg.parallel.transfer == "nccl" or (cfg.parallel.transfer == "auto" and distinct):
-        why = "a CPU run has no host-device copies" if gpus == 0 else "NCCL sends device to device"
-        never.update({"d2h_copy": why, "h2d_copy": why})
+        unmet[pipeline.HOST_COPIES] = ("a CPU run has no host-device copies" if gpus == 0
+                                       else "NCCL sends device to device")
     try:
         drafters = resolve_topology(cfg, world).num_drafters
     except ConfigError:
         drafters = None   # the rank split is refused just after, in its own words
     if drafters == 1:
-        never["drafter.allreduce"] = "one drafter rank has nothing to all-reduce"
+        unmet[pipeline.SEVERAL_DRAFTERS] = "one drafter rank has nothing to all-reduce"
     if cfg.data.eval_prompts == 0:
-        never["eval.decode"] = "--eval-prompts 0"
-    return never
+        unmet[pipeline.EVAL_PROMPTS] = "--eval-prompts 0"
+    return unmet
 
 
 def torch_gpus(cfg: TrainConfig) -> int:

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 
+from dflash import pipeline
 from dflash.cli_output import cli_output, exit_status
 
 from profiler import capture_client
@@ -28,10 +29,6 @@ from profiler.capture_client import CaptureError
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
                                snapshot_run)
 from profiler.stacks import FAILED, StackError
-
-# Span contract (DESIGN.md): the spans in which a rank waits on ranks of another role.
-WAITS_FOR_ROLE = {"drafter.recv": "target", "transfer.wait_slot": "drafter", "transfer.send": "drafter",
-                  "drafter.allreduce": "drafter"}
 
 
 def _pid(text: str) -> int:
@@ -84,7 +81,7 @@ def take(args, runner=None) -> dict:
         snap = snapshot_process(args.pid, native=args.native, runner=runner)
         keep_snapshot(snap)
         return snap
-    run = snapshot_run(args.run_dir, WAITS_FOR_ROLE, native=args.native, runner=runner)
+    run = snapshot_run(args.run_dir, pipeline.waits_for_role(), native=args.native, runner=runner)
     for snap in run["ranks"]:
         keep_snapshot(snap)
     return run

@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _hotspots(args) -> int:
     import report
+    from dflash.advice import ADVICE
 
-    rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus)
+    rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus, advice=ADVICE)
     table = report.compare(args.compare, args.run_dir) if args.compare else None
     if args.plot:
         try:

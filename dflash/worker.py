@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import dflash
 import profiler
-from dflash import builtin, checkpoint, compile_cache, evaluate, loops, preflight, startup, telemetry
+from dflash import builtin, checkpoint, compile_cache, evaluate, loops, pipeline, preflight, startup, telemetry
 from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.final import print_final
 from dflash.stopping import StopFlag, ignore_further_signals, stop_line
@@ -201,7 +201,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
         return contextlib.nullcontext()
     compile_cache.install_compile_spans()
     config = cfg.profiler_config(detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
-                                 warmup_steps=loops.warmup_steps(cfg, role), phase_spans=loops.PHASE_SPANS)
+                                 warmup_steps=loops.warmup_steps(cfg, role), phase_spans=pipeline.phase_spans(),
+                                 span_table=pipeline.span_table())
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,

@@ -7,10 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-from monitoring.trace_events import (MAX_EVENTS, build_trace, json_safe, newest_within, num, prepare, proc_info,
-                                     write_trace)
+from monitoring.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, num, prepare,
+                                     proc_info, write_trace)
 from profiler.records import RUN_END, RUN_START, SPANS
 from profiler.runlog import is_disk_full
+from profiler.span_kinds import of_run_start
 
 logger = logging.getLogger("exporters")
 
@@ -27,6 +28,7 @@ class TraceExporter:
         self.rank, self.max_events, self._clock = int(rank), int(max_events), clock
         self.path = Path(run_dir) / "trace" / f"rank{self.rank}.json"
         self._proc = proc_info(self.rank, {})
+        self._flows = FlowSpans.of(of_run_start(None).flows())   # the fallback's, until run_start gives the table
         self._chunks: list = []                      # (spans record, prepare() of it), oldest first
         self._seq = self._written_seq = 0            # spans records received / covered by the last write
         self._exported = self._dropped = self._evicted_spans = self._profiler_dropped = 0
@@ -40,6 +42,7 @@ class TraceExporter:
         with self._lock:
             if rtype == RUN_START:
                 self._proc = proc_info(self.rank, record)
+                self._flows = FlowSpans.of(of_run_start(record).flows())
             elif rtype == RUN_END:
                 self._status = record.get("status")
             elif rtype == SPANS:
@@ -54,7 +57,7 @@ class TraceExporter:
         self._profiler_dropped += int(num(record.get("dropped")) or 0)
         chunks = self._chunks + [(record, None)]
         kept, n_records, n_spans = newest_within([r for r, _ in chunks], self.max_events)
-        self._chunks = [(r, prep if r is orig and prep is not None else prepare(self.rank, r))
+        self._chunks = [(r, prep if r is orig and prep is not None else prepare(self.rank, r, self._flows))
                         for r, (orig, prep) in zip(kept, chunks[len(chunks) - len(kept):])]
         self._dropped += n_records
         self._evicted_spans += n_spans

@@ -1,5 +1,6 @@
-"""The Grafana dashboard for DFlash training, generated from code: `python -m monitoring.dashboard`
-writes grafana/dflash.json (`--check`: exit 1 when the committed file differs).
+"""The Grafana dashboard for DFlash training, generated from code and the pipeline's wait spans (given by the
+caller: {span: role}): `python -m dflash.grafana dashboard` writes grafana/dflash.json (`--check`: exit 1 when the
+committed file differs).
 
 Panels are data (`Panel`, `Query`) in rows; `build_dashboard()` makes the JSON model with
 grafana-foundation-sdk. Queries follow grafana/dashboard-linter's rules: the templated datasource, the
@@ -11,12 +12,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from monitoring import write_or_check
-from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, WAIT_SPANS
+from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES
 from monitoring.rules import ROLE_WAIT_RATIO
 
 TITLE = "DFlash training"
@@ -113,14 +113,21 @@ ALERTS = ('ALERTS{alertname=~"DFlash.+", alertstate="firing", job=~"$job", run=~
 _STEP_TIME = (f"(increase({sel('tokens', role='drafter')}[{RATE}])"
               f" / increase({sel('steps', role='drafter')}[{RATE}]))"
               f" / ({sel('tokens_rate', role='drafter')} > 0)")
-_BOUND = tuple(Query(recorded(ROLE_WAIT_RATIO, role=role), f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound")
-               for role in WAIT_SPANS.values())
 _P95 = f"histogram_quantile(0.95, sum by (le, role, span) (rate({sel('span_seconds', '_bucket')}[{RATE}])))"
 _MEAN = (f"sum by (role, span) (rate({sel('span_time')}[{RATE}]))"
          f" / sum by (role, span) (rate({sel('span_count')}[{RATE}]))")
 GPU = "{{role}} {{rank}} gpu {{gpu}}"
-# The dashboard's rows, top to bottom, each with its panels.
-ROWS = (("Overview", (
+
+
+def _bound(waits: dict) -> tuple:
+    """A query per role that waits on the other side (`waits`: {span: role}): its ranks' wait share."""
+    return tuple(Query(recorded(ROLE_WAIT_RATIO, role=role), f"{role}s wait: {ROLES[1 - ROLES.index(role)]}-bound")
+                 for role in dict.fromkeys(waits.values()))
+
+
+def _overview(waits: dict) -> tuple:
+    """The first row: throughput, step time, which role bounds the run (from the roles' wait spans), the step."""
+    return (
         Panel("Tokens per second by role",
               "Tokens per second over the last profile interval, summed over the role's ranks. Both roles "
               "handle the same tokens, so in a steady run the two lines meet; the lower one sets the pace.",
@@ -134,11 +141,15 @@ ROWS = (("Overview", (
               "over their profiled seconds (the recording rule " + ROLE_WAIT_RATIO + "). Targets waiting for a "
               "transfer slot means the drafters are the bottleneck; drafters waiting to receive means the targets "
               "are. Both high: the transfer itself bounds the run.",
-              "percentunit", _BOUND, width=6, kind="stat", max=1.0,
+              "percentunit", _bound(waits), width=6, kind="stat", max=1.0,
               thresholds=((0.1, "yellow"), (0.3, "red"))),
         Panel("Drafter step", "The drafters' current training step (highest over drafter ranks).",
               "none", (Query(f"max({sel('step', role='drafter')})", "step"),), width=4, kind="stat"),
-)), ("Step breakdown", (
+    )
+
+
+# The rows below the overview, top to bottom, each with its panels.
+_BELOW_OVERVIEW = (("Step breakdown", (
         _share("target"),
         _share("drafter"),
         Panel("Span share of the last interval (busiest rank)",
@@ -292,6 +303,11 @@ ROWS = (("Overview", (
 )))
 
 
+def rows(waits: dict) -> tuple:
+    """The dashboard's rows, top to bottom, each with its panels; `waits`: the pipeline's wait spans ({span: role})."""
+    return (("Overview", _overview(waits)), *_BELOW_OVERVIEW)
+
+
 def _datasource_ref():
     """The templated data source every panel, target and variable uses (dashboard-linter's rule)."""
     from grafana_foundation_sdk.models.dashboard import DataSourceRef
@@ -375,8 +391,8 @@ def _panel(panel: Panel, panel_id: int):
     return builder
 
 
-def build_dashboard() -> dict:
-    """The dashboard's JSON model (what `grafana/dflash.json` holds)."""
+def build_dashboard(waits: dict) -> dict:
+    """The dashboard's JSON model (what `grafana/dflash.json` holds); `waits`: the pipeline's wait spans."""
     from grafana_foundation_sdk.builders import dashboard as db
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models import dashboard as dm
@@ -394,7 +410,7 @@ def build_dashboard() -> dict:
     builder = builder.annotation(db.AnnotationQuery().name("Alerts").datasource(_datasource_ref()).enable(True)
                                  .icon_color("orange").expr(f"count by (alertname, rank) ({ALERTS})"))
     ids = itertools.count(1)
-    for title, panels in ROWS:
+    for title, panels in rows(waits):
         builder = builder.with_row(db.Row(title).id(next(ids)))
         for panel in panels:
             builder = builder.with_panel(_panel(panel, next(ids)))
@@ -406,17 +422,14 @@ def render(dashboard: dict) -> str:
     return json.dumps(dashboard, indent=2) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the dashboard JSON, or with --check say whether the file on disk is current (exit 1 if not)."""
-    parser = argparse.ArgumentParser(prog="python -m monitoring.dashboard", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None, waits: dict, module: str) -> int:
+    """Write the dashboard JSON, or with --check say whether the file on disk is current (exit 1 if not): the
+    command line of `python -m MODULE` (dflash/grafana.py), which gives the pipeline's wait spans ({span: role})."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="dashboard JSON path (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when --out differs from the generated dashboard")
     args = parser.parse_args(argv)
-    text = render(build_dashboard())
-    return write_or_check(args.out, text, "monitoring.dashboard", args.check)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    text = render(build_dashboard(waits))
+    return write_or_check(args.out, text, module, args.check)

@@ -1,5 +1,6 @@
-"""Prometheus recording rules and alerts for DFlash training, generated from the catalog as the dashboard is:
-`python -m monitoring.rules` writes grafana/dflash.rules.yml; `--check` exits 1 when the committed file differs.
+"""Prometheus recording rules and alerts for DFlash training, generated from the catalog and the pipeline's wait
+spans (given by the caller: {span: role}) as the dashboard is: `python -m dflash.grafana rules` writes
+grafana/dflash.rules.yml; `--check` exits 1 when the committed file differs.
 The recording rules and the alerts are one group, records first: Prometheus evaluates a group's rules in order,
 so each alert reads the recordings of the same evaluation (separate groups would lag by up to one interval).
 
@@ -14,12 +15,11 @@ for minutes fire within seconds. The shipped files are F = 1; `promtool test rul
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from monitoring import write_or_check
-from monitoring.catalog import FAMILIES, WAIT_SPANS
+from monitoring.catalog import FAMILIES
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "grafana" / "dflash.rules.yml"
 RUNBOOK = "docs/RUNBOOK.md"
@@ -84,11 +84,12 @@ def name(key: str) -> str:
     return FAMILIES[key].name
 
 
-def wait_seconds_rate(window: str) -> str:
-    """Seconds per second each rank spent in its role's wait span (WAIT_SPANS), from the tick-fed span time."""
+def wait_seconds_rate(window: str, waits: dict) -> str:
+    """Seconds per second each rank spent in its role's wait spans (`waits`: {span: role}), from the tick-fed span
+    time."""
     return " or ".join(
         f'sum by (job, run, rank, role) (rate({name("span_time")}{{{JOB}, clock="cpu", role="{role}", '
-        f'span="{span}"}}[{window}]))' for span, role in WAIT_SPANS.items())
+        f'span="{span}"}}[{window}]))' for span, role in waits.items())
 
 
 # Recording rule names, used by the alerts and the dashboard.
@@ -101,12 +102,12 @@ PROFILER_RATIO = "job_run_rank_role:dflash_profiler_cpu_seconds_per_profiled_sec
 RANK_BY = "job, run, rank, role"
 
 
-def records(d: Scale) -> list[Record]:
+def records(d: Scale, waits: dict) -> list[Record]:
     """The recording rules: what the alerts and the dashboard aggregate; a role's share is the sum of its ranks'
-    numerators over the sum of their denominators, never an average of ratios."""
+    numerators over the sum of their denominators, never an average of ratios. `waits`: {span: role}."""
     profiled = f'{name("profiled_seconds")}{{{JOB}}}'
     return [
-        Record(RANK_WAIT, wait_seconds_rate(d(600))),
+        Record(RANK_WAIT, wait_seconds_rate(d(600), waits)),
         Record(RANK_PROFILED, f"sum by ({RANK_BY}) (rate({profiled}[{d(600)}]))"),
         Record(RANK_WAIT_RATIO, f"{RANK_WAIT} / {RANK_PROFILED}"),
         Record(ROLE_WAIT_RATIO, f"sum by (job, run, role) ({RANK_WAIT}) / sum by (job, run, role) ({RANK_PROFILED})"),
@@ -177,9 +178,9 @@ RANK = "rank {{ $labels.rank }} ({{ $labels.role }}) of run {{ $labels.run }}"
 RANK_FIRST = RANK[0].upper() + RANK[1:]
 
 
-def alerts(d: Scale) -> list[Alert]:
-    """Every alert, in the order of docs/RUNBOOK.md."""
-    return _failure_alerts(d) + _health_alerts(d)
+def alerts(d: Scale, waits: dict) -> list[Alert]:
+    """Every alert, in the order of docs/RUNBOOK.md; `waits`: {span: role}, the spans the wait alerts name."""
+    return _failure_alerts(d) + _health_alerts(d, waits)
 
 
 def _failure_alerts(d: Scale) -> list[Alert]:
@@ -213,7 +214,12 @@ def _failure_alerts(d: Scale) -> list[Alert]:
     ]
 
 
-def _health_alerts(d: Scale) -> list[Alert]:
+def _waited_on(role: str, waits: dict) -> str:
+    """The wait spans of `role` as an alert's description names them."""
+    return " or ".join(sorted(span for span, r in waits.items() if r == role))
+
+
+def _health_alerts(d: Scale, waits: dict) -> list[Alert]:
     """GPU memory, the pipeline's balance, throughput and the telemetry's own health."""
     return [
         Alert("DFlashGpuMemoryHeadroomLow", f'{name("gpu_headroom_ratio")}{{{JOB}}} < {HEADROOM_LOW_RATIO}', 300,
@@ -226,12 +232,13 @@ def _health_alerts(d: Scale) -> list[Alert]:
               "falling for 15 minutes at a rate that reaches zero within the hour."),
         Alert("DFlashDrafterStarved", _waits("drafter", "target", d), 120, "warning",
               "A drafter waits for its targets nearly all the time.",
-              RANK_FIRST + " waited on drafter.recv for {{ $value | humanizePercentage }} of the last 10 minutes: "
+              RANK_FIRST + f" waited on {_waited_on('drafter', waits)} for {{{{ $value | humanizePercentage }}}} "
+              "of the last 10 minutes: "
               "its targets (or the transfer) bound it."),
         Alert("DFlashTargetBlocked", _waits("target", "drafter", d), 120, "warning",
               "A target waits for its drafter nearly all the time.",
-              RANK_FIRST + " waited on transfer.wait_slot for {{ $value | humanizePercentage }} of the last 10 "
-              "minutes: its drafter bounds it."),
+              RANK_FIRST + f" waited on {_waited_on('target', waits)} for {{{{ $value | humanizePercentage }}}} "
+              "of the last 10 minutes: its drafter bounds it."),
         Alert("DFlashThroughputDrop",
               f"{TOKENS_RATE} < {THROUGHPUT_DROP_RATIO} * ({TOKENS_RATE} offset {d(3600)}) and {TOKENS_RATE} > 0",
               900, "warning", "Training throughput fell by more than half against an hour earlier.",
@@ -254,27 +261,28 @@ def anchor(alert_name: str) -> str:
     return alert_name.lower()
 
 
-def rule_groups(d: Scale, runbook_base: str = RUNBOOK) -> dict:
-    """The rule file's content: one group, the recording rules then the alerts."""
-    recording = [{"record": r.record, "expr": r.expr} for r in records(d)]
+def rule_groups(d: Scale, waits: dict, runbook_base: str = RUNBOOK) -> dict:
+    """The rule file's content: one group, the recording rules then the alerts; `waits`: {span: role}."""
+    recording = [{"record": r.record, "expr": r.expr} for r in records(d, waits)]
     alerting = [{"alert": a.name, "expr": a.expr, "for": d.at_least(a.for_s, a.min_for_s), "labels": {"severity": a.severity},
                  "annotations": {"summary": a.summary, "description": a.description,
-                                 "runbook_url": f"{runbook_base}#{anchor(a.name)}"}} for a in alerts(d)]
+                                 "runbook_url": f"{runbook_base}#{anchor(a.name)}"}} for a in alerts(d, waits)]
     return {"groups": [{"name": "dflash", "rules": recording + alerting}]}
 
 
-def render(groups: dict, scale: Scale) -> str:
-    """The rule file's text: a header saying how it was made, then YAML."""
+def render(groups: dict, scale: Scale, module: str) -> str:
+    """The rule file's text: a header saying how it was made (`python -m MODULE`), then YAML."""
     import yaml
 
-    how = "python -m monitoring.rules" + (f" --time-scale {scale.factor:g}" if scale.factor != 1 else "")
+    how = f"python -m {module}" + (f" --time-scale {scale.factor:g}" if scale.factor != 1 else "")
     return (f"# Generated by `{how}` from monitoring/rules.py; do not edit by hand.\n"
             + yaml.safe_dump(groups, sort_keys=False, width=120, allow_unicode=True))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the rule file, or with --check say whether the file on disk is current (exit 1 if not)."""
-    parser = argparse.ArgumentParser(prog="python -m monitoring.rules", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None, waits: dict, module: str) -> int:
+    """Write the rule file, or with --check say whether the file on disk is current (exit 1 if not): the command
+    line of `python -m MODULE` (dflash/grafana.py), which gives the pipeline's wait spans (`waits`: {span: role})."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="rule file (default: %(default)s)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply every duration by this (tests: short windows; default: %(default)s)")
@@ -285,9 +293,5 @@ def main(argv: list[str] | None = None) -> int:
     if not args.time_scale > 0:
         parser.error(f"--time-scale must be > 0, got {args.time_scale}")
     scale = Scale(args.time_scale)
-    text = render(rule_groups(scale, args.runbook_base), scale)
-    return write_or_check(args.out, text, "monitoring.rules", args.check)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    text = render(rule_groups(scale, waits, args.runbook_base), scale, module)
+    return write_or_check(args.out, text, module, args.check)

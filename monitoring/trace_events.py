@@ -4,9 +4,10 @@ report.trace (all ranks, from the logs). Stdlib only.
 One process per rank (pid = rank + 1: pid 0 is Perfetto's idle process), one track per OS thread plus a "(GPU)"
 track (tid + GPU_TID_OFFSET), tids unique across the file. Slices are "X" events in integer Unix microseconds,
 both ends floored so nested spans stay nested; slices that would overlap without nesting get "[overlap N]" lanes.
-Flow arrows join each `transfer.send` tagged `flow` (from the send's start) to the `drafter.recv` with the same
-string (to the receive's end, when the batch arrived: arrows point forward in time); a one-rank file draws its
-halves under the ids the pairs get, so files put together join.
+Flow arrows join each flow-start span tagged `flow` (from its start) to the flow-end span with the same string (to
+its end, when the batch arrived: arrows point forward in time), the span names given by the run's span table
+(`FlowSpans`; dflash-train: `transfer.send` to `drafter.recv`); a one-rank file draws its halves under the ids the
+pairs get, so files put together join.
 """
 from __future__ import annotations
 
@@ -18,12 +19,30 @@ import os
 import threading
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 MAX_EVENTS = 500_000              # slices kept per trace file; the oldest spans records go first
 GPU_TID_OFFSET = 1 << 30          # GPU track of thread T: T + offset (Linux thread ids stay below 2**22)
 OVERLAP_TID_BASE = 1 << 29        # extra lanes, and a thread whose id a track already took
-FLOW_START, FLOW_END, FLOW_CAT = "transfer.send", "drafter.recv", "transfer"
 GPU_START_UNKNOWN = "unknown; aligned to CPU start"
+
+
+class FlowSpans(NamedTuple):
+    """The spans a trace joins with flow arrows (a run's span table: profiler/span_kinds.py): each span of `start`
+    tagged `flow` to the span of `end` with the same tag."""
+    start: frozenset = frozenset()
+    end: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, flows: dict) -> "FlowSpans":
+        """From {span: "start" or "end"} (profiler.span_kinds.SpanKinds.flows())."""
+        return cls(frozenset(n for n, end in flows.items() if end == "start"),
+                   frozenset(n for n, end in flows.items() if end == "end"))
+
+    @property
+    def cat(self) -> str:
+        """The arrows' category: their start span's (its name up to the first dot), the same in every rank's file."""
+        return min(self.start).split(".")[0] if self.start else "flow"
 
 # ---------------------------------------------------------------- one span -> slices
 
@@ -135,9 +154,9 @@ def newest_within(records: list, max_events: int) -> tuple[list, int, int]:
 
 # ---------------------------------------------------------------- slices -> trace events
 
-def prepare(rank: int, record: dict) -> dict:
-    """One spans record -> its slices keyed by track, its flow halves and counts; built once per record (the
-    live exporter keeps them between rewrites)."""
+def prepare(rank: int, record: dict, flow_spans: FlowSpans) -> dict:
+    """One spans record -> its slices keyed by track, its flow halves (of `flow_spans`) and counts; built once per
+    record (the live exporter keeps them between rewrites)."""
     items, flows, spans, bad = [], [], 0, 0
     steps, pid = json_safe(record.get("steps")), trace_pid(rank)
     for entry in record.get("spans") or ():
@@ -151,9 +170,10 @@ def prepare(rank: int, record: dict) -> dict:
             ev["pid"] = pid
             items.append(((rank, tid, thread, kind), ev))
         attrs, cpu = entry.get("attrs"), slices[0][1]
-        if isinstance(attrs, dict) and attrs.get("flow") is not None and cpu["name"] in (FLOW_START, FLOW_END):
-            flows.append((str(attrs["flow"]), cpu["name"] == FLOW_START, cpu))
-    return {"items": items, "flows": flows, "spans": spans, "bad_spans": bad}
+        is_start = cpu["name"] in flow_spans.start
+        if isinstance(attrs, dict) and attrs.get("flow") is not None and (is_start or cpu["name"] in flow_spans.end):
+            flows.append((str(attrs["flow"]), is_start, cpu))
+    return {"items": items, "flows": flows, "spans": spans, "bad_spans": bad, "flow_cat": flow_spans.cat}
 
 
 def build_trace(procs: list, prepared: list, halves: bool = False) -> tuple[list, dict]:
@@ -167,7 +187,8 @@ def build_trace(procs: list, prepared: list, halves: bool = False) -> tuple[list
         counts["spans"] += prep["spans"]
         counts["bad_spans"] += prep["bad_spans"]
     meta, slices = _layout(tracks)
-    flow_events, counts["flows_matched"], counts["flows_unmatched"] = _flow_events(flows, halves)
+    cat = next((prep["flow_cat"] for prep in prepared), FlowSpans().cat)
+    flow_events, counts["flows_matched"], counts["flows_unmatched"] = _flow_events(flows, cat, halves)
     counts["flow_sends"] = sum(1 for _, is_start, _ in flows if is_start)
     counts["flow_receives"] = len(flows) - counts["flow_sends"]
     timed = slices + flow_events
@@ -247,8 +268,8 @@ def flows_matched(flows: list) -> int:
     return sum(min(sends, receives) for sends, receives in halves.values())
 
 
-def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
-    """Flow pairs ("s", "f") from each transfer.send to its drafter.recv -> (events, matched, unmatched): the
+def _flow_events(flows: list, cat: str, halves: bool = False) -> tuple[list, int, int]:
+    """Flow pairs ("s", "f") of category `cat` from each flow start to its end -> (events, matched, unmatched): the
     i-th send of a flow string pairs with its i-th receive in time order (a resumed run may reuse a batch id); an
     unpaired half is counted, and drawn only with `halves` (its partner in another rank's file has its id)."""
     by_flow = {}
@@ -264,19 +285,19 @@ def _flow_events(flows: list, halves: bool = False) -> tuple[list, int, int]:
         for i in range(max(len(starts), len(ends)) if halves else n):
             fid = flow_id(flow if i == 0 else f"{flow}#{i}")
             if i < len(starts):
-                out.append(_flow_point("s", starts[i], fid, flow))
+                out.append(_flow_point("s", starts[i], fid, flow, cat))
             if i < len(ends):
-                out.append(_flow_point("f", ends[i], fid, flow))
+                out.append(_flow_point("f", ends[i], fid, flow, cat))
     return out, matched, unmatched
 
 
-def _flow_point(ph: str, sl: dict, fid: int, flow: str) -> dict:
+def _flow_point(ph: str, sl: dict, fid: int, flow: str, cat: str) -> dict:
     """A flow event inside slice `sl`, which Perfetto binds it to (the innermost slice open on the track at its
     time): a send's at the send's start; a receive's at the receive's last microsecond, when the batch is in
     hand. A receive may begin long before the batch was sent (a drafter waiting for its first batch), so its
     start would draw the arrow backwards in time; its end never precedes the send."""
     ts = sl["ts"] if ph == "s" else sl["ts"] + max(0, sl["dur"] - 1)
-    ev = {"ph": ph, "name": "batch", "cat": FLOW_CAT, "id": fid, "pid": sl["pid"], "tid": sl["tid"],
+    ev = {"ph": ph, "name": "batch", "cat": cat, "id": fid, "pid": sl["pid"], "tid": sl["tid"],
           "ts": ts, "args": {"flow": flow}}
     if ph == "f":
         ev["bp"] = "e"

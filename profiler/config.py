@@ -89,6 +89,11 @@ class ProfilerConfig:
     phase_spans: tuple = ()
     """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
     seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
+    span_table: dict | None = None
+    """What each span's time is, as plain data written into run_start (docs/RUNLOG.md `span_table`): {span name:
+    {"role": the role that enters it, "kind": "work", "wait", "phase" or "collective", "flow": "start" or "end"
+    where a trace joins it to its counterpart with an arrow (optional)}}. Reports, traces and live sinks read the
+    run's waits, collectives and flows from it (profiler/span_kinds.py). None: no span has a kind of its own."""
     nvtx: bool = False
     """On CUDA, every span is also an NVTX range for the whole run (Nsight Systems, `ncu --nvtx`)."""
     capture_at_step: int | None = None

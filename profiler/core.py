@@ -338,6 +338,7 @@ class Profiler:
                 "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
+                "span_table": dict(self.cfg.span_table or {}),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
                 "config": self.run_config}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from report import compare as _compare
 from report.advice import memory_margin, split
 from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
-from report.findings import findings
+from report.findings import GENERIC, Advice, findings
 from report.flight_recorder import transfer_rings
 from report.kernels import format_kernels, kernels
 from report.memory_snapshot import format_memory, memory
@@ -18,13 +18,13 @@ from report.runs import ReportError, Run, load_run, paused_gc
 
 REPORT_SCHEMA = 1
 
-__all__ = ["REPORT_SCHEMA", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
+__all__ = ["REPORT_SCHEMA", "Advice", "ReportError", "hotspots", "hotspots_of", "compare", "plot",
            "format_hotspots", "format_compare", "load_run", "kernels", "format_kernels", "memory", "format_memory"]
 
 
-def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> dict:
+def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None, advice: Advice = GENERIC) -> dict:
     """Every analysis of a loaded run (a JSON-able dict, one key per analysis: docs/REPORT.md), then the
-    findings drawn from them."""
+    findings drawn from them, their next experiments said by `advice` (a trainer's: dflash/advice.py)."""
     ranks = rank_table(run)
     steady = steady_state(run)
     starts = [s for log in run.ranks.values() for s in log.run_starts]
@@ -37,13 +37,13 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None) -> 
         spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
         memory=headroom(run), events=events(run), transfer_rings=transfer_rings(run), hot_frames=hot_frames(run),
         ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])
-    report["findings"] = findings(report)
+    report["findings"] = findings(report, advice)
     return report
 
 
-def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None) -> dict:
+def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None, advice: Advice = GENERIC) -> dict:
     with paused_gc():
-        return hotspots_of(load_run(run_dir), top, n_gpus)
+        return hotspots_of(load_run(run_dir), top, n_gpus, advice)
 
 
 def compare(run_dir_a, run_dir_b) -> dict:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import statistics
 
-from monitoring.catalog import WAIT_SPANS
 from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
+from profiler.span_kinds import COLLECTIVE, SpanKinds
 from report.kernels import capture_busy
 from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
-    steady_window, wall_seconds
+    span_kinds, steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline
 BALANCED_SHARE = 0.05      # neither role waits this much: the pipeline is balanced
 STRAGGLER_GAP = 0.2        # a rank this much below its peers' median capacity is a straggler
-COLLECTIVE_SPANS = ("drafter.allreduce",)   # lock-step waits on peers, left out of a rank's own work
 NO_METER = "no throughput event (a run stopped during warm-up, or a log not written by this dflash-train)"
 LOOP_NO_METER = ("no throughput meter (a loop of its own writes no throughput event; the steady state section gives "
                  "its steady intervals' rates)")
@@ -90,9 +89,11 @@ def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, 
     return p50, p95, source
 
 
-def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None, busy: tuple = (None, None)) -> dict:
+def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None, busy: tuple = (None, None),
+              wait: bool = False) -> dict:
     """One ranked span from its entries in every interval of the role's ranks (and their run_ends'); `busy`:
-    (the captures' busy share of the span, the role's GPM SM active percent), the estimates beside its class."""
+    (the captures' busy share of the span, the role's GPM SM active percent), the estimates beside its class;
+    `wait`: whether the role waits on the other side in it (the run's span table)."""
     entries = a["entries"]
     on = span_clock(entries)
     timed = [e for e in entries if e.get("gpu")]
@@ -112,7 +113,7 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
             "share": total / role_wall if role_wall > 0 else None,
             "mean_seconds": _mean_seconds(measured, on, n) if n else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds, "quantiles_from": source,
-            "intervals": len(entries), "wait": WAIT_SPANS.get(name) == role, "ranks": sorted(a["ranks"]),
+            "intervals": len(entries), "wait": wait, "ranks": sorted(a["ranks"]),
             **{k: a[k] for k in ("open_intervals", "open_max_seconds", "open_where", "open_at_end")}}
 
 
@@ -159,9 +160,9 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
         for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in (end.get("spans") or {}).items()):
             if closed and (role, name) in agg:
                 agg[(role, name)]["ends"].append(e)
-    sm, captured = sm_active_by_role(run), capture_busy(run)
-    rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds, (captured.get((role, name)), sm.get(role)))
-            for (role, name), a in agg.items()]
+    sm, captured, kinds = sm_active_by_role(run), capture_busy(run), span_kinds(run)
+    rows = [_span_row(role, name, a, roles[role]["wall_seconds"], bounds, (captured.get((role, name)), sm.get(role)),
+                      kinds.is_wait(name, role)) for (role, name), a in agg.items()]
     rows.sort(key=lambda r: -r["total_seconds"])
     return {"rows": rows[:top] if top else rows, "spans_total": len(rows), "roles": roles}
 
@@ -190,22 +191,23 @@ def _span_seconds(intervals: list, names) -> float:
     return total
 
 
-def _wait_share(intervals: list, role: str) -> float | None:
-    """The share of `intervals`' wall time the role waits on the other side (its WAIT_SPANS); None for a role
-    that has none (a loop of its own waits on no other role)."""
-    waits = [n for n, r in WAIT_SPANS.items() if r == role]
+def _wait_share(intervals: list, role: str, kinds: SpanKinds) -> float | None:
+    """The share of `intervals`' wall time the role waits on the other side (its wait spans in `kinds`); None for
+    a role that has none (a loop of its own waits on no other role)."""
+    waits = [n for n, r in kinds.waits().items() if r == role]
     wall = wall_seconds(intervals)
     return _span_seconds(intervals, waits) / wall if wall > 0 and waits else None
 
 
 def role_shares(run: Run) -> dict:
     """{role: {wait_span, wait_share, busy_share, wall_seconds, tokens, window, steady}} over the steady window of
-    the role's ranks (runs.merged_window, named by `window`); busy = 1 - wait (the wait spans of WAIT_SPANS)."""
-    out = {}
+    the role's ranks (runs.merged_window, named by `window`); busy = 1 - wait (the run's wait spans, span_kinds)."""
+    out, kinds = {}, span_kinds(run)
+    waits = kinds.waits()
     for role, logs in run.by_role().items():
         w = merged_window(logs)
-        wait = _wait_share(w.intervals, role)
-        out[role] = {"wait_span": ", ".join(sorted(n for n, r in WAIT_SPANS.items() if r == role)) or None,
+        wait = _wait_share(w.intervals, role, kinds)
+        out[role] = {"wait_span": ", ".join(sorted(n for n, r in waits.items() if r == role)) or None,
                      "wait_share": wait, "busy_share": None if wait is None else max(0.0, 1.0 - wait),
                      "wall_seconds": wall_seconds(w.intervals), "tokens": counter_total(w.intervals, "tokens"),
                      "window": w.label, "steady": not w.fallback}
@@ -287,7 +289,8 @@ def _pipeline_verdict(run: Run) -> dict:
         out["evidence"].append(f"no tokens processed by the {' and '.join(idle)}: stalled, or still starting "
                                "(finished spans cannot tell which side bounds it)")
         return out
-    said = f"target waits {wt:.0%} on transfer.wait_slot, drafter waits {wd:.0%} on drafter.recv"
+    said = (f"target waits {wt:.0%} on {shares['target']['wait_span']}, drafter waits {wd:.0%} on "
+            f"{shares['drafter']['wait_span']}")
     if wt >= WAIT_BOUND_SHARE and wd >= WAIT_BOUND_SHARE:
         out["verdict"] = "transfer-bound"
         out["evidence"].append(f"{said}: both sides wait, so batches are slow in between")
@@ -342,15 +345,15 @@ def bandwidth(run: Run) -> list:
 
 # ---- ranks and the straggler -----------------------------------------------------------------
 
-def _rank_row(log) -> dict:
+def _rank_row(log, kinds: SpanKinds) -> dict:
     """One rank. Each figure beside the window it was read over: `tokens_per_s` is the steady state's
     (steady_tokens_per_s, its throughput events, over `tokens_window_seconds`), or, for a loop of its own without
     a meter, its steady intervals' (`tokens` counter over their wall, as the steady line reads it); busy share,
     `window_tokens_per_s` and capacity (that rate over the work share) are all over its steady intervals
     (`window`, `window_seconds`)."""
     w = steady_window(log)
-    wall, wait = wall_seconds(w.intervals), _wait_share(w.intervals, log.role)
-    collective = _span_seconds(w.intervals, COLLECTIVE_SPANS) / wall if wall > 0 else None
+    wall, wait = wall_seconds(w.intervals), _wait_share(w.intervals, log.role, kinds)
+    collective = _span_seconds(w.intervals, kinds.names(COLLECTIVE)) / wall if wall > 0 else None
     meter = steady_throughput(log.events)
     window_rate = counter_total(w.intervals, "tokens") / wall if wall > 0 else None
     own_loop = meter is None and log.role not in PIPELINE_ROLES and bool(window_rate)
@@ -411,7 +414,7 @@ def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
     return {n: _span_seconds(intervals, (n,)) / tokens for n in names} if tokens else {}
 
 
-def _straggler(rows: list) -> dict | None:
+def _straggler(rows: list, kinds: SpanKinds) -> dict | None:
     """The rank whose capacity (tokens/s over its work share) is over STRAGGLER_GAP below its role's other
     ranks' median, with the span that costs it most."""
     worst = None
@@ -425,15 +428,16 @@ def _straggler(rows: list) -> dict | None:
         if slowdown < 1.0 - STRAGGLER_GAP and (worst is None or slowdown < worst["capacity_ratio"]):
             worst = {"rank": row["rank"], "role": row["role"], "capacity_tokens_per_s": row["capacity_tokens_per_s"],
                      "peers_median_tokens_per_s": median, "capacity_ratio": slowdown, "window": row["window"],
-                     **_costliest_span(row, rows)}
+                     **_costliest_span(row, rows, kinds)}
     return worst
 
 
-def _costliest_span(row: dict, rows: list) -> dict:
+def _costliest_span(row: dict, rows: list, kinds: SpanKinds) -> dict:
     mine = row["span_seconds_per_token"]
     best, excess_best = None, 0.0
+    not_own = set(kinds.waits()) | set(kinds.names(COLLECTIVE))   # waits on others, lock-step with peers
     for name, spt in mine.items():
-        if name in WAIT_SPANS or name in COLLECTIVE_SPANS:
+        if name in not_own:
             continue
         peers = [p["span_seconds_per_token"].get(name, 0.0) for p in rows if p["role"] == row["role"] and p is not row]
         excess = spt - statistics.median(peers)
@@ -445,10 +449,11 @@ def _costliest_span(row: dict, rows: list) -> dict:
 
 def rank_table(run: Run) -> dict:
     """{"ranks": per-rank rows (_rank_row), "straggler": the slow rank or None, "reason"}."""
-    rows = [_rank_row(log) for log in run.ranks.values()]
+    kinds = span_kinds(run)
+    rows = [_rank_row(log, kinds) for log in run.ranks.values()]
     multi = any(sum(1 for r in rows if r["role"] == role) >= 2 for role in {r["role"] for r in rows})
     measured = any(r["capacity_tokens_per_s"] for r in rows)
-    return {"ranks": rows, "straggler": _straggler(rows),
+    return {"ranks": rows, "straggler": _straggler(rows, kinds),
             "reason": None if multi and measured else "no role has two ranks to compare" if not multi else
             "no rank has a capacity to compare (its steady intervals' tokens/s over its work share)"}
 

@@ -7,7 +7,8 @@ order      p50 <= p95 <= p99 <= max and mean <= max; counts non-negative
 agree      one quantity, one value: throughput file = its event = the report's JSON and text; run_end = its
            intervals summed; a one-rank role's percentiles = its run_end's (the console's end-of-run table)
 once       a span's time over the run fits in its threads' wall time; self <= total
-phases     warm-up intervals marked, phase spans listed, a throughput event once warm-up is past
+phases     warm-up intervals marked, phase spans (the run_start span_table's) listed in phase_spans, a throughput event
+           once warm-up is past
 windows    a figure named steady is read over steady windows (tick windows where the run wrote ticks, else
            intervals; neither warm-up nor final, at most a tenth in phases: profiler.windows.is_steady), and the
            text names each window, followed by its own length; with none steady, its label says so, and never
@@ -32,14 +33,13 @@ from pathlib import Path
 
 from monitoring.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
+from profiler.span_kinds import PHASE, of_run_start
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput, tick_windows
 from report import format_compare, format_hotspots, hotspots_of
 from report.compare import compare as compare_runs
 from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
 from report.trace import merged_trace
 
-PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
-"""The phase spans DESIGN.md names ("Phases"): a run that shows one must list it in run_start `phase_spans`."""
 SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
 RATE_TOLERANCE = 0.01    # the same steady rate on two surfaces (DESIGN.md: within 1%)
 TOTAL_REL, TOTAL_ABS_SECONDS = 0.01, 1e-3   # run_end CPU totals against their intervals summed
@@ -265,7 +265,8 @@ def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: l
         res.note(f"{where}: run_start without phase_spans (written before phases were listed): not checked")
         return
     listed = set(start.get("phase_spans") or ())
-    seen = {n for r in intervals for n in (r.get("spans") or {}) if n in PHASES}
+    phases = of_run_start(start).names(PHASE)   # the run's phase spans: each that shows must be listed
+    seen = {n for r in intervals for n in (r.get("spans") or {}) if n in phases}
     for name in sorted(seen - listed):
         res.expect(False, "phases", f"{where} span {name}", "a phase span not listed in run_start phase_spans")
     res.checked += len(seen & listed)

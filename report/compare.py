@@ -13,9 +13,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from monitoring.catalog import WAIT_SPANS
 from profiler.windows import basis, basis_seconds, whole_seconds
-from report.runs import Run, gpu_key, gpus, merged_window, steady_window, wall_seconds
+from report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01
@@ -133,9 +132,10 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
     return out
 
 
-def _span_rows(a: dict, b: dict) -> list:
+def _span_rows(a: dict, b: dict, waits: set) -> list:
     """A row per (role, span) either run sampled, by |change|; a span both runs have but one did not sample in
-    the window (a phase span outside the steady windows) is "too few windows", never "only in" one run."""
+    the window (a phase span outside the steady windows) is "too few windows", never "only in" one run; `waits`:
+    the (role, span) pairs in which a role waits on the other side in either run."""
     spans = []
     for key in sorted(set(a["spans"]) | set(b["spans"])):
         calls_per_s = max(a["calls_per_s"].get(key, 0.0), b["calls_per_s"].get(key, 0.0))
@@ -146,7 +146,7 @@ def _span_rows(a: dict, b: dict) -> list:
                                                       weights=(a["calls"].get(key), b["calls"].get(key)))}
         if row["verdict"].startswith("only in") and key in a["present"] and key in b["present"]:
             row["verdict"] = TOO_FEW
-        if WAIT_SPANS.get(name) == role and row["verdict"] in ("regression", "improvement"):
+        if key in waits and row["verdict"] in ("regression", "improvement"):
             row["verdict"] = "wait " + ("longer" if row["verdict"] == "regression" else "shorter")
         spans.append(row)
     spans.sort(key=lambda r: -abs(r["change_ratio"] or 0.0))
@@ -161,7 +161,8 @@ def compare(run_a: Run, run_b: Run) -> dict:
     kinds = windows_alike(run_a, run_b)
     memory_steady = all(merged_window(r.ranks.values(), ticks=False).steady for r in (run_a, run_b))
     a, b = _samples(run_a, kinds, memory_steady), _samples(run_b, kinds, memory_steady)
-    spans = _span_rows(a, b)
+    waits = {(role, name) for run in (run_a, run_b) for name, role in span_kinds(run).waits().items()}
+    spans = _span_rows(a, b, waits)
     rates = {role: classify(a["rates"].get(role, []), b["rates"].get(role, []), higher_is_worse=False)
              for role in sorted(set(a["rates"]) | set(b["rates"]))}
     memory = {gpu: classify(a["memory"].get(gpu, []), b["memory"].get(gpu, []))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from monitoring.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
+from profiler.span_kinds import SpanKinds, of_run_starts
 from profiler.windows import is_steady, tick_windows
 
 
@@ -414,6 +415,12 @@ def interval_window(logs) -> Window:
 def phase_spans(run) -> tuple:
     """The span names the run's profiler called phases (run_start `phase_spans`)."""
     return next((names for log in run.ranks.values() if (names := rank_phase_spans(log))), ())
+
+
+def span_kinds(run) -> SpanKinds:
+    """What each span of the run is: its waits, collectives, phases and flows (run_start `span_table`, read by
+    profiler/span_kinds.py)."""
+    return of_run_starts(s for log in run.ranks.values() for s in log.run_starts)
 
 
 def gpus(rec: dict) -> list:

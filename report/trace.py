@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monitoring.trace_events import MAX_EVENTS, build_trace, flows_matched, json_safe, newest_within, prepare, \
-    proc_info, write_trace
-from report.runs import Run, load_run
+from monitoring.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matched, json_safe, newest_within, \
+    prepare, proc_info, write_trace
+from report.runs import Run, load_run, span_kinds
 
 
 def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:
@@ -19,16 +19,17 @@ def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, li
         proc["records"], _, evicted = newest_within(log.spans, budget)
         proc["evicted"] = evicted + log.spans_evicted   # and those let go while the log was read
         procs.append(proc)
-    events, counts = build_trace(procs, [prepare(p["rank"], r) for p in procs for r in p["records"]])
+    flow_spans = FlowSpans.of(span_kinds(run).flows())
+    events, counts = build_trace(procs, [prepare(p["rank"], r, flow_spans) for p in procs for r in p["records"]])
     return events, counts, procs
 
 
 def flow_counts(run: Run, max_events: int = MAX_EVENTS) -> dict:
     """{"flows_matched", "flow_sends"} of merged_trace(run, max_events), from the same detail windows, without
     building its events (what `check` reads: the trace's half a million slices are not held for two numbers)."""
-    budget = max(1, max_events // len(run.ranks))
+    budget, flow_spans = max(1, max_events // len(run.ranks)), FlowSpans.of(span_kinds(run).flows())
     flows = [f for rank, log in run.ranks.items() for r in newest_within(log.spans, budget)[0]
-             for f in prepare(rank, r)["flows"]]
+             for f in prepare(rank, r, flow_spans)["flows"]]
     return {"flows_matched": flows_matched(flows), "flow_sends": sum(1 for _, is_start, _ in flows if is_start)}
 
 

@@ -202,7 +202,7 @@ def free_port_pair() -> int:
 
 
 ALERT_TIME_SCALE = 1 / 60
-"""The time scale of the rule files the suite's Prometheus servers load (monitoring/rules.py --time-scale): every
+"""The time scale of the rule files the suite's Prometheus servers load (dflash.grafana rules --time-scale): every
 window, `for:` and time threshold of the shipped rules divided by 60, a minute becoming a second, so that alerts
 meant for minutes of a real run fire within the seconds of a test run; expressions and thresholds unchanged.
 `promtool test rules` (tests/exporters/test_alert_rules.py) proves the shipped files' real windows."""
@@ -210,10 +210,10 @@ meant for minutes of a real run fire within the seconds of a test run; expressio
 
 def write_scaled_rules(directory: Path) -> list[Path]:
     """The shipped recording rules and alerts at ALERT_TIME_SCALE, written to `directory`: [the rule file]."""
-    from monitoring import rules
+    from dflash import grafana
 
     path = directory / "dflash.rules.yml"
-    assert rules.main(["--out", str(path), "--time-scale", repr(ALERT_TIME_SCALE)]) == 0
+    assert grafana.main(["rules", "--out", str(path), "--time-scale", repr(ALERT_TIME_SCALE)]) == 0
     return [path]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash.pipeline import wait_spans
 from monitoring import rules
 
 GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
@@ -151,7 +152,7 @@ def promtool_test(tmp_path: Path, content: dict) -> subprocess.CompletedProcess:
 
 
 def test_every_alert_has_a_case():
-    assert set(CASES) == set(shipped_alerts()) == {a.name for a in rules.alerts(rules.Scale())}
+    assert set(CASES) == set(shipped_alerts()) == {a.name for a in rules.alerts(rules.Scale(), wait_spans())}
 
 
 def test_every_alert_fires_after_its_for_window_and_stays_quiet_on_a_healthy_run(tmp_path):

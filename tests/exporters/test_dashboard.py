@@ -12,6 +12,8 @@ import promql_parser
 import pytest
 import yaml
 
+from dflash import grafana
+from dflash.pipeline import wait_spans
 from monitoring import dashboard as dash
 from monitoring import rules
 from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, Family
@@ -35,7 +37,7 @@ VARIABLES = {"datasource", "job", "instance", "run", "role", "rank", "gpu", "clo
 
 @pytest.fixture(scope="module")
 def model():
-    return dash.build_dashboard()
+    return dash.build_dashboard(wait_spans())
 
 
 def sentinels(model) -> dict:
@@ -75,7 +77,7 @@ def nodes(ast) -> list[tuple[object, tuple]]:
 
 # Series the dashboard may read besides the catalog's: recording rules (labels: their level) and Prometheus' ALERTS.
 RECORDED = {r.record: Family(r.record, r.record, "gauge", "", tuple(r.record.split(":")[0].split("_")))
-            for r in rules.records(rules.Scale())}
+            for r in rules.records(rules.Scale(), wait_spans())}
 ALERTS = Family("ALERTS", "ALERTS", "gauge", "", ("alertname", "alertstate", "severity"))
 
 
@@ -131,13 +133,13 @@ def result_labels(node) -> set:
 def test_committed_json_is_the_generators_output(model, tmp_path):
     path = GRAFANA / "dflash.json"
     assert dash.DEFAULT_OUT == path
-    assert json.loads(path.read_text()) == model, "run: python -m monitoring.dashboard"
+    assert json.loads(path.read_text()) == model, "run: python -m dflash.grafana"
     assert path.read_text() == dash.render(model)
-    assert dash.main(["--check", "--out", str(path)]) == 0
+    assert grafana.main(["dashboard", "--check", "--out", str(path)]) == 0
     stale = tmp_path / "dflash.json"
     stale.write_text(path.read_text().replace('"refresh": "1m"', '"refresh": "5m"'))
-    assert dash.main(["--check", "--out", str(stale)]) == 1
-    assert dash.main(["--out", str(stale)]) == 0 and stale.read_text() == path.read_text()
+    assert grafana.main(["dashboard", "--check", "--out", str(stale)]) == 1
+    assert grafana.main(["dashboard", "--out", str(stale)]) == 0 and stale.read_text() == path.read_text()
 
 
 def test_every_query_is_valid_promql(model):
@@ -267,7 +269,7 @@ def test_panel_ids_and_grid(model):
                        and g["y"] < o["y"] + o["h"] and o["y"] < g["y"] + g["h"])
             assert not overlap, (panel["title"], other)
         boxes.append((panel["title"], g))
-    assert [p["title"] for p in panels if p["type"] == "row"] == [title for title, _ in dash.ROWS]
+    assert [p["title"] for p in panels if p["type"] == "row"] == [title for title, _ in dash.rows(wait_spans())]
 
 
 def test_template_variables(model):

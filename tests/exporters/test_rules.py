@@ -14,6 +14,8 @@ import promql_parser
 import pytest
 import yaml
 
+from dflash import grafana
+from dflash.pipeline import wait_spans
 from monitoring import dashboard as dash
 from monitoring import rules
 from monitoring.catalog import FAMILIES, PROCESS_FAMILIES
@@ -22,6 +24,7 @@ from tests.exporters.grafana_model import panel_queries, substitute_variables
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+WAITS = wait_spans()
 
 
 def loaded(path: Path) -> list[dict]:
@@ -43,12 +46,12 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 def test_committed_file_is_the_generators_output_records_first(tmp_path):
     assert rules.DEFAULT_OUT == GRAFANA / "dflash.rules.yml"
-    assert rules.main(["--check", "--out", str(rules.DEFAULT_OUT)]) == 0, "run: python -m monitoring.rules"
+    assert grafana.main(["rules", "--check", "--out", str(rules.DEFAULT_OUT)]) == 0, "run: python -m dflash.grafana"
     out = tmp_path / "r.yml"
-    assert rules.main(["--out", str(out)]) == 0 and out.read_text() == rules.DEFAULT_OUT.read_text()
+    assert grafana.main(["rules", "--out", str(out)]) == 0 and out.read_text() == rules.DEFAULT_OUT.read_text()
     out.write_text(rules.DEFAULT_OUT.read_text().replace("for: 2m", "for: 3m", 1))
-    assert rules.main(["--check", "--out", str(out)]) == 1
-    assert rules.main(["--check", "--out", str(tmp_path / "missing.yml")]) == 1
+    assert grafana.main(["rules", "--check", "--out", str(out)]) == 1
+    assert grafana.main(["rules", "--check", "--out", str(tmp_path / "missing.yml")]) == 1
     # one group, every recording rule before the first alert: each alert reads its evaluation's recordings
     kinds = ["record" if "record" in r else "alert" for r in RULES]
     assert kinds == sorted(kinds, reverse=True) and kinds.count("record") == len(RECORDS) > 0
@@ -58,22 +61,23 @@ def test_the_module_runs_as_a_script_with_check(tmp_path):
     import os
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "monitoring.rules", "--check"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "dflash.grafana", "--check"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0 and "up to date" in done.stdout, done.stderr
+    assert done.returncode == 0 and done.stdout.count("up to date") == 2, done.stderr
 
 
 @pytest.mark.parametrize("factor", [1.0, 1 / 60])
 def test_promtool_accepts_the_rules_at_the_shipped_and_a_test_time_scale(tmp_path, factor):
     out = tmp_path / "r.yml"
-    assert rules.main(["--out", str(out), "--time-scale", str(factor)]) == 0
+    assert grafana.main(["rules", "--out", str(out), "--time-scale", str(factor)]) == 0
     done = promtool("check", "rules", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(RULES)} rules found" in done.stdout
 
 
 def test_the_time_scale_changes_durations_only():
-    (scaled,), (shipped,) = rules.rule_groups(rules.Scale(1 / 60))["groups"], rules.rule_groups(rules.Scale())["groups"]
+    (scaled,), (shipped,) = (rules.rule_groups(rules.Scale(1 / 60), WAITS)["groups"],
+                             rules.rule_groups(rules.Scale(), WAITS)["groups"])
     durations = re.compile(r"\[[0-9a-z]+\]|offset [0-9a-z]+|\b\d+(\.\d+)?\b")
     for s, r in zip(scaled["rules"], shipped["rules"]):
         assert durations.sub("D", s["expr"]) == durations.sub("D", r["expr"]), s
@@ -173,7 +177,7 @@ def test_every_series_a_rule_reads_exists():
 
 def test_every_recording_rule_is_used_by_an_alert_the_dashboard_or_another_rule():
     used = set().union(*(_names(a["expr"]) for a in ALERTS), *(_names(r["expr"]) for r in RECORDS))
-    model = dash.build_dashboard()
+    model = dash.build_dashboard(WAITS)
     values = {v["name"]: "x" for v in model["templating"]["list"]} | {"rate_interval": "1m", "interval": "1m",
                                                                        "range": "1m"}
     used |= set().union(*(_names(substitute_variables(e, values)) for *_, e in panel_queries(model)))

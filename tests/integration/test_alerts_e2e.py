@@ -14,7 +14,7 @@ therefore start with the target's first fetch held for FIRST_SCRAPE_S (`slow=...
 hang watchdog arms), as a run of minutes is scraped long before its step 3.
 
 Real `for:` and range windows of minutes cannot fit the suite, so Prometheus loads the rules as
-`python -m monitoring.rules --time-scale` writes them at tests/conftest.py's ALERT_TIME_SCALE (1/60: a minute of
+`python -m dflash.grafana rules --time-scale` writes them at tests/conftest.py's ALERT_TIME_SCALE (1/60: a minute of
 the shipped rules is a second here; same expressions and thresholds); `promtool test rules`
 (tests/exporters/test_alert_rules.py) proves the shipped windows. The shared healthy run raising no alert is
 tests/integration/test_exporters_e2e.py's. One Prometheus and Alertmanager pair serves every run here.

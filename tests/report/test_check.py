@@ -12,11 +12,13 @@ import pytest
 
 import report.check as check_mod
 from dflash import report_cli
-from report.check import PHASES, check, check_run
+from profiler.span_kinds import FALLBACK, PHASE
+from report.check import check, check_run
 from report.plot import timeline
 from report.runs import load_run
 
 T0 = 1_000_000.0           # Unix seconds the crafted run starts at
+PHASES = FALLBACK.names(PHASE)   # the crafted logs' run_starts hold no span_table: dflash-train's phases then
 D, T = "drafter.main", "target.main"
 
 
@@ -281,6 +283,21 @@ def test_each_broken_invariant_is_named_where_it_breaks(tmp_path, case):
     found = check_run(write(tmp_path / "run", run))
     assert {v.invariant for v in found} == set(invariants), [str(v) for v in found]
     assert any(v.invariant == invariants[0] and where in v.where for v in found), [str(v) for v in found]
+
+
+def test_the_phases_checked_are_those_of_the_run_start_span_table(tmp_path):
+    """A run_start with a span_table: each span the table calls a phase must be listed in phase_spans, and only
+    those (an older log's phases are FALLBACK's, as every other case here)."""
+    run = clean()
+    start = _drafter(run, "run_start")
+    shown = {n for r in run["logs"][0] if r["type"] == "interval" for n in r["spans"]}
+    assert {"drafter.fwd_bwd", "drafter.compile"} <= shown
+    start["span_table"] = {"drafter.fwd_bwd": {"role": "drafter", "kind": "phase"},
+                           "drafter.compile": {"role": "drafter", "kind": "work"}}
+    start["phase_spans"] = []
+    found = [str(v) for v in check_run(write(tmp_path / "run", run)) if v.invariant == "phases"]
+    assert found == ["phases: profile/rank0.jsonl (drafter) segment 0 span drafter.fwd_bwd: a phase span not listed "
+                     "in run_start phase_spans"], found
 
 
 def test_a_drafter_past_warmup_without_a_throughput_event(tmp_path):

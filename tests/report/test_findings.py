@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import report
+from dflash.advice import ADVICE
 from report.advice import run_topology
 from report.runs import load_run
 
@@ -162,7 +163,7 @@ def test_one_shared_gpu_gets_no_nccl_no_split_and_only_flags_it_accepts(tmp_path
     topo = run_topology(load_run(run))
     assert (topo["device"], topo["gpus"], topo["ranks"], topo["ranks_share_gpus"]) == ("cuda", 1, 2, True)
     assert (topo["transfer"], topo["nccl_allowed"]) == ("host", False)
-    rep = report.hotspots(run)
+    rep = report.hotspots(run, advice=ADVICE)
     kinds = {f["kind"] for f in rep["findings"]}
     assert {"below_floor", "target_waits_on_slots", "low_headroom", "alloc_retries", "memory_leak",
             "profiler_cost", "nonfinite", "oom", "signal"} <= kinds, kinds
@@ -184,7 +185,7 @@ def test_the_trainer_refuses_what_the_one_gpu_run_used_to_be_told(tmp_path):
     from dflash.config import ConfigError
     run = _pipeline(tmp_path / "one", ("cuda:0", "cuda:0"))
     with pytest.raises(ConfigError, match="NCCL needs one GPU per rank"):
-        _trainer_accepts(report.hotspots(run)["config"], ["--transfer", "nccl"], 1, tmp_path)
+        _trainer_accepts(report.hotspots(run, advice=ADVICE)["config"], ["--transfer", "nccl"], 1, tmp_path)
 
 
 @pytest.mark.parametrize("transfer, other", [("auto", "host"), ("host", "nccl")])
@@ -193,7 +194,7 @@ def test_two_gpus_get_the_other_transfer_path_and_the_split(tmp_path, transfer, 
     topo = run_topology(load_run(run))
     assert (topo["gpus"], topo["ranks_share_gpus"], topo["nccl_allowed"]) == (2, False, True)
     assert topo["transfer"] == ("nccl" if transfer == "auto" else "host")
-    rep = report.hotspots(run)
+    rep = report.hotspots(run, advice=ADVICE)
     send = next(f for f in rep["findings"] if f["kind"] == "below_floor")
     assert send["flags"] == ["--transfer", other]
     _check_every_suggestion(rep, gpus=2, tmp=tmp_path)
@@ -205,7 +206,7 @@ def test_two_gpus_get_the_other_transfer_path_and_the_split(tmp_path, transfer, 
 
 def test_a_cpu_run_has_no_split_unless_asked_and_no_nccl(tmp_path):
     run = _pipeline(tmp_path / "cpu", ("cpu", "cpu"))
-    rep = report.hotspots(run)
+    rep = report.hotspots(run, advice=ADVICE)
     assert rep["split"]["topology"]["device"] == "cpu" and rep["split"]["best"] is None
     assert rep["split"]["reason"].startswith("a CPU run has no GPUs to split")
     assert "Split" not in report.format_hotspots(rep)
@@ -216,7 +217,7 @@ def test_a_cpu_run_has_no_split_unless_asked_and_no_nccl(tmp_path):
 
 def test_gpus_n_gives_the_split_and_a_command_for_n_gpus(tmp_path):
     run = _pipeline(tmp_path / "one", ("cuda:0", "cuda:0"))
-    rep = report.hotspots(run, n_gpus=4)
+    rep = report.hotspots(run, n_gpus=4, advice=ADVICE)
     assert rep["split"]["n_gpus"] == 4 and rep["split"]["best"]["drafter_gpus"] >= 2   # the drafter is slow
     wait = next(f for f in rep["findings"] if f["kind"] == "target_waits_on_slots")
     assert wait["flags"][:1] == ["--target-gpus"]
@@ -240,7 +241,7 @@ def _memory_run(run_dir: Path, allocated: list, reserved: list, used_peak_gib: f
 
 
 def _trends(run_dir: Path) -> tuple[dict, list]:
-    rep = report.hotspots(run_dir)
+    rep = report.hotspots(run_dir, advice=ADVICE)
     (alloc,) = rep["memory"]["allocator"]
     return alloc["trends"], [f for f in rep["findings"] if f["kind"] == "memory_leak"]
 

@@ -136,9 +136,10 @@ def test_compare_flags_the_slowed_span_first(runs):
     change, not noise to hide."""
     table = report.compare(runs["base"], runs["slow"])
     assert table["regressions"][:1] == ["target/target.fetch"], report.format_compare(table)
-    from report.compare import WAIT_SPANS
+    from report.runs import load_run, span_kinds
 
-    working = [r for r in table["spans"] if WAIT_SPANS.get(r["span"]) != r["role"]]
+    kinds = span_kinds(load_run(runs["slow"]))
+    working = [r for r in table["spans"] if not kinds.is_wait(r["span"], r["role"])]
     assert (working[0]["role"], working[0]["span"]) == ("target", "target.fetch"), report.format_compare(table)
     fetch = next(r for r in table["spans"] if r["span"] == "target.fetch")
     assert fetch["b"]["mean"] == pytest.approx(SLOW_FETCH_SECONDS, rel=0.2)
@@ -331,7 +332,10 @@ def test_a_costly_profiler_is_a_finding_with_what_to_change(tmp_path):
     recs = [_interval(0, "drafter", i, spans, 10_000, profiler_share=p, **({"final": True} if i == 4 else {}))
             for i, p in enumerate(shares)]
     recs += [_interval(1, "target", i, {"target.fwd": (0.3, 100)}, 10_000) for i in range(5)]   # an older log
-    rep = report.hotspots(_write_run(tmp_path / "costly", {0: recs[:5], 1: recs[5:]}, profile_interval=5.0))
+    from dflash.advice import ADVICE
+
+    rep = report.hotspots(_write_run(tmp_path / "costly", {0: recs[:5], 1: recs[5:]}, profile_interval=5.0),
+                          advice=ADVICE)
     ranks = {r["rank"]: r for r in rep["ranks"]["ranks"]}
     assert ranks[0]["profiler_share"] == pytest.approx((0.05 + 0.01 + 0.04) / 3) and ranks[1]["profiler_share"] is None
     (f,) = [f for f in rep["findings"] if f["kind"] == "profiler_cost"]
