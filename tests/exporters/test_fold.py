@@ -58,7 +58,8 @@ def test_counters_are_run_totals_and_ticks_stamp_theirs_across_a_resumed_segment
                             threads_cpu_seconds={"drafter.main": 1.5}))
     fold({"type": "event", "kind": "oom", "time_unix": T0})
     assert (values(got, "intervals"), values(got, "profiler_cpu_seconds")) == ({(): 2.0}, {(): 1.0})
-    assert values(got, "thread_cpu") == {("drafter.main",): 3.0} and values(got, "span_bytes") == {("transfer.send",): 200}
+    assert values(got, "thread_cpu") == {("drafter.main",): 3.0}
+    assert values(got, "span_bytes") == {("transfer.send",): 200}
     assert values(fold({"type": "event", "kind": "oom", "time_unix": T0}), "events") == {("oom",): 2.0}
     tick = {"type": "tick", "time_unix": T0 + 4, "t_s": 14.0, "counters": {"tokens": 4096, "loop_items": 7},
             "spans": {"drafter.fwd_bwd": {"count": 3, "cpu_seconds": 2.5, "self_seconds": 2.0}}}
@@ -155,7 +156,8 @@ def stream() -> list:
                                                               "loop_counter": 3},
             "spans": {"drafter.fwd_bwd": {"count": 10, "cpu_seconds": 0.5, "self_seconds": 0.4, "gpu_seconds": 0.5,
                                           "gpu_self_seconds": 0.45, "gpu_count": 10}}}
-    table = {"drafter.recv": {"role": "drafter", "kind": "wait"}, "drafter.fwd_bwd": {"role": "drafter", "kind": "work"}}
+    table = {"drafter.recv": {"role": "drafter", "kind": "wait"},
+             "drafter.fwd_bwd": {"role": "drafter", "kind": "work"}}
     return [{**head, "type": "run_start", "schema": 1, "version": "0.1", "t_s": 0.0, "span_table": table,
              "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS)},
             interval_, tick, {**head, "type": "event", "kind": "nonfinite"},
