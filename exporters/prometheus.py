@@ -45,8 +45,9 @@ class MetricsState:
         self.scrapes = 0                # scrapes begun (close() waits only where something scrapes)
         self._request = threading.local()   # what the scrape this handler thread answers has read
         self.base = tuple(str(labels[k]) for k in COMMON_LABELS)
-        self.values: dict = {}        # Family -> {label values: float, or Buckets for a histogram}
-        self.stamps: dict = {}        # Family -> {label values: Unix seconds the value describes}
+        self.families: dict = {}      # family name -> Family
+        self.values: dict = {}        # family name -> {label values: float, or Buckets for a histogram}
+        self.stamps: dict = {}        # family name -> {label values: Unix seconds the value describes}
 
     def collect(self):
         """The families at scrape time (a prometheus_client collector; auto_describe off: no describe)."""
@@ -67,20 +68,21 @@ class MetricsState:
     def apply(self, sample: Sample) -> None:
         """One sample: the series' value and its stamp (exposed as the sample's timestamp), or, for None, no
         series any more."""
-        family, labels = sample.family, sample.labels
+        name, labels = sample.family.name, sample.labels   # by name: a str's hash is kept, a Family's is not
         if sample.value is None:
             for table in (self.values, self.stamps):
-                series = table.get(family, {})
+                series = table.get(name, {})
                 series.pop(labels, None)
                 if not series:
-                    table.pop(family, None)
+                    table.pop(name, None)
             return
-        self.values.setdefault(family, {})[labels] = (sample.value if isinstance(sample.value, Buckets)
-                                                      else float(sample.value))
+        self.families[name] = sample.family
+        self.values.setdefault(name, {})[labels] = (sample.value if isinstance(sample.value, Buckets)
+                                                    else float(sample.value))
         if sample.stamp_unix is not None:
-            self.stamps.setdefault(family, {})[labels] = float(sample.stamp_unix)
-        else:
-            self.stamps.get(family, {}).pop(labels, None)
+            self.stamps.setdefault(name, {})[labels] = float(sample.stamp_unix)
+        elif name in self.stamps:
+            self.stamps[name].pop(labels, None)
 
 
 class PrometheusExporter:
@@ -270,10 +272,12 @@ def _families(st: MetricsState):
                                         InfoMetricFamily)
 
     base_names = list(COMMON_LABELS)
-    histograms = {f: {} for f in FAMILIES.values() if f.kind == "histogram"}   # served before any sample too
-    for family, series in st.values.items():
+    # every histogram family is served, before its first sample too
+    histograms = {f.name: (f, {}) for f in FAMILIES.values() if f.kind == "histogram"}
+    for name, series in st.values.items():
+        family = st.families[name]
         if family.kind == "histogram":
-            histograms[family] = series
+            histograms[name] = (family, series)
             continue
         if family.kind == "info":
             mf = InfoMetricFamily(family.name[:-len("_info")], family.help, labels=base_names)
@@ -283,11 +287,11 @@ def _families(st: MetricsState):
             continue
         cls = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
         mf = cls(family.name, family.help, labels=base_names + list(family.labels))
-        stamps = st.stamps.get(family, {})
+        stamps = st.stamps.get(name, {})
         for labels, value in series.items():
             mf.add_metric(list(st.base + labels), value, timestamp=stamps.get(labels))
         yield mf
-    for family, series in histograms.items():
+    for family, series in histograms.values():
         yield _histogram(family, series, st.base, HistogramMetricFamily)
 
 
