@@ -1,8 +1,9 @@
-"""What a rank exports besides its run log: the Prometheus endpoint (with the run's file_sd targets),
-OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, the Perfetto trace, and on rank 0 the console summary.
-The endpoint answers until the rank's process exits (the alerts read a missing rank as a dead one).
+"""What a rank exports besides its run log, made by exporters.build with dflash-train's settings: the Prometheus
+endpoint (with the run's file_sd targets), OpenTelemetry when OTEL_EXPORTER_OTLP_ENDPOINT is set, the Perfetto
+trace, and on rank 0 the console summary. The endpoint answers until the rank's process exits (the alerts read a
+missing rank as a dead one).
 
-`start()` builds the exporters the profiler feeds; `close()` at run end withdraws the run from the
+`start()` makes the exporters the profiler feeds; `close()` at run end withdraws the run from the
 shared file_sd directory so a Prometheus stops scraping endpoints that are gone. Rank 0 writes the
 targets once every rank has bound its port (an all-gather over the gloo control group).
 """
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import exporters
 from dflash.compile_cache import foreign_component, resolve_cache_dir
 from dflash.config import ConfigError, TrainConfig
 from profiler.runlog import is_disk_full
 
-DEFAULT_METRICS_PORT = 9464
 SD_DIR_NAME = "prometheus-sd"   # the shared file_sd directory's name under the user cache (sd_dir)
 
 
@@ -42,26 +43,60 @@ class Telemetry:
 
 def start(cfg: TrainConfig, run_dir: Path, rank: int, local_rank: int, role: str, ctrl_group,
           run_id: str | None = None) -> Telemetry:
-    """The rank's exporters; ConfigError (exit 2) when a metrics port the user asked for is taken. `run_id`: the
-    run's unique id (dflash.worker; default the directory's name), the `run` label and OTel's dflash.run_id."""
+    """The rank's exporters (none under --no-profile); ConfigError (exit 2) when a metrics port the user asked for
+    is taken or the metrics host cannot be served. `run_id`: the run's unique id (dflash.worker; default the
+    directory's name), the `run` label and OTel's dflash.run_id."""
+    if not cfg.profile.enabled:
+        return Telemetry()
     run_id = run_id or run_dir.name
-    tele = Telemetry()
-    host = socket.gethostname()
-    labels = {"rank": rank, "role": role, "host": host}
-    endpoint = _prometheus(cfg, labels, rank, local_rank)
-    _write_targets(cfg, run_dir, run_id, rank, endpoint, ctrl_group, tele)
-    from exporters import console, otel, trace
-
-    exporter = otel.from_env(rank=rank, role=role, host=host, run_id=run_id)
-    if exporter is not None:
-        tele.exporters.append(exporter)
-    tele.exporters.append(trace.TraceExporter(run_dir, rank))
-    if rank == 0:
-        tele.exporters.append(console.ConsoleExporter())   # each interval's summary, and what is still open
-    if endpoint is not None:
-        # last: its close waits for a scrape of the final records, with what is left of the exporters' deadline
-        tele.exporters.append(endpoint)
+    tele = Telemetry(exporters=_make(cfg, exporters.Owner(run_dir, rank, role, run_id), local_rank))
+    endpoint = next((e for e in tele.exporters if e.name == "prometheus"), None)
+    try:
+        _write_targets(cfg, run_dir, run_id, rank, endpoint, ctrl_group, tele)
+    except BaseException:
+        for exporter in tele.exporters:   # no profiler will close them (OTel has threads running)
+            exporter.close(0.0)
+        raise
     return tele
+
+
+def _make(cfg: TrainConfig, owner: exporters.Owner, local_rank: int) -> list:
+    """exporters.build with dflash-train's settings: OTel from the environment, the trace, the console on rank 0
+    (the worker prints the run's end itself) and, unless --metrics-port 0, the endpoint on base + local rank,
+    last: its close waits for a scrape of the final records with what is left of the exporters' deadline."""
+    from exporters.prometheus import MetricsBindError, MetricsPortInUse
+
+    tel = cfg.telemetry
+    names = (["otel"] if exporters.otel_configured() else []) + ["trace", "console"]
+    names += ["prometheus"] if tel.metrics_port != 0 else []
+    make = exporters.build(
+        ",".join(names), metrics_host=tel.metrics_host,
+        metrics_port=tel.metrics_port if tel.metrics_port is not None else exporters.DEFAULT_METRICS_PORT,
+        # a port the user gave is theirs or an error; keep_serving: a rank done before the others still answers
+        # (with its final values) until it exits, so `up` stays 1 while its run is listed
+        strict_port=tel.metrics_port is not None, port_offset=local_rank, keep_serving=True,
+        console_run_end=False, announce=lambda served: _said(served, tel.metrics_host))
+    try:
+        return make(owner)
+    except MetricsPortInUse:
+        raise ConfigError(f"--metrics-port {tel.metrics_port}: port {tel.metrics_port + local_rank} on "
+                          f"{tel.metrics_host} (rank {owner.rank} = base + local rank) is in use; choose another "
+                          "base port, or 0 for no endpoint") from None
+    except MetricsBindError as exc:
+        raise ConfigError(f"--metrics-host {tel.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
+            from None
+
+
+def _said(served: exporters.Served, host: str) -> None:
+    """dflash-train's lines about its endpoint: one when it is reachable from the network, one when the default
+    port was busy and another serves."""
+    if not _loopback(host):
+        print(f"dflash-train: rank {served.rank}: warning: the metrics endpoint {served.url} has no authentication "
+              "and is reachable from the network (--metrics-host 127.0.0.1 keeps it on this machine)",
+              file=sys.stderr, flush=True)
+    if served.port != served.asked_port:
+        print(f"dflash-train: rank {served.rank}: metrics port {served.asked_port} is busy; serving {served.url} "
+              "instead", file=sys.stderr, flush=True)
 
 
 def _loopback(host: str) -> bool:
@@ -72,35 +107,6 @@ def _loopback(host: str) -> bool:
     except OSError:
         return False
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
-
-
-def _prometheus(cfg: TrainConfig, labels: dict, rank: int, local_rank: int):
-    if cfg.telemetry.metrics_port == 0:
-        return None
-    from exporters.prometheus import MetricsPortInUse, PrometheusExporter
-
-    port = (cfg.telemetry.metrics_port if cfg.telemetry.metrics_port is not None else DEFAULT_METRICS_PORT) + local_rank
-    strict = cfg.telemetry.metrics_port is not None
-    try:
-        # keep_serving: a rank done before the others still answers (with its final values) until it exits, so
-        # `up` stays 1 while its run is listed; the file_sd entry is withdrawn at the run's end
-        exporter = PrometheusExporter(labels, host=cfg.telemetry.metrics_host, port=port, strict=strict,
-                                      keep_serving=True)
-    except MetricsPortInUse:
-        raise ConfigError(f"--metrics-port {cfg.telemetry.metrics_port}: port {port} on "
-                          f"{cfg.telemetry.metrics_host} (rank {rank} = "
-                          "base + local rank) is in use; choose another base port, or 0 for no endpoint") from None
-    except OSError as exc:
-        raise ConfigError(f"--metrics-host {cfg.telemetry.metrics_host}: cannot serve metrics there: {exc.strerror or exc}") \
-            from None
-    if not _loopback(cfg.telemetry.metrics_host):
-        print(f"dflash-train: rank {rank}: warning: the metrics endpoint http://{cfg.telemetry.metrics_host}:"
-              f"{exporter.port}/metrics has no authentication and is reachable from the network "
-              "(--metrics-host 127.0.0.1 keeps it on this machine)", file=sys.stderr, flush=True)
-    if exporter.port != port:
-        print(f"dflash-train: rank {rank}: metrics port {port} is busy; serving "
-              f"http://{cfg.telemetry.metrics_host}:{exporter.port}/metrics instead", file=sys.stderr, flush=True)
-    return exporter
 
 
 def sd_dir(cfg: TrainConfig, env=None) -> Path:

@@ -139,8 +139,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     if rank == 0:
         _write_resolved_config(cfg, topo, run_dir, run_id, device, device_payload)
     threading.current_thread().name = f"{role}.main"
-    tele = (telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl, run_id)
-            if cfg.profile.enabled else telemetry.Telemetry())
+    tele = telemetry.start(cfg, run_dir, rank, int(os.environ.get("LOCAL_RANK", rank)), role, ctrl, run_id)
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, run_id, tele)
     step = 0
     with contextlib.closing(tele):   # file_sd withdrawn after the barrier: every rank's last records scraped

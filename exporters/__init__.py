@@ -3,12 +3,15 @@
 `build("console,prometheus,trace")` is the sinks of any training loop in one argument:
 `profiler.Profiler(run_dir, exporters=exporters.build("console,prometheus,trace"))`. It returns a function of the
 Profiler, which calls it when the run starts, so each sink takes the run directory, rank and role from the
-Profiler and the profiler imports nothing of ours. docs/API.md says what each sink writes.
+Profiler and the profiler imports nothing of ours. It is the one place sinks are made: dflash-train calls the
+same function with its own settings (dflash/telemetry.py). docs/API.md says what each sink writes.
 """
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 SINKS = ("console", "prometheus", "trace", "otel")
 """The sink names `build` takes."""
@@ -16,14 +19,64 @@ DEFAULT_METRICS_PORT = 9464
 """The Prometheus port of rank 0 (rank R: this + R), dflash-train's default; a busy one is replaced by a free one."""
 
 
+@dataclass(frozen=True)
+class Owner:
+    """What the sinks are made for: a Profiler has these attributes; dflash-train makes its sinks before its
+    Profiler from one of these."""
+    run_dir: Path
+    rank: int
+    role: str
+    run_id: str | None = None
+    """The run's unique id (OTel's dflash.run_id); None: the run directory's name."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where a rank's Prometheus endpoint answers: what a function given as `announce` is told."""
+    rank: int
+    role: str
+    host: str
+    port: int
+    asked_port: int
+    """The port asked for (0: any free one): another than `port` when it was busy."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}/metrics"
+
+
+@dataclass(frozen=True)
+class _Options:
+    metrics_host: str
+    metrics_port: int
+    otlp_endpoint: str | None
+    announce: object
+    strict_port: bool
+    port_offset: int | None
+    keep_serving: bool
+    console_run_end: bool
+
+
+def otel_configured(env=os.environ) -> bool:
+    """Whether the environment names an OTLP endpoint for `otel` (OTEL_EXPORTER_OTLP_ENDPOINT or its traces
+    one)."""
+    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
 def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.0.1",
-          metrics_port: int = DEFAULT_METRICS_PORT, otlp_endpoint: str | None = None, announce=None):
-    """The exporters named in `spec` (comma-separated SINKS), as a function of the Profiler that makes them at its
-    start: `console` (rank 0's interval summaries, and at the end the whole-run table and the report command),
-    `prometheus` (an HTTP endpoint on metrics_host:metrics_port + rank, its URL printed to `announce`, default
-    stderr), `trace` (RUN_DIR/trace/rank{R}.json for Perfetto), `otel` (OTLP/HTTP to otlp_endpoint, else to
-    OTEL_EXPORTER_OTLP_ENDPOINT). ValueError now, before any run starts, for a name it does not know or an
-    `otel` with no endpoint."""
+          metrics_port: int = DEFAULT_METRICS_PORT, otlp_endpoint: str | None = None, announce=None,
+          strict_port: bool = False, port_offset: int | None = None, keep_serving: bool = False,
+          console_run_end: bool = True):
+    """The exporters named in `spec` (comma-separated SINKS), in its order, as a function of the Profiler (or an
+    `Owner`) that makes them: `console` (rank 0's interval summaries, and with console_run_end at the end the
+    whole-run table and the report command), `prometheus` (an HTTP endpoint on metrics_host:metrics_port +
+    port_offset, default + rank; a busy port replaced by a free one, or with strict_port refused as
+    MetricsPortInUse; keep_serving: it answers after close until the process exits; where it serves goes to
+    `announce`: a line on a text stream, default stderr, or a function given the `Served`), `trace`
+    (RUN_DIR/trace/rank{R}.json for Perfetto), `otel` (OTLP/HTTP to otlp_endpoint, else to
+    OTEL_EXPORTER_OTLP_ENDPOINT; none where OTEL_SDK_DISABLED is true). ValueError now, before any run starts,
+    for a name it does not know or an `otel` with no endpoint. The endpoint is made first; a sink that fails to
+    be made closes the ones made before it."""
     names = [n.strip() for n in spec.split(",") if n.strip()] if isinstance(spec, str) else None
     if names is None:
         raise ValueError(f"exporters.build: spec must be a string like 'console,prometheus,trace', got {spec!r}")
@@ -33,43 +86,50 @@ def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.
     if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
         raise ValueError(f"exporters.build: metrics_port must be a port number (0: any free port), "
                          f"got {metrics_port!r}")
-    if "otel" in names and not (otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    if "otel" in names and not (otlp_endpoint or otel_configured()):
         raise ValueError("exporters.build: 'otel' needs otlp_endpoint= or OTEL_EXPORTER_OTLP_ENDPOINT")
-    options = {"metrics_host": metrics_host, "metrics_port": metrics_port, "otlp_endpoint": otlp_endpoint,
-               "announce": announce}
+    options = _Options(metrics_host, metrics_port, otlp_endpoint, announce, strict_port, port_offset, keep_serving,
+                       console_run_end)
+
+    unique = list(dict.fromkeys(names))   # each once, in the order given
 
     def make(prof) -> list:
-        made = []
+        made = {}
         try:
-            for name in dict.fromkeys(names):   # each once, in the order given
-                exporter = _MAKERS[name](prof, options)
-                if exporter is not None:
-                    made.append(exporter)
+            # the endpoint first: a port it cannot have fails before any other sink starts its threads
+            for name in sorted(unique, key=lambda n: n != "prometheus"):
+                made[name] = _MAKERS[name](prof, options)
         except BaseException:
-            for exporter in made:   # a later sink failed: release the ports and threads of the earlier ones
-                exporter.close(0.0)
+            for exporter in made.values():   # a later sink failed: release the ports and threads of the earlier ones
+                if exporter is not None:
+                    exporter.close(0.0)
             raise
-        return made
+        return [made[name] for name in unique if made[name] is not None]
     return make
 
 
 def _console(prof, options):
     from exporters.console import ConsoleExporter
 
-    return ConsoleExporter(run_dir=prof.run_dir) if prof.rank == 0 else None
+    if prof.rank != 0:
+        return None
+    return ConsoleExporter(run_dir=prof.run_dir if options.console_run_end else None)
 
 
 def _prometheus(prof, options):
     from exporters.prometheus import PrometheusExporter
 
-    host, base = options["metrics_host"], options["metrics_port"]
-    port = base + prof.rank if base else 0
-    exporter = PrometheusExporter({"rank": prof.rank, "role": prof.role}, host=host, port=port, strict=False)
-    where = f"[{host}]" if ":" in host else host
-    busy = f" (port {port} was busy)" if port and exporter.port != port else ""
-    print(f"profiler: rank {prof.rank} ({prof.role}) serves Prometheus metrics at "
-          f"http://{where}:{exporter.port}/metrics{busy}", file=options["announce"] or sys.stderr, flush=True)
+    host, base = options.metrics_host, options.metrics_port
+    port = base + (prof.rank if options.port_offset is None else options.port_offset) if base else 0
+    exporter = PrometheusExporter({"rank": prof.rank, "role": prof.role}, host=host, port=port,
+                                  strict=options.strict_port, keep_serving=options.keep_serving)
+    served = Served(prof.rank, prof.role, host, exporter.port, port)
+    if callable(options.announce):
+        options.announce(served)
+    else:
+        busy = f" (port {port} was busy)" if port and exporter.port != port else ""
+        print(f"profiler: rank {prof.rank} ({prof.role}) serves Prometheus metrics at {served.url}{busy}",
+              file=options.announce or sys.stderr, flush=True)
     return exporter
 
 
@@ -82,9 +142,10 @@ def _trace(prof, options):
 def _otel(prof, options):
     from exporters import otel
 
-    ids = {"rank": prof.rank, "role": prof.role, "run_id": prof.run_dir.name}   # host: the machine's name
-    if options["otlp_endpoint"]:
-        return otel.OtelExporter(options["otlp_endpoint"], **ids)
+    ids = {"rank": prof.rank, "role": prof.role,   # host: the machine's name
+           "run_id": getattr(prof, "run_id", None) or Path(prof.run_dir).name}
+    if options.otlp_endpoint:
+        return otel.OtelExporter(options.otlp_endpoint, **ids)
     return otel.from_env(**ids)
 
 

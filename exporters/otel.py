@@ -2,28 +2,29 @@
 
 Spans go to the SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader (their own threads),
 so `export()` never waits on the network. Each `spans` record becomes one trace under a `profile.window` root.
-Metrics follow OTel's semantic conventions (the catalog's `Otel` names: dotted, no unit in the name, UCUM units;
-GPU memory, utilisation, power and temperature as `hw.*` with `hw.id` = the GPU's UUID). Span time is a real
-histogram, `dflash.span.duration`: the run log carries per-interval bucket counts, not durations, so each
-interval's counts are recorded as that many values inside their buckets, placed so the sum is the spans' whole
-time (one SDK record per span that ended, on the exporter thread); bucket bounds, counts and sum are the run
-log's (min and max are not recorded). `dflash.span.time` adds the
-time spent in each span inside each interval (split at interval boundaries: its rate is the span's share). The
-first failed export logs one warning, the SDK's own export warnings held back meanwhile.
+Metrics are the fold's samples (monitoring/fold.py) under OTel's semantic conventions (the catalog's `Otel` names:
+dotted, no unit in the name, UCUM units; GPU memory, utilisation, power and temperature as `hw.*` with `hw.id` =
+the GPU's UUID): a gauge is set, an up-down counter brought to the sample's level, a counter given the increase of
+the sample's run total. Span time is a real histogram, `dflash.span.duration`: the run log carries per-interval
+bucket counts, not durations, so each new sample's increase in counts is recorded as that many values inside
+their buckets, placed so the sum is the spans' whole time (one SDK record per span that ended, on the exporter
+thread); bucket bounds, counts and sum are the run log's (min and max are not recorded). A series the fold ends
+(an expired p95) keeps its last value here: a synchronous instrument cannot withdraw one. The first failed export
+logs one warning, the SDK's own export warnings held back meanwhile.
 """
 from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from typing import Mapping
 
-from monitoring.catalog import ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, OTEL_SPAN_TIME, WAIT_SPANS, \
-    Otel, gpu_gauges, train_metric_family, train_metric_value
+from monitoring.catalog import FAMILIES, Family
+from monitoring.fold import Buckets, Fold, Sample
+from monitoring.fold import clock_count as _clock_count  # noqa: F401 - tests/report reads the histogram count here
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 log = logging.getLogger("exporters")
@@ -121,14 +122,6 @@ def bucket_values(counts: list, bounds, total_s: float, max_s) -> list[tuple[flo
     return [(edges[i + 1] - (1.0 - t) * (edges[i + 1] - edges[i]), c) for i, c in enumerate(counts) if c]
 
 
-def _clock_count(entry: dict, clock: str) -> int:
-    """Observations behind a span entry's `clock` histogram: on the GPU only those GPU-timed."""
-    count = entry.get("count") or 0
-    if clock != "gpu":
-        return count
-    return entry["gpu_count"] if entry.get("gpu_count") is not None else count - (entry.get("gpu_unresolved") or 0)
-
-
 def _attr(value):
     """An OTel attribute value: primitives and lists of them as they are, anything else as text."""
     if isinstance(value, (str, bool, int, float)):
@@ -168,7 +161,7 @@ class OtelExporter:
         self._spans_made = self._spans_lost = 0
         self._failed = self._warned = self._closed = self._frozen = False
         self._gate = _SdkLogGate()
-        self._role, self._host = role, host or socket.gethostname()
+        self._host = host or socket.gethostname()
         self.endpoints = {"traces": _signal_url(endpoint, traces_endpoint, "v1/traces"),
                           "metrics": _signal_url(endpoint, metrics_endpoint, "v1/metrics")}
         span_exporter = span_exporter or OTLPSpanExporter(endpoint=self.endpoints["traces"], timeout=timeout_s)
@@ -193,13 +186,11 @@ class OtelExporter:
         self._meter = self._meter_provider.get_meter("dflash.profiler")
         self._labels = {"rank": str(rank), "role": role, "host": self._host}
         self._instruments: dict = {}
-        self._cumulative: dict = {}      # (key, labels) -> last cumulative value seen
-        self._levels: dict = {}          # (key, labels) -> last value an up-down counter was brought to
-        self._throttled: dict = {}       # gpu -> throttle reasons set to 1 last interval
-        self._histograms_ok = True       # False once a run_start's bucket bounds differ from the view's
-        self._alloc_gpu: dict = {}
-        for kind in EVENT_KINDS:
-            self._record("events", 0, kind=kind)
+        self._last: dict = {}            # (instrument, attributes) -> the last run total or level it was given
+        self._other_bounds: set = set()  # histogram bounds unlike the view's, warned about once each
+        self._fold = Fold()
+        for sample in self._fold.opening(time.time()):
+            self._apply(sample)
         self._gate.attach(True)
 
     # ---- failure accounting ----------------------------------------------------------------------
@@ -234,16 +225,10 @@ class OtelExporter:
         """Turn one run-log record into spans and metric updates; never blocks on the network."""
         if self._closed:
             return
-        self._record("heartbeat", record.get("time_unix"))
-        kind = record.get("type")
-        if kind == "run_start":
-            self._run_start(record)
-        elif kind == "spans":
+        if record.get("type") == "spans":
             self._export_spans(record)
-        elif kind == "interval":
-            self._export_interval(record)
-        elif kind == "event":
-            self._record("events", 1, kind=str(record.get("kind")))
+        for sample in self._fold(record):
+            self._apply(sample)
 
     def _export_spans(self, record: dict) -> None:
         """One trace per spans record: a root window span, each raw span under its parent (or the root)."""
@@ -282,129 +267,62 @@ class OtelExporter:
         attrs.update({f"dflash.{k}": v for k, v in (s.get("attrs") or {}).items()})
         return _attributes(attrs)
 
-    # ---- metrics ---------------------------------------------------------------------------------
-    def _run_start(self, record: dict) -> None:
-        bounds = tuple(float(b) for b in record.get("histogram_buckets_seconds") or ())
-        if self._histograms_ok and bounds != self._bounds:
-            log.warning("otel: the run log's histogram bounds %s differ from the exporter's %s: dflash.span.duration "
-                        "is not exported for this run", list(bounds), list(self._bounds))
-        self._histograms_ok = bounds == self._bounds
-
-    def _instrument(self, spec: Otel, kind: str, help_: str):
-        """The SDK instrument for an Otel spec (its own instrument, else the family's kind), made once."""
+    # ---- metrics: the fold's samples ----------------------------------------------------------------
+    def _instrument(self, family: Family):
+        """The SDK instrument for a family's Otel spec (its own instrument, else the family's kind), made once."""
+        spec = family.otel
         inst = self._instruments.get(spec.name)
         if inst is None:
             make = {"histogram": self._meter.create_histogram, "counter": self._meter.create_counter,
-                    "updown": self._meter.create_up_down_counter}.get(spec.instrument or kind, self._meter.create_gauge)
-            inst = self._instruments[spec.name] = make(spec.name, unit=spec.unit, description=help_)
+                    "updown": self._meter.create_up_down_counter}.get(spec.instrument or family.kind,
+                                                                      self._meter.create_gauge)
+            inst = self._instruments[spec.name] = make(spec.name, unit=spec.unit, description=family.help)
         return inst
 
-    def _attrs(self, spec: Otel, labels: dict) -> dict:
-        return {**self._labels, **dict(spec.attributes), **labels}
+    def _attrs(self, sample: Sample) -> dict:
+        """The common labels, the conventions' fixed attributes, the sample's labels under their OTel keys and
+        what the conventions say of the labelled thing (a GPU's hw.id and hw.name)."""
+        spec = sample.family.otel
+        keys = spec.labels or sample.family.labels
+        return {**self._labels, **dict(spec.attributes), **{k: v for k, v in zip(keys, sample.labels) if k},
+                **dict(sample.about)}
 
-    def _record(self, key: str, value, **labels) -> None:
-        """Add to a counter, bring an up-down counter to `value`, or set a gauge, with the common labels and the
-        conventions' fixed attributes; None is skipped, as are families OTel does not carry."""
-        family = FAMILIES[key]
-        if value is None or family.otel is None:
+    def _apply(self, sample: Sample) -> None:
+        """Set a gauge, bring an up-down counter to the sample's level, add a counter's increase since its last
+        run total (all of it after a reset), record a histogram's new spans; families OTel does not carry and
+        ended series are skipped."""
+        family, value = sample.family, sample.value
+        if family.otel is None or value is None:
             return
-        spec, attrs = family.otel, self._attrs(family.otel, labels)
-        inst = self._instrument(spec, family.kind, family.help)
-        if spec.instrument == "updown":
-            ident = (key, tuple(sorted(attrs.items())))
-            inst.add(value - self._levels.get(ident, 0), attrs)
-            self._levels[ident] = value
-        elif family.kind == "counter":
-            inst.add(value, attrs)
+        inst, attrs = self._instrument(family), self._attrs(sample)
+        ident, how = (family.otel.name, tuple(sorted(attrs.items()))), family.otel.instrument or family.kind
+        if isinstance(value, Buckets):
+            self._durations(inst, value, attrs, ident)
+        elif how in ("counter", "updown"):
+            last = self._last.get(ident, 0.0)
+            self._last[ident] = value
+            inst.add(value - last if how == "updown" or value >= last else value, attrs)
         else:
             inst.set(value, attrs)
 
-    def _record_cumulative(self, key: str, value, **labels) -> None:
-        """Feed a counter from a value that is already a running total (adds the increase)."""
-        if value is None:
+    def _durations(self, histogram, b: Buckets, attrs: dict, ident: tuple) -> None:
+        """The spans a histogram sample added since the last one into dflash.span.duration, bucket by bucket."""
+        if b.bounds != self._bounds:
+            if b.bounds not in self._other_bounds:
+                self._other_bounds.add(b.bounds)
+                log.warning("otel: the run log's histogram bounds %s differ from the exporter's %s: "
+                            "dflash.span.duration is not exported for this run", list(b.bounds), list(self._bounds))
             return
-        ident = (key, tuple(sorted(labels.items())))
-        last = self._cumulative.get(ident, 0)
-        self._cumulative[ident] = value
-        self._record(key, value - last if value >= last else value, **labels)
-
-    def _export_interval(self, record: dict) -> None:
-        self._record("intervals", 1)
-        self._record("step", record.get("step"))
-        self._record("profiler_cpu", record.get("profiler_share"))
-        duration = record.get("duration_seconds") or 0.0
-        self._record("profiled_seconds", duration)
-        self._record("profiler_cpu_seconds", (record.get("profiler_share") or 0.0) * duration)
-        for thread, seconds in (record.get("threads_cpu_seconds") or {}).items():
-            self._record("thread_cpu", seconds, thread=thread)
-        for name, entry in (record.get("spans") or {}).items():
-            self._span_metrics(name, entry)
-        for name, c in (record.get("counters") or {}).items():
-            if name in FAMILIES and FAMILIES[name].kind == "counter":
-                self._record(name, c.get("total"))
-            if f"{name}_rate" in FAMILIES:
-                self._record(f"{name}_rate", c.get("per_second"))
-        for stat, value in ((record.get("gauges") or {}).get("queue_depth") or {}).items():
-            self._record("queue_depth", value, stat=stat)
-        for name, m in (record.get("metrics") or {}).items():
-            found = train_metric_family(name)
-            if found:
-                value = train_metric_value(name, m)
-                self._record(found[0].key, math.nan if value is None else value, **found[1])
-        for name, s in (record.get("exporters") or {}).items():
-            self._record_cumulative("exporter_dropped", s.get("dropped"), exporter=name)
-        memory = record.get("memory") or {}
-        if memory.get("available"):
-            self._memory_metrics(memory)
-
-    def _span_metrics(self, name: str, e: dict) -> None:
-        family = FAMILIES["span_seconds"]
-        for clock in ("cpu", "gpu"):
-            stats = e.get(clock)
-            if not stats:
-                continue
-            labels = {"span": name, "clock": clock}
-            time_spent = self._instrument(OTEL_SPAN_TIME, "counter", "Seconds spent in the span inside each interval "
-                                          "(CPU: split at interval boundaries; GPU: whole windows); rate: its share.")
-            time_spent.add(stats.get("total_seconds") or 0.0, self._attrs(OTEL_SPAN_TIME, labels))
-            self._durations(family, stats, _clock_count(e, clock), labels)
-        for key, field in (("span_share", "share"), ("span_bytes", "bytes"),
-                           ("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio")):
-            self._record(key, e.get(field), span=name)
-        if e.get("floor"):
-            self._record("span_floor", e.get("floor_bytes_per_s"), span=name, floor=e["floor"])
-        if WAIT_SPANS.get(name) == self._role:
-            self._record("wait_share", e.get("share"), span=name)
-
-    def _durations(self, family, stats: dict, count: int, labels: dict) -> None:
-        """The interval's whole spans into the dflash.span.duration histogram, bucket by bucket."""
-        buckets = stats.get("buckets")
-        if not (self._histograms_ok and count and buckets and len(buckets) == len(self._bounds) + 1):
+        last = self._last.get(ident)
+        self._last[ident] = b
+        counts, sum_s = b.counts, b.sum_s
+        if last is not None and all(n >= m for n, m in zip(b.counts, last.counts)):
+            counts, sum_s = tuple(n - m for n, m in zip(b.counts, last.counts)), b.sum_s - last.sum_s
+        if not any(counts):
             return
-        whole_s = (stats.get("mean_seconds") or 0.0) * count
-        histogram = self._instrument(family.otel, "histogram", family.help)
-        attrs = self._attrs(family.otel, labels)
-        for value, times in bucket_values(buckets, self._bounds, whole_s, stats.get("max_seconds")):
+        for value, times in bucket_values(list(counts), self._bounds, sum_s, b.max_s):
             for _ in range(times):
                 histogram.record(value, attrs)
-
-    def _memory_metrics(self, memory: dict) -> None:
-        for g in memory.get("gpus") or ():
-            gpu = str(g.get("index"))
-            labels = {"gpu": gpu, "hw.id": g.get("uuid") or f"gpu-index-{gpu}", "hw.name": g.get("name") or "unknown"}
-            for key, value in gpu_gauges(g).items():
-                self._record(key, value, **labels)
-            active = set(g.get("throttle_reasons") or ())
-            for reason in active | self._throttled.get(gpu, set()):
-                self._record("gpu_throttle", int(reason in active), reason=reason, **labels)
-            self._throttled[gpu] = active
-            self._alloc_gpu = self._alloc_gpu or labels   # the allocator is the rank's own device: the first GPU
-        alloc = memory.get("allocator") or {}
-        if alloc.get("available", True) and alloc:
-            for key, field in ALLOCATOR_GAUGES:
-                self._record(key, alloc.get(field), **self._alloc_gpu)
-            for key, field in ALLOCATOR_COUNTERS:
-                self._record_cumulative(key, alloc.get(field), **self._alloc_gpu)
 
     # ---- close -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:

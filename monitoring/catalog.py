@@ -1,5 +1,7 @@
 """Every metric family the live sinks publish (Prometheus, OpenTelemetry and the dashboard read this catalog),
-named by Prometheus conventions: prefix `dflash_`, base unit in the name, `_total` counters, `_info` infos.
+named by Prometheus conventions: prefix `dflash_`, base unit in the name, `_total` counters, `_info` infos; and
+the tables that say which run-log field feeds which family (monitoring/fold.py walks them). A metric read from an
+interval's own field, a GPU's or the allocator's is one family here and one row in its table.
 """
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from dataclasses import dataclass
 
 PREFIX = "dflash"
 COMMON_LABELS = ("rank", "role", "host")
-# Spans during which a role waits for the other side: their share of an interval is a wait share.
+# Spans during which a role waits for the other side: their share of an interval is a wait share. The fold reads
+# them from a run_start's `span_table` (spans of kind "wait") and falls back to these where it has none.
 WAIT_SPANS = {"transfer.wait_slot": "target", "drafter.recv": "drafter"}
 # Training scalars (profiler.metric names) -> (family key, extra labels).
 _TRAIN_METRICS = {"loss": "train_loss", "tau": "train_tau", "tau_prefix": "train_tau_prefix",
@@ -33,6 +36,9 @@ class Otel:
     """counter | updown | gauge | histogram; empty: the family's own kind (a Prometheus counter is a counter)."""
     attributes: tuple = ()
     """Fixed (key, value) attributes the conventions ask for (hw.type, hw.gpu.task)."""
+    labels: tuple = ()
+    """The attribute key of each of the family's labels, in order ("" leaves it out: a GPU's UUID is the sample's
+    hw.id); empty: the labels' own names."""
 
 
 @dataclass(frozen=True)
@@ -42,12 +48,17 @@ class Family:
     kind: str          # gauge | counter | histogram | info
     help: str
     labels: tuple = ()  # besides COMMON_LABELS
-    otel: Otel | None = None   # None: not exported to OpenTelemetry (the resource or the SDK carry it)
+    otel: Otel | None = None   # None: not exported to OpenTelemetry (the process series prometheus_client reads)
 
 
 # A GPU's series carry its NVML index and its UUID (`GPU-...`, DCGM exporter's label), so they join with DCGM's.
 GPU_LABELS = ("gpu", "UUID")
 _HW_GPU = (("hw.type", "gpu"),)
+
+
+def _hw(name: str, unit: str, instrument: str = "", attributes: tuple = _HW_GPU, extra: tuple = ()) -> Otel:
+    """A GPU family's OTel spec: its `gpu` index kept, its UUID carried as the sample's hw.id instead."""
+    return Otel(name, unit, instrument, attributes, ("gpu", "", *extra))
 
 
 def _f(key, base, unit, kind, help_, *labels, otel: Otel | None = None) -> Family:
@@ -56,25 +67,26 @@ def _f(key, base, unit, kind, help_, *labels, otel: Otel | None = None) -> Famil
 
 FAMILIES = {f.key: f for f in (
     _f("span_seconds", "span", "seconds", "histogram",
-       "Span time per profile interval (window: one interval, accumulated over the run), CPU wall time "
-       "or GPU window (CUDA events, idle gaps included): buckets and count hold whole spans; the CPU sum "
-       "is time in the interval (a long span split across intervals).", "span", "clock",
+       "Whole durations of the spans that ended (window: one interval, accumulated over the run), CPU wall time "
+       "or GPU window (CUDA events, idle gaps included): buckets, count and sum hold whole spans (the sum: their "
+       "mean times their count; the time inside a window is dflash_span_time_seconds_total).", "span", "clock",
        otel=Otel("dflash.span.duration", "s", "histogram")),
     _f("span_time", "span_time", "seconds", "counter",
        "Seconds spent in the span (whole run, from every tick: spans still open count their elapsed part; CPU wall "
        "time, or the GPU window of resolved CUDA pairs on clock=\"gpu\"); each sample stamped with its tick's "
-       "time, so rate() over any window is the time per second the run log gives for it.", "span", "clock"),
+       "time, so rate() over any window is the time per second the run log gives for it.", "span", "clock",
+       otel=Otel("dflash.span.time", "s")),
     _f("span_self_time", "span_self_time", "seconds", "counter",
        "The span's self (exclusive) seconds, its children's left out (whole run, from every tick; stamped).",
-       "span", "clock"),
+       "span", "clock", otel=Otel("dflash.span.self_time", "s")),
     _f("span_count", "spans", None, "counter",
        "Spans completed (whole run, from every tick; on clock=\"gpu\" those with a resolved CUDA pair; stamped).",
-       "span", "clock"),
+       "span", "clock", otel=Otel("dflash.span.count", "{span}")),
     _f("span_p95", "span_p95", "seconds", "gauge",
        "Exact 95th percentile of the span's whole durations in the last interval in which the rank ended any "
        "(window: that interval, the sample stamped with its end; kept 300 s); the run log's and the report's "
        "figure, not a bucket estimate.",
-       "span", "clock"),
+       "span", "clock", otel=Otel("dflash.span.duration.p95", "s")),
     _f("span_share", "span_share", "ratio", "gauge",
        "Share of the last interval spent in the span (window: one interval; its GPU window when CUDA-timed, "
        "else CPU wall time).", "span", otel=Otel("dflash.span.share", "1")),
@@ -106,58 +118,58 @@ FAMILIES = {f.key: f for f in (
        "Received batches waiting for the drafter (last, mean and max of the interval).", "stat",
        otel=Otel("dflash.queue.depth", "{batch}")),
     _f("gpu_memory_used", "gpu_memory_used", "bytes", "gauge", "GPU memory used (NVML), last sample.", *GPU_LABELS,
-       otel=Otel("hw.gpu.memory.usage", "By", "updown", _HW_GPU)),
+       otel=_hw("hw.gpu.memory.usage", "By", "updown")),
     _f("gpu_memory_peak", "gpu_memory_peak_used", "bytes", "gauge",
        "Peak GPU memory used in the last interval (NVML samples).", *GPU_LABELS,
-       otel=Otel("dflash.gpu.memory.usage.peak", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.gpu.memory.usage.peak", "By")),
     _f("gpu_memory_total", "gpu_memory_total", "bytes", "gauge", "GPU memory size (NVML).", *GPU_LABELS,
-       otel=Otel("hw.gpu.memory.limit", "By", "updown", _HW_GPU)),
+       otel=_hw("hw.gpu.memory.limit", "By", "updown")),
     _f("gpu_headroom", "gpu_memory_headroom", "bytes", "gauge", "GPU memory free now (total minus used).",
-       *GPU_LABELS, otel=Otel("dflash.gpu.memory.headroom", "By", attributes=_HW_GPU)),
+       *GPU_LABELS, otel=_hw("dflash.gpu.memory.headroom", "By")),
     _f("gpu_headroom_min", "gpu_memory_headroom_min", "bytes", "gauge",
        "Lowest GPU memory headroom in the last interval (total minus its peak used).", *GPU_LABELS,
-       otel=Otel("dflash.gpu.memory.headroom.low", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.gpu.memory.headroom.low", "By")),
     _f("gpu_headroom_ratio", "gpu_memory_headroom_min", "ratio", "gauge",
        "Lowest headroom in the last interval as a share of the GPU's memory.", *GPU_LABELS,
-       otel=Otel("dflash.gpu.memory.headroom.low_fraction", "1", attributes=_HW_GPU)),
+       otel=_hw("dflash.gpu.memory.headroom.low_fraction", "1")),
     _f("alloc_allocated", "allocator_allocated", "bytes", "gauge", "Caching allocator: allocated now.", *GPU_LABELS,
-       otel=Otel("dflash.allocator.allocated", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.allocated", "By")),
     _f("alloc_reserved", "allocator_reserved", "bytes", "gauge", "Caching allocator: reserved now.", *GPU_LABELS,
-       otel=Otel("dflash.allocator.reserved", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.reserved", "By")),
     _f("alloc_peak_allocated", "allocator_peak_allocated", "bytes", "gauge",
        "Caching allocator: peak allocated in the last interval.", *GPU_LABELS,
-       otel=Otel("dflash.allocator.allocated.peak", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.allocated.peak", "By")),
     _f("alloc_peak_reserved", "allocator_peak_reserved", "bytes", "gauge",
        "Caching allocator: peak reserved in the last interval.", *GPU_LABELS,
-       otel=Otel("dflash.allocator.reserved.peak", "By", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.reserved.peak", "By")),
     _f("alloc_retries", "allocator_alloc_retries", None, "counter",
        "cudaMalloc retries after freeing cached blocks (a sign of fragmentation).", *GPU_LABELS,
-       otel=Otel("dflash.allocator.retries", "{retry}", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.retries", "{retry}")),
     _f("alloc_ooms", "allocator_ooms", None, "counter", "Out-of-memory errors raised by the allocator.", *GPU_LABELS,
-       otel=Otel("dflash.allocator.ooms", "{error}", attributes=_HW_GPU)),
+       otel=_hw("dflash.allocator.ooms", "{error}")),
     _f("gpu_utilization", "gpu_utilization", "ratio", "gauge", "GPU busy share (NVML), interval mean.", *GPU_LABELS,
-       otel=Otel("hw.gpu.utilization", "1", attributes=_HW_GPU + (("hw.gpu.task", "general"),))),
+       otel=_hw("hw.gpu.utilization", "1", attributes=_HW_GPU + (("hw.gpu.task", "general"),))),
     _f("gpu_power", "gpu_power", "watts", "gauge", "GPU power draw (NVML), interval mean.", *GPU_LABELS,
-       otel=Otel("hw.power", "W", attributes=_HW_GPU)),
+       otel=_hw("hw.power", "W")),
     _f("gpu_temperature", "gpu_temperature", "celsius", "gauge", "GPU temperature (NVML), interval max.", *GPU_LABELS,
-       otel=Otel("hw.temperature", "Cel", attributes=_HW_GPU)),
+       otel=_hw("hw.temperature", "Cel")),
     _f("gpu_sm_clock", "gpu_sm_clock", "hertz", "gauge", "SM clock (NVML), last sample.", *GPU_LABELS,
-       otel=Otel("dflash.gpu.clock.sm", "Hz", attributes=_HW_GPU)),
+       otel=_hw("dflash.gpu.clock.sm", "Hz")),
     _f("gpu_throttle", "gpu_throttle_reason_active", None, "gauge",
        "1 while NVML reports the clock-event (throttle) reason active.", *GPU_LABELS, "reason",
-       otel=Otel("dflash.gpu.throttle.active", "1", attributes=_HW_GPU)),
+       otel=_hw("dflash.gpu.throttle.active", "1", extra=("reason",))),
     _f("gpu_sm_active", "gpu_sm_active", "ratio", "gauge",
        "Share of the GPU's SMs busy (NVML GPM SM_UTIL, like DCGM's SM_ACTIVE), interval mean; Hopper and later.",
-       *GPU_LABELS, otel=Otel("dflash.gpu.sm.activity", "1", attributes=_HW_GPU)),
+       *GPU_LABELS, otel=_hw("dflash.gpu.sm.activity", "1")),
     _f("gpu_sm_occupancy", "gpu_sm_occupancy", "ratio", "gauge",
        "Resident warps over the SMs' maximum (NVML GPM SM_OCCUPANCY), interval mean; Hopper and later.",
-       *GPU_LABELS, otel=Otel("dflash.gpu.sm.occupancy", "1", attributes=_HW_GPU)),
+       *GPU_LABELS, otel=_hw("dflash.gpu.sm.occupancy", "1")),
     _f("gpu_tensor_active", "gpu_tensor_active", "ratio", "gauge",
        "Share of time any tensor pipe was active (NVML GPM ANY_TENSOR_UTIL, like DCGM's PIPE_TENSOR_ACTIVE), "
-       "interval mean; Hopper and later.", *GPU_LABELS, otel=Otel("dflash.gpu.tensor.activity", "1", attributes=_HW_GPU)),
+       "interval mean; Hopper and later.", *GPU_LABELS, otel=_hw("dflash.gpu.tensor.activity", "1")),
     _f("gpu_dram_active", "gpu_dram_active", "ratio", "gauge",
        "DRAM bandwidth used over its peak (NVML GPM DRAM_BW_UTIL, like DCGM's DRAM_ACTIVE), interval mean; "
-       "Hopper and later.", *GPU_LABELS, otel=Otel("dflash.gpu.dram.activity", "1", attributes=_HW_GPU)),
+       "Hopper and later.", *GPU_LABELS, otel=_hw("dflash.gpu.dram.activity", "1")),
     _f("train_loss", "train_loss", None, "gauge", "Drafter loss, interval mean.", otel=Otel("dflash.train.loss", "1")),
     _f("train_tau", "train_tau", None, "gauge",
        "Simulated acceptance length (tokens per verify step), interval mean.", otel=Otel("dflash.train.tau", "{token}")),
@@ -176,7 +188,7 @@ FAMILIES = {f.key: f for f in (
        otel=Otel("dflash.heartbeat.time", "s")),
     _f("run_end", "run_end_timestamp", "seconds", "gauge",
        "Unix time the rank wrote its run_end record, labelled with its status (ok, hang, oom: ..., killed: "
-       "SIGTERM, ...); absent while the rank runs.", "status"),
+       "SIGTERM, ...); absent while the rank runs.", "status", otel=Otel("dflash.run_end.time", "s")),
     _f("intervals", "profile_intervals", None, "counter", "Profile intervals closed.",
        otel=Otel("dflash.profile.intervals", "{interval}")),
     _f("profiled_seconds", "profiled", "seconds", "counter",
@@ -198,7 +210,7 @@ FAMILIES = {f.key: f for f in (
        "Records an exporter dropped (queue full or export failed).", "exporter",
        otel=Otel("dflash.exporter.dropped", "{record}")),
     _f("build_info", "build", None, "info", "Versions and device of the run (value 1).",
-       "version", "schema", "torch_version", "python_version", "device_name"),
+       "version", "schema", "torch_version", "python_version", "device_name", otel=Otel("dflash.build.info", "1")),
 )}
 # Process series every rank's endpoint serves through prometheus_client's ProcessCollector (with the common labels
 # added): not folded from records, named by prometheus_client, listed so the dashboard and its checks know them.
@@ -207,9 +219,27 @@ PROCESS_FAMILIES = {f.key: f for f in (
     Family("process_resident_memory", "process_resident_memory_bytes", "gauge", "Resident memory of the rank's process."),
     Family("process_open_fds", "process_open_fds", "gauge", "Open file descriptors of the rank's process."),
 )}
-# What OpenTelemetry adds besides the catalog's families: the time spent in each span inside each interval, split
-# at interval boundaries (so its rate is the span's share), beside dflash.span.duration's whole spans.
-OTEL_SPAN_TIME = Otel("dflash.span.time", "s", "counter")
+
+
+def _otel_name(name: str) -> str:
+    """A loop's own counter or gauge under OTel's instrument-name rules: `dflash.<name>`, other characters `_`."""
+    return "dflash." + "".join(c if c.isascii() and (c.isalnum() or c in "._-/") else "_" for c in name)
+
+
+def counter_family(name: str) -> Family:
+    """A profiler counter's family: the catalog's (tokens, samples, steps), or one made for a loop's own."""
+    if name in FAMILIES and FAMILIES[name].kind == "counter":
+        return FAMILIES[name]
+    return Family(name, metric_name(name, kind="counter"), "counter", f"profiler counter {name}",
+                  otel=Otel(_otel_name(name), "1"))
+
+
+def gauge_family(name: str) -> Family:
+    """A profiler gauge's family, labelled by `stat` (last, mean, max of the interval): the catalog's
+    (queue_depth), or one made for a loop's own."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    return Family(name, metric_name(name), "gauge", f"profiler gauge {name}", ("stat",), Otel(_otel_name(name), "1"))
 
 
 def train_metric_family(name: str) -> tuple[Family, dict] | None:
@@ -226,6 +256,8 @@ def train_metric_value(name: str, stats: dict):
     return stats.get("last" if name == "lr" else "mean")
 
 
+# (family key, field of an interval record) for the rank's gauges read as they are.
+INTERVAL_GAUGES = (("step", "step"), ("profiler_cpu", "profiler_share"))
 # (family key, field of an interval's memory.gpus[] entry) for the per-GPU gauges read as they are.
 GPU_FIELDS = (("gpu_memory_used", "used_bytes_last"), ("gpu_memory_peak", "used_bytes_peak"),
               ("gpu_memory_total", "total_bytes"), ("gpu_headroom_min", "headroom_bytes"),
@@ -240,6 +272,10 @@ GPU_PERCENT_FIELDS = (("gpu_utilization", "util_percent_mean"), ("gpu_sm_active"
 ALLOCATOR_GAUGES = (("alloc_allocated", "allocated_bytes"), ("alloc_reserved", "reserved_bytes"),
                     ("alloc_peak_allocated", "peak_allocated_bytes"), ("alloc_peak_reserved", "peak_reserved_bytes"))
 ALLOCATOR_COUNTERS = (("alloc_retries", "num_alloc_retries"), ("alloc_ooms", "num_ooms"))
+# NVML clock-event (throttle) reasons, as profiler/memory.py names them: each a series (0 or 1) of every GPU that
+# reports its reasons, so a dashboard sees the ones never active.
+THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost", "sw_thermal",
+                    "hw_thermal", "hw_power_brake", "display_clocks")
 
 
 def gpu_gauges(gpu: dict) -> dict:
@@ -260,3 +296,9 @@ def gpu_gauges(gpu: dict) -> dict:
 def gpu_labels(gpu: dict) -> tuple:
     """GPU_LABELS' values for one memory.gpus[] entry: its NVML index and UUID ("" when NVML gave none)."""
     return str(gpu.get("index")), str(gpu.get("uuid") or "")
+
+
+def gpu_about(gpu: dict) -> tuple:
+    """What OTel's conventions say of one memory.gpus[] entry besides its labels: hw.id (its UUID, else its index)
+    and hw.name."""
+    return (("hw.id", gpu.get("uuid") or f"gpu-index-{gpu.get('index')}"), ("hw.name", gpu.get("name") or "unknown"))

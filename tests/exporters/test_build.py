@@ -128,3 +128,34 @@ def test_otel_sends_a_loops_spans_to_the_endpoint_it_is_given(tmp_path, otlp_rec
     assert (resource["dflash.rank"].int_value, resource["dflash.role"].string_value) == (1, "trainer")
     assert resource["dflash.run_id"].string_value == "loop-7"
     assert resource["host.name"].string_value == socket.gethostname()
+
+
+def test_a_refused_port_fails_before_any_other_sink_and_a_function_hears_where_it_serves(tmp_path, monkeypatch):
+    """dflash-train's settings through the same build: a port it was given, refused when busy before the sinks
+    listed ahead of the endpoint start; the endpoint on metrics_port + port_offset, told to a function; the console
+    without the end-of-run table."""
+    made = []
+
+    def trace(prof, options):
+        made.append("trace")
+        return real_trace(prof, options)
+
+    real_trace = exporters._MAKERS["trace"]
+    monkeypatch.setitem(exporters._MAKERS, "trace", trace)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(exporters.prometheus.MetricsPortInUse):
+            exporters.build("trace,prometheus", metrics_port=port - 1, port_offset=1, strict_port=True)(
+                _Prof(tmp_path))
+    assert made == []
+    heard = []
+    sinks = exporters.build("trace,console,prometheus", metrics_port=port - 1, port_offset=1, keep_serving=True,
+                            console_run_end=False, announce=heard.append)(exporters.Owner(tmp_path, 0, "drafter"))
+    try:
+        assert [e.name for e in sinks] == ["trace", "console", "prometheus"] and sinks[1].run_dir is None
+        assert heard == [exporters.Served(0, "drafter", "127.0.0.1", port, port)]
+        assert heard[0].url == f"http://127.0.0.1:{port}/metrics"
+    finally:
+        sinks[-1].shutdown()

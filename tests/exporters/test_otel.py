@@ -47,8 +47,8 @@ def _span(id_, parent, name, thread, tid, depth, start_ms, end_ms, **extra):
 
 
 def run_records() -> list:
-    """A run_start, a spans record (nested spans on two threads, one tagged with a flow), an interval,
-    an event and a run_end, shaped as docs/RUNLOG.md says."""
+    """A run_start, a spans record (nested spans on two threads, one tagged with a flow), an interval, the tick
+    its close writes (the run totals), an event and a run_end, shaped as docs/RUNLOG.md says."""
     head = {"time_unix": T0 / 1e9, "rank": 1, "role": "drafter"}
     stats = {"total_seconds": 0.5, "mean_seconds": 0.05, "p50_seconds": 0.05, "p95_seconds": 0.07,
              "p99_seconds": 0.08, "max_seconds": 0.08, "buckets": [0, 10, 0]}
@@ -83,11 +83,17 @@ def run_records() -> list:
                            "sampler_errors": 0},
                 "threads": [{"name": "MainThread", "native_id": 4000}, {"name": "recv", "native_id": 4001}],
                 "exporters": {}}
+    tick = {**head, "type": "tick", "index": 0, "t_s": 60.0, "step": 10, "final": True,
+            "counters": {"tokens": 40960, "steps": 10},
+            "spans": {"drafter.fwd_bwd": {"count": 10, "cpu_seconds": 0.5, "self_seconds": 0.5, "gpu_seconds": 0.5,
+                                          "gpu_self_seconds": 0.5, "gpu_count": 10},
+                      "drafter.recv": {"count": 10, "cpu_seconds": 2.0, "self_seconds": 2.0}}}
     return [
         {**head, "type": "run_start", "schema": 1, "run_id": "run-42", "clock": {"perf_counter_ns": 0,
-         "unix_ns": T0}, "histogram_buckets_seconds": BOUNDS, "detail_steps": 2, "device": "cuda:0"},
+         "unix_ns": T0}, "t_s": 0.0, "histogram_buckets_seconds": BOUNDS, "detail_steps": 2, "device": "cuda:0"},
         {**head, "type": "spans", "index": 0, "steps": [3, 4], "spans": spans, "dropped": 0},
         interval,
+        tick,
         {**head, "type": "event", "kind": "nonfinite", "step": 10},
         {**head, "type": "run_end", "step": 10, "status": "ok", "duration_seconds": 61.0, "intervals": 1},
     ]

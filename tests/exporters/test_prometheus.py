@@ -27,7 +27,10 @@ def tick(time_unix, t_s, counters, spans=None):
 
 
 def span(share, buckets, total):
-    return {"share": share, "cpu": {"total_seconds": total, "buckets": buckets}, "gpu": None}
+    """An interval's span entry whose spans all ended in it: their whole time is the time inside it."""
+    return {"share": share, "count": sum(buckets),
+            "cpu": {"total_seconds": total, "mean_seconds": total / max(1, sum(buckets)), "buckets": buckets},
+            "gpu": None}
 
 
 @pytest.fixture

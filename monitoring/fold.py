@@ -1,0 +1,256 @@
+"""One fold from run-log records to metric samples: what every live sink publishes, worked out once.
+
+`Fold` turns each record of a rank (run_start, interval, tick, event, run_end) into `Sample`s of the catalog's
+families (monitoring/catalog.py); a sink maps them to its library and reads no record itself. A `spans` record
+holds the detail window, not metrics: it only moves the heartbeat, as every record does.
+
+- A gauge's value is its level now. A counter's is its run total: the fold adds up what records give per
+  interval (intervals, events, profiler and thread CPU, span bytes) and passes on the totals ticks give (tokens,
+  samples, steps, span time and counts, profiled seconds). A histogram's is a `Buckets` of run totals.
+- `stamp_unix` is the instant a value describes where a record says so (a tick's time, the end of the interval
+  of a span's exact p95): Prometheus exposes it as the sample's timestamp.
+- A sample whose value is None ends its series: a p95 older than P95_KEPT_S, the run_end of a rank that starts
+  another segment, build information a new run_start replaces.
+- Wait shares are the shares of the spans in which the record's role waits for the other side: the run_start's
+  `span_table` (entries of kind "wait"), else catalog.WAIT_SPANS (logs written without a span table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monitoring.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
+                                THROTTLE_REASONS, WAIT_SPANS, Family, counter_family, gauge_family, gpu_about,
+                                gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
+
+P95_KEPT_S = 300.0
+"""How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
+finds no older sample), and well inside the head block's bounds (an older stamp would be refused at every scrape)."""
+TICK_COUNTERS = ("tokens", "samples", "steps", "profiled_seconds")
+"""Counters fed by ticks that exist (at 0) before the first record, stamped with the sink's start."""
+_TICK_SPAN_KEYS = {"cpu": ("cpu_seconds", "self_seconds", "count"),
+                   "gpu": ("gpu_seconds", "gpu_self_seconds", "gpu_count")}
+_TICK_SPAN_FAMILIES = ("span_time", "span_self_time", "span_count")
+_NO_GPU = {"index": 0}
+"""Whose labels the allocator's series carry when the interval lists no GPU (NVML unavailable)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A span histogram's run totals: whole spans per bucket (one count per bound, then +Inf; not cumulative
+    across buckets), their whole seconds (mean times count, interval by interval) and the longest one seen."""
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_s: float
+    max_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One series' value: `labels` are the values of `family.labels`, in order; `about` what OTel's conventions
+    say of the labelled thing besides them (a GPU's hw.id and hw.name)."""
+    family: Family
+    value: float | Buckets | None
+    labels: tuple[str, ...] = ()
+    stamp_unix: float | None = None
+    about: tuple[tuple[str, str], ...] = ()
+
+
+def clock_count(entry: dict, clock: str) -> int:
+    """Whole spans behind an interval span entry's `clock` statistics: on the GPU only the GPU-timed ones."""
+    count = entry.get("count") or 0
+    if clock != "gpu":
+        return count
+    return entry["gpu_count"] if entry.get("gpu_count") is not None else count - (entry.get("gpu_unresolved") or 0)
+
+
+class Fold:
+    """A rank's records in order -> samples (the module doc); one per sink, fed on the sink's thread."""
+
+    def __init__(self):
+        self._role: str | None = None
+        self._wait_spans = dict(WAIT_SPANS)
+        self._bounds: tuple[float, ...] = ()
+        self._totals: dict = {}        # (family key, labels) -> run total of a counter fed per interval
+        self._histograms: dict = {}    # (span, clock) -> Buckets
+        self._shared: dict = {}        # spans that have had a share (an ordered set)
+        self._p95_stamps: dict = {}    # (span, clock) -> end of the interval its kept p95 describes
+        self._profiled_s = self._profiled_base_s = 0.0
+        self._segment_start_s: float | None = None
+        self._ended: tuple | None = None    # labels of the run_end series, while there is one
+        self._info: tuple | None = None     # labels of the build_info series
+
+    def opening(self, now_unix: float) -> list[Sample]:
+        """The series every sink serves before any record, at 0: intervals, events of every EVENT_KINDS, and the
+        tick counters stamped with `now_unix` (a tick written before a scrape but folded after it is newer)."""
+        out = [self._add("intervals", 0)] + [self._add("events", 0, kind) for kind in EVENT_KINDS]
+        return out + [Sample(FAMILIES[key], 0.0, stamp_unix=now_unix) for key in TICK_COUNTERS]
+
+    def __call__(self, record: dict) -> list[Sample]:
+        """The samples one record gives, its heartbeat last."""
+        fold = _BY_TYPE.get(record.get("type"))
+        out = fold(self, record) if fold is not None else []
+        if record.get("time_unix") is not None:
+            out.append(Sample(FAMILIES["heartbeat"], float(record["time_unix"])))
+        return out
+
+    def _add(self, key: str, amount: float, *labels: str) -> Sample:
+        """A counter fed per interval: its run total after adding `amount`."""
+        total = self._totals[key, labels] = self._totals.get((key, labels), 0.0) + float(amount)
+        return Sample(FAMILIES[key], total, labels)
+
+    # ---- run_start, run_end, event --------------------------------------------------------------------
+    def _run_start(self, rec: dict) -> list[Sample]:
+        """A segment begins: its histogram bounds, wait spans and role; a run_end before it is withdrawn."""
+        out = [Sample(FAMILIES["run_end"], None, self._ended)] if self._ended is not None else []
+        self._ended = None
+        self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.get("t_s")
+        self._bounds = tuple(float(b) for b in rec.get("histogram_buckets_seconds") or ())
+        self._role = rec.get("role")
+        table = rec.get("span_table")
+        self._wait_spans = ({name: e.get("role") for name, e in table.items() if e.get("kind") == "wait"}
+                            if table else dict(WAIT_SPANS))
+        info = tuple(str(rec.get("schema", 0)) if label == "schema" else str(rec.get(label) or "unknown")
+                     for label in FAMILIES["build_info"].labels)
+        if self._info not in (None, info):
+            out.append(Sample(FAMILIES["build_info"], None, self._info))
+        self._info = info
+        return out + [Sample(FAMILIES["build_info"], 1.0, info)]
+
+    def _run_end(self, rec: dict) -> list[Sample]:
+        if rec.get("time_unix") is None:
+            return []
+        self._ended = (str(rec.get("status") or "unknown"),)
+        return [Sample(FAMILIES["run_end"], float(rec["time_unix"]), self._ended)]
+
+    def _event(self, rec: dict) -> list[Sample]:
+        return [self._add("events", 1, str(rec.get("kind")))]
+
+    # ---- tick: run totals, stamped with the tick's time -----------------------------------------------
+    def _tick(self, rec: dict) -> list[Sample]:
+        stamp = rec.get("time_unix")
+        out = [Sample(counter_family(name), float(value), stamp_unix=stamp)
+               for name, value in (rec.get("counters") or {}).items() if value is not None]
+        for name, e in (rec.get("spans") or {}).items():
+            for clock, keys in _TICK_SPAN_KEYS.items():
+                if keys[0] in e:   # the GPU's only where a CUDA pair was timed
+                    out += [Sample(FAMILIES[key], float(e[field]), (name, clock), stamp)
+                            for key, field in zip(_TICK_SPAN_FAMILIES, keys) if e.get(field) is not None]
+        t_s = rec.get("t_s")
+        if self._segment_start_s is not None and t_s is not None:
+            self._profiled_s = self._profiled_base_s + max(0.0, t_s - self._segment_start_s)
+            out.append(Sample(FAMILIES["profiled_seconds"], self._profiled_s, stamp_unix=stamp))
+        return out
+
+    # ---- interval ------------------------------------------------------------------------------------
+    def _interval(self, rec: dict) -> list[Sample]:
+        out = [self._add("intervals", 1)]
+        out += [Sample(FAMILIES[key], float(rec[field])) for key, field in INTERVAL_GAUGES
+                if rec.get(field) is not None]
+        out.append(self._add("profiler_cpu_seconds", (rec.get("profiler_share") or 0.0)
+                             * (rec.get("duration_seconds") or 0.0)))
+        out += [self._add("thread_cpu", seconds, thread)
+                for thread, seconds in (rec.get("threads_cpu_seconds") or {}).items() if seconds is not None]
+        out += self._spans(rec.get("spans") or {}, rec.get("role") or self._role, rec.get("time_unix"))
+        out += [Sample(FAMILIES[f"{name}_rate"], float(c["per_second"]))
+                for name, c in (rec.get("counters") or {}).items()
+                if f"{name}_rate" in FAMILIES and c.get("per_second") is not None]
+        out += [Sample(gauge_family(name), float(g[stat]), (stat,))
+                for name, g in (rec.get("gauges") or {}).items() for stat in ("last", "mean", "max")
+                if g.get(stat) is not None]
+        out += _train_metrics(rec.get("metrics") or {})
+        out += _memory(rec.get("memory") or {})
+        out += [Sample(FAMILIES["exporter_dropped"], float(s.get("dropped", 0)), (name,))
+                for name, s in (rec.get("exporters") or {}).items() if s.get("dropped", 0) is not None]
+        return out
+
+    def _spans(self, spans: dict, role, end_unix: float | None) -> list[Sample]:
+        """Shares (a span that had one and is absent had none of this interval), wait shares, exact p95s (each
+        kept from the last interval in which the span ended any, stamped with its end: the run's last intervals,
+        an evaluation or the wind-down, leave its last figure), histograms, bytes and bandwidth."""
+        out = self._expire_p95(end_unix)
+        out += [Sample(FAMILIES["span_share"], 0.0, (name,)) for name in self._shared
+                if (spans.get(name) or {}).get("share") is None]
+        out += [Sample(FAMILIES["wait_share"], float((spans.get(span) or {}).get("share") or 0.0), (span,))
+                for span, waiter in self._wait_spans.items() if waiter == role]
+        for name, e in spans.items():
+            if e.get("share") is not None:
+                self._shared[name] = True
+                out.append(Sample(FAMILIES["span_share"], float(e["share"]), (name,)))
+            for clock in ("cpu", "gpu"):
+                out += self._clock_stats(name, clock, e, end_unix)
+            out += _bytes_moved(name, e, self._add)
+        return out
+
+    def _clock_stats(self, name: str, clock: str, e: dict, end_unix: float | None) -> list[Sample]:
+        stats, out = e.get(clock), []
+        if not stats:
+            return out
+        if stats.get("p95_seconds") is not None:
+            self._p95_stamps[name, clock] = end_unix
+            out.append(Sample(FAMILIES["span_p95"], float(stats["p95_seconds"]), (name, clock), end_unix))
+        buckets = stats.get("buckets")
+        if buckets and len(buckets) == len(self._bounds) + 1:
+            kept = self._histograms.get((name, clock))
+            if kept is None or kept.bounds != self._bounds:
+                kept = Buckets(self._bounds, (0,) * len(buckets), 0.0)
+            whole_s = (stats.get("mean_seconds") or 0.0) * clock_count(e, clock)
+            longest = max((m for m in (kept.max_s, stats.get("max_seconds")) if m is not None), default=None)
+            kept = self._histograms[name, clock] = Buckets(
+                self._bounds, tuple(a + b for a, b in zip(kept.counts, buckets)), kept.sum_s + whole_s, longest)
+            out.append(Sample(FAMILIES["span_seconds"], kept, (name, clock)))
+        return out
+
+    def _expire_p95(self, now_unix: float | None) -> list[Sample]:
+        """End each kept exact p95 whose interval ended more than P95_KEPT_S before `now_unix`."""
+        old = [key for key, stamp in self._p95_stamps.items()
+               if now_unix is not None and stamp is not None and stamp < now_unix - P95_KEPT_S]
+        for key in old:
+            del self._p95_stamps[key]
+        return [Sample(FAMILIES["span_p95"], None, key) for key in old]
+
+
+def _bytes_moved(name: str, e: dict, add) -> list[Sample]:
+    """A byte-moving span's bytes (a run total, through `add`), bandwidth, and its floor where one is known."""
+    out = []
+    if e.get("bytes") is not None:
+        out.append(add("span_bytes", e["bytes"], name))
+        out += [Sample(FAMILIES[key], float(e[field]), (name,))
+                for key, field in (("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio"))
+                if e.get(field) is not None]
+    if e.get("floor") and e.get("floor_bytes_per_s") is not None:
+        out.append(Sample(FAMILIES["span_floor"], float(e["floor_bytes_per_s"]), (name, str(e["floor"]))))
+    return out
+
+
+def _train_metrics(metrics: dict) -> list[Sample]:
+    """The training scalars the catalog names; one the interval recorded as non-finite (null, with a reason in
+    the run log) is NaN, never the last finite value."""
+    out = []
+    for name, stats in metrics.items():
+        found = train_metric_family(name)
+        if found is not None:
+            value = train_metric_value(name, stats)
+            out.append(Sample(found[0], float("nan") if value is None else float(value), tuple(found[1].values())))
+    return out
+
+
+def _memory(memory: dict) -> list[Sample]:
+    """Per-GPU gauges and throttle reasons (every reason, 0 or 1, where the GPU reports them), and the caching
+    allocator's gauges and counts on the rank's own GPU (the interval's first)."""
+    out, gpus = [], memory.get("gpus") or []
+    for g in gpus:
+        labels, about = gpu_labels(g), gpu_about(g)
+        out += [Sample(FAMILIES[key], float(value), labels, about=about) for key, value in gpu_gauges(g).items()]
+        if g.get("throttle_reasons") is not None:
+            out += [Sample(FAMILIES["gpu_throttle"], float(reason in g["throttle_reasons"]), (*labels, reason),
+                           about=about) for reason in THROTTLE_REASONS]
+    alloc = memory.get("allocator") or {}
+    if alloc.get("available"):
+        own = gpus[0] if gpus else _NO_GPU
+        out += [Sample(FAMILIES[key], float(alloc[field]), gpu_labels(own), about=gpu_about(own))
+                for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS if alloc.get(field) is not None]
+    return out
+
+
+_BY_TYPE = {"run_start": Fold._run_start, "interval": Fold._interval, "tick": Fold._tick, "event": Fold._event,
+            "run_end": Fold._run_end}
