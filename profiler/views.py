@@ -899,8 +899,6 @@ _EVENTS = {"throughput": Throughput, "capture": Capture, "startup": Startup, "no
            "signal": Signal, "peer_lost": PeerLost}
 """The event kinds whose fields differ, and their views."""
 
-FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal", "peer_lost")
-
 
 # ---- making views ----------------------------------------------------------------------------------------------
 
