@@ -260,6 +260,7 @@ def test_a_field_of_another_type_reads_as_absent_and_a_view_wraps_a_dict_a_view_
     assert views.Interval.of(None).duration_seconds is None and views.Interval.of(None).raw == {}
     ev = views.event({"kind": "capture"})
     assert views.Throughput.of(ev).steady_seconds is None and views.Capture.of(ev) is ev
+    assert type(views.event(views.Event({"kind": "capture"}))) is views.Capture   # a plain Event finds its kind
 
 
 # ---- the check: one reason per bad record -----------------------------------------------------------------------
