@@ -7,9 +7,9 @@ import shlex
 import sys
 from collections import Counter, defaultdict
 
+from profiler import views
 from profiler.records import printable
-from profiler.windows import (STEADY_PHASE_SHARE_MAX, basis, basis_seconds, gpu_bound, open_at_end, phase_seconds,
-                              phase_share, whole_seconds)
+from profiler.windows import STEADY_PHASE_SHARE_MAX
 
 GIB = 1024 ** 3
 
@@ -33,101 +33,110 @@ def _num(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def format_memory(memory: dict | None) -> list[str]:
-    """One line per GPU with headroom, or "memory: n/a (reason)"; never a made-up number."""
-    if not memory or not memory.get("available"):
-        reason = (memory or {}).get("reason", "no memory data")
-        return [f"  memory: n/a ({reason})"]
+def _gib(n, digits: int = 2) -> str:
+    return "?" if n is None else f"{n / GIB:.{digits}f}"
+
+
+def format_memory(memory) -> list[str]:
+    """One line per GPU with headroom, or "memory: n/a (reason)"; never a made-up number (an unread figure is
+    "?"). `memory`: an interval's memory block (a dict or views.Memory), or None."""
+    mem = views.Memory.of(memory)
+    if not mem.available:
+        return [f"  memory: n/a ({mem.reason or 'no memory data'})"]
     lines = []
-    for g in memory.get("gpus", []):
-        total, peak, headroom = g.get("total_bytes"), g.get("used_bytes_peak"), g.get("headroom_bytes")
-        if headroom is None or total is None:
-            lines.append(f"  memory gpu{g.get('index')}: n/a (no samples this interval)")
+    for g in mem.gpus:
+        if g.headroom_bytes is None or g.total_bytes is None:
+            lines.append(f"  memory gpu{g.index}: n/a (no samples this interval)")
             continue
-        lines.append(f"  memory gpu{g.get('index')} {g.get('name', '')}: headroom {headroom / GIB:.2f} GiB "
-                     f"of {total / GIB:.1f} GiB (peak used {peak / GIB:.2f} GiB)")
-    alloc = memory.get("allocator") or {}
-    if alloc.get("available"):
-        lines.append(f"  allocator: allocated {alloc['allocated_bytes'] / GIB:.2f} GiB, reserved "
-                     f"{alloc['reserved_bytes'] / GIB:.2f} GiB, peak allocated "
-                     f"{alloc['peak_allocated_bytes'] / GIB:.2f} GiB")
+        lines.append(f"  memory gpu{g.index} {g.name or ''}: headroom {_gib(g.headroom_bytes)} GiB "
+                     f"of {_gib(g.total_bytes, 1)} GiB (peak used {_gib(g.used_bytes_peak)} GiB)")
+    alloc = mem.allocator
+    if alloc.available:
+        lines.append(f"  allocator: allocated {_gib(alloc.allocated_bytes)} GiB, reserved "
+                     f"{_gib(alloc.reserved_bytes)} GiB, peak allocated {_gib(alloc.peak_allocated_bytes)} GiB")
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
-def format_interval(record: dict, phase_spans=()) -> str:
-    """A short block for one interval record: spans by share (each column what its header says), then the spans
-    open at the interval's end and for how long, counters' rates, gauges, metrics, memory, thread CPU. The head
-    says when the interval is not steady work: warm-up, or mostly in `phase_spans` (run_start's)."""
-    rate = (record.get("step_rate") or {}).get("per_second")
-    head = (f"[profile] rank {record.get('rank')} {record.get('role')}  interval {record.get('index')}  "
-            f"step {record.get('step')}{'' if rate is None else f' ({rate:.3g} steps/s)'}  "
-            f"{record.get('duration_seconds', 0.0):.1f} s{_not_steady_tag(record, phase_spans)}  "
+def format_interval(record, phase_spans=()) -> str:
+    """A short block for one interval record (a dict or views.Interval): spans by share (each column what its
+    header says), then the spans open at the interval's end and for how long, counters' rates, gauges, metrics,
+    memory, thread CPU. The head says when the interval is not steady work: warm-up, or mostly in `phase_spans`
+    (run_start's)."""
+    rec = views.interval(record)
+    rate = rec.step_rate.per_second
+    head = (f"[profile] rank {rec.rank} {rec.role}  interval {rec.index}  "
+            f"step {rec.step}{'' if rate is None else f' ({rate:.3g} steps/s)'}  "
+            f"{rec.duration_seconds or 0.0:.1f} s{_not_steady_tag(rec, phase_spans)}  "
             f"[every figure: this interval]")
     lines = [head]
-    spans = record.get("spans") or {}
-    opened = open_at_end(record.get("open_spans"))
+    spans = rec.spans
     if spans:
-        sm = _sm_active_percent(record.get("memory"))
-        on_gpu = any(e.get("gpu") for e in spans.values())   # the GPU and busy columns: CUDA runs only
-        lines.append(f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
-                     + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "") + "  bandwidth")
-        for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].get("share") or 0.0)):
-            stats, on = basis(e)
-            line = (f"  {name:<24} {e.get('count', 0):>7} {on:>3} {_ms(stats.get('mean_seconds')):>9} "
-                    f"{_ms(stats.get('p95_seconds')):>9} {_pct(e.get('share')):>7}"
-                    + (f"  {_gpu_cells(e, sm)}" if on_gpu else ""))
-            bw = e.get("bandwidth_bytes_per_s")
-            if bw is not None:
-                line += f"  {bw / 1e9:.2f} GB/s"
-                if e.get("floor_ratio") is not None:
-                    line += f" ({e['floor_ratio'] * 100:.0f}% of {e['floor']})"
-            lines.append(line)
-        lines.extend(_open_line(opened))
-        lines.extend(_gpu_sample_note(spans))
-        if any(e.get("gpu") for e in spans.values()):
-            lines.append("  on gpu: mean/p95/share of the GPU window (CUDA events: stream reached start to end, "
-                         "idle gaps included); GPU: launch-bound (the GPU kept pace with the host's launches: the "
-                         "window is host time), GPU-bound (it ran behind the host) or mixed; busy: GPM SM active")
+        lines.extend(_span_table(spans, rec.memory, rec.open_at_end))
     else:
         lines.append("  (no spans finished in this interval)")
-    for name, c in (record.get("counters") or {}).items():
-        rate = c.get("per_second")
-        lines.append(f"  {name}: {'-' if rate is None else f'{rate:.1f}'}/s (interval {_num(c.get('total'))}, "
-                     f"run {_num(c.get('run_total'))})")
-    for name, g in (record.get("gauges") or {}).items():
-        lines.append(f"  {name}: last {_num(g.get('last'))} mean {_num(g.get('mean'))} max {_num(g.get('max'))}")
-    metrics = record.get("metrics") or {}
+    for name, c in rec.counters.items():
+        rate = c.per_second
+        lines.append(f"  {name}: {'-' if rate is None else f'{rate:.1f}'}/s (interval {_num(c.total)}, "
+                     f"run {_num(c.run_total)})")
+    for name, g in rec.gauges.items():
+        lines.append(f"  {name}: last {_num(g.last)} mean {_num(g.mean)} max {_num(g.max)}")
+    metrics = rec.metrics
     if metrics:
-        lines.append("  last: " + "  ".join(f"{n} {_num(m.get('last'))}" for n, m in metrics.items()))
-    lines.extend(format_memory(record.get("memory")))
-    lines.extend(format_thread_cpu(record))
+        lines.append("  last: " + "  ".join(f"{n} {_num(m.last)}" for n, m in metrics.items()))
+    lines.extend(format_memory(rec.memory))
+    lines.extend(format_thread_cpu(rec))
     return "\n".join(lines)
+
+
+def _span_table(spans, memory, opened: dict) -> list:
+    """The interval's spans by share, the line of spans open at its end, and the notes on GPU times."""
+    sm = _sm_active_percent(memory)
+    on_gpu = any(e.gpu for e in spans.values())   # the GPU and busy columns: CUDA runs only
+    lines = [f"  {'span':<24} {'count':>7} {'on':>3} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
+             + (f"  {'GPU':<13} {'busy':>5}" if on_gpu else "") + "  bandwidth"]
+    for name, e in sorted(spans.items(), key=lambda kv: -(kv[1].share or 0.0)):
+        stats, on = e.basis()
+        line = (f"  {name:<24} {e.count:>7} {on:>3} {_ms(stats.mean_seconds):>9} "
+                f"{_ms(stats.p95_seconds):>9} {_pct(e.share):>7}"
+                + (f"  {_gpu_cells(e, sm)}" if on_gpu else ""))
+        bw = e.bandwidth_bytes_per_s
+        if bw is not None:
+            line += f"  {bw / 1e9:.2f} GB/s"
+            if e.floor_ratio is not None:
+                line += f" ({e.floor_ratio * 100:.0f}% of {e.floor})"
+        lines.append(line)
+    lines.extend(_open_line(opened))
+    lines.extend(_gpu_sample_note(spans))
+    if on_gpu:
+        lines.append("  on gpu: mean/p95/share of the GPU window (CUDA events: stream reached start to end, "
+                     "idle gaps included); GPU: launch-bound (the GPU kept pace with the host's launches: the "
+                     "window is host time), GPU-bound (it ran behind the host) or mixed; busy: GPM SM active")
+    return lines
 
 
 def _sm_active_percent(memory) -> float | None:
     """The interval's GPM SM active percent (the mean over its GPUs), None where GPM did not measure it."""
-    values = [g["sm_active_percent_mean"] for g in (memory or {}).get("gpus") or []
-              if g.get("sm_active_percent_mean") is not None]
+    values = [g.sm_active_percent_mean for g in memory.gpus if g.sm_active_percent_mean is not None]
     return sum(values) / len(values) if values else None
 
 
-def _gpu_cells(entry: dict, sm_active_percent) -> str:
+def _gpu_cells(entry, sm_active_percent) -> str:
     """A span row's GPU class and busy estimate in this interval (profiler.windows.gpu_bound), "-" where unknown."""
-    g = gpu_bound([entry], sm_active_percent=sm_active_percent)
+    g = entry.gpu_bound(sm_active_percent=sm_active_percent)
     if g is None:
         return f"{'-':<13} {'-':>5}"
     busy = "-" if g["busy_share"] is None else f"{100 * g['busy_share']:.0f}%"
     return f"{g['class']:<13} {busy:>5}"
 
 
-def _not_steady_tag(record: dict, phase_spans) -> str:
+def _not_steady_tag(rec, phase_spans) -> str:
     """"  (warm-up)", "  (phases 8.2 s: drafter.eval 8.2 s; not steady)" when the phases took more than
     STEADY_PHASE_SHARE_MAX of the interval (profiler.windows.is_steady's test), else ""."""
-    if record.get("warmup"):
+    if rec.warmup:
         return "  (warm-up)"
-    if phase_share(record, phase_spans) <= STEADY_PHASE_SHARE_MAX:
+    if rec.phase_share(phase_spans) <= STEADY_PHASE_SHARE_MAX:
         return ""
-    phases = {n: s for n, s in phase_seconds([record], phase_spans).items() if s > 0}
+    phases = {n: s for n, s in rec.phase_seconds(phase_spans).items() if s > 0}
     named = ", ".join(f"{n} {s:.1f} s" for n, s in sorted(phases.items(), key=lambda kv: -kv[1]))
     return f"  (phases {sum(phases.values()):.1f} s: {named}; not steady)"
 
@@ -141,22 +150,23 @@ def _open_line(opened: dict) -> list:
         f"{name} {age_s:.3g} s ({thread})" for name, ages in opened.items() for thread, age_s in ages)]
 
 
-def _gpu_sample_note(spans: dict) -> list:
+def _gpu_sample_note(spans) -> list:
     """One line when some spans carry no GPU time (their event pairs resolve in a later interval), else none."""
-    timed = [(e["gpu_count"], e.get("count") or 0) for e in spans.values() if e.get("gpu_count") is not None]
+    timed = [(e.gpu_count, e.count) for e in spans.values() if e.gpu_count is not None]
     n, total = sum(t for t, _ in timed), sum(c for _, c in timed)
     if n >= total:
         return []
     return [f"  gpu times for {n} of {total} spans, the others not yet resolved (shares scale them by count / timed)"]
 
 
-def format_thread_cpu(record: dict, top: int = 4) -> list:
+def format_thread_cpu(record, top: int = 4) -> list:
     """One line: the interval's busiest threads by CPU time, and the profiler threads' share of wall time."""
-    cpu = record.get("threads_cpu_seconds") or {}
+    rec = views.interval(record)
+    cpu = rec.threads_cpu_seconds
     if not cpu:
         return []
     busiest = ", ".join(f"{n} {v:.2f} s" for n, v in list(cpu.items())[:top])
-    share = record.get("profiler_share")
+    share = rec.profiler_share
     own = "" if share is None else f"; profiler threads {share * 100:.2f}% of the interval"
     return [f"  thread cpu: {busiest}{own}"]
 
@@ -167,18 +177,17 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     counter's total over its wall time, a role's the sum of its ranks'; p95 is exact for a role of one rank's one
     segment, else the worst of theirs (dflash-report hotspots merges their histograms)."""
     walls, totals, agg, segments = Counter(), defaultdict(Counter), {}, Counter()
-    for rec in run_end_records:
-        role, key = rec.get("role"), (rec.get("role"), rec.get("rank"))
-        walls[key] += rec.get("duration_seconds") or 0.0
+    for rec in map(views.run_end, run_end_records):
+        role, key = rec.role, (rec.role, rec.rank)
+        walls[key] += rec.duration_seconds or 0.0
         segments[role] += 1
-        totals[key].update({n: c["total"] for n, c in (rec.get("counters") or {}).items()
-                            if c.get("total") is not None})
-        for sname, e in (rec.get("spans") or {}).items():
+        totals[key].update({n: c.total for n, c in rec.counters.items() if c.total is not None})
+        for sname, e in rec.spans.items():
             a = agg.setdefault((role, sname), {"total": 0.0, "whole": 0.0, "count": 0, "p95s": []})
-            a["total"] += basis_seconds(e)
-            a["whole"] += whole_seconds(e)
-            a["count"] += e.get("count") or 0
-            a["p95s"].append(basis(e)[0].get("p95_seconds"))
+            a["total"] += e.basis_seconds
+            a["whole"] += e.whole_seconds
+            a["count"] += e.count
+            a["p95s"].append(e.basis()[0].p95_seconds)
     roles: dict = {}
     for (role, rank_id), wall in walls.items():
         r = roles.setdefault(role, {"wall_seconds": 0.0, "ranks": [], "segments": segments[role], "rates": {}})
@@ -206,7 +215,7 @@ def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
     several = sorted(str(role) for role, r in roles.items() if r["segments"] > 1)
     if several:
         lines.append(f"(p95 of {', '.join(several)}: the worst of its ranks' and segments')")
-    if any(e.get("gpu") for rec in run_end_records for e in (rec.get("spans") or {}).values()):
+    if any(e.gpu for rec in map(views.run_end, run_end_records) for e in rec.spans.values()):
         lines.append("(a CUDA span's times are its GPU window: the stream reached its start event .. its end event, "
                      "idle gaps included; `dflash-report hotspots` says which spans are launch-bound)")
     for role, r in roles.items():
@@ -222,19 +231,19 @@ def format_steady(throughput_events: list, resumed=()) -> list:
     """One line per role: its ranks' steady tokens/s summed, with the window, steps and phases left out (of the
     last segment for a role in `resumed`: a rank's last event is its last segment's)."""
     by_role: dict = {}
-    for e in throughput_events:
-        if e.get("steady_tokens_per_s") is not None:
-            by_role.setdefault(e.get("role"), []).append(e)
+    for e in map(views.Throughput.of, throughput_events):
+        if e.steady_tokens_per_s is not None:
+            by_role.setdefault(e.role, []).append(e)
     lines = []
     for role, evs in by_role.items():
         phases = Counter()
         for e in evs:
-            phases.update({n: v or 0.0 for n, v in (e.get("phases_seconds") or {}).items()})
+            phases.update({n: v or 0.0 for n, v in e.phases_seconds.items()})
         left = ", ".join(f"{n} {v:.1f} s" for n, v in phases.items() if v > 0.05) or "none"
         lines.append(f"{role} steady state{' of the last segment' if role in resumed else ''}: "
-                     f"{sum(e['steady_tokens_per_s'] for e in evs):,.0f} tokens/s "
-                     f"(steady_tokens_per_s; {sum(e.get('steady_steps') or 0 for e in evs)} steps after "
-                     f"{evs[0].get('warmup_steps')} warm-up, over {max(e['steady_seconds'] for e in evs):.1f} s; "
+                     f"{sum(e.steady_tokens_per_s for e in evs):,.0f} tokens/s "
+                     f"(steady_tokens_per_s; {sum(e.steady_steps or 0 for e in evs)} steps after "
+                     f"{evs[0].warmup_steps} warm-up, over {max(e.steady_seconds or 0.0 for e in evs):.1f} s; "
                      f"phases left out: {left})")
     return lines
 
@@ -255,18 +264,19 @@ class ConsoleExporter:
 
     def export(self, record: dict) -> None:
         out = self.stream or sys.stdout
-        if record.get("type") == "run_start":
-            self.phase_spans = tuple(record.get("phase_spans") or ())
-        if record.get("type") == "run_end" and self.run_dir is not None:
-            print(printable(f"{format_hotspots([record])}\nrun directory: {self.run_dir}  (report: dflash-report "
+        rec = views.view(record)
+        if isinstance(rec, views.RunStart):
+            self.phase_spans = tuple(rec.phase_spans)
+        if isinstance(rec, views.RunEnd) and self.run_dir is not None:
+            print(printable(f"{format_hotspots([rec])}\nrun directory: {self.run_dir}  (report: dflash-report "
                             f"hotspots {shlex.quote(str(self.run_dir))})"), file=out, flush=True)
-        if record.get("type") != "interval":
+        if not isinstance(rec, views.Interval):
             return
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
         # thread names are anyone's: printable
-        print(printable(format_interval(record, self.phase_spans)), file=out, flush=True)
-        stuck = format_open_spans(record.get("open_spans") or [], min_seconds=record["duration_seconds"])
+        print(printable(format_interval(rec, self.phase_spans)), file=out, flush=True)
+        stuck = format_open_spans([t.raw for t in rec.open_spans], min_seconds=rec.duration_seconds or 0.0)
         if stuck:
             print(printable(stuck), file=out, flush=True)
 

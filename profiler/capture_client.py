@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+from profiler import views
 from profiler.capture import MAX_STEPS
 from profiler.control import default_discovery_dir, discover, pid_alive, query
 from profiler.snapshot import live_ranks
@@ -125,9 +126,9 @@ def wait(records: list, at_step: int, timeout_s: float, tails: dict, clock=time.
             key = r["rank"]
             if key in found:
                 continue
-            for rec in tails[key].new_records():
-                if rec.get("type") == "event" and rec.get("kind") == "capture" and rec.get("step") == at_step:
-                    found[key] = dict(rec, pid=r["pid"])
+            for rec in map(views.view, tails[key].new_records()):
+                if isinstance(rec, views.Capture) and rec.step == at_step:
+                    found[key] = dict(rec.raw, pid=r["pid"])
             if key not in found and not pid_alive(r["pid"]):
                 found[key] = {"rank": key, "role": r.get("role"), "pid": r["pid"],
                               "error": f"the rank ended before its capture of step {at_step} was written"}
@@ -145,18 +146,21 @@ def tails_of(records: list) -> dict:
 
 
 def format_capture(result: dict) -> str:
+    """Each rank's answer: its capture event (with its pid), the client's {"rank", "role", "pid", "error"}, or
+    (--no-wait) the endpoint's armed reply {"at_step", "file", ...}."""
     lines = [f"capture of steps {result['at_step']}-{result['at_step'] + result['steps'] - 1} "
              f"({result['steps']} step{'s' * (result['steps'] > 1)}) on {len(result['ranks'])} rank(s):"]
-    for ev in result["ranks"]:
-        who = f"  rank {ev['rank']} ({ev.get('role')}, pid {ev.get('pid')})"
-        if ev.get("error"):
-            lines.append(f"{who}: {ev['error']}")
-        elif "files" not in ev:   # armed only (--no-wait)
-            lines.append(f"{who}: armed at step {ev['at_step']}, will write {ev['file']}")
+    for answer in result["ranks"]:
+        ev = views.Capture.of(answer)   # the client's error and the armed reply share the event's rank, role, error
+        who = f"  rank {ev.rank} ({ev.role}, pid {answer.get('pid')})"
+        if ev.error:
+            lines.append(f"{who}: {ev.error}")
+        elif "at_step" in answer:   # armed only (--no-wait): the endpoint's reply
+            lines.append(f"{who}: armed at step {answer['at_step']}, will write {answer['file']}")
         else:
-            steps = ev["steps"]
-            lines.append(f"{who}: {ev['files'][0]}  steps {steps[0]}-{steps[1]}, {ev['bytes'] / 1e6:.2f} MB "
-                         f"({ev['bytes_per_step'] / 1e6:.2f} MB a step), {len(ev.get('captured_spans') or [])} spans")
+            first, last = ev.steps
+            lines.append(f"{who}: {ev.files[0]}  steps {first}-{last}, {ev.bytes / 1e6:.2f} MB "
+                         f"({ev.bytes_per_step / 1e6:.2f} MB a step), {len(ev.captured_spans)} spans")
     return "\n".join(lines)
 
 
@@ -167,11 +171,13 @@ def memory(records: list, query_fn=query) -> list:
 
 
 def format_memory(replies: list) -> str:
+    """Each rank's `memory` reply: {"ok": false, "error"}, or the fields of the `memory_snapshot` event it wrote."""
     lines = []
     for r in replies:
-        who = f"rank {r['rank']} ({r['role']}, pid {r['pid']})"
+        snap = views.MemorySnapshot.of(r)
+        who = f"rank {snap.rank} ({snap.role}, pid {r['pid']})"
         lines.append(f"{who}: {r['error']}" if not r.get("ok") else
-                     f"{who}: {r['file']}  {r['allocated_bytes'] / 2**30:.2f} GiB allocated of "
-                     f"{r['reserved_bytes'] / 2**30:.2f} GiB reserved in {r['segments']} segments"
-                     + ("" if r["history"] else " (no allocation history: --memory-history N keeps one)"))
+                     f"{who}: {snap.file}  {snap.allocated_bytes / 2**30:.2f} GiB allocated of "
+                     f"{snap.reserved_bytes / 2**30:.2f} GiB reserved in {snap.segments} segments"
+                     + ("" if snap.history else " (no allocation history: --memory-history N keeps one)"))
     return "\n".join(lines)

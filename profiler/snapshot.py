@@ -15,8 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from profiler import views
 from profiler.control import default_discovery_dir, discover, discover_all, pid_alive, query
-from profiler.records import INTERVAL, read_records
+from profiler.records import read_records
 from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
 from profiler.threadcpu import is_profiler_thread
 
@@ -54,13 +55,13 @@ def live_state(pid: int, discovery_dir=None):
     return record, reply["state"], None
 
 
-def interval_p95_seconds(interval: dict, name: str) -> float | None:
-    """The larger of a span's CPU and GPU p95 in one interval record (None when it did not finish)."""
-    entry = (interval.get("spans") or {}).get(name)
-    if not isinstance(entry, dict):
+def interval_p95_seconds(interval, name: str) -> float | None:
+    """The larger of a span's CPU and GPU p95 in one interval record (a dict or views.Interval; None when it did
+    not finish)."""
+    entry = views.interval(interval).spans.get(name)
+    if entry is None:
         return None
-    values = [entry[k]["p95_seconds"] for k in ("cpu", "gpu")
-              if isinstance(entry.get(k), dict) and entry[k].get("p95_seconds") is not None]
+    values = [p for p in (entry.cpu.p95_seconds, entry.gpu.p95_seconds if entry.gpu else None) if p is not None]
     return max(values) if values else None
 
 
@@ -70,7 +71,7 @@ def recent_p95(last_interval: dict | None, log_path: Path | None):
     def logged() -> list:
         """The run log's intervals, newest first, read once when first needed."""
         try:
-            return [r for r in read_records(log_path)[0] if r.get("type") == INTERVAL][::-1]
+            return [r for r in map(views.view, read_records(log_path)[0]) if isinstance(r, views.Interval)][::-1]
         except (OSError, TypeError):
             return []
 
@@ -94,8 +95,9 @@ def judge_span(name: str, open_s: float, p95_lookup) -> dict:
     return view if why_not is None else dict(view, stuck_basis=why_not)
 
 
-def thread_view(name: str, native_id, role, spans_entry: dict | None, stack: dict | None, p95_lookup) -> dict:
-    spans = [judge_span(s["name"], s["open_seconds"], p95_lookup) for s in (spans_entry or {}).get("spans", [])]
+def thread_view(name: str, native_id, role, spans_entry, stack: dict | None, p95_lookup) -> dict:
+    """One thread: its open spans (`spans_entry`, an `open_spans` entry or None) judged, beside its py-spy stack."""
+    spans = [judge_span(s.name, s.open_seconds, p95_lookup) for s in views.OpenSpans.of(spans_entry).spans]
     stuck = next((s for s in reversed(spans) if s["stuck"]), None)  # the innermost stuck span
     frames = stack["frames"] if stack else []
     view = {"name": name, "native_id": native_id, "role": role, "profiler": is_profiler_thread(name),
@@ -111,22 +113,23 @@ def merge_threads(stacks: list, active_spans: list, role, p95_lookup) -> list:
     """py-spy threads joined with the profiler's open spans on the OS thread id; stuck threads
     first, then threads with open spans, then the rest, the profiler's own threads last (py-spy's order within each
     group)."""
-    by_id = {entry.get("native_id"): entry for entry in active_spans}
-    views = [thread_view(t["name"], t["native_id"], role, by_id.pop(t["native_id"], None), t, p95_lookup)
-             for t in stacks]
-    views += [thread_view(e["thread"], e.get("native_id"), role, e, None, p95_lookup) for e in by_id.values()]
-    return sorted(views, key=lambda v: (not v["stuck"], not v["open_spans"], v["profiler"]))
+    by_id = {entry.native_id: entry for entry in map(views.OpenSpans.of, active_spans)}
+    threads = [thread_view(t["name"], t["native_id"], role, by_id.pop(t["native_id"], None), t, p95_lookup)
+               for t in stacks]
+    threads += [thread_view(e.thread, e.native_id, role, e, None, p95_lookup) for e in by_id.values()]
+    return sorted(threads, key=lambda v: (not v["stuck"], not v["open_spans"], v["profiler"]))
 
 
-def summarize_interval(rec: dict | None, top_spans: int = 6) -> dict | None:
-    if not rec:
+def summarize_interval(record, top_spans: int = 6) -> dict | None:
+    """The last closed interval (a record, or None) in a snapshot: its spans by share and its counters' rates."""
+    if not record:
         return None
-    ranked = sorted((rec.get("spans") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0.0))
-    return {"index": rec.get("index"), "step": rec.get("step"), "duration_seconds": rec.get("duration_seconds"),
-            "final": bool(rec.get("final")),
-            "spans": [{"name": name, "count": e.get("count"), "share": e.get("share"),
+    rec = views.interval(record)
+    ranked = sorted(rec.spans.items(), key=lambda kv: -(kv[1].share or 0.0))
+    return {"index": rec.index, "step": rec.step, "duration_seconds": rec.duration_seconds, "final": rec.final,
+            "spans": [{"name": name, "count": e.count, "share": e.share,
                        "p95_seconds": interval_p95_seconds(rec, name)} for name, e in ranked[:top_spans]],
-            "per_second": {k: c.get("per_second") for k, c in (rec.get("counters") or {}).items()}}
+            "per_second": {k: c.per_second for k, c in rec.counters.items()}}
 
 
 def memory_now(state: dict) -> dict:

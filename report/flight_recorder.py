@@ -4,24 +4,28 @@ each side got, and which batches were in flight.
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
+from profiler import views
 from report.runs import Run
 
-FORENSIC_KINDS = ("hang", "thread_crash", "oom", "signal", "peer_lost")
 
-
-def _last_ring(log) -> tuple[dict | None, list]:
-    """The rank's last forensics event that carries a transfer ring, and the ring."""
-    for ev in reversed(log.events):
-        ring = (ev.get("extra") or {}).get("transfer_ring")
-        if ev.get("kind") in FORENSIC_KINDS and isinstance(ring, list):
+def _last_ring(log) -> tuple:
+    """The rank's last forensics event (hang, thread_crash, oom, signal, peer_lost: views.Forensics) that carries a
+    transfer ring, and the ring (a list of views.RingEntry)."""
+    for ev in map(views.event, reversed(log.events)):
+        if isinstance(ev, views.Forensics) and (ring := ev.transfer_ring) is not None:
             return ev, ring
     return None, []
 
 
-def _last_batch(ring: list, kind: str, peer_key: str, peer) -> int | None:
-    batches = [e.get("batch") for e in ring if e.get("kind") == kind and e.get(peer_key) == peer
-               and isinstance(e.get("batch"), int)]
+def _last_batch(ring: list, kind: str, peer_of, peer) -> int | None:
+    """The last batch of the ring's `kind` entries whose peer (`peer_of(entry)`: its dst or src) is `peer`."""
+    batches = [e.batch for e in ring if e.kind == kind and peer_of(e) == peer and e.batch is not None]
     return max(batches) if batches else None
+
+
+_DST, _SRC = attrgetter("dst"), attrgetter("src")
 
 
 def transfer_rings(run: Run) -> dict:
@@ -33,21 +37,21 @@ def transfer_rings(run: Run) -> dict:
         if ev is None:
             continue
         rings[rank] = (log.role, ring)
-        dumps.append({"rank": rank, "role": log.role, "kind": ev.get("kind"), "entries": len(ring),
-                      "last": ring[-1] if ring else None})
+        dumps.append({"rank": rank, "role": log.role, "kind": ev.kind, "entries": len(ring),
+                      "last": ring[-1].raw if ring else None})
     links = []
     for t, (role, ring) in rings.items():
         if role != "target":
             continue
-        for dst in sorted({e.get("dst") for e in ring if e.get("kind") == "submit" and e.get("dst") is not None}):
+        for dst in sorted({e.dst for e in ring if e.kind == "submit" and e.dst is not None}):
             links.append(_link(t, ring, dst, rings.get(dst)))
     return {"dumps": dumps, "links": links}
 
 
 def _link(target: int, ring: list, drafter: int, drafter_ring) -> dict:
-    submitted = _last_batch(ring, "submit", "dst", drafter)
-    completed = _last_batch(ring, "completed", "dst", drafter)
-    received = _last_batch(drafter_ring[1], "received", "src", target) if drafter_ring else None
+    submitted = _last_batch(ring, "submit", _DST, drafter)
+    completed = _last_batch(ring, "completed", _DST, drafter)
+    received = _last_batch(drafter_ring[1], "received", _SRC, target) if drafter_ring else None
     link = {"target": target, "drafter": drafter, "submitted": submitted, "completed": completed,
             "received": received, "in_flight": []}
     if drafter_ring is None:

@@ -13,6 +13,7 @@ import re
 import zlib
 from pathlib import Path
 
+from profiler import views
 from profiler.records import MAX_NESTING, too_deep
 from report.kineto_trace import OUTSIDE, Capture, copy_rows, gpu_breakdown, host_breakdown, kineto_windows
 from report.runs import ReportError, load_run
@@ -110,19 +111,21 @@ def capture_busy(run) -> dict:
 
 
 def _capture_event(log, step: int):
-    events = [e for e in (log.events if log else []) if e.get("kind") == "capture" and e.get("step") == step]
+    """The rank's last `capture` event (views.Capture) of the capture that begins at `step`, or None."""
+    events = [e for e in map(views.event, log.events if log else []) if isinstance(e, views.Capture)
+              and e.step == step]
     return events[-1] if events else None
 
 
 def _ours(event) -> dict:
     """Our spans in the capture, from its event: {name: count, CPU seconds, GPU window seconds and count}."""
     out: dict = {}
-    for s in (event or {}).get("captured_spans") or []:
-        o = out.setdefault(s["name"], {"count": 0, "cpu_seconds": 0.0, "gpu_seconds": 0.0, "gpu_count": 0})
+    for s in event.captured_spans if event else ():
+        o = out.setdefault(s.name, {"count": 0, "cpu_seconds": 0.0, "gpu_seconds": 0.0, "gpu_count": 0})
         o["count"] += 1
-        o["cpu_seconds"] += s.get("cpu_seconds") or 0.0
-        if s.get("gpu_seconds") is not None:
-            o["gpu_seconds"] += s["gpu_seconds"]
+        o["cpu_seconds"] += s.cpu_seconds or 0.0
+        if s.gpu_seconds is not None:
+            o["gpu_seconds"] += s.gpu_seconds
             o["gpu_count"] += 1
     return out
 
@@ -134,7 +137,7 @@ def rank_report(log, rank: int, path: Path, step: int, top: int) -> dict:
                           and _SPAN_NAME.match(str(e.get("name")))}
     cap = Capture(trace, names)
     gpu, host, kin = gpu_breakdown(cap), host_breakdown(cap), kineto_windows(cap)
-    floors = ((log.run_starts[-1] if log and log.run_starts else {}).get("floors")) or {}
+    floors = views.run_start(log.run_starts[-1]).floors if log and log.run_starts else {}
     rows = [span_row(n, ours.get(n), gpu.get(n), host.get(n), kin.get(n), floors, top)
             for n in sorted(set(host) | set(gpu) | set(ours))]
     rows = [r for r in rows if not r["outside_spans"] or r["kernels_total"]["count"] or r["copies"] or r["cpu_ops"]
@@ -144,9 +147,15 @@ def rank_report(log, rank: int, path: Path, step: int, top: int) -> dict:
             "steps": [cap.steps[0], cap.steps[-1]] if cap.steps else None, "profiler_steps": len(cap.steps),
             "device": "cuda" if any(r["kernels_total"]["count"] for r in rows) else "cpu",
             "distributed_rank": (trace.get("distributedInfo") or {}).get("rank"),
-            "event": None if event is None else {k: event.get(k) for k in ("bytes", "bytes_per_step", "source",
-                                                                          "begin_seconds", "stop_seconds", "error")},
+            "event": None if event is None else _event_summary(event),
             "spans": rows}
+
+
+def _event_summary(event) -> dict:
+    """What the capture cost (its `capture` event, views.Capture): its file's size, how it was asked, its time on
+    the training thread, and why it failed."""
+    return {"bytes": event.bytes, "bytes_per_step": event.bytes_per_step, "source": event.source,
+            "begin_seconds": event.begin_seconds, "stop_seconds": event.stop_seconds, "error": event.error}
 
 
 def _verdict(share, window_s, gpu_events: int) -> str | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+from profiler import views
 from profiler.threadcpu import is_profiler_thread
-from report.runs import Run, gpu_key, gpus, steady_window, wall_seconds
+from report.runs import Run, gpu_key, steady_window, wall_seconds
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
@@ -20,17 +21,17 @@ NOISE_MADS = 3.0              # the rise over the window must exceed this many r
 LEAK_TOTAL_SHARE = 0.03       # ... and this share of the GPU's memory, or exhaust its headroom within the run
 
 
-def _low_point(log, rec: dict, g: dict, t0: float | None) -> dict:
-    """An interval's headroom, and its dominant span: the one with the largest share, where its time went (the
-    memory peak has no span)."""
-    spans = rec.get("spans") or {}
-    name = max(spans, key=lambda n: spans[n].get("share") or 0.0) if spans else None
-    t = rec.get("time_unix")
-    return {"headroom_bytes": g["headroom_bytes"], "headroom_ratio": g["headroom_bytes"] / g["total_bytes"],
-            "used_bytes_peak": g.get("used_bytes_peak"), "time_unix": t,
+def _low_point(log, rec, g, t0: float | None) -> dict:
+    """An interval's headroom (views.Interval, views.GpuMemory), and its dominant span: the one with the largest
+    share, where its time went (the memory peak has no span)."""
+    spans = rec.spans.items()
+    name, top = max(spans, key=lambda kv: kv[1].share or 0.0) if spans else (None, None)
+    t = rec.time_unix
+    return {"headroom_bytes": g.headroom_bytes, "headroom_ratio": g.headroom_bytes / g.total_bytes,
+            "used_bytes_peak": g.used_bytes_peak, "time_unix": t,
             "seconds_since_start": t - t0 if t is not None and t0 is not None else None,
-            "rank": log.rank, "interval": rec.get("index"), "step": rec.get("step"),
-            "dominant_span": name, "dominant_span_share": spans[name].get("share") if name else None}
+            "rank": log.rank, "interval": rec.index, "step": rec.step,
+            "dominant_span": name, "dominant_span_share": top.share if name else None}
 
 
 def theil_sen(xs: list, ys: list) -> tuple[float, float]:
@@ -48,7 +49,7 @@ def _after_warmup(log) -> tuple[list, str, bool]:
     """(intervals, their window's name, steady): the last segment's steady intervals less their first tenth (at
     least one), while the caching allocator still fills to the batches' high water: what a memory trend is read
     over. A rank with no steady interval gets all of the segment's, named so, and never a leak."""
-    last_start = max((i for i, r in enumerate(log.intervals) if r.get("index") == 0), default=0)
+    last_start = max((i for i, r in enumerate(map(views.interval, log.intervals)) if r.index == 0), default=0)
     segment = {id(r) for r in log.intervals[last_start:]}
     w = steady_window(log, ticks=False)   # the allocator's series: interval records only
     kept = [r for r in w.intervals if id(r) in segment]
@@ -75,26 +76,31 @@ def _leak_test(t: dict) -> tuple[bool, str]:
     return True, "sustained, beyond the noise and large against the GPU"
 
 
+def _at_s(rec) -> float | None:
+    """Where an interval lies on a trend's x axis: its end on the interval clock, else its time_unix."""
+    return rec.end_s if rec.end_s is not None else rec.time_unix
+
+
 def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict:
-    """One allocator series (`allocated_bytes` or `reserved_bytes`) over `allocs` (its window after warm-up, named
-    `window`): Theil-Sen slope, residual MAD, rise, when the GPU headroom would run out, and whether that is a
-    leak (`leak`, `why`; only in a `steady` window)."""
-    pts = [(r.get("end_s", r.get("time_unix")), a[key], r) for r, a in allocs
-           if a.get(key) is not None and r.get("end_s", r.get("time_unix")) is not None]
+    """One allocator series (`allocated_bytes` or `reserved_bytes`, a views.Allocator field) over `allocs` ((interval,
+    allocator) views of its window after warm-up, named `window`): Theil-Sen slope, residual MAD, rise, when the GPU
+    headroom would run out, and whether that is a leak (`leak`, `why`; only in a `steady` window)."""
+    pts = [(_at_s(r), getattr(a, key), r) for r, a in allocs if getattr(a, key) is not None and _at_s(r) is not None]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     slope, intercept = theil_sen(xs, ys) if pts else (0.0, 0.0)
     resid = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
     mid = statistics.median(resid) if resid else 0.0
     half = len(pts) // 2
-    nvml = next((g for r in reversed([p[2] for p in pts]) for g in gpus(r) if g.get("total_bytes")), {})
-    headroom = nvml.get("headroom_bytes")
+    nvml = next((g for r in reversed([p[2] for p in pts]) for g in r.measured_gpus if g.total_bytes),
+                views.GpuMemory.of(None))
+    headroom = nvml.headroom_bytes
     t = {"series": key, "window": window, "steady": steady, "samples": len(pts),
-         "intervals": [pts[0][2].get("index"), pts[-1][2].get("index")] if pts else None,
+         "intervals": [pts[0][2].index, pts[-1][2].index] if pts else None,
          "window_seconds": xs[-1] - xs[0] if pts else 0.0, "first_bytes": ys[0] if pts else None,
          "last_bytes": ys[-1] if pts else None, "slope_bytes_per_s": slope,
          "last_half_slope_bytes_per_s": theil_sen(xs[half:], ys[half:])[0] if half >= 2 else 0.0,
          "mad_bytes": statistics.median(abs(r - mid) for r in resid) if resid else 0.0,
-         "rise_bytes": slope * (xs[-1] - xs[0]) if pts else 0.0, "total_bytes": nvml.get("total_bytes"),
+         "rise_bytes": slope * (xs[-1] - xs[0]) if pts else 0.0, "total_bytes": nvml.total_bytes,
          "headroom_bytes": headroom, "run_seconds": wall_seconds(log.intervals),
          "seconds_to_exhaust": headroom / slope if headroom is not None and slope > 0 else None}
     t["leak"], t["why"] = _leak_test(t)
@@ -102,34 +108,36 @@ def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict
 
 
 def _allocator_trend(log) -> dict | None:
-    pairs = [(r, a) for r in log.intervals if (a := (r.get("memory") or {}).get("allocator") or {}).get("available")]
+    """The rank's allocator over its intervals: first and last figures, and the trends after warm-up."""
+    pairs = [(r, iv, a) for r in log.intervals if (a := (iv := views.interval(r)).memory.allocator).available]
     if not pairs:
         return None
-    allocs = [a for _, a in pairs]
+    allocs = [a for _, _, a in pairs]
     first, last = allocs[0], allocs[-1]
     kept, window, is_steady = _after_warmup(log)
     warm = {id(r) for r in kept}
-    steady = [(r, a) for r, a in pairs if id(r) in warm]
+    steady = [(iv, a) for r, iv, a in pairs if id(r) in warm]
     return {"rank": log.rank, "role": log.role, "intervals": len(allocs),
-            "alloc_retries_first": first.get("num_alloc_retries"), "alloc_retries_last": last.get("num_alloc_retries"),
-            "ooms_last": last.get("num_ooms"),
-            "reserved_bytes_first": first.get("reserved_bytes"), "reserved_bytes_last": last.get("reserved_bytes"),
-            "reserved_bytes_peak": max((a.get("peak_reserved_bytes") or a.get("reserved_bytes") or 0) for a in allocs),
-            "reserved_series_bytes": [a.get("reserved_bytes") for a in allocs],
+            "alloc_retries_first": first.num_alloc_retries, "alloc_retries_last": last.num_alloc_retries,
+            "ooms_last": last.num_ooms, "reserved_bytes_first": first.reserved_bytes,
+            "reserved_bytes_last": last.reserved_bytes,
+            "reserved_bytes_peak": max((a.peak_reserved_bytes or a.reserved_bytes or 0) for a in allocs),
+            "reserved_series_bytes": [a.reserved_bytes for a in allocs],
             "trends": {key: memory_trend(log, steady, key, window, is_steady)
                        for key in ("allocated_bytes", "reserved_bytes")}}
 
 
 def _gpu_row(key: str, samples: list) -> dict:
-    """One GPU from its (log, interval, gpu entry, run start) samples; the low point is the first least headroom."""
+    """One GPU from its (log, interval, gpu entry, run start's time_unix) samples; the low point is the first least
+    headroom."""
     log, _, g, _ = samples[0]
     entries = [s[2] for s in samples]
-    return {"gpu": key, "host": log.hostname, "index": g.get("index"), "name": g.get("name"),
-            "total_bytes": g["total_bytes"], "ranks": sorted({s[0].rank for s in samples}), "intervals": len(samples),
-            "low_point": _low_point(*min(samples, key=lambda s: s[2]["headroom_bytes"])),
-            "used_bytes_peak": max([0] + [e.get("used_bytes_peak") or 0 for e in entries]),
-            "throttle_intervals": dict(Counter(r for e in entries for r in e.get("throttle_reasons") or [])),
-            "last_headroom_bytes": entries[-1]["headroom_bytes"]}
+    return {"gpu": key, "host": log.hostname, "index": g.index, "name": g.name,
+            "total_bytes": g.total_bytes, "ranks": sorted({s[0].rank for s in samples}), "intervals": len(samples),
+            "low_point": _low_point(*min(samples, key=lambda s: s[2].headroom_bytes)),
+            "used_bytes_peak": max([0] + [e.used_bytes_peak or 0 for e in entries]),
+            "throttle_intervals": dict(Counter(r for e in entries for r in e.throttle_reasons or [])),
+            "last_headroom_bytes": entries[-1].headroom_bytes}
 
 
 def headroom(run: Run) -> dict:
@@ -138,25 +146,26 @@ def headroom(run: Run) -> dict:
     samples: dict = {}
     reasons = set()
     for log in run.ranks.values():
-        t0 = next((s.get("time_unix") for s in log.run_starts), None)
-        for rec in log.intervals:
-            mem = rec.get("memory") or {}
-            if not mem.get("available"):
-                reasons.add(mem.get("reason") or "no memory record")
+        t0 = next((s.time_unix for s in map(views.run_start, log.run_starts)), None)
+        for rec in map(views.interval, log.intervals):
+            mem = rec.memory
+            if not mem.available:
+                reasons.add(mem.reason or "no memory record")
                 continue
-            for g in mem.get("gpus") or []:
-                if g.get("headroom_bytes") is not None and g.get("total_bytes"):
-                    samples.setdefault(gpu_key(log, g), []).append((log, rec, g, t0))
+            for g in mem.gpus:
+                if g.headroom_bytes is not None and g.total_bytes:
+                    samples.setdefault(gpu_key(log, g.raw), []).append((log, rec, g, t0))
     gpus = [_gpu_row(key, s) for key, s in samples.items()]
     allocator = [t for log in run.ranks.values() if (t := _allocator_trend(log))]
     reason = None if gpus else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
     return {"measured": bool(gpus), "reason": reason, "gpus": gpus, "allocator": allocator}
 
 
-def _example(rec: dict) -> dict:
+def _example(ev) -> dict:
+    """An event shown whole (views.Event): its rank, its own fields (long strings cut) and its time_unix."""
     out = {k: v[:_TEXT_LIMIT] + "..." if isinstance(v, str) and len(v) > _TEXT_LIMIT else v
-           for k, v in rec.items() if k not in ("type", "time_unix", "role")}
-    return {**out, "time_unix": rec.get("time_unix")}
+           for k, v in ev.body().items()}
+    return {"rank": ev.rank, **out, "time_unix": ev.time_unix}
 
 
 def events(run: Run) -> dict:
@@ -172,24 +181,25 @@ def events(run: Run) -> dict:
             k["examples"].append(example)
 
     for log in run.ranks.values():
-        for ev in log.events:
-            add(str(ev.get("kind")), log.rank, _example(ev))
+        for ev in map(views.event, log.events):
+            add(str(ev.kind), log.rank, _example(ev))
         if log.bad_lines:
             add("bad_lines", log.rank, {"rank": log.rank, "lines": log.bad_lines, "where": log.bad_examples},
                 count=log.bad_lines)
-        for end in log.run_ends:
-            if end.get("status") not in (None, "ok"):
-                add("run_failed", log.rank, {"rank": log.rank, "status": end.get("status"), "step": end.get("step")})
+        for end in map(views.run_end, log.run_ends):
+            if end.status not in (None, "ok"):
+                add("run_failed", log.rank, {"rank": log.rank, "status": end.status, "step": end.step})
         if len(log.run_ends) < len(log.run_starts):
             add("no_run_end", log.rank, {"rank": log.rank, "last_step": max(
-                (r.get("step") or 0 for r in log.intervals), default=None)})
+                (views.interval(r).step or 0 for r in log.intervals), default=None)})
     order = (*PROBLEM_KINDS, "run_failed", "no_run_end", "bad_lines")
     return {"kinds": kinds, "problems": [k for k in order if k in kinds]}
 
 
-def _thread_acc(threads: dict, rank: int, t: dict) -> dict:
-    key = (rank, t.get("name"))
-    return threads.setdefault(key, {"rank": rank, "thread": t.get("name"), "native_id": t.get("native_id"),
+def _thread_acc(threads: dict, rank: int, t) -> dict:
+    """The accumulator of a thread (views.SampledThread or views.SnapshotThread: both name it and its OS id)."""
+    key = (rank, t.name)
+    return threads.setdefault(key, {"rank": rank, "thread": t.name, "native_id": t.native_id,
                                     "stack_samples": 0, "frames": Counter(), "snapshots": 0, "stuck_snapshots": 0,
                                     "snapshot_frames": Counter(), "open_spans": []})
 
@@ -200,21 +210,21 @@ def hot_frames(run: Run) -> dict:
     threadcpu.is_profiler_thread) apart in "profiler_threads", so they never crowd out the training's."""
     threads: dict = {}
     for log in run.ranks.values():
-        for rec in log.intervals:
-            samples = rec.get("stack_samples") or {}
-            for t in samples.get("threads") or []:
+        for rec in map(views.interval, log.intervals):
+            samples = rec.stack_samples
+            for t in samples.threads:
                 acc = _thread_acc(threads, log.rank, t)
-                acc["stack_samples"] += samples.get("samples") or 0
-                for f in t.get("top_frames") or []:
-                    acc["frames"][f.get("frame")] += f.get("count") or 0
-        for snap in log.snapshots:
-            for t in snap.get("threads") or []:
+                acc["stack_samples"] += samples.samples or 0
+                for f in t.top_frames:
+                    acc["frames"][f.frame] += f.count
+        for snap in map(views.snapshot, log.snapshots):
+            for t in snap.threads:
                 acc = _thread_acc(threads, log.rank, t)
                 acc["snapshots"] += 1
-                acc["stuck_snapshots"] += bool(t.get("stuck"))
-                if t.get("frames"):
-                    acc["snapshot_frames"][t["frames"][0]] += 1
-                acc["open_spans"] = t.get("open_spans") or acc["open_spans"]
+                acc["stuck_snapshots"] += t.stuck
+                if t.frames:
+                    acc["snapshot_frames"][t.frames[0]] += 1
+                acc["open_spans"] = [s.raw for s in t.open_spans] or acc["open_spans"]
     out = []
     for acc in threads.values():
         n = acc["stack_samples"]

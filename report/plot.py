@@ -10,8 +10,8 @@ exactly, so a child is never stacked on its parent and a stack stays within the 
 """
 from __future__ import annotations
 
-from profiler.windows import self_seconds
-from report.runs import Run, gpu_key, gpus
+from profiler import views
+from report.runs import Run, gpu_key
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"
 GIB = 1024 ** 3
@@ -28,18 +28,19 @@ def timeline(run: Run) -> dict:
     Spans and tokens/s are per tick window where the run wrote ticks (`source` "ticks", typically `window_s`
     long), else per interval; the training metrics likewise where the ticks carry them (`metric_source`; ticks
     written before they did: the intervals'); the GPU headroom is the interval records' own."""
-    starts = [s for log in run.ranks.values() for s in log.run_starts if s.get("time_unix")]
-    t0 = min((s["time_unix"] for s in starts), default=None) or \
-        min((r["time_unix"] for log in run.ranks.values() for r in log.intervals), default=0.0)
-    step = next((s["interval_s"] for s in starts if s.get("interval_s")), None) or 60.0
+    starts = [s for log in run.ranks.values() for s in map(views.run_start, log.run_starts) if s.time_unix]
+    t0 = min((s.time_unix for s in starts), default=None) or \
+        min((r.time_unix for log in run.ranks.values() for r in map(views.interval, log.intervals)), default=0.0)
+    step = next((s.interval_s for s in starts if s.interval_s), None) or 60.0
     ticks = all(log.tick_windows for log in run.ranks.values()) and bool(run.ranks)
-    tick_metrics = ticks and any(w.get("metrics") for log in run.ranks.values() for w in log.tick_windows)
+    tick_metrics = ticks and any(views.interval(w).metrics for log in run.ranks.values() for w in log.tick_windows)
     roles: dict = {}
     for role, logs in sorted(run.by_role().items()):
         roles[role] = _series(_bins([log.tick_windows if ticks else log.intervals for log in logs], t0), len(logs))
         metrics = _series(_bins([log.tick_windows if tick_metrics else log.intervals for log in logs], t0), len(logs))
         roles[role]["metrics"], roles[role]["metric_seconds"] = metrics["metrics"], metrics["seconds"]
-    durations = sorted(r.get("duration_seconds") or 0.0 for log in run.ranks.values() for r in log.tick_windows)
+    durations = sorted(views.interval(r).duration_seconds or 0.0 for log in run.ranks.values()
+                       for r in log.tick_windows)
     return {"interval_s": step, "source": "ticks" if ticks else "intervals",
             "window_s": durations[len(durations) // 2] if ticks else step, "roles": roles,
             "metric_source": "ticks" if tick_metrics else "intervals",
@@ -51,17 +52,17 @@ def _bins(windows_per_rank: list, t0: float) -> dict:
     must not fold into the one before it."""
     bins: dict = {}
     for windows in windows_per_rank:
-        for k, rec in enumerate(windows):
+        for k, rec in enumerate(map(views.interval, windows)):
             b = bins.setdefault(k, {"spans": {}, "tokens_per_s": 0.0, "seconds": [], "starts": [], "metrics": {}})
-            b["seconds"].append(rec["time_unix"] - t0)
-            b["starts"].append(rec["time_unix"] - t0 - (rec.get("duration_seconds") or 0.0))
-            for name, e in (rec.get("spans") or {}).items():
-                b["spans"][name] = b["spans"].get(name, 0.0) + self_seconds(e, "cpu")
-            b["tokens_per_s"] += ((rec.get("counters") or {}).get("tokens") or {}).get("per_second") or 0.0
+            b["seconds"].append(rec.time_unix - t0)
+            b["starts"].append(rec.time_unix - t0 - (rec.duration_seconds or 0.0))
+            for name, e in rec.spans.items():
+                b["spans"][name] = b["spans"].get(name, 0.0) + e.self_seconds("cpu")
+            b["tokens_per_s"] += rec.counters.entry("tokens").per_second or 0.0
             for name in TRAIN_METRICS:
-                m = (rec.get("metrics") or {}).get(name) or {}
-                value = m.get("mean") if m.get("mean") is not None else m.get("last")
-                if isinstance(value, (int, float)):
+                m = rec.metrics.entry(name)
+                value = m.mean if m.mean is not None else m.last
+                if value is not None:
                     b["metrics"].setdefault(name, []).append(value)
     return bins
 
@@ -71,11 +72,11 @@ def _headroom(run: Run, t0: float) -> dict:
     points interleave in time (a line drawn in rank order would run backwards)."""
     points: dict = {}
     for log in run.ranks.values():
-        for rec in log.intervals:
-            for g in gpus(rec):
-                if g.get("headroom_bytes") is not None:
-                    s = points.setdefault(gpu_key(log, g), {"points": [], "total_bytes": g.get("total_bytes")})
-                    s["points"].append((rec["time_unix"] - t0, g["headroom_bytes"]))
+        for rec in map(views.interval, log.intervals):
+            for g in rec.measured_gpus:
+                if g.headroom_bytes is not None:
+                    s = points.setdefault(gpu_key(log, g.raw), {"points": [], "total_bytes": g.total_bytes})
+                    s["points"].append((rec.time_unix - t0, g.headroom_bytes))
     return {gpu: {"seconds": [t for t, _ in sorted(s["points"])], "headroom_bytes": [h for _, h in sorted(s["points"])],
                   "total_bytes": s["total_bytes"]} for gpu, s in points.items()}
 
