@@ -9,9 +9,6 @@ from dataclasses import dataclass
 
 PREFIX = "dflash"
 COMMON_LABELS = ("rank", "role", "host")
-# Spans during which a role waits for the other side: their share of an interval is a wait share. The fold reads
-# them from a run_start's `span_table` (spans of kind "wait") and falls back to these where it has none.
-WAIT_SPANS = {"transfer.wait_slot": "target", "drafter.recv": "drafter"}
 # Training scalars (profiler.metric names) -> (family key, extra labels).
 _TRAIN_METRICS = {"loss": "train_loss", "tau": "train_tau", "tau_prefix": "train_tau_prefix",
                   "lr": "train_learning_rate", "grad_norm": "train_grad_norm"}

@@ -12,15 +12,16 @@ holds the detail window, not metrics: it only moves the heartbeat, as every reco
 - A sample whose value is None ends its series: a p95 older than P95_KEPT_S, the run_end of a rank that starts
   another segment, build information a new run_start replaces.
 - Wait shares are the shares of the spans in which the record's role waits for the other side: the run_start's
-  `span_table` (entries of kind "wait"), else catalog.WAIT_SPANS (logs written without a span table).
+  `span_table` (entries of kind "wait"), else profiler.span_kinds.FALLBACK (logs written without a span table).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from monitoring.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
-                                THROTTLE_REASONS, WAIT_SPANS, Family, counter_family, gauge_family, gpu_about,
+                                THROTTLE_REASONS, Family, counter_family, gauge_family, gpu_about,
                                 gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
+from profiler import span_kinds
 
 P95_KEPT_S = 300.0
 """How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
@@ -68,7 +69,7 @@ class Fold:
 
     def __init__(self):
         self._role: str | None = None
-        self._wait_spans = dict(WAIT_SPANS)
+        self._wait_spans = span_kinds.FALLBACK.waits()
         self._bounds: tuple[float, ...] = ()
         self._totals: dict = {}        # (family key, labels) -> run total of a counter fed per interval
         self._histograms: dict = {}    # (span, clock) -> Buckets
@@ -106,9 +107,7 @@ class Fold:
         self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.get("t_s")
         self._bounds = tuple(float(b) for b in rec.get("histogram_buckets_seconds") or ())
         self._role = rec.get("role")
-        table = rec.get("span_table")
-        self._wait_spans = ({name: e.get("role") for name, e in table.items() if e.get("kind") == "wait"}
-                            if table else dict(WAIT_SPANS))
+        self._wait_spans = span_kinds.of_run_start(rec).waits()
         info = tuple(str(rec.get("schema", 0)) if label == "schema" else str(rec.get(label) or "unknown")
                      for label in FAMILIES["build_info"].labels)
         if self._info not in (None, info):

@@ -493,6 +493,8 @@ class RunStart(Record):
     warmup_steps = _int("warmup_steps", "Steps from the first set_step that are warm-up (0: none).")
     phase_spans = _list("phase_spans", "Span names whose time is a phase (compile, eval, checkpoint), not steady "
                                        "work.")
+    span_table = _map("span_table", "{span name: {role, kind, ...}}: what each of the loop's spans is (work, wait, "
+                                     "phase, collective, a flow's end); profiler.span_kinds reads it.")
     config = _map("config", "The training config (any JSON).")
     gpu_steps_per_s = _num("gpu_steps_per_s", "Logs before 2026-12-04: GPU-timed steps per second (> 0: sampled).")
 
