@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import profiler
 from dflash.config import ConfigError

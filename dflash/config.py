@@ -18,7 +18,8 @@ import os
 import textwrap
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from profiler.capture import MAX_STEPS
 from profiler.config import ConfigFieldError, ProfilerConfig

@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from monitoring.catalog import FAMILIES, Family
 from monitoring.fold import Buckets, Fold, Sample

@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Iterable
 
 logger = logging.getLogger("profiler")
 

@@ -172,7 +172,7 @@ class Forensics:
             yield
         except Exception as exc:
             if not ignore(exc):
-                self._safely(lambda: self.exception(exc, threading.current_thread().name))
+                self._safely(lambda exc=exc: self.exception(exc, threading.current_thread().name))
             raise
 
     def install(self):

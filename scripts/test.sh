@@ -15,4 +15,6 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
          "not available; the real-Prometheus and Alertmanager tests will be skipped" >&2
   fi
 fi
+# The linter first: a small rule set (pyproject.toml [tool.ruff.lint]) the tree keeps clean.
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"

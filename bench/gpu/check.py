@@ -162,7 +162,8 @@ def grade_classification(run_dir: Path) -> bool:
           f"{'samples':>7} {'start lag':>10} {'end lag':>10}  grade")
     for rank, role, span, busy, g, verdict in rows:
         g = g or {}
-        lag = (lambda k: "-" if g.get(k) is None else f"{g[k] * 1e6:.0f} us")
+        def lag(k, g=g):
+            return "-" if g.get(k) is None else f"{g[k] * 1e6:.0f} us"
         share = "-" if g.get("launch_bound_share") is None else f"{g['launch_bound_share']:.0%}"
         print(f"   {rank:>4} {str(role):<8} {span:<22} {busy:>11.0%} {str(g.get('class')):<13} {share:>12} "
               f"{g.get('samples', 0):>7} {lag('start_lag_p50_s'):>10} {lag('end_lag_p50_s'):>10}  {verdict}")

@@ -177,8 +177,8 @@ def test_a_failed_write_says_why_and_keeps_the_previous_latest(tmp_path, target_
     def torch_full(obj, f):   # torch.save through a file: the OSError is the RuntimeError's context
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        except OSError:   # torch's own chaining: the OSError is the context, not the cause
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
 
     monkeypatch.undo()
     monkeypatch.setattr(ckpt.torch, "save", torch_full)

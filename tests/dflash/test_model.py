@@ -76,15 +76,21 @@ def test_mask_semantics_by_perturbation(backend):
         out = _blocks(model, ctx if ctx2 is None else ctx2, block if block2 is None else block2, lay)
         return not torch.allclose(out[j], base[j], atol=1e-6, rtol=0)
 
-    later = ctx.clone(); later[a:] += 3.0                      # context at a and after (same doc, doc end)
-    other_doc = ctx.clone(); other_doc[:20] += 3.0             # every token of the other document
-    other_blocks = block.clone(); other_blocks[[0, 1, 2, 4], 0] = (block[[0, 1, 2, 4], 0] + 1) % (V - 1)
+    later = ctx.clone()
+    later[a:] += 3.0                      # context at a and after (same doc, doc end)
+    other_doc = ctx.clone()
+    other_doc[:20] += 3.0             # every token of the other document
+    other_blocks = block.clone()
+    other_blocks[[0, 1, 2, 4], 0] = (block[[0, 1, 2, 4], 0] + 1) % (V - 1)
     assert not changed(ctx2=later)
     assert not changed(ctx2=other_doc)
     assert not changed(block2=other_blocks)
-    before = ctx.clone(); before[a - 1] += 3.0
-    first = ctx.clone(); first[20] += 3.0
-    own = block.clone(); own[j, 0] = (block[j, 0] + 1) % (V - 1)
+    before = ctx.clone()
+    before[a - 1] += 3.0
+    first = ctx.clone()
+    first[20] += 3.0
+    own = block.clone()
+    own[j, 0] = (block[j, 0] + 1) % (V - 1)
     assert changed(ctx2=before) and changed(ctx2=first) and changed(block2=own)
 
 
@@ -93,8 +99,10 @@ def test_sliding_window_limits_context():
     ctx, block, lay = _inputs()
     base = _blocks(model, ctx, block, lay)
     j, a = 4, 41  # position 21 in doc 1: block queries at 21..24 see positions > 21+k-6
-    far = ctx.clone(); far[a - 6] += 3.0                       # position 15: outside every query's window
-    near = ctx.clone(); near[a - 2] += 3.0
+    far = ctx.clone()
+    far[a - 6] += 3.0                       # position 15: outside every query's window
+    near = ctx.clone()
+    near[a - 2] += 3.0
     out_far, out_near = _blocks(model, far, block, lay), _blocks(model, near, block, lay)
     torch.testing.assert_close(out_far[j], base[j], atol=1e-6, rtol=0)
     assert not torch.allclose(out_near[j], base[j], atol=1e-6, rtol=0)
@@ -218,7 +226,8 @@ def test_cuda_flex_equals_dense_forward_and_backward(window):
     flex = _drafter("flex", window).cuda()
     flex.load_state_dict(dense.state_dict())
     for m in (dense, flex):
-        m.head.embed_tokens.cuda(); m.head.lm_head.cuda()
+        m.head.embed_tokens.cuda()
+        m.head.lm_head.cuda()
     ctx, block, _ = _inputs(3)
     ctx, block = ctx.cuda(), block.cuda()
     lay = build_layout(DOC.cuda(), POS.cuda(), DOC[ANCHORS].cuda(), ANCHORS.cuda(), POS[ANCHORS].cuda(), BS)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dflash.cli import build_parser
-from dflash.config import TrainConfig, config_from_args, resolve_config
+from dflash.config import config_from_args, resolve_config
 from dflash.stopping import StopFlag, resume_command, stop_line
 
 

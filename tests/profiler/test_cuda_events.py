@@ -7,6 +7,7 @@ import pytest
 
 import profiler
 from profiler.cuda_timing import EventPool
+from profiler.faults import InjectedFault
 from tests.profiler.build import make_profiler
 
 
@@ -108,7 +109,7 @@ def test_a_cancelled_begin_gives_its_event_back(tmp_path):
     def crashing(gpu):
         with profiler.span("target.fetch"):
             gpu.now_ms += 1.0
-        with pytest.raises(Exception):
+        with pytest.raises(InjectedFault):
             with profiler.span("target.fwd"):     # the fault raises after the start was recorded
                 gpu.now_ms += 5.0
         with profiler.span("target.fwd"):         # the object stays usable

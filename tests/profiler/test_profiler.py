@@ -58,7 +58,7 @@ def test_raising_block_still_writes_run_end_and_stops_threads(tmp_path):
         with make_prof(tmp_path, interval_s=0.05, poll_s=0.01):
             with profiler.span("x.work"):
                 time.sleep(0.12)                      # a couple of automatic intervals
-                1 / 0
+                raise ZeroDivisionError("division by zero")
     assert profiler.active() is None
     recs, _ = profiler.read_records(tmp_path / "profile" / "rank0.jsonl")
     assert recs[-1]["type"] == "run_end" and recs[-1]["status"] == "ZeroDivisionError"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from profiler import snapshot as snap_mod
 from profiler.control import ControlServer
 from profiler.records import read_records
 from profiler.runlog import RunLog

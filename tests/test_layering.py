@@ -1,0 +1,83 @@
+"""Imports run one way, as docs/ARCHITECTURE.md draws them: every `import` of ours in the product (module level or
+inside a function) is checked against the floors, and the readers of run logs import no torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("dflash", "exporters", "report", "monitoring", "profiler")
+MAY_IMPORT = {
+    "dflash": {"dflash", "exporters", "report", "monitoring", "profiler"},
+    "exporters": {"exporters", "monitoring", "profiler"},
+    "report": {"report", "monitoring", "profiler"},
+    "monitoring": {"monitoring", "profiler"},
+    "profiler": {"profiler"},
+}
+"""Each package and the packages of ours it may import (ARCHITECTURE.md's floors: exporters and report never import
+each other, profiler imports nothing of ours)."""
+SCHEMA = ("profiler.records", "profiler.windows", "profiler.views", "profiler.span_kinds")
+"""The run-log schema: readers of every floor use it, so it imports nothing of ours beyond itself (and the one
+standard-library constant table it classifies with, profiler.gpu_lag's thresholds)."""
+SCHEMA_MAY_ALSO = ("profiler.gpu_lag",)
+NO_TORCH = (*SCHEMA, "profiler.snapshot", "profiler.capture_client", "report", "report.check", "report.trace",
+            "report.plot", "report.kernels", "report.memory_snapshot", "monitoring.catalog", "monitoring.fold",
+            "monitoring.dashboard", "monitoring.rules", "monitoring.trace_events", "dflash.report_cli",
+            "dflash.profile_cli", "dflash.advice", "dflash.pipeline")
+"""Modules `dflash-report` and `dflash-profile` load: each imports without torch (they start in well under a second)."""
+
+
+def _modules():
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            yield name, path
+
+
+def _imports(path: Path) -> set:
+    """Every absolute module name of ours the file imports, at any depth of its code."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return {name for name in out if name.split(".")[0] in PACKAGES}
+
+
+@pytest.mark.parametrize("name, path", list(_modules()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_import_points_down_a_floor(name, path):
+    package = name.split(".")[0]
+    wrong = sorted(m for m in _imports(path) if m.split(".")[0] not in MAY_IMPORT[package])
+    assert not wrong, f"{name} imports {wrong}, above its floor ({package} may import {sorted(MAY_IMPORT[package])})"
+
+
+@pytest.mark.parametrize("name", SCHEMA)
+def test_the_schema_imports_nothing_of_ours_but_itself(name):
+    path = REPO / (name.replace(".", "/") + ".py")
+    ours = {m for m in _imports(path) if m != "profiler"}
+    assert ours <= set(SCHEMA) | set(SCHEMA_MAY_ALSO), f"{name} imports {sorted(ours - set(SCHEMA))}"
+
+
+def test_no_package_is_imported_in_a_cycle():
+    """The package graph (module level and inside functions) has no cycle: packages import one way."""
+    graph = {p: set() for p in PACKAGES}
+    for name, path in _modules():
+        graph[name.split(".")[0]] |= {m.split(".")[0] for m in _imports(path)} - {name.split(".")[0]}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
+    assert not [p for p in PACKAGES if reaches(p, p)]
+
+
+def test_the_readers_import_no_torch():
+    code = ("import importlib, sys\n"
+            f"for m in {list(NO_TORCH)!r}:\n"
+            "    importlib.import_module(m)\n"
+            "    assert 'torch' not in sys.modules, m\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
