@@ -34,7 +34,7 @@ from pathlib import Path
 from monitoring.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
-from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput, tick_windows
+from profiler.windows import clock_seconds, is_steady, span_clock, steady_throughput, tick_windows
 from report import format_compare, format_hotspots, hotspots_of
 from report.compare import compare as compare_runs
 from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
