@@ -89,7 +89,11 @@ def phase_share(rec: dict, phase_spans) -> float:
     """The share of the interval's wall its phases took: their self CPU seconds in it (cut at its edges, an open
     phase's time so far included) over its duration."""
     wall = rec.get("duration_seconds") or 0.0
-    return sum(phase_seconds([rec], phase_spans).values()) / wall if wall > 0 else 0.0
+    if wall <= 0 or not phase_spans:
+        return 0.0
+    spans = rec.get("spans") or {}
+    # phase_seconds([rec], ...) without its Counter: one value per phase name, summed in the same order
+    return sum({name: self_seconds(e, "cpu") for name in phase_spans if (e := spans.get(name))}.values()) / wall
 
 
 def is_steady(rec: dict, phase_spans) -> bool:
