@@ -34,8 +34,10 @@ from monitoring.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.windows import clock_seconds, is_steady, self_seconds, span_clock, steady_throughput
 from report import format_compare, format_hotspots, hotspots_of
+from report.background import Background, cores
 from report.compare import compare as compare_runs
-from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
+from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, \
+    read_ranks, wall_seconds
 from report.trace import flow_trace
 
 PHASES = ("drafter.compile", "triton.autotune", "eval.decode", "ckpt.save")
@@ -81,6 +83,13 @@ class CheckResult:
         """Record a Violation of an invariant evaluated (and counted in `checked`) by the caller."""
         self.violations.append(Violation(invariant, where, message))
 
+    def absorb(self, part: CheckResult) -> None:
+        """Take in what another CheckResult found, as if its invariants had been evaluated here at this point."""
+        self.violations += part.violations
+        for line in part.notes:
+            self.note(line)
+        self.checked += part.checked
+
     def note(self, line: str) -> None:
         if line in self._noted:   # said already (the same line comes once per interval)
             return
@@ -107,30 +116,81 @@ def _fmt(x) -> str:
 
 
 def check(run_dir) -> CheckResult:
-    """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command)."""
+    """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command). With
+    two cores, a child process reads the run rank by rank for what each rank's log alone holds (its intervals,
+    segments and totals) and the flows, while this one reads it whole for the report's invariants."""
     with paused_gc():
+        return _check(run_dir)   # the run is freed before the collector is back on: it never walks it
+
+
+def _check(run_dir) -> CheckResult:
+    logs = rank_paths(run_dir)[0]
+    if cores() >= 2:
+        with Background(_alone_checks, logs) as alone:
+            run = load_run(run_dir)   # the detail windows are the child's
+            common = _run_checks(run)
+            parts, flows = alone.result()
+    else:
         run = load_run(run_dir, with_spans=True, read_older=False)   # the flows read only the windows a trace draws
-        res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
-                          intervals=sum(len(log.intervals) for log in run.ranks.values()))
-        if run.empty_logs:
-            res.note(empty_logs_line(run.empty_logs))
-        report = hotspots_of(run)
-        files = {rank: _read_throughput(res, run, log) for rank, log in run.ranks.items()}
-        rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}
-        for log in run.ranks.values():
-            where = _log_name(log)
-            for rec in log.intervals:
-                _check_interval(res, where, rec)
-            for seg, (start, intervals, end) in enumerate(_segments(log)):
-                _check_segment(res, f"{where} segment {seg}", start, intervals, end)
-            _check_once(res, where, log)
-            _check_throughput(res, log, files[log.rank], rates[log.rank], report)
-        _check_report_rows(res, run, report)
-        _check_role_rates(res, run, rates, report)
-        _check_windows(res, run, report, rates, format_hotspots(report).splitlines())
-        _check_compare(res, run, run)
-        _check_flows(res, run)
+        common = _run_checks(run)
+        parts, flows = {rank: _rank_checks(log) for rank, log in run.ranks.items()}, _flow_checks(run)
+    pre, throughput, tail = common
+    res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
+                      intervals=sum(len(log.intervals) for log in run.ranks.values()))
+    if run.empty_logs:
+        res.note(empty_logs_line(run.empty_logs))
+    res.absorb(pre)
+    for rank in run.ranks:
+        res.absorb(parts[rank])
+        res.absorb(throughput[rank])
+    res.absorb(tail)
+    res.absorb(flows)
     return res
+
+
+def _alone_checks(logs: dict) -> tuple[dict, CheckResult]:
+    """({rank: _rank_checks}, _flow_checks) read rank by rank (a child process's share of `check`): one rank's
+    records held at a time, then only its detail windows, events and segment records."""
+    kept, parts = {}, {}
+    for rank, log in read_ranks(logs, with_spans=True, read_older=False):
+        parts[rank] = _rank_checks(log)
+        log.intervals, log.ticks = [], []
+        kept[rank] = log
+    return parts, _flow_checks(Run(run_dir="", ranks=kept))
+
+
+def _rank_checks(log) -> CheckResult:
+    """The invariants one rank's log holds alone: per interval, per segment, and its spans' time over the run."""
+    res, where = CheckResult(run_dir=""), _log_name(log)
+    for rec in log.intervals:
+        _check_interval(res, where, rec)
+    for seg, (start, intervals, end) in enumerate(_segments(log)):
+        _check_segment(res, f"{where} segment {seg}", start, intervals, end)
+    _check_once(res, where, log)
+    return res
+
+
+def _flow_checks(run: Run) -> CheckResult:
+    res = CheckResult(run_dir="")
+    _check_flows(res, run)
+    return res
+
+
+def _run_checks(run: Run) -> tuple[CheckResult, dict, CheckResult]:
+    """The invariants of the run's report and across its ranks: (the throughput files read, {rank: its throughput
+    checks}, the report's rows, rates, windows and compare), each apart, to be put in `check`'s order."""
+    pre, throughput, tail = CheckResult(run_dir=""), {}, CheckResult(run_dir="")
+    report = hotspots_of(run)
+    files = {rank: _read_throughput(pre, run, log) for rank, log in run.ranks.items()}
+    rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}
+    for log in run.ranks.values():
+        throughput[log.rank] = CheckResult(run_dir="")
+        _check_throughput(throughput[log.rank], log, files[log.rank], rates[log.rank], report)
+    _check_report_rows(tail, run, report)
+    _check_role_rates(tail, run, rates, report)
+    _check_windows(tail, run, report, rates, format_hotspots(report).splitlines())
+    _check_compare(tail, run, run)
+    return pre, throughput, tail
 
 
 def check_run(run_dir) -> list:
@@ -618,10 +678,14 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
 def check_compare(run_dir_a, run_dir_b) -> CheckResult:
     """The compare invariants of `dflash-report compare A B` (`check RUN_DIR --compare BASELINE`)."""
     with paused_gc():
-        run_a, run_b = load_run(run_dir_a), load_run(run_dir_b)
-        res = CheckResult(run_dir=f"{run_dir_a} vs {run_dir_b}", ranks=len(run_a.ranks) + len(run_b.ranks),
-                          intervals=sum(len(log.intervals) for r in (run_a, run_b) for log in r.ranks.values()))
-        _check_compare(res, run_a, run_b)
+        return _checked_pair(run_dir_a, run_dir_b)   # the runs are freed before the collector is back on
+
+
+def _checked_pair(run_dir_a, run_dir_b) -> CheckResult:
+    run_a, run_b = load_run(run_dir_a), load_run(run_dir_b)
+    res = CheckResult(run_dir=f"{run_dir_a} vs {run_dir_b}", ranks=len(run_a.ranks) + len(run_b.ranks),
+                      intervals=sum(len(log.intervals) for r in (run_a, run_b) for log in r.ranks.values()))
+    _check_compare(res, run_a, run_b)
     return res
 
 

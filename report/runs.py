@@ -47,6 +47,16 @@ class RankLog:
         return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
 
     @cached_property
+    def steady_intervals(self) -> Window:
+        """steady_window(self, ticks=False), worked out once: every analysis and check reads it, some per role."""
+        return _steady_intervals(self)
+
+    @cached_property
+    def steady_ticks(self) -> Window:
+        """steady_window(self) where the rank has tick windows, worked out once."""
+        return _steady_ticks(self)
+
+    @cached_property
     def tick_windows(self) -> list:
         """The windows between the rank's consecutive ticks (profiler.windows.tick_windows), read once, where
         they are finer than its intervals (more of them); none where ticks came only at the closes (tick_s at or
@@ -392,6 +402,22 @@ def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS, wi
     return Run(run_dir=str(Path(run_dir)), ranks=ranks, empty_logs=empty)
 
 
+def read_ranks(logs: dict, with_spans: bool = False, max_events: int = MAX_EVENTS, read_older: bool = True):
+    """(rank, RankLog) of each rank log of `logs` ({rank: path}, as rank_paths gives them), read one at a time as
+    load_run reads them (its arguments), for a pass over a run that holds one rank's records at a time;
+    ReportError as load_run."""
+    per_rank = _per_rank(max_events, logs) if with_spans else None
+    for rank, p in logs.items():
+        try:
+            with paused_gc():
+                log = _rank_log(rank, p, per_rank, (), read_older)
+        except ValueError as e:   # a schema newer than this reader
+            raise ReportError(str(e)) from None
+        except OSError as e:
+            raise ReportError(f"{p}: cannot read: {e}") from None
+        yield rank, log
+
+
 def rank_paths(run_dir) -> tuple[dict, int]:
     """({rank: path} of RUN_DIR's rank logs holding any byte, how many hold none); ReportError where it has none."""
     path = Path(run_dir)
@@ -493,10 +519,18 @@ def steady_window(log: RankLog, ticks: bool = True) -> Window:
     evaluation or checkpoint phases); in logs written before warm-up marks (no run_start `warmup_steps`), each
     segment's start up to the first interval that did work is left out. All of them, labelled so, when that
     leaves none. Figures that need an interval's own fields (memory, gauges) pass ticks=False."""
-    windows = log.tick_windows if ticks else []
-    if windows:
-        steady = [w for w in windows if is_steady(w, rank_phase_spans(log))]
-        return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
+    return log.steady_ticks if ticks and log.tick_windows else log.steady_intervals
+
+
+def _steady_ticks(log: RankLog) -> Window:
+    """steady_window(log) of a rank with tick windows (RankLog.steady_ticks, worked out once)."""
+    windows, phases = log.tick_windows, rank_phase_spans(log)
+    steady = [w for w in windows if is_steady(w, phases)]
+    return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
+
+
+def _steady_intervals(log: RankLog) -> Window:
+    """steady_window(log, ticks=False) (RankLog.steady_intervals, worked out once)."""
     marked = any("warmup_steps" in s for s in log.run_starts)
     phases = rank_phase_spans(log)
     steady, starting = [], True

@@ -7,7 +7,7 @@ from pathlib import Path
 from monitoring.trace_events import FLOW_END, FLOW_START, MAX_EVENTS, build_trace, flows_matched, json_safe, \
     newest_within, prepare, proc_info, write_trace
 from report.background import Background, cores
-from report.runs import Run, line_counts, load_run, rank_paths
+from report.runs import Run, line_counts, load_run, paused_gc, rank_paths
 
 
 def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:
@@ -74,6 +74,11 @@ def merge_traces(run_dir, out_path=None, max_events: int = MAX_EVENTS) -> dict:
     a summary. ReportError for a directory with no run logs. With two cores, a child process counts what the
     older detail windows hold (their spans, the profiler's dropped ones, bad lines) while this one reads only the
     windows it draws and lays them out; with one, the load counts them."""
+    with paused_gc():   # the detail windows and the slices: millions of objects the collector need not walk
+        return _merged_written(run_dir, out_path, max_events)
+
+
+def _merged_written(run_dir, out_path, max_events: int) -> dict:
     if cores() < 2:
         run = load_run(run_dir, with_spans=True, max_events=max_events, with_intervals=False)
         return _write(run, out_path, *merged_trace(run, max_events))
