@@ -9,7 +9,7 @@ from pathlib import Path
 SCHEMA_VERSION = 1
 RUN_START, INTERVAL, TICK, SPANS, EVENT, SNAPSHOT, RUN_END = (
     "run_start", "interval", "tick", "spans", "event", "snapshot", "run_end")
-_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 
 MAX_NESTING = 64
@@ -23,7 +23,10 @@ def _brackets(raw: bytes) -> bytes:
     first (escapes pair left to right), so every quote left opens or closes a string."""
     if b"\\" in raw:
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return b"".join(raw.translate(None, _NOT_BRACKETS_OR_QUOTES).split(b'"')[::2])
+    # two adjacent quotes open and close a string without brackets, or close one and open the next: dropping the
+    # pair changes no bracket's side of the quotes, and leaves few quotes (often none) to split on
+    kept = raw.translate(None, _NOT_BRACKETS_OR_QUOTES).replace(b'""', b"")
+    return b"".join(kept.split(b'"')[::2]) if b'"' in kept else kept
 
 
 def too_deep(raw: bytes, limit: int = MAX_NESTING) -> bool:
@@ -74,7 +77,7 @@ def read_records(path) -> tuple[list, int]:
 def rank_logs(run_dir) -> dict:
     """{rank: path} of RUN_DIR/profile/rank{R}.jsonl, in rank order (empty when there are none)."""
     profile = Path(run_dir) / "profile"
-    matches = ((_RANK_FILE.match(p.name), p) for p in (profile.iterdir() if profile.is_dir() else ()))
+    matches = ((RANK_FILE.match(p.name), p) for p in (profile.iterdir() if profile.is_dir() else ()))
     return dict(sorted((int(m.group(1)), p) for m, p in matches if m and p.is_file()))
 
 

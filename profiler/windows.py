@@ -25,8 +25,11 @@ def gpu_scale(entry: dict) -> float:
 
 def basis_seconds(entry: dict) -> float:
     """The entry's time in its window: the GPU total scaled to all its spans, else the CPU total."""
-    stats, on = basis(entry)
-    return (stats.get("total_seconds") or 0.0) * (gpu_scale(entry) if on == "gpu" else 1.0)
+    gpu = entry.get("gpu")
+    if gpu:   # basis and gpu_scale inline: the report calls this for every entry of every interval
+        timed = entry.get("gpu_count")
+        return (gpu.get("total_seconds") or 0.0) * ((entry.get("count") or 0) / timed if timed else 1.0)
+    return ((entry.get("cpu") or {}).get("total_seconds") or 0.0) * 1.0
 
 
 def whole_seconds(entry: dict) -> float:
@@ -59,7 +62,11 @@ def span_clock(entries) -> str:
 def clock_seconds(entry: dict, on: str) -> float:
     """The entry's time on clock `on`: the split CPU total, or the GPU total (0 where no pair resolved)."""
     if on == "gpu":
-        return basis_seconds(entry) if entry.get("gpu") else 0.0
+        gpu = entry.get("gpu")
+        if not gpu:
+            return 0.0
+        timed = entry.get("gpu_count")   # basis_seconds inline
+        return (gpu.get("total_seconds") or 0.0) * ((entry.get("count") or 0) / timed if timed else 1.0)
     return (entry.get("cpu") or {}).get("total_seconds") or 0.0
 
 
@@ -69,7 +76,11 @@ def self_seconds(entry: dict, on: str) -> float:
     if not stats:
         return 0.0
     own = stats.get("self_seconds")
-    return clock_seconds(entry, on) if own is None else own * (gpu_scale(entry) if on == "gpu" else 1.0)
+    if on != "gpu":
+        return (stats.get("total_seconds") or 0.0) if own is None else own * 1.0
+    timed = entry.get("gpu_count")   # clock_seconds and gpu_scale inline
+    return ((stats.get("total_seconds") or 0.0) if own is None else own) * \
+        ((entry.get("count") or 0) / timed if timed else 1.0)
 
 
 def phase_seconds(intervals: list, phase_spans) -> dict:
@@ -89,7 +100,11 @@ def phase_share(rec: dict, phase_spans) -> float:
     """The share of the interval's wall its phases took: their self CPU seconds in it (cut at its edges, an open
     phase's time so far included) over its duration."""
     wall = rec.get("duration_seconds") or 0.0
-    return sum(phase_seconds([rec], phase_spans).values()) / wall if wall > 0 else 0.0
+    if wall <= 0 or not phase_spans:
+        return 0.0
+    spans = rec.get("spans") or {}
+    # phase_seconds([rec], ...) without its Counter: one value per phase name, summed in the same order
+    return sum({name: self_seconds(e, "cpu") for name in phase_spans if (e := spans.get(name))}.values()) / wall
 
 
 def is_steady(rec: dict, phase_spans) -> bool:

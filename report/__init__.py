@@ -4,6 +4,9 @@ format_hotspots / format_compare / format_kernels / format_memory (their text); 
 """
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 from report import compare as _compare
 from report.advice import memory_margin, split
 from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
@@ -14,7 +17,7 @@ from report.memory_snapshot import format_memory, memory
 from report.memory_events import events, headroom, hot_frames
 from report.plot import plot_run
 from report.report_text import format_compare, format_hotspots
-from report.runs import ReportError, Run, load_run, paused_gc
+from report.runs import ReportError, Run, load_run, log_stamp, paused_gc
 
 REPORT_SCHEMA = 1
 
@@ -41,14 +44,66 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None, adv
     return report
 
 
+class LastRun:
+    """The run hotspots() read last, held for the compare() that may follow (`hotspots RUN --compare BASE` compares
+    RUN right after reporting it): handed over for RUN while its logs are unchanged (each rank log's size,
+    modification time and inode as before it was read), so a run's logs are read once per command; dropped by
+    the compare and by the next hotspots().
+
+    A held run is millions of objects the cyclic collector would otherwise walk again and again once it is back on
+    (a second per 100 MB of log): they are frozen out of its sight (gc.freeze) while held, and handed back at the
+    drop. The freeze takes every object alive then, so cycles among them wait for the drop to be collected; where
+    the process froze objects of its own, no run is held."""
+
+    def __init__(self):
+        self._held: tuple | None = None   # (run directory, stamp, Run)
+
+    def keep(self, run_dir, stamp: tuple, run: Run) -> None:
+        self.drop()
+        if gc.get_freeze_count():   # the process's own frozen objects: a drop must not thaw them
+            return
+        gc.freeze()
+        self._held = (Path(run_dir).resolve(), stamp, run)
+
+    def take(self, run_dir) -> Run | None:
+        """The run held for RUN_DIR, unchanged since it was read; else None."""
+        held = self._held
+        if held is None or held[0] != Path(run_dir).resolve() or held[1] != log_stamp(run_dir):
+            return None
+        return held[2]
+
+    def drop(self) -> None:
+        if self._held is not None:
+            self._held = None
+            gc.unfreeze()
+
+
+_LAST = LastRun()
+
+
 def hotspots(run_dir, top: int | None = None, n_gpus: int | None = None, advice: Advice = GENERIC) -> dict:
+    _LAST.drop()
     with paused_gc():
-        return hotspots_of(load_run(run_dir), top, n_gpus, advice)
+        stamp = log_stamp(run_dir)   # before reading: a log written meanwhile is read again by compare
+        run = load_run(run_dir)
+        _LAST.keep(run_dir, stamp, run)
+        return hotspots_of(run, top, n_gpus, advice)
 
 
 def compare(run_dir_a, run_dir_b) -> dict:
+    """The A/B table of two run directories (report.compare), each read once: the same directory twice, or the one
+    hotspots() just read (LastRun), is not read again."""
     with paused_gc():
-        return _compare.compare(load_run(run_dir_a), load_run(run_dir_b))
+        try:
+            stamp_a = log_stamp(run_dir_a)
+            run_a = _LAST.take(run_dir_a) or load_run(run_dir_a)
+            same = Path(run_dir_a).resolve() == Path(run_dir_b).resolve() and log_stamp(run_dir_b) == stamp_a
+            run_b = run_a if same else _LAST.take(run_dir_b) or load_run(run_dir_b)
+        finally:
+            _LAST.drop()
+        table = _compare.compare(run_a, run_b)
+        del run_a, run_b   # freed while the collector is off: it never walks them
+    return table
 
 
 def plot(run_dir, png_path) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import statistics
+from itertools import repeat
 
 from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
@@ -65,19 +66,20 @@ def _clock_stats(e: dict, on: str) -> tuple[dict, int]:
 
 
 def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, max_seconds: float) -> tuple:
-    """(p50, p95, from) of a role's whole spans on clock `on`. The parts are its ranks' run_end entries when every
+    """(p50, p95, from) of a role's whole spans on clock `on` (`measured`: _clock_stats of its interval entries on
+    that clock). The parts are its ranks' run_end entries when every
     segment closed with one holding percentiles (exact over its segment), else its intervals'. One part: its own
     percentiles, exact, as the console's end-of-run table shows them. Several: the intervals' summed histogram
     buckets interpolated, clamped to the range of the parts' own percentiles (a mixture's quantile lies in it);
     logs without buckets take the count-weighted quantile of the parts' percentiles."""
     parts = [_clock_stats(e, on) for e in ends or () if e.get(on)]
     if not parts or any(st.get("p95_seconds") is None for st, _ in parts):   # run_ends of older logs
-        parts = [_clock_stats(e, on) for e in measured]
+        parts = measured
     if len(parts) == 1:
         return parts[0][0].get("p50_seconds"), parts[0][0].get("p95_seconds"), "exact"
     p50s = [(st.get("p50_seconds"), w) for st, w in parts]
     p95s = [(st.get("p95_seconds"), w) for st, w in parts]
-    buckets = [_clock_stats(e, on)[0].get("buckets") for e in measured]
+    buckets = [st.get("buckets") for st, _ in measured]
     if bounds and buckets and all(b is not None and len(b) == len(bounds) + 1 for b in buckets):
         summed = [sum(column) for column in zip(*buckets)]
         p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
@@ -95,21 +97,22 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
     (the captures' busy share of the span, the role's GPM SM active percent), the estimates beside its class;
     `wait`: whether the role waits on the other side in it (the run's span table)."""
     entries = a["entries"]
-    on = span_clock(entries)
     timed = [e for e in entries if e.get("gpu")]
+    on = "gpu" if timed else "cpu"   # span_clock
     measured = timed if on == "gpu" else entries   # the entries whose statistics are on the span's clock
-    stats = [_clock_stats(e, on) for e in measured]
+    stats = [(e["gpu"], e.get("gpu_count") or e.get("count") or 0) for e in measured] if on == "gpu" else \
+        [(e.get("cpu") or {}, e.get("count") or 0) for e in measured]   # _clock_stats of each
     n = sum(w for _, w in stats)
     max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in stats])
-    total = sum((clock_seconds(e, on) for e in entries), 0.0)
-    p50, p95, source = _quantiles(on, measured, a["ends"], bounds, max_seconds)
-    return {"role": role, "span": name, "count": sum(e.get("count") or 0 for e in entries), "on": on,
-            "total_seconds": total, "self_seconds": sum((self_seconds(e, on) for e in entries), 0.0),
-            "cpu_seconds": sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0),
-            "gpu_window_seconds": sum(((e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed), 0.0)
+    total = sum(map(clock_seconds, entries, repeat(on)), 0.0)
+    p50, p95, source = _quantiles(on, stats, a["ends"], bounds, max_seconds)
+    return {"role": role, "span": name, "count": sum([e.get("count") or 0 for e in entries]), "on": on,
+            "total_seconds": total, "self_seconds": sum(map(self_seconds, entries, repeat(on)), 0.0),
+            "cpu_seconds": sum([(e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries], 0.0),
+            "gpu_window_seconds": sum([(e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed], 0.0)
             if timed else None,
             "gpu_bound": gpu_bound(entries, *busy),
-            "gpu_timed": sum(e.get("gpu_count", e.get("count") or 0) for e in timed) if timed else None,
+            "gpu_timed": sum([e.get("gpu_count", e.get("count") or 0) for e in timed]) if timed else None,
             "share": total / role_wall if role_wall > 0 else None,
             "mean_seconds": _mean_seconds(measured, on, n) if n else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds, "quantiles_from": source,
@@ -120,8 +123,8 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
 def _mean_seconds(measured: list, on: str, n: int) -> float | None:
     """The mean whole span on the span's clock: GPU totals over the GPU-timed spans, or whole CPU spans."""
     if on == "gpu":
-        return sum((e["gpu"].get("total_seconds") or 0.0) for e in measured) / n
-    return sum((whole_seconds(e) for e in measured), 0.0) / n
+        return sum([e["gpu"].get("total_seconds") or 0.0 for e in measured]) / n
+    return sum(map(whole_seconds, measured), 0.0) / n
 
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
@@ -151,12 +154,15 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
         for log in logs:
             for rec in log.intervals:
                 for name, entry in (rec.get("spans") or {}).items():
-                    acc = agg.setdefault((role, name), {"entries": [], "ranks": set(), "open_intervals": 0,
-                                                        "open_max_seconds": None, "open_where": None,
-                                                        "open_at_end": False, "ends": [] if closed else None})
+                    acc = agg.get((role, name))
+                    if acc is None:
+                        acc = agg[(role, name)] = {"entries": [], "ranks": set(), "open_intervals": 0,
+                                                   "open_max_seconds": None, "open_where": None,
+                                                   "open_at_end": False, "ends": [] if closed else None}
                     acc["entries"].append(entry)
                     acc["ranks"].add(log.rank)
-                _add_open(agg, role, log, rec)
+                if rec.get("open_spans"):
+                    _add_open(agg, role, log, rec)
         for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in (end.get("spans") or {}).items()):
             if closed and (role, name) in agg:
                 agg[(role, name)]["ends"].append(e)
@@ -187,7 +193,7 @@ def _span_seconds(intervals: list, names) -> float:
     for name in names:
         entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
         on = span_clock(entries)   # once per name: per entry it made the report quadratic in the intervals
-        total += sum((clock_seconds(e, on) for e in entries), 0.0)
+        total += sum(map(clock_seconds, entries, repeat(on)), 0.0)
     return total
 
 
@@ -410,8 +416,15 @@ def _trailing_idle(intervals: list) -> list:
 
 
 def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
-    names = {n for r in intervals for n in (r.get("spans") or {})}
-    return {n: _span_seconds(intervals, (n,)) / tokens for n in names} if tokens else {}
+    """{span: its seconds over `intervals` (_span_seconds) per token}, spans in the order they first appear."""
+    if not tokens:
+        return {}
+    by_name: dict = {}
+    for r in intervals:
+        for n, e in (r.get("spans") or {}).items():
+            by_name.setdefault(n, []).append(e)
+    return {n: (0.0 + sum(map(clock_seconds, entries, repeat(span_clock(entries))), 0.0)) / tokens
+            for n, entries in by_name.items()}
 
 
 def _straggler(rows: list, kinds: SpanKinds) -> dict | None:

@@ -34,11 +34,13 @@ from pathlib import Path
 from monitoring.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
-from profiler.windows import clock_seconds, is_steady, span_clock, steady_throughput, tick_windows
+from profiler.windows import clock_seconds, is_steady, span_clock, steady_throughput
 from report import format_compare, format_hotspots, hotspots_of
+from report.background import Background, cores
 from report.compare import compare as compare_runs
-from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_phase_spans, wall_seconds
-from report.trace import merged_trace
+from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, \
+    read_ranks, wall_seconds
+from report.trace import flow_trace
 
 SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
 RATE_TOLERANCE = 0.01    # the same steady rate on two surfaces (DESIGN.md: within 1%)
@@ -67,6 +69,7 @@ class CheckResult:
     checked: int = 0          # invariant instances evaluated
     ranks: int = 0
     intervals: int = 0
+    _noted: set = field(default_factory=set, repr=False, compare=False)
 
     def expect(self, ok: bool, invariant: str, where: str, message) -> bool:
         """Count one evaluated invariant; record a Violation (message: a str or a callable making one) if
@@ -76,7 +79,21 @@ class CheckResult:
             self.violations.append(Violation(invariant, where, message() if callable(message) else message))
         return ok
 
+    def fail(self, invariant: str, where: str, message: str) -> None:
+        """Record a Violation of an invariant evaluated (and counted in `checked`) by the caller."""
+        self.violations.append(Violation(invariant, where, message))
+
+    def absorb(self, part: CheckResult) -> None:
+        """Take in what another CheckResult found, as if its invariants had been evaluated here at this point."""
+        self.violations += part.violations
+        for line in part.notes:
+            self.note(line)
+        self.checked += part.checked
+
     def note(self, line: str) -> None:
+        if line in self._noted:   # said already (the same line comes once per interval)
+            return
+        self._noted.add(line)
         if line not in self.notes:
             self.notes.append(line)
 
@@ -99,30 +116,81 @@ def _fmt(x) -> str:
 
 
 def check(run_dir) -> CheckResult:
-    """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command)."""
+    """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command). With
+    two cores, a child process reads the run rank by rank for what each rank's log alone holds (its intervals,
+    segments and totals) and the flows, while this one reads it whole for the report's invariants."""
     with paused_gc():
-        run = load_run(run_dir, with_spans=True)
-        res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
-                          intervals=sum(len(log.intervals) for log in run.ranks.values()))
-        if run.empty_logs:
-            res.note(empty_logs_line(run.empty_logs))
-        report = hotspots_of(run)
-        files = {rank: _read_throughput(res, run, log) for rank, log in run.ranks.items()}
-        rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}
-        for log in run.ranks.values():
-            where = _log_name(log)
-            for rec in log.intervals:
-                _check_interval(res, where, rec)
-            for seg, (start, intervals, end) in enumerate(_segments(log)):
-                _check_segment(res, f"{where} segment {seg}", start, intervals, end)
-            _check_once(res, where, log)
-            _check_throughput(res, log, files[log.rank], rates[log.rank], report)
-        _check_report_rows(res, run, report)
-        _check_role_rates(res, run, rates, report)
-        _check_windows(res, run, report, rates, format_hotspots(report).splitlines())
-        _check_compare(res, run, run)
-        _check_flows(res, run)
+        return _check(run_dir)   # the run is freed before the collector is back on: it never walks it
+
+
+def _check(run_dir) -> CheckResult:
+    logs = rank_paths(run_dir)[0]
+    if cores() >= 2:
+        with Background(_alone_checks, logs) as alone:
+            run = load_run(run_dir)   # the detail windows are the child's
+            common = _run_checks(run)
+            parts, flows = alone.result()
+    else:
+        run = load_run(run_dir, with_spans=True, read_older=False)   # the flows read only the windows a trace draws
+        common = _run_checks(run)
+        parts, flows = {rank: _rank_checks(log) for rank, log in run.ranks.items()}, _flow_checks(run)
+    pre, throughput, tail = common
+    res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
+                      intervals=sum(len(log.intervals) for log in run.ranks.values()))
+    if run.empty_logs:
+        res.note(empty_logs_line(run.empty_logs))
+    res.absorb(pre)
+    for rank in run.ranks:
+        res.absorb(parts[rank])
+        res.absorb(throughput[rank])
+    res.absorb(tail)
+    res.absorb(flows)
     return res
+
+
+def _alone_checks(logs: dict) -> tuple[dict, CheckResult]:
+    """({rank: _rank_checks}, _flow_checks) read rank by rank (a child process's share of `check`): one rank's
+    records held at a time, then only its detail windows, events and segment records."""
+    kept, parts = {}, {}
+    for rank, log in read_ranks(logs, with_spans=True, read_older=False):
+        parts[rank] = _rank_checks(log)
+        log.intervals, log.ticks = [], []
+        kept[rank] = log
+    return parts, _flow_checks(Run(run_dir="", ranks=kept))
+
+
+def _rank_checks(log) -> CheckResult:
+    """The invariants one rank's log holds alone: per interval, per segment, and its spans' time over the run."""
+    res, where = CheckResult(run_dir=""), _log_name(log)
+    for rec in log.intervals:
+        _check_interval(res, where, rec)
+    for seg, (start, intervals, end) in enumerate(_segments(log)):
+        _check_segment(res, f"{where} segment {seg}", start, intervals, end)
+    _check_once(res, where, log)
+    return res
+
+
+def _flow_checks(run: Run) -> CheckResult:
+    res = CheckResult(run_dir="")
+    _check_flows(res, run)
+    return res
+
+
+def _run_checks(run: Run) -> tuple[CheckResult, dict, CheckResult]:
+    """The invariants of the run's report and across its ranks: (the throughput files read, {rank: its throughput
+    checks}, the report's rows, rates, windows and compare), each apart, to be put in `check`'s order."""
+    pre, throughput, tail = CheckResult(run_dir=""), {}, CheckResult(run_dir="")
+    report = hotspots_of(run)
+    files = {rank: _read_throughput(pre, run, log) for rank, log in run.ranks.items()}
+    rates = {rank: _rank_rate(log, files[rank]) for rank, log in run.ranks.items()}
+    for log in run.ranks.values():
+        throughput[log.rank] = CheckResult(run_dir="")
+        _check_throughput(throughput[log.rank], log, files[log.rank], rates[log.rank], report)
+    _check_report_rows(tail, run, report)
+    _check_role_rates(tail, run, rates, report)
+    _check_windows(tail, run, report, rates, format_hotspots(report).splitlines())
+    _check_compare(tail, run, run)
+    return pre, throughput, tail
 
 
 def check_run(run_dir) -> list:
@@ -137,16 +205,22 @@ def _log_name(log) -> str:
 # ---- per interval: shares, order statistics, self <= total ---------------------------------------
 
 def _check_interval(res: CheckResult, where: str, rec: dict) -> None:
+    """The shares, order and self-time invariants of one interval (the loop the check spends most in: each
+    invariant counted and tested inline, where it is named only when one breaks)."""
     at = f"{where} interval {rec.get('index')}"
     duration = rec.get("duration_seconds") or 0.0
     per_thread: dict = {}
     for name, e in (rec.get("spans") or {}).items():
-        here = f"{at} span {name}"
         threads = e.get("threads") or []
-        res.expect(_le(e.get("share"), max(1, len(threads)), SHARE_SLACK), "shares", here,
-                   lambda: f"share {_fmt(e.get('share'))} over {max(1, len(threads))} thread(s)")
-        _check_entry_stats(res, here, e)
-        _check_gpu_lag(res, here, e)
+        checked, faults = _entry_faults(e)
+        res.checked += checked + 1
+        if not _le(e.get("share"), max(1, len(threads)), SHARE_SLACK):
+            res.fail("shares", f"{at} span {name}", f"share {_fmt(e.get('share'))} over {max(1, len(threads))} "
+                                                    "thread(s)")
+        for invariant, clock, message in faults:
+            res.fail(invariant, f"{at} span {name}{clock}", message)
+        if e.get("gpu_lag"):
+            _check_gpu_lag(res, f"{at} span {name}", e)
         own = (e.get("cpu") or {}).get("self_seconds")
         if own is None:
             res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
@@ -176,22 +250,54 @@ def _check_gpu_lag(res: CheckResult, here: str, e: dict) -> None:
                        f"{_fmt(host_s)} s / {1 - HOST_PACED_SHARE:g} + the tolerance")
 
 
+COUNT_KEYS = ("count", "gpu_count", "gpu_unresolved")
+_CLOCKS = (("cpu", " cpu"), ("gpu", " gpu"))
+_NO_FAULTS = ()
+
+
 def _check_entry_stats(res: CheckResult, here: str, e: dict) -> None:
     """Order statistics, non-negative counts and self <= total of one span entry (interval or run_end)."""
-    for key in ("count", "gpu_count", "gpu_unresolved"):
-        if e.get(key) is not None:
-            res.expect(e[key] >= 0, "order", here, lambda: f"{key} {e[key]} < 0")
-    for clock in ("cpu", "gpu"):
+    checked, faults = _entry_faults(e)
+    res.checked += checked
+    for invariant, clock, message in faults:
+        res.fail(invariant, here + clock, message)
+
+
+def _entry_faults(e: dict) -> tuple[int, list | tuple]:
+    """(invariants evaluated, [(invariant, " cpu", " gpu" or "": where in the entry, message)] of those broken) of
+    _check_entry_stats: counts non-negative; per clock p50 <= p95 <= p99 <= max and mean <= max (_check_order),
+    no negative bucket, 0 <= self <= total. Tested inline: it runs for every entry of every interval."""
+    checked, faults = 0, _NO_FAULTS
+    for key in COUNT_KEYS:
+        n = e.get(key)
+        if n is not None:
+            checked += 1
+            if not n >= 0:
+                faults = [*faults, ("order", "", f"{key} {n} < 0")]
+    for clock, at in _CLOCKS:
         stats = e.get(clock)
         if not stats:
             continue
-        _check_order(res, f"{here} {clock}", stats)
-        if "buckets" in stats and stats["buckets"] is not None:
-            res.expect(all(c >= 0 for c in stats["buckets"]), "order", f"{here} {clock}", "a negative bucket count")
-        own, total = stats.get("self_seconds"), stats.get("total_seconds")
+        chain = [(k, v) for k in STAT_KEYS if (v := stats.get(k)) is not None]
+        checked += max(1, len(chain))   # each neighbouring pair, and mean <= max
+        for (ka, a), (kb, b) in zip(chain, chain[1:]):
+            if not a <= b + 1e-9 * abs(b):   # _le(a, b) of two numbers, inline
+                faults = [*faults, ("order", at, f"{ka} {_fmt(a)} > {kb} {_fmt(b)}")]
+        mean, top = stats.get("mean_seconds"), stats.get("max_seconds")
+        if not _le(mean, top):
+            faults = [*faults, ("order", at, f"mean_seconds {_fmt(mean)} > max_seconds {_fmt(top)}")]
+        buckets = stats.get("buckets")
+        if buckets is not None:
+            checked += 1
+            if buckets and not (min(buckets) >= 0 and (summed := sum(buckets)) == summed):   # NaN sums to NaN
+                faults = [*faults, ("order", at, "a negative bucket count")]
+        own = stats.get("self_seconds")
         if own is not None:
-            res.expect(own >= 0 and _le(own, total, 1e-9), "once", f"{here} {clock}",
-                       lambda: f"self {_fmt(own)} s not within 0..total {_fmt(total)} s")
+            checked += 1
+            total = stats.get("total_seconds")
+            if not (own >= 0 and _le(own, total, 1e-9)):
+                faults = [*faults, ("once", at, f"self {_fmt(own)} s not within 0..total {_fmt(total)} s")]
+    return checked, faults
 
 
 def _check_order(res: CheckResult, here: str, stats: dict) -> None:
@@ -447,8 +553,8 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
             res.note(f"{_log_name(log)}: run_start without warmup_steps (written before warm-up marks): "
                      "its windows not checked")
             continue
-        windows = _windows_of(log)
-        steady[log.rank] = [r for r in windows if is_steady(r, rank_phase_spans(log))]
+        windows, phases = _windows_of(log), rank_phase_spans(log)
+        steady[log.rank] = [r for r in windows if is_steady(r, phases)]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
         _expect_window(res, where, row["window"], len(steady[log.rank]), bool(_fine_ticks(log)))
         read = wall_seconds(steady[log.rank] or windows)
@@ -498,8 +604,8 @@ def _windows_of(log) -> list:
 
 
 def _fine_ticks(log) -> list:
-    windows = tick_windows(log.ticks)
-    return windows if len(windows) > len(log.intervals) else []
+    """The rank's tick windows where finer than its intervals (RankLog.tick_windows, read once), else none."""
+    return log.tick_windows
 
 
 def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False) -> None:
@@ -573,10 +679,14 @@ def _expect_text_rate(res: CheckResult, rank: int, line: str, want: float | None
 def check_compare(run_dir_a, run_dir_b) -> CheckResult:
     """The compare invariants of `dflash-report compare A B` (`check RUN_DIR --compare BASELINE`)."""
     with paused_gc():
-        run_a, run_b = load_run(run_dir_a), load_run(run_dir_b)
-        res = CheckResult(run_dir=f"{run_dir_a} vs {run_dir_b}", ranks=len(run_a.ranks) + len(run_b.ranks),
-                          intervals=sum(len(log.intervals) for r in (run_a, run_b) for log in r.ranks.values()))
-        _check_compare(res, run_a, run_b)
+        return _checked_pair(run_dir_a, run_dir_b)   # the runs are freed before the collector is back on
+
+
+def _checked_pair(run_dir_a, run_dir_b) -> CheckResult:
+    run_a, run_b = load_run(run_dir_a), load_run(run_dir_b)
+    res = CheckResult(run_dir=f"{run_dir_a} vs {run_dir_b}", ranks=len(run_a.ranks) + len(run_b.ranks),
+                      intervals=sum(len(log.intervals) for r in (run_a, run_b) for log in r.ranks.values()))
+    _check_compare(res, run_a, run_b)
     return res
 
 
@@ -594,8 +704,8 @@ def _check_compare(res: CheckResult, run_a: Run, run_b: Run) -> None:
             res.note(f"compare {role}: a log without warm-up marks: its windows not checked")
             continue
         ticks = all(_fine_ticks(log) for log in logs)
-        kept = {side: [[w for w in _windows_alike_of(log, ticks) if is_steady(w, rank_phase_spans(log))]
-                       for log in sides[side][role]] for side in sides}
+        kept = {side: [_steady_of(_windows_alike_of(log, ticks), rank_phase_spans(log)) for log in sides[side][role]]
+                for side in sides}
         steady = all(all(ws) for ws in kept.values())
         for side in sides:
             windows = [w for k, log in enumerate(sides[side][role])
@@ -630,6 +740,10 @@ def _check_compare_rows(res: CheckResult, run_a: Run, run_b: Run, table: dict, t
                lambda: f"{line!r}, but the table calls {called or 'none'} regressions")
 
 
+def _steady_of(windows: list, phases: tuple) -> list:
+    return [w for w in windows if is_steady(w, phases)]
+
+
 def _windows_alike_of(log, ticks: bool) -> list:
     return _fine_ticks(log) if ticks else log.intervals
 
@@ -637,14 +751,14 @@ def _windows_alike_of(log, ticks: bool) -> list:
 # ---- flows in the merged trace ---------------------------------------------------------------------
 
 def _check_flows(res: CheckResult, run: Run) -> None:
-    """In the merged trace (report.trace's, built in memory), every flow points forward in time (its receive
-    point at or after its send point), and at least FLOW_MATCH_MIN of the sends have their receive, when the
-    run has a target and a drafter that sent and no rank stopped early."""
+    """In the merged trace (report.trace's flow points, built in memory), every flow points forward in time (its
+    receive point at or after its send point), and at least FLOW_MATCH_MIN of the sends have their receive, when
+    the run has a target and a drafter that sent and no rank stopped early."""
     if not {"target", "drafter"} <= set(run.by_role()):
         res.note("flows: no transfers to match (they go from a target to a drafter rank, and the run lacks one): "
                  "not checked")
         return
-    events, counts = merged_trace(run)[:2]
+    events, counts = flow_trace(run)
     backward = backward_flows(events)
     res.expect(not backward, "flows", "merged trace", lambda: (
         f"{len(backward)} flow(s) point backwards in time, e.g. batch {backward[0][0]}: received at "

@@ -13,7 +13,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from profiler.windows import basis, basis_seconds, whole_seconds
+from profiler.windows import basis, gpu_scale
 from report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
@@ -57,7 +57,12 @@ def per_call_seconds(e: dict) -> float:
     """A span entry's mean seconds per call in its window: whole spans where the entry has them (an interval's
     CPU mean, or its GPU total), else its split total over its count (a tick window holds no whole spans)."""
     stats, on = basis(e)
-    return (whole_seconds(e) if on == "gpu" or stats.get("mean_seconds") is not None else basis_seconds(e)) / e["count"]
+    if on == "gpu":   # whole_seconds = basis_seconds: the GPU total scaled to all the entry's spans
+        seconds = (stats.get("total_seconds") or 0.0) * gpu_scale(e)
+    else:
+        mean = stats.get("mean_seconds")
+        seconds = mean * (e.get("count") or 0) if mean is not None else (stats.get("total_seconds") or 0.0) * 1.0
+    return seconds / e["count"]
 
 
 def windows_alike(run_a: Run, run_b: Run) -> dict:
@@ -111,10 +116,11 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
             out["present"] |= {(role, n) for rec in log.intervals for n in (rec.get("spans") or {})}
             for rec in per_rank[log.rank]:
                 for name, e in (rec.get("spans") or {}).items():
-                    if e.get("count") and basis(e)[0].get("total_seconds") is not None:
-                        out["spans"].setdefault((role, name), []).append(per_call_seconds(e))
-                        out["calls"].setdefault((role, name), []).append(e["count"])
-                        calls[(role, name)] += e["count"]
+                    if e.get("count") and (e.get("gpu") or e.get("cpu") or {}).get("total_seconds") is not None:
+                        key = (role, name)
+                        out["spans"].setdefault(key, []).append(per_call_seconds(e))
+                        out["calls"].setdefault(key, []).append(e["count"])
+                        calls[key] += e["count"]
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
                     out["rates"].setdefault(role, []).append(rate * len(logs))
@@ -160,7 +166,8 @@ def compare(run_a: Run, run_b: Run) -> dict:
     "role_windows": both runs over the same kind, windows_alike)}."""
     kinds = windows_alike(run_a, run_b)
     memory_steady = all(merged_window(r.ranks.values(), ticks=False).steady for r in (run_a, run_b))
-    a, b = _samples(run_a, kinds, memory_steady), _samples(run_b, kinds, memory_steady)
+    a = _samples(run_a, kinds, memory_steady)
+    b = a if run_b is run_a else _samples(run_b, kinds, memory_steady)   # a run against itself: sampled once
     waits = {(role, name) for run in (run_a, run_b) for name, role in span_kinds(run).waits().items()}
     spans = _span_rows(a, b, waits)
     rates = {role: classify(a["rates"].get(role, []), b["rates"].get(role, []), higher_is_worse=False)

@@ -3,8 +3,10 @@ analysis shares. Standard library only: `dflash-report` reads run logs without i
 """
 from __future__ import annotations
 
+import bisect
 import gc
 import json
+import os
 import statistics
 from collections import deque
 from contextlib import contextmanager
@@ -35,14 +37,25 @@ class RankLog:
     run_ends: list = field(default_factory=list)
     ticks: list = field(default_factory=list)     # cumulative `tick` records: profiler.windows.tick_windows
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
-    spans_evicted: int = 0             # spans of older detail windows let go while loading (DetailWindows)
-    spans_profiler_dropped: int = 0    # the profiler's `dropped` count over every detail window of the log
+    spans_evicted: int | None = 0            # spans of older detail windows let go while loading (DetailWindows);
+    spans_profiler_dropped: int | None = 0   # the profiler's `dropped` count over every detail window of the log;
+    #                                          both None where the older windows were left unread (load_run's read_older)
     bad_lines: int = 0
     bad_examples: list = field(default_factory=list)   # "file:line: why" of the first bad lines
 
     @property
     def config(self) -> dict:
         return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
+
+    @cached_property
+    def steady_intervals(self) -> Window:
+        """steady_window(self, ticks=False), worked out once: every analysis and check reads it, some per role."""
+        return _steady_intervals(self)
+
+    @cached_property
+    def steady_ticks(self) -> Window:
+        """steady_window(self) where the rank has tick windows, worked out once."""
+        return _steady_ticks(self)
 
     @cached_property
     def tick_windows(self) -> list:
@@ -184,15 +197,27 @@ BATCH_LINES = 256
 """Lines parsed by one json.loads: its key memo then holds each field name once for all of them (a quarter less
 memory than a call per line, and faster)."""
 _INTERVAL_LINE = b'{"type": "' + rl.INTERVAL.encode() + b'"'
+EXAMPLES = 3   # bad lines a rank log names ("file:line: why"), its first ones
 
 
-def _lines(path: Path, skip: tuple):
+def _whole(raw: bytes) -> bool:
+    """Whether the line ends its record (a cut one does not)."""
+    return raw.endswith(b"}\n") or raw.rstrip().endswith(b"}")
+
+
+def _lines(f, skip: tuple, aside: bytes = b"", noted: list | None = None):
     """(line number, bytes) of the log's lines to parse, read one at a time: blank lines and whole lines that start
-    with a `skip` prefix (a record kind left unparsed) are left out."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if raw.strip() and not (skip and raw.startswith(skip) and raw.rstrip().endswith(b"}")):
-                yield n, raw
+    with a `skip` prefix (a record kind left unparsed) are left out; whole lines that start with `aside` go to
+    `noted` instead, as (line number, byte offset, length), to be read later if at all."""
+    offset = 0
+    for n, raw in enumerate(f, 1):
+        at, offset = offset, offset + len(raw)
+        if raw.isspace() or (raw.startswith(skip) and _whole(raw)):
+            continue
+        if aside and raw.startswith(aside) and _whole(raw):
+            noted.append((n, at, len(raw)))
+            continue
+        yield n, raw
 
 
 def _batches(lines, size: int):
@@ -222,38 +247,109 @@ def _parsed(batch: list) -> list:
     return [(n, *_why_bad(raw)) for n, raw in batch]
 
 
-def _read_for_report(path: Path, spans: DetailWindows | None, skip: tuple = ()) -> tuple[list, int, list]:
-    """(records, bad line count, up to 3 "file:line: why" examples), streamed in batches of BATCH_LINES. Lines of
-    the `skip` prefixes are left unparsed, detail-window `spans` lines too unless `spans` keeps them (they go
-    there, not into records); a record of the wrong shape counts as a bad line, with where and why."""
-    records, bad, examples = [], 0, []
+class BadLines:
+    """A rank log's unreadable lines: how many, and the first EXAMPLES of them by line number."""
+
+    def __init__(self, path: Path):
+        self.path, self.count, self._first = path, 0, []
+
+    def add(self, n: int, why: str) -> None:
+        self.count += 1
+        if len(self._first) < EXAMPLES or n < self._first[-1][0]:
+            bisect.insort(self._first, (n, why))
+            del self._first[EXAMPLES:]
+
+    @property
+    def examples(self) -> list:
+        """"file:line: why" of the first ones."""
+        return [f"{self.path}:{n}: {why}" for n, why in self._first]
+
+
+def _read_for_report(path: Path, spans: DetailWindows | None, skip: tuple = ()) -> tuple[list, BadLines]:
+    """(records, bad lines), streamed in batches of BATCH_LINES. Lines of the `skip` prefixes are left unparsed,
+    detail-window `spans` lines too unless `spans` keeps them (they go there, not into records); a record of the
+    wrong shape counts as a bad line, with where and why."""
+    records, bad = [], BadLines(path)
     skip = skip if spans is not None else (*skip, _SPANS_LINE)
-    for batch in _batches(_lines(path, skip), BATCH_LINES):
-        for n, rec, why in _parsed(batch):
-            if why is None:
-                if spans is not None and rec.get("type") == rl.SPANS:
+    with open(path, "rb") as f:
+        for batch in _batches(_lines(f, skip), BATCH_LINES):
+            for n, rec, why in _parsed(batch):
+                if why is not None:
+                    bad.add(n, why)
+                elif spans is not None and rec.get("type") == rl.SPANS:
                     spans.add(rec)
                 else:
                     records.append(rec)
+    return records, bad
+
+
+class _Misfiled(Exception):
+    """A detail-window line holds another kind of record (a hand-made log): read the log in file order instead."""
+
+
+def _read_newest(path: Path, max_events: int, skip: tuple = ()) -> tuple[list, BadLines, list]:
+    """(records, bad lines, detail windows): what _read_for_report gives with a DetailWindows(max_events), but the
+    whole detail-window lines are only noted on the way through and read back from the end, so those older than
+    what the window keeps are never parsed (nor counted when bad, nor their spans as evicted)."""
+    records, bad, noted, found = [], BadLines(path), [], []
+    with open(path, "rb") as f:
+        for batch in _batches(_lines(f, skip, _SPANS_LINE, noted), BATCH_LINES):
+            for n, rec, why in _parsed(batch):
+                if why is not None:
+                    bad.add(n, why)
+                elif rec.get("type") == rl.SPANS:   # a detail window on a line of another shape
+                    found.append((n, rec))
+                else:
+                    records.append(rec)
+        candidates = sorted(noted + found, key=lambda c: c[0]) if found else noted
+        return records, bad, _newest_back(f.fileno(), candidates, max_events, bad)
+
+
+def _newest_back(fd: int, candidates: list, max_events: int, bad: BadLines) -> list:
+    """The detail windows DetailWindows(max_events) keeps of `candidates` (in file order: noted lines (n, offset,
+    length) or parsed (n, record)): each one whose newer ones' slices stay under max_events, and the newest, read
+    back from the end a batch at a time until one falls outside."""
+    kept, used, end = [], 0, len(candidates)
+    while end > 0:
+        chunk = candidates[max(0, end - BATCH_LINES):end]
+        lines = [(c[0], os.pread(fd, c[2], c[1])) for c in chunk if len(c) == 3]
+        read = {n: (rec, why) for n, rec, why in _parsed(lines)} if lines else {}
+        for c in reversed(chunk):
+            rec, why = read[c[0]] if len(c) == 3 else (c[1], None)
+            if why is not None:
+                bad.add(c[0], why)
                 continue
-            bad += 1
-            if len(examples) < 3:
-                examples.append(f"{path}:{n}: {why}")
-    return records, bad, examples
+            if rec.get("type") != rl.SPANS:
+                raise _Misfiled
+            if kept and used >= max_events:
+                return kept[::-1]
+            kept.append(rec)
+            used += sum(map(slice_cost, rec.get("spans") or []))
+        end -= len(chunk)
+    return kept[::-1]
 
 
-def _rank_log(rank: int, path: Path, spans_events: int | None, skip: tuple = ()) -> RankLog:
-    spans = DetailWindows(spans_events) if spans_events is not None else None
-    recs, bad, examples = _read_for_report(path, spans, skip)
+def _rank_log(rank: int, path: Path, spans_events: int | None, skip: tuple = (), older: bool = True) -> RankLog:
+    """One rank's log (load_run's arguments: `older` is its read_older)."""
+    recs = None
+    if spans_events is not None and not older:
+        try:
+            recs, bad, kept = _read_newest(path, spans_events, skip)
+            spans = (kept, None, None)
+        except _Misfiled:
+            recs = None
+    if recs is None:
+        windows = DetailWindows(spans_events) if spans_events is not None else None
+        recs, bad = _read_for_report(path, windows, skip)
+        spans = (list(windows.records), windows.evicted_spans, windows.profiler_dropped) if windows else ([], 0, 0)
     role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
-    log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad, bad_examples=examples)
+    log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad.count, bad_examples=bad.examples)
     for rec in recs:
         name = _KIND_LISTS.get(rec.get("type"))
         if name is not None:
             getattr(log, name).append(rec)
-    if spans is not None:
-        log.spans, log.spans_evicted, log.spans_profiler_dropped = (list(spans.records), spans.evicted_spans,
-                                                                    spans.profiler_dropped)
+    if spans_events is not None:
+        log.spans, log.spans_evicted, log.spans_profiler_dropped = spans
     for start in log.run_starts:
         rl.check_schema(start, where=str(path))
         log.hostname = log.hostname or start.get("hostname")
@@ -285,10 +381,46 @@ def paused_gc():
             gc.enable()
 
 
-def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS, with_intervals: bool = True) -> Run:
+def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS, with_intervals: bool = True,
+             read_older: bool = True) -> Run:
     """Every rank's log of RUN_DIR (with_spans: with its newest `spans` records, the ones a trace of at most
     max_events slices draws; without its interval records unless with_intervals); ReportError if it cannot be
-    read."""
+    read. Without read_older the older detail windows' lines are left unparsed, as without with_spans: their
+    spans and bad lines go uncounted (spans_evicted and spans_profiler_dropped are None)."""
+    logs, empty = rank_paths(run_dir)
+    with paused_gc():
+        try:
+            per_rank = _per_rank(max_events, logs) if with_spans else None
+            skip = () if with_intervals else (_INTERVAL_LINE,)
+            ranks = {rank: _rank_log(rank, p, per_rank, skip, read_older) for rank, p in logs.items()}
+        except ValueError as e:   # a schema newer than this reader
+            raise ReportError(str(e)) from None
+        except OSError as e:
+            raise ReportError(f"{run_dir}: cannot read its run logs: {e}") from None
+    if not any(log.run_starts or log.intervals for log in ranks.values()):
+        raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
+                          "empty, or not written by dflash-train")
+    return Run(run_dir=str(Path(run_dir)), ranks=ranks, empty_logs=empty)
+
+
+def read_ranks(logs: dict, with_spans: bool = False, max_events: int = MAX_EVENTS, read_older: bool = True):
+    """(rank, RankLog) of each rank log of `logs` ({rank: path}, as rank_paths gives them), read one at a time as
+    load_run reads them (its arguments), for a pass over a run that holds one rank's records at a time;
+    ReportError as load_run."""
+    per_rank = _per_rank(max_events, logs) if with_spans else None
+    for rank, p in logs.items():
+        try:
+            with paused_gc():
+                log = _rank_log(rank, p, per_rank, (), read_older)
+        except ValueError as e:   # a schema newer than this reader
+            raise ReportError(str(e)) from None
+        except OSError as e:
+            raise ReportError(f"{p}: cannot read: {e}") from None
+        yield rank, log
+
+
+def rank_paths(run_dir) -> tuple[dict, int]:
+    """({rank: path} of RUN_DIR's rank logs holding any byte, how many hold none); ReportError where it has none."""
     path = Path(run_dir)
     if not path.exists():
         raise ReportError(f"{run_dir}: no such directory")
@@ -297,20 +429,40 @@ def load_run(run_dir, with_spans: bool = False, max_events: int = MAX_EVENTS, wi
     logs = rl.rank_logs(path)
     if not logs:
         raise ReportError(f"{run_dir}: no run logs (profile/rank*.jsonl); not a dflash-train run directory")
+    try:
+        return _split_empty(logs)
+    except OSError as e:
+        raise ReportError(f"{run_dir}: cannot read its run logs: {e}") from None
+
+
+def log_stamp(run_dir) -> tuple:
+    """(name, size, modification time, inode) of each rank log of RUN_DIR, in name order (none where it has no
+    logs): what changes when a log is written, appended to or replaced."""
+    profile = Path(run_dir) / "profile"
+    try:
+        entries = sorted(os.scandir(profile), key=lambda d: d.name) if profile.is_dir() else []
+        return tuple((d.name, st.st_size, st.st_mtime_ns, st.st_ino) for d in entries
+                     if rl.RANK_FILE.match(d.name) and (st := d.stat()))
+    except OSError:
+        return ()
+
+
+def _per_rank(max_events: int, logs: dict) -> int:
+    """A rank's share of a trace's max_events slices."""
+    return max(1, max_events // max(1, len(logs)))
+
+
+def line_counts(logs: dict, max_events: int = MAX_EVENTS, with_intervals: bool = True) -> dict:
+    """{rank: (bad lines, their examples, spans_evicted, spans_profiler_dropped)} as load_run(with_spans=True) counts
+    them over the rank logs `logs` ({rank: path}), older detail windows included, keeping no record: a few numbers
+    a child process hands back while this one loads with read_older off (report.trace)."""
+    per_rank, skip, out = _per_rank(max_events, logs), () if with_intervals else (_INTERVAL_LINE,), {}
     with paused_gc():
-        try:
-            logs, empty = _split_empty(logs)
-            per_rank = max(1, max_events // max(1, len(logs))) if with_spans else None
-            skip = () if with_intervals else (_INTERVAL_LINE,)
-            ranks = {rank: _rank_log(rank, p, per_rank, skip) for rank, p in logs.items()}
-        except ValueError as e:   # a schema newer than this reader
-            raise ReportError(str(e)) from None
-        except OSError as e:
-            raise ReportError(f"{run_dir}: cannot read its run logs: {e}") from None
-    if not any(log.run_starts or log.intervals for log in ranks.values()):
-        raise ReportError(f"{run_dir}: the run logs hold no run_start or interval record; "
-                          "empty, or not written by dflash-train")
-    return Run(run_dir=str(path), ranks=ranks, empty_logs=empty)
+        for rank, p in logs.items():
+            windows = DetailWindows(per_rank)
+            bad = _read_for_report(p, windows, skip)[1]
+            out[rank] = (bad.count, bad.examples, windows.evicted_spans, windows.profiler_dropped)
+    return out
 
 
 def _did_work(rec: dict) -> bool:
@@ -368,10 +520,18 @@ def steady_window(log: RankLog, ticks: bool = True) -> Window:
     evaluation or checkpoint phases); in logs written before warm-up marks (no run_start `warmup_steps`), each
     segment's start up to the first interval that did work is left out. All of them, labelled so, when that
     leaves none. Figures that need an interval's own fields (memory, gauges) pass ticks=False."""
-    windows = log.tick_windows if ticks else []
-    if windows:
-        steady = [w for w in windows if is_steady(w, rank_phase_spans(log))]
-        return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
+    return log.steady_ticks if ticks and log.tick_windows else log.steady_intervals
+
+
+def _steady_ticks(log: RankLog) -> Window:
+    """steady_window(log) of a rank with tick windows (RankLog.steady_ticks, worked out once)."""
+    windows, phases = log.tick_windows, rank_phase_spans(log)
+    steady = [w for w in windows if is_steady(w, phases)]
+    return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
+
+
+def _steady_intervals(log: RankLog) -> Window:
+    """steady_window(log, ticks=False) (RankLog.steady_intervals, worked out once)."""
     marked = any("warmup_steps" in s for s in log.run_starts)
     phases = rank_phase_spans(log)
     steady, starting = [], True
