@@ -113,6 +113,13 @@ def is_steady(rec: dict, phase_spans) -> bool:
     return not rec.get("warmup") and not rec.get("final") and phase_share(rec, phase_spans) <= STEADY_PHASE_SHARE_MAX
 
 
+def past_warm_up(windows: list) -> list:
+    """The windows past warm-up and before the run's last. Where none of a rank's windows is_steady, its figures
+    are read over these (each then over a tenth in phases: a drafter that recompiles all along), or over all of
+    them where these are none."""
+    return [w for w in windows if not w.get("warmup") and not w.get("final")]
+
+
 def steady_throughput(events: list) -> dict | None:
     """A rank's steady state from its `throughput` events (one per segment, dflash/throughput.py): their
     tokens over their seconds; None when no segment got past warm-up."""

@@ -187,22 +187,25 @@ def sm_active_by_role(run: Run) -> dict:
 
 # ---- verdict ---------------------------------------------------------------------------------
 
-def _span_seconds(intervals: list, names) -> float:
-    """The seconds of spans `names` over `intervals`, each name on its one clock (windows.span_clock)."""
+def _span_seconds(intervals: list, names, on: str | None = None) -> float:
+    """The seconds of spans `names` over `intervals`, each name on clock `on`, else on its one clock
+    (windows.span_clock)."""
     total = 0.0
     for name in names:
         entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
-        on = span_clock(entries)   # once per name: per entry it made the report quadratic in the intervals
-        total += sum(map(clock_seconds, entries, repeat(on)), 0.0)
+        clock = on or span_clock(entries)   # once per name: per entry it made the report quadratic in the intervals
+        total += sum(map(clock_seconds, entries, repeat(clock)), 0.0)
     return total
 
 
 def _wait_share(intervals: list, role: str, kinds: SpanKinds) -> float | None:
     """The share of `intervals`' wall time the role waits on the other side (its wait spans in `kinds`); None for
-    a role that has none (a loop of its own waits on no other role)."""
+    a role that has none (a loop of its own waits on no other role). A wait is the host's: read on the CPU clock,
+    cut at the windows' edges. (A wait span's GPU window, scaled from its timed instances to all of them, could
+    read over 100% of the wall: the H100 run of 2026-12-07 printed "target waits 101%".)"""
     waits = [n for n, r in kinds.waits().items() if r == role]
     wall = wall_seconds(intervals)
-    return _span_seconds(intervals, waits) / wall if wall > 0 and waits else None
+    return _span_seconds(intervals, waits, "cpu") / wall if wall > 0 and waits else None
 
 
 def role_shares(run: Run) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 from monitoring.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
-from profiler.windows import clock_seconds, is_steady, span_clock, steady_throughput
+from profiler.windows import clock_seconds, is_steady, past_warm_up, span_clock, steady_throughput
 from report import format_compare, format_hotspots, hotspots_of
 from report.background import Background, cores
 from report.compare import compare as compare_runs
@@ -499,6 +499,10 @@ def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
         res.expect(_le(row.get("self_seconds"), row.get("total_seconds"), 1e-9), "once", here,
                    lambda: f"self {_fmt(row.get('self_seconds'))} s > total {_fmt(row.get('total_seconds'))} s")
         _check_row_against_run_end(res, here, row, roles.get(row["role"], []))
+    for role, shares in ((report.get("verdict") or {}).get("roles") or {}).items():
+        wait = shares.get("wait_share")   # a role's waits are its ranks' main-thread waits: at most its wall
+        res.expect(_le(wait, 1.0, SHARE_SLACK), "shares", f"hotspots verdict {role}",
+                   lambda: f"waits {_fmt(wait)} of its wall on {shares.get('wait_span')}")
 
 
 def _check_row_against_run_end(res: CheckResult, here: str, row: dict, logs: list) -> None:
@@ -556,8 +560,9 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         windows, phases = _windows_of(log), rank_phase_spans(log)
         steady[log.rank] = [r for r in windows if is_steady(r, phases)]
         row, where = rows[log.rank], f"hotspots ranks rank {log.rank}"
-        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(_fine_ticks(log)))
-        read = wall_seconds(steady[log.rank] or windows)
+        _expect_window(res, where, row["window"], len(steady[log.rank]), bool(_fine_ticks(log)),
+                       bool(past_warm_up(windows)))
+        read = wall_seconds(steady[log.rank] or past_warm_up(windows) or windows)
         res.expect(abs(row["window_seconds"] - read) <= 1e-6, "windows", where,
                    lambda: f"window_seconds {_fmt(row['window_seconds'])} != its intervals' {_fmt(read)}")
         line = table.get(log.rank, "")
@@ -570,11 +575,13 @@ def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: 
         if all(log.rank in steady for log in logs):
             label = report["verdict"]["roles"][role]["window"]
             ks = [len(steady[log.rank]) for log in logs]
+            phased = not any(ks) and all(past_warm_up(_windows_of(log)) for log in logs)
             _expect_window(res, f"hotspots verdict {role}", label, sum(ks) if all(ks) else 0,
-                           all(_fine_ticks(log) for log in logs))
+                           all(_fine_ticks(log) for log in logs), phased)
             res.expect(f"{role}: {label}" in verdict, "windows", f"hotspots text verdict {role}",
                        lambda: f"the verdict line does not name {role}'s window {label!r}: {verdict!r}")
-            wall = wall_seconds([r for log in logs for r in (steady[log.rank] if all(ks) else _windows_of(log))])
+            wall = wall_seconds([r for log in logs for r in (steady[log.rank] or past_warm_up(_windows_of(log))
+                                                             or _windows_of(log))])
             _expect_beside(res, f"hotspots text verdict {role}", verdict, f"{role}: {label}", wall)
             _expect_steady_beside_steady(res, role, logs, label, report)
 
@@ -608,11 +615,14 @@ def _fine_ticks(log) -> list:
     return log.tick_windows
 
 
-def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False) -> None:
-    """`label` names `steady` steady intervals (or tick windows: `ticks`), or, with none, says none is steady."""
+def _expect_window(res: CheckResult, where: str, label: str, steady: int, ticks: bool = False,
+                   phased: bool = False) -> None:
+    """`label` names `steady` steady intervals (or tick windows: `ticks`); with none, the windows past warm-up
+    where there are some (`phased`: each over a tenth in phases), else says none is steady."""
+    past = "past-warm-up tick windows (" if ticks else "past-warm-up intervals ("
     want = (f"steady windows ({steady} x" if ticks else f"steady intervals ({steady})") if steady else \
-        "a label saying none is steady"
-    ok = (label.startswith(want) if ticks else label == want) if steady else \
+        past if phased else "a label saying none is steady"
+    ok = (label.startswith(want) if ticks else label == want) if steady else label.startswith(past) if phased else \
         "none steady" in label and not label.startswith("steady")
     res.expect(ok, "windows", where, lambda: f"window {label!r}, but its figures were read over {want}")
 
@@ -632,11 +642,11 @@ def _rank_lines(text: list) -> dict:
 def _check_rank_line(res: CheckResult, log, row: dict, line: str, meter_rate, steady: list) -> None:
     """No window label beside another window's figure, in a rank's row: its tokens/s is the meter's steady rate
     named "steady state" with the meter's seconds, or, for a loop of its own without a meter, the tokens/s of the
-    row's window (its steady windows; all of them, the row's label saying none is steady, where none is: the steady
-    line's rate, runs.steady_window) named by their label and wall; busy and capacity are named by that label and
+    row's window (its steady windows; where none is, those past warm-up, else all of them, the row's label saying
+    which: the steady line's rate, runs.steady_window) named by their label and wall; busy and capacity are named by that label and
     wall, and the capacity is the steady windows' tokens/s over the work share (none without a steady one)."""
     where = f"hotspots text ranks rank {log.rank}"
-    read = steady or _windows_of(log)
+    read = steady or past_warm_up(_windows_of(log)) or _windows_of(log)
     wall = wall_seconds(read)
     window_rate = counter_total(read, "tokens") / wall if wall > 0 else None
     meter = steady_throughput(log.events)

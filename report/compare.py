@@ -86,9 +86,11 @@ def _role_windows(logs: list, ticks: bool, steady: bool) -> tuple[dict, object]:
     mine = {log.rank: list(log.tick_windows if ticks else log.intervals) for log in logs}
     everything = [r for rank in sorted(mine) for r in mine[rank]]
     w = merged_window(logs, ticks)
+    kind = "tick windows" if ticks else "intervals"
+    if w.fallback and not w.steady and w.phased:   # its own window is past warm-up only: read all, as the other
+        return mine, AllWindows(everything, f"all {len(everything)} {kind} (none steady: warm-up, phases or final)")
     if w.fallback and not w.steady:   # none steady here either: its own label says so
         return mine, w
-    kind = "tick windows" if ticks else "intervals"
     return mine, AllWindows(everything, f"all {len(everything)} {kind} (read alike: the other run has no steady "
                                         f"{kind})")
 

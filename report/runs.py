@@ -17,7 +17,7 @@ from pathlib import Path
 from monitoring.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
 from profiler.span_kinds import SpanKinds, of_run_starts
-from profiler.windows import is_steady, tick_windows
+from profiler.windows import is_steady, past_warm_up, tick_windows
 
 
 class ReportError(ValueError):
@@ -470,6 +470,11 @@ def _did_work(rec: dict) -> bool:
     return bool(tokens) if tokens is not None else bool(rec.get("spans"))
 
 
+PHASED_WORDS = "each over a tenth in phases: compile, evaluation or checkpoints"
+"""How a Window.phased label says why none of its windows counts as steady. It is not "none steady": the steady
+state's own window (dflash/throughput.py) is these steps with the phases' time left out."""
+
+
 @dataclass(frozen=True)
 class Window:
     """The windows a figure is read over (interval records, or the tick windows of profiler.windows.tick_windows
@@ -480,6 +485,9 @@ class Window:
     fallback: tuple = ()        # the ranks read over all their windows: none of theirs is steady
     source: str = "intervals"   # "intervals", "ticks", or "mixed" (ranks of both kinds)
     named: str = ""             # a label of its own (interval_window's whole run)
+    phased: bool = False        # none steady, but read over the windows past warm-up (not the last): each is over
+    #                             a tenth in phases (a drafter that recompiles all along), as the steady state's
+    #                             own window (dflash/throughput.py) holds them with the phases' time left out
 
     @property
     def label(self) -> str:
@@ -490,9 +498,11 @@ class Window:
             return self._tick_label(n)
         if not self.fallback:
             return f"steady intervals ({n})"
+        if self.phased:
+            return f"past-warm-up intervals ({n}; {PHASED_WORDS})"
         if not self.steady:
             return ("the only interval" if n == 1 else f"all {n} intervals") + " (none steady: warm-up, phases or final)"
-        return (f"steady intervals ({self.steady}) and all {n - self.steady} of rank "
+        return (f"steady intervals ({self.steady}) and {n - self.steady} of rank "
                 f"{', '.join(map(str, self.fallback))} (none steady there)")
 
     def _tick_label(self, n: int) -> str:
@@ -502,10 +512,12 @@ class Window:
             ": tick windows and intervals"
         if not self.fallback:
             return f"steady windows ({n}{each})"
+        if self.phased:
+            return f"past-warm-up tick windows ({n}{each}; {PHASED_WORDS})"
         if not self.steady:
             return ("the only tick window" if n == 1 else f"all {n} tick windows") + \
                 " (none steady: warm-up, phases or final)"
-        return (f"steady windows ({self.steady} of {n}{each}, all of rank "
+        return (f"steady windows ({self.steady} of {n}{each}, the rest of rank "
                 f"{', '.join(map(str, self.fallback))}: none steady there)")
 
 
@@ -527,7 +539,10 @@ def _steady_ticks(log: RankLog) -> Window:
     """steady_window(log) of a rank with tick windows (RankLog.steady_ticks, worked out once)."""
     windows, phases = log.tick_windows, rank_phase_spans(log)
     steady = [w for w in windows if is_steady(w, phases)]
-    return Window(steady or list(windows), len(steady), () if steady else (log.rank,), "ticks")
+    if steady:
+        return Window(steady, len(steady), (), "ticks")
+    past = past_warm_up(windows)
+    return Window(past or list(windows), 0, (log.rank,), "ticks", phased=bool(past))
 
 
 def _steady_intervals(log: RankLog) -> Window:
@@ -548,7 +563,8 @@ def _steady_intervals(log: RankLog) -> Window:
             steady.append(rec)
     if steady or not log.intervals:
         return Window(steady, len(steady))
-    return Window(list(log.intervals), 0, (log.rank,))
+    past = past_warm_up(log.intervals) if marked else []
+    return Window(past or list(log.intervals), 0, (log.rank,), phased=bool(past))
 
 
 def merged_window(logs, ticks: bool = True) -> Window:
@@ -557,7 +573,8 @@ def merged_window(logs, ticks: bool = True) -> Window:
     sources = {w.source for w in parts}
     return Window([r for w in parts for r in w.intervals], sum(w.steady for w in parts),
                   tuple(rank for w in parts for rank in w.fallback),
-                  sources.pop() if len(sources) == 1 else "mixed")
+                  sources.pop() if len(sources) == 1 else "mixed",
+                  phased=bool(parts) and all(w.phased for w in parts))
 
 
 def interval_window(logs) -> Window:

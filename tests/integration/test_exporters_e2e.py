@@ -167,6 +167,25 @@ def test_every_template_variable_finds_values(live):
     assert {"job", "run", "instance", "role", "rank", "clock"} <= checked
 
 
+def throughput_drop_in_the_log(live: dict, labels: dict) -> bool:
+    """Whether the run log shows the drop a DFlashThroughputDrop firing claims. The healthy run trains beside the
+    rest of the suite, whose tests take the CPU in turns: its rate can truly halve for a while, and the alert is
+    then right. At ALERT_TIME_SCALE the rule compares the rate over 10 s with the one 60 s earlier and fires once
+    that held for 15 s, so from the first firing time T the log's tokens/s over [T-25, T] must be under half (with
+    a margin for Prometheus' extrapolation and 1 s scrapes: 0.6) of its tokens/s over [T-85, T-60]."""
+    from tests.conftest import ALERT_TIME_SCALE
+    from tests.integration.run_ticks import ticks, tokens_rate
+
+    series = prom_get(live["base"], "/api/v1/query_range", start=live["since"], end=time.time(), step="1s",
+                      query=f'ALERTS{{alertname="DFlashThroughputDrop",alertstate="firing",rank="{labels["rank"]}"}}')
+    t = min(float(ts) for s in series["result"] for ts, _ in s["values"])
+    window_s, offset_s, for_s = 600 * ALERT_TIME_SCALE, 3600 * ALERT_TIME_SCALE, 900 * ALERT_TIME_SCALE
+    tks = ticks(live["run"], int(labels["rank"]))
+    now = tokens_rate(tks, t - for_s - window_s, t)
+    before = tokens_rate(tks, t - offset_s - for_s - window_s, t - offset_s)
+    return now < 0.6 * before
+
+
 def test_the_healthy_run_raised_no_alert_while_the_rules_evaluated(live):
     """The shipped alerts, scaled to the test's seconds (tests/conftest.py ALERT_TIME_SCALE), evaluated every second
     over the whole run: none fired (pending ones, still inside their `for:` window, raise nothing). The recording
@@ -175,7 +194,9 @@ def test_the_healthy_run_raised_no_alert_while_the_rules_evaluated(live):
 
     window = f"{int(time.time() - live['since']) + 5}s"
     fired = prom_get(live["base"], "/api/v1/query", query=f'count_over_time(ALERTS{{alertstate="firing"}}[{window}])')
-    assert fired["result"] == [], [r["metric"] for r in fired["result"]]
+    unjustified = [r["metric"] for r in fired["result"]
+                   if r["metric"]["alertname"] != "DFlashThroughputDrop" or not throughput_drop_in_the_log(live, r["metric"])]
+    assert unjustified == [], unjustified
     rules_health = prom_get(live["base"], "/api/v1/rules")
     assert all(rule["health"] == "ok" for group in rules_health["groups"] for rule in group["rules"]), rules_health
     roles = prom_get(live["base"], "/api/v1/query", query=f'count by (role) (count_over_time({ROLE_WAIT_RATIO}[{window}]))')

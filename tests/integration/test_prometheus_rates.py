@@ -25,6 +25,7 @@ import yaml
 
 from monitoring.catalog import FAMILIES
 from tests.conftest import free_port_pair, serve_prometheus, start_prometheus
+from tests.integration.run_ticks import ticks, tokens_at
 
 pytestmark = pytest.mark.slow
 
@@ -98,21 +99,6 @@ def shipped(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def ticks(run: Path, rank: int) -> list:
-    lines = (run / "profile" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == "tick"]
-
-
-def tokens_at(tks: list, t: float) -> float:
-    """The run log's tokens at Unix time t: linear between the ticks around it."""
-    for a, b in zip(tks, tks[1:]):
-        if a["time_unix"] <= t <= b["time_unix"]:
-            ca, cb = a["counters"].get("tokens", 0), b["counters"].get("tokens", 0)
-            span = b["time_unix"] - a["time_unix"]
-            return ca if span <= 0 else ca + (cb - ca) * (t - a["time_unix"]) / span
-    raise AssertionError(f"{t} lies outside the ticks")
 
 
 def tick_tokens(tks: list, at: float, before: bool) -> float:

@@ -192,3 +192,35 @@ def test_a_tick_s_metrics_are_read_or_its_line_is_bad(runs, tmp_path):
     ticks[5]["metrics"] = {"loss": 3.0}
     loaded = load_run(write(tmp_path / "bad", run))
     assert loaded.ranks[0].bad_lines == 3 and loaded.ranks[1].bad_lines == 0
+
+
+def test_a_drafter_that_recompiles_all_along_is_read_past_warm_up_never_none_steady_beside_its_rate(tmp_path):
+    """The H100 run of 2026-12-07 (300 steps, 10 s intervals): the drafter recompiled in every tick window, so none
+    was steady by phases, while its steady state (compile time left out) read 48,161 tokens/s; the verdict said
+    "none steady" beside it and `dflash-report check` exited 1. Its figures are now read over the windows past
+    warm-up, labelled as each over a tenth in phases, and the check agrees."""
+    run = write(tmp_path / "run", ticked_run(recompile_s=0.8))
+    rep = report.hotspots(run)
+    drafter = rep["verdict"]["roles"]["drafter"]
+    assert drafter["window"].startswith("past-warm-up tick windows (")
+    assert "each over a tenth in phases" in drafter["window"]
+    assert rep["verdict"]["roles"]["target"]["window"].startswith("steady windows (")
+    assert rep["steady"]["roles"]["drafter"]["steady_tokens_per_s"] > 0
+    assert "none steady" not in report.format_hotspots(rep)
+    assert check(run).violations == []
+
+
+def test_a_wait_is_read_on_the_hosts_clock_never_over_the_wall(tmp_path):
+    """A wait span with CUDA events whose GPU window, scaled from its timed instances to all of them, sums past the
+    wall (the H100 run's "target waits 101%"): the verdict reads the wait on the CPU clock, cut at the windows'
+    edges, and the check bounds every role's wait share by its wall."""
+    data = ticked_run()
+    for rec in data["logs"][1]:
+        if rec["type"] == "tick" and "transfer.wait_slot" in rec["spans"]:
+            s = rec["spans"]["transfer.wait_slot"]
+            s.update(gpu_seconds=s["cpu_seconds"] * 1.5, gpu_self_seconds=s["cpu_seconds"] * 1.5,
+                     gpu_count=max(1, s["count"]))
+    run = write(tmp_path / "run", data)
+    target = report.hotspots(run)["verdict"]["roles"]["target"]
+    assert target["wait_share"] == pytest.approx(0.5, abs=0.05)
+    assert check(run).violations == []

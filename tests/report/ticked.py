@@ -13,17 +13,23 @@ TOKENS_PER_STEP = 512
 WARM_END_S = 8.0     # the drafter compiles for 6 s, then two warm-up steps
 
 
-def _timeline(fwd_s: float, length_s: float, seed: int, ckpt_s: float) -> dict:
+def _timeline(fwd_s: float, length_s: float, seed: int, ckpt_s: float, recompile_s: float = 0.0) -> dict:
     """{rank: [(name, start_s, end_s)], "steps": [step end_s]}: the drafter (rank 0) compiles, then steps (recv,
-    fwd_bwd jittered +-5%, optim) with a `ckpt_s` checkpoint at 40 s; the target (rank 1) steps alongside, waiting
-    on a transfer slot for what the drafter's step takes beyond its own work (drafter-bound)."""
+    fwd_bwd jittered +-5%, optim) with a `ckpt_s` checkpoint at 40 s, and with `recompile_s` a compile of that
+    long at the first step of every 2.5 s (a drafter that recompiles all along: new shapes); the target (rank 1)
+    steps alongside, waiting on a transfer slot for what the drafter's step takes beyond its own work
+    (drafter-bound)."""
     rng = random.Random(seed)
     drafter, target, steps = [("drafter.compile", 0.0, 6.0)], [], []
-    t = 6.0
+    t, compiled = 6.0, 6.0
     while True:
         if 40.0 <= t < 40.0 + fwd_s + 0.025:
             drafter.append(("ckpt.save", t, t + ckpt_s))
             t += ckpt_s
+        if recompile_s and t >= compiled + 2.5 and t + recompile_s < length_s:
+            drafter.append(("drafter.compile", t, t + recompile_s))
+            target.append(("transfer.wait_slot", t, t + recompile_s))
+            t, compiled = t + recompile_s, t
         f = fwd_s * (1.0 + rng.uniform(-0.05, 0.05))
         if t + 0.005 + f + 0.02 > length_s:
             break
@@ -75,11 +81,11 @@ def _interval(rank: int, role: str, index: int, a: float, b: float, spans: list,
 
 
 def ticked_run(fwd_s: float = 0.2, seed: int = 1, length_s: float = 80.0, interval_s: float = 60.0,
-               tick_s: float | None = 5.0, ckpt_s: float = 1.5) -> dict:
+               tick_s: float | None = 5.0, ckpt_s: float = 1.5, recompile_s: float = 0.0) -> dict:
     """{"logs", "files"} as tests.report.test_check.write takes: each rank's run_start, its intervals (the first
     warm-up, the last final), its ticks every tick_s (none when tick_s is None: a log written before ticks),
     its throughput event and run_end."""
-    tl = _timeline(fwd_s, length_s, seed, ckpt_s)
+    tl = _timeline(fwd_s, length_s, seed, ckpt_s, recompile_s)
     steps = tl["steps"]
     logs = {}
     for rank, role in ((0, "drafter"), (1, "target")):
@@ -95,11 +101,14 @@ def ticked_run(fwd_s: float = 0.2, seed: int = 1, length_s: float = 80.0, interv
         ticks = [_tick(rank, role, k, t, spans, steps, **({"final": True} if t == length_s else {}))
                  for k, t in enumerate(instants)]
         steady = [s for s in steps if s > WARM_END_S]
-        rate = len(steady) * TOKENS_PER_STEP / (length_s - WARM_END_S)
+        phases = {"ckpt.save": ckpt_s if role == "drafter" else 0.0}
+        if recompile_s and role == "drafter":   # the meter leaves compile time out of its window
+            phases["drafter.compile"] = sum(e - b for n, b, e in spans if n == "drafter.compile" and b >= WARM_END_S)
+        seconds = length_s - WARM_END_S - (phases.get("drafter.compile") or 0.0)
+        rate = len(steady) * TOKENS_PER_STEP / seconds
         event = {"type": "event", "kind": "throughput", "rank": rank, "role": role, "time_unix": T0 + length_s,
-                 "window": "steady state", "steady_tokens_per_s": rate, "steady_tokens": rate * (length_s - WARM_END_S),
-                 "steady_seconds": length_s - WARM_END_S, "steady_steps": len(steady),
-                 "phases_seconds": {"ckpt.save": ckpt_s if role == "drafter" else 0.0}}
+                 "window": "steady state", "steady_tokens_per_s": rate, "steady_tokens": rate * seconds,
+                 "steady_seconds": seconds, "steady_steps": len(steady), "phases_seconds": phases}
         # as the writer: a tick at each interval's close, in time order with them
         records = sorted([*intervals, *ticks], key=lambda r: (r["time_unix"], r["type"] == "interval"))
         logs[rank] = [start, *records, event, run_end(rank, role, intervals, len(steps))]
