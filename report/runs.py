@@ -16,6 +16,7 @@ from pathlib import Path
 
 from monitoring.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
+from profiler import views
 from profiler.span_kinds import SpanKinds, of_run_starts
 from profiler.windows import is_steady, past_warm_up, tick_windows
 
@@ -108,54 +109,6 @@ _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "
 _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 
-_NUM = (int, float)
-_SHAPES = {"step": (int, type(None)), "index": int, "duration_seconds": _NUM, "spans": dict, "counters": dict,
-           "gauges": dict, "metrics": dict, "kind": str}
-"""Fields the report computes with, and the types they must have where a record holds them."""
-
-
-def shape_problem(rec: dict) -> str | None:
-    """Why a record cannot be read as docs/RUNLOG.md says (a field of the wrong type), or None."""
-    if rec.get("type") == rl.SPANS:   # a detail window: its spans are a list of raw spans
-        return None if isinstance(rec.get("spans", []), list) else "spans is not a list"
-    if rec.get("type") == rl.TICK:    # cumulative totals: counters are numbers, span entries flat
-        return _tick_shape_problem(rec)
-    for key, want in _SHAPES.items():
-        if key in rec and (not isinstance(rec[key], want) or isinstance(rec[key], bool)):
-            return f"{key} is {type(rec[key]).__name__}"
-    for name, e in (rec.get("spans") or {}).items():
-        if not isinstance(e, dict) or not isinstance(e.get("count", 0), int):
-            return f"span {name!r} is not an entry with an integer count"
-        for clock in ("cpu", "gpu"):
-            block = e.get(clock)
-            if block is not None and (not isinstance(block, dict) or any(
-                    v is not None and not isinstance(v, _NUM) for k, v in block.items() if k != "buckets")):
-                return f"span {name!r}: its {clock} block holds a non-number"
-    for name, c in (rec.get("counters") or {}).items():
-        if not isinstance(c, dict) or not isinstance(c.get("total", 0), _NUM):
-            return f"counter {name!r} has no numeric total"
-    return None
-
-
-def _tick_shape_problem(rec: dict) -> str | None:
-    """Why a `tick` record cannot be read as docs/RUNLOG.md says, or None."""
-    for key, want in (("index", int), ("t_s", _NUM), ("spans", dict), ("counters", dict)):
-        if not isinstance(rec.get(key), want) or isinstance(rec.get(key), bool):
-            return f"tick: {key} is {type(rec.get(key)).__name__}"
-    for name, e in rec["spans"].items():
-        if not isinstance(e, dict) or not all(isinstance(v, _NUM) for v in e.values()):
-            return f"tick: span {name!r} holds a non-number"
-    if not all(isinstance(v, _NUM) for v in rec["counters"].values()):
-        return "tick: a counter is not a number"
-    metrics = rec.get("metrics", {})
-    if not isinstance(metrics, dict):
-        return f"tick: metrics is {type(metrics).__name__}"
-    for name, m in metrics.items():
-        if not isinstance(m, dict) or not all(isinstance(v, _NUM) for v in m.values()):
-            return f"tick: metric {name!r} holds a non-number"
-    return None
-
-
 class DetailWindows:
     """A rank's newest detail-window `spans` records whose slices fit in `max_events` (all a trace draws of it:
     monitoring.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
@@ -189,7 +142,7 @@ def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
         rec = json.loads(raw)
     except (ValueError, RecursionError):
         rec = None
-    why = "not a JSON object" if not isinstance(rec, dict) else shape_problem(rec)
+    why = "not a JSON object" if not isinstance(rec, dict) else views.problem(rec)
     return (rec, None) if why is None else (None, why)
 
 
@@ -243,7 +196,7 @@ def _parsed(batch: list) -> list:
         except (ValueError, RecursionError):
             recs = None
         if recs is not None and len(recs) == len(batch) and all(isinstance(r, dict) for r in recs):
-            return [(n, rec, shape_problem(rec)) for (n, _), rec in zip(batch, recs)]
+            return [(n, rec, views.problem(rec)) for (n, _), rec in zip(batch, recs)]
     return [(n, *_why_bad(raw)) for n, raw in batch]
 
 

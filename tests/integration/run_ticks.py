@@ -1,4 +1,5 @@
-"""The run log's `tick` records as the Prometheus tests read them: cumulative counters at known Unix times."""
+"""The run log's `tick` records as the Prometheus tests read them: cumulative counters and span seconds at known
+Unix times."""
 from __future__ import annotations
 
 import json
@@ -11,14 +12,25 @@ def ticks(run: Path, rank: int) -> list:
     return [r for r in map(json.loads, lines) if r["type"] == "tick"]
 
 
-def tokens_at(tks: list, t: float) -> float:
-    """The run log's tokens at Unix time t: linear between the ticks around it."""
+def value_at(tks: list, t: float, read) -> float:
+    """`read(tick)` (a cumulative figure) at Unix time t: linear between the ticks around it."""
     for a, b in zip(tks, tks[1:]):
         if a["time_unix"] <= t <= b["time_unix"]:
-            ca, cb = a["counters"].get("tokens", 0), b["counters"].get("tokens", 0)
-            span = b["time_unix"] - a["time_unix"]
-            return ca if span <= 0 else ca + (cb - ca) * (t - a["time_unix"]) / span
+            va, vb = read(a), read(b)
+            width = b["time_unix"] - a["time_unix"]
+            return va if width <= 0 else va + (vb - va) * (t - a["time_unix"]) / width
     raise AssertionError(f"{t} lies outside the ticks")
+
+
+def tokens_at(tks: list, t: float) -> float:
+    """The run log's tokens at Unix time t."""
+    return value_at(tks, t, lambda tick: tick["counters"].get("tokens", 0))
+
+
+def span_seconds_at(tks: list, span: str, t: float) -> float:
+    """The run log's cumulative CPU seconds of `span` at Unix time t (a tick credits open spans up to its
+    instant)."""
+    return value_at(tks, t, lambda tick: ((tick.get("spans") or {}).get(span) or {}).get("cpu_seconds", 0.0))
 
 
 def tokens_rate(tks: list, t0: float, t1: float) -> float:

@@ -199,10 +199,13 @@ def _stats(seconds: float, count: int) -> dict:
 
 
 def _interval(rank: int, role: int, index: int, spans: dict, tokens: int, memory: dict | None = None, **extra) -> dict:
-    """A 60 s interval whose spans are {name: (seconds per call, calls)}, on GPU time."""
+    """A 60 s interval whose spans are {name: (seconds per call, calls)}, on GPU time; the host's time is a tenth
+    of it (its launches), but the whole of it in a wait (the host waited)."""
     return {"type": "interval", "time_unix": T0 + 60 * (index + 1), "rank": rank, "role": role, "index": index,
             "step": 10 * (index + 1), "duration_seconds": 60.0, "start_s": 60.0 * index, "end_s": 60.0 * (index + 1),
-            "spans": {n: {"count": c, "threads": [f"{role}.main"], "cpu": _stats(s / 10, c), "gpu": _stats(s, c),
+            "spans": {n: {"count": c, "threads": [f"{role}.main"],
+                          "cpu": _stats(s if n in ("transfer.wait_slot", "drafter.recv") else s / 10, c),
+                          "gpu": _stats(s, c),
                           "share": s * c / 60.0} for n, (s, c) in spans.items()},
             "counters": {"tokens": {"total": tokens, "per_second": tokens / 60.0, "run_total": tokens * (index + 1)}},
             "memory": memory or {"available": False, "reason": "no CUDA device"}, **extra}
