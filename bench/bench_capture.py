@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="bench_capture_", dir=os.environ.get("OUT") or None))
     times = run(args, device, run_dir)["times_s"]
     from profiler.records import read_records
-    from report.kernels import kernels
+    from profiler.report.kernels import kernels
     event = next(r for r in read_records(run_dir / "profile" / "rank0.jsonl")[0] if r.get("kind") == "capture")
     t0 = time.perf_counter()
     rep = kernels(run_dir, args.at)

@@ -11,8 +11,8 @@ from dataclasses import fields
 
 from dflash import pipeline
 from dflash.config import _ENV, SECTIONS, TrainConfig
-from report.analysis import WAIT_BOUND_SHARE
-from report.findings import LAUNCH_FIXES, RULES, Advice, finding, straggler
+from profiler.report.analysis import WAIT_BOUND_SHARE
+from profiler.report.findings import LAUNCH_FIXES, RULES, Advice, finding, straggler
 
 SPLIT_GAIN = 0.10              # a better split must predict at least this much more throughput
 

@@ -41,7 +41,7 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
 def verdict_and_findings(run_dir: Path, top: int = TOP_FINDINGS) -> list[str]:
     """The verdict with the windows it was read over and its evidence, then the first `top` findings with
     their next experiment; one line saying why where the report cannot be made."""
-    import report
+    from profiler import report
     from dflash.advice import ADVICE
 
     try:

@@ -5,8 +5,8 @@
     python -m dflash.grafana dashboard [--out FILE] [--check]
     python -m dflash.grafana rules [--out FILE] [--time-scale F] [--runbook-base URL] [--check]
 
-`--check` writes nothing and exits 1 when a file differs from what would be generated (monitoring/dashboard.py,
-monitoring/rules.py).
+`--check` writes nothing and exits 1 when a file differs from what would be generated (exporters/dashboard.py,
+exporters/rules.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from dflash import pipeline
-from monitoring import dashboard, rules
+from exporters import dashboard, rules
 
 GENERATORS = {"dashboard": dashboard.main, "rules": rules.main}
 """Each file's generator: its command line, given the wait spans and the command that names it."""

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _hotspots(args) -> int:
-    import report
+    from profiler import report
     from dflash.advice import ADVICE
 
     rep = report.hotspots(args.run_dir, top=args.top, n_gpus=args.gpus, advice=ADVICE)
@@ -88,7 +88,7 @@ def _hotspots(args) -> int:
 
 
 def _compare(args) -> int:
-    import report
+    from profiler import report
 
     table = report.compare(args.run_a, args.run_b)
     print(json.dumps(table, indent=1, allow_nan=False) if args.json else report.format_compare(table))
@@ -96,7 +96,7 @@ def _compare(args) -> int:
 
 
 def _trace(args) -> int:
-    from report.trace import merge_traces
+    from profiler.report.trace import merge_traces
 
     try:
         s = merge_traces(args.run_dir, args.output)
@@ -114,7 +114,7 @@ def _trace(args) -> int:
 
 def _check(args) -> int:
     """Exit 1 when an invariant does not hold; notes (what the log cannot hold) go to stderr."""
-    from report.check import check, check_compare
+    from profiler.report.check import check, check_compare
 
     res = check(args.run_dir)
     if args.compare:
@@ -136,7 +136,7 @@ def _check(args) -> int:
 
 
 def _kernels(args) -> int:
-    import report
+    from profiler import report
 
     rep = report.kernels(args.run_dir, args.capture, args.top)
     print(json.dumps(rep, indent=1, allow_nan=False) if args.json else report.format_kernels(rep))
@@ -144,7 +144,7 @@ def _kernels(args) -> int:
 
 
 def _memory(args) -> int:
-    import report
+    from profiler import report
 
     rep = report.memory(args.run_dir, args.top)
     print(json.dumps(rep, indent=1, allow_nan=False) if args.json else report.format_memory(rep))
@@ -157,7 +157,7 @@ COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check"
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from report.runs import ReportError
+    from profiler.report.runs import ReportError
 
     with cli_output():
         try:

@@ -2,7 +2,7 @@
 
 Spans go to the SDK's BatchSpanProcessor and metrics to a PeriodicExportingMetricReader (their own threads),
 so `export()` never waits on the network. Each `spans` record becomes one trace under a `profile.window` root.
-Metrics are the fold's samples (monitoring/fold.py) under OTel's semantic conventions (the catalog's `Otel` names:
+Metrics are the fold's samples (exporters/fold.py) under OTel's semantic conventions (the catalog's `Otel` names:
 dotted, no unit in the name, UCUM units; GPU memory, utilisation, power and temperature as `hw.*` with `hw.id` =
 the GPU's UUID): a gauge is set, an up-down counter brought to the sample's level, a counter given the increase of
 the sample's run total. Span time is a real histogram, `dflash.span.duration`: the run log carries per-interval
@@ -22,9 +22,9 @@ import threading
 import time
 from collections.abc import Mapping
 
-from monitoring.catalog import FAMILIES, Family
-from monitoring.fold import Buckets, Fold, Sample
-from monitoring.fold import clock_count as _clock_count  # noqa: F401 - tests/report reads the histogram count here
+from exporters.catalog import FAMILIES, Family
+from exporters.fold import Buckets, Fold, Sample
+from exporters.fold import clock_count as _clock_count  # noqa: F401 - tests/report reads the histogram count here
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 log = logging.getLogger("exporters")

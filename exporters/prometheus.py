@@ -1,4 +1,4 @@
-"""Prometheus: one HTTP endpoint per rank. `export(record)` applies the fold's samples (monitoring/fold.py) to
+"""Prometheus: one HTTP endpoint per rank. `export(record)` applies the fold's samples (exporters/fold.py) to
 plain values under a lock; a scrape turns them into families. Span-time histograms are the fold's run totals of
 the intervals' fixed bucket counts, so `histogram_quantile` aggregates across ranks. Counters whose rate a window
 needs (tokens, samples, steps, span seconds and counts, profiled seconds) move with every `tick` record and each
@@ -20,8 +20,8 @@ import logging
 import threading
 import time
 
-from monitoring.catalog import COMMON_LABELS, FAMILIES, Family
-from monitoring.fold import Buckets, Fold, Sample
+from exporters.catalog import COMMON_LABELS, FAMILIES, Family
+from exporters.fold import Buckets, Fold, Sample
 
 logger = logging.getLogger("exporters")
 

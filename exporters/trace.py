@@ -1,4 +1,4 @@
-"""The live per-rank Perfetto/Chrome trace: RUN_DIR/trace/rank{R}.json (trace layout: monitoring.trace_events)."""
+"""The live per-rank Perfetto/Chrome trace: RUN_DIR/trace/rank{R}.json (trace layout: profiler.trace_events)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from monitoring.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, num, prepare,
+from profiler.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, num, prepare,
                                      proc_info, write_trace)
 from profiler.records import RUN_END, RUN_START, SPANS
 from profiler.runlog import is_disk_full

@@ -142,7 +142,7 @@ def steady_throughput(events: list) -> dict | None:
 def gpu_bound(entries, capture_busy_share: float | None = None, sm_active_percent: float | None = None) -> dict | None:
     """A span's class over the window its interval `entries` cover: launch-bound / GPU-bound / mixed from its
     entries' `gpu_lag` samples (class_of), the lags' medians (of the intervals' p50s), and the busy estimate
-    beside it: the capture's busy share (kernels over our GPU window, report/kernels.py) where a capture has the
+    beside it: the capture's busy share (kernels over our GPU window, profiler/report/kernels.py) where a capture has the
     span, else the GPU's SM activity (GPM) over the window, else none. None when no sample was placed."""
     lags = [e["gpu_lag"] for e in entries if (e.get("gpu_lag") or {}).get("n")]
     if not lags:

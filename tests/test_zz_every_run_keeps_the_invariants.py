@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from report.check import check_run
+from profiler.report.check import check_run
 
 SKIP_MARK = ".check-skip"
 

@@ -11,7 +11,7 @@ import pytest
 from dflash import advice, pipeline
 from dflash.cli import build_parser
 from dflash.config import TrainConfig
-from report.findings import RULES, Advice, straggler
+from profiler.report.findings import RULES, Advice, straggler
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_every_flag_the_advice_names_is_one_dflash_train_accepts():
 
 
 def test_no_advice_points_at_a_file_the_package_does_not_ship():
-    for module in ("dflash/advice.py", "report/findings.py", "report/advice.py"):
+    for module in ("dflash/advice.py", "profiler/report/findings.py", "profiler/report/advice.py"):
         assert "bench/" not in (REPO / module).read_text(), module
 
 

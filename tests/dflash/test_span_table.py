@@ -9,9 +9,9 @@ import time
 import pytest
 
 import profiler
-import report
+from profiler import report
 from dflash import pipeline
-from monitoring import rules
+from exporters import rules
 from profiler.faults import check_injection_points, parse_faults
 from profiler.span_kinds import FALLBACK, of_run_start
 from tests.profiler.build import make_profiler

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dflash.pipeline import wait_spans
-from monitoring import rules
+from exporters import rules
 
 GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 RUN = {"job": "dflash", "run": "r1", "instance": "127.0.0.1:9465", "rank": "1", "role": "target", "host": "h1"}

@@ -14,9 +14,9 @@ import yaml
 
 from dflash import grafana
 from dflash.pipeline import wait_spans
-from monitoring import dashboard as dash
-from monitoring import rules
-from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, Family
+from exporters import dashboard as dash
+from exporters import rules
+from exporters.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES, Family
 from tests.exporters.grafana_model import iter_panels, panel_queries, substitute_variables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def test_metrics_labels_and_legends_come_from_the_catalog(model):
     for title, ref, expr, ast in parsed(model):
         for node, _ in nodes(ast):
             if isinstance(node, promql_parser.VectorSelector):
-                assert family_of(node.name) is not None, f"{title}: {node.name} is not in monitoring.catalog"
+                assert family_of(node.name) is not None, f"{title}: {node.name} is not in exporters.catalog"
                 used = {m.name for m in node.matchers.matchers}
                 assert used <= series_labels(node.name), (title, node.name, used)
             if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:

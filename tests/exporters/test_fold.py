@@ -1,4 +1,4 @@
-"""The one fold from run-log records to metric samples (monitoring/fold.py), and the two live sinks that map its
+"""The one fold from run-log records to metric samples (exporters/fold.py), and the two live sinks that map its
 samples: the same quantities, the same values, for one record stream."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from monitoring.catalog import FAMILIES, THROTTLE_REASONS, counter_family, gauge_family
-from monitoring.fold import P95_KEPT_S, Buckets, Fold
+from exporters.catalog import FAMILIES, THROTTLE_REASONS, counter_family, gauge_family
+from exporters.fold import P95_KEPT_S, Buckets, Fold
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 BOUNDS = [0.01, 0.1, 1.0]

@@ -16,9 +16,9 @@ import yaml
 
 from dflash import grafana
 from dflash.pipeline import wait_spans
-from monitoring import dashboard as dash
-from monitoring import rules
-from monitoring.catalog import FAMILIES, PROCESS_FAMILIES
+from exporters import dashboard as dash
+from exporters import rules
+from exporters.catalog import FAMILIES, PROCESS_FAMILIES
 from tests.exporters.grafana_model import panel_queries, substitute_variables
 
 ROOT = Path(__file__).resolve().parents[2]

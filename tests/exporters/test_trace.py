@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from exporters.trace import TraceExporter
-from monitoring.trace_events import GPU_START_UNKNOWN, backward_flows, trace_pid
+from profiler.trace_events import GPU_START_UNKNOWN, backward_flows, trace_pid
 from dflash import report_cli
-from report.trace import merge_traces
+from profiler.report.trace import merge_traces
 
 T0 = 1_700_000_000_000_000_000       # Unix ns of the run's clock anchor
 MS = 1_000_000

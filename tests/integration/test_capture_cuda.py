@@ -20,7 +20,7 @@ from dflash import report_cli  # noqa: E402
 from profiler.config import ProfilerConfig  # noqa: E402
 from profiler.records import read_records  # noqa: E402
 from profiler.snapshot import live_ranks  # noqa: E402
-from report.kernels import kernels  # noqa: E402
+from profiler.report.kernels import kernels  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import report
+from profiler import report
 from dflash.advice import ADVICE
 from profiler.records import read_records
 

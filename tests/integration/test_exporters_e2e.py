@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from monitoring.catalog import FAMILIES
+from exporters.catalog import FAMILIES
 
 pytestmark = pytest.mark.slow
 
@@ -219,7 +219,7 @@ def test_the_healthy_run_raised_no_alert_while_the_rules_evaluated(live):
     """The shipped alerts, scaled to the test's seconds (tests/conftest.py ALERT_TIME_SCALE), evaluated every second
     over the whole run: none fired (pending ones, still inside their `for:` window, raise nothing). The recording
     rules did evaluate: the role wait ratio exists for both roles."""
-    from monitoring.rules import ROLE_WAIT_RATIO
+    from exporters.rules import ROLE_WAIT_RATIO
 
     window = f"{int(time.time() - live['since']) + 5}s"
     fired = prom_get(live["base"], "/api/v1/query", query=f'count_over_time(ALERTS{{alertstate="firing"}}[{window}])')

@@ -273,7 +273,7 @@ def test_a_hang_dumps_each_ranks_flight_recorder_and_the_rings_line_up(tmp_path,
     submitted = [e["batch"] for e in target if e["kind"] == "submit"]
     assert submitted[:len(completed)] == completed and len(submitted) <= len(completed) + 2   # max_in_flight
     # dflash-report lines the two rings up from the same logs
-    from report import format_hotspots, hotspots
+    from profiler.report import format_hotspots, hotspots
 
     rep = hotspots(run)
     [link] = rep["transfer_rings"]["links"]

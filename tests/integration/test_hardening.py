@@ -435,7 +435,7 @@ def test_a_disk_that_fills_mid_run_stops_each_rank_in_one_line_with_whole_logs_e
     assert said   # at least one rank found the disk full and said so
     assert not [p.name for p in out.rglob("*") if ".tmp" in p.name]   # no half-written file left
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
-    from report.check import check_run
+    from profiler.report.check import check_run
     assert check_run(out) == []
 
 

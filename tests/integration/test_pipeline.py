@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import report
+from profiler import report
 import torch
 from safetensors.torch import load_file
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitoring.catalog import FAMILIES
+from exporters.catalog import FAMILIES
 from tests.conftest import free_port_pair, serve_prometheus, start_prometheus
 from tests.integration.run_ticks import ticks, tokens_at
 

@@ -12,7 +12,7 @@ from exporters.console import ConsoleExporter
 
 import profiler
 from exporters.console import format_interval, hotspot_rows
-from report import format_hotspots, hotspots
+from profiler.report import format_hotspots, hotspots
 from profiler.cuda_timing import EventPool
 from profiler.intervals import IntervalAggregator
 from profiler.spans import SpanRecord

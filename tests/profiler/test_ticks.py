@@ -8,7 +8,7 @@ import pytest
 import profiler
 from profiler.config import ProfilerConfig
 from profiler.intervals import IntervalAggregator
-from report.runs import load_run
+from profiler.report.runs import load_run
 from tests.profiler.build import make_profiler
 
 LONG = "drafter.compile"

@@ -1,4 +1,4 @@
-"""dflash-report check (report/check.py): run logs written as docs/RUNLOG.md says, a clean one (a compile
+"""dflash-report check (profiler/report/check.py): run logs written as docs/RUNLOG.md says, a clean one (a compile
 outlier among GPU-timed steps, nested spans, a span crossing an interval boundary, a resumed run) that keeps
 every invariant, then one broken invariant at a time, which the check names with its place; the CLI's exit
 codes; the plot's stacks of self time; and the suite's shared real run."""
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import report.check as check_mod
+import profiler.report.check as check_mod
 from dflash import report_cli
 from profiler.span_kinds import FALLBACK, PHASE
-from report.check import check, check_run
-from report.plot import timeline
-from report.runs import load_run
+from profiler.report.check import check, check_run
+from profiler.report.plot import timeline
+from profiler.report.runs import load_run
 
 T0 = 1_000_000.0           # Unix seconds the crafted run starts at
 PHASES = FALLBACK.names(PHASE)   # the crafted logs' run_starts hold no span_table: dflash-train's phases then
@@ -341,7 +341,7 @@ def test_a_one_rank_roles_percentiles_are_its_run_ends(tmp_path, monkeypatch):
     run_dir = write(tmp_path / "run", clean())
     optim = next(r for r in check_mod.hotspots_of(load_run(run_dir))["spans"]["rows"] if r["span"] == "drafter.optim")
     assert (optim["p50_seconds"], optim["quantiles_from"]) == (0.02, "exact")
-    import report
+    from profiler import report
     text = report.format_hotspots(report.hotspots(run_dir))
     assert "p50 and p95 of 4 span(s) are estimates over several ranks, segments or intervals" in text
     real = check_mod.hotspots_of
@@ -361,7 +361,7 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
     """Issue 33: the README's default run at --profile-interval 60 has one interval, warm-up and final. Every
     surface names the window its figures were read over (no "steady intervals"), the rate column is the
     throughput file's, and the check holds."""
-    import report
+    from profiler import report
 
     run_dir = write(tmp_path / "run", only_warmup())
     assert check(run_dir).violations == []
@@ -380,7 +380,7 @@ def test_a_run_with_no_steady_interval_names_its_window_on_every_surface(tmp_pat
 def test_a_run_without_warm_up_steps_is_steady_from_its_first_interval(tmp_path):
     """warmup_steps 0 (a run of under 4 steps): no interval is warm-up, so the first is steady, as the meter's
     window starts with the loop; the report read it as start-up (a run two real tests make)."""
-    import report
+    from profiler import report
 
     run = clean()
     for recs in run["logs"].values():
@@ -400,8 +400,8 @@ def test_an_interval_mostly_in_a_phase_is_not_steady(tmp_path, monkeypatch):
     or in evaluation were called steady, so the verdict's GPM and wait figures averaged the phase in. An
     interval past warm-up with a checkpoint open for 0.9 of its 1 s is a phase interval: left out of every steady
     window, and a report that kept it is caught."""
-    import report
-    from report import runs
+    from profiler import report
+    from profiler.report import runs
 
     ivs = drafter_intervals()
     ivs[1].pop("warmup")
@@ -423,7 +423,7 @@ def test_an_interval_mostly_in_a_phase_is_not_steady(tmp_path, monkeypatch):
 
 def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypatch):
     """The fault issue 33 found: figures read over warm-up (the silent fallback) labelled steady."""
-    from report import runs
+    from profiler.report import runs
 
     monkeypatch.setattr(runs.Window, "label", property(lambda w: f"steady intervals ({len(w.intervals)})"))
     found = {(v.invariant, v.where) for v in check_run(write(tmp_path / "run", only_warmup()))}
@@ -434,7 +434,7 @@ def test_a_window_labelled_steady_over_warmup_is_a_violation(tmp_path, monkeypat
 
 def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypatch):
     """The other fault: the ranks table's tokens/s read over the intervals (2% off the steady state's)."""
-    from report import report_text
+    from profiler.report import report_text
 
     def interval_rates(rep):
         rep = copy.deepcopy(rep)
@@ -450,8 +450,8 @@ def test_the_ranks_table_must_show_the_throughput_files_rate(tmp_path, monkeypat
 def test_no_window_label_beside_another_windows_figure_in_the_ranks_table(tmp_path, monkeypatch):
     """Issue 45: the steady state's rate (over the meter's seconds) printed beside the steady intervals' label,
     whose own rate differs. Each figure of a row names its own window, and check finds a row that does not."""
-    import report
-    from report import report_text
+    from profiler import report
+    from profiler.report import report_text
 
     run_dir = write(tmp_path / "run", clean())
     rep = report.hotspots(run_dir)
@@ -475,7 +475,7 @@ def test_no_window_label_beside_another_windows_figure_in_the_ranks_table(tmp_pa
 
 def test_a_rank_without_its_meter_says_so_instead_of_another_rate(tmp_path):
     """A target that wrote no throughput event: no rate, no capacity, a reason; never its intervals' rate."""
-    import report
+    from profiler import report
 
     run = only_warmup()
     run["logs"][1] = [r for r in run["logs"][1] if r.get("kind") != "throughput"]
@@ -525,7 +525,7 @@ def test_plot_stacks_self_time_so_a_child_never_sits_on_its_parent(tmp_path):
 
 def test_plot_draws_the_first_interval(tmp_path):
     pytest.importorskip("matplotlib")
-    import report
+    from profiler import report
 
     png = tmp_path / "run.png"
     assert report.plot(write(tmp_path / "run", clean()), png) == str(png) and png.stat().st_size > 0

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import report
+from profiler import report
 from dflash.advice import ADVICE
-from report.advice import run_topology
-from report.runs import load_run
+from profiler.report.advice import run_topology
+from profiler.report.runs import load_run
 
 GIB = 1024 ** 3
 T0 = 1_700_000_000.0

@@ -1,7 +1,7 @@
 """report.flight_recorder on rings as docs/RUNLOG.md shows them: each target -> drafter link says how far each side
 got and which batches were in flight; the last forensics dump that holds a ring is the one read."""
-from report.flight_recorder import transfer_rings
-from report.runs import RankLog, Run
+from profiler.report.flight_recorder import transfer_rings
+from profiler.report.runs import RankLog, Run
 
 
 def _dump(kind: str, ring, rank: int, role: str) -> dict:

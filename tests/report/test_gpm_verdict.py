@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import report
-from report.analysis import gpu_activity
-from report.runs import load_run
+from profiler import report
+from profiler.report.analysis import gpu_activity
+from profiler.report.runs import load_run
 
 T0 = 1_700_000_000.0
 INTERVAL_S = 60.0

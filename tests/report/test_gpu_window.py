@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import report
+from profiler import report
 from exporters.console import format_interval
 from profiler.floors import floor_for_span
 from profiler.intervals import IntervalAggregator

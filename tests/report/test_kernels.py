@@ -10,8 +10,8 @@ import json
 import pytest
 
 from dflash import report_cli
-from report.kernels import kernels
-from report.kineto_trace import innermost, union_us
+from profiler.report.kernels import kernels
+from profiler.report.kineto_trace import innermost, union_us
 
 MAIN, AUTOGRAD, SENDER, STREAM = 100, 200, 300, 7
 FLOORS = {"pinned_d2h": 5e10, "pinned_h2d": 5e10, "device_copy": 3e12}
@@ -148,7 +148,7 @@ def test_a_gzip_bomb_is_refused_at_the_limit_unread(tmp_path, capsys, monkeypatc
     import importlib
     import tracemalloc
 
-    kernels_mod = importlib.import_module("report.kernels")   # the package's `kernels` is the function
+    kernels_mod = importlib.import_module("profiler.report.kernels")   # the package's `kernels` is the function
     run = build(tmp_path)
     path = run / "kineto" / "rank1-step10.json.gz"
     with gzip.open(path, "wb") as f:   # 16 MB of whitespace: a few kB on disk

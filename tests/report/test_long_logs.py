@@ -9,11 +9,11 @@ import random
 import time
 from pathlib import Path
 
-import report
+from profiler import report
 from profiler import records as rl
-from report.check import check
-from report.runs import load_run
-from report.trace import merge_traces
+from profiler.report.check import check
+from profiler.report.runs import load_run
+from profiler.report.trace import merge_traces
 
 from tests.report.longlog import write_long_run
 
@@ -116,7 +116,7 @@ def test_empty_rank_logs_are_counted_in_one_line_not_listed(tmp_path, capsys):
 
 
 def test_checks_flow_counts_are_the_merged_traces(tmp_path):
-    from report.trace import flow_counts, merged_trace
+    from profiler.report.trace import flow_counts, merged_trace
     run_dir = write_long_run(tmp_path / "r", 30)
     for rank, name in ((0, "drafter.recv"), (1, "transfer.send")):   # batches 0..29, the drafter missing the last 3
         log = run_dir / "profile" / f"rank{rank}.jsonl"

@@ -10,8 +10,8 @@ import re
 
 from dflash import report_cli
 from dflash.advice import ADVICE
-from report import format_hotspots, hotspots
-from report.check import check
+from profiler.report import format_hotspots, hotspots
+from profiler.report.check import check
 from tests.report.test_check import T0, clean, entry, interval, run_end, write
 
 L = "MainThread"

@@ -8,7 +8,7 @@ import os
 import pickle
 
 from dflash import report_cli
-from report.memory_snapshot import PlainUnpickler
+from profiler.report.memory_snapshot import PlainUnpickler
 
 MIB = 2**20
 

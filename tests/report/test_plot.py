@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from report.plot import panels, timeline
-from report.runs import load_run
+from profiler.report.plot import panels, timeline
+from profiler.report.runs import load_run
 from tests.report.test_check import clean, write
 from tests.report.test_loop_report import loop_run
 
@@ -48,7 +48,7 @@ def test_the_png_holds_one_row_per_panel(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    import report
+    from profiler import report
 
     run_dir = write(tmp_path / "run", _with_metrics(clean(), "drafter", loss=[9.0, 5.0, 3.0], tau=[1.0, 1.5, 2.5]))
     png = report.plot(run_dir, tmp_path / "run.png")

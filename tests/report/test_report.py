@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import report
-from report.advice import memory_margin, split
-from report.analysis import _histogram_quantile
-from report.memory_events import hot_frames
-from report.runs import ReportError, load_run
+from profiler import report
+from profiler.report.advice import memory_margin, split
+from profiler.report.analysis import _histogram_quantile
+from profiler.report.memory_events import hot_frames
+from profiler.report.runs import ReportError, load_run
 
 REPO = Path(__file__).resolve().parents[2]
 # As tests/integration/test_pipeline.py's SMALL, with 1 s intervals: 30 steps give several steady ones.
@@ -136,7 +136,7 @@ def test_compare_flags_the_slowed_span_first(runs):
     change, not noise to hide."""
     table = report.compare(runs["base"], runs["slow"])
     assert table["regressions"][:1] == ["target/target.fetch"], report.format_compare(table)
-    from report.runs import load_run, span_kinds
+    from profiler.report.runs import load_run, span_kinds
 
     kinds = span_kinds(load_run(runs["slow"]))
     working = [r for r in table["spans"] if not kinds.is_wait(r["span"], r["role"])]
@@ -371,7 +371,7 @@ def test_gpu_times_of_one_step_in_four_are_scaled_to_every_span(tmp_path):
             assert rows[1][name][key] == pytest.approx(rows[0][name][key]), (name, key)
     assert rows[1]["drafter.fwd_bwd"]["total_seconds"] == pytest.approx(0.2 * 100 * 3)
     assert (rows[0]["drafter.fwd_bwd"]["gpu_timed"], rows[1]["drafter.fwd_bwd"]["gpu_timed"]) == (300, 75)
-    from report.report_text import format_hotspots
+    from profiler.report.report_text import format_hotspots
     assert "GPU times for 150 of 600 spans (sampled steps in an older run" in format_hotspots(reports[1])
     assert "GPU times for" not in format_hotspots(reports[0])
     assert hotspot_rows(full) == hotspot_rows(sampled)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-import report
-import report.check as check_mod
-import report.trace as trace_mod
-from report.background import Background
-from report.check import check
-from report.runs import load_run
-from report.trace import merge_traces
+from profiler import report
+import profiler.report.check as check_mod
+import profiler.report.trace as trace_mod
+from profiler.report.background import Background
+from profiler.report.check import check
+from profiler.report.runs import load_run
+from profiler.report.trace import merge_traces
 
 from tests.report.longlog import write_long_run
 from tests.report.test_check import BROKEN, clean, write

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-import report
-import report.check as check_mod
+from profiler import report
+import profiler.report.check as check_mod
 from dflash import report_cli
-from report.check import check, check_compare
-from report.plot import _window_words, timeline
-from report.runs import load_run
+from profiler.report.check import check, check_compare
+from profiler.report.plot import _window_words, timeline
+from profiler.report.runs import load_run
 from tests.report.test_check import write
 from tests.report.ticked import ticked_run
 
@@ -170,7 +170,7 @@ def test_a_change_is_weighed_against_the_spread_of_the_mean():
     (spread / sqrt(n)) though well within the samples' spread; the same run against itself is within it."""
     import random
 
-    from report.compare import classify
+    from profiler.report.compare import classify
 
     rng = random.Random(7)
     a = [1.0 + rng.uniform(-0.5, 0.5) for _ in range(40)]

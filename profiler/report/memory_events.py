@@ -7,7 +7,7 @@ from collections import Counter
 
 from profiler import views
 from profiler.threadcpu import is_profiler_thread
-from report.runs import Run, gpu_key, steady_window, wall_seconds
+from profiler.report.runs import Run, gpu_key, steady_window, wall_seconds
 
 # Event kinds that mean something went wrong, shown first and with examples.
 PROBLEM_KINDS = ("nonfinite", "oom", "thread_crash", "hang", "signal", "bad_records", "stop")
@@ -37,12 +37,16 @@ def _low_point(log, rec, g, t0: float | None) -> dict:
 def theil_sen(xs: list, ys: list) -> tuple[float, float]:
     """(slope, intercept): the median pairwise slope, which one outlier cannot move (over at most
     TREND_MAX_POINTS strided points, so a day of intervals stays quick), and the median of y - slope * x."""
+    import numpy as np   # the pairs as one array: 80k of them a trend, 32 trends in an 8-rank report
+
     stride = max(1, -(-len(xs) // TREND_MAX_POINTS))
-    px, py = xs[::stride], ys[::stride]
-    slopes = [(py[j] - py[i]) / (px[j] - px[i]) for i in range(len(px)) for j in range(i + 1, len(px))
-              if px[j] != px[i]]
-    slope = statistics.median(slopes) if slopes else 0.0
-    return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))
+    px, py = np.asarray(xs[::stride], dtype=float), np.asarray(ys[::stride], dtype=float)
+    i, j = np.triu_indices(len(px), k=1)
+    dx = px[j] - px[i]
+    apart = dx != 0
+    slopes = (py[j] - py[i])[apart] / dx[apart]
+    slope = float(np.median(slopes)) if slopes.size else 0.0
+    return slope, float(np.median(np.asarray(ys, dtype=float) - slope * np.asarray(xs, dtype=float)))
 
 
 def _after_warmup(log) -> tuple[list, str, bool]:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from profiler import views
 from profiler.records import MAX_NESTING, too_deep
-from report.kineto_trace import OUTSIDE, Capture, copy_rows, gpu_breakdown, host_breakdown, kineto_windows
-from report.runs import ReportError, load_run
+from profiler.report.kineto_trace import OUTSIDE, Capture, copy_rows, gpu_breakdown, host_breakdown, kineto_windows
+from profiler.report.runs import ReportError, load_run
 
 BOUND_SHARE = 0.5
 """A span whose GPU work fills less than this share of its GPU window is launch- or sync-bound."""

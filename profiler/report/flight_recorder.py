@@ -7,7 +7,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from profiler import views
-from report.runs import Run
+from profiler.report.runs import Run
 
 
 def _last_ring(log) -> tuple:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monitoring.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matched, json_safe, newest_within, \
+from profiler.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matched, json_safe, newest_within, \
     prepare, proc_info, write_trace
-from report.background import Background, cores
-from report.runs import Run, line_counts, load_run, paused_gc, rank_paths, span_kinds
+from profiler.report.background import Background, cores
+from profiler.report.runs import Run, line_counts, load_run, paused_gc, rank_paths, span_kinds
 
 
 def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:

@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitoring import write_or_check
-from monitoring.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES
-from monitoring.rules import ROLE_WAIT_RATIO
+from exporters.generated import write_or_check
+from exporters.catalog import COMMON_LABELS, FAMILIES, PROCESS_FAMILIES
+from exporters.rules import ROLE_WAIT_RATIO
 
 TITLE = "DFlash training"
 DASHBOARD_UID = "dflash-training"

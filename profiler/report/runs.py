@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from monitoring.trace_events import MAX_EVENTS, num, slice_cost
+from profiler.trace_events import MAX_EVENTS, num, slice_cost
 from profiler import records as rl
 from profiler import views
 from profiler.span_kinds import SpanKinds, of_run_starts
@@ -111,7 +111,7 @@ _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 class DetailWindows:
     """A rank's newest detail-window `spans` records whose slices fit in `max_events` (all a trace draws of it:
-    monitoring.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
+    profiler.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
     week's detail windows cost the report its trace's size, not the log's."""
 
     def __init__(self, max_events: int):

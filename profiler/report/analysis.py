@@ -9,8 +9,8 @@ from itertools import repeat
 from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
                               steady_throughput, whole_seconds)
 from profiler.span_kinds import COLLECTIVE, SpanKinds
-from report.kernels import capture_busy
-from report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
+from profiler.report.kernels import capture_busy
+from profiler.report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
     span_kinds, steady_window, wall_seconds
 
 WAIT_BOUND_SHARE = 0.15    # a role waiting this share of its time on the other side does not bound the pipeline

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import statistics
 
-from report.analysis import rank_table
-from report.runs import Run, counter_total, gpu_key
-from report.runs import gpus as nvml_gpus
+from profiler.report.analysis import rank_table
+from profiler.report.runs import Run, counter_total, gpu_key
+from profiler.report.runs import gpus as nvml_gpus
 
 HEADROOM_SHARE = 0.05
 LOOP_ONLY = "a loop of its own: the split and the batch margin are for dflash-train's target and drafter ranks"

@@ -31,16 +31,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from monitoring.trace_events import backward_flows
+from profiler.trace_events import backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
 from profiler.windows import clock_seconds, is_steady, past_warm_up, span_clock, steady_throughput
-from report import format_compare, format_hotspots, hotspots_of
-from report.background import Background, cores
-from report.compare import compare as compare_runs
-from report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, \
+from profiler.report import format_compare, format_hotspots, hotspots_of
+from profiler.report.background import Background, cores
+from profiler.report.compare import compare as compare_runs
+from profiler.report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, \
     read_ranks, wall_seconds
-from report.trace import flow_trace
+from profiler.report.trace import flow_trace
 
 SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
 RATE_TOLERANCE = 0.01    # the same steady rate on two surfaces (DESIGN.md: within 1%)

@@ -3,7 +3,7 @@ Every figure says its window in words (whole run, steady state, an interval, the
 statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
-from report.runs import empty_logs_line
+from profiler.report.runs import empty_logs_line
 
 GIB = 1024 ** 3
 

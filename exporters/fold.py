@@ -1,7 +1,7 @@
 """One fold from run-log records to metric samples: what every live sink publishes, worked out once.
 
 `Fold` turns each record of a rank (run_start, interval, tick, event, run_end) into `Sample`s of the catalog's
-families (monitoring/catalog.py); a sink maps them to its library and reads no record itself. A `spans` record
+families (exporters/catalog.py); a sink maps them to its library and reads no record itself. A `spans` record
 holds the detail window, not metrics: it only moves the heartbeat, as every record does.
 
 - A gauge's value is its level now. A counter's is its run total: the fold adds up what records give per
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monitoring.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
+from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
                                 THROTTLE_REASONS, Family, counter_family, gauge_family, gpu_about,
                                 gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
 from profiler import span_kinds

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from profiler.windows import basis, gpu_scale
-from report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
+from profiler.report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
 MIN_EFFECT_SHARE = 0.01

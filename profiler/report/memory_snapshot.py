@@ -15,7 +15,7 @@ import pickle
 import re
 from pathlib import Path
 
-from report.runs import ReportError, load_run
+from profiler.report.runs import ReportError, load_run
 
 TOP = 10
 FRAMES = 3

@@ -7,17 +7,17 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from report import compare as _compare
-from report.advice import memory_margin, split
-from report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
-from report.findings import GENERIC, Advice, findings
-from report.flight_recorder import transfer_rings
-from report.kernels import format_kernels, kernels
-from report.memory_snapshot import format_memory, memory
-from report.memory_events import events, headroom, hot_frames
-from report.plot import plot_run
-from report.report_text import format_compare, format_hotspots
-from report.runs import ReportError, Run, load_run, log_stamp, paused_gc
+from profiler.report import compare as _compare
+from profiler.report.advice import memory_margin, split
+from profiler.report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
+from profiler.report.findings import GENERIC, Advice, findings
+from profiler.report.flight_recorder import transfer_rings
+from profiler.report.kernels import format_kernels, kernels
+from profiler.report.memory_snapshot import format_memory, memory
+from profiler.report.memory_events import events, headroom, hot_frames
+from profiler.report.plot import plot_run
+from profiler.report.report_text import format_compare, format_hotspots
+from profiler.report.runs import ReportError, Run, load_run, log_stamp, paused_gc
 
 REPORT_SCHEMA = 1
 

@@ -1,6 +1,6 @@
 """Every metric family the live sinks publish (Prometheus, OpenTelemetry and the dashboard read this catalog),
 named by Prometheus conventions: prefix `dflash_`, base unit in the name, `_total` counters, `_info` infos; and
-the tables that say which run-log field feeds which family (monitoring/fold.py walks them). A metric read from an
+the tables that say which run-log field feeds which family (exporters/fold.py walks them). A metric read from an
 interval's own field, a GPU's or the allocator's is one family here and one row in its table.
 """
 from __future__ import annotations
