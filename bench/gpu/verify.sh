@@ -8,7 +8,7 @@ source "$(dirname "$0")/env.sh"   # environment and carried wheels
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
 step() { echo "=== $1"; shift; local t0=$SECONDS; timeout "$@"; echo "=== exit $? in $((SECONDS - t0)) s"; }
 mutant() {  # $1 name, $2 file, $3 sed expression, $4 pytest -k: the race test must FAIL on the mutant
-  rm -rf /tmp/mut && mkdir /tmp/mut && cp -r dflash profiler exporters report monitoring tests pyproject.toml /tmp/mut/
+  rm -rf /tmp/mut && mkdir /tmp/mut && cp -r dflash profiler exporters tests pyproject.toml /tmp/mut/
   sed -i "$3" "/tmp/mut/$2"
   if cmp -s "$2" "/tmp/mut/$2"; then
     echo "mutant $1: NOT APPLIED (sed '$3' changed nothing in $2: retarget it)"; return

@@ -127,7 +127,7 @@ def _check(run_dir) -> CheckResult:
     logs = rank_paths(run_dir)[0]
     if cores() >= 2:
         with Background(_alone_checks, logs) as alone:
-            run = load_run(run_dir)   # the detail windows are the child's
+            run = load_run(run_dir, second_core=False)   # the detail windows are the child's, and its core
             common = _run_checks(run)
             parts, flows = alone.result()
     else:

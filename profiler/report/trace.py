@@ -86,7 +86,8 @@ def _merged_written(run_dir, out_path, max_events: int) -> dict:
         return _write(run, out_path, *merged_trace(run, max_events))
     logs = rank_paths(run_dir)[0]
     with Background(line_counts, logs, max_events, False) as counting:
-        run = load_run(run_dir, with_spans=True, max_events=max_events, with_intervals=False, read_older=False)
+        run = load_run(run_dir, with_spans=True, max_events=max_events, with_intervals=False, read_older=False,
+                       second_core=False)   # the counting child has the second core
         events, counts, procs = _drawn(run, max_events)
         for rank, (bad, examples, evicted, dropped) in counting.result().items():
             log = run.ranks[rank]
