@@ -206,6 +206,10 @@ class ProfileConfig:
             need(False, e.field, e.why_in(flags.__getitem__))
 
 
+EXTRA_SINKS = ("tensorboard",)
+"""The sinks --sinks adds (exporters.SINKS less those always on or set by their own settings)."""
+
+
 @dataclass
 class TelemetryConfig:
     """The live metrics endpoint."""
@@ -225,7 +229,20 @@ class TelemetryConfig:
     user's directory or a symlink is refused with a warning, and the run goes on without the copy (a path given
     here that is a file or a symlink is refused before the run, exit 2)."""
 
+    sinks: str = ""
+    """More live sinks, comma-separated: `tensorboard` (scalars in RUN_DIR/tensorboard/rank{R}/, for `tensorboard
+    --logdir RUN_DIR/tensorboard`). The trace, the console, Prometheus (--metrics-port) and OTel
+    (OTEL_EXPORTER_OTLP_ENDPOINT) are always on or set by their own settings. A sink whose library is not
+    installed is refused before the run (exit 2), naming what to install."""
+
     def check(self, need) -> None:
+        import exporters
+
+        names = [n.strip() for n in self.sinks.split(",") if n.strip()]
+        unknown = [n for n in names if n not in EXTRA_SINKS]
+        need(not unknown, "sinks", f"{unknown[0] if unknown else ''!r} is not one of: {', '.join(EXTRA_SINKS)}")
+        missing = next((why for n in names if (why := exporters.missing_library(n))), None)
+        need(missing is None, "sinks", missing or "")
         need(bool(self.metrics_host), "metrics_host", "must be an address to bind")
         # A host name is printable ASCII or IDNA text: a control character (an escape sequence from a file) or an
         # undecodable byte of argv (a lone surrogate) is refused here, shown escaped by the message's repr.

@@ -68,6 +68,7 @@ def _make(cfg: TrainConfig, owner: exporters.Owner, local_rank: int) -> list:
 
     tel = cfg.telemetry
     names = (["otel"] if exporters.otel_configured() else []) + ["trace", "console"]
+    names += [n.strip() for n in tel.sinks.split(",") if n.strip()]
     names += ["prometheus"] if tel.metrics_port != 0 else []
     make = exporters.build(
         ",".join(names), metrics_host=tel.metrics_host,

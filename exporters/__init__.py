@@ -13,8 +13,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SINKS = ("console", "prometheus", "trace", "otel")
+SINKS = ("console", "prometheus", "trace", "otel", "tensorboard")
 """The sink names `build` takes."""
+LIBRARIES = {"tensorboard": ("tensorboard", "pip install tensorboard (or the package's [tensorboard] extra)")}
+"""{sink: (the module it needs that the package does not install, how to get it)}."""
+
+
+def missing_library(name: str) -> str | None:
+    """Why sink `name` cannot be made here (its library is not installed, and how to install it), or None."""
+    import importlib.util
+
+    module, how = LIBRARIES.get(name, (None, None))
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return f"the {name} sink needs the {module} package, which is not installed: {how}"
 DEFAULT_METRICS_PORT = 9464
 """The Prometheus port of rank 0 (rank R: this + R), dflash-train's default; a busy one is replaced by a free one."""
 
@@ -74,8 +86,9 @@ def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.
     MetricsPortInUse; keep_serving: it answers after close until the process exits; where it serves goes to
     `announce`: a line on a text stream, default stderr, or a function given the `Served`), `trace`
     (RUN_DIR/trace/rank{R}.json for Perfetto), `otel` (OTLP/HTTP to otlp_endpoint, else to
-    OTEL_EXPORTER_OTLP_ENDPOINT; none where OTEL_SDK_DISABLED is true). ValueError now, before any run starts,
-    for a name it does not know or an `otel` with no endpoint. The endpoint is made first; a sink that fails to
+    OTEL_EXPORTER_OTLP_ENDPOINT; none where OTEL_SDK_DISABLED is true), `tensorboard` (RUN_DIR/tensorboard/rank{R}/,
+    exporters/tensorboard.py). ValueError now, before any run starts, for a name it does not know, a sink whose
+    library is not installed (missing_library) or an `otel` with no endpoint. The endpoint is made first; a sink that fails to
     be made closes the ones made before it."""
     names = [n.strip() for n in spec.split(",") if n.strip()] if isinstance(spec, str) else None
     if names is None:
@@ -86,6 +99,9 @@ def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.
     if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
         raise ValueError(f"exporters.build: metrics_port must be a port number (0: any free port), "
                          f"got {metrics_port!r}")
+    missing = next((why for n in names if (why := missing_library(n))), None)
+    if missing:
+        raise ValueError(f"exporters.build: {missing}")
     if "otel" in names and not (otlp_endpoint or otel_configured()):
         raise ValueError("exporters.build: 'otel' needs otlp_endpoint= or OTEL_EXPORTER_OTLP_ENDPOINT")
     options = _Options(metrics_host, metrics_port, otlp_endpoint, announce, strict_port, port_offset, keep_serving,
@@ -149,4 +165,11 @@ def _otel(prof, options):
     return otel.from_env(**ids)
 
 
-_MAKERS = {"console": _console, "prometheus": _prometheus, "trace": _trace, "otel": _otel}
+def _tensorboard(prof, options):
+    from exporters.tensorboard import TensorBoardExporter
+
+    return TensorBoardExporter(prof.run_dir, prof.rank, prof.role, getattr(prof, "run_id", None))
+
+
+_MAKERS = {"console": _console, "prometheus": _prometheus, "trace": _trace, "otel": _otel,
+           "tensorboard": _tensorboard}

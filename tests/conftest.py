@@ -289,10 +289,11 @@ class HealthyRun:
     shipped recording rules and alerts at ALERT_TIME_SCALE all along."""
 
 
-HEALTHY_ARGS = ["--profile-interval", "1"]
+HEALTHY_ARGS = ["--profile-interval", "1", "--sinks", "tensorboard"]
 """Short intervals, many within the dashboard's 20 s rate windows, and shorter than a step beside the rest of
 the suite (several seconds): a span kept by the detail window is written in the interval it ends in, so the
-trace and OTLP checks see whole drafter.fwd_bwd spans however long a step is."""
+trace and OTLP checks see whole drafter.fwd_bwd spans however long a step is. With the TensorBoard sink, which
+tests/exporters/test_tensorboard.py reads back."""
 HEALTHY_LIMIT_S = 900
 """How long the shared run may take before it is killed: the README default run took 198 s on the 2-core VM
 (2026-12-04), and a busy machine may double or triple that; the suite must pass there too."""
