@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from exporters.catalog import FAMILIES, Family
 from exporters.fold import Buckets, Fold, Sample
 from exporters.fold import clock_count as _clock_count  # noqa: F401 - tests/report reads the histogram count here
+from profiler import views
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 log = logging.getLogger("exporters")
@@ -225,46 +226,47 @@ class OtelExporter:
         """Turn one run-log record into spans and metric updates; never blocks on the network."""
         if self._closed:
             return
-        if record.get("type") == "spans":
-            self._export_spans(record)
+        rec = views.view(record)
+        if isinstance(rec, views.DetailWindow):
+            self._export_spans(rec)
         for sample in self._fold(record):
             self._apply(sample)
 
-    def _export_spans(self, record: dict) -> None:
-        """One trace per spans record: a root window span, each raw span under its parent (or the root)."""
+    def _export_spans(self, detail) -> None:
+        """One trace per spans record (views.DetailWindow): a root window span, each raw span under its parent (or
+        the root)."""
         from opentelemetry import trace
         from opentelemetry.context import Context
 
-        entries = sorted((s for s in record.get("spans") or ()
-                          if s.get("start_unix_ns") is not None and s.get("end_unix_ns") is not None),
-                         key=lambda s: (s["start_unix_ns"], s.get("depth") or 0))
+        entries = sorted((s for s in detail.spans if s.start_unix_ns is not None and s.end_unix_ns is not None),
+                         key=lambda s: (s.start_unix_ns, s.depth or 0))
         if not entries:
             return
-        first, last = (list(record.get("steps") or ()) + [None, None])[:2]
+        first, last = (list(detail.steps or ()) + [None, None])[:2]
         window = {"dflash.step_first": first, "dflash.step_last": last}
         root = self._tracer.start_span(
-            ROOT_SPAN_NAME, context=Context(), start_time=entries[0]["start_unix_ns"],
-            attributes=_attributes({**window, "dflash.interval": record.get("index"),
-                                    "dflash.spans_dropped": record.get("dropped")}))
+            ROOT_SPAN_NAME, context=Context(), start_time=entries[0].start_unix_ns,
+            attributes=_attributes({**window, "dflash.interval": detail.index, "dflash.spans_dropped": detail.dropped}))
         root_context = trace.set_span_in_context(root)
         contexts: dict = {}
         for s in entries:
             span = self._tracer.start_span(
-                s["name"], context=contexts.get(s.get("parent"), root_context),
-                start_time=s["start_unix_ns"], attributes=self._span_attributes(s, window))
-            span.end(end_time=s["end_unix_ns"])
-            if s.get("id") is not None:
-                contexts[s["id"]] = trace.set_span_in_context(span)
-        root.end(end_time=max(s["end_unix_ns"] for s in entries))
+                s.name or "span", context=contexts.get(s.parent, root_context),
+                start_time=s.start_unix_ns, attributes=self._span_attributes(s, window))
+            span.end(end_time=s.end_unix_ns)
+            if s.id is not None:
+                contexts[s.id] = trace.set_span_in_context(span)
+        root.end(end_time=max(s.end_unix_ns for s in entries))
         with self._lock:
             self._spans_made += len(entries) + 1
 
     @staticmethod
-    def _span_attributes(s: dict, window: dict) -> dict:
-        attrs = {"thread.name": s.get("thread"), "thread.id": s.get("tid"), "dflash.span_id": s.get("id"),
-                 "dflash.cpu_seconds": s.get("cpu_seconds"), "dflash.gpu_seconds": s.get("gpu_seconds"),
-                 "dflash.bytes": s.get("bytes"), **window}
-        attrs.update({f"dflash.{k}": v for k, v in (s.get("attrs") or {}).items()})
+    def _span_attributes(s, window: dict) -> dict:
+        """A raw span's (views.RawSpan) attributes: its thread, ids, times, bytes and tags."""
+        attrs = {"thread.name": s.thread, "thread.id": s.tid, "dflash.span_id": s.id,
+                 "dflash.cpu_seconds": s.cpu_seconds, "dflash.gpu_seconds": s.gpu_seconds,
+                 "dflash.bytes": s.bytes, **window}
+        attrs.update({f"dflash.{k}": v for k, v in (s.attrs or {}).items()})
         return _attributes(attrs)
 
     # ---- metrics: the fold's samples ----------------------------------------------------------------

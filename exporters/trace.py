@@ -7,11 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-from profiler.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, num, prepare,
-                                     proc_info, write_trace)
-from profiler.records import RUN_END, RUN_START, SPANS
+from profiler import views
 from profiler.runlog import is_disk_full
 from profiler.span_kinds import of_run_start
+from profiler.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, prepare, proc_info,
+                                   write_trace)
 
 logger = logging.getLogger("exporters")
 
@@ -38,23 +38,24 @@ class TraceExporter:
         self._lock = threading.Lock()
 
     def export(self, record: dict) -> None:
-        rtype = record.get("type")
+        rec = views.view(record)
         with self._lock:
-            if rtype == RUN_START:
+            if isinstance(rec, views.RunStart):
                 self._proc = proc_info(self.rank, record)
                 self._flows = FlowSpans.of(of_run_start(record).flows())
-            elif rtype == RUN_END:
-                self._status = record.get("status")
-            elif rtype == SPANS:
-                self._keep(record)
+            elif isinstance(rec, views.RunEnd):
+                self._status = rec.status
+            elif isinstance(rec, views.DetailWindow):
+                self._keep(record, rec.dropped)
                 took, ended = self._last_write
                 if self._clock() - ended >= took / self.WRITE_DUTY:
                     self._write()
 
-    def _keep(self, record: dict) -> None:
-        """Add a spans record, evicting the oldest ones over the bound (a trimmed record is re-prepared)."""
+    def _keep(self, record: dict, dropped: int) -> None:
+        """Add a spans record (`dropped`: the profiler's count of its spans not kept), evicting the oldest ones over
+        the bound (a trimmed record is re-prepared)."""
         self._seq += 1
-        self._profiler_dropped += int(num(record.get("dropped")) or 0)
+        self._profiler_dropped += dropped or 0
         chunks = self._chunks + [(record, None)]
         kept, n_records, n_spans = newest_within([r for r, _ in chunks], self.max_events)
         self._chunks = [(r, prep if r is orig and prep is not None else prepare(self.rank, r, self._flows))
