@@ -248,9 +248,10 @@ def train_metric_family(name: str) -> tuple[Family, dict] | None:
     return None
 
 
-def train_metric_value(name: str, stats: dict):
-    """The value a training scalar's gauge shows: the learning rate's last of the interval, else the mean."""
-    return stats.get("last" if name == "lr" else "mean")
+def train_metric_value(name: str, stats):
+    """The value a training scalar's gauge shows (`stats`: an interval's views.MetricStats): the learning rate's
+    last of the interval, else the mean."""
+    return stats.last if name == "lr" else stats.mean
 
 
 # (family key, field of an interval record) for the rank's gauges read as they are.
@@ -275,27 +276,28 @@ THROTTLE_REASONS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowd
                     "hw_thermal", "hw_power_brake", "display_clocks")
 
 
-def gpu_gauges(gpu: dict) -> dict:
-    """{family key: value} of one memory.gpus[] entry, with the headroom now, the low point's share of the
-    GPU and NVML's percentages as ratios; values the entry lacks (null, with a reason) are left out."""
-    out = {key: gpu.get(field) for key, field in GPU_FIELDS}
-    total, used, low = (gpu.get(k) for k in ("total_bytes", "used_bytes_last", "headroom_bytes"))
+def gpu_gauges(gpu) -> dict:
+    """{family key: value} of one memory.gpus[] entry (a views.GpuMemory), with the headroom now, the low point's
+    share of the GPU and NVML's percentages as ratios; values the entry lacks (null, with a reason) are left out."""
+    out = {key: getattr(gpu, field) for key, field in GPU_FIELDS}
+    total, used, low = gpu.total_bytes, gpu.used_bytes_last, gpu.headroom_bytes
     if total and used is not None:
         out["gpu_headroom"] = total - used
     if total and low is not None:
         out["gpu_headroom_ratio"] = low / total
     for key, field in GPU_PERCENT_FIELDS:
-        if gpu.get(field) is not None:
-            out[key] = gpu[field] / 100.0
+        if (percent := getattr(gpu, field)) is not None:
+            out[key] = percent / 100.0
     return {k: v for k, v in out.items() if v is not None}
 
 
-def gpu_labels(gpu: dict) -> tuple:
-    """GPU_LABELS' values for one memory.gpus[] entry: its NVML index and UUID ("" when NVML gave none)."""
-    return str(gpu.get("index")), str(gpu.get("uuid") or "")
+def gpu_labels(gpu) -> tuple:
+    """GPU_LABELS' values for one memory.gpus[] entry (a views.GpuMemory): its NVML index and UUID ("" when NVML
+    gave none)."""
+    return str(gpu.index), str(gpu.uuid or "")
 
 
-def gpu_about(gpu: dict) -> tuple:
-    """What OTel's conventions say of one memory.gpus[] entry besides its labels: hw.id (its UUID, else its index)
-    and hw.name."""
-    return (("hw.id", gpu.get("uuid") or f"gpu-index-{gpu.get('index')}"), ("hw.name", gpu.get("name") or "unknown"))
+def gpu_about(gpu) -> tuple:
+    """What OTel's conventions say of one memory.gpus[] entry (a views.GpuMemory) besides its labels: hw.id (its
+    UUID, else its index) and hw.name."""
+    return (("hw.id", gpu.uuid or f"gpu-index-{gpu.index}"), ("hw.name", gpu.name or "unknown"))

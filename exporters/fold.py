@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
                                 THROTTLE_REASONS, Family, counter_family, gauge_family, gpu_about,
                                 gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
-from profiler import span_kinds
+from profiler import span_kinds, views
 
 P95_KEPT_S = 300.0
 """How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
@@ -31,7 +31,7 @@ TICK_COUNTERS = ("tokens", "samples", "steps", "profiled_seconds")
 _TICK_SPAN_KEYS = {"cpu": ("cpu_seconds", "self_seconds", "count"),
                    "gpu": ("gpu_seconds", "gpu_self_seconds", "gpu_count")}
 _TICK_SPAN_FAMILIES = ("span_time", "span_self_time", "span_count")
-_NO_GPU = {"index": 0}
+_NO_GPU = views.GpuMemory({"index": 0})
 """Whose labels the allocator's series carry when the interval lists no GPU (NVML unavailable)."""
 
 
@@ -56,12 +56,13 @@ class Sample:
     about: tuple[tuple[str, str], ...] = ()
 
 
-def clock_count(entry: dict, clock: str) -> int:
-    """Whole spans behind an interval span entry's `clock` statistics: on the GPU only the GPU-timed ones."""
-    count = entry.get("count") or 0
+def clock_count(entry, clock: str) -> int:
+    """Whole spans behind an interval span entry's (views.SpanEntry, or its dict) `clock` statistics: on the GPU
+    only the GPU-timed ones."""
+    e = views.SpanEntry.of(entry)
     if clock != "gpu":
-        return count
-    return entry["gpu_count"] if entry.get("gpu_count") is not None else count - (entry.get("gpu_unresolved") or 0)
+        return e.count
+    return e.gpu_count if e.gpu_count is not None else e.count - (e.gpu_unresolved or 0)
 
 
 class Fold:
@@ -86,12 +87,13 @@ class Fold:
         out = [self._add("intervals", 0)] + [self._add("events", 0, kind) for kind in EVENT_KINDS]
         return out + [Sample(FAMILIES[key], 0.0, stamp_unix=now_unix) for key in TICK_COUNTERS]
 
-    def __call__(self, record: dict) -> list[Sample]:
-        """The samples one record gives, its heartbeat last."""
-        fold = _BY_TYPE.get(record.get("type"))
-        out = fold(self, record) if fold is not None else []
-        if record.get("time_unix") is not None:
-            out.append(Sample(FAMILIES["heartbeat"], float(record["time_unix"])))
+    def __call__(self, record) -> list[Sample]:
+        """The samples one record (a dict of the run log, or its views.Record) gives, its heartbeat last."""
+        rec = views.view(record)
+        fold = next((f for kind, f in _BY_TYPE.items() if isinstance(rec, kind)), None)   # an event of any kind
+        out = fold(self, rec) if fold is not None else []
+        if rec.time_unix is not None:
+            out.append(Sample(FAMILIES["heartbeat"], float(rec.time_unix)))
         return out
 
     def _add(self, key: str, amount: float, *labels: str) -> Sample:
@@ -100,100 +102,99 @@ class Fold:
         return Sample(FAMILIES[key], total, labels)
 
     # ---- run_start, run_end, event --------------------------------------------------------------------
-    def _run_start(self, rec: dict) -> list[Sample]:
+    def _run_start(self, rec: views.RunStart) -> list[Sample]:
         """A segment begins: its histogram bounds, wait spans and role; a run_end before it is withdrawn."""
         out = [Sample(FAMILIES["run_end"], None, self._ended)] if self._ended is not None else []
         self._ended = None
-        self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.get("t_s")
-        self._bounds = tuple(float(b) for b in rec.get("histogram_buckets_seconds") or ())
-        self._role = rec.get("role")
-        self._wait_spans = span_kinds.of_run_start(rec).waits()
-        info = tuple(str(rec.get("schema", 0)) if label == "schema" else str(rec.get(label) or "unknown")
+        self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.t_s
+        self._bounds = tuple(float(b) for b in rec.histogram_buckets_seconds or ())
+        self._role = rec.role
+        self._wait_spans = span_kinds.of_run_start(rec.raw).waits()
+        info = tuple(str(rec.schema or 0) if label == "schema" else str(getattr(rec, label) or "unknown")
                      for label in FAMILIES["build_info"].labels)
         if self._info not in (None, info):
             out.append(Sample(FAMILIES["build_info"], None, self._info))
         self._info = info
         return out + [Sample(FAMILIES["build_info"], 1.0, info)]
 
-    def _run_end(self, rec: dict) -> list[Sample]:
-        if rec.get("time_unix") is None:
+    def _run_end(self, rec: views.RunEnd) -> list[Sample]:
+        if rec.time_unix is None:
             return []
-        self._ended = (str(rec.get("status") or "unknown"),)
-        return [Sample(FAMILIES["run_end"], float(rec["time_unix"]), self._ended)]
+        self._ended = (str(rec.status or "unknown"),)
+        return [Sample(FAMILIES["run_end"], float(rec.time_unix), self._ended)]
 
-    def _event(self, rec: dict) -> list[Sample]:
-        return [self._add("events", 1, str(rec.get("kind")))]
+    def _event(self, rec: views.Event) -> list[Sample]:
+        return [self._add("events", 1, str(rec.kind))]
 
     # ---- tick: run totals, stamped with the tick's time -----------------------------------------------
-    def _tick(self, rec: dict) -> list[Sample]:
-        stamp = rec.get("time_unix")
+    def _tick(self, rec: views.Tick) -> list[Sample]:
+        stamp = rec.time_unix
         out = [Sample(counter_family(name), float(value), stamp_unix=stamp)
-               for name, value in (rec.get("counters") or {}).items() if value is not None]
-        for name, e in (rec.get("spans") or {}).items():
+               for name, value in rec.counters.items() if value is not None]
+        for name, e in rec.spans.items():
             for clock, keys in _TICK_SPAN_KEYS.items():
-                if keys[0] in e:   # the GPU's only where a CUDA pair was timed
-                    out += [Sample(FAMILIES[key], float(e[field]), (name, clock), stamp)
-                            for key, field in zip(_TICK_SPAN_FAMILIES, keys) if e.get(field) is not None]
-        t_s = rec.get("t_s")
+                if getattr(e, keys[0]) is not None:   # the GPU's only where a CUDA pair was timed
+                    out += [Sample(FAMILIES[key], float(value), (name, clock), stamp)
+                            for key, field in zip(_TICK_SPAN_FAMILIES, keys)
+                            if (value := getattr(e, field)) is not None]
+        t_s = rec.t_s
         if self._segment_start_s is not None and t_s is not None:
             self._profiled_s = self._profiled_base_s + max(0.0, t_s - self._segment_start_s)
             out.append(Sample(FAMILIES["profiled_seconds"], self._profiled_s, stamp_unix=stamp))
         return out
 
     # ---- interval ------------------------------------------------------------------------------------
-    def _interval(self, rec: dict) -> list[Sample]:
+    def _interval(self, rec: views.Interval) -> list[Sample]:
         out = [self._add("intervals", 1)]
-        out += [Sample(FAMILIES[key], float(rec[field])) for key, field in INTERVAL_GAUGES
-                if rec.get(field) is not None]
-        out.append(self._add("profiler_cpu_seconds", (rec.get("profiler_share") or 0.0)
-                             * (rec.get("duration_seconds") or 0.0)))
+        out += [Sample(FAMILIES[key], float(value)) for key, field in INTERVAL_GAUGES
+                if (value := getattr(rec, field)) is not None]
+        out.append(self._add("profiler_cpu_seconds", (rec.profiler_share or 0.0) * (rec.duration_seconds or 0.0)))
         out += [self._add("thread_cpu", seconds, thread)
-                for thread, seconds in (rec.get("threads_cpu_seconds") or {}).items() if seconds is not None]
-        out += self._spans(rec.get("spans") or {}, rec.get("role") or self._role, rec.get("time_unix"))
-        out += [Sample(FAMILIES[f"{name}_rate"], float(c["per_second"]))
-                for name, c in (rec.get("counters") or {}).items()
-                if f"{name}_rate" in FAMILIES and c.get("per_second") is not None]
-        out += [Sample(gauge_family(name), float(g[stat]), (stat,))
-                for name, g in (rec.get("gauges") or {}).items() for stat in ("last", "mean", "max")
-                if g.get(stat) is not None]
-        out += _train_metrics(rec.get("metrics") or {})
-        out += _memory(rec.get("memory") or {})
-        out += [Sample(FAMILIES["exporter_dropped"], float(s.get("dropped", 0)), (name,))
-                for name, s in (rec.get("exporters") or {}).items() if s.get("dropped", 0) is not None]
+                for thread, seconds in rec.threads_cpu_seconds.items() if seconds is not None]
+        out += self._spans(rec.spans, rec.role or self._role, rec.time_unix)
+        out += [Sample(FAMILIES[f"{name}_rate"], float(c.per_second)) for name, c in rec.counters.items()
+                if f"{name}_rate" in FAMILIES and c.per_second is not None]
+        out += [Sample(gauge_family(name), float(value), (stat,))
+                for name, g in rec.gauges.items() for stat in ("last", "mean", "max")
+                if (value := getattr(g, stat)) is not None]
+        out += _train_metrics(rec.metrics)
+        out += _memory(rec.memory)
+        out += [Sample(FAMILIES["exporter_dropped"], float(s.dropped or 0), (name,))
+                for name, s in rec.exporters.items()]
         return out
 
-    def _spans(self, spans: dict, role, end_unix: float | None) -> list[Sample]:
+    def _spans(self, spans, role, end_unix: float | None) -> list[Sample]:
         """Shares (a span that had one and is absent had none of this interval), wait shares, exact p95s (each
         kept from the last interval in which the span ended any, stamped with its end: the run's last intervals,
         an evaluation or the wind-down, leave its last figure), histograms, bytes and bandwidth."""
         out = self._expire_p95(end_unix)
-        out += [Sample(FAMILIES["span_share"], 0.0, (name,)) for name in self._shared
-                if (spans.get(name) or {}).get("share") is None]
-        out += [Sample(FAMILIES["wait_share"], float((spans.get(span) or {}).get("share") or 0.0), (span,))
+        shares = {name: e.share for name, e in spans.items()}
+        out += [Sample(FAMILIES["span_share"], 0.0, (name,)) for name in self._shared if shares.get(name) is None]
+        out += [Sample(FAMILIES["wait_share"], float(shares.get(span) or 0.0), (span,))
                 for span, waiter in self._wait_spans.items() if waiter == role]
         for name, e in spans.items():
-            if e.get("share") is not None:
+            if e.share is not None:
                 self._shared[name] = True
-                out.append(Sample(FAMILIES["span_share"], float(e["share"]), (name,)))
+                out.append(Sample(FAMILIES["span_share"], float(e.share), (name,)))
             for clock in ("cpu", "gpu"):
                 out += self._clock_stats(name, clock, e, end_unix)
             out += _bytes_moved(name, e, self._add)
         return out
 
-    def _clock_stats(self, name: str, clock: str, e: dict, end_unix: float | None) -> list[Sample]:
-        stats, out = e.get(clock), []
-        if not stats:
+    def _clock_stats(self, name: str, clock: str, e, end_unix: float | None) -> list[Sample]:
+        stats, out = getattr(e, clock), []
+        if stats is None or not stats.raw:
             return out
-        if stats.get("p95_seconds") is not None:
+        if stats.p95_seconds is not None:
             self._p95_stamps[name, clock] = end_unix
-            out.append(Sample(FAMILIES["span_p95"], float(stats["p95_seconds"]), (name, clock), end_unix))
-        buckets = stats.get("buckets")
+            out.append(Sample(FAMILIES["span_p95"], float(stats.p95_seconds), (name, clock), end_unix))
+        buckets = stats.buckets
         if buckets and len(buckets) == len(self._bounds) + 1:
             kept = self._histograms.get((name, clock))
             if kept is None or kept.bounds != self._bounds:
                 kept = Buckets(self._bounds, (0,) * len(buckets), 0.0)
-            whole_s = (stats.get("mean_seconds") or 0.0) * clock_count(e, clock)
-            longest = max((m for m in (kept.max_s, stats.get("max_seconds")) if m is not None), default=None)
+            whole_s = (stats.mean_seconds or 0.0) * clock_count(e, clock)
+            longest = max((m for m in (kept.max_s, stats.max_seconds) if m is not None), default=None)
             kept = self._histograms[name, clock] = Buckets(
                 self._bounds, tuple(a + b for a, b in zip(kept.counts, buckets)), kept.sum_s + whole_s, longest)
             out.append(Sample(FAMILIES["span_seconds"], kept, (name, clock)))
@@ -208,20 +209,21 @@ class Fold:
         return [Sample(FAMILIES["span_p95"], None, key) for key in old]
 
 
-def _bytes_moved(name: str, e: dict, add) -> list[Sample]:
-    """A byte-moving span's bytes (a run total, through `add`), bandwidth, and its floor where one is known."""
+def _bytes_moved(name: str, e, add) -> list[Sample]:
+    """A byte-moving span's (views.SpanEntry) bytes (a run total, through `add`), bandwidth, and its floor where
+    one is known."""
     out = []
-    if e.get("bytes") is not None:
-        out.append(add("span_bytes", e["bytes"], name))
-        out += [Sample(FAMILIES[key], float(e[field]), (name,))
-                for key, field in (("span_bandwidth", "bandwidth_bytes_per_s"), ("span_floor_ratio", "floor_ratio"))
-                if e.get(field) is not None]
-    if e.get("floor") and e.get("floor_bytes_per_s") is not None:
-        out.append(Sample(FAMILIES["span_floor"], float(e["floor_bytes_per_s"]), (name, str(e["floor"]))))
+    if e.bytes is not None:
+        out.append(add("span_bytes", e.bytes, name))
+        out += [Sample(FAMILIES[key], float(value), (name,))
+                for key, value in (("span_bandwidth", e.bandwidth_bytes_per_s), ("span_floor_ratio", e.floor_ratio))
+                if value is not None]
+    if e.floor and e.floor_bytes_per_s is not None:
+        out.append(Sample(FAMILIES["span_floor"], float(e.floor_bytes_per_s), (name, e.floor)))
     return out
 
 
-def _train_metrics(metrics: dict) -> list[Sample]:
+def _train_metrics(metrics) -> list[Sample]:
     """The training scalars the catalog names; one the interval recorded as non-finite (null, with a reason in
     the run log) is NaN, never the last finite value."""
     out = []
@@ -233,23 +235,23 @@ def _train_metrics(metrics: dict) -> list[Sample]:
     return out
 
 
-def _memory(memory: dict) -> list[Sample]:
+def _memory(memory) -> list[Sample]:
     """Per-GPU gauges and throttle reasons (every reason, 0 or 1, where the GPU reports them), and the caching
-    allocator's gauges and counts on the rank's own GPU (the interval's first)."""
-    out, gpus = [], memory.get("gpus") or []
+    allocator's gauges and counts on the rank's own GPU (the interval's first), from a views.Memory."""
+    out, gpus = [], memory.gpus or []
     for g in gpus:
         labels, about = gpu_labels(g), gpu_about(g)
         out += [Sample(FAMILIES[key], float(value), labels, about=about) for key, value in gpu_gauges(g).items()]
-        if g.get("throttle_reasons") is not None:
-            out += [Sample(FAMILIES["gpu_throttle"], float(reason in g["throttle_reasons"]), (*labels, reason),
+        if g.throttle_reasons is not None:
+            out += [Sample(FAMILIES["gpu_throttle"], float(reason in g.throttle_reasons), (*labels, reason),
                            about=about) for reason in THROTTLE_REASONS]
-    alloc = memory.get("allocator") or {}
-    if alloc.get("available"):
+    alloc = memory.allocator
+    if alloc.available:
         own = gpus[0] if gpus else _NO_GPU
-        out += [Sample(FAMILIES[key], float(alloc[field]), gpu_labels(own), about=gpu_about(own))
-                for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS if alloc.get(field) is not None]
+        out += [Sample(FAMILIES[key], float(value), gpu_labels(own), about=gpu_about(own))
+                for key, field in ALLOCATOR_GAUGES + ALLOCATOR_COUNTERS if (value := getattr(alloc, field)) is not None]
     return out
 
 
-_BY_TYPE = {"run_start": Fold._run_start, "interval": Fold._interval, "tick": Fold._tick, "event": Fold._event,
-            "run_end": Fold._run_end}
+_BY_TYPE = {views.RunStart: Fold._run_start, views.Interval: Fold._interval, views.Tick: Fold._tick,
+            views.Event: Fold._event, views.RunEnd: Fold._run_end}
