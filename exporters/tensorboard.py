@@ -9,7 +9,7 @@ The fold's samples (exporters/fold.py) map to scalars; a tag names the sample's 
 Each scalar's step is the record's training step and its wall time the instant the sample describes (its stamp,
 else the record's time). Histograms, heartbeats and the end-of-run timestamp are not scalars here; the build
 information and the run's end go in as text. The writer is torch's `SummaryWriter` (its event files, flushed at
-each interval and at close), on the exporter thread like every sink.
+each tick and interval and at close), on the exporter thread like every sink.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class TensorBoardExporter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = Path(run_dir) / "tensorboard" / f"rank{rank}"
-        self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=3600)   # flushed at each interval
+        self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=3600)   # flushed at each tick and interval
         self._fold = Fold()
         self._step = 0
         self._writer.add_text("run/rank", f"rank {rank} ({role}) of run {run_id or Path(run_dir).name}", 0)
@@ -60,7 +60,7 @@ class TensorBoardExporter:
         elif isinstance(rec, views.RunEnd):
             self._writer.add_text("run/end", f"status {rec.status} at step {self._step}", self._step,
                                   walltime=rec.time_unix)
-        if isinstance(rec, (views.Interval, views.RunEnd)):
+        if isinstance(rec, (views.Interval, views.Tick, views.RunEnd)):   # a live TensorBoard follows the ticks
             self._writer.flush()
 
     def _write(self, sample: Sample, when: float | None) -> None:
