@@ -103,7 +103,10 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
     stats = [(e["gpu"], e.get("gpu_count") or e.get("count") or 0) for e in measured] if on == "gpu" else \
         [(e.get("cpu") or {}, e.get("count") or 0) for e in measured]   # _clock_stats of each
     n = sum(w for _, w in stats)
-    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in stats])
+    # the longest of the intervals' and of the run_ends' (a segment's whole figures hold the spans of intervals the
+    # log could not take, a full disk's): the p95 read from the run_ends never passes it
+    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in stats]
+                      + [(e.get(on) or {}).get("max_seconds") or 0.0 for e in a["ends"] or ()])
     total = sum(map(clock_seconds, entries, repeat(on)), 0.0)
     p50, p95, source = _quantiles(on, stats, a["ends"], bounds, max_seconds)
     return {"role": role, "span": name, "count": sum([e.get("count") or 0 for e in entries]), "on": on,

@@ -148,8 +148,14 @@ def test_compare_flags_the_slowed_span_first(runs):
         {"wait longer", "wait shorter", "within spread", "negligible", "too few windows"}
     # The drafter's rate falls where the slowed target became the run's bottleneck, as it does unless the machine
     # is so loaded (five CPU hogs beside the suite) that the drafter's own steps take longer than the slowed fetch.
-    if report.hotspots(runs["slow"])["verdict"]["verdict"] == "target-bound":
-        assert table["tokens_per_s"]["drafter"]["change_ratio"] < -0.2
+    # How far it falls depends on the load (the base run's drafter slows with it: -17% beside two busy loops, -30%
+    # and more on an idle VM); the effect itself is the drafter now waiting on its target: it falls, and the
+    # drafter's wait share grows.
+    slow = report.hotspots(runs["slow"])["verdict"]
+    if slow["verdict"] == "target-bound":
+        base = report.hotspots(runs["base"])["verdict"]
+        assert table["tokens_per_s"]["drafter"]["change_ratio"] < 0
+        assert slow["roles"]["drafter"]["wait_share"] > base["roles"]["drafter"]["wait_share"]
     else:
         assert report.hotspots(runs["base"])["verdict"]["verdict"] == "drafter-bound"
 

@@ -224,3 +224,19 @@ def test_a_wait_is_read_on_the_hosts_clock_never_over_the_wall(tmp_path):
     target = report.hotspots(run)["verdict"]["roles"]["target"]
     assert target["wait_share"] == pytest.approx(0.5, abs=0.05)
     assert check(run).violations == []
+
+
+def test_a_p95_from_the_run_end_never_passes_the_rows_max(tmp_path):
+    """A disk that filled mid-run (the CI run of 2026-12-07, beside two busy loops): the run_end holds the whole
+    segment's spans, the log lost some intervals, so the row's exact p95 (the run_end's) passed the longest span of
+    the intervals kept, and `check` found p95 > max. The row's max is the longest of both."""
+    data = ticked_run()
+    end = next(r for r in data["logs"][0] if r["type"] == "run_end")
+    kept_max = end["spans"]["drafter.optim"]["cpu"]["max_seconds"]
+    end["spans"]["drafter.optim"]["cpu"].update(p50_seconds=kept_max, p95_seconds=2 * kept_max,
+                                                  max_seconds=3 * kept_max)
+    end["run_log"] = {"error": "No space left on device", "dropped_records": 3}
+    run = write(tmp_path / "run", data)
+    row = next(r for r in report.hotspots(run)["spans"]["rows"] if r["span"] == "drafter.optim")
+    assert (row["p95_seconds"], row["max_seconds"]) == pytest.approx((2 * kept_max, 3 * kept_max))
+    assert [v for v in check(run).violations if v.invariant == "order"] == []
