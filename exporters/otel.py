@@ -229,7 +229,7 @@ class OtelExporter:
         rec = views.view(record)
         if isinstance(rec, views.DetailWindow):
             self._export_spans(rec)
-        for sample in self._fold(record):
+        for sample in self._fold(rec):   # the view made above: the fold takes it as it is
             self._apply(sample)
 
     def _export_spans(self, detail) -> None:

@@ -53,7 +53,7 @@ class TensorBoardExporter:
         step = rec.step if isinstance(rec, (views.Interval, views.Tick)) else None
         if step is not None:
             self._step = step
-        for sample in self._fold(record):
+        for sample in self._fold(rec):
             self._write(sample, rec.time_unix)
         if isinstance(rec, views.RunStart):
             self._writer.add_text("run/build", _build_text(rec), self._step, walltime=rec.time_unix)
