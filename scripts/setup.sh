@@ -19,7 +19,11 @@ stamp=.venv/.dflash-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VPY" -m pip install -q -e '.[test]'
   # Holistic Trace Analysis reads the Kineto captures in the tests; without --no-deps it pulls jupyterlab
-  # (its parser needs only pandas, plotly and psutil, which the test extras hold).
-  "$VPY" -m pip install -q --no-deps HolisticTraceAnalysis==0.5.0
+  # (its parser needs only pandas, plotly and psutil, which the test extras hold). traceinsight is its maintained
+  # distribution; HolisticTraceAnalysis stops at 0.5.0. Both install the module hta, so the old one goes first.
+  if "$VPY" -m pip show -q HolisticTraceAnalysis >/dev/null 2>&1; then
+    "$VPY" -m pip uninstall -q -y HolisticTraceAnalysis
+  fi
+  "$VPY" -m pip install -q --no-deps traceinsight==0.6.1
   touch "$stamp"
 fi

@@ -2,7 +2,9 @@
 # One device call (1 GPU): the drill-down's CUDA tests; HTA's temporal and kernel breakdowns of a GPU capture of
 # both ranks; `ncu --nvtx --nvtx-include "target.pack_hidden/"` on a short --nvtx run checked against a capture;
 # the benchmarks of bench/RESULTS.md's drill-down rows (bench_capture.py, bench_span.py --mirror). Needs the
-# carried .whl (HTA, plotly, narwhals, pandas, psutil where the image lacks them). Logs and JSON land in $OUT.
+# carried .whl (HTA, plotly, narwhals, pandas, psutil where the image lacks them; HTA is traceinsight, its maintained
+# distribution: `pip download --no-deps -d .whl traceinsight==0.6.1`; the older HolisticTraceAnalysis, same module
+# hta, still serves where traceinsight is not carried). Logs and JSON land in $OUT.
 # Parts (default all four, about 12 min on an H200; name fewer to fit one call): tests (the drill-down's CUDA
 # tests), reports (the reports and HTA on the tests' capture, in /tmp/dd-tests: also after
 # `pytest -m cuda --basetemp=/tmp/dd-tests tests`), ncu (needs the tests' capture), bench.
@@ -13,7 +15,7 @@ step() { echo "=== $1"; shift; local t0=$SECONDS; timeout "$@"; echo "=== exit $
 SMALL="--builtin-conversations 48 --eval-prompts 0 --tokens-per-batch 1024 --max-length 128 --metrics-port 0"
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -c "import torch, hta, pandas; print('torch', torch.__version__, 'pandas', pandas.__version__)"
+python3 -c "import torch, hta, pandas; print('torch', torch.__version__, 'pandas', pandas.__version__, 'hta', hta.__version__)"
 if want tests; then
 step "drill-down cuda tests" 300 python3 -m pytest -q -rs -m cuda -p no:cacheprovider --basetemp=/tmp/dd-tests \
   tests/integration/test_capture_cuda.py
