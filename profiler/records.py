@@ -1,5 +1,6 @@
-"""Reading run logs: record kinds, the schema version, and tolerant readers. Standard library only,
-so `dflash-report` and `dflash-profile` read run logs without importing torch (docs/RUNLOG.md)."""
+"""Reading run logs: record kinds, the schema version, and tolerant readers. Standard library only (orjson where it
+is installed: a package dependency), so `dflash-report` and `dflash-profile` read run logs without importing torch
+(docs/RUNLOG.md)."""
 from __future__ import annotations
 
 import json
@@ -45,13 +46,29 @@ def too_deep(raw: bytes, limit: int = MAX_NESTING) -> bool:
     return bool(brackets)
 
 
+try:
+    from orjson import loads as _fast_loads
+except ImportError:   # a host that installed the package without its dependencies: the standard library's
+    _fast_loads = json.loads
+
+
+def loads(raw: bytes):
+    """json.loads(raw), about twice as fast on run logs through orjson; anything orjson refuses (a NaN literal, an
+    integer over 64 bits, a lone surrogate escape) goes to json.loads, whose verdict it is: the same records and
+    the same bad lines either way. Brackets nested past MAX_NESTING are the caller's to refuse first."""
+    try:
+        return _fast_loads(raw)
+    except ValueError:   # orjson.JSONDecodeError is one
+        return json.loads(raw)
+
+
 def parse_line(raw: bytes):
     """One run-log line -> its record (a dict), or None for a line that is not one: not JSON, not an object, or
     nested deeper than MAX_NESTING."""
     if too_deep(raw):
         return None
     try:
-        rec = json.loads(raw)
+        rec = loads(raw)
     except (ValueError, RecursionError):
         return None
     return rec if isinstance(rec, dict) else None

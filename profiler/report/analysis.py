@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from itertools import repeat
 
-from profiler.windows import (clock_seconds, gpu_bound, gpu_scale, open_at_end, phase_seconds, self_seconds, span_clock,
+from profiler.windows import (clock_seconds, gpu_bound, open_at_end, phase_seconds, span_clock,
                               steady_throughput, whole_seconds)
 from profiler.span_kinds import COLLECTIVE, SpanKinds
 from profiler.report.kernels import capture_busy
@@ -80,8 +80,9 @@ def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, 
     p50s = [(st.get("p50_seconds"), w) for st, w in parts]
     p95s = [(st.get("p95_seconds"), w) for st, w in parts]
     buckets = [st.get("buckets") for st, _ in measured]
-    if bounds and buckets and all(b is not None and len(b) == len(bounds) + 1 for b in buckets):
-        summed = [sum(column) for column in zip(*buckets)]
+    summed = _column_sums(buckets) if bounds and buckets and all(
+        type(b) is list and len(b) == len(bounds) + 1 for b in buckets) else None
+    if summed is not None:
         p50 = _clamp(_histogram_quantile(bounds, summed, 0.50, max_seconds), p50s)
         p95, source = _clamp(_histogram_quantile(bounds, summed, 0.95, max_seconds), p95s), "histogram"
     else:
@@ -91,43 +92,77 @@ def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, 
     return p50, p95, source
 
 
+def _column_sums(rows: list) -> list | None:
+    """The column sums of equal-length rows of bucket counts, or None where a count is not a number."""
+    import numpy as np   # a million rows in a week-long log's span: a column sum in C
+
+    counts = np.asarray(rows)
+    return counts.sum(axis=0).tolist() if counts.dtype.kind in "biuf" else None
+
+
+class _SpanSums:
+    """One pass over a span's interval entries on clock `on` (windows.span_clock): what _span_row reports, each
+    summed in entry order as windows.clock_seconds, self_seconds, whole_seconds and gpu_scale define it, inline (a
+    week-long log has a million entries)."""
+
+    def __init__(self, entries: list, on: str):
+        self.stats, self.lags = [], []   # _clock_stats of the entries on `on`; the entries with gpu_lag samples
+        self.total = self.self_total = self.cpu = self.gpu_window = self.whole = self.gpu_sum = 0.0
+        self.count = self.timed_spans = self.timed = 0
+        stats, gpu_clock = self.stats, on == "gpu"
+        for e in entries:
+            count, cpu, gpu = e.get("count") or 0, e.get("cpu") or {}, e.get("gpu")
+            self.count += count
+            self.cpu += cpu.get("total_seconds") or 0.0
+            if (e.get("gpu_lag") or {}).get("n"):
+                self.lags.append(e)
+            if gpu:
+                timed = e.get("gpu_count")
+                scale = count / timed if timed else 1.0
+                total = gpu.get("total_seconds") or 0.0
+                self.timed += 1
+                self.timed_spans += e.get("gpu_count", count)
+                self.gpu_window += total * scale
+            if gpu_clock:
+                if gpu:
+                    stats.append((gpu, timed or count))
+                    own = gpu.get("self_seconds")
+                    self.total += total * scale
+                    self.self_total += (total if own is None else own) * scale
+                    self.gpu_sum += total
+                continue
+            stats.append((cpu, count))
+            own, total = cpu.get("self_seconds"), cpu.get("total_seconds") or 0.0
+            self.total += total
+            self.self_total += total if own is None else own * 1.0
+            mean = cpu.get("mean_seconds")   # whole_seconds: no entry of a CPU-clock span has GPU times
+            self.whole += mean * count if mean is not None else 0.0
+
+
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None, busy: tuple = (None, None),
               wait: bool = False) -> dict:
     """One ranked span from its entries in every interval of the role's ranks (and their run_ends'); `busy`:
     (the captures' busy share of the span, the role's GPM SM active percent), the estimates beside its class;
     `wait`: whether the role waits on the other side in it (the run's span table)."""
     entries = a["entries"]
-    timed = [e for e in entries if e.get("gpu")]
-    on = "gpu" if timed else "cpu"   # span_clock
-    measured = timed if on == "gpu" else entries   # the entries whose statistics are on the span's clock
-    stats = [(e["gpu"], e.get("gpu_count") or e.get("count") or 0) for e in measured] if on == "gpu" else \
-        [(e.get("cpu") or {}, e.get("count") or 0) for e in measured]   # _clock_stats of each
-    n = sum(w for _, w in stats)
+    on = span_clock(entries)
+    sums = _SpanSums(entries, on)
+    n = sum(w for _, w in sums.stats)
     # the longest of the intervals' and of the run_ends' (a segment's whole figures hold the spans of intervals the
     # log could not take, a full disk's): the p95 read from the run_ends never passes it
-    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in stats]
+    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in sums.stats]
                       + [(e.get(on) or {}).get("max_seconds") or 0.0 for e in a["ends"] or ()])
-    total = sum(map(clock_seconds, entries, repeat(on)), 0.0)
-    p50, p95, source = _quantiles(on, stats, a["ends"], bounds, max_seconds)
-    return {"role": role, "span": name, "count": sum([e.get("count") or 0 for e in entries]), "on": on,
-            "total_seconds": total, "self_seconds": sum(map(self_seconds, entries, repeat(on)), 0.0),
-            "cpu_seconds": sum([(e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries], 0.0),
-            "gpu_window_seconds": sum([(e["gpu"].get("total_seconds") or 0.0) * gpu_scale(e) for e in timed], 0.0)
-            if timed else None,
-            "gpu_bound": gpu_bound(entries, *busy),
-            "gpu_timed": sum([e.get("gpu_count", e.get("count") or 0) for e in timed]) if timed else None,
-            "share": total / role_wall if role_wall > 0 else None,
-            "mean_seconds": _mean_seconds(measured, on, n) if n else None,
+    p50, p95, source = _quantiles(on, sums.stats, a["ends"], bounds, max_seconds)
+    timed = sums.timed > 0
+    return {"role": role, "span": name, "count": sums.count, "on": on,
+            "total_seconds": sums.total, "self_seconds": sums.self_total, "cpu_seconds": sums.cpu,
+            "gpu_window_seconds": sums.gpu_window if timed else None,
+            "gpu_bound": gpu_bound(sums.lags, *busy), "gpu_timed": sums.timed_spans if timed else None,
+            "share": sums.total / role_wall if role_wall > 0 else None,
+            "mean_seconds": (sums.gpu_sum if on == "gpu" else sums.whole) / n if n else None,
             "p50_seconds": p50, "p95_seconds": p95, "max_seconds": max_seconds, "quantiles_from": source,
             "intervals": len(entries), "wait": wait, "ranks": sorted(a["ranks"]),
             **{k: a[k] for k in ("open_intervals", "open_max_seconds", "open_where", "open_at_end")}}
-
-
-def _mean_seconds(measured: list, on: str, n: int) -> float | None:
-    """The mean whole span on the span's clock: GPU totals over the GPU-timed spans, or whole CPU spans."""
-    if on == "gpu":
-        return sum([e["gpu"].get("total_seconds") or 0.0 for e in measured]) / n
-    return sum(map(whole_seconds, measured), 0.0) / n
 
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:

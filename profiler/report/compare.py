@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from profiler.windows import basis, gpu_scale
@@ -108,8 +108,10 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
     tokens/s, a rank's rate times the role's rank count}, "memory": {gpu: NVML peak used, per steady interval, or
     per interval where one run has none `memory_steady`},
     "windows": {role: their name}, "present": every (role, span) the run has in any interval}."""
-    out = {"spans": {}, "calls": {}, "rates": {}, "memory": {}, "windows": {}, "present": set()}
-    calls, walls = Counter(), Counter()
+    out = {"spans": defaultdict(list), "calls": defaultdict(list), "rates": {}, "memory": {}, "windows": {},
+           "present": set()}
+    walls = Counter()
+    spans, counts = out["spans"], out["calls"]   # a million entries in a week-long log: no lookup per entry
     for role, logs in run.by_role().items():
         per_rank, w = _role_windows(logs, *kinds[role])
         out["windows"][role] = w.label
@@ -118,11 +120,10 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
             out["present"] |= {(role, n) for rec in log.intervals for n in (rec.get("spans") or {})}
             for rec in per_rank[log.rank]:
                 for name, e in (rec.get("spans") or {}).items():
-                    if e.get("count") and (e.get("gpu") or e.get("cpu") or {}).get("total_seconds") is not None:
-                        key = (role, name)
-                        out["spans"].setdefault(key, []).append(per_call_seconds(e))
-                        out["calls"].setdefault(key, []).append(e["count"])
-                        calls[key] += e["count"]
+                    count = e.get("count")
+                    if count and (e.get("gpu") or e.get("cpu") or {}).get("total_seconds") is not None:
+                        spans[role, name].append(per_call_seconds(e))
+                        counts[role, name].append(count)
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
                     out["rates"].setdefault(role, []).append(rate * len(logs))
@@ -131,7 +132,8 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
                 for g in gpus(rec):
                     if g.get("used_bytes_peak") is not None:
                         out["memory"].setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
-    out["calls_per_s"] = {k: n / walls[k[0]] for k, n in calls.items() if walls.get(k[0])}
+    out["spans"], out["calls"] = dict(spans), dict(counts)
+    out["calls_per_s"] = {k: sum(n) / walls[k[0]] for k, n in counts.items() if walls.get(k[0])}
     out["window"] = "; ".join(f"{role}: {label}" for role, label in out["windows"].items())
     w = merged_window(run.ranks.values(), ticks=False)
     out["memory_window"] = w.label if memory_steady or not w.steady else \

@@ -89,7 +89,7 @@ def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict
     """One allocator series (`allocated_bytes` or `reserved_bytes`, a views.Allocator field) over `allocs` ((interval,
     allocator) views of its window after warm-up, named `window`): Theil-Sen slope, residual MAD, rise, when the GPU
     headroom would run out, and whether that is a leak (`leak`, `why`; only in a `steady` window)."""
-    pts = [(_at_s(r), getattr(a, key), r) for r, a in allocs if getattr(a, key) is not None and _at_s(r) is not None]
+    pts = [(x, y, r) for r, a in allocs if (y := getattr(a, key)) is not None and (x := _at_s(r)) is not None]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     slope, intercept = theil_sen(xs, ys) if pts else (0.0, 0.0)
     resid = [y - (intercept + slope * x) for x, y in zip(xs, ys)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import json
 import os
 import statistics
 from collections import deque
@@ -140,7 +139,7 @@ def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
     if rl.too_deep(raw):
         return None, f"nested deeper than {rl.MAX_NESTING} brackets"
     try:
-        rec = json.loads(raw)
+        rec = rl.loads(raw)
     except (ValueError, RecursionError):
         rec = None
     why = "not a JSON object" if not isinstance(rec, dict) else views.problem(rec)
@@ -148,7 +147,7 @@ def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
 
 
 BATCH_LINES = 256
-"""Lines parsed by one json.loads: its key memo then holds each field name once for all of them (a quarter less
+"""Lines parsed by one loads: its key memo then holds each field name once for all of them (a quarter less
 memory than a call per line, and faster)."""
 _INTERVAL_LINE = b'{"type": "' + rl.INTERVAL.encode() + b'"'
 EXAMPLES = 3   # bad lines a rank log names ("file:line: why"), its first ones
@@ -186,14 +185,14 @@ def _batches(lines, size: int):
 
 
 def _parsed(batch: list) -> list:
-    """[(line number, record or None, why not)] of a batch of lines: one json.loads over them all when together they
+    """[(line number, record or None, why not)] of a batch of lines: one loads (records.loads) over them all when together they
     nest within MAX_NESTING and give one object per line; else line by line, each bad one with its reason. (Only a
     crafted pair of cut lines could close each other into one record, and a third split in two to keep the count:
     a log's writer writes whole lines, and a cut last line leaves the batch unparsable.)"""
     joined = b"[" + b",".join(raw for _, raw in batch) + b"]"
     if not rl.too_deep(joined, rl.MAX_NESTING + 1):
         try:
-            recs = json.loads(joined)
+            recs = rl.loads(joined)
         except (ValueError, RecursionError):
             recs = None
         if recs is not None and len(recs) == len(batch) and all(isinstance(r, dict) for r in recs):
