@@ -206,7 +206,7 @@ class ProfileConfig:
             need(False, e.field, e.why_in(flags.__getitem__))
 
 
-EXTRA_SINKS = ("tensorboard",)
+EXTRA_SINKS = ("tensorboard", "wandb")
 """The sinks --sinks adds (exporters.SINKS less those always on or set by their own settings)."""
 
 
@@ -231,9 +231,10 @@ class TelemetryConfig:
 
     sinks: str = ""
     """More live sinks, comma-separated: `tensorboard` (scalars in RUN_DIR/tensorboard/rank{R}/, for `tensorboard
-    --logdir RUN_DIR/tensorboard`). The trace, the console, Prometheus (--metrics-port) and OTel
-    (OTEL_EXPORTER_OTLP_ENDPOINT) are always on or set by their own settings. A sink whose library is not
-    installed is refused before the run (exit 2), naming what to install."""
+    --logdir RUN_DIR/tensorboard`), `wandb` (one Weights & Biases run per rank in the run id's group, under
+    RUN_DIR/wandb/; offline unless WANDB_MODE is set or W&B credentials are configured). The trace, the console,
+    Prometheus (--metrics-port) and OTel (OTEL_EXPORTER_OTLP_ENDPOINT) are always on or set by their own
+    settings. A sink whose library is not installed is refused before the run (exit 2), naming what to install."""
 
     def check(self, need) -> None:
         import exporters

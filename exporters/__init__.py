@@ -13,9 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SINKS = ("console", "prometheus", "trace", "otel", "tensorboard")
+SINKS = ("console", "prometheus", "trace", "otel", "tensorboard", "wandb")
 """The sink names `build` takes."""
-LIBRARIES = {"tensorboard": ("tensorboard", "pip install tensorboard (or the package's [tensorboard] extra)")}
+LIBRARIES = {"tensorboard": ("tensorboard", "pip install tensorboard (or the package's [tensorboard] extra)"),
+             "wandb": ("wandb", "pip install wandb (or the package's [wandb] extra)")}
 """{sink: (the module it needs that the package does not install, how to get it)}."""
 
 
@@ -87,8 +88,9 @@ def build(spec: str = "console,prometheus,trace", *, metrics_host: str = "127.0.
     `announce`: a line on a text stream, default stderr, or a function given the `Served`), `trace`
     (RUN_DIR/trace/rank{R}.json for Perfetto), `otel` (OTLP/HTTP to otlp_endpoint, else to
     OTEL_EXPORTER_OTLP_ENDPOINT; none where OTEL_SDK_DISABLED is true), `tensorboard` (RUN_DIR/tensorboard/rank{R}/,
-    exporters/tensorboard.py). ValueError now, before any run starts, for a name it does not know, a sink whose
-    library is not installed (missing_library) or an `otel` with no endpoint. The endpoint is made first; a sink that fails to
+    exporters/tensorboard.py), `wandb` (one W&B run per rank under RUN_DIR/wandb/, offline unless WANDB_MODE or
+    credentials say otherwise, exporters/wandb_run.py). ValueError now, before any run starts, for a name it does
+    not know, a sink whose library is not installed (missing_library) or an `otel` with no endpoint. The endpoint is made first; a sink that fails to
     be made closes the ones made before it."""
     names = [n.strip() for n in spec.split(",") if n.strip()] if isinstance(spec, str) else None
     if names is None:
@@ -171,5 +173,11 @@ def _tensorboard(prof, options):
     return TensorBoardExporter(prof.run_dir, prof.rank, prof.role, getattr(prof, "run_id", None))
 
 
+def _wandb(prof, options):
+    from exporters.wandb_run import WandbExporter
+
+    return WandbExporter(prof.run_dir, prof.rank, prof.role, getattr(prof, "run_id", None))
+
+
 _MAKERS = {"console": _console, "prometheus": _prometheus, "trace": _trace, "otel": _otel,
-           "tensorboard": _tensorboard}
+           "tensorboard": _tensorboard, "wandb": _wandb}
