@@ -53,9 +53,10 @@ except ImportError:   # a host that installed the package without its dependenci
 
 
 def loads(raw: bytes):
-    """json.loads(raw), about twice as fast on run logs through orjson; anything orjson refuses (a NaN literal, an
-    integer over 64 bits, a lone surrogate escape) goes to json.loads, whose verdict it is: the same records and
-    the same bad lines either way. Brackets nested past MAX_NESTING are the caller's to refuse first."""
+    """json.loads(raw), about twice as fast on run logs through orjson; anything orjson refuses (a NaN literal, a
+    lone surrogate escape) goes to json.loads, whose verdict it is: the same records and the same bad lines either
+    way, but for an integer beyond 64 bits, which orjson reads as a float of its value (no field of a run log holds
+    one). Brackets nested past MAX_NESTING are the caller's to refuse first."""
     try:
         return _fast_loads(raw)
     except ValueError:   # orjson.JSONDecodeError is one

@@ -9,6 +9,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from profiler import report
 from profiler import records as rl
 from profiler.report.check import check
@@ -82,6 +84,32 @@ def test_nesting_is_measured_outside_strings_and_within_the_limit():
     assert rl.too_deep(json.dumps({"t": "ends in a backslash\\", "d": deep}).encode())   # "\\" then the quote
     assert not rl.too_deep(json.dumps({"t": 'quoted \\" [[[' * 40, "u": "\\\\[" * 70}).encode())
     assert rl.parse_line(DEEP.encode()) is None
+
+
+def test_what_orjson_refuses_gets_the_standard_librarys_verdict(tmp_path):
+    """records.loads reads through orjson where installed; a NaN literal and a lone surrogate escape (which orjson
+    refuses and json reads) read as json reads them, in a batch and line by line; an integer over 64 bits reads as
+    its value (a float, orjson's rule)."""
+    odd = ['{"type": "event", "kind": "x", "big": 36893488147419103232}',
+           '{"type": "event", "kind": "x", "text": "\\ud800"}',
+           '{"type": "event", "kind": "x", "v": NaN}']
+    for line in odd:
+        assert rl.loads(line.encode()) == json.loads(line) or line.endswith("NaN}")
+    assert rl.loads(b"[1, NaN]")[1] != rl.loads(b"[1, NaN]")[1]   # a NaN, as json.loads gives it
+    run_dir = write_long_run(tmp_path / "r", 20)
+    for line in odd:
+        _with_line(run_dir, line)
+    run = load_run(run_dir)
+    assert run.ranks[0].bad_lines == 0 and len(run.ranks[0].intervals) == 20
+    assert [e.get("big") for e in run.ranks[0].events if "big" in e] == [2 ** 65]
+    assert [e["text"] for e in run.ranks[0].events if "text" in e] == ["\ud800"]
+    try:
+        import orjson
+    except ImportError:
+        return
+    for line in odd[1:]:   # the inputs do exercise the fallback
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(line)
 
 
 def test_brackets_outside_strings_skip_quote_pairs_without_one_between():
