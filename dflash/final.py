@@ -23,12 +23,13 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
     from exporters.console import format_hotspots
 
     out, err = out or sys.stdout, err or sys.stderr
-    ends, steady = [], []
+    ends, steady, starts = [], [], []
     for path in rank_logs(run_dir).values():
         records, _ = profiler.read_records(path)
         ends += [r for r in records if r.get("type") == "run_end"]
         steady += [r for r in records if r.get("type") == "event" and r.get("kind") == "throughput"][-1:]
-    lines = [format_hotspots(ends, steady)] if ends else []
+        starts += [r for r in records if r.get("type") == "run_start"][-1:]
+    lines = [format_hotspots(ends, steady, starts)] if ends else []
     lines.append(f"wall time: {format_duration((time.time_ns() - origin_unix_ns) / 1e9)} from {origin} to the end")
     if stop_line is None:
         lines += verdict_and_findings(run_dir)

@@ -20,6 +20,7 @@ import profiler
 from dflash import checkpoint, startup, transfer
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
+from dflash.flops import target_forward_flops
 from dflash.loss import compute_loss
 from dflash.model import DFlashDraftModel, draft_config_for_target
 from dflash.compile_cache import compile_seconds
@@ -142,7 +143,7 @@ def run_target(ctx: WorkerContext) -> None:
     staging = transfer.Staging(ctx.device, ctx.device_payload, cfg.parallel.max_in_flight + 1)
     meter = ThroughputMeter(ctx.run_dir, rank, ctx.device, "target", warm_steps=warmup_steps(cfg, "target"),
                             start_step=consumed, compile_seconds_fn=compile_seconds)
-    done, tokens_total = consumed, 0
+    done, tokens_total, flops_total = consumed, 0, 0.0
     ctx.first_step.begin()
     try:
         for batch_index in range(consumed, topo.quota(rank, cfg.optim.max_steps)):
@@ -150,14 +151,14 @@ def run_target(ctx: WorkerContext) -> None:
                 break
             stop_if_needed(cfg, batch_index)
             profiler.set_step(batch_index)
-            tokens_total += target_step(ctx, target, batches, sender, staging, shard, batch_index)
-            done = batch_index + 1
-            meter.after_step(done, tokens_total)
+            tokens, flops = target_step(ctx, target, batches, sender, staging, shard, batch_index)
+            tokens_total, flops_total, done = tokens_total + tokens, flops_total + flops, batch_index + 1
+            meter.after_step(done, tokens_total, flops_total)
     except RankStop:
         _end_transfers(sender.close, stop.wait)
         raise
     sender.close()   # END after everything queued; returns once all sends completed
-    meter.finish(done, tokens_total)
+    meter.finish(done, tokens_total, flops_total)
     stop.wait()      # the drafter always sends STOP when it is done with us
     if cfg.reliability.on_nonfinite == "stop":
         # Deliberate wait, once at the end: every pack's check read back, so a bad pack is said and ends
@@ -167,8 +168,8 @@ def run_target(ctx: WorkerContext) -> None:
 
 
 def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: transfer.Sender,
-                staging: transfer.Staging, shard: int, batch_index: int) -> int:
-    """One batch through the target and onto the wire; returns its token count."""
+                staging: transfer.Staging, shard: int, batch_index: int) -> tuple[int, float]:
+    """One batch through the target and onto the wire; returns its tokens and model FLOPs."""
     cfg = ctx.cfg
     with profiler.span("target.fetch"):
         batch = next(batches)
@@ -192,9 +193,11 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     rows, header = packed.to_wire(batch_index, detail=profiler.in_detail())   # the drafter keeps it too
     sender.submit(transfer.Message(payload, rows, list(header), ready=ready, release=release,
                                    fingerprint=fingerprint))
+    flops = target_forward_flops(target.config, batch.attention_mask.sum(1), target.layer_ids)   # a CPU mask
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
-    return batch.num_tokens
+    profiler.count("model_flops", flops)
+    return batch.num_tokens, flops
 
 
 # ---------------------------------------------------------------------------------------- drafter
@@ -207,6 +210,8 @@ class DrafterState:
     consumed: dict = field(default_factory=dict)
     """Batches consumed per producer rank (resume replays data order from here)."""
     tokens_total: int = 0
+    model_flops_total: float = 0.0
+    """Model FLOPs of this segment's steps (dflash/flops.py), for the steady window's rate."""
 
 
 def build_drafter(ctx: WorkerContext) -> DrafterState:
@@ -247,7 +252,7 @@ def run_drafter(ctx: WorkerContext, state: DrafterState, progress: Progress) -> 
     except RankStop:
         _end_transfers(lambda: transfer.send_stop(producers, ctx.ctrl_group), rx.drain)
         raise
-    meter.finish(state.step, state.tokens_total)
+    meter.finish(state.step, state.tokens_total, state.model_flops_total)
     transfer.send_stop(producers, ctx.ctrl_group)
     dropped = rx.drain()
     if stopped_by is not None:
@@ -273,7 +278,7 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
         loss, tau, lr = drafter_step(ctx, state, msg)
         progress.observe(loss, tau, lr)
         progress.update(state.step, state.tokens_total)
-        meter.after_step(state.step, state.tokens_total)
+        meter.after_step(state.step, state.tokens_total, state.model_flops_total)
         every = cfg.reliability.checkpoint_every
         if every and state.step % every == 0 and state.step < cfg.optim.max_steps:
             t0_s = time.perf_counter()
@@ -322,9 +327,11 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     n_tokens = int(msg.meta.shape[1])
     state.step += 1
     state.tokens_total += n_tokens
+    state.model_flops_total += out.model_flops
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
+    profiler.count("model_flops", out.model_flops)
     # The loss as trained on (nan@drafter.fwd_bwd included); lr: the next step's, as the interval's metric says.
     lr = state.scheduler.get_last_lr()[0]
     metrics = {"loss": loss, "tau": out.tau, "tau_prefix": out.tau_prefix, "lr": lr,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.attention import build_layout
+from dflash.flops import drafter_step_flops
 from dflash.lm_loss import linear_cross_entropy
 from dflash.pack import PackedBatch
 
@@ -29,6 +30,8 @@ class LossOutput:
     tau_prefix: torch.Tensor | None = None
     """Scalar: 1 + mean over anchors of the leading run of correct predictions (what a verify step
     would accept teacher-forced; unlike `tau` it keeps the correlation between positions)."""
+    model_flops: float = 0.0
+    """Model FLOPs of this step's forward and backward (dflash/flops.py's convention), counted on the host."""
 
 
 def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
@@ -115,5 +118,6 @@ def compute_loss(model, packed: PackedBatch, context: torch.Tensor, num_anchors:
         # Per-anchor accepted prefix: an invalid target (past the document's end) ends it too.
         grid = torch.zeros(m * (bs - 1), device=device).index_copy_(0, rows_dev, correct)
         tau_prefix = 1.0 + grid.view(m, bs - 1).cumprod(1).sum(1).mean()
-    return LossOutput(loss, acc, tau, m, r, tau_prefix)
+    flops = drafter_step_flops(model.config, meta, anchors, r)   # host metadata only: no sync
+    return LossOutput(loss, acc, tau, m, r, tau_prefix, flops)
 

@@ -35,6 +35,7 @@ class ThroughputMeter:
         self.compile_seconds_fn = compile_seconds_fn
         self.t0_s: float | None = None
         self.tokens0 = 0
+        self.flops0 = 0.0
         self.compile0_s = 0.0
         self.phases_s = {"ckpt.save": 0.0}
         if warm_steps == 0:   # no warm-up: the window starts with the loop (the meter is made just before it)
@@ -45,28 +46,32 @@ class ThroughputMeter:
             torch.cuda.synchronize(self.device)  # deliberate: twice per run, to time finished work
         return time.perf_counter()
 
-    def after_step(self, step: int, tokens_total: int) -> None:
+    def after_step(self, step: int, tokens_total: int, model_flops_total: float = 0.0) -> None:
         if step == self.mark_step:
             self.t0_s, self.tokens0, self.compile0_s = self._now_s(), tokens_total, self.compile_seconds_fn()
+            self.flops0 = model_flops_total
 
     def phase(self, name: str, seconds: float) -> None:
         """Leave `seconds` of phase `name` out of the window (only once the window has begun)."""
         if self.t0_s is not None:
             self.phases_s[name] = self.phases_s.get(name, 0.0) + seconds
 
-    def finish(self, step: int, tokens_total: int) -> None:
-        """Write the file and the `throughput` event; nothing when the run ended before warm-up was over."""
+    def finish(self, step: int, tokens_total: int, model_flops_total: float = 0.0) -> None:
+        """Write the file and the `throughput` event; nothing when the run ended before warm-up was over.
+        `model_flops_total`: the run's model FLOPs so far (dflash/flops.py), 0 where the loop counts none."""
         if self.t0_s is None or step <= self.mark_step:
             return
         wall_s = self._now_s() - self.t0_s
         phases = {**self.phases_s, "drafter.compile": self.compile_seconds_fn() - self.compile0_s}
         seconds = wall_s - sum(phases.values())
-        tokens = tokens_total - self.tokens0
+        tokens, flops = tokens_total - self.tokens0, model_flops_total - self.flops0
         out = {"window": WINDOW, "role": self.role, "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
                "steady_steps_per_s": (step - self.mark_step) / seconds if seconds > 0 else None,
                "steady_tokens": tokens, "steady_steps": step - self.mark_step, "steady_seconds": seconds,
                "window_seconds": wall_s, "phases_seconds": phases, "warmup_steps": self.warm_steps,
                "first_step": self.mark_step + 1, "last_step": step}
+        if flops > 0:   # the same window's model FLOPs and their rate: TFLOP/s and MFU on every surface
+            out.update(steady_model_flops=flops, steady_model_flops_per_s=flops / seconds if seconds > 0 else None)
         self._write(json.dumps(out) + "\n")
         profiler.event("throughput", **out)
 

@@ -110,6 +110,19 @@ FAMILIES = {f.key: f for f in (
        otel=Otel("dflash.steps", "{step}")),
     _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval.",
        otel=Otel("dflash.tokens.rate", "{token}/s")),
+    _f("model_flops", "model_flops", None, "counter",
+       "Model FLOPs of this rank's steps (dflash/flops.py: matmuls at 2 a multiply-add, 3x forward for trained "
+       "weights, masked-in attention pairs, no padding; whole run, from every tick, stamped: rate() gives model "
+       "FLOP/s over any window).", otel=Otel("dflash.model_flops", "{flop}")),
+    _f("model_flops_rate", "model_flops", "per_second", "gauge", "Model FLOP/s over the last interval.",
+       otel=Otel("dflash.model_flops.rate", "{flop}/s")),
+    _f("peak_flops", "peak_flops", "per_second", "gauge",
+       "The device's compute peak MFU reads against: peak=\"datasheet\" (dense bf16 of the GPU's datasheet) or "
+       "peak=\"measured\" (a bf16 matmul timed at the rank's start; float32 on a CPU).", "peak",
+       otel=Otel("dflash.peak_flops", "{flop}/s")),
+    _f("mfu", "mfu", "ratio", "gauge",
+       "Model FLOPs utilisation over the last interval: its model FLOP/s over the peak (peak=\"datasheet\" or "
+       "\"measured\", dflash_peak_flops_per_second).", "peak", otel=Otel("dflash.mfu", "1")),
     _f("step", "step", None, "gauge", "The rank's current training step.", otel=Otel("dflash.step", "{step}")),
     _f("queue_depth", "queue_depth", None, "gauge",
        "Received batches waiting for the drafter (last, mean and max of the interval).", "stat",

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 from profiler import views
 from profiler.records import printable
-from profiler.windows import STEADY_PHASE_SHARE_MAX
+from profiler.windows import STEADY_PHASE_SHARE_MAX, compute_clause, mfu, summed_mfu
 
 GIB = 1024 ** 3
 
@@ -57,11 +57,11 @@ def format_memory(memory) -> list[str]:
     return lines or ["  memory: n/a (no GPUs listed)"]
 
 
-def format_interval(record, phase_spans=()) -> str:
+def format_interval(record, phase_spans=(), peaks: dict | None = None) -> str:
     """A short block for one interval record (a dict or views.Interval): spans by share (each column what its
     header says), then the spans open at the interval's end and for how long, counters' rates, gauges, metrics,
     memory, thread CPU. The head says when the interval is not steady work: warm-up, or mostly in `phase_spans`
-    (run_start's)."""
+    (run_start's); `peaks` (run_start's compute_peaks): what its model FLOP/s is read against (MFU)."""
     rec = views.interval(record)
     rate = rec.step_rate.per_second
     head = (f"[profile] rank {rec.rank} {rec.role}  interval {rec.index}  "
@@ -78,6 +78,10 @@ def format_interval(record, phase_spans=()) -> str:
         rate = c.per_second
         lines.append(f"  {name}: {'-' if rate is None else f'{rate:.1f}'}/s (interval {_num(c.total)}, "
                      f"run {_num(c.run_total)})")
+    flops = rec.counters.get("model_flops")
+    if flops is not None and flops.per_second is not None:
+        whats = {n: p.get("what") for n, p in (peaks or {}).items() if isinstance(p, dict)}
+        lines.append("  " + compute_clause(flops.per_second, mfu(flops.per_second, peaks or {}), whats))
     for name, g in rec.gauges.items():
         lines.append(f"  {name}: last {_num(g.last)} mean {_num(g.mean)} max {_num(g.max)}")
     metrics = rec.metrics
@@ -203,9 +207,10 @@ def hotspot_rows(run_end_records: list) -> tuple[list, dict]:
     return sorted(rows, key=lambda r: -r[2]), roles
 
 
-def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
+def format_hotspots(run_end_records: list, throughput_events: list = (), run_starts: list = ()) -> str:
     """The end-of-run table over the whole run: spans by total time with their share of the role's wall time,
-    every counter's rate per role, then each role's steady state from its ranks' last `throughput` events."""
+    every counter's rate per role, then each role's steady state from its ranks' last `throughput` events (with
+    the MFU against the compute peaks of the ranks' `run_starts`)."""
     rows, roles = hotspot_rows(run_end_records)
     lines = ["whole run:", f"{'span':<24} {'role':<10} {'total s':>9} {'share':>7} {'mean ms':>9} {'p95 ms':>9}"]
     for role, sname, total, share, mean, p95, _ in rows:
@@ -223,13 +228,16 @@ def format_hotspots(run_end_records: list, throughput_events: list = ()) -> str:
         lines.append(f"{role} ({len(r['ranks'])} rank{'s' if len(r['ranks']) != 1 else ''}, "
                      f"{r['wall_seconds']:.1f} s, whole run): {rates}")
     resumed = {role for role, r in roles.items() if r["segments"] > len(r["ranks"])}
-    lines.extend(format_steady(throughput_events, resumed))
+    peaks = {start.rank: start.compute_peaks for start in map(views.run_start, run_starts)}
+    lines.extend(format_steady(throughput_events, resumed, peaks))
     return "\n".join(lines)
 
 
-def format_steady(throughput_events: list, resumed=()) -> list:
+def format_steady(throughput_events: list, resumed=(), peaks: dict | None = None) -> list:
     """One line per role: its ranks' steady tokens/s summed, with the window, steps and phases left out (of the
-    last segment for a role in `resumed`: a rank's last event is its last segment's)."""
+    last segment for a role in `resumed`: a rank's last event is its last segment's), and where the loop counted
+    model FLOPs their rate over the same window and the role's MFU against `peaks` ({rank: run_start
+    compute_peaks})."""
     by_role: dict = {}
     for e in map(views.Throughput.of, throughput_events):
         if e.steady_tokens_per_s is not None:
@@ -244,8 +252,19 @@ def format_steady(throughput_events: list, resumed=()) -> list:
                      f"{sum(e.steady_tokens_per_s for e in evs):,.0f} tokens/s "
                      f"(steady_tokens_per_s; {sum(e.steady_steps or 0 for e in evs)} steps after "
                      f"{evs[0].warmup_steps} warm-up, over {max(e.steady_seconds or 0.0 for e in evs):.1f} s; "
-                     f"phases left out: {left})")
+                     f"phases left out: {left}){_steady_compute(evs, peaks or {})}")
     return lines
+
+
+def _steady_compute(events: list, peaks: dict) -> str:
+    """`; model ... TFLOP/s, MFU ...` of a role's throughput events (views.Throughput) over their steady window:
+    their model FLOP/s summed, over the summed peaks of their ranks ({rank: compute_peaks})."""
+    ranks = [(e.steady_model_flops_per_s, peaks.get(e.rank) or {}) for e in events
+             if e.steady_model_flops_per_s is not None]
+    if not ranks:
+        return ""
+    whats = {n: p.get("what") for _, rank_peaks in ranks for n, p in rank_peaks.items() if isinstance(p, dict)}
+    return "; " + compute_clause(sum(r for r, _ in ranks), summed_mfu(ranks), whats)
 
 
 class ConsoleExporter:
@@ -261,12 +280,13 @@ class ConsoleExporter:
         self.stream = stream   # None: sys.stdout at print time (pytest's capture swaps it)
         self.run_dir = run_dir
         self.phase_spans = ()   # from the run_start record: which spans are phases, to tag their intervals
+        self.peaks: dict = {}   # and the compute peaks its model FLOP/s is read against
 
     def export(self, record: dict) -> None:
         out = self.stream or sys.stdout
         rec = views.view(record)
         if isinstance(rec, views.RunStart):
-            self.phase_spans = tuple(rec.phase_spans)
+            self.phase_spans, self.peaks = tuple(rec.phase_spans), rec.compute_peaks
         if isinstance(rec, views.RunEnd) and self.run_dir is not None:
             print(printable(f"{format_hotspots([rec])}\nrun directory: {self.run_dir}  (report: dflash-report "
                             f"hotspots {shlex.quote(str(self.run_dir))})"), file=out, flush=True)
@@ -275,7 +295,7 @@ class ConsoleExporter:
         from profiler.forensics import format_open_spans   # imports torch: not for format_* readers
 
         # thread names are anyone's: printable
-        print(printable(format_interval(rec, self.phase_spans)), file=out, flush=True)
+        print(printable(format_interval(rec, self.phase_spans, self.peaks)), file=out, flush=True)
         stuck = format_open_spans([t.raw for t in rec.open_spans], min_seconds=rec.duration_seconds or 0.0)
         if stuck:
             print(printable(stuck), file=out, flush=True)

@@ -195,6 +195,23 @@ _BELOW_OVERVIEW = (("Step breakdown", (
               "Achieved bandwidth over its floor: well below 100% means the copy is slower than this "
               "machine can do.", "percentunit",
               (Query(sel("span_floor_ratio"), "{{role}} {{rank}} {{span}}"),)),
+)), ("Compute", (
+        Panel("Model FLOP/s by role",
+              "Model FLOPs per second (dflash/flops.py: matmuls at 2 a multiply-add, 3x forward for trained weights, "
+              "masked-in attention pairs, padding not counted), summed over the role's ranks: over the rate window "
+              "from the counter, and over each rank's last profile interval.", "flops",
+              (Query(f"sum by (role) (rate({sel('model_flops')}[{RATE}]))", "{{role}} (rate window)"),
+               Query(f"sum by (role) ({sel('model_flops_rate')})", "{{role}} (last interval)")), width=12),
+        Panel("MFU by rank",
+              "Model FLOPs utilisation of each rank: its model FLOP/s over the rate window divided by its device's "
+              "peak, against the datasheet's dense bf16 peak and against the bf16 matmul rate measured at the "
+              "rank's start (dflash_peak_flops_per_second); the interval's own figure is dflash_mfu_ratio.",
+              "percentunit",
+              (Query(f"rate({sel('model_flops')}[{RATE}]) / ignoring(peak) {sel('peak_flops', peak='datasheet')}",
+                     "{{role}} {{rank}} of datasheet"),
+               Query(f"rate({sel('model_flops')}[{RATE}]) / ignoring(peak) {sel('peak_flops', peak='measured')}",
+                     "{{role}} {{rank}} of measured"),
+               Query(sel("mfu"), "{{role}} {{rank}} last interval, of {{peak}}")), width=12),
 )), ("Memory", (
         Panel("GPU memory headroom and its low point",
               "Free GPU memory now, and its lowest point in the interval (total minus the interval's peak "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
                                 THROTTLE_REASONS, Family, counter_family, gauge_family, gpu_about,
                                 gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
-from profiler import span_kinds, views
+from profiler import span_kinds, views, windows
 
 P95_KEPT_S = 300.0
 """How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query
@@ -80,6 +80,7 @@ class Fold:
         self._segment_start_s: float | None = None
         self._ended: tuple | None = None    # labels of the run_end series, while there is one
         self._info: tuple | None = None     # labels of the build_info series
+        self._peaks: dict = {}              # the segment's compute peaks (run_start), MFU's denominators
 
     def opening(self, now_unix: float) -> list[Sample]:
         """The series every sink serves before any record, at 0: intervals, events of every EVENT_KINDS, and the
@@ -109,6 +110,7 @@ class Fold:
         self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.t_s
         self._bounds = tuple(float(b) for b in rec.histogram_buckets_seconds or ())
         self._role = rec.role
+        self._peaks = rec.compute_peaks
         self._wait_spans = span_kinds.of_run_start(rec.raw).waits()
         info = tuple(str(rec.schema or 0) if label == "schema" else str(getattr(rec, label) or "unknown")
                      for label in FAMILIES["build_info"].labels)
@@ -154,6 +156,7 @@ class Fold:
         out += self._spans(rec.spans, rec.role or self._role, rec.time_unix)
         out += [Sample(FAMILIES[f"{name}_rate"], float(c.per_second)) for name, c in rec.counters.items()
                 if f"{name}_rate" in FAMILIES and c.per_second is not None]
+        out += self._mfu(rec.counters.get("model_flops"))
         out += [Sample(gauge_family(name), float(value), (stat,))
                 for name, g in rec.gauges.items() for stat in ("last", "mean", "max")
                 if (value := getattr(g, stat)) is not None]
@@ -162,6 +165,16 @@ class Fold:
         out += [Sample(FAMILIES["exporter_dropped"], float(s.dropped or 0), (name,))
                 for name, s in rec.exporters.items()]
         return out
+
+    def _mfu(self, flops) -> list[Sample]:
+        """The segment's compute peaks and, where the interval counted model FLOPs (views.CounterStats), its MFU
+        against each (windows.mfu)."""
+        if flops is None or flops.per_second is None:
+            return []
+        out = [Sample(FAMILIES["peak_flops"], float(p["flops_per_s"]), (name,)) for name, p in self._peaks.items()
+               if name in windows.mfu(1.0, {name: p})]
+        return out + [Sample(FAMILIES["mfu"], ratio, (name,)) for name, ratio in
+                      windows.mfu(float(flops.per_second), self._peaks).items()]
 
     def _spans(self, spans, role, end_unix: float | None) -> list[Sample]:
         """Shares (a span that had one and is absent had none of this interval), wait shares, exact p95s (each

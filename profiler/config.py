@@ -75,7 +75,8 @@ class ProfilerConfig:
     control: bool = True
     """Serve the rank's control endpoint (profiler/control.py), which `dflash-profile snapshot` asks."""
     measure_floors: bool = True
-    """Measure the copy floors (profiler/floors.py) at start, against which transfer bandwidths are read."""
+    """Measure the copy floors and the compute peak (profiler/floors.py) at start, against which transfer
+    bandwidths and the model FLOP/s (MFU) are read."""
     background: bool = True
     """Run the collector thread; False: the caller drives collection with Profiler.tick() (tests)."""
     poll_s: float = 0.25
@@ -162,6 +163,9 @@ class ProfilerDeps:
     stream when the profiler made its own CUDA event pool, else none."""
     floors: dict | None = None
     """Copy floors to use instead of measuring them."""
+    compute_peaks: dict | None = None
+    """The compute peaks MFU reads against ({"datasheet"|"measured": {"flops_per_s", "what"}}, floors.compute_peaks)
+    to use instead of measuring them."""
     fault_plan: Any = None
     """A FaultPlan (profiler/faults.py) instead of the one config.faults gives."""
     stack_sampler: Any = None

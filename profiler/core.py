@@ -17,7 +17,7 @@ from profiler.control import ControlServer, NullControlServer
 from profiler.detail import DetailWindow, NullDetailWindow, StepMarks
 from profiler.export import ExportHub
 from profiler.faults import FaultPlan
-from profiler.floors import floor_for_span, measure_floors
+from profiler.floors import compute_peaks, floor_for_span, measure_floors
 from profiler.forensics import Forensics, install_autotune_spans, make_memory_history
 from profiler.gpu_lag import NullGpuLag
 from profiler.intervals import IntervalAggregator
@@ -86,6 +86,9 @@ class Profiler:
         self.runlog = self._started_with(RunLog(self.log_path), "close")
         self.floors = deps.floors if deps.floors is not None else (
             measure_floors(self.device) if cfg.measure_floors else {})
+        self.compute_peaks = deps.compute_peaks if deps.compute_peaks is not None else (
+            compute_peaks(self.device, host_fields(self.device, self.is_cuda)["device_name"])
+            if cfg.measure_floors else {})
         self.fault_plan = deps.fault_plan or FaultPlan.from_spec(cfg.faults, self.rank)
         self.event_pool = deps.event_pool
         if self.event_pool is None and self.is_cuda:
@@ -339,7 +342,8 @@ class Profiler:
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
                 "span_table": dict(self.cfg.span_table or {}),
-                **host_fields(self.device, self.is_cuda), "floors": self.floors, "interval_s": self.interval_s,
+                **host_fields(self.device, self.is_cuda), "floors": self.floors, "compute_peaks": self.compute_peaks,
+                "interval_s": self.interval_s,
                 "config": self.run_config}
 
     def _run_end_record(self, status: str) -> dict:

@@ -1,11 +1,14 @@
 """Bandwidth floors: what this machine's copies achieve at best, measured once at profiler start (well under
-a second), so a span that declares its bytes (`span("d2h_copy", bytes=n)`) reads as a share of its floor.
+a second), so a span that declares its bytes (`span("d2h_copy", bytes=n)`) reads as a share of its floor; and the
+compute peaks a rank's model FLOP/s reads against (MFU): the GPU's datasheet dense bf16 peak and the bf16 matmul
+rate measured at the same start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 
 import torch
@@ -115,3 +118,70 @@ def host_staged_floor(floors: dict) -> tuple[str, float] | None:
     if not d2h or not h2d:
         return None
     return "host_staged", 1.0 / (1.0 / d2h + 1.0 / h2d)
+
+
+_DATASHEET = (
+    (r"\bH100\b.*\bPCIE\b", 756e12, "datasheet dense bf16 (H100 PCIe)"),
+    (r"\bH(100|200)\b.*\b(PCIE|NVL)\b", None, None),     # NVL / PCIe H200: other figures, not known here
+    (r"\bH(100|200)\b", 989.4e12, "datasheet dense bf16 (H100/H200 SXM)"),
+    (r"\bA100\b", 312e12, "datasheet dense bf16 (A100)"),
+)
+"""(pattern on the upper-cased device name, FLOP/s, label), first match wins."""
+MATMUL_N = 8192
+"""The side of the square bf16 matmul timed at start on a GPU (1.1 TFLOP each: about 1.4 ms on an H100)."""
+CPU_MATMUL_N = 256
+"""The side of the float32 matmul timed at start on the CPU (a few ms; its rate is a CPU's, and labelled so)."""
+CPU_MATMUL_REPS = 5
+
+
+def peak_flops_per_s(device_name: str) -> tuple[float, str] | None:
+    """(datasheet dense bf16 peak in FLOP/s, label) for a torch.cuda.get_device_name() string, or None for a GPU
+    not known here ("NVIDIA H100 80GB HBM3" and "NVIDIA H200": 989.4e12; "NVIDIA H100 PCIe": 756e12;
+    "NVIDIA A100-SXM4-80GB": 312e12)."""
+    name = device_name.upper()
+    for pattern, flops_per_s, label in _DATASHEET:
+        if re.search(pattern, name):
+            return None if flops_per_s is None else (flops_per_s, label)
+    return None
+
+
+def measure_matmul_flops_per_s(device, n: int = MATMUL_N, iters: int = 10, dtype=torch.bfloat16) -> float:
+    """The best of `iters` n x n x n matmuls on the CPU, of CUDA_REPS between CUDA events on a GPU, in FLOP/s
+    (bench/bench_drafter.py's matmul_peak_flops, best instead of mean): a start-up measurement, never on the step
+    loop."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    if device.type == "cuda":
+        return 2 * n ** 3 / _cuda_best_seconds(lambda: a @ b, device)
+    a @ b   # warm-up
+    best_s = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        a @ b
+        best_s = min(best_s, time.perf_counter() - start)
+    return 2 * n ** 3 / best_s
+
+
+def compute_peaks(device, device_name: str) -> dict:
+    """{"datasheet": {"flops_per_s", "what"}, "measured": {"flops_per_s", "what"}} of this rank's device, the peaks
+    its MFU is read against; a peak not known (a GPU missing from the datasheet table, the CPU's) or that failed to
+    measure is left out. Never raises."""
+    out = {}
+    is_cuda = device is not None and torch.device(device).type == "cuda"
+    sheet = peak_flops_per_s(device_name or "") if is_cuda else None
+    if sheet is not None:
+        out["datasheet"] = {"flops_per_s": sheet[0], "what": sheet[1]}
+    n, dtype, kind = (MATMUL_N, torch.bfloat16, "bf16") if is_cuda else (CPU_MATMUL_N, torch.float32, "float32")
+    try:
+        reps = CUDA_REPS if is_cuda else CPU_MATMUL_REPS
+        rate = measure_matmul_flops_per_s(device if is_cuda else "cpu", n, reps, dtype)
+        out["measured"] = {"flops_per_s": rate, "what": f"{kind} {n}x{n}x{n} matmul, best of {reps} at the rank's "
+                                                        "start"}
+    except Exception as exc:  # noqa: BLE001 - telemetry never kills training
+        logger.warning("compute peak not measured: %s: %s", type(exc).__name__, exc)
+    if is_cuda:
+        with contextlib.suppress(Exception):   # the operands go back to the driver, the peaks reset (as the floors')
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    return out

@@ -489,6 +489,8 @@ class RunStart(Record):
     device_name = _str("device_name", "The device's name.")
     version = _str("version", "dflash-observability's version.")
     floors = _map("floors", "{device_copy, pinned_d2h, pinned_h2d, host_copy: bytes/s} measured at start.")
+    compute_peaks = _map("compute_peaks", "{datasheet|measured: {flops_per_s, what}}: the device's peaks MFU reads "
+                                          "against (profiler/floors.py compute_peaks).")
     interval_s = _num("interval_s", "The profile interval's length, seconds.")
     warmup_steps = _int("warmup_steps", "Steps from the first set_step that are warm-up (0: none).")
     phase_spans = _list("phase_spans", "Span names whose time is a phase (compile, eval, checkpoint), not steady "
@@ -687,6 +689,9 @@ class Throughput(Event):
     steady_tokens_per_s = _num("steady_tokens_per_s", "Tokens over the steady seconds, tokens/s.")
     steady_steps_per_s = _num("steady_steps_per_s", "Steps over the steady seconds, steps/s.")
     steady_tokens = _num("steady_tokens", "Tokens in the steady window.")
+    steady_model_flops = _num("steady_model_flops", "Model FLOPs in the steady window (dflash/flops.py's "
+                                                    "convention); absent where the loop counts none.")
+    steady_model_flops_per_s = _num("steady_model_flops_per_s", "Model FLOPs over the steady seconds, FLOP/s.")
     steady_steps = _int("steady_steps", "Steps in the steady window.")
     steady_seconds = _num("steady_seconds", "The steady window less its phases, seconds.")
     window_seconds = _num("window_seconds", "From the end of the last warm-up step to the end of the last step, "
@@ -1009,6 +1014,7 @@ def _interval_problem(rec: dict) -> str | None:
 
 
 _THROUGHPUT_NUMBERS = ("steady_tokens_per_s", "steady_steps_per_s", "steady_tokens", "steady_steps",
+                       "steady_model_flops", "steady_model_flops_per_s",
                        "steady_seconds", "window_seconds")
 
 

@@ -128,13 +128,47 @@ def steady_throughput(events: list) -> dict | None:
         return None
     seconds = sum(e["steady_seconds"] for e in segs)
     tokens = sum(e.get("steady_tokens") or 0 for e in segs)
+    flops = sum(e.get("steady_model_flops") or 0.0 for e in segs)
     phases = Counter()
     for e in segs:
         phases.update({name: s or 0.0 for name, s in (e.get("phases_seconds") or {}).items()})
     return {"window": "steady state", "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
             "steady_tokens": tokens, "steady_seconds": seconds, "steady_steps": sum(e.get("steady_steps") or 0
                                                                                    for e in segs),
-            "segments": len(segs), "phases_seconds": dict(phases)}
+            "segments": len(segs), "phases_seconds": dict(phases),
+            "steady_model_flops_per_s": flops / seconds if flops > 0 and seconds > 0 else None}
+
+
+def summed_mfu(ranks) -> dict:
+    """{peak: the ranks' summed model FLOP/s over their summed peak} over (model FLOP/s, run_start compute_peaks)
+    of a role's ranks, each peak over the ranks that have both a rate and that peak: a role's MFU."""
+    rates, peaks = {}, {}
+    for rate, rank_peaks in ranks:
+        for name in mfu(rate, rank_peaks):   # the peaks with a positive figure, where there is a rate
+            rates[name] = rates.get(name, 0.0) + rate
+            peaks[name] = peaks.get(name, 0.0) + rank_peaks[name]["flops_per_s"]
+    return {name: rates[name] / peaks[name] for name in rates}
+
+
+def compute_clause(flops_per_s: float | None, ratios: dict, whats: dict) -> str:
+    """`model 12.3 TFLOP/s, MFU 1.2% of datasheet dense bf16 (H100/H200 SXM), 1.5% of measured (bf16 8192x8192x8192
+    matmul ...)` for a rate, its MFU per peak and each peak's `what`; "" without a rate (a loop that counts no
+    model FLOPs). The console's and the report's one wording."""
+    if flops_per_s is None:
+        return ""
+    said = [f"{ratios[n]:.1%} of {whats.get(n) or n}" if n == "datasheet" else f"{ratios[n]:.1%} of {n} "
+            f"({whats.get(n) or 'no description'})" for n in ("datasheet", "measured") if n in ratios]
+    rate = f"{flops_per_s / 1e12:.3g} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.3g} GFLOP/s"
+    return f"model {rate}" + (f", MFU {', '.join(said)}" if said else "")
+
+
+def mfu(flops_per_s: float | None, peaks: dict) -> dict:
+    """{peak: model FLOP/s over it}, the model FLOPs utilisation against each of a run_start's `compute_peaks`
+    ("datasheet", "measured": {"flops_per_s", "what"}) that has a positive figure; {} without a rate."""
+    if flops_per_s is None:
+        return {}
+    return {name: flops_per_s / p["flops_per_s"] for name, p in (peaks or {}).items()
+            if isinstance(p, dict) and isinstance(p.get("flops_per_s"), (int, float)) and p["flops_per_s"] > 0}
 
 
 # ---- what the GPU did in a span (profiler/gpu_lag.py) -------------------------------------------------------

@@ -7,7 +7,7 @@ import statistics
 from itertools import repeat
 
 from profiler.windows import (clock_seconds, gpu_bound, open_at_end, phase_seconds, span_clock,
-                              steady_throughput, whole_seconds)
+                              steady_throughput, summed_mfu, whole_seconds)
 from profiler.span_kinds import COLLECTIVE, SpanKinds
 from profiler.report.kernels import capture_busy
 from profiler.report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
@@ -522,11 +522,15 @@ def steady_state(run: Run) -> dict:
     for role, logs in run.by_role().items():
         meters = [(log.rank, steady_throughput(log.events)) for log in logs]
         got = [m for _, m in meters if m and m["steady_tokens_per_s"] is not None]
+        compute = [(m["steady_model_flops_per_s"], _peaks(log)) for (_, m), log in zip(meters, logs)
+                   if m and m["steady_model_flops_per_s"] is not None]
         roles[role] = {"window": "steady state", "ranks": [r for r, _ in meters],
                        "ranks_measured": len(got),
                        "steady_tokens_per_s": sum(m["steady_tokens_per_s"] for m in got) if got else None,
                        "steady_seconds": max((m["steady_seconds"] for m in got), default=None),
                        "steady_steps": sum(m["steady_steps"] for m in got) if got else None,
+                       "steady_model_flops_per_s": sum(r for r, _ in compute) if compute else None,
+                       "mfu": summed_mfu(compute), "peaks": _role_peaks(logs),
                        "phases_seconds": phase_seconds([r for log in logs for r in log.intervals], phases),
                        **_warmup(logs),
                        "segments": max((m["segments"] for m in got), default=0),
@@ -536,6 +540,21 @@ def steady_state(run: Run) -> dict:
     drafter = roles.get("drafter") or {}
     return {"steady_tokens_per_s": drafter.get("steady_tokens_per_s"), "window": "steady state",
             "roles": roles, "phase_spans": list(phases)}
+
+
+def _peaks(log) -> dict:
+    """The rank's compute peaks (its last run_start's), MFU's denominators."""
+    return (log.run_starts[-1].get("compute_peaks") or {}) if log.run_starts else {}
+
+
+def _role_peaks(logs: list) -> dict:
+    """{peak: what it is} of a role's ranks (the first rank's wording of each), for the MFU's label."""
+    out = {}
+    for log in logs:
+        for name, p in _peaks(log).items():
+            if isinstance(p, dict):
+                out.setdefault(name, p.get("what"))
+    return out
 
 
 def _warmup(logs: list) -> dict:

@@ -4,6 +4,7 @@ statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
 from profiler.report.runs import empty_logs_line
+from profiler.windows import compute_clause
 
 GIB = 1024 ** 3
 
@@ -330,8 +331,10 @@ def _steady(rep: dict) -> list:
             continue
         phases = ", ".join(f"{n} {v:.1f} s" for n, v in (r.get("phases_seconds") or {}).items() if v > 0.05)
         segs = f", {r['segments']} segments" if r["segments"] > 1 else ""
+        compute = compute_clause(r.get("steady_model_flops_per_s"), r.get("mfu") or {}, r.get("peaks") or {})
         lines.append(f"  {role}: {r['steady_tokens_per_s']:,.0f} tokens/s (steady_tokens_per_s, {r['ranks_measured']} "
-                     f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s); whole-run phases: "
+                     f"rank(s){segs}, {r['steady_steps']} steps over {r['steady_seconds']:.1f} s)"
+                     f"{'; ' + compute if compute else ''}; whole-run phases: "
                      f"{phases or 'none'}; warm-up {r.get('warmup_from', 'intervals')} {r['warmup_seconds']:.1f} s")
     return lines
 

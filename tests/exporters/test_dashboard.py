@@ -31,7 +31,7 @@ RATE_FUNCTIONS = {"rate", "irate", "increase"}
 # Units from dashboard-linter's panel-units rule (grafana-data valueFormats), the ones a metric here can have.
 VALID_UNITS = {"none", "short", "percent", "percentunit", "sci", "bytes", "decbytes", "Bps", "binBps",
                "bps", "watt", "celsius", "hertz", "ns", "µs", "ms", "s", "m", "h", "d", "ops", "bool",
-               "dateTimeAsIso"}
+               "dateTimeAsIso", "flops"}   # flops: grafana-data's FLOP/s (FLOPS_FLOPS)
 VARIABLES = {"datasource", "job", "instance", "run", "role", "rank", "gpu", "clock"}
 
 

@@ -102,6 +102,21 @@ def test_ended_series_a_p95_past_its_lookback_a_withdrawn_run_end_and_replaced_b
     assert [(s.labels[0], s.value) for s in got if s.family.key == "build_info"] == [("1.0", None), ("1.1", 1.0)]
 
 
+def test_mfu_is_the_intervals_model_flops_rate_over_each_peak_of_its_segment():
+    fold = Fold()
+    samples = [x for rec in stream() for x in fold(rec)]
+    got = {(x.family.key, x.labels): x.value for x in samples if x.family.key in ("mfu", "peak_flops",
+                                                                                  "model_flops_rate")}
+    assert got == {("model_flops_rate", ()): 1e14, ("peak_flops", ("datasheet",)): 989.4e12,
+                   ("peak_flops", ("measured",)): 5e14, ("mfu", ("datasheet",)): 1e14 / 989.4e12,
+                   ("mfu", ("measured",)): 0.2}
+    start, interval = stream()[:2]
+    no_peaks = {k: v for k, v in start.items() if k != "compute_peaks"}
+    fresh = Fold()
+    keys = {x.family.key for rec in (no_peaks, interval) for x in fresh(rec)}
+    assert "model_flops_rate" in keys and not keys & {"mfu", "peak_flops"}   # a CPU rank without peaks: a rate
+
+
 def test_nonfinite_scalars_are_nan_and_every_throttle_reason_is_a_series():
     fold = Fold()
     fold(run_start())
@@ -142,7 +157,8 @@ def stream() -> list:
                           "floor_ratio": 0.08}}
     interval_ = {**head, "type": "interval", "step": 10, "duration_seconds": 60.0, "profiler_share": 0.003,
                  "threads_cpu_seconds": {"drafter.main": 50.0}, "spans": spans,
-                 "counters": {"tokens": {"total": 40960, "per_second": 682.5, "run_total": 40960}},
+                 "counters": {"tokens": {"total": 40960, "per_second": 682.5, "run_total": 40960},
+                              "model_flops": {"total": 6e15, "per_second": 1e14, "run_total": 6e15}},
                  "gauges": {"queue_depth": {"last": 1, "mean": 1.5, "max": 3}, "loop_gauge": {"last": 2, "mean": 2,
                                                                                              "max": 2}},
                  "metrics": {"loss": {"last": 2.5, "mean": 2.75}, "tau": {"last": 3.0, "mean": 2.9},
@@ -153,13 +169,15 @@ def stream() -> list:
                      "peak_reserved_bytes": 10, "num_alloc_retries": 1, "num_ooms": 0}},
                  "exporters": {"trace": {"exported": 3, "dropped": 2, "failed": False}}}
     tick = {**head, "type": "tick", "t_s": 60.0, "counters": {"tokens": 40960, "samples": 40, "steps": 10,
-                                                              "loop_counter": 3},
+                                                              "loop_counter": 3, "model_flops": 6e15},
             "spans": {"drafter.fwd_bwd": {"count": 10, "cpu_seconds": 0.5, "self_seconds": 0.4, "gpu_seconds": 0.5,
                                           "gpu_self_seconds": 0.45, "gpu_count": 10}}}
     table = {"drafter.recv": {"role": "drafter", "kind": "wait"},
              "drafter.fwd_bwd": {"role": "drafter", "kind": "work"}}
     return [{**head, "type": "run_start", "schema": 1, "version": "0.1", "t_s": 0.0, "span_table": table,
-             "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS)},
+             "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS),
+             "compute_peaks": {"datasheet": {"flops_per_s": 989.4e12, "what": "datasheet dense bf16 (H100/H200 SXM)"},
+                               "measured": {"flops_per_s": 5e14, "what": "bf16 8192x8192x8192 matmul"}}},
             interval_, tick, {**head, "type": "event", "kind": "nonfinite"},
             {**head, "type": "run_end", "status": "ok", "time_unix": T0 + 61}]
 
