@@ -181,7 +181,10 @@ def compute_peaks(device, device_name: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - telemetry never kills training
         logger.warning("compute peak not measured: %s: %s", type(exc).__name__, exc)
     if is_cuda:
-        with contextlib.suppress(Exception):   # the operands go back to the driver, the peaks reset (as the floors')
+        with contextlib.suppress(Exception):   # the operands go back to the driver, the peaks reset (as the floors'),
+            # and cuBLAS's workspace too: allocated by this first matmul, before any memory history began, it would
+            # stay the largest live block without a stack; the model's first matmul makes it again, recorded
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     return out

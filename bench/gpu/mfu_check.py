@@ -45,8 +45,10 @@ def fwd_bwd_rate(run_dir: Path) -> tuple[float | None, int]:
             continue
         phases = start.get("phase_spans") or ()
         for r in recs:
+            if r.get("type") != "interval" or not is_steady(r, phases):   # a detail window's spans are a list
+                continue
             entry = (r.get("spans") or {}).get("drafter.fwd_bwd")
-            if r.get("type") != "interval" or not is_steady(r, phases) or not entry or not entry.get("gpu"):
+            if not entry or not entry.get("gpu"):
                 continue
             flops += ((r.get("counters") or {}).get("model_flops") or {}).get("total") or 0.0
             seconds += clock_seconds(entry, "gpu")
