@@ -110,6 +110,10 @@ FAMILIES = {f.key: f for f in (
        otel=Otel("dflash.steps", "{step}")),
     _f("tokens_rate", "tokens", "per_second", "gauge", "Tokens per second over the last interval.",
        otel=Otel("dflash.tokens.rate", "{token}/s")),
+    _f("samples_rate", "samples", "per_second", "gauge", "Sequences per second over the last interval.",
+       otel=Otel("dflash.samples.rate", "{sequence}/s")),
+    _f("steps_rate", "steps", "per_second", "gauge", "Drafter optimiser steps per second over the last interval.",
+       otel=Otel("dflash.steps.rate", "{step}/s")),
     _f("model_flops", "model_flops", None, "counter",
        "Model FLOPs of this rank's steps (dflash/flops.py: matmuls at 2 a multiply-add, 3x forward for trained "
        "weights, masked-in attention pairs, no padding; whole run, from every tick, stamped: rate() gives model "

@@ -180,9 +180,13 @@ _BELOW_OVERVIEW = (("Step breakdown", (
               "Share of the interval each rank spent waiting on the other side: transfer.wait_slot on "
               "targets (waiting for the drafter), drafter.recv on drafters (waiting for data).",
               "percentunit", (Query(sel("wait_share"), "{{role}} {{rank}} {{span}}"),), max=1.0),
-        Panel("Sequences per second by role",
-              "Sequences processed per second, summed over each role's ranks.",
-              "short", (Query(f"sum by (role) (rate({sel('samples')}[{RATE}]))", "{{role}}"),)),
+        Panel("Sequences and steps per second by role",
+              "Sequences processed per second, summed over each role's ranks: over the rate window from the "
+              "counter, and over each rank's last profile interval; and the drafters' optimiser steps per second "
+              "over their last interval.",
+              "short", (Query(f"sum by (role) (rate({sel('samples')}[{RATE}]))", "{{role}} sequences (rate window)"),
+                        Query(f"sum by (role) ({sel('samples_rate')})", "{{role}} sequences (last interval)"),
+                        Query(f"sum by (role) ({sel('steps_rate')})", "{{role}} steps (last interval)"))),
         Panel("Bytes moved per second by span", "Bytes moved by spans that declare bytes, per second.",
               "Bps", (Query(f"sum by (role, span) (rate({sel('span_bytes')}[{RATE}]))",
                             "{{role}} {{span}}"),)),

@@ -158,6 +158,8 @@ def stream() -> list:
     interval_ = {**head, "type": "interval", "step": 10, "duration_seconds": 60.0, "profiler_share": 0.003,
                  "threads_cpu_seconds": {"drafter.main": 50.0}, "spans": spans,
                  "counters": {"tokens": {"total": 40960, "per_second": 682.5, "run_total": 40960},
+                              "samples": {"total": 40, "per_second": 0.667, "run_total": 40},
+                              "steps": {"total": 10, "per_second": 0.1667, "run_total": 10},
                               "model_flops": {"total": 6e15, "per_second": 1e14, "run_total": 6e15}},
                  "gauges": {"queue_depth": {"last": 1, "mean": 1.5, "max": 3}, "loop_gauge": {"last": 2, "mean": 2,
                                                                                              "max": 2}},
