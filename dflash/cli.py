@@ -8,13 +8,13 @@ import sys
 import time
 
 from dflash import handoff
-from dflash.cli_output import quiet_on_closed_pipe, whole_lines
+from dflash.cli_output import Parser, quiet_on_closed_pipe, whole_lines
 from dflash.config import ConfigError, add_config_flags, config_from_args
 from profiler.records import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dflash-train",
         description="Train a DFlash drafter against a frozen target, instrumented end to end. With no "
                     "arguments: the built-in tiny target and synthetic corpus on whatever devices exist.",

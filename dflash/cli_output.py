@@ -3,9 +3,12 @@ drive the terminal) and a closed pipe (`dflash-report ... | head`) ends the comm
 (`dflash-train ... | head`) trains on and stops printing instead."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
 import io
 import os
+import re
 import sys
 
 from profiler.records import printable
@@ -106,3 +109,33 @@ def quiet_on_closed_pipe():
     finally:
         quiet.flush()   # what is buffered goes now, where a closed pipe is caught, not at the interpreter's exit
         sys.stdout = out
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for the package's commands: no abbreviated flags (a prefix such as `--profile-interv` is a mistake,
+    not a run), and a mistake is one line on stderr, exit 2, naming the closest flag where one is near."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        flags = [tok.split("=", 1)[0] for tok in unknown.group(1).split() if tok.startswith("-")] if unknown else []
+        choice = re.match(r"argument .*: invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if flags:
+            near = difflib.get_close_matches(flags[0], self._flags(), n=1, cutoff=0.6)
+            message = f"unknown flag {flags[0]}" + (f" (did you mean {near[0]}?)" if near else "") + \
+                f"; {self.prog} --help lists them"
+        elif choice:
+            near = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+            message += f" (did you mean {near[0]}?)" if near else ""
+        self.exit(2, printable(f"{self.prog}: error: {message}").replace("\n", "\\n") + "\n")
+
+    def _flags(self) -> list:
+        """Every flag of this parser and of its subcommands' (a flag given before or after the subcommand)."""
+        flags = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                flags += [f for sub in action.choices.values() for f in sub._option_string_actions]
+        return list(dict.fromkeys(flags))

@@ -21,7 +21,7 @@ import json
 import sys
 
 from dflash import pipeline
-from dflash.cli_output import cli_output, exit_status
+from dflash.cli_output import Parser, cli_output, exit_status
 
 from profiler import capture_client
 from profiler.capture import MAX_STEPS
@@ -46,7 +46,7 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-profile", description="Look inside a live dflash-train run.")
+    p = Parser(prog="dflash-profile", description="Look inside a live dflash-train run.")
     sub = p.add_subparsers(dest="command", required=True)
     snap = sub.add_parser("snapshot", help="every thread's open spans and Python stack, merged per thread",
                           description="A live process's state from its control endpoint merged with "

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from dflash.cli_output import cli_output, exit_status
+from dflash.cli_output import Parser, cli_output, exit_status
 
 
 def _positive_int(text: str) -> int:
@@ -29,7 +29,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-report", description="Answers from a dflash-train run's logs.")
+    p = Parser(prog="dflash-report", description="Answers from a dflash-train run's logs.")
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hotspots", help="where the time goes, what bounds the pipeline, memory, findings")
     h.add_argument("run_dir", metavar="RUN_DIR")
