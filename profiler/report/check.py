@@ -27,19 +27,24 @@ Standard library only (the report's loader, profiler.windows and the trace build
 from __future__ import annotations
 
 import json
+import marshal
 import math
-from dataclasses import asdict, dataclass, field
+import multiprocessing
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 
-from profiler.trace_events import backward_flows
+from profiler.trace_events import MAX_EVENTS, backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
 from profiler.windows import clock_seconds, is_steady, past_warm_up, span_clock, steady_throughput
 from profiler.report import format_compare, format_hotspots, hotspots_of
-from profiler.report.background import Background, cores
+from profiler.report.background import Background, _start_method, cores
 from profiler.report.compare import compare as compare_runs
-from profiler.report.runs import Run, counter_total, empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, \
-    read_ranks, wall_seconds
+from profiler.report.runs import _INTERVAL_LINE, RankLog, Run, _per_rank, _rank_log, _rank_logs, counter_total, \
+    empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, read_ranks, wall_seconds
 from profiler.report.trace import flow_trace
 
 SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
@@ -117,30 +122,28 @@ def _fmt(x) -> str:
 
 def check(run_dir) -> CheckResult:
     """Every invariant over RUN_DIR; ReportError when it cannot be read (as every dflash-report command). With
-    two cores, a child process reads the run rank by rank for what each rank's log alone holds (its intervals,
-    segments and totals) and the flows, while this one reads it whole for the report's invariants."""
+    two cores, one process reads the run rank by rank for what each rank's log alone holds (its intervals,
+    segments and totals) and the flows, while the other reads it whole for the report's invariants
+    (_checked_on_two_cores)."""
     with paused_gc():
         return _check(run_dir)   # the run is freed before the collector is back on: it never walks it
 
 
 def _check(run_dir) -> CheckResult:
-    logs = rank_paths(run_dir)[0]
+    logs, empty = rank_paths(run_dir)
     if cores() >= 2:
-        with Background(_alone_checks, logs) as alone:
-            run = load_run(run_dir, second_core=False)   # the detail windows are the child's, and its core
-            common = _run_checks(run)
-            parts, flows = alone.result()
+        shape, common, (parts, flows) = _checked_on_two_cores(run_dir, logs, empty)
     else:
         run = load_run(run_dir, with_spans=True, read_older=False)   # the flows read only the windows a trace draws
-        common = _run_checks(run)
+        shape, common = _shape(run), _run_checks(run)
         parts, flows = {rank: _rank_checks(log) for rank, log in run.ranks.items()}, _flow_checks(run)
+    ranks, intervals, empty_logs = shape
     pre, throughput, tail = common
-    res = CheckResult(run_dir=str(run_dir), ranks=len(run.ranks),
-                      intervals=sum(len(log.intervals) for log in run.ranks.values()))
-    if run.empty_logs:
-        res.note(empty_logs_line(run.empty_logs))
+    res = CheckResult(run_dir=str(run_dir), ranks=len(ranks), intervals=intervals)
+    if empty_logs:
+        res.note(empty_logs_line(empty_logs))
     res.absorb(pre)
-    for rank in run.ranks:
+    for rank in ranks:
         res.absorb(parts[rank])
         res.absorb(throughput[rank])
     res.absorb(tail)
@@ -148,25 +151,170 @@ def _check(run_dir) -> CheckResult:
     return res
 
 
-def _alone_checks(logs: dict) -> tuple[dict, CheckResult]:
-    """({rank: _rank_checks}, _flow_checks) read rank by rank (a child process's share of `check`): one rank's
-    records held at a time, then only its detail windows, events and segment records."""
+def _shape(run: Run) -> tuple[list, int, int]:
+    """(its ranks in order, its intervals, its empty logs): what `check` says of a run beside what it found."""
+    return list(run.ranks), sum(len(log.intervals) for log in run.ranks.values()), run.empty_logs
+
+
+SHIP_SHARE = 0.55
+"""The most of the logs' bytes the process checking each rank alone reads for the other too (_shipped), which reads
+the rest meanwhile and unmarshals these (a third of the cost of parsing them). On the 2-core VM (933 MB, 8 equal logs)
+4 are shipped: the last arrives as the other has read its own 4 and unmarshalled 3."""
+
+
+def _checked_on_two_cores(run_dir, logs: dict, empty: int) -> tuple[tuple, tuple, tuple]:
+    """(_shape, _run_checks, _alone_checks) of the run on two processes: one checks each rank alone and the flows
+    (_alone_checks), reading the _shipped ranks first and handing them over (a file each, marshalled, named through
+    a pipe); the other reads the rest meanwhile and checks the report (_report_checks). The intervals are parsed
+    once for the report. Where the child is a fork (it sees this process's state) it checks the report, and the run
+    it holds goes with it at its exit, not freed object by object; else this process checks the report."""
+    shipped = _shipped(logs)
+    names, send = multiprocessing.Pipe(duplex=False)
+    with names, tempfile.TemporaryDirectory(prefix="dflash-check-") as tmp:
+        alone_args, report_args = (logs, shipped, send, tmp), (run_dir, logs, empty, shipped, names, send)
+        if _start_method() == "fork":
+            with Background(_report_checks, *report_args, []) as report:
+                try:
+                    alone = _alone_checks(*alone_args)
+                except Exception:
+                    report.result()   # the report's error first, as where this process checks the report
+                    raise
+                return (*report.result(), alone)
+        with Background(_alone_checks, *alone_args) as child:
+            shape, common = _report_checks(*report_args, [])   # the run freed here, while the child ends its share
+            return shape, common, child.result()
+
+
+def _shipped(logs: dict) -> tuple:
+    """The ranks _alone_checks reads for _report_checks too, in rank order: the larger logs first, up to SHIP_SHARE
+    of the bytes (none where a log is gone: the reading then says so, as load_run would)."""
+    try:
+        sizes = {rank: p.stat().st_size for rank, p in logs.items()}
+    except OSError:
+        return ()
+    chosen, used, bound = set(), 0, SHIP_SHARE * sum(sizes.values())
+    for rank in sorted(logs, key=sizes.__getitem__, reverse=True):
+        if used + sizes[rank] <= bound:
+            chosen.add(rank)
+            used += sizes[rank]
+    return tuple(rank for rank in logs if rank in chosen)
+
+
+def _report_checks(run_dir, logs: dict, empty: int, shipped: tuple, names, send, held: list) -> tuple[tuple, tuple]:
+    """(_shape, _run_checks) of the run, read as load_run reads it, the `shipped` ranks from the other process. The
+    run stays in `held`: in a child (its arguments, kept to its end) its pages go at its exit all at once, where
+    freeing a run object by object takes a second."""
+    send.close()   # this process's copy: the other's closing its own then ends the names
+    run = _load_shipped(run_dir, logs, empty, shipped, names)
+    held.append(run)
+    return _shape(run), _run_checks(run)
+
+
+def _load_shipped(run_dir, logs: dict, empty: int, shipped: tuple, names) -> Run:
+    """load_run(run_dir, second_core=False), its `shipped` ranks as the other process names their files (each read
+    here where that one stopped before it). Where a log cannot be read (or none holds a record), load_run reads the
+    run again, to raise what it raises."""
+    try:
+        ranks = _rank_logs({rank: p for rank, p in logs.items() if rank not in shipped}, None, (), True)
+        named: dict = {}
+        for rank in shipped:
+            while rank not in named and (sent := _next_name(names)) is not None:
+                named[sent[0]] = sent[1]
+            ranks[rank] = _unshipped(named.pop(rank, None)) or _rank_log(rank, logs[rank], None, (), True)
+    except (OSError, ValueError):
+        return load_run(run_dir, second_core=False)
+    if not any(log.run_starts or log.intervals for log in ranks.values()):
+        return load_run(run_dir, second_core=False)
+    return Run(run_dir=str(Path(run_dir)), ranks={rank: ranks[rank] for rank in logs}, empty_logs=empty)
+
+
+def _next_name(names) -> tuple | None:
+    """(rank, its file) as the other process named it, or None once it names no more."""
+    try:
+        return names.recv()
+    except EOFError:
+        return None
+
+
+_FIELDS = tuple(f.name for f in fields(RankLog))
+
+
+def _unshipped(path) -> RankLog | None:
+    """The RankLog in a file _ship wrote; None without one (gone: taken by a process that died since)."""
+    try:
+        blob = Path(path).read_bytes() if path else None
+    except FileNotFoundError:
+        blob = None
+    if blob is None:
+        return None
+    Path(path).unlink()
+    return RankLog(*marshal.loads(blob))
+
+
+def _ship(logs: dict, shipped: tuple, send, tmp: str) -> dict:
+    """{rank: RankLog} of the `shipped` ranks, read as load_run reads them, each marshalled to a file of `tmp` and
+    named through `send` as soon as read (names are small: the pipe never makes this process wait). Stops at a log
+    it cannot read or write: the other process reads that one itself (to raise what load_run raises) and the rest."""
+    read = {}
+    with send:
+        for rank in shipped:
+            path = Path(tmp) / f"rank{rank}.marshal"
+            try:
+                read[rank] = _rank_log(rank, logs[rank], None, (), True)
+                path.write_bytes(marshal.dumps(tuple(getattr(read[rank], name) for name in _FIELDS)))
+            except (OSError, ValueError):
+                read.pop(rank, None)
+                break
+            send.send((rank, str(path)))
+    return read
+
+
+def _alone_checks(logs: dict, shipped: tuple, send, tmp: str) -> tuple[dict, CheckResult]:
+    """({rank: _rank_checks}, _flow_checks) read rank by rank: one rank's records held at a time, then only its
+    detail windows, events and segment records; but the `shipped` ranks are read first, for the other process too
+    (_ship; not where `send` is closed: a Background child's work done here), and held until checked, first."""
+    read = {} if send.closed else _ship(logs, shipped, send, tmp)
+    per_rank = _per_rank(MAX_EVENTS, logs)
+    rest = {rank: p for rank, p in logs.items() if rank not in read}
+    # read_ranks gives each rank of `rest` the detail-window budget it has among all the logs
+    ranks = chain(((rank, _with_detail_windows(read.pop(rank), logs, per_rank)) for rank in list(read)),
+                  read_ranks(rest, with_spans=True, max_events=per_rank * len(rest), read_older=False))
     kept, parts = {}, {}
-    for rank, log in read_ranks(logs, with_spans=True, read_older=False):
+    for rank, log in ranks:
         parts[rank] = _rank_checks(log)
         log.intervals, log.ticks = [], []
         kept[rank] = log
-    return parts, _flow_checks(Run(run_dir="", ranks=kept))
+    return parts, _flow_checks(Run(run_dir="", ranks={rank: kept[rank] for rank in logs}))
+
+
+def _with_detail_windows(log: RankLog, logs: dict, per_rank: int) -> RankLog:
+    """A shipped rank's log (read without detail windows) as read_ranks(with_spans=True, read_older=False) reads it:
+    its newest detail windows read apart, interval lines left unparsed. That is the same log where no detail window
+    sits on a line of another shape: none in the log read without them (which holds no other) and none misfiled (the
+    newest read back keep their None counts); else the log is read again whole."""
+    rank = log.rank
+    try:
+        windows = _rank_log(rank, logs[rank], per_rank, (_INTERVAL_LINE,), False)
+    except (OSError, ValueError):
+        windows = None
+    if windows is None or log.spans or windows.spans_evicted is not None:
+        return next(read_ranks({rank: logs[rank]}, with_spans=True, max_events=per_rank, read_older=False))[1]
+    log.spans, log.spans_evicted, log.spans_profiler_dropped = windows.spans, None, None
+    return log
 
 
 def _rank_checks(log) -> CheckResult:
-    """The invariants one rank's log holds alone: per interval, per segment, and its spans' time over the run."""
+    """The invariants one rank's log holds alone: per interval, per segment, and its spans' time over the run (the
+    entries of each span gathered per segment on the pass over the intervals)."""
     res, where = CheckResult(run_dir=""), _log_name(log)
-    for rec in log.intervals:
-        _check_interval(res, where, rec)
-    for seg, (start, intervals, end) in enumerate(_segments(log)):
-        _check_segment(res, f"{where} segment {seg}", start, intervals, end)
-    _check_once(res, where, log)
+    segments = _segments(log)
+    named = [{} for _ in segments]
+    for (_start, intervals, _end), by_name in zip(segments, named):
+        for rec in intervals:
+            _check_interval(res, where, rec, by_name)
+    for seg, ((start, intervals, end), by_name) in enumerate(zip(segments, named)):
+        _check_segment(res, f"{where} segment {seg}", start, intervals, end, by_name)
+    _check_once(res, where, log, named)
     return res
 
 
@@ -204,31 +352,44 @@ def _log_name(log) -> str:
 
 # ---- per interval: shares, order statistics, self <= total ---------------------------------------
 
-def _check_interval(res: CheckResult, where: str, rec: dict) -> None:
+def _check_interval(res: CheckResult, where: str, rec: dict, by_name: dict) -> None:
     """The shares, order and self-time invariants of one interval (the loop the check spends most in: each
-    invariant counted and tested inline, where it is named only when one breaks)."""
-    at = f"{where} interval {rec.get('index')}"
+    invariant counted and tested inline, where it is named only when one breaks); each span entry is added to its
+    span's in `by_name`."""
     duration = rec.get("duration_seconds") or 0.0
     per_thread: dict = {}
+    unowned, counted = False, 0
     for name, e in (rec.get("spans") or {}).items():
+        entries = by_name.get(name)
+        if entries is None:
+            by_name[name] = [e]
+        else:
+            entries.append(e)
         threads = e.get("threads") or []
-        checked, faults = _entry_faults(e)
-        res.checked += checked + 1
-        if not _le(e.get("share"), max(1, len(threads)), SHARE_SLACK):
-            res.fail("shares", f"{at} span {name}", f"share {_fmt(e.get('share'))} over {max(1, len(threads))} "
-                                                    "thread(s)")
+        checked = _entry_checked(e)
+        faults = _NO_FAULTS
+        if checked is None:   # something may be broken: the full pass names it
+            checked, faults = _entry_faults(e)
+        counted += checked + 1
+        share, most = e.get("share"), len(threads) or 1
+        if not (share is None or share <= most + SHARE_SLACK + 1e-9 * abs(most)):   # _le, inline
+            res.fail("shares", f"{where} interval {rec.get('index')} span {name}",
+                     f"share {_fmt(share)} over {most} thread(s)")
         for invariant, clock, message in faults:
-            res.fail(invariant, f"{at} span {name}{clock}", message)
+            res.fail(invariant, f"{where} interval {rec.get('index')} span {name}{clock}", message)
         if e.get("gpu_lag"):
-            _check_gpu_lag(res, f"{at} span {name}", e)
+            _check_gpu_lag(res, f"{where} interval {rec.get('index')} span {name}", e)
         own = (e.get("cpu") or {}).get("self_seconds")
         if own is None:
-            res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
-                     "per-thread self-time sums not checked")
+            unowned = True
         elif len(threads) == 1:
             per_thread[threads[0]] = per_thread.get(threads[0], 0.0) + own
+    res.checked += counted
+    if unowned:
+        res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
+                 "per-thread self-time sums not checked")
     for thread, own in per_thread.items():
-        res.expect(_le(own, duration, SHARE_SLACK), "shares", f"{at} thread {thread}",
+        res.expect(_le(own, duration, SHARE_SLACK), "shares", f"{where} interval {rec.get('index')} thread {thread}",
                    lambda: f"self CPU time of its spans {_fmt(own)} s > the interval's {_fmt(duration)} s")
 
 
@@ -261,6 +422,50 @@ def _check_entry_stats(res: CheckResult, here: str, e: dict) -> None:
     res.checked += checked
     for invariant, clock, message in faults:
         res.fail(invariant, here + clock, message)
+
+
+_ORDERED = itemgetter("p50_seconds", "p95_seconds", "p99_seconds", "max_seconds", "mean_seconds")
+
+
+def _entry_checked(e: dict) -> int | None:
+    """_entry_faults(e)'s count where every invariant of the entry holds with no tolerance needed (and each block has
+    all four order statistics and its mean); None where one may break, for _entry_faults to name it. Strictly in
+    order implies in order within _le's slack, so the count is the same."""
+    checked = 0
+    for key in COUNT_KEYS:
+        n = e.get(key)
+        if n is not None:
+            if not n >= 0:
+                return None
+            checked += 1
+    for clock in ("cpu", "gpu"):
+        stats = e.get(clock)
+        if not stats:
+            continue
+        try:
+            p50, p95, p99, top, mean = _ORDERED(stats)
+            if not (p50 <= p95 <= p99 <= top and mean <= top):
+                return None
+        except (KeyError, TypeError):   # a statistic missing or null
+            return None
+        checked += 4
+        buckets = stats.get("buckets")
+        if buckets is not None:
+            if type(buckets) is not list:
+                return None
+            try:
+                bytes(buckets)   # in C: every count an integer 0..255, so none negative and their sum no NaN
+            except (TypeError, ValueError):
+                if buckets and not (min(buckets) >= 0 and (summed := sum(buckets)) == summed):
+                    return None
+            checked += 1
+        own = stats.get("self_seconds")
+        if own is not None:
+            total = stats.get("total_seconds")
+            if not (own >= 0 and (total is None or own <= total)):
+                return None
+            checked += 1
+    return checked
 
 
 def _entry_faults(e: dict) -> tuple[int, list | tuple]:
@@ -330,9 +535,10 @@ def _segments(log) -> list:
     return out
 
 
-def _check_segment(res: CheckResult, where: str, start, intervals: list, end) -> None:
+def _check_segment(res: CheckResult, where: str, start, intervals: list, end, by_name: dict) -> None:
+    """A segment's phases tagged, and its run_end against its intervals (`by_name`: their entries of each span)."""
     if start is not None:
-        _check_phases_tagged(res, where, start, intervals)
+        _check_phases_tagged(res, where, start, intervals, by_name)
     if end is None:
         res.note(f"{where}: no run_end (the rank stopped without one): its totals not checked")
         return
@@ -345,7 +551,7 @@ def _check_segment(res: CheckResult, where: str, start, intervals: list, end) ->
     for name, e in (end.get("spans") or {}).items():
         here = f"{where} run_end span {name}"
         _check_entry_stats(res, here, e)
-        entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
+        entries = by_name.get(name, [])
         count = sum(x.get("count") or 0 for x in entries)
         res.expect(e.get("count") == count, "agree", here,
                    lambda: f"count {e.get('count')} != its intervals' {count}")
@@ -360,7 +566,7 @@ def _check_segment(res: CheckResult, where: str, start, intervals: list, end) ->
                    lambda: f"total {_fmt(total)} != its intervals' {_fmt(summed)}")
 
 
-def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: list) -> None:
+def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: list, by_name: dict) -> None:
     """A segment with warm-up steps marks its first interval warm-up; every phase span that shows is listed."""
     if "warmup_steps" not in start:
         res.note(f"{where}: run_start without warmup_steps (written before warm-up marks): not checked")
@@ -372,7 +578,7 @@ def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: l
         return
     listed = set(start.get("phase_spans") or ())
     phases = of_run_start(start).names(PHASE)   # the run's phase spans: each that shows must be listed
-    seen = {n for r in intervals for n in (r.get("spans") or {}) if n in phases}
+    seen = {n for n in by_name if n in phases}
     for name in sorted(seen - listed):
         res.expect(False, "phases", f"{where} span {name}", "a phase span not listed in run_start phase_spans")
     res.checked += len(seen & listed)
@@ -380,14 +586,15 @@ def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: l
 
 # ---- per rank: nothing counted twice; the throughput file, its event and the report -----------------
 
-def _check_once(res: CheckResult, where: str, log) -> None:
+def _check_once(res: CheckResult, where: str, log, named: list) -> None:
     """Per span name, its time over the rank's intervals on its one clock fits in the rank's wall time times
-    the threads that ran it (a span counted as open CPU time and again as GPU time would not)."""
+    the threads that ran it (a span counted as open CPU time and again as GPU time would not); `named`: each
+    segment's entries of each span."""
     wall = wall_seconds(log.intervals)
-    by_name: dict = {}
-    for rec in log.intervals:
-        for name, e in (rec.get("spans") or {}).items():
-            by_name.setdefault(name, []).append(e)
+    by_name: dict = named[0] if len(named) == 1 else {}
+    for segment in named if len(named) > 1 else ():
+        for name, entries in segment.items():
+            by_name.setdefault(name, []).extend(entries)
     for name, entries in by_name.items():
         on = span_clock(entries)
         total = sum((clock_seconds(e, on) for e in entries), 0.0)
@@ -482,12 +689,7 @@ def _check_past_warmup(res: CheckResult, log, events: list) -> None:
 def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
     """Each hotspots row: share at most its threads' (share x role wall <= threads x wall), order
     statistics in order, self <= total, a one-rank role's percentiles its run_end's."""
-    threads: dict = {}
-    for log in run.ranks.values():
-        for rec in log.intervals:
-            for name, e in (rec.get("spans") or {}).items():
-                key = (log.role, name)
-                threads[key] = max(threads.get(key, 1), len(e.get("threads") or ()))
+    threads = _most_threads(run)
     roles = run.by_role()
     for row in report["spans"]["rows"]:
         here = f"hotspots row {row['role']} {row['span']}"
@@ -503,6 +705,18 @@ def _check_report_rows(res: CheckResult, run: Run, report: dict) -> None:
         wait = shares.get("wait_share")   # a role's waits are its ranks' main-thread waits: at most its wall
         res.expect(_le(wait, 1.0, SHARE_SLACK), "shares", f"hotspots verdict {role}",
                    lambda: f"waits {_fmt(wait)} of its wall on {shares.get('wait_span')}")
+
+
+def _most_threads(run: Run) -> dict:
+    """{(role, span): the most threads one of its interval entries names}, where that is more than one."""
+    most: dict = {}
+    for log in run.ranks.values():
+        for rec in log.intervals:
+            for name, e in (rec.get("spans") or {}).items():
+                n = len(e.get("threads") or ())
+                if n > 1 and n > most.get((log.role, name), 1):
+                    most[log.role, name] = n
+    return most
 
 
 def _check_row_against_run_end(res: CheckResult, here: str, row: dict, logs: list) -> None:
@@ -736,8 +950,8 @@ def _check_compare(res: CheckResult, run_a: Run, run_b: Run) -> None:
 
 
 def _check_compare_rows(res: CheckResult, run_a: Run, run_b: Run, table: dict, text: str) -> None:
-    have = [{(log.role, n) for log in r.ranks.values() for rec in log.intervals for n in (rec.get("spans") or {})}
-            for r in (run_a, run_b)]
+    have = [_span_names(run_a)]
+    have.append(have[0] if run_b is run_a else _span_names(run_b))
     for row in table["spans"]:
         key = (row["role"], row["span"])
         res.expect(not (row["verdict"].startswith("only in") and key in have[0] and key in have[1]), "compare",
@@ -748,6 +962,16 @@ def _check_compare_rows(res: CheckResult, run_a: Run, run_b: Run, table: dict, t
     line = next((x for x in text.splitlines() if x.startswith("Regressions: ")), "")
     res.expect(line == "Regressions: " + (", ".join(called) or "none"), "compare", "compare text Regressions",
                lambda: f"{line!r}, but the table calls {called or 'none'} regressions")
+
+
+def _span_names(run: Run) -> set:
+    """{(role, span)} of every span entry of the run's intervals."""
+    names: dict = {}
+    for log in run.ranks.values():
+        mine = names.setdefault(log.role, set())
+        for rec in log.intervals:
+            mine.update(rec.get("spans") or ())
+    return {(role, name) for role, mine in names.items() for name in mine}
 
 
 def _steady_of(windows: list, phases: tuple) -> list:
