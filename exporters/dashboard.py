@@ -207,15 +207,14 @@ _BELOW_OVERVIEW = (("Step breakdown", (
               (Query(f"sum by (role) (rate({sel('model_flops')}[{RATE}]))", "{{role}} (rate window)"),
                Query(f"sum by (role) ({sel('model_flops_rate')})", "{{role}} (last interval)")), width=12),
         Panel("MFU by rank",
-              "Model FLOPs utilisation of each rank: its model FLOP/s over the rate window divided by its device's "
-              "peak, against the datasheet's dense bf16 peak and against the bf16 matmul rate measured at the "
-              "rank's start (dflash_peak_flops_per_second); the interval's own figure is dflash_mfu_ratio.",
+              "Model FLOPs utilisation of each rank: its model FLOP/s over the rate window divided by each of its "
+              "device's peaks (dflash_peak_flops_per_second): the datasheet's dense bf16 peak (a GPU in its table) "
+              "and the matmul rate measured at the rank's start (bf16 on a GPU, float32 on a CPU); beside it the "
+              "last interval's own figure, dflash_mfu_ratio.",
               "percentunit",
-              (Query(f"rate({sel('model_flops')}[{RATE}]) / ignoring(peak) {sel('peak_flops', peak='datasheet')}",
-                     "{{role}} {{rank}} of datasheet"),
-               Query(f"rate({sel('model_flops')}[{RATE}]) / ignoring(peak) {sel('peak_flops', peak='measured')}",
-                     "{{role}} {{rank}} of measured"),
-               Query(sel("mfu"), "{{role}} {{rank}} last interval, of {{peak}}")), width=12),
+              (Query(f"rate({sel('model_flops')}[{RATE}]) / ignoring(peak) group_right {sel('peak_flops')}",
+                     "{{role}} {{rank}} of {{peak}} (rate window)"),
+               Query(sel("mfu"), "{{role}} {{rank}} of {{peak}} (last interval)")), width=12),
 )), ("Memory", (
         Panel("GPU memory headroom and its low point",
               "Free GPU memory now, and its lowest point in the interval (total minus the interval's peak "

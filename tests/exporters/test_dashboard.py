@@ -126,7 +126,9 @@ def result_labels(node) -> set:
         return labels - {"le"} if node.func.name == "histogram_quantile" else labels
     if isinstance(node, promql_parser.BinaryExpr):
         lhs, rhs = result_labels(node.lhs), result_labels(node.rhs)
-        return lhs or rhs
+        many_on_the_right = node.modifier is not None and node.modifier.card == \
+            promql_parser.VectorMatchCardinality.OneToMany   # group_right: the right side's series, labels and all
+        return (rhs or lhs) if many_on_the_right else (lhs or rhs)
     return set()
 
 
