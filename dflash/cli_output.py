@@ -139,3 +139,25 @@ class Parser(argparse.ArgumentParser):
             if isinstance(action, argparse._SubParsersAction):
                 flags += [f for sub in action.choices.values() for f in sub._option_string_actions]
         return list(dict.fromkeys(flags))
+
+
+ENV_INVOKED_AS = "DFLASH_INVOKED_AS"   # the launcher's argv[0], for its ranks' printed commands (command_for)
+_MODULES = {"dflash-train": "dflash.cli", "dflash-report": "dflash.report_cli", "dflash-profile": "dflash.profile_cli"}
+
+
+def command_for(prog: str, argv0: str | None = None) -> str:
+    """How to run `prog` (dflash-train, dflash-report, dflash-profile) the way the user ran this one: the bare
+    name where PATH finds that very file; else the path beside the command they typed (`.venv/bin/dflash-report`
+    after `.venv/bin/dflash-train`: the README's set-up puts nothing on PATH); else `PYTHON -m MODULE` (a run
+    started with `python -m dflash.cli`). argv0: the command as typed (default: a rank's launcher's, else ours)."""
+    import shlex
+    import shutil
+
+    argv0 = argv0 or os.environ.get(ENV_INVOKED_AS) or sys.argv[0]
+    beside = os.path.join(os.path.dirname(argv0), prog)
+    if os.path.basename(argv0) in _MODULES and os.path.isfile(beside):
+        on_path = shutil.which(prog)
+        if on_path and os.path.realpath(on_path) == os.path.realpath(beside):
+            return prog
+        return shlex.quote(beside)
+    return shlex.join([sys.executable, "-m", _MODULES[prog]])

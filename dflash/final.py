@@ -5,11 +5,13 @@ stop line instead of the verdict and findings: it is exiting inside a scheduler'
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import profiler
+from dflash.cli_output import command_for
 from profiler.records import printable, rank_logs
 
 TOP_FINDINGS = 3
@@ -33,7 +35,8 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
     lines.append(f"wall time: {format_duration((time.time_ns() - origin_unix_ns) / 1e9)} from {origin} to the end")
     if stop_line is None:
         lines += verdict_and_findings(run_dir)
-    lines += [f"full report: dflash-report hotspots {run_dir}", f"run directory: {run_dir}"]
+    lines += [f"full report: {command_for('dflash-report')} hotspots {shlex.quote(str(run_dir))}",
+              f"run directory: {run_dir}"]
     print(printable("\n".join(lines)), file=out, flush=True)
     if stop_line is not None:
         print(printable(stop_line), file=err, flush=True)

@@ -14,6 +14,7 @@ import sys
 import time
 
 from dflash import startup
+from dflash.cli_output import ENV_INVOKED_AS
 from dflash.compile_cache import bytecode_env
 from dflash.config import TrainConfig
 from dflash.run_lock import hold_run_dir
@@ -65,14 +66,15 @@ def launch(cfg: TrainConfig, started_ns: int | None = None) -> int:
     """One worker process per rank, each behind a gate: the ranks import while this process runs the
     preflight, and get the config once it passed; on bad input they are killed and the ConfigError goes up."""
     started_ns = started_ns or time.time_ns()
+    from dflash import preflight   # no torch: its path and directory checks answer before a rank starts
+
+    preflight.check_early(cfg)
     # torch_gpus without importing torch (the CUDA driver's count): a guess checked below.
     gpus = 0 if cfg.parallel.device == "cpu" else cuda_driver_device_count()
     bytecode = use_bytecode_cache(bytecode_env(cfg.model.bytecode_cache, cfg.model.compile_cache_dir))
     ranks = GatedRanks(world_for(cfg, gpus), started_ns, {**bytecode, **threads_env(gpus)})
     try:
-        with long_lived():   # the launcher's heavy imports, side by side with the ranks'
-            from dflash import preflight
-
+        with long_lived():   # the launcher's heavy imports (torch), side by side with the ranks'
             planned = preflight.torch_gpus(cfg)
             world = world_for(cfg, planned)
             preflight.check(cfg, world, world, gpus=planned)
@@ -116,7 +118,8 @@ class GatedRanks:
         store_socket = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_socket.getsockname()[1]),
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
-                   **{startup.ENV_LAUNCH_NS: str(started_ns)})
+                   **{startup.ENV_LAUNCH_NS: str(started_ns),
+                      ENV_INVOKED_AS: os.environ.get(ENV_INVOKED_AS) or sys.argv[0]})   # its printed commands
         # A change to None removes the variable.
         env = {var: value for var, value in {**env, **(env_changes or {})}.items() if value is not None}
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

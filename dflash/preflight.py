@@ -31,14 +31,25 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
     _check_faults(cfg, world, gpus)
     _check_devices(cfg, world, local_world, gpus)
     _check_metrics_ports(cfg, local_world)
+    check_early(cfg)
+    _check_resume_checkpoint(cfg)
+    tokenizer = _check_target(cfg)
+    if cfg.data.path is not None:
+        _check_data(cfg, tokenizer)
+
+
+_NO_RUN = "--resume: no run in {path} (no profile/ and no checkpoint); drop --resume to start one there"
+
+
+def check_early(cfg: TrainConfig) -> None:
+    """The checks that need neither torch nor the device count (paths, directories, caches): the launcher runs
+    them before it starts a rank or imports torch, so a mistake in them is answered in a fraction of a second.
+    check() runs them too."""
     _check_sd_dir(cfg)
     check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
     if cfg.model.target_model is None and cfg.data.builtin_cache:
         check_builtin_cache(builtin_cache_dir())
     _check_run_dir(cfg)
-    tokenizer = _check_target(cfg)
-    if cfg.data.path is not None:
-        _check_data(cfg, tokenizer)
 
 
 def _check_faults(cfg: TrainConfig, world: int, gpus: int) -> None:
@@ -179,17 +190,33 @@ def _check_run_dir(cfg: TrainConfig) -> None:
     conflict = run_dir_conflict(path, cfg.reliability.resume)
     if conflict:
         raise ConfigError(conflict)
-    if cfg.reliability.resume:
-        from dflash import checkpoint   # torch: only a resumed run's preflight pays the import
+    if cfg.reliability.resume and not (path / "profile").is_dir() and not _entries(path / "checkpoints"):
+        raise ConfigError(_NO_RUN.format(path=path))   # said without torch: nothing there to read
 
-        ckpt = checkpoint.latest_checkpoint(path / "checkpoints")
-        if ckpt is None:   # no run there, or one that ended before its first checkpoint: it starts from step 0
-            if not (path / "profile").is_dir():
-                raise ConfigError(f"--resume: no run in {path} (no profile/ and no checkpoint); drop --resume "
-                                  "to start one there")
-            return
-        checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
-        checkpoint.check_weights_header(ckpt / checkpoint.WEIGHTS_NAME)
+
+def _entries(path: Path) -> bool:
+    """Whether `path` is a directory with anything in it."""
+    try:
+        return any(path.iterdir())
+    except OSError:
+        return False
+
+
+def _check_resume_checkpoint(cfg: TrainConfig) -> None:
+    """A resumed run's latest checkpoint reads (its training state and its weights' header), or, where it ended
+    before its first checkpoint, the run is there at all."""
+    if not cfg.reliability.resume or cfg.run_dir is None:
+        return
+    from dflash import checkpoint   # torch: only a resumed run's preflight pays the import
+
+    path = Path(cfg.run_dir).resolve()
+    ckpt = checkpoint.latest_checkpoint(path / "checkpoints")
+    if ckpt is None:   # no run there, or one that ended before its first checkpoint: it starts from step 0
+        if not (path / "profile").is_dir():
+            raise ConfigError(_NO_RUN.format(path=path))
+        return
+    checkpoint.load_training_state(ckpt, mmap=True)  # plain data only; tensors mapped, not read
+    checkpoint.check_weights_header(ckpt / checkpoint.WEIGHTS_NAME)
 
 
 def _check_writable(path: Path) -> None:

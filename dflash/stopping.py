@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from dflash.cli_output import command_for
 
 
 class StopFlag:
@@ -70,9 +71,10 @@ class StopFlag:
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command that continues this run: `dflash-train --resume --run-dir DIR`, nothing more, since a --resume
+    """The command that continues this run: `dflash-train --resume --run-dir DIR` (dflash-train as the user ran
+    it: cli_output.command_for), nothing more, since a --resume
     restores the run's own settings from DIR/config.json (dflash.config.config_from_args)."""
-    return shlex.join(["dflash-train", "--resume", "--run-dir", str(run_dir)])
+    return " ".join([command_for("dflash-train"), shlex.join(["--resume", "--run-dir", str(run_dir)])])
 
 
 def ignore_further_signals() -> None:

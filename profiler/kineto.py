@@ -60,6 +60,10 @@ class KinetoSession:
 
     def __init__(self, request, is_cuda: bool, rank: int, world_size: int, meta: dict):
         from torch.profiler import ProfilerAction, ProfilerActivity, profile
+        # Kineto writes its own lines ("USDT: ... profiler_start", STAGE, warnings) to fd 2, the run's stderr,
+        # unless its level, read once as it initialises (the first session), is above all of them: 6 (USDT is 5).
+        # A capture that fails says so in its own event (profiler/capture.py); a user's KINETO_LOG_LEVEL is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.activities = ["cpu", "cuda"] if is_cuda else ["cpu"]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
         at = request.at_step

@@ -12,16 +12,48 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash.cli import build_parser
+from dflash.cli_output import ENV_INVOKED_AS, command_for
 from dflash.config import config_from_args, resolve_config
 from dflash.stopping import StopFlag, resume_command, stop_line
 
 
-def test_the_resume_command_is_the_shortest_one():
+@pytest.fixture
+def on_path(tmp_path, monkeypatch):
+    """dflash-train and dflash-report installed in a bin directory on PATH, and this process run as that
+    dflash-train (a rank reads its launcher's argv[0] from ENV_INVOKED_AS)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("dflash-train", "dflash-report"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv(ENV_INVOKED_AS, str(bin_dir / "dflash-train"))
+    return bin_dir
+
+
+def test_the_resume_command_is_the_shortest_one(on_path):
     assert resume_command(Path("/runs/a b")) == "dflash-train --resume --run-dir '/runs/a b'"
 
 
-def test_the_short_resume_command_gives_back_every_setting_of_the_run_except_faults(tmp_path):
+def test_printed_commands_are_the_ones_the_user_can_run(on_path, monkeypatch, tmp_path):
+    """Issue 51: after the README's set-up nothing is on PATH, and the printed `dflash-train` was not found."""
+    assert command_for("dflash-report") == "dflash-report"   # PATH finds the very file beside the one run
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")   # the README's .venv/bin/dflash-train, nothing on PATH
+    monkeypatch.setenv(ENV_INVOKED_AS, ".venv/bin/dflash-train")
+    monkeypatch.chdir(on_path.parent)
+    (on_path.parent / ".venv").symlink_to(on_path.parent)   # .venv/bin is the bin directory
+    assert command_for("dflash-report") == ".venv/bin/dflash-report"
+    assert resume_command(Path("/r")) == ".venv/bin/dflash-train --resume --run-dir /r"
+    monkeypatch.setenv(ENV_INVOKED_AS, "/x/dflash/cli.py")   # python -m dflash.cli
+    assert command_for("dflash-report") == shlex.join([sys.executable, "-m", "dflash.report_cli"])
+    monkeypatch.setenv(ENV_INVOKED_AS, str(tmp_path / "elsewhere" / "dflash-train"))   # gone since: -m
+    assert command_for("dflash-train") == shlex.join([sys.executable, "-m", "dflash.cli"])
+
+
+def test_the_short_resume_command_gives_back_every_setting_of_the_run_except_faults(tmp_path, on_path):
     """Issue 46: the command used to repeat every non-default setting as a flag, and a --resume that did not repeat
     them (the README's form) trained on with the defaults. The run's config.json now restores them all."""
     run = tmp_path / "run"
@@ -37,7 +69,7 @@ def test_the_short_resume_command_gives_back_every_setting_of_the_run_except_fau
     assert again == cfg   # the command, parsed, is this run's config (its faults left out)
 
 
-def test_the_stop_line_names_the_step_the_checkpoint_and_the_command():
+def test_the_stop_line_names_the_step_the_checkpoint_and_the_command(on_path):
     line = stop_line("SIGTERM", 37, Path("/r/checkpoints/step_0000037"), Path("/r"))
     assert line == ("dflash-train: stopped by SIGTERM at step 37 (evaluation skipped); checkpoint "
                     "/r/checkpoints/step_0000037; resume with: dflash-train --resume --run-dir /r")

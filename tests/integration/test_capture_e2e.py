@@ -91,6 +91,14 @@ def test_the_scheduled_capture_and_the_asked_one_begin_at_the_same_step_on_both_
             assert {s["step"] for s in ev["captured_spans"]} == {step, step + 1}
 
 
+def test_kinetos_own_lines_stay_out_of_the_runs_output(captured_run):
+    """Issue 51: every capture printed Kineto's "USDT: ... profiler_start" lines into the run's stderr."""
+    run = captured_run[0]
+    text = (run.parent / "train.log").read_text(errors="replace")
+    assert "dflash-train" in text or "step" in text, text[-2000:]   # the run's own output is there
+    assert not [line for line in text.splitlines() if line.startswith(("USDT:", "STAGE:"))], text[-3000:]
+
+
 def test_report_kernels_ranks_cpu_ops_per_span(captured_run, capsys):
     run, asked, _, _ = captured_run
     assert report_cli.main(["kernels", str(run), "--json"]) == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,8 @@ def test_the_end_of_the_run_says_its_wall_time_verdict_findings_and_the_report_c
     if found:
         assert f"top findings ({min(3, len(found))} of {len(found)}):" in out
         assert f"  1. {found[0]['summary']}" in out and f"     next: {found[0]['next']}" in out
-    assert f"full report: dflash-report hotspots {run}" in out
+    # the report's command as this run was started (python -m): runnable as printed (README's form: test_readme_loop)
+    assert f"full report: {shlex.join([sys.executable, '-m', 'dflash.report_cli'])} hotspots {run}" in out
     assert out.rstrip().endswith(f"run directory: {run}")
 
 

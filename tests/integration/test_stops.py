@@ -86,8 +86,9 @@ def test_sigterm_during_a_long_step_checkpoints_that_step_exits_0_and_the_printe
     assert [r["status"] for r in records(run, 0) + records(run, 1) if r["type"] == "run_end"] == ["ok", "ok"]
     assert "run directory:" in out and "top findings" not in out   # a stop skips the verdict: it is exiting
     command = shlex.split(said.group(3))
-    assert command[:4] == ["dflash-train", "--resume", "--run-dir", str(run)] and "--fault" not in command
-    again = subprocess.run([sys.executable, "-m", "dflash.cli", *command[1:]], cwd=REPO, capture_output=True,
+    # the command as this run was started (python -m dflash.cli), nothing more; run exactly as printed
+    assert command == [sys.executable, "-m", "dflash.cli", "--resume", "--run-dir", str(run)]
+    again = subprocess.run(command, cwd=REPO, capture_output=True,
                            text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "DFLASH_FAULT"})
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000008"
@@ -148,5 +149,6 @@ def test_two_sigints_a_moment_apart_still_stop_cleanly_and_exit_0(tmp_path, preb
         assert [r["status"] for r in records(run, 0) + records(run, 1) if r["type"] == "run_end"] == ["ok", "ok"]
         assert (run / "checkpoints" / "latest").is_file()
         name = signal.Signals(signum).name
-        assert re.search(rf"^dflash-train: stopped by {name} at step \d+ .*resume with: dflash-train --resume "
+        started_as = re.escape(shlex.join([sys.executable, "-m", "dflash.cli"]))
+        assert re.search(rf"^dflash-train: stopped by {name} at step \d+ .*resume with: {started_as} --resume "
                          rf"--run-dir {re.escape(str(run))}$", text, re.M), text[-3000:]
