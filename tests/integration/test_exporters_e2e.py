@@ -77,9 +77,15 @@ def shipped_dashboard() -> dict:
 
 
 def last_live_time(live: dict) -> float:
-    """The newest evaluation time at which both ranks' series were still being scraped."""
-    times = both_ranks_times(live["base"], live["since"], 'count(dflash_step{job="dflash"})')
-    assert times, "Prometheus never saw both ranks"
+    """The newest evaluation time at which both ranks were training as the panels see it: both still scraped,
+    each rank's spans advancing over the panels' rate window, and the recording rules holding both roles. A rank that has
+    finished its work but is still scraped (the target ends before the drafter) is not live for a panel that
+    divides by its rates."""
+    query = ('count(dflash_step{job="dflash"}) == 2'
+             f' and on () count(sum by (rank) (rate(dflash_spans_total{{job="dflash",clock="cpu"}}[{RATE_INTERVAL}])) > 0) == 2'
+             ' and on () count(job_run_role:dflash_wait_seconds_per_profiled_seconds:ratio_rate10m{job="dflash"}) == 2')
+    times = both_ranks_times(live["base"], live["since"], query)
+    assert times, "Prometheus never saw both ranks training"
     return max(times)
 
 

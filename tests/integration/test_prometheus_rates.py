@@ -5,7 +5,8 @@ Two real short runs, each scraped by a real Prometheus (Debian's package):
   `rate(dflash_tokens_total[W])`, evaluated through the HTTP API at unaligned times, agrees with the run log's
   ticks over the same window [t-W, t];
 - the default intervals and ticks, scraped by grafana/prometheus.yml as shipped (5 s scrapes, 5 s file_sd refresh;
-  only the targets path substituted, and no rule files or Alertmanager): after the run exits it holds every rank's
+  only the targets path substituted, and no rule files or Alertmanager), stopped once it scraped both ranks: after
+  the run exits it holds every rank's
   `dflash_run_end_timestamp_seconds` (alert DFlashRankFailed and the "Run end" panel read it) and final tokens.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -94,11 +96,39 @@ def shipped(tmp_path_factory):
     (tmp / "sd").mkdir()
     proc, url = start_shipped_prometheus(tmp / "prometheus", tmp / "sd" / "*.json")
     try:
-        train(tmp / "run", tmp / "sd", ["--max-steps", "12", "--eval-prompts", "0", "--device", "cpu"])
+        train_until_scraped(tmp / "run", tmp / "sd", url)
         yield {"run": tmp / "run", "shipped": url}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def train_until_scraped(run: Path, sd: Path, base: str, ranks: int = 2) -> None:
+    """A real run that Prometheus finds through `sd`, stopped by SIGTERM (a clean stop: run_end ok, exit 0) once
+    Prometheus has scraped every rank: what is proven is that a scraped rank's end reaches it. A rank that ends
+    before its first scrape (5 s file_sd refresh plus a 5 s scrape, longer on a loaded machine) is never in
+    Prometheus at all, and does not wait for it (docs/RELIABILITY.md)."""
+    args = ["--max-steps", "100000", "--eval-prompts", "0", "--device", "cpu"]
+    with open(run.parent / "train.err", "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), *args, "--metrics-port",
+                              str(free_port_pair()), "--prometheus-sd-dir", str(sd)],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 600
+        while scraped_ranks(base) < ranks:
+            assert p.poll() is None and time.monotonic() < deadline, (run.parent / "train.err").read_text()[-3000:]
+            time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=300) == 0, (run.parent / "train.err").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def scraped_ranks(base: str) -> int:
+    """How many of Prometheus' active dflash targets it has scraped, healthy."""
+    targets = prom_get(base, "/api/v1/targets", state="active")["activeTargets"]
+    return sum(t["health"] == "up" for t in targets if t["labels"].get("job") == "dflash")
 
 
 def tick_tokens(tks: list, at: float, before: bool) -> float:
