@@ -117,13 +117,12 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
         out["windows"][role] = w.label
         for log in logs:
             walls[role] += wall_seconds(per_rank[log.rank])
-            out["present"] |= {(role, n) for rec in log.intervals for n in (rec.get("spans") or {})}
+            names: set = set()
+            for rec in log.intervals:
+                names.update(rec.get("spans") or ())
+            out["present"] |= {(role, n) for n in names}
+            _sample_spans(per_rank[log.rank], role, spans, counts)
             for rec in per_rank[log.rank]:
-                for name, e in (rec.get("spans") or {}).items():
-                    count = e.get("count")
-                    if count and (e.get("gpu") or e.get("cpu") or {}).get("total_seconds") is not None:
-                        spans[role, name].append(per_call_seconds(e))
-                        counts[role, name].append(count)
                 rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
                 if rate is not None:
                     out["rates"].setdefault(role, []).append(rate * len(logs))
@@ -140,6 +139,29 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
         f"all {sum(len(log.intervals) for log in run.ranks.values())} intervals (read alike: the other run has no " \
         "steady intervals)"
     return out
+
+
+def _sample_spans(windows: list, role: str, spans: defaultdict, counts: defaultdict) -> None:
+    """Each window's mean seconds per call (per_call_seconds) and call count of every span it timed, appended
+    to spans[role, name] and counts[role, name]. per_call_seconds inline: a week-long log has a million entries."""
+    for rec in windows:
+        for name, e in (rec.get("spans") or {}).items():
+            count = e.get("count")
+            if not count:
+                continue
+            gpu = e.get("gpu")
+            stats = gpu or e.get("cpu")
+            total = stats.get("total_seconds") if stats else None
+            if total is None:
+                continue
+            if gpu:
+                timed = e.get("gpu_count")
+                seconds = total * (count / timed if timed else 1.0)
+            else:
+                mean = stats.get("mean_seconds")
+                seconds = mean * count if mean is not None else total * 1.0
+            spans[role, name].append(seconds / count)
+            counts[role, name].append(count)
 
 
 def _span_rows(a: dict, b: dict, waits: set) -> list:
