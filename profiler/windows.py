@@ -32,6 +32,23 @@ def basis_seconds(entry: dict) -> float:
     return ((entry.get("cpu") or {}).get("total_seconds") or 0.0) * 1.0
 
 
+def per_call_seconds(entry: dict) -> float | None:
+    """The entry's mean seconds per call in its window (None: no count, or no total to read): whole spans where
+    it has them (an interval's CPU mean, or its GPU total scaled to all its spans), else its split total over
+    its count (a tick window holds no whole spans). basis and gpu_scale inline: called for every entry."""
+    count = entry.get("count")
+    gpu = entry.get("gpu")
+    stats = gpu or entry.get("cpu")
+    total = stats.get("total_seconds") if stats else None
+    if not count or total is None:
+        return None
+    if gpu:
+        timed = entry.get("gpu_count")
+        return total * (count / timed if timed else 1.0) / count
+    mean = stats.get("mean_seconds")
+    return mean if mean is not None else total / count
+
+
 def whole_seconds(entry: dict) -> float:
     """The summed whole durations of the entry's spans (behind its mean): the scaled GPU total, or CPU mean x
     count (the CPU total is cut at the window's edges)."""

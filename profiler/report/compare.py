@@ -13,7 +13,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from profiler.windows import basis, gpu_scale
+from profiler.windows import per_call_seconds
 from profiler.report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
@@ -51,18 +51,6 @@ def classify(a: list, b: list, higher_is_worse: bool = True, min_delta: float = 
         out["verdict"] = ("negligible" if abs(delta) < min_delta
                           else "regression" if (delta > 0) == higher_is_worse else "improvement")
     return out
-
-
-def per_call_seconds(e: dict) -> float:
-    """A span entry's mean seconds per call in its window: whole spans where the entry has them (an interval's
-    CPU mean, or its GPU total), else its split total over its count (a tick window holds no whole spans)."""
-    stats, on = basis(e)
-    if on == "gpu":   # whole_seconds = basis_seconds: the GPU total scaled to all the entry's spans
-        seconds = (stats.get("total_seconds") or 0.0) * gpu_scale(e)
-    else:
-        mean = stats.get("mean_seconds")
-        seconds = mean * (e.get("count") or 0) if mean is not None else (stats.get("total_seconds") or 0.0) * 1.0
-    return seconds / e["count"]
 
 
 def windows_alike(run_a: Run, run_b: Run) -> dict:
@@ -142,26 +130,14 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
 
 
 def _sample_spans(windows: list, role: str, spans: defaultdict, counts: defaultdict) -> None:
-    """Each window's mean seconds per call (per_call_seconds) and call count of every span it timed, appended
-    to spans[role, name] and counts[role, name]. per_call_seconds inline: a week-long log has a million entries."""
+    """Each window's mean seconds per call (windows.per_call_seconds) and call count of every span it timed,
+    appended to spans[role, name] and counts[role, name]."""
     for rec in windows:
         for name, e in (rec.get("spans") or {}).items():
-            count = e.get("count")
-            if not count:
-                continue
-            gpu = e.get("gpu")
-            stats = gpu or e.get("cpu")
-            total = stats.get("total_seconds") if stats else None
-            if total is None:
-                continue
-            if gpu:
-                timed = e.get("gpu_count")
-                seconds = total * (count / timed if timed else 1.0)
-            else:
-                mean = stats.get("mean_seconds")
-                seconds = mean * count if mean is not None else total * 1.0
-            spans[role, name].append(seconds / count)
-            counts[role, name].append(count)
+            seconds = per_call_seconds(e)
+            if seconds is not None:
+                spans[role, name].append(seconds)
+                counts[role, name].append(e["count"])
 
 
 def _span_rows(a: dict, b: dict, waits: set) -> list:
