@@ -5,6 +5,7 @@ span named as such and a pinned copy's bandwidth against the pinned floor."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,13 @@ def test_kernels_are_attributed_to_pack_hidden_fwd_bwd_and_d2h_copy(gpu_run, cap
             assert s["our_gpu_count"] == s["count"] > 0 and 0 < s["busy_share"] <= 1.05, s
         copy = [c for c in spans[("target", "d2h_copy")]["copies"] if "DtoH" in c["name"]]
         assert copy and copy[0]["bytes"] > 0 and copy[0]["floor"] == "pinned_d2h" and copy[0]["floor_share"] > 0
+
+
+def test_kinetos_own_lines_stay_out_of_the_runs_output_on_a_gpu(gpu_run):
+    """Issue 51: each capture printed Kineto's "USDT: ... profiler_start" lines (with CUPTI, STAGE lines too)."""
+    run = gpu_run[0]
+    text = (run.parent / "train.log").read_text(errors="replace")
+    assert not re.findall(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\]", text, re.M), text[-3000:]
 
 
 def test_memory_snapshots_of_the_live_run_are_summarised_offline(gpu_run, capsys):
