@@ -20,6 +20,11 @@ logger = logging.getLogger("profiler")
 NO_SUCH_PID, NOT_PERMITTED, PYSPY_MISSING, NOT_PYTHON, FAILED = (
     "no_such_pid", "not_permitted", "pyspy_missing", "not_python", "failed")
 TOP_FRAMES = 5
+STACKS_PER_THREAD = 16
+"""Whole stacks kept per thread per interval: the most common ones; the rest only counted (`other_samples`)."""
+MAX_STACK_DEPTH = 128
+"""Frames kept of a stack, the innermost ones; a deeper stack's outer frames become one OUTER_FRAMES frame."""
+OUTER_FRAMES = "(outer frames left out)"
 YAMA_PATH = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -107,17 +112,53 @@ def read_threads(raw: list) -> list[dict]:
             for t in raw]
 
 
+def whole_stack(frames: list) -> tuple:
+    """A thread's frames (innermost first, as read_threads gives them) as its stack root -> leaf, at most
+    MAX_STACK_DEPTH frames: the innermost, under one OUTER_FRAMES frame where there were more."""
+    if len(frames) <= MAX_STACK_DEPTH:
+        return tuple(reversed(frames))
+    return (OUTER_FRAMES, *reversed(frames[:MAX_STACK_DEPTH - 1]))
+
+
 class _ThreadCounts:
-    __slots__ = ("name", "samples", "idle", "hot")
+    __slots__ = ("name", "samples", "idle", "hot", "stacks", "idle_stacks")
 
     def __init__(self, name: str):
         self.name, self.samples, self.idle, self.hot = name, 0, 0, Counter()
+        self.stacks, self.idle_stacks = Counter(), Counter()   # whole stack -> samples, and those of them idle
+
+    def count(self, frames: list, active: bool) -> None:
+        """One sample of the thread: `frames` innermost first, `active` as py-spy saw it."""
+        self.samples += 1
+        stack = whole_stack(frames)
+        self.stacks[stack] += 1
+        if active and frames:
+            self.hot[frames[0]] += 1
+        else:
+            self.idle += 1
+            self.idle_stacks[stack] += 1
+
+    def summary(self, native_id, frame_index: dict) -> dict:
+        """The thread's entry of an interval's stack_samples; its kept stacks' frames interned in `frame_index`
+        ({label: index}, the interval's `frames` table)."""
+        kept = self.stacks.most_common(STACKS_PER_THREAD)
+        stacks = [{"frames": [frame_index.setdefault(f, len(frame_index)) for f in stack], "count": n,
+                   "idle_samples": self.idle_stacks[stack]} for stack, n in kept]
+        other = self.samples - sum(n for _, n in kept)
+        other_idle = self.idle - sum(e["idle_samples"] for e in stacks)
+        return {"name": self.name, "native_id": native_id, "samples": self.samples, "idle_samples": self.idle,
+                "top_frames": [{"frame": f, "count": n} for f, n in self.hot.most_common(TOP_FRAMES)],
+                "stacks": stacks, "other_samples": other, "other_idle_samples": other_idle}
 
 
 class StackSampler:
     """Takes `samples_per_interval` non-blocking py-spy dumps of `pid` (its own process) every `interval_s`,
     evenly spread, from a daemon thread. A thread's innermost frame counts as hot when py-spy reports the
-    thread active (on a CPU), else the sample counts as idle. A failing dump is logged once and counted."""
+    thread active (on a CPU), else the sample counts as idle. Each sample's whole stack (root -> leaf, at most
+    MAX_STACK_DEPTH frames) is counted too; an interval keeps each thread's STACKS_PER_THREAD most common stacks
+    and counts the rest in `other_samples`, so a thread's stacks' counts plus `other_samples` are its samples
+    (and their `idle_samples` plus `other_idle_samples` its idle samples). A failing dump is logged once and
+    counted."""
 
     def __init__(self, pid: int, samples_per_interval: int, interval_s: float, runner=None):
         if not isinstance(samples_per_interval, int) or samples_per_interval < 1:
@@ -187,21 +228,20 @@ class StackSampler:
             self._taken += 1
             for t in threads:
                 counts = self._threads.setdefault(t["native_id"], _ThreadCounts(t["name"]))
-                counts.name, counts.samples = t["name"], counts.samples + 1
-                if t["active"] and t["frames"]:
-                    counts.hot[t["frames"][0]] += 1
-                else:
-                    counts.idle += 1
+                counts.name = t["name"]
+                counts.count(t["frames"], t["active"])
         return True
 
     def interval_summary(self) -> dict:
-        """{"samples", "failed", "threads": [{"name", "native_id", "samples", "idle_samples", "top_frames"}]}
-        since the last call (+ "error": the last failure), and a reset."""
+        """{"samples", "failed", "frames", "threads": [{"name", "native_id", "samples", "idle_samples", "top_frames",
+        "stacks": [{"frames", "count", "idle_samples"}], "other_samples", "other_idle_samples"}]} since the last call
+        (+ "error": the last failure), and a reset. A stack's `frames` index the interval's `frames` labels, root
+        first (docs/RUNLOG.md)."""
         with self._lock:
-            threads = [{"name": c.name, "native_id": native_id, "samples": c.samples, "idle_samples": c.idle,
-                        "top_frames": [{"frame": f, "count": n} for f, n in c.hot.most_common(TOP_FRAMES)]}
-                       for native_id, c in self._threads.items()]
-            summary = {"samples": self._taken, "failed": self._failed, "threads": threads}
+            frame_index: dict = {}
+            threads = [c.summary(native_id, frame_index) for native_id, c in self._threads.items()]
+            summary = {"samples": self._taken, "failed": self._failed, "frames": list(frame_index),
+                       "threads": threads}
             if self._error is not None:
                 summary["error"] = self._error
             self._reset()

@@ -297,10 +297,18 @@ def test_sampler_counts_hot_frames_of_running_threads_only(caplog):
     summary = sampler.interval_summary()
     assert (summary["samples"], summary["failed"], summary["error"]) == (3, 3, "ptrace refused")
     w, q = summary["threads"]
+    spin, run, other, get = (summary["frames"].index(f) for f in (
+        "spin (a.py:1)", "run (a.py:9)", "other (a.py:4)", "Queue.get (queue.py:171)"))
     assert w == {"name": "w", "native_id": 5, "samples": 3, "idle_samples": 0,
-                 "top_frames": [{"frame": "spin (a.py:1)", "count": 2}, {"frame": "other (a.py:4)", "count": 1}]}
-    assert q == {"name": "q", "native_id": 6, "samples": 2, "idle_samples": 2, "top_frames": []}
-    assert sampler.interval_summary() == {"samples": 0, "failed": 0, "threads": []}  # reset
+                 "top_frames": [{"frame": "spin (a.py:1)", "count": 2}, {"frame": "other (a.py:4)", "count": 1}],
+                 "stacks": [{"frames": [run, spin], "count": 1, "idle_samples": 0},   # whole stacks, root first
+                            {"frames": [spin], "count": 1, "idle_samples": 0},
+                            {"frames": [other], "count": 1, "idle_samples": 0}],
+                 "other_samples": 0, "other_idle_samples": 0}
+    assert q == {"name": "q", "native_id": 6, "samples": 2, "idle_samples": 2, "top_frames": [],
+                 "stacks": [{"frames": [get], "count": 2, "idle_samples": 2}], "other_samples": 0,
+                 "other_idle_samples": 0}
+    assert sampler.interval_summary() == {"samples": 0, "failed": 0, "frames": [], "threads": []}  # reset
 
 
 def test_sampler_spreads_samples_over_the_interval():
