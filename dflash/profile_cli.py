@@ -1,9 +1,10 @@
-"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot and profiler.capture_client
-(no torch here).
+"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot, profiler.capture_client and
+profiler.top (no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
     dflash-profile capture --pid PID | --run-dir DIR [--steps K] [--at-step N] [--memory] [--no-wait]
     dflash-profile memory --pid PID | --run-dir DIR
+    dflash-profile top --pid PID | --run-dir DIR [--interval S] [--window S] [--once]
 
 Human output by default; --json prints the result as JSON; --out FILE also writes the JSON to FILE.
 snapshot: each snapshot of a profiled process is kept under RUN_DIR/snapshots/ and recorded in its run log.
@@ -13,6 +14,8 @@ capture: every rank records steps N..N+K-1 into RUN_DIR/kineto/rank{R}-step{N}.j
 no rank can be armed (not a dflash rank, the run ended, bad --steps, a rank past --at-step), 1 when a rank
 armed but wrote no trace. memory: each GPU rank's allocator snapshot under RUN_DIR/forensics/; exit 2 when no
 rank could save one (a CPU run).
+top: a live view of every rank (profiler.top), refreshed every --interval s; --once prints one plain frame; exit 2
+(one line) for a bad --interval or --window, a pid that is no rank of ours, a run without a live rank.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import sys
 from dflash import pipeline
 from dflash.cli_output import Parser, cli_output, exit_status
 
-from profiler import capture_client
+from profiler import capture_client, top
 from profiler.capture import MAX_STEPS
 from profiler.capture_client import CaptureError
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
@@ -72,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Each GPU rank saves torch.cuda.memory._snapshot() under RUN_DIR/forensics/ "
                                      "(with the allocation history under --memory-history N).")
     _add_target(mem)
+    live = sub.add_parser("top", help="a live view of every rank: step, rates, open spans, GPU, the bound stage",
+                          description="Every rank's step, tokens/s over its own recent ticks, open spans with their "
+                                      "ages (stuck ones flagged), GPU busy and memory, and the bound stage, refreshed "
+                                      "from the control endpoints. Keys: q quits, s sorts by the next column, r "
+                                      "reverses.")
+    who = live.add_mutually_exclusive_group(required=True)
+    who.add_argument("--pid", type=_pid, help="one rank")
+    who.add_argument("--run-dir", metavar="DIR", help="every live rank of the run in DIR")
+    live.add_argument("--interval", type=float, default=top.DEFAULT_INTERVAL_S, metavar="S",
+                      help=f"seconds between refreshes (default {top.DEFAULT_INTERVAL_S:g})")
+    live.add_argument("--window", type=float, default=top.WINDOW_S, metavar="S",
+                      help=f"how far back rates and busy shares reach, seconds (default {top.WINDOW_S:g})")
+    live.add_argument("--once", action="store_true", help="print one plain frame and exit (for scripts)")
     return p
 
 
@@ -111,6 +127,8 @@ def memory(args) -> tuple[dict, int]:
 def main(argv: list[str] | None = None, runner=None) -> int:
     args = build_parser().parse_args(argv)
     with cli_output():
+        if args.command == "top":
+            return _top(args)
         if args.command != "snapshot":
             return _drill(args)
         try:
@@ -119,6 +137,14 @@ def main(argv: list[str] | None = None, runner=None) -> int:
             print(f"dflash-profile: error: {exc}", file=sys.stderr)
             return 1 if exc.kind == FAILED else 2
         return _emit(args, result, format_run if "ranks" in result else format_process)
+
+
+def _top(args) -> int:
+    try:
+        return top.run(args.pid, args.run_dir, args.interval, args.window, args.once, pipeline.wait_spans())
+    except top.TopError as exc:
+        print(f"dflash-profile: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _drill(args) -> int:

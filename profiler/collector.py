@@ -8,6 +8,9 @@ import time
 
 logger = logging.getLogger("profiler")
 
+RECENT_TICKS = 2
+"""Tick records the collector keeps for the control endpoint: two make one window of the rank's own."""
+
 
 class Collector:
     """`poll()` drains the recorder into the aggregator and reads back the non-finite checks; `close()` writes
@@ -26,6 +29,7 @@ class Collector:
         self.tick_s, self._tick_fields = interval_s if tick_s is None else tick_s, tick_fields
         self.next_tick_s = clock() + self.tick_s
         self.ticks_written = 0
+        self.last_ticks: list = []          # the last RECENT_TICKS tick records written, oldest first
         self.lock = threading.RLock()        # one drain or close at a time; records keep index order
         self.start_ns = time.perf_counter_ns()
         self.run_start_s = self.start_s = self._clock_s(self.start_ns)
@@ -160,7 +164,14 @@ class Collector:
         if final:
             rec["final"] = True
         self.ticks_written += 1
-        return self._write({**rec, **parts})
+        rec = self._write({**rec, **parts})
+        self.last_ticks = [*self.last_ticks, rec][-RECENT_TICKS:]   # a new list: readers never see it change
+        return rec
+
+    def recent_ticks(self) -> list:
+        """The last RECENT_TICKS tick records, oldest first: a client's window over the rank's latest tick_s (the
+        control endpoint's state; `dflash-profile top`)."""
+        return list(self.last_ticks)
 
     def _interval_record(self, end_ns: int, final: bool) -> dict:
         end_s = self._clock_s(end_ns)
