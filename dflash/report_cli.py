@@ -7,6 +7,10 @@
                                                line per violation (and a compare's, against BASELINE_DIR)
     dflash-report kernels RUN_DIR [--capture N] [--top N] [--json]   a Kineto capture per span (report.kernels)
     dflash-report memory RUN_DIR [--top N] [--json]     the allocator snapshots (report.memory_snapshot)
+    dflash-report stacks RUN_DIR [-o FILE] [--folded] [--role ROLE] [--profiler-threads] [--running-only]
+                         [--snapshots]           flame graphs of the stack samples (report.stacks)
+    dflash-report html RUN_DIR [-o FILE] [--compare BASELINE_DIR] [--top N] [--gpus N]   one self-contained HTML
+                                               page of hotspots with plots (report.html; default RUN_DIR/report.html)
 
 Exit 0 on success, 2 for a missing, empty or foreign run directory or bad usage (one line, no traceback),
 1 when the trace cannot be written or an invariant does not hold.
@@ -60,7 +64,34 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("run_dir", metavar="RUN_DIR")
     m.add_argument("--top", type=_positive_int, default=10, metavar="N", help="largest live blocks shown (10)")
     m.add_argument("--json", action="store_true", help="print the summaries as JSON (docs/REPORT.md)")
+    _stacks_parser(sub)
+    _html_parser(sub)
     return p
+
+
+def _html_parser(sub) -> None:
+    w = sub.add_parser("html", help="one self-contained HTML page: hotspots' sections, plots over time, trace links")
+    w.add_argument("run_dir", metavar="RUN_DIR")
+    w.add_argument("-o", "--output", metavar="FILE", help="output file (default RUN_DIR/report.html)")
+    w.add_argument("--compare", metavar="BASELINE_DIR", help="add the A/B table: BASELINE_DIR is A, RUN_DIR is B")
+    w.add_argument("--top", type=_positive_int, metavar="N", help="show the N spans with the most time")
+    w.add_argument("--gpus", type=_positive_int, metavar="N",
+                   help="GPU count for the split advice (default: the run's)")
+
+
+def _stacks_parser(sub) -> None:
+    s = sub.add_parser("stacks", help="flame graphs of host time: the stack samples as speedscope JSON or folded")
+    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("-o", "--output", metavar="FILE", help="output file, - for stdout (default "
+                   "RUN_DIR/stacks/stacks.speedscope.json, or stacks.folded with --folded)")
+    s.add_argument("--folded", action="store_true", help="folded stacks (flamegraph.pl, inferno), not speedscope JSON")
+    s.add_argument("--role", metavar="ROLE", help="only the ranks of this role")
+    s.add_argument("--profiler-threads", action="store_true",
+                   help="also the profiler's own threads, as profiles of their own marked [profiler]")
+    s.add_argument("--running-only", action="store_true",
+                   help="leave out the samples where a thread waited (CPU time, not wall time)")
+    s.add_argument("--snapshots", action="store_true",
+                   help="also the dflash-profile snapshot records, one sample per thread, as profiles of their own")
 
 
 def _hotspots(args) -> int:
@@ -151,8 +182,36 @@ def _memory(args) -> int:
     return 0
 
 
+def _stacks(args) -> int:
+    from profiler.report import stacks
+
+    text, got = stacks.render(args.run_dir, args.folded, args.role, args.profiler_threads, args.running_only,
+                              args.snapshots)
+    if args.output == "-":
+        sys.stdout.write(text)
+        print(f"wrote stdout: {got.summary_line()}", file=sys.stderr)
+        return 0
+    try:
+        path = stacks.write(text, args.output or stacks.default_path(args.run_dir, args.folded))
+    except OSError as e:
+        print(f"dflash-report: error: cannot write the stacks: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}: {got.summary_line()}")
+    return 0
+
+
+def _html(args) -> int:
+    from profiler.report.html import write_html
+    from dflash.advice import ADVICE
+
+    s = write_html(args.run_dir, args.output, top=args.top, n_gpus=args.gpus, advice=ADVICE,
+                   baseline_dir=args.compare)
+    print(f"wrote {s['out']}: {s['bytes'] / 1e6:.2f} MB, {s['figures']} plots")
+    return 0
+
+
 COMMANDS = {"hotspots": _hotspots, "compare": _compare, "trace": _trace, "check": _check, "kernels": _kernels,
-            "memory": _memory}
+            "memory": _memory, "stacks": _stacks, "html": _html}
 
 
 def main(argv: list[str] | None = None) -> int:

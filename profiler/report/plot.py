@@ -29,8 +29,7 @@ def timeline(run: Run) -> dict:
     long), else per interval; the training metrics likewise where the ticks carry them (`metric_source`; ticks
     written before they did: the intervals'); the GPU headroom is the interval records' own."""
     starts = [s for log in run.ranks.values() for s in map(views.run_start, log.run_starts) if s.time_unix]
-    t0 = min((s.time_unix for s in starts), default=None) or \
-        min((r.time_unix for log in run.ranks.values() for r in map(views.interval, log.intervals)), default=0.0)
+    t0 = start_unix(run)
     step = next((s.interval_s for s in starts if s.interval_s), None) or 60.0
     ticks = all(log.tick_windows for log in run.ranks.values()) and bool(run.ranks)
     tick_metrics = ticks and any(views.interval(w).metrics for log in run.ranks.values() for w in log.tick_windows)
@@ -45,6 +44,14 @@ def timeline(run: Run) -> dict:
             "window_s": durations[len(durations) // 2] if ticks else step, "roles": roles,
             "metric_source": "ticks" if tick_metrics else "intervals",
             "gpus": _headroom(run, t0)}
+
+
+def start_unix(run: Run) -> float:
+    """When the run started (its earliest run_start, else its earliest interval), Unix seconds: the origin of every
+    series' "seconds since the run started"."""
+    starts = [s.time_unix for log in run.ranks.values() for s in map(views.run_start, log.run_starts) if s.time_unix]
+    return min(starts, default=None) or \
+        min((r.time_unix for log in run.ranks.values() for r in map(views.interval, log.intervals)), default=0.0)
 
 
 def _bins(windows_per_rank: list, t0: float) -> dict:
