@@ -19,9 +19,11 @@ TOP_FINDINGS = 3
 
 
 def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str | None = None,
-                out=None, err=None) -> None:
+                out=None, err=None, on_report=None) -> None:
     """The end of the run on `out` (stdout), the stop line on `err` (stderr). `origin`: what `origin_unix_ns`
-    is (`launch`: dflash-train's start; `process`: this rank's, under torchrun)."""
+    is (`launch`: dflash-train's start; `process`: this rank's, under torchrun). on_report: given the run's
+    report (report.hotspots) where one was made (not after a stop: the run is exiting), e.g. the run's view for
+    the per-rank sinks (exporters/run_view.py)."""
     from exporters.console import format_hotspots
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -34,7 +36,10 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
     lines = [format_hotspots(ends, steady, starts)] if ends else []
     lines.append(f"wall time: {format_duration((time.time_ns() - origin_unix_ns) / 1e9)} from {origin} to the end")
     if stop_line is None:
-        lines += verdict_and_findings(run_dir)
+        rep = _report(run_dir)
+        lines += verdict_and_findings(rep) if isinstance(rep, dict) else [rep]
+        if on_report is not None and isinstance(rep, dict):
+            lines += _handed(on_report, rep)
     lines += [f"full report: {command_for('dflash-report')} hotspots {shlex.quote(str(run_dir))}",
               f"run directory: {run_dir}"]
     print(printable("\n".join(lines)), file=out, flush=True)
@@ -42,16 +47,28 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
         print(printable(stop_line), file=err, flush=True)
 
 
-def verdict_and_findings(run_dir: Path, top: int = TOP_FINDINGS) -> list[str]:
-    """The verdict with the windows it was read over and its evidence, then the first `top` findings with
-    their next experiment; one line saying why where the report cannot be made."""
+def _report(run_dir: Path) -> dict | str:
+    """The run's report (report.hotspots with the trainer's advice), or the line saying why there is none."""
     from profiler import report
     from dflash.advice import ADVICE
 
     try:
-        rep = report.hotspots(run_dir, advice=ADVICE)
+        return report.hotspots(run_dir, advice=ADVICE)
     except Exception as e:   # the run is over and its logs are written: the summary never fails it
-        return [f"verdict: not available ({type(e).__name__}: {e})"]
+        return f"verdict: not available ({type(e).__name__}: {e})"
+
+
+def _handed(on_report, rep: dict) -> list[str]:
+    """on_report(rep): what it wrote, one line each; a failure is one line too (the run is over)."""
+    try:
+        return [f"run view: {path}" for path in on_report(rep) or ()]
+    except Exception as e:   # noqa: BLE001 - a sink's library failing at the end never fails the run
+        return [f"run view: not written ({type(e).__name__}: {e})"]
+
+
+def verdict_and_findings(rep: dict, top: int = TOP_FINDINGS) -> list[str]:
+    """The verdict with the windows it was read over and its evidence, then the first `top` findings with
+    their next experiment."""
     v = rep["verdict"]
     over = "; ".join(f"{role}: {r['window']}, {r['wall_seconds']:.0f} s" for role, r in v["roles"].items())
     lines = [f"verdict ({over or 'no intervals'}): {v['verdict'] or 'none'}", *(f"  {e}" for e in v["evidence"])]
