@@ -172,8 +172,8 @@ class ProfileConfig:
     detail_steps: int = _f(3, flag="profile_detail_steps", ge=0)
     """Steps per profile interval whose raw spans are kept (the `spans` record: trace, OTel spans)."""
     stack_samples_per_interval: int = _f(0, ge=0)
-    """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames per
-    thread in the interval record); 0 = none."""
+    """Non-blocking py-spy dumps each rank takes of itself per profile interval (hot frames and whole
+    stacks per thread in the interval record: `dflash-report stacks` draws them); 0 = none."""
     memory_history: int = _f(0, ge=0)
     """CUDA allocator events kept (torch.cuda.memory._record_memory_history max_entries) for a
     snapshot saved under RUN_DIR/forensics/ at an out-of-memory error or by `dflash-profile memory`;
@@ -188,6 +188,13 @@ class ProfileConfig:
     nvtx: bool = False
     """On CUDA, every span is also an NVTX range, for Nsight Systems and `ncu --nvtx --nvtx-include
     "target.pack_hidden/"`; ignored on the CPU. Env DFLASH_NVTX."""
+    numerics: bool = True
+    """Numerics early warning: absmax, RMS, near-overflow and underflow fractions and non-finite counts of the
+    packed hidden states, the drafter's input, each drafter layer's output, the loss, the gradient norm and the
+    update-to-weight ratio, reduced on the device and read back without a sync; a `numerics_drift` event and
+    console line when one drifts toward overflow (profiler/numerics.py). --no-numerics: none taken."""
+    numerics_every: int = _f(1, ge=1)
+    """Take the numerics statistics at every this many steps."""
 
     def profiler_config(self, **rest) -> ProfilerConfig:
         """This section as the profiler's settings; `rest`: the ProfilerConfig fields the trainer sets from its
@@ -195,7 +202,8 @@ class ProfileConfig:
         return ProfilerConfig(interval_s=self.interval_s, tick_s=self.tick_s, detail_steps=self.detail_steps,
                               memory_history=self.memory_history, nvtx=self.nvtx,
                               capture_at_step=self.capture_at_step, capture_steps=self.capture_steps,
-                              capture_every=self.capture_every, **rest)
+                              capture_every=self.capture_every, numerics=self.numerics,
+                              numerics_every=self.numerics_every, **rest)
 
     def check(self, need) -> None:
         """The rules between fields, which ProfilerConfig checks when made, said with this section's flags."""
@@ -274,6 +282,11 @@ class ReliabilityConfig:
     """What a NaN/Inf in the packed hidden states, a payload, the loss or the gradient norm does (after a
     `nonfinite` event): stop (exit 1), skip-step (skip that optimizer step) or warn. With --no-profile
     stop acts like skip-step; a non-finite checkpoint is never written."""
+    on_numerics_drift: str = _f("warn", choices=("warn", "checkpoint", "stop"))
+    """What a `numerics_drift` warning (a statistic heading for overflow: --numerics) does: warn (the event and a
+    console line), checkpoint (also a checkpoint at the drafter's next step, once; a drift the target sees first
+    reaches the drafter's own input statistics) or stop (exit 1 at the rank's next step, before a non-finite
+    value)."""
     fault: str = ""
     """Faults to inject, for tests: KIND@SPAN[:step=N][:rank=R], several separated by ';'
     (profiler/faults.py); checked by the preflight against the spans where they can fire. Env DFLASH_FAULT."""

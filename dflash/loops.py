@@ -23,6 +23,7 @@ from dflash.data import TokenBatcher
 from dflash.flops import target_forward_flops
 from dflash.loss import compute_loss
 from dflash.model import DFlashDraftModel, draft_config_for_target
+from dflash.numerics_watch import LayerWatch, UpdateWatch, layer_views
 from dflash.compile_cache import compile_seconds
 from dflash.optim import build_optimizer
 from dflash.pack import PackedBatch, WireHeader, pack_hidden
@@ -35,6 +36,9 @@ from profiler import nonfinite
 AHEAD_BATCHES = 3
 """Batches a target can make beyond its `max_in_flight` before its drafter takes any: the receiver's queue of
 two and the one its thread holds."""
+NUMERICS_SETTLE_STEPS = 3
+"""Steps after a drafter's learning-rate warm-up before its numerics baselines begin (the warm-up's end moves the
+update ratio and the gradient norm)."""
 
 
 def warmup_steps(cfg: TrainConfig, role: str) -> int:
@@ -54,6 +58,27 @@ class NonfiniteStop(RankStop):
 
 class DiskFullStop(RankStop):
     """The run log found the disk full: it keeps room for run_end only, so the rank stops."""
+
+
+class NumericsStop(RankStop):
+    """--on-numerics-drift stop: a statistic drifts toward overflow (its `numerics_drift` event is written)."""
+
+
+def numerics_quiet_steps(cfg: TrainConfig, role: str) -> int:
+    """Steps from a segment's first in which the numerics detector neither warns nor builds its baselines: a
+    target's warm-up (its statistics do not move with the drafter's learning rate); a drafter's warm-up or its
+    learning-rate warm-up, the longer, and NUMERICS_SETTLE_STEPS after it."""
+    if role == "target":
+        return warmup_steps(cfg, role)
+    return max(warmup_steps(cfg, role), cfg.optim.warmup_steps) + NUMERICS_SETTLE_STEPS
+
+
+def stop_if_drifting(cfg: TrainConfig) -> None:
+    """At a step boundary, under --on-numerics-drift stop: the first drift warning read back so far."""
+    found = profiler.numerics_drift()
+    if found is not None and cfg.reliability.on_numerics_drift == "stop":
+        raise NumericsStop(f"numerics drift: {found['statistic']} of {found['tensor']} in {found['span']} "
+                           f"({found['rule']}) at step {found['step']}; stopped (--on-numerics-drift stop)")
 
 
 def stop_if_nonfinite(cfg: TrainConfig) -> None:
@@ -77,8 +102,10 @@ def disk_full_line(full: OSError, when: str) -> str:
 
 
 def stop_if_needed(cfg: TrainConfig, step: int) -> None:
-    """The step boundary's checks: a non-finite value under --on-nonfinite stop, a full disk."""
+    """The step boundary's checks: a non-finite value under --on-nonfinite stop, a drift under --on-numerics-drift
+    stop, a full disk."""
     stop_if_nonfinite(cfg)
+    stop_if_drifting(cfg)
     stop_if_disk_full(step)
 
 
@@ -187,6 +214,9 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
         fingerprint = transfer.fingerprint(packed.hidden)   # on the device; the drafter compares it
         profiler.check_flags("target.pack_hidden", ["packed.hidden"], fingerprint[:1] != packed.hidden.numel(),
                              policy=cfg.reliability.on_nonfinite)
+        if profiler.numerics_due():
+            profiler.check_numerics("target.pack_hidden", layer_views(packed.hidden, target.layer_ids, packed.split),
+                              policy=cfg.reliability.on_numerics_drift)
     with profiler.span("transfer.wait_slot"):
         sender.acquire()
     payload, ready, release = staging.stage(packed.hidden)
@@ -212,6 +242,12 @@ class DrafterState:
     tokens_total: int = 0
     model_flops_total: float = 0.0
     """Model FLOPs of this segment's steps (dflash/flops.py), for the steady window's rate."""
+    layers: LayerWatch | None = None
+    """The drafter layers' numerics hooks (dflash/numerics_watch.py)."""
+    update: UpdateWatch | None = None
+    """The update-to-weight ratio's weights copy at a sampled step."""
+    drift_saved: bool = False
+    """--on-numerics-drift checkpoint: the checkpoint after the first drift warning is written."""
 
 
 def build_drafter(ctx: WorkerContext) -> DrafterState:
@@ -226,7 +262,7 @@ def build_drafter(ctx: WorkerContext) -> DrafterState:
     model = DFlashDraftModel(dcfg, head.embed_tokens, head.lm_head, cfg.model.fused_elementwise).to(ctx.device)
     opt, sched = build_optimizer(model.parameters(), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps,
                                  cfg.optim.max_steps, cfg.optim.min_lr_ratio)
-    state = DrafterState(model, opt, sched)
+    state = DrafterState(model, opt, sched, layers=LayerWatch(model.layers), update=UpdateWatch(model.parameters()))
     if ctx.resume_state is not None:
         model.load_state_dict(ctx.resume_state["model"], strict=False)
         opt.load_state_dict(ctx.resume_state["optimizer"])
@@ -280,7 +316,10 @@ def _drafter_loop(ctx: WorkerContext, state: DrafterState, rx: transfer.Receiver
         progress.update(state.step, state.tokens_total)
         meter.after_step(state.step, state.tokens_total, state.model_flops_total)
         every = cfg.reliability.checkpoint_every
-        if every and state.step % every == 0 and state.step < cfg.optim.max_steps:
+        drift_save = (cfg.reliability.on_numerics_drift == "checkpoint" and not state.drift_saved
+                      and profiler.numerics_drift() is not None)
+        state.drift_saved = state.drift_saved or drift_save
+        if (every and state.step % every == 0 or drift_save) and state.step < cfg.optim.max_steps:
             t0_s = time.perf_counter()
             save_checkpoint(ctx, state)
             meter.phase("ckpt.save", time.perf_counter() - t0_s)
@@ -305,6 +344,9 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
         hidden = transfer.wait_ready(msg)   # the receiver already ran h2d_copy on the host path
         packed, header = PackedBatch.from_wire(hidden, msg.meta, msg.ints, ctx.device)
         _check_payload(ctx, msg, hidden, state.step, header.batch_index)
+        policy = cfg.reliability.on_numerics_drift
+        if profiler.numerics_due():
+            profiler.check_numerics("drafter.unpack", {"hidden": packed.hidden}, policy=policy)
     generator = torch.Generator().manual_seed(cfg.optim.seed * 7919 + state.step * 131 + ctx.rank)
     with profiler.span("drafter.fwd_bwd"):
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
@@ -313,7 +355,9 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
             context = packed.context(cfg.optim.hidden_noise)
             out = compute_loss(model, packed, context, cfg.optim.num_anchors, cfg.optim.gamma, generator,
                                cfg.model.fused_ce)
-        loss = profiler.corrupt("drafter.fwd_bwd", out.loss)
+        loss = profiler.corrupt("drafter.fwd_bwd", out.loss, kinds=("nan",))   # drift: the first layer's hook
+        if profiler.numerics_due():
+            profiler.check_numerics("drafter.fwd_bwd", {**state.layers.take(), "loss": loss.detach()}, policy=policy)
         loss.backward()
     if ctx.topo.num_drafters > 1:
         with profiler.span("drafter.allreduce"):
@@ -321,7 +365,11 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     with profiler.span("drafter.optim"):
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                      if cfg.optim.grad_clip > 0 else None)
+        if grad_norm is not None and profiler.numerics_due():
+            profiler.check_numerics("drafter.optim", {"grad_norm": grad_norm.detach()}, policy=policy)
+        state.update.before()
         _optimizer_step(ctx, state, loss, grad_norm)
+        state.update.after(policy)
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
     n_tokens = int(msg.meta.shape[1])

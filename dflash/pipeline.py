@@ -15,10 +15,13 @@ from profiler.faults import KINDS as FAULT_KINDS
 from profiler.span_kinds import COLLECTIVE, END, PHASE, START, WAIT, WORK
 
 TARGET, DRAFTER = "target", "drafter"
-ENTRY_FAULTS = tuple(k for k in FAULT_KINDS if k != "nan")
+ENTRY_FAULTS = tuple(k for k in FAULT_KINDS if k not in ("nan", "drift"))
 """The fault kinds that fire on a span's entry (profiler/faults.py)."""
 NAN_FAULTS = ENTRY_FAULTS + ("nan",)
 """... and nan, for a span that hands its output to `profiler.corrupt()`."""
+DRIFT_FAULTS = NAN_FAULTS + ("drift",)
+"""... and drift, for a span whose corrupt() hook scales a tensor the numerics statistics watch (the target's pack;
+in the drafter, the first layer's output)."""
 
 HOST_COPIES, SEVERAL_DRAFTERS, EVAL_PROMPTS = "host copies", "several drafters", "eval prompts"
 NEEDS = {HOST_COPIES: "the host-staged transfer path (a GPU run whose transfers are not NCCL's)",
@@ -57,14 +60,14 @@ class Span:
 SPANS = (
     Span("target.fetch", TARGET),
     Span("target.fwd", TARGET),
-    Span("target.pack_hidden", TARGET, faults=NAN_FAULTS),
+    Span("target.pack_hidden", TARGET, faults=DRIFT_FAULTS),
     Span("d2h_copy", TARGET, needs=HOST_COPIES),
     Span("transfer.wait_slot", TARGET, WAIT, waits_for=DRAFTER),
     Span("transfer.send", TARGET, flow=START, waits_for=DRAFTER, faults=NAN_FAULTS),
     Span("drafter.recv", DRAFTER, WAIT, flow=END, waits_for=TARGET),
     Span("h2d_copy", DRAFTER, needs=HOST_COPIES),
     Span("drafter.unpack", DRAFTER),
-    Span("drafter.fwd_bwd", DRAFTER, faults=NAN_FAULTS),
+    Span("drafter.fwd_bwd", DRAFTER, faults=DRIFT_FAULTS),
     Span("drafter.allreduce", DRAFTER, COLLECTIVE, waits_for=DRAFTER, needs=SEVERAL_DRAFTERS),
     Span("drafter.optim", DRAFTER),
     Span("drafter.compile", DRAFTER, PHASE, faults=()),
@@ -110,6 +113,11 @@ def fault_spans() -> tuple:
 def nan_fault_spans() -> tuple:
     """The spans with a `profiler.corrupt()` hook, where a nan fault can fire."""
     return tuple(s.name for s in SPANS if "nan" in s.faults)
+
+
+def drift_fault_spans() -> tuple:
+    """The spans with a drift point (a `profiler.corrupt()` hook that fires drift faults)."""
+    return tuple(s.name for s in SPANS if "drift" in s.faults)
 
 
 def span_table() -> dict:

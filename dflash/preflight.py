@@ -61,7 +61,8 @@ def _check_faults(cfg: TrainConfig, world: int, gpus: int) -> None:
         return
     try:
         faults = parse_faults(spec)
-        check_injection_points(faults, pipeline.fault_spans(), pipeline.nan_fault_spans())
+        check_injection_points(faults, pipeline.fault_spans(), pipeline.nan_fault_spans(),
+                               pipeline.drift_fault_spans())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     never = spans_never_entered(cfg, world, gpus)

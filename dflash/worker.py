@@ -164,8 +164,19 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         _said_if_disk_full(prof)
         dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
-        _say_the_end(run_dir, stop, step, timeline)
+        _say_the_end(run_dir, stop, step, timeline, _run_view(cfg, run_dir, run_id, step))
     return 0
+
+
+def _run_view(cfg: TrainConfig, run_dir: Path, run_id: str, step: int):
+    """The run's view for the per-rank sinks asked for (exporters/run_view.py), as print_final's on_report; None
+    where there are none."""
+    from exporters import run_view
+
+    sinks = [n.strip() for n in cfg.telemetry.sinks.split(",") if n.strip() in run_view.VIEW_SINKS]
+    if not sinks or not cfg.profile.enabled:
+        return None
+    return lambda rep: run_view.write(run_dir, run_id, sinks, rep, step)
 
 
 def _said_if_disk_full(prof) -> None:
@@ -175,11 +186,12 @@ def _said_if_disk_full(prof) -> None:
         raise loops.DiskFullStop(loops.disk_full_line(full, "as the run ended"))
 
 
-def _say_the_end(run_dir: Path, stop: StopFlag, step: int, timeline: startup.StartupTimeline) -> None:
+def _say_the_end(run_dir: Path, stop: StopFlag, step: int, timeline: startup.StartupTimeline,
+                 on_report=None) -> None:
     """Rank 0's end of the run; after a stop by a signal, with the line that says how to resume it."""
     said = (stop_line(stop.name, step, checkpoint.latest_checkpoint(run_dir / "checkpoints"), run_dir)
             if stop() else None)
-    print_final(run_dir, timeline.origin, timeline.origin_ns, said)
+    print_final(run_dir, timeline.origin, timeline.origin_ns, said, on_report=on_report)
 
 
 def _startup_event(fields: dict, rank: int) -> None:
@@ -201,6 +213,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     compile_cache.install_compile_spans()
     config = cfg.profiler_config(detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                                  warmup_steps=loops.warmup_steps(cfg, role), phase_spans=pipeline.phase_spans(),
+                                 numerics_quiet_steps=loops.numerics_quiet_steps(cfg, role),
                                  span_table=pipeline.span_table())
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))

@@ -13,7 +13,7 @@ COMMON_LABELS = ("rank", "role", "host")
 _TRAIN_METRICS = {"loss": "train_loss", "tau": "train_tau", "tau_prefix": "train_tau_prefix",
                   "lr": "train_learning_rate", "grad_norm": "train_grad_norm"}
 # Event kinds that always exist as series (at 0), so dashboards and alerts see them before they happen.
-EVENT_KINDS = ("nonfinite", "oom", "thread_crash", "signal", "bad_records", "hang")
+EVENT_KINDS = ("nonfinite", "oom", "thread_crash", "signal", "bad_records", "hang", "numerics_drift")
 
 
 def metric_name(base: str, unit: str | None = None, kind: str = "gauge") -> str:
@@ -196,6 +196,22 @@ FAMILIES = {f.key: f for f in (
        otel=Otel("dflash.train.learning_rate", "1")),
     _f("train_grad_norm", "train_grad_norm", None, "gauge", "Gradient norm before clipping, interval mean.",
        otel=Otel("dflash.train.grad_norm", "1")),
+    _f("numerics_absmax", "numerics_absmax", None, "gauge",
+       "Largest finite |x| of the stage's tensor over its sampled steps in the last interval (profiler/numerics.py; "
+       "span: where it was produced, tensor: which).", "span", "tensor", otel=Otel("dflash.numerics.absmax", "1")),
+    _f("numerics_rms", "numerics_rms", None, "gauge",
+       "Root mean square of the stage's tensor at the interval's last sampled step.", "span", "tensor",
+       otel=Otel("dflash.numerics.rms", "1")),
+    _f("numerics_growth", "numerics_absmax_growth", "per_step", "gauge",
+       "Growth factor per step of the stage's absmax over the last interval's sampled steps (least squares in "
+       "log2; 1: flat, 2: doubling every step).", "span", "tensor", otel=Otel("dflash.numerics.absmax.growth", "1")),
+    _f("numerics_headroom", "numerics_headroom", "binades", "gauge",
+       "Doublings left between the stage's largest |x| of the last interval and its dtype's largest finite value.",
+       "span", "tensor", otel=Otel("dflash.numerics.headroom", "{binade}")),
+    _f("numerics_out_of_range", "numerics_out_of_range", "ratio", "gauge",
+       "Largest share, over the last interval's sampled steps, of the stage's values within 2^8 of the dtype's "
+       "largest value (bound=\"overflow\") or nonzero below its smallest normal one (bound=\"underflow\").",
+       "span", "tensor", "bound", otel=Otel("dflash.numerics.out_of_range", "1")),
     _f("events", "events", None, "counter", "Run-log events by kind (non-finite, oom, crash, signal, ...).",
        "kind", otel=Otel("dflash.events", "{event}")),
     _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record.",
@@ -271,6 +287,11 @@ def train_metric_value(name: str, stats):
     return stats.last if name == "lr" else stats.mean
 
 
+# (family key, field of an interval's numerics.stages[] entry) for the per-stage gauges read as they are.
+NUMERICS_FIELDS = (("numerics_absmax", "absmax_max"), ("numerics_rms", "rms_last"),
+                   ("numerics_growth", "growth_per_step"), ("numerics_headroom", "headroom_binades"))
+# (bound label, field of a numerics.stages[] entry) of dflash_numerics_out_of_range_ratio.
+NUMERICS_BOUNDS = (("overflow", "near_overflow_fraction_max"), ("underflow", "underflow_fraction_max"))
 # (family key, field of an interval record) for the rank's gauges read as they are.
 INTERVAL_GAUGES = (("step", "step"), ("profiler_cpu", "profiler_share"))
 # (family key, field of an interval's memory.gpus[] entry) for the per-GPU gauges read as they are.

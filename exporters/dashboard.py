@@ -288,6 +288,23 @@ _BELOW_OVERVIEW = (("Step breakdown", (
               (Query(f"max({sel('train_learning_rate')})", "lr"),), width=12),
         Panel("Gradient norm", "Gradient norm before clipping per drafter rank, interval mean.", "none",
               (Query(sel("train_grad_norm"), "rank {{rank}}"),), width=12),
+)), ("Numerics", (
+        Panel("Largest |x| by stage", "Largest finite value of each stage's tensor over the interval's sampled "
+              "steps (packed hidden per target layer, the drafter's input, each drafter layer's output, loss, "
+              "gradient norm, update ratio): a line climbing steadily on a log scale is a drift toward overflow.",
+              "sci", (Query(sel("numerics_absmax"), "{{role}} {{rank}} {{span}} {{tensor}}"),), width=6),
+        Panel("RMS by stage", "Root mean square of each stage's tensor at the interval's last sampled step.", "sci",
+              (Query(sel("numerics_rms"), "{{role}} {{rank}} {{span}} {{tensor}}"),), width=6),
+        Panel("Growth per step", "Growth factor per step of each stage's largest |x| over the interval (1: flat). "
+              "Sustained above 1.19 (a quarter binade a step) with the value out of its baseline band, the "
+              "DFlashNumericsDrift alert fires (docs/RUNBOOK.md).", "none",
+              (Query(sel("numerics_growth"), "{{role}} {{rank}} {{span}} {{tensor}}"),), width=6,
+              thresholds=((1.19, "orange"),)),
+        Panel("Headroom to overflow", "Doublings left between each stage's largest |x| and its dtype's largest "
+              "value, and the share of values near overflow or below the smallest normal value.", "none",
+              (Query(sel("numerics_headroom"), "{{role}} {{rank}} {{span}} {{tensor}} binades"),
+               Query(sel("numerics_out_of_range"), "{{role}} {{rank}} {{span}} {{tensor}} {{bound}} share")),
+              width=6, thresholds=((8.0, "red"),)),
 )), ("Health", (
         Panel("Heartbeat age", "Seconds since each rank's last run-log record. Rising means the rank has "
               "stopped writing (hung); a line that ends means its endpoint is gone.", "s",

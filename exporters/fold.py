@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
-                                THROTTLE_REASONS, Family, counter_family, gauge_family, gpu_about,
-                                gpu_gauges, gpu_labels, train_metric_family, train_metric_value)
+                                NUMERICS_BOUNDS, NUMERICS_FIELDS, THROTTLE_REASONS, Family, counter_family,
+                                gauge_family, gpu_about, gpu_gauges, gpu_labels, train_metric_family,
+                                train_metric_value)
 from profiler import span_kinds, views, windows
 
 P95_KEPT_S = 300.0
@@ -161,6 +162,7 @@ class Fold:
                 for name, g in rec.gauges.items() for stat in ("last", "mean", "max")
                 if (value := getattr(g, stat)) is not None]
         out += _train_metrics(rec.metrics)
+        out += _numerics(rec.numerics)
         out += _memory(rec.memory)
         out += [Sample(FAMILIES["exporter_dropped"], float(s.dropped or 0), (name,))
                 for name, s in rec.exporters.items()]
@@ -245,6 +247,19 @@ def _train_metrics(metrics) -> list[Sample]:
         if found is not None:
             value = train_metric_value(name, stats)
             out.append(Sample(found[0], float("nan") if value is None else float(value), tuple(found[1].values())))
+    return out
+
+
+def _numerics(numerics) -> list[Sample]:
+    """Each stage's numerics gauges (views.Numerics: the interval's sampled steps), labelled by span and tensor; a
+    figure the interval lacks (no finite sample) is left out, never the last one repeated."""
+    out = []
+    for e in numerics.stages.values():
+        labels = (str(e.span), str(e.tensor))
+        out += [Sample(FAMILIES[key], float(value), labels) for key, field in NUMERICS_FIELDS
+                if (value := getattr(e, field)) is not None]
+        out += [Sample(FAMILIES["numerics_out_of_range"], float(value), (*labels, bound))
+                for bound, field in NUMERICS_BOUNDS if (value := getattr(e, field)) is not None]
     return out
 
 

@@ -211,6 +211,11 @@ def _failure_alerts(d: Scale) -> list[Alert]:
         Alert("DFlashHang", _event("hang", d), 60, "critical", "A training rank hung and was stopped.",
               "The hang watchdog of " + RANK + " saw no progress for its timeout, dumped every thread and "
               "stopped the rank."),
+        Alert("DFlashNumericsDrift", _event("numerics_drift", d), 60, "warning",
+              "A training rank's numbers are drifting toward overflow.",
+              RANK_FIRST + " warned of a numerics drift in the last 10 minutes: a stage's statistic grows "
+              "geometrically, nears its dtype's range or its update ratio jumped, before any NaN or Inf; the run "
+              "log's numerics_drift event names the span, tensor, trend and steps left to overflow."),
     ]
 
 

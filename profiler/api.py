@@ -139,13 +139,14 @@ def event(kind: str, **fields) -> None:
         p.event(kind, **fields)
 
 
-def corrupt(span_name: str, tensor, step=None):
-    """Fault-injection hook for `nan@SPAN`: the tensor, possibly NaN-multiplied; `step` (default: the current
-    one) is matched against the fault's `:step=N`."""
+def corrupt(span_name: str, tensor, step=None, kinds=("nan", "drift")):
+    """Fault-injection hook for `nan@SPAN` and `drift@SPAN`: the tensor, possibly NaN-multiplied or scaled;
+    `step` (default: the current one) is matched against the fault's `:step=N`; `kinds`: the fault kinds this hook
+    fires (a span with two hooks, one for each)."""
     p = _active
     if p is None:
         return tensor
-    return p.corrupt(span_name, tensor, step)
+    return p.corrupt(span_name, tensor, step, kinds)
 
 
 def check_finite(span_name: str, tensors: dict, step=None, **fields) -> None:
@@ -161,6 +162,28 @@ def check_flags(span_name: str, names: list, flags, step=None, **fields) -> None
     p = _active
     if p is not None:
         p.nonfinite.check_flags(span_name, p.step if step is None else step, names, flags, **fields)
+
+
+def check_numerics(span_name: str, tensors: dict, step=None, **fields) -> None:
+    """Statistics of `tensors` ({name: tensor}, at most 8) on the device, read back without a sync, at the steps
+    ProfilerConfig.numerics_every samples; the numerics detector warns (a `numerics_drift` event) when one drifts
+    toward overflow (profiler/numerics.py). `jump=True`: a ratio whose order-of-magnitude jump warns too."""
+    p = _active
+    if p is not None:
+        p.check_numerics(span_name, tensors, step, **fields)
+
+
+def numerics_due(step=None) -> bool:
+    """Whether `check_numerics()` samples this step (default: the current one): a caller that must prepare a tensor for
+    it (a copy of the weights for the update ratio) does so only then. False with no active profiler."""
+    p = _active
+    return p is not None and p.numerics_due(step)
+
+
+def numerics_drift():
+    """The first `numerics_drift` warning read back so far (the collector thread fills it), or None."""
+    p = _active
+    return None if p is None else p.numerics.first
 
 
 def nonfinite_found():

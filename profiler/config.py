@@ -104,6 +104,14 @@ class ProfilerConfig:
     """Steps each scheduled capture records (at most capture.MAX_STEPS)."""
     capture_every: int = 0
     """> 0: a scheduled capture again every this many steps after capture_at_step; 0: once."""
+    numerics: bool = True
+    """Take the statistics `profiler.check_numerics()` asks for (profiler/numerics.py) and warn on a drift toward
+    overflow (`numerics_drift` events, the interval's `numerics` part); False: `check_numerics()` does nothing."""
+    numerics_every: int = 1
+    """Sample the statistics at every this many steps (a step whose number is a multiple of it)."""
+    numerics_quiet_steps: int = 0
+    """Steps from the segment's first sampled one in which the numerics detector neither warns nor builds its
+    baselines: the loop's warm-up and its learning-rate warm-up (a resume counts them again)."""
 
     def __post_init__(self):
         object.__setattr__(self, "interval_s", check_interval_s(self.interval_s))
@@ -114,7 +122,9 @@ class ProfilerConfig:
         self._check_capture()
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", AUTO_WARMUP_STEPS)
-        for name in ("detail_steps", "memory_history", "warmup_steps"):
+        if isinstance(self.numerics_every, bool) or not isinstance(self.numerics_every, int) or self.numerics_every < 1:
+            raise _refused("numerics_every", f"must be a positive integer, got {self.numerics_every!r}")
+        for name in ("detail_steps", "memory_history", "warmup_steps", "numerics_quiet_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise _refused(name, f"must be a non-negative integer, got {value!r}")

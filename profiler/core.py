@@ -23,6 +23,7 @@ from profiler.gpu_lag import NullGpuLag
 from profiler.intervals import IntervalAggregator
 from profiler.memory import make_memory_sampler, memory_state
 from profiler.nonfinite import NonfiniteMonitor, make_readback
+from profiler.numerics import NumericsDetector, drift_line
 from profiler.records import SCHEMA_VERSION
 from profiler.runlog import RunLog, host_fields
 from profiler.spans import SpanRecorder, check_name
@@ -66,6 +67,7 @@ class Profiler:
         self.captures = NullCaptures()   # Captures once started (profiler/capture.py)
         self.step, self._first_step, self._step_changed = 0, None, False
         self._interval_start_step = None   # the step when the current interval began (None: before set_step)
+        self._drift_said: set = set()      # spans whose numerics drift the console was told of
         self._started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -96,8 +98,10 @@ class Profiler:
             self.event_pool = EventPool(device_index=self.device.index)   # None: the current device
         self.recorder = SpanRecorder(event_pool=self.event_pool, fault_plan=self.fault_plan,
                                      step_fn=lambda: self.step, ranges=self._nvtx_ranges())
+        self.numerics = NumericsDetector(self._on_numerics_drift, cfg.numerics_quiet_steps, cfg.numerics_every)
         self.nonfinite = NonfiniteMonitor(self.rank, self._on_nonfinite,
-                                          readback=make_readback(self.is_cuda, self.device, self.event_pool))
+                                          readback=make_readback(self.is_cuda, self.device, self.event_pool),
+                                          on_stats=self.numerics.observe if cfg.numerics else None)
         self.anchor_perf_ns, self.anchor_unix_ns = time.perf_counter_ns(), int(self.wall_clock() * 1e9)
         made = self._exporters(self) if callable(self._exporters) else self._exporters
         self.hub = ExportHub(made)
@@ -140,7 +144,7 @@ class Profiler:
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, capture_spans,
                                         gpu_lag=self._gpu_lag(), pending=pending)
         sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
-                    threads_section(recorder.native_ids), lambda d: {"exporters": self.hub.stats()},
+                    threads_section(recorder.native_ids), lambda d: {"exporters": self.hub.stats()}, self.numerics.section,
                     self._stack_samples, self._steps_section)
         collector = Collector(recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
                               clock=self.clock, perf_clock=self.deps.clock in (None, time.perf_counter),
@@ -367,12 +371,12 @@ class Profiler:
         endpoint's `record` command) cannot override: a client cannot forge another record type or rank."""
         return self._write({**fields, **self._header(rtype)})
 
-    def corrupt(self, span_name: str, tensor, step=None):
-        return self.fault_plan.corrupt(span_name, self.step if step is None else step, tensor)
+    def corrupt(self, span_name: str, tensor, step=None, kinds=("nan", "drift")):
+        return self.fault_plan.corrupt(span_name, self.step if step is None else step, tensor, kinds)
 
     def state(self) -> dict:
-        """Live state for the control endpoint: open spans per thread (replayed first), last interval, step,
-        pid, memory now."""
+        """Live state for the control endpoint: open spans per thread (replayed first), last interval, the last two
+        ticks (a window of the rank's own), step, pid, memory now."""
         try:
             self.collector.poll()
         except Exception:   # noqa: BLE001 - still report what we have
@@ -380,13 +384,33 @@ class Profiler:
         return {"pid": os.getpid(), "rank": self.rank, "role": self.role, "step": self.step,
                 "time_unix": self.wall_clock(), "run_dir": str(self.run_dir),
                 "active_spans": self.recorder.open_spans(), "last_interval": self.last_interval,
-                "intervals_closed": self.collector.intervals_closed,
+                "intervals_closed": self.collector.intervals_closed, "ticks": self.collector.recent_ticks(),
                 "memory": memory_state(self.sampler, self.device, interval=False)}
 
     # ---- forensics -----------------------------------------------------------------------------
     def check_finite(self, span_name: str, tensors: dict, step=None, **fields) -> None:
         """Flag NaN/Inf in `tensors` on the device; read back off this thread (profiler/nonfinite.py)."""
         self.nonfinite.check(span_name, self.step if step is None else step, tensors, **fields)
+
+    def check_numerics(self, span_name: str, tensors: dict, step=None, **meta) -> None:
+        """Statistics of `tensors` on the device at a sampled step (ProfilerConfig.numerics_every); read back off
+        this thread into the numerics detector (profiler/numerics.py)."""
+        step = self.step if step is None else step
+        if self.cfg.numerics and step % self.cfg.numerics_every == 0:
+            self.nonfinite.check_stats(span_name, step, tensors, **meta)
+
+    def numerics_due(self, step=None) -> bool:
+        """Whether `step` (default: the current one) is a sampled step of the numerics statistics."""
+        return self.cfg.numerics and (self.step if step is None else step) % self.cfg.numerics_every == 0
+
+    def _on_numerics_drift(self, warning: dict) -> None:
+        """On the polling thread: the `numerics_drift` event (docs/RUNLOG.md), its counter and a console line (the
+        profiler's logger: every rank says its own)."""
+        self.event("numerics_drift", **warning)
+        self.recorder.count("numerics_drift", 1)
+        if warning["span"] not in self._drift_said:   # one line per span: a pack's K layers drift together
+            self._drift_said.add(warning["span"])
+            logger.warning("%s", drift_line(warning, self.rank, self.role))
 
     def _on_nonfinite(self, finding: dict) -> None:
         """On the collector thread: the `nonfinite` event (docs/RUNLOG.md) and its counters."""

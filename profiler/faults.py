@@ -1,9 +1,14 @@
 """Fault injection for tests: "KIND@SPAN[:step=N][:rank=R]" items separated by ';' (the trainer reads the spec
-from DFLASH_FAULT; this module reads no environment), KIND one of nan, oom, crash, hang, slow=SECONDS, e.g.
+from DFLASH_FAULT; this module reads no environment), KIND one of nan, oom, crash, hang, slow=SECONDS, drift, e.g.
 "slow=0.5@target.fwd:rank=0;crash@drafter.optim:step=10:rank=1". Faults take the real paths the forensics
 watch (a raised torch.OutOfMemoryError, a NaN tensor in a span's output, a stuck span). With `step=N`, nan
 and slow fire at step N; crash, oom and hang once, at the span's first entry at step N or later (a background
 thread's span, transfer.send on the sender thread, can run while its role's step is already past N).
+
+`drift@SPAN:step=S,factor=F` (options after the first may be separated by ',' or ':') multiplies the tensor the
+span hands its corrupt() hook by F**(k-S+1) at every step k >= S: a value growing geometrically until it overflows
+(after a few dozen steps at F=4), what the numerics early warning (profiler/numerics.py) must see coming. It needs
+both options.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import dataclass
 logger = logging.getLogger("profiler")
 
 ENV_VAR = "DFLASH_FAULT"   # how messages name the spec: the variable the trainer reads it from
-KINDS = ("nan", "oom", "crash", "hang", "slow")
+KINDS = ("nan", "oom", "crash", "hang", "slow", "drift")
+CORRUPTING = ("nan", "drift")   # the kinds a span's corrupt() hook fires (the others fire on its entry)
 _SPAN_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
-_EXPECTED = "expected KIND@SPAN[:step=N][:rank=R] with KIND one of nan, oom, crash, hang, slow=SECONDS"
+_EXPECTED = "expected KIND@SPAN[:step=N][:rank=R] with KIND one of nan, oom, crash, hang, slow=SECONDS, drift"
 
 
 class InjectedFault(RuntimeError):
@@ -29,7 +35,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """One of nan, oom, crash, hang, slow."""
+    """One of nan, oom, crash, hang, slow, drift."""
     span: str
     """The span name whose entry (or, for nan, whose corrupt() hook) fires the fault."""
     step: int | None
@@ -38,6 +44,8 @@ class Fault:
     """Fire only on this rank; None fires on every rank."""
     seconds: float | None
     """How long a slow fault sleeps; None for every other kind."""
+    factor: float | None = None
+    """A drift fault's growth per step (> 1); None for every other kind."""
 
 
 def parse_fault(part: str) -> Fault:
@@ -59,21 +67,41 @@ def parse_fault(part: str) -> Fault:
                              f"in {part!r}")
     elif kind_text not in KINDS:
         raise ValueError(f"{ENV_VAR}: unknown fault kind {kind_text!r} in {part!r} "
-                         "(expected nan, oom, crash, hang, slow=SECONDS)")
-    span, *options = rest.split(":")
+                         "(expected nan, oom, crash, hang, slow=SECONDS, drift)")
+    span, *options = re.split(r"[:,]", rest)
     if not _SPAN_RE.match(span):
         raise ValueError(f"{ENV_VAR}: bad span name {span!r} in {part!r} (expected e.g. drafter.fwd_bwd)")
-    found: dict[str, int] = {}
+    found = _options(options, part, kind == "drift")
+    if kind == "drift" and ("step" not in found or "factor" not in found):
+        raise ValueError(f"{ENV_VAR}: drift needs step=S and factor=F in {part!r} (e.g. "
+                         "drift@target.pack_hidden:step=20,factor=4)")
+    return Fault(kind=kind, span=span, step=found.get("step"), rank=found.get("rank"), seconds=seconds,
+                 factor=found.get("factor"))
+
+
+def _options(options: list, part: str, drift: bool) -> dict:
+    """The step=N, rank=R (and for drift factor=F) options of one item; ValueError naming the bad one."""
+    keys = ("step", "rank", "factor") if drift else ("step", "rank")
+    found: dict = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or key not in ("step", "rank"):
-            raise ValueError(f"{ENV_VAR}: unknown option {option!r} in {part!r} (expected step=N or rank=R)")
+        if not sep or key not in keys:
+            expected = "step=N, rank=R or factor=F" if drift else "step=N or rank=R"
+            raise ValueError(f"{ENV_VAR}: unknown option {option!r} in {part!r} (expected {expected})")
         if key in found:
             raise ValueError(f"{ENV_VAR}: {key} given twice in {part!r}")
+        if key == "factor":
+            try:
+                found[key] = float(value)
+            except ValueError:
+                found[key] = math.nan   # refused below, with the infinite ones and those not above 1
+            if not (math.isfinite(found[key]) and found[key] > 1):
+                raise ValueError(f"{ENV_VAR}: factor must be a finite number above 1, got {value!r} in {part!r}")
+            continue
         if not re.fullmatch(r"[0-9]+", value):
             raise ValueError(f"{ENV_VAR}: {key} must be a non-negative integer, got {value!r} in {part!r}")
         found[key] = int(value)
-    return Fault(kind=kind, span=span, step=found.get("step"), rank=found.get("rank"), seconds=seconds)
+    return found
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -81,14 +109,16 @@ def parse_faults(text: str) -> list[Fault]:
     return [parse_fault(part.strip()) for part in text.split(";") if part.strip()]
 
 
-def check_injection_points(faults: list[Fault], spans, nan_spans) -> None:
+def check_injection_points(faults: list[Fault], spans, nan_spans, drift_spans=()) -> None:
     """ValueError (one line) for a fault that could never fire: on a span the program never enters (`spans`),
-    or a nan fault on a span without a corrupt() hook (`nan_spans`). For start-up, before any work."""
+    a nan fault on a span without a corrupt() hook (`nan_spans`), or a drift fault on one without a drift point
+    (`drift_spans`). For start-up, before any work."""
     for fault in faults:
-        points = nan_spans if fault.kind == "nan" else spans
+        points = {"nan": nan_spans, "drift": drift_spans}.get(fault.kind, spans)
         if fault.span in points:
             continue
-        why = "has no nan injection point" if fault.span in spans else "is not a span of this program"
+        why = (f"has no {fault.kind} injection point" if fault.span in spans or fault.span in nan_spans
+               else "is not a span of this program")
         raise ValueError(f"{ENV_VAR}: {fault.kind}@{fault.span}: {fault.span} {why} "
                          f"({fault.kind} fires at: {', '.join(sorted(points))})")
 
@@ -101,9 +131,9 @@ class FaultPlan:
         self._sleep = sleep
         self.faults = tuple(f for f in faults if f.rank is None or f.rank == self.rank)
         self._by_span: dict[str, list] = {}       # span -> faults fired on its entry
-        self._nan_by_span: dict[str, list] = {}   # span -> nan faults, fired by its corrupt() hook
+        self._nan_by_span: dict[str, list] = {}   # span -> nan and drift faults, fired by its corrupt() hook
         for fault in self.faults:
-            (self._nan_by_span if fault.kind == "nan" else self._by_span).setdefault(fault.span, []).append(fault)
+            (self._nan_by_span if fault.kind in CORRUPTING else self._by_span).setdefault(fault.span, []).append(fault)
         self._logged: set[Fault] = set()
         self._fired: set[Fault] = set()     # one-shot faults (crash, oom, hang with a step) that fired
 
@@ -144,12 +174,25 @@ class FaultPlan:
                 while True:
                     self._sleep(1.0)
 
-    def corrupt(self, span: str, step: int, tensor):
-        """A NaN copy of `tensor` (no sync) when a nan fault matches span and step, else the tensor."""
+    def corrupt(self, span: str, step: int, tensor, kinds=CORRUPTING):
+        """`tensor` (no sync) times NaN when a nan fault matches span and step, times F**(step-S+1) when a drift
+        fault's step S is at or before `step`; else the tensor itself. `kinds`: the kinds this hook fires (a span
+        with two hooks gives each its own)."""
         for fault in self._nan_by_span.get(span, ()):
-            if fault.step is None or fault.step == step:
+            if fault.kind not in kinds:
+                continue
+            fires = (fault.step is None or fault.step == step) if fault.kind == "nan" else step >= fault.step
+            if fires:
                 if not tensor.is_floating_point():
-                    raise ValueError(f"{ENV_VAR}: nan@{span} needs a floating-point tensor, got {tensor.dtype}")
-                self._log_once(fault, f"injected nan at {span} step {step} rank {self.rank}")
-                return tensor * float("nan")
+                    raise ValueError(f"{ENV_VAR}: {fault.kind}@{span} needs a floating-point tensor, got {tensor.dtype}")
+                if fault.kind == "nan":
+                    self._log_once(fault, f"injected nan at {span} step {step} rank {self.rank}")
+                    return tensor * float("nan")
+                self._log_once(fault, f"injected drift x{fault.factor:g} a step at {span} from step {step} rank "
+                                      f"{self.rank} (logged once)")
+                try:
+                    scale = fault.factor ** (step - fault.step + 1)
+                except OverflowError:   # past a float's range: the product overflows as the tensor would
+                    scale = math.inf
+                return tensor * scale
         return tensor

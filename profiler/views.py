@@ -428,13 +428,26 @@ class HotFrame(View):
     count = _int("count", "Samples with this innermost frame.", 0)
 
 
+class SampledStack(View):
+    """One whole stack of a thread in an interval's stack samples."""
+    __slots__ = ()
+    frames = _list("frames", "Indexes into the interval's `frames` labels, root (outermost) first.")
+    count = _int("count", "Samples of the thread with this stack.", 0)
+    idle_samples = _int("idle_samples", "Those of them in which the thread waited.", 0)
+
+
 class SampledThread(View):
     """One thread of an interval's `stack_samples`."""
     __slots__ = ()
     name = _str("name", "The thread's name.")
     native_id = _int("native_id", "Its OS thread id.")
+    samples = _int("samples", "Dumps that saw the thread (None in logs written before it was recorded).")
     idle_samples = _int("idle_samples", "Samples in which it waited.")
     top_frames = _views("top_frames", HotFrame, "Its hottest frames.")
+    stacks = _views("stacks", SampledStack, "Its most common whole stacks (profiler.stacks.STACKS_PER_THREAD at "
+                                            "most; [] in logs written before whole stacks were recorded).")
+    other_samples = _int("other_samples", "Its samples whose stack is not among `stacks`.", 0)
+    other_idle_samples = _int("other_idle_samples", "Those of them in which it waited.", 0)
 
 
 class StackSamples(View):
@@ -442,7 +455,43 @@ class StackSamples(View):
     __slots__ = ()
     samples = _int("samples", "Stack dumps taken in the interval.")
     failed = _int("failed", "Dumps that failed even when taken once more.")
-    threads = _views("threads", SampledThread, "Per thread: its idle samples and hot frames.")
+    error = _str("error", "The last failure's one-line reason (only when a dump failed).")
+    frames = _list("frames", "The frame labels (\"func (file.py:123)\") its threads' `stacks` index.")
+    threads = _views("threads", SampledThread, "Per thread: its idle samples, hot frames and whole stacks.")
+
+
+class NumericsStage(View):
+    """One stage (a span's tensor) of an interval's `numerics` part: its statistics over the interval's sampled
+    steps (profiler/numerics.py)."""
+    __slots__ = ()
+    span = _str("span", "The span that produced the tensor.")
+    tensor = _str("tensor", "The tensor's name (layer3, loss, grad_norm, update_ratio, ...).")
+    dtype = _str("dtype", "Its dtype (float32, bfloat16, ...): the range overflow is read against.")
+    samples = _int("samples", "Sampled steps in the interval.", 0)
+    absmax_max = _num("absmax_max", "The largest finite |x| of the interval's samples (None: none finite).")
+    absmax_last = _num("absmax_last", "The last sample's largest |x| (None: not finite).")
+    rms_last = _num("rms_last", "The last sample's root mean square (None: not finite).")
+    near_overflow_fraction_max = _num("near_overflow_fraction_max", "The largest share of |x| within 2**8 of the "
+                                                                    "dtype's largest value.")
+    underflow_fraction_max = _num("underflow_fraction_max", "The largest share of nonzero |x| below the dtype's "
+                                                            "smallest normal value.")
+    nonfinite = _int("nonfinite", "NaN and Inf values summed over the interval's samples.", 0)
+    growth_per_step = _num("growth_per_step", "absmax's growth factor per step over the interval's samples (least "
+                                              "squares in log2; 1: flat); None under two finite samples.")
+    baseline_absmax = _num("baseline_absmax", "The baseline's median absmax (None: no baseline yet).")
+    headroom_binades = _num("headroom_binades", "log2(dtype max / absmax_max): doublings left before overflow.")
+    first_nonfinite_step = _int("first_nonfinite_step", "The step of the stage's first non-finite sample, if any.")
+    trend = _list("trend", "[[step, absmax], ...]: up to 8 of the interval's samples (absmax None: not finite).")
+
+
+class Numerics(View):
+    """An interval's `numerics` part: the numerics statistics' cadence and warnings, and each stage sampled."""
+    __slots__ = ()
+    every = _int("every", "Statistics taken at every this many steps.")
+    warnings = _int("warnings", "numerics_drift warnings raised in the interval.", 0)
+    warnings_total = _int("warnings_total", "... and in the segment so far.", 0)
+    ignored_stages = _int("ignored_stages", "Stages past the detector's limit, not followed.", 0)
+    stages = _entries("stages", NumericsStage, "{\"span/tensor\": its entry}.")
 
 
 # ---- records -------------------------------------------------------------------------------------------------
@@ -532,6 +581,7 @@ class Interval(Record):
     exporters = _entries("exporters", ExporterStats, "{exporter name: exported, dropped, failed} so far.")
     open_spans = _views("open_spans", OpenSpans, "Per thread, the spans still open at its end.")
     stack_samples = _part("stack_samples", StackSamples, "py-spy samples of the interval (when asked for).")
+    numerics = _part("numerics", Numerics, "The numerics statistics per stage (profiler/numerics.py).")
 
     @property
     def measured_gpus(self) -> list:
@@ -763,6 +813,25 @@ class Nonfinite(Event):
     batch = _int("batch", "drafter.recv only: its batch index.")
 
 
+class NumericsDrift(Event):
+    """`numerics_drift`: a statistic of a stage drifts toward overflow, before any non-finite value
+    (profiler/numerics.py)."""
+    __slots__ = ()
+    span = _str("span", "The stage's span.")
+    tensor = _str("tensor", "The stage's tensor.")
+    statistic = _str("statistic", "absmax or rms.")
+    rule = _str("rule", "growth, near_range, square_range or jump.")
+    value = _num("value", "The statistic at `step`.")
+    baseline = _num("baseline", "The baseline's median of the statistic.")
+    growth_per_step = _num("growth_per_step", "Its growth factor per step over the window (None: a jump).")
+    steps_to_overflow = _int("steps_to_overflow", "Steps until absmax reaches the dtype's largest value at that "
+                                                  "growth (None: no growth to project).")
+    window = _list("window", "[first step, last step] of the samples the rule read.")
+    dtype = _str("dtype", "The tensor's dtype.")
+    trend = _list("trend", "[[step, absmax], ...]: the stage's last samples.")
+    policy = _str("policy", "--on-numerics-drift: warn, checkpoint or stop.")
+
+
 class Checkpoint(Event):
     """`checkpoint`: a checkpoint written."""
     __slots__ = ()
@@ -903,7 +972,7 @@ class PeerLost(Forensics):
 _EVENTS = {"throughput": Throughput, "capture": Capture, "startup": Startup, "nonfinite": Nonfinite,
            "checkpoint": Checkpoint, "eval": Eval, "stop": Stop, "eval_skipped": Stop, "bad_records": BadRecords,
            "memory_snapshot": MemorySnapshot, "hang": Hang, "thread_crash": ThreadCrash, "oom": Oom,
-           "signal": Signal, "peer_lost": PeerLost}
+           "signal": Signal, "peer_lost": PeerLost, "numerics_drift": NumericsDrift}
 """The event kinds whose fields differ, and their views."""
 
 

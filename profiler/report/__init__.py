@@ -15,6 +15,7 @@ from profiler.report.flight_recorder import transfer_rings
 from profiler.report.kernels import format_kernels, kernels
 from profiler.report.memory_snapshot import format_memory, memory
 from profiler.report.memory_events import events, headroom, hot_frames
+from profiler.report.numerics import numerics
 from profiler.report.plot import plot_run
 from profiler.report.report_text import format_compare, format_hotspots
 from profiler.report.runs import ReportError, Run, load_run, log_stamp, paused_gc
@@ -38,7 +39,8 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None, adv
         segments=max((len(log.run_starts) for log in run.ranks.values()), default=0), pipeline=run.pipeline,
         empty_logs=run.empty_logs, config=run.config, steady_tokens_per_s=steady["steady_tokens_per_s"], steady=steady,
         spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
-        memory=headroom(run), events=events(run), transfer_rings=transfer_rings(run), hot_frames=hot_frames(run),
+        memory=headroom(run), events=events(run), numerics=numerics(run), transfer_rings=transfer_rings(run),
+        hot_frames=hot_frames(run),
         ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])
     report["findings"] = findings(report, advice)
     return report

@@ -3,6 +3,7 @@ Every figure says its window in words (whole run, steady state, an interval, the
 statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
+from profiler.report.numerics import format_numerics
 from profiler.report.runs import empty_logs_line
 from profiler.windows import compute_clause
 
@@ -354,6 +355,7 @@ def format_hotspots(rep: dict) -> str:
     if rep.get("empty_logs"):
         head.append(f"  {empty_logs_line(rep['empty_logs'])}")
     sections = [head, _steady(rep), _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
+                format_numerics(rep),
                 _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
     return "\n\n".join("\n".join(s) for s in sections if s)
 

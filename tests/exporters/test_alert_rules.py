@@ -80,6 +80,12 @@ CASES = {
         [event("hang", "0 0 0 1x10")], 4, only(RUN),
         "The hang watchdog of rank 1 (target) of run r1 saw no progress for its timeout, dumped every thread and "
         "stopped the rank.", [event("hang", "0x13"), event("signal", "0 0 0 1x10")]),
+    "DFlashNumericsDrift": (
+        [event("numerics_drift", "0 0 0 1x10", DRAFTER)], 4, only(DRAFTER),
+        "Rank 0 (drafter) of run r1 warned of a numerics drift in the last 10 minutes: a stage's statistic grows "
+        "geometrically, nears its dtype's range or its update ratio jumped, before any NaN or Inf; the run log's "
+        "numerics_drift event names the span, tensor, trend and steps left to overflow.",
+        [event("numerics_drift", "0x13", DRAFTER), event("nonfinite", "0 0 0 1x10", DRAFTER)]),
     "DFlashGpuMemoryHeadroomLow": (
         [series("dflash_gpu_memory_headroom_min_ratio", {**RUN, **GPU}, "0.2 0.2 0.04x10")], 7, {**RUN, **GPU},
         "GPU 0 (GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12) of rank 1 (target) of run r1 had its memory low point at "

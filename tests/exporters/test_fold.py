@@ -48,7 +48,7 @@ def test_counters_are_run_totals_and_ticks_stamp_theirs_across_a_resumed_segment
     fold = Fold()
     opening = fold.opening(T0 - 1)
     assert values(opening, "events") == {(kind,): 0.0 for kind in ("nonfinite", "oom", "thread_crash", "signal",
-                                                                    "bad_records", "hang")}
+                                                                    "bad_records", "hang", "numerics_drift")}
     assert {s.family.key: s.stamp_unix for s in opening if s.stamp_unix is not None} == {
         "tokens": T0 - 1, "samples": T0 - 1, "steps": T0 - 1, "profiled_seconds": T0 - 1}
     fold(run_start())
@@ -169,6 +169,10 @@ def stream() -> list:
                  "memory": {"available": True, "gpus": [gpu], "allocator": {
                      "available": True, "allocated_bytes": 7, "reserved_bytes": 9, "peak_allocated_bytes": 8,
                      "peak_reserved_bytes": 10, "num_alloc_retries": 1, "num_ooms": 0}},
+                 "numerics": {"every": 1, "warnings": 0, "stages": {"drafter.fwd_bwd/loss": {
+                     "span": "drafter.fwd_bwd", "tensor": "loss", "samples": 10, "absmax_max": 2.9, "rms_last": 2.5,
+                     "growth_per_step": 0.98, "headroom_binades": 126.5, "near_overflow_fraction_max": 0.0,
+                     "underflow_fraction_max": 0.0}}},
                  "exporters": {"trace": {"exported": 3, "dropped": 2, "failed": False}}}
     tick = {**head, "type": "tick", "t_s": 60.0, "counters": {"tokens": 40960, "samples": 40, "steps": 10,
                                                               "loop_counter": 3, "model_flops": 6e15},

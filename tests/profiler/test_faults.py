@@ -24,10 +24,10 @@ def test_parse_good_strings():
     [
         ("boom@target.fwd",
          "DFLASH_FAULT: unknown fault kind 'boom' in 'boom@target.fwd' "
-         "(expected nan, oom, crash, hang, slow=SECONDS)"),
+         "(expected nan, oom, crash, hang, slow=SECONDS, drift)"),
         ("nan",
          "DFLASH_FAULT: bad fault 'nan' (expected KIND@SPAN[:step=N][:rank=R] "
-         "with KIND one of nan, oom, crash, hang, slow=SECONDS)"),
+         "with KIND one of nan, oom, crash, hang, slow=SECONDS, drift)"),
         ("slow=abc@target.fwd",
          "DFLASH_FAULT: slow needs a non-negative number of seconds, got 'abc' in 'slow=abc@target.fwd'"),
         ("slow=-1@target.fwd",
