@@ -85,11 +85,11 @@ def _at_s(rec) -> float | None:
     return rec.end_s if rec.end_s is not None else rec.time_unix
 
 
-def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict:
-    """One allocator series (`allocated_bytes` or `reserved_bytes`, a views.Allocator field) over `allocs` ((interval,
-    allocator) views of its window after warm-up, named `window`): Theil-Sen slope, residual MAD, rise, when the GPU
-    headroom would run out, and whether that is a leak (`leak`, `why`; only in a `steady` window)."""
-    pts = [(x, y, r) for r, a in allocs if (y := getattr(a, key)) is not None and (x := _at_s(r)) is not None]
+def memory_trend(log, pts: list, key: str, window: str, steady: bool) -> dict:
+    """One allocator series (`allocated_bytes` or `reserved_bytes`, a views.Allocator field) over `pts` ((x: the
+    interval's place on the axis, _at_s; y: the series' bytes; the views.Interval) of its window after warm-up,
+    named `window`): Theil-Sen slope, residual MAD, rise, when the GPU headroom would run out, and whether that is
+    a leak (`leak`, `why`; only in a `steady` window)."""
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     slope, intercept = theil_sen(xs, ys) if pts else (0.0, 0.0)
     resid = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
@@ -111,23 +111,24 @@ def memory_trend(log, allocs: list, key: str, window: str, steady: bool) -> dict
     return t
 
 
-def _allocator_trend(log) -> dict | None:
-    """The rank's allocator over its intervals: first and last figures, and the trends after warm-up."""
-    pairs = [(r, iv, a) for r in log.intervals if (a := (iv := views.interval(r)).memory.allocator).available]
+def _allocator_trend(log, pairs: list) -> dict | None:
+    """The rank's allocator over its intervals (`pairs`: (record, views.Interval, views.Allocator) of each interval
+    that read it): first and last figures, and the trends after warm-up."""
     if not pairs:
         return None
     allocs = [a for _, _, a in pairs]
     first, last = allocs[0], allocs[-1]
     kept, window, is_steady = _after_warmup(log)
     warm = {id(r) for r in kept}
-    steady = [(iv, a) for r, iv, a in pairs if id(r) in warm]
+    steady = [(x, iv, a) for r, iv, a in pairs if id(r) in warm and (x := _at_s(iv)) is not None]
     return {"rank": log.rank, "role": log.role, "intervals": len(allocs),
             "alloc_retries_first": first.num_alloc_retries, "alloc_retries_last": last.num_alloc_retries,
             "ooms_last": last.num_ooms, "reserved_bytes_first": first.reserved_bytes,
             "reserved_bytes_last": last.reserved_bytes,
             "reserved_bytes_peak": max((a.peak_reserved_bytes or a.reserved_bytes or 0) for a in allocs),
             "reserved_series_bytes": [a.reserved_bytes for a in allocs],
-            "trends": {key: memory_trend(log, steady, key, window, is_steady)
+            "trends": {key: memory_trend(log, [(x, y, iv) for x, iv, a in steady if (y := getattr(a, key)) is not None],
+                                         key, window, is_steady)
                        for key in ("allocated_bytes", "reserved_bytes")}}
 
 
@@ -148,19 +149,26 @@ def headroom(run: Run) -> dict:
     """{"measured", "reason", "gpus": [per GPU (host:index): low point, last headroom, throttle intervals],
     "allocator": [per rank trend]}; headroom = total minus the interval's NVML peak used."""
     samples: dict = {}
-    reasons = set()
-    for log in run.ranks.values():
+    reasons, allocator = set(), []
+    for log in run.ranks.values():   # each interval's memory read once, for the GPUs and the allocator
         t0 = next((s.time_unix for s in map(views.run_start, log.run_starts)), None)
-        for rec in map(views.interval, log.intervals):
+        pairs = []
+        for r in log.intervals:
+            rec = views.interval(r)
             mem = rec.memory
+            alloc = mem.allocator
+            if alloc.available:
+                pairs.append((r, rec, alloc))
             if not mem.available:
                 reasons.add(mem.reason or "no memory record")
                 continue
             for g in mem.gpus:
                 if g.headroom_bytes is not None and g.total_bytes:
                     samples.setdefault(gpu_key(log, g.raw), []).append((log, rec, g, t0))
+        trend = _allocator_trend(log, pairs)
+        if trend is not None:
+            allocator.append(trend)
     gpus = [_gpu_row(key, s) for key, s in samples.items()]
-    allocator = [t for log in run.ranks.values() if (t := _allocator_trend(log))]
     reason = None if gpus else "no GPU memory measured" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
     return {"measured": bool(gpus), "reason": reason, "gpus": gpus, "allocator": allocator}
 
