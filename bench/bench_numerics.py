@@ -29,19 +29,20 @@ import torch
 import bench_drafter as bd
 import profiler
 from dflash.loss import compute_loss
-from dflash.numerics_watch import LayerWatch, UpdateWatch
+from dflash.numerics_watch import UPDATE_EVERY, LayerWatch, UpdateWatch
 from dflash.optim import build_optimizer
 
 
-def make_step(model, packed, shape, device):
-    """step(): one trainer drafter step with its numerics stages (which sample only when the profiler says so)."""
-    layers, update = LayerWatch(model.layers), UpdateWatch(model.parameters())
+def make_step(model, packed, shape, device, update_every: int):
+    """step(i): the trainer's drafter step i with its numerics stages (which sample only when the profiler says so;
+    the update ratio at every `update_every`-th)."""
+    layers, update = LayerWatch(model.layers), UpdateWatch(model.parameters(), update_every)
     opt, _ = build_optimizer(model.parameters(), 1e-4, 0.0, 0, 10 ** 6, 0.1)
     ctx = packed.context(0.0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                        enabled=False)
 
-    def step():
+    def step(i: int):
         if profiler.numerics_due():
             profiler.check_numerics("drafter.unpack", {"hidden": packed.hidden})
         with autocast:
@@ -52,7 +53,7 @@ def make_step(model, packed, shape, device):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if profiler.numerics_due():
             profiler.check_numerics("drafter.optim", {"grad_norm": grad_norm.detach()})
-        update.before()
+        update.before(i)
         opt.step()
         update.after("warn")
         opt.zero_grad(set_to_none=True)
@@ -67,7 +68,7 @@ def timed(step, steps: int, device, prof_dir: str, numerics: bool) -> float:
         t0 = time.perf_counter()
         for i in range(steps):
             profiler.set_step(i)
-            step()
+            step(i)
         bd.sync(device)
         return time.perf_counter() - t0
 
@@ -79,16 +80,19 @@ def count_syncs(step, device, prof_dir: str, numerics: bool) -> int | None:
     config = profiler.ProfilerConfig(interval_s=60.0, control=False, numerics=numerics, measure_floors=False)
     with profiler.Profiler(prof_dir, device=device, config=config, deps=profiler.ProfilerDeps(floors={})):
         profiler.set_step(0)
-        step()   # first launches (lazy kernel loading) outside the count
+        step(0)   # first launches (lazy kernel loading) outside the count
         bd.sync(device)
-        profiler.set_step(1)
+        profiler.set_step(0)   # a step that takes every stage, the update ratio's included
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                step()
+                step(0)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+        for w in seen:   # where each sync is: the line that made it
+            if "synchroniz" in str(w.message):
+                print(f"sync at {w.filename}:{w.lineno}: {w.message}", flush=True)
         bd.sync(device)
     return sum("synchroniz" in str(w.message) for w in seen)
 
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     p.add_argument("--steps", type=int, default=20, help="steps per half-repeat (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="paired repeats (default: %(default)s)")
+    p.add_argument("--update-every", type=int, default=UPDATE_EVERY,
+                   help="the update ratio at every N-th sampled step (default: the trainer's, %(default)s)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1")
@@ -109,7 +115,7 @@ def main(argv=None) -> int:
     model = bd.build_model("dense" if args.tiny else "flex", device, shape, not args.tiny).float() if args.tiny \
         else bd.build_model("flex", device, shape)
     packed = bd.make_batch(device, shape)
-    step = make_step(model, packed, shape, device)
+    step = make_step(model, packed, shape, device, args.update_every)
     root = tempfile.mkdtemp(prefix="bench_numerics_", dir=os.environ.get("OUT") or None)
     timed(step, 3, device, os.path.join(root, "warm"), True)   # compile, autotune, lazy loading
     on, off_a, off_b = [], [], []

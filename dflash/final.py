@@ -22,8 +22,8 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
                 out=None, err=None, on_report=None) -> None:
     """The end of the run on `out` (stdout), the stop line on `err` (stderr). `origin`: what `origin_unix_ns`
     is (`launch`: dflash-train's start; `process`: this rank's, under torchrun). on_report: given the run's
-    report (report.hotspots) where one was made (not after a stop: the run is exiting), e.g. the run's view for
-    the per-rank sinks (exporters/run_view.py)."""
+    report (report.hotspots) where one was made (not after a stop: the run is exiting) and the last step the
+    run_ends say, e.g. the run's view for the per-rank sinks (exporters/run_view.py)."""
     from exporters.console import format_hotspots
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -39,7 +39,8 @@ def print_final(run_dir: Path, origin: str, origin_unix_ns: int, stop_line: str 
         rep = _report(run_dir)
         lines += verdict_and_findings(rep) if isinstance(rep, dict) else [rep]
         if on_report is not None and isinstance(rep, dict):
-            lines += _handed(on_report, rep)
+            last_step = max((e["step"] for e in ends if isinstance(e.get("step"), int)), default=0)
+            lines += _handed(on_report, rep, last_step)
     lines += [f"full report: {command_for('dflash-report')} hotspots {shlex.quote(str(run_dir))}",
               f"run directory: {run_dir}"]
     print(printable("\n".join(lines)), file=out, flush=True)
@@ -58,10 +59,11 @@ def _report(run_dir: Path) -> dict | str:
         return f"verdict: not available ({type(e).__name__}: {e})"
 
 
-def _handed(on_report, rep: dict) -> list[str]:
-    """on_report(rep): what it wrote, one line each; a failure is one line too (the run is over)."""
+def _handed(on_report, rep: dict, last_step: int) -> list[str]:
+    """on_report(rep, last_step: the run_ends' last step): what it wrote, one line each; a failure is one line too
+    (the run is over)."""
     try:
-        return [f"run view: {path}" for path in on_report(rep) or ()]
+        return [f"run view: {path}" for path in on_report(rep, last_step) or ()]
     except Exception as e:   # noqa: BLE001 - a sink's library failing at the end never fails the run
         return [f"run view: not written ({type(e).__name__}: {e})"]
 

@@ -367,7 +367,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
                      if cfg.optim.grad_clip > 0 else None)
         if grad_norm is not None and profiler.numerics_due():
             profiler.check_numerics("drafter.optim", {"grad_norm": grad_norm.detach()}, policy=policy)
-        state.update.before()
+        state.update.before(state.step)
         _optimizer_step(ctx, state, loss, grad_norm)
         state.update.after(policy)
         state.scheduler.step()

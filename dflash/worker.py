@@ -164,19 +164,19 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         _said_if_disk_full(prof)
         dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
     if rank == 0:
-        _say_the_end(run_dir, stop, step, timeline, _run_view(cfg, run_dir, run_id, step))
+        _say_the_end(run_dir, stop, step, timeline, _run_view(cfg, run_dir, run_id))
     return 0
 
 
-def _run_view(cfg: TrainConfig, run_dir: Path, run_id: str, step: int):
-    """The run's view for the per-rank sinks asked for (exporters/run_view.py), as print_final's on_report; None
-    where there are none."""
+def _run_view(cfg: TrainConfig, run_dir: Path, run_id: str):
+    """The run's view for the per-rank sinks asked for (exporters/run_view.py), as print_final's on_report (at the
+    run_ends' last step, the ranks' own records' step axis); None where there are none."""
     from exporters import run_view
 
     sinks = [n.strip() for n in cfg.telemetry.sinks.split(",") if n.strip() in run_view.VIEW_SINKS]
     if not sinks or not cfg.profile.enabled:
         return None
-    return lambda rep: run_view.write(run_dir, run_id, sinks, rep, step)
+    return lambda rep, step: run_view.write(run_dir, run_id, sinks, rep, step)
 
 
 def _said_if_disk_full(prof) -> None:
