@@ -23,11 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]
 
-from profiler import views  # noqa: E402
-from profiler.runlog import read_records  # noqa: E402
+from tests.integration.test_numerics_drift import events  # noqa: E402  (the test's reading of a run's events)
 
 LEAD_STEPS = 5
-DIVERGING_LR = "3000"   # tests/integration/test_numerics_drift.py's (on the CPU: non-finite at step 24, not warned yet)
+DIVERGING_LR = "3000"   # tests/integration/test_numerics_drift.py's (on the CPU: warned at step 1, non-finite at 22)
 CPU_SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024", "--max-length", "128"]
 
 
@@ -40,14 +39,6 @@ def cases(healthy: int) -> list:
            ("drift drafter", ["--profile-interval", "2"], f"drift@drafter.fwd_bwd:{drift}", "drafter.fwd_bwd"),
            ("lr diverges", ["--profile-interval", "2", "--lr", DIVERGING_LR], "", "")]
     return out + [(f"healthy seed {s}", ["--seed", str(s)], "", None) for s in range(healthy)]
-
-
-def events(run: Path, kind: str) -> list:
-    out = []
-    for log in sorted((run / "profile").glob("rank*.jsonl")):
-        recs, _ = read_records(log)
-        out += [views.event(r) for r in recs if r.get("type") == "event" and r.get("kind") == kind]
-    return out
 
 
 def judge(run: Path, stage: str | None) -> tuple[bool, str]:
