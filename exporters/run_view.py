@@ -12,8 +12,6 @@ Every figure is the report's (one window: the steady state of each role, said in
 """
 from __future__ import annotations
 
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +91,7 @@ def write_wandb(run_dir: Path, run_id: str, view: RunView, timeout_s: float) -> 
 
     import wandb
 
-    from exporters.wandb_run import init_mode
+    from exporters.wandb_run import finish_within, init_mode
 
     root = run_dir / "wandb"
     root.mkdir(parents=True, exist_ok=True)
@@ -103,10 +101,5 @@ def write_wandb(run_dir: Path, run_id: str, view: RunView, timeout_s: float) -> 
     if view.scalars:
         run.log(dict(view.scalars), step=view.step)
     run.summary.update({"verdict": view.verdict, **view.texts, **view.scalars})
-    finisher = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
-    finisher.start()
-    finisher.join(timeout_s)
-    if finisher.is_alive():
-        print(f"wandb: the run view did not finish within {timeout_s:g} s; its data is in {root}", file=sys.stderr,
-              flush=True)
+    finish_within(run, timeout_s, "the run view", root)
     return root

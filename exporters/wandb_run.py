@@ -105,12 +105,18 @@ class WandbExporter:
         """Finish the run (flush its rows to RUN_DIR/wandb and, online, upload them), waiting at most timeout_s:
         run.finish() takes no timeout of its own, so it runs on a daemon thread; one that outlasts timeout_s
         (an upload) is left to wandb's exit hook, bounded by WANDB_FINISH_TIMEOUT where set."""
-        finisher = threading.Thread(target=self.run.finish, name="wandb-finish", daemon=True)
-        finisher.start()
-        finisher.join(max(0.0, timeout_s))
-        if finisher.is_alive():
-            print(f"wandb: run {self.run.name} did not finish within {timeout_s:g} s; its data is in {self.root}",
-                  file=sys.stderr, flush=True)
+        finish_within(self.run, timeout_s, f"run {self.run.name}", self.root)
+
+
+def finish_within(run, timeout_s: float, what: str, root: Path) -> None:
+    """run.finish() on a daemon thread, waited for at most timeout_s (it takes no timeout of its own); one line
+    on stderr naming `what` and where its data is when it outlasts that."""
+    finisher = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
+    finisher.start()
+    finisher.join(max(0.0, timeout_s))
+    if finisher.is_alive():
+        print(f"wandb: {what} did not finish within {timeout_s:g} s; its data is in {root}", file=sys.stderr,
+              flush=True)
 
 
 def _scalar(sample: Sample) -> float | None:
