@@ -28,36 +28,70 @@ import torch
 
 import bench_drafter as bd
 import profiler
+from profiler import nonfinite
 from dflash.loss import compute_loss
 from dflash.numerics_watch import UPDATE_EVERY, LayerWatch, UpdateWatch
 from dflash.optim import build_optimizer
 
 
-def make_step(model, packed, shape, device, update_every: int):
+STAGES = ("hidden", "layers", "loss", "grad", "update")
+"""The step's numerics stages, each on by default; `--stages` keeps some to split the cost."""
+
+
+def make_step(model, packed, shape, device, update_every: int, stages=STAGES):
     """step(i): the trainer's drafter step i with its numerics stages (which sample only when the profiler says so;
-    the update ratio at every `update_every`-th)."""
-    layers, update = LayerWatch(model.layers), UpdateWatch(model.parameters(), update_every)
+    the update ratio at every `update_every`-th); `stages` off are never taken (the cost's breakdown)."""
+    update = UpdateWatch(model.parameters(), update_every if "update" in stages else 10 ** 9)
+    layers = LayerWatch(model.layers)
     opt, _ = build_optimizer(model.parameters(), 1e-4, 0.0, 0, 10 ** 6, 0.1)
     ctx = packed.context(0.0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                        enabled=False)
 
     def step(i: int):
-        if profiler.numerics_due():
+        if profiler.numerics_due() and "hidden" in stages:
             profiler.check_numerics("drafter.unpack", {"hidden": packed.hidden})
         with autocast:
             out = compute_loss(model, packed, ctx, shape.anchors, 7.0, torch.Generator().manual_seed(0))
-        if profiler.numerics_due():
-            profiler.check_numerics("drafter.fwd_bwd", {**layers.take(), "loss": out.loss.detach()})
+        kept = layers.take() if "layers" in stages else (layers.take() and {})
+        if profiler.numerics_due() and (kept or "loss" in stages):
+            profiler.check_numerics("drafter.fwd_bwd", {**kept, **({"loss": out.loss.detach()} if "loss" in stages
+                                                                    else {})})
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if profiler.numerics_due():
+        if profiler.numerics_due() and "grad" in stages:
             profiler.check_numerics("drafter.optim", {"grad_norm": grad_norm.detach()})
         update.before(i)
         opt.step()
         update.after("warn")
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def micro(packed, shape, device, reps: int = 20) -> None:
+    """Milliseconds one tensor's statistics take on the device, the one-pass kernel vs torch's reductions, for the
+    drafter's input (packed hidden), a column block of it (one target layer) and a layer-output-shaped tensor
+    (docs x anchors x block tokens)."""
+    rows = shape.docs * shape.anchors * shape.block
+    tensors = {"hidden (all layers)": packed.hidden, "hidden column block": packed.hidden[:, :shape.hidden],
+               "layer output": torch.randn(rows, shape.hidden, device=device, dtype=torch.bfloat16)}
+    for name, t in tensors.items():
+        info = torch.finfo(t.dtype)
+        ways = {"kernel": lambda: nonfinite.fused_stats(t, info.max * 2.0 ** -8, info.tiny),
+                "torch": lambda: nonfinite.torch_stats(t, info)}
+        row = {}
+        for way, fn in ways.items():
+            for _ in range(3):
+                fn()   # first launches (Triton's compile) outside the timing
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()   # deliberate: the bench reads its own events
+            row[way] = start.elapsed_time(end) / reps
+        print(f"micro {name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} ({t.numel() * t.element_size() / 2**20:.0f} MiB): "
+              f"kernel {row['kernel']:.3f} ms, torch {row['torch']:.3f} ms ({reps} reps each, CUDA events)", flush=True)
 
 
 def timed(step, steps: int, device, prof_dir: str, numerics: bool) -> float:
@@ -112,9 +146,20 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="paired repeats (default: %(default)s)")
     p.add_argument("--update-every", type=int, default=UPDATE_EVERY,
                    help="the update ratio at every N-th sampled step (default: the trainer's, %(default)s)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"the stages taken, comma-separated among {', '.join(STAGES)} (default: all)")
+    p.add_argument("--torch-stats", action="store_true",
+                   help="every statistic through torch's reductions, not the one-pass kernel (the cost before it)")
+    p.add_argument("--micro", action="store_true",
+                   help="also time one tensor's statistics, one-pass kernel vs torch's, on the step's tensors")
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1")
+    stages = tuple(x for x in args.stages.split(",") if x)
+    if not stages or set(stages) - set(STAGES):
+        p.error(f"--stages: among {', '.join(STAGES)}, got {args.stages!r}")
+    if args.torch_stats:   # the bench's own switch: the product picks the kernel wherever it reads the tensor
+        nonfinite.fused_stats = lambda t, near_above, tiny: None
     if not args.tiny and not torch.cuda.is_available():
         print("bench_numerics: needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
@@ -123,7 +168,9 @@ def main(argv=None) -> int:
     model = bd.build_model("dense" if args.tiny else "flex", device, shape, not args.tiny).float() if args.tiny \
         else bd.build_model("flex", device, shape)
     packed = bd.make_batch(device, shape)
-    step = make_step(model, packed, shape, device, args.update_every)
+    step = make_step(model, packed, shape, device, args.update_every, stages)
+    if args.micro and device.type == "cuda":
+        micro(packed, shape, device)
     root = tempfile.mkdtemp(prefix="bench_numerics_", dir=os.environ.get("OUT") or None)
     timed(step, 3, device, os.path.join(root, "warm"), True)   # compile, autotune, lazy loading
     on, off_a, off_b = [], [], []
@@ -135,7 +182,8 @@ def main(argv=None) -> int:
     noise = [abs(a / b - 1) for a, b in zip(off_a, off_b)]
     where = "CPU (--tiny)" if args.tiny else torch.cuda.get_device_name(device)
     print(f"{where}, torch {torch.__version__}; drafter step {'TINY' if args.tiny else 'Qwen3-8B'} shapes; "
-          f"{args.steps} steps x {args.repeats} paired repeats (off, on, off)")
+          f"{args.steps} steps x {args.repeats} paired repeats (off, on, off); stages {','.join(stages)}; "
+          f"statistics {'torch reductions' if args.torch_stats else 'one-pass kernel where it reads the tensor'}")
     print(f"step off: median {statistics.median(off_a + off_b) / args.steps * 1e3:.3f} ms; on: median "
           f"{statistics.median(on) / args.steps * 1e3:.3f} ms")
     print(f"slowdown, paired (on over the mean of its two offs): median {statistics.median(paired) * 100:+.2f}% "

@@ -21,6 +21,7 @@ import time
 import torch
 
 from profiler.numerics import NEAR_MAX_BINADES, STATS
+from profiler.numerics_kernel import fused_stats
 
 logger = logging.getLogger("profiler")
 
@@ -242,6 +243,13 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         t = t.float()
     info = torch.finfo(t.dtype)
+    fused = fused_stats(t, info.max * 2.0 ** -NEAR_MAX_BINADES, info.tiny)   # one pass on a GPU (Triton)
+    return fused if fused is not None else torch_stats(t, info)
+
+
+def torch_stats(t: torch.Tensor, info) -> torch.Tensor:
+    """tensor_stats' row through torch's reductions (a CPU tensor, a small one, a layout the kernel does not read;
+    each statistic a pass of its own). `info`: t's dtype's torch.finfo."""
     a = t.abs()
     near = (a > info.max * 2.0 ** -NEAR_MAX_BINADES).sum()
     under = ((a < info.tiny) & (a > 0)).sum()

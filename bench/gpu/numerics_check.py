@@ -3,7 +3,8 @@ LEAD_STEPS before the first non-finite value, healthy runs quiet. Each case is a
 target, every other setting its default, --device cuda); the table gives, per run, the first `numerics_drift`
 event (step, stage, rule, projected steps to overflow), the first `nonfinite` event's step and the lead between.
 
-    python3 bench/gpu/numerics_check.py [--out DIR] [--healthy 3] [--device cuda|cpu]
+    python3 bench/gpu/numerics_check.py [--out DIR] [--healthy 3] [--device cuda|cpu] [--lr 3000,1e5] [--only WORDS]
+                                        [--seed0 0] [--parallel N]
 
 Cases: drift@target.pack_hidden:step=20,factor=4 at --profile-interval 2 and at the default 60;
 drift@drafter.fwd_bwd:step=20,factor=4; --lr DIVERGING_LR; --healthy seeds with no fault. `--device cpu` runs the
@@ -30,15 +31,15 @@ DIVERGING_LR = "3000"   # tests/integration/test_numerics_drift.py's (on the CPU
 CPU_SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024", "--max-length", "128"]
 
 
-def cases(healthy: int) -> list:
+def cases(healthy: int, lrs: list, seed0: int = 0) -> list:
     """(name, extra args, DFLASH_FAULT, the stage a warning must name or None for a healthy run)."""
     drift = "step=20,factor=4"
     out = [("drift target interval 2", ["--profile-interval", "2"], f"drift@target.pack_hidden:{drift}",
             "target.pack_hidden"),
            ("drift target interval 60", [], f"drift@target.pack_hidden:{drift}", "target.pack_hidden"),
            ("drift drafter", ["--profile-interval", "2"], f"drift@drafter.fwd_bwd:{drift}", "drafter.fwd_bwd"),
-           ("lr diverges", ["--profile-interval", "2", "--lr", DIVERGING_LR], "", "")]
-    return out + [(f"healthy seed {s}", ["--seed", str(s)], "", None) for s in range(healthy)]
+           *((f"lr {lr} diverges", ["--profile-interval", "2", "--lr", lr], "", "") for lr in lrs)]
+    return out + [(f"healthy seed {s}", ["--seed", str(s)], "", None) for s in range(seed0, seed0 + healthy)]
 
 
 def judge(run: Path, stage: str | None) -> tuple[bool, str]:
@@ -63,23 +64,46 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="where the runs go (default: $OUT or a temporary dir)")
     p.add_argument("--healthy", type=int, default=3, help="healthy seeds (default: %(default)s)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--lr", default=DIVERGING_LR, help="the diverging learning rates tried, comma-separated "
+                   "(default: %(default)s)")
+    p.add_argument("--only", default="", help="only the cases whose name holds one of these words, comma-separated")
+    p.add_argument("--seed0", type=int, default=0, help="the first healthy seed (default: %(default)s)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (default: %(default)s; a run's steps are "
+                   "what is judged, not its speed)")
     args = p.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="numerics_check_", dir=os.environ.get("OUT") or None))
     root.mkdir(parents=True, exist_ok=True)
-    failed = 0
-    for name, extra, fault, stage in cases(args.healthy):
-        run = root / name.replace(" ", "_")
-        small = CPU_SMALL if args.device == "cpu" else []
-        t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--device", args.device,
-                               "--metrics-port", "0", *small, *extra], cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, DFLASH_FAULT=fault))
-        ok, text = judge(run, stage)
-        failed += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<26} rc {done.returncode} {time.monotonic() - t0:6.1f} s  {text}",
-              flush=True)
+    words = [w for w in args.only.split(",") if w]
+    todo = [c for c in cases(args.healthy, [x for x in args.lr.split(",") if x], args.seed0)
+            if not words or any(w in c[0] for w in words)]
+    failed, running = 0, []
+    for i, case in enumerate(todo):
+        running.append(start(root, args.device, *case))
+        while running and (len(running) >= args.parallel or i == len(todo) - 1):
+            failed += finish(running.pop(0))
     print(f"{failed} failed; runs under {root}")
     return 1 if failed else 0
+
+
+def start(root: Path, device: str, name: str, extra: list, fault: str, stage) -> tuple:
+    """One case's dflash-train started: (name, stage, run dir, process, start time)."""
+    run = root / name.replace(" ", "_")
+    small = CPU_SMALL if device == "cpu" else []
+    log = open(root / f"{run.name}.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--device", device,
+                             "--metrics-port", "0", *small, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, DFLASH_FAULT=fault))
+    log.close()
+    return name, stage, run, proc, time.monotonic()
+
+
+def finish(case: tuple) -> int:
+    """Wait for one started case, print its row; 1 if it failed."""
+    name, stage, run, proc, t0 = case
+    rc = proc.wait()
+    ok, text = judge(run, stage)
+    print(f"{'ok  ' if ok else 'FAIL'} {name:<26} rc {rc} {time.monotonic() - t0:6.1f} s  {text}", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

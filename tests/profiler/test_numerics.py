@@ -104,6 +104,35 @@ def test_cuda_statistics_add_no_host_sync(tmp_path):
         assert prof.numerics.section()["numerics"]["stages"]["s.x/x"]["samples"] == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_one_pass_statistics_equal_torchs(dtype):
+    """The Triton kernel (profiler/numerics_kernel.py) gives torch's row: a contiguous tensor and a column block
+    of a packed one (row-strided), with values planted near overflow, below the smallest normal, NaN and Inf; a
+    transposed view is not read in place (None: the torch path)."""
+    from profiler.nonfinite import torch_stats
+    from profiler.numerics_kernel import fused_stats
+    info = torch.finfo(dtype)
+    packed = torch.randn(3000, 3 * 1024, device="cuda", dtype=torch.float32).to(dtype)
+    flat = packed.view(-1)
+    flat[[5, 70001, 2_000_003]] = info.max / 3                       # near overflow, one in the middle block
+    flat[[11, 3 * 1024 + 1030]] = info.tiny / 8 if dtype != torch.bfloat16 else info.tiny / 2   # subnormal
+    for t in (packed, packed[:, 1024:2048], packed[7:2900, 2048:]):
+        want = torch_stats(t, info)
+        got = fused_stats(t, info.max * 2.0 ** -numerics.NEAR_MAX_BINADES, info.tiny)
+        assert got is not None and got.dtype == torch.float32
+        assert got[0].item() == want[0].item()                          # the largest |x|: exact
+        assert got[1].item() == pytest.approx(want[1].item(), rel=1e-4)  # the norm: float32 sums, any order
+        assert got[2:].tolist() == want[2:].tolist()                    # the counts: exact
+    flat[[9, 4096 * 5 + 3]] = torch.tensor([float("nan"), float("-inf")], dtype=dtype, device="cuda")
+    got, want = fused_stats(packed, info.max * 2.0 ** -numerics.NEAR_MAX_BINADES, info.tiny), torch_stats(packed, info)
+    assert got[0].item() == math.inf and math.isnan(got[1].item())      # non-finite carries (inf for NaN: docstring)
+    assert got[2:].tolist() == want[2:].tolist() and got[4].item() == 2.0
+    assert fused_stats(packed.t(), 1.0, 1e-30) is None                  # not row-strided: the torch path's
+    assert fused_stats(packed[:10, :10], 1.0, 1e-30) is None            # too small to be worth a launch
+
+
 # ---- the detector --------------------------------------------------------------------------------------------
 def test_geometric_growth_warns_within_four_samples_with_a_projection():
     det = NumericsDetector(lambda w: None, quiet_steps=10)
