@@ -26,7 +26,7 @@ import sys
 from dflash import pipeline
 from dflash.cli_output import Parser, cli_output, exit_status
 
-from profiler import capture_client, top
+from profiler import capture_client, top, views
 from profiler.capture import MAX_STEPS
 from profiler.capture_client import CaptureError
 from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
@@ -115,7 +115,8 @@ def capture(args) -> tuple[dict, int]:
     armed = capture_client.arm(records, args.steps, args.at_step, args.round, options)
     n = armed["at_step"]
     ranks = armed["replies"] if args.no_wait else capture_client.wait(records, n, args.timeout, tails)
-    return {"at_step": n, "steps": args.steps, "ranks": ranks}, int(any(r.get("error") for r in ranks))
+    # each answer a capture event, the client's {"rank", "role", "pid", "error"} or the armed reply: all say `error`
+    return {"at_step": n, "steps": args.steps, "ranks": ranks}, int(any(views.Capture.of(r).error for r in ranks))
 
 
 def memory(args) -> tuple[dict, int]:

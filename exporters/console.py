@@ -80,8 +80,7 @@ def format_interval(record, phase_spans=(), peaks: dict | None = None) -> str:
                      f"run {_num(c.run_total)})")
     flops = rec.counters.get("model_flops")
     if flops is not None and flops.per_second is not None:
-        whats = {n: p.get("what") for n, p in (peaks or {}).items() if isinstance(p, dict)}
-        lines.append("  " + compute_clause(flops.per_second, mfu(flops.per_second, peaks or {}), whats))
+        lines.append("  " + compute_clause(flops.per_second, mfu(flops.per_second, peaks or {}), _whats(peaks)))
     for name, g in rec.gauges.items():
         lines.append(f"  {name}: last {_num(g.last)} mean {_num(g.mean)} max {_num(g.max)}")
     metrics = rec.metrics
@@ -263,8 +262,13 @@ def _steady_compute(events: list, peaks: dict) -> str:
              if e.steady_model_flops_per_s is not None]
     if not ranks:
         return ""
-    whats = {n: p.get("what") for _, rank_peaks in ranks for n, p in rank_peaks.items() if isinstance(p, dict)}
+    whats = {n: what for _, rank_peaks in ranks for n, what in _whats(rank_peaks).items()}
     return "; " + compute_clause(sum(r for r, _ in ranks), summed_mfu(ranks), whats)
+
+
+def _whats(peaks: dict | None) -> dict:
+    """{peak: its `what`} of a run_start's compute_peaks (each a views.ComputePeak): the MFU's labels."""
+    return {n: views.ComputePeak.of(p).what for n, p in (peaks or {}).items() if isinstance(p, dict)}
 
 
 class ConsoleExporter:

@@ -24,7 +24,7 @@ from pathlib import Path
 from profiler import views, windows
 from profiler.capture_client import CaptureError, ranks_of
 from profiler.control import default_discovery_dir, pid_alive, query
-from profiler.records import RUN_END, parse_line, printable
+from profiler.records import parse_line, printable
 from profiler.snapshot import interval_p95_seconds, judge_span, live_ranks, rate_text
 
 DEFAULT_INTERVAL_S = 2.0
@@ -111,17 +111,29 @@ def view_of(record: dict) -> RankView:
 def keep_ticks(view: RankView, ticks, window_s: float) -> None:
     """Add a reply's ticks to the rank's (each once), and drop those before the window's start: the latest tick
     at least window_s older than the newest."""
-    seen = {(t.get("index"), t.get("t_s")) for t in view.ticks}
+    seen = {_tick_key(t) for t in view.ticks}
     for tick in ticks if isinstance(ticks, list) else ():
-        if isinstance(tick, dict) and views.tick(tick).t_s is not None and (tick.get("index"), tick["t_s"]) not in seen:
+        if isinstance(tick, dict) and (key := _tick_key(tick))[1] is not None and key not in seen:
             view.ticks.append(tick)
-            seen.add((tick.get("index"), tick["t_s"]))
+            seen.add(key)
     if not view.ticks:
         return
-    view.ticks.sort(key=lambda t: t["t_s"])
-    newest_s = view.ticks[-1]["t_s"]
-    start = max((i for i, t in enumerate(view.ticks) if newest_s - t["t_s"] >= window_s), default=0)
+    view.ticks.sort(key=_tick_t_s)
+    newest_s = _tick_t_s(view.ticks[-1])
+    start = max((i for i, t in enumerate(view.ticks) if newest_s - _tick_t_s(t) >= window_s), default=0)
     del view.ticks[:start]
+
+
+def _tick_key(tick: dict) -> tuple:
+    """A tick record's (`index`, `t_s`): which tick of its segment it is, and its instant on the interval clock
+    (seconds); what tells a tick served twice."""
+    t = views.tick(tick)
+    return t.index, t.t_s
+
+
+def _tick_t_s(tick: dict) -> float:
+    """A kept tick record's `t_s` (keep_ticks keeps only ticks that have one), seconds."""
+    return views.tick(tick).t_s
 
 
 def note_p95(view: RankView, last_interval) -> None:
@@ -148,8 +160,8 @@ def last_run_end(log_path: Path | None, since_unix: float | None):
         return None
     for raw in reversed(lines[1:] if start else lines):   # a tail's first line is cut
         rec = parse_line(raw) if raw.strip() else None
-        if rec is not None and rec.get("type") == RUN_END:
-            end = views.run_end(rec)
+        end = views.view(rec) if rec is not None else None
+        if isinstance(end, views.RunEnd):
             return end if since_unix is None or (end.time_unix or 0.0) >= since_unix else None
     return None
 

@@ -280,6 +280,12 @@ class SpanEntry(View):
         stats, on = windows.basis(self._d)
         return ClockStats(stats if isinstance(stats, dict) else _EMPTY), on
 
+    def clock(self, on: str) -> ClockStats:
+        """The `gpu` block when `on` is "gpu", else the `cpu` block: the entry's times on that clock; an empty
+        ClockStats (every field absent) where the entry has none."""
+        v = self._d.get("gpu" if on == "gpu" else "cpu")
+        return ClockStats(v if type(v) is dict else _EMPTY)
+
     @property
     def gpu_scale(self) -> float:
         """count / gpu_count: what scales the GPU total to all the entry's spans (profiler.windows.gpu_scale)."""
@@ -375,6 +381,23 @@ class Allocator(View):
     inactive_split_bytes = _num("inactive_split_bytes", "Inactive split blocks (fragmentation), bytes.")
 
 
+class StepPeak(View):
+    """One step's allocator peak and its sizes (`memory.steps.rows[]`, profiler/memory_steps.py)."""
+    __slots__ = ()
+    step = _int("step", "The step.")
+    peak_allocated_bytes = _num("peak_allocated_bytes", "Most allocated during the step, bytes.")
+    peak_reserved_bytes = _num("peak_reserved_bytes", "Most reserved during the step, bytes.")
+    allocated_bytes = _num("allocated_bytes", "Allocated once the step ended (what stays between steps), bytes.")
+    sizes = _map("sizes", "{size name: value} the loop named for the step (profiler.memory_sizes); {} for none.")
+
+
+class StepPeaks(View):
+    """An interval's `memory.steps`: its steps' allocator peaks (a CUDA device)."""
+    __slots__ = ()
+    rows = _views("rows", StepPeak, "At most memory_steps.ROWS_PER_INTERVAL steps: the highest peaks and a spread.")
+    steps = _int("steps", "Steps that ended in the interval (rows beyond the kept ones are counted here).")
+
+
 class Memory(View):
     """An interval's `memory`: NVML per GPU and the allocator; `available` False with a reason without a GPU."""
     __slots__ = ()
@@ -383,6 +406,7 @@ class Memory(View):
     gpus = _views("gpus", GpuMemory, "One entry per GPU.")
     allocator = _part("allocator", Allocator, "The caching allocator's stats.")
     sampler_errors = _int("sampler_errors", "Failed NVML queries so far.")
+    steps = _maybe("steps", StepPeaks, "Each step's allocator peak and sizes (a CUDA device); None elsewhere.")
 
     @property
     def measured_gpus(self) -> list:
@@ -459,6 +483,12 @@ class StackSamples(View):
     frames = _list("frames", "The frame labels (\"func (file.py:123)\") its threads' `stacks` index.")
     threads = _views("threads", SampledThread, "Per thread: its idle samples, hot frames and whole stacks.")
 
+    @property
+    def whole_stacks(self) -> bool:
+        """Whether the samples hold whole stacks (a `frames` table; logs written before whole stacks were recorded
+        have hot frames only)."""
+        return "frames" in self._d
+
 
 class NumericsStage(View):
     """One stage (a span's tensor) of an interval's `numerics` part: its statistics over the interval's sampled
@@ -518,6 +548,23 @@ class Clock(View):
     unix_ns = _int("unix_ns", "time.time_ns() at the anchor, ns.")
 
 
+class ComputePeak(View):
+    """One of run_start's `compute_peaks` (`datasheet` or `measured`, profiler/floors.py): a peak MFU reads against."""
+    __slots__ = ()
+    flops_per_s = _num("flops_per_s", "The peak, FLOP/s.")
+    what = _str("what", "What it is (the datasheet's figure, or the matmul measured), for the MFU's label.")
+
+
+class MemorySize(View):
+    """One of run_start's `memory_sizes`: a size the loop names per step (profiler.memory_sizes) and the setting that
+    scales it, what the memory forecast (profiler/report/memory_forecast.py) scales a step's peak by."""
+    __slots__ = ()
+    role = _str("role", "The role whose steps name it (None: any role's).")
+    flag = _str("flag", "The setting that scales it, a command-line flag (--tokens-per-batch, --num-anchors).")
+    exponent = _num("exponent", "How a step's memory grows with it: 1 linear, 2 quadratic.")
+    what = _str("what", "What it is, one line.")
+
+
 class RunStart(Record):
     """`run_start`: once per segment, when the profiler starts."""
     __slots__ = ()
@@ -539,13 +586,16 @@ class RunStart(Record):
     version = _str("version", "dflash-observability's version.")
     floors = _map("floors", "{device_copy, pinned_d2h, pinned_h2d, host_copy: bytes/s} measured at start.")
     compute_peaks = _map("compute_peaks", "{datasheet|measured: {flops_per_s, what}}: the device's peaks MFU reads "
-                                          "against (profiler/floors.py compute_peaks).")
+                                          "against (profiler/floors.py compute_peaks; ComputePeak reads one).")
     interval_s = _num("interval_s", "The profile interval's length, seconds.")
     warmup_steps = _int("warmup_steps", "Steps from the first set_step that are warm-up (0: none).")
     phase_spans = _list("phase_spans", "Span names whose time is a phase (compile, eval, checkpoint), not steady "
                                        "work.")
     span_table = _map("span_table", "{span name: {role, kind, ...}}: what each of the loop's spans is (work, wait, "
                                      "phase, collective, a flow's end); profiler.span_kinds reads it.")
+    memory_sizes = _map("memory_sizes", "{size name: {role, flag, exponent, what}}: the sizes the loop names per "
+                                         "step and the setting that scales each (ProfilerConfig.memory_sizes; "
+                                         "MemorySize reads one).")
     config = _map("config", "The training config (any JSON).")
     gpu_steps_per_s = _num("gpu_steps_per_s", "Logs before 2026-12-04: GPU-timed steps per second (> 0: sampled).")
 
@@ -553,6 +603,11 @@ class RunStart(Record):
     def marks_warmup(self) -> bool:
         """Whether the segment's intervals carry warm-up marks (logs written before them have no warmup_steps)."""
         return "warmup_steps" in self._d
+
+    @property
+    def lists_phases(self) -> bool:
+        """Whether the segment lists its phase spans (logs written before phases were listed have no phase_spans)."""
+        return "phase_spans" in self._d
 
 
 class Interval(Record):
@@ -813,6 +868,28 @@ class Nonfinite(Event):
     batch = _int("batch", "drafter.recv only: its batch index.")
 
 
+class ForecastSetting(View):
+    """One setting of a `memory_forecast` event."""
+    __slots__ = ()
+    flag = _str("flag", "The setting (a command-line flag).")
+    current = _num("current", "Its value in the run.")
+    largest = _num("largest", "The largest value that keeps headroom_share of every GPU free (None: no value).")
+    scale = _num("scale", "largest over current (1024: not limited by memory).")
+    need_bytes_at_current = _num("need_bytes_at_current", "What the limiting GPU's ranks need at current, bytes.")
+    limit_bytes = _num("limit_bytes", "What that GPU has for them, headroom kept, bytes.")
+    gpu = _str("gpu", "The limiting GPU (host:index).")
+    ranks = _list("ranks", "The ranks on it.")
+    transient_steps = _list("transient_steps", "Warm-up steps whose peak binds the forecast.")
+
+
+class MemoryForecast(Event):
+    """`memory_forecast`: the run's memory forecast while it trains (dflash/memory_watch.py)."""
+    __slots__ = ()
+    settings = _views("settings", ForecastSetting, "One per setting that scales a step's sizes.")
+    headroom_share = _num("headroom_share", "The share of each GPU kept free.")
+    steps = _int("steps", "Steps past warm-up the forecast is fitted to, over all ranks.")
+
+
 class NumericsDrift(Event):
     """`numerics_drift`: a statistic of a stage drifts toward overflow, before any non-finite value
     (profiler/numerics.py)."""
@@ -972,7 +1049,8 @@ class PeerLost(Forensics):
 _EVENTS = {"throughput": Throughput, "capture": Capture, "startup": Startup, "nonfinite": Nonfinite,
            "checkpoint": Checkpoint, "eval": Eval, "stop": Stop, "eval_skipped": Stop, "bad_records": BadRecords,
            "memory_snapshot": MemorySnapshot, "hang": Hang, "thread_crash": ThreadCrash, "oom": Oom,
-           "signal": Signal, "peer_lost": PeerLost, "numerics_drift": NumericsDrift}
+           "signal": Signal, "peer_lost": PeerLost, "numerics_drift": NumericsDrift,
+           "memory_forecast": MemoryForecast}
 """The event kinds whose fields differ, and their views."""
 
 

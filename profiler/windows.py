@@ -68,6 +68,250 @@ def open_at_end(open_spans: list | None) -> dict:
     return {name: sorted(v, key=lambda t: -t[1]) for name, v in out.items()}
 
 
+# ---- record fields at dict speed: what readers take per interval, per span entry and per GPU in their loops,
+# where a profiler.views view (the same fields, typed) costs several times a dict read. Each reads the log's key as
+# written (docs/RUNLOG.md): a value is not type-checked here; views.problem did that where a reader computes with it.
+
+def window_index(window: dict) -> int | None:
+    """An interval's `index`: its number from 0 in the segment (a tick window: the earlier tick's); None where
+    absent."""
+    return window.get("index")
+
+
+def window_final(window: dict) -> bool:
+    """An interval's (or tick window's) `final` mark: the run's last."""
+    return bool(window.get("final"))
+
+
+def duration_seconds(window: dict) -> float:
+    """An interval's (or tick window's) `duration_seconds`: its length, seconds; 0.0 where it has none."""
+    return window.get("duration_seconds") or 0.0
+
+
+def wall_seconds(windows) -> float:
+    """The windows' (intervals' or tick windows') `duration_seconds` summed, seconds."""
+    return sum(w.get("duration_seconds") or 0.0 for w in windows)
+
+
+def counter_total(windows, name: str) -> float:
+    """Counter `name`'s `counters.<name>.total` (its count in each window: tokens, steps, ...) summed over the
+    windows; 0.0 where none holds it."""
+    return sum(((w.get("counters") or {}).get(name) or {}).get("total") or 0.0 for w in windows)
+
+
+def counter_per_second(window: dict, name: str) -> float | None:
+    """Counter `name`'s `counters.<name>.per_second` in one window (its total over the window's duration, per
+    second); None where the window has none."""
+    return ((window.get("counters") or {}).get(name) or {}).get("per_second")
+
+
+def span_entries(rec: dict) -> dict:
+    """An interval's, tick window's or run_end's `spans`: {span name: its entry (views.SpanEntry reads one)}, as
+    written; {} where it has none."""
+    return rec.get("spans") or {}
+
+
+def span_names(windows) -> set:
+    """The names of the spans the windows' entries are of (their `spans` keys)."""
+    out: set = set()
+    for w in windows:
+        out.update(w.get("spans") or ())
+    return out
+
+
+def threads_of(entries) -> set:
+    """The names of the threads that ran any of the span entries (their `threads`)."""
+    return {t for e in entries for t in e.get("threads") or ()}
+
+
+def most_threads(windows) -> dict:
+    """{span name: the most threads one of its entries in the windows names (`threads`)}."""
+    most: dict = {}
+    for w in windows:
+        for name, e in (w.get("spans") or {}).items():
+            n = len(e.get("threads") or ())
+            if n > most.get(name, 0):
+                most[name] = n
+    return most
+
+
+def summed_counts(entries) -> int:
+    """Span entries' `count` summed (0 where absent): the spans they collected."""
+    return sum(e.get("count") or 0 for e in entries)
+
+
+def summed_clock_seconds(entries, on: str) -> float:
+    """clock_seconds(entry, on) of span entries summed in their order (from 0.0), seconds; inline, as a span's
+    entries over a run are many: the split CPU totals (`cpu.total_seconds`), or the GPU totals (`gpu.total_seconds`)
+    scaled to all the entry's spans (count / gpu_count), 0.0 where an entry has none."""
+    if on == "gpu":
+        return sum(_scaled_gpu_seconds(entries), 0.0)
+    return sum(((e.get("cpu") or {}).get("total_seconds") or 0.0 for e in entries), 0.0)
+
+
+def _scaled_gpu_seconds(entries):
+    """Each span entry's clock_seconds on the GPU, in order: its `gpu.total_seconds` times count / gpu_count (1.0
+    without gpu_count), 0.0 where it has no GPU block."""
+    for e in entries:
+        gpu = e.get("gpu")
+        if not gpu:
+            yield 0.0
+            continue
+        timed = e.get("gpu_count")
+        yield (gpu.get("total_seconds") or 0.0) * ((e.get("count") or 0) / timed if timed else 1.0)
+
+
+def entry_counts(entry: dict) -> tuple:
+    """A span entry's (`count`, `gpu_count`, `gpu_unresolved`): its spans collected in the window, those of them with
+    GPU times, and those whose CUDA events had not completed; each None where absent (not 0: a check counts only the
+    ones written)."""
+    return entry.get("count"), entry.get("gpu_count"), entry.get("gpu_unresolved")
+
+
+def entry_fields(entry: dict) -> tuple:
+    """A span entry's (`count`, `gpu_count`, `gpu_unresolved`, `threads`, `share`, `cpu`, `gpu`, `gpu_lag`), each as
+    written and None where absent: one call for a loop that reads most of every entry of a run (the check's). Its
+    spans collected, those with GPU times and those whose CUDA events had not completed; the names of the threads
+    that ran it; its time over the window's duration (a fraction, up to its threads' count); its clock blocks
+    (clock_fields); where its CUDA spans lay on the host timeline (views.GpuLag)."""
+    return (entry.get("count"), entry.get("gpu_count"), entry.get("gpu_unresolved"), entry.get("threads"),
+            entry.get("share"), entry.get("cpu"), entry.get("gpu"), entry.get("gpu_lag"))
+
+
+def clock_block(entry: dict, on: str) -> dict | None:
+    """A span entry's `cpu` or `gpu` block (`on`): its times on that clock (views.ClockStats reads one), as written;
+    None where absent or empty (`gpu` without CUDA timing)."""
+    return entry.get(on) or None
+
+
+def clock_fields(block: dict) -> tuple:
+    """A clock block's (`p50_seconds`, `p95_seconds`, `p99_seconds`, `max_seconds`, `mean_seconds`, `total_seconds`,
+    `self_seconds`, `buckets`), each as written and None where absent: the whole durations of the spans that ended in
+    the window (order statistics and mean), its time in the window and that less its children's, seconds, and its
+    per-window counts per histogram bound."""
+    return (block.get("p50_seconds"), block.get("p95_seconds"), block.get("p99_seconds"), block.get("max_seconds"),
+            block.get("mean_seconds"), block.get("total_seconds"), block.get("self_seconds"), block.get("buckets"))
+
+
+def measured_gpus(rec: dict) -> list:
+    """An interval's `memory.gpus`: the NVML per-GPU entries (views.GpuMemory reads one), as written, where its
+    `memory.available` says NVML measured them; [] where it did not."""
+    mem = rec.get("memory") or {}
+    return (mem.get("gpus") or []) if mem.get("available") else []
+
+
+def measured_memory(rec: dict) -> tuple | None:
+    """An interval's (`memory.gpus`, `memory.allocator`), as written ([] and {} where absent), where its
+    `memory.available` says NVML measured them; None where it did not."""
+    mem = rec.get("memory") or {}
+    return ((mem.get("gpus") or []), (mem.get("allocator") or {})) if mem.get("available") else None
+
+
+def gpu_index(gpu: dict) -> int | None:
+    """An NVML GPU entry's `index` (NVML's index of the GPU on its host); None where absent."""
+    return gpu.get("index")
+
+
+def gpu_peak_bytes(gpu: dict) -> tuple:
+    """An NVML GPU entry's (`used_bytes_peak`, `total_bytes`): the most memory used in the interval and the GPU's
+    memory, bytes; each None where absent."""
+    return gpu.get("used_bytes_peak"), gpu.get("total_bytes")
+
+
+def allocator_bytes(allocator: dict) -> tuple | None:
+    """An interval's caching-allocator stats (`memory.allocator`) as (`allocated_bytes`, `peak_reserved_bytes`,
+    `peak_allocated_bytes`): allocated now and the most reserved and allocated since the last reset, bytes, each None
+    where absent; None where the allocator's `available` says they were not read."""
+    if not allocator.get("available"):
+        return None
+    return allocator.get("allocated_bytes"), allocator.get("peak_reserved_bytes"), allocator.get("peak_allocated_bytes")
+
+
+def detail_spans(rec: dict) -> list:
+    """A detail window's (`spans` record's) `spans`: its kept raw spans (views.RawSpan reads one), as written; []
+    where none."""
+    return rec.get("spans") or []
+
+
+def flow_halves(raw_spans: list) -> list:
+    """(raw span, its `name`, its `attrs.flow`) of each of a detail window's raw spans (`spans[]`) whose tags carry a
+    flow id (the "src:batch" a target's transfer.send and its drafter's drafter.recv share), in order, each as
+    written; a span that is not an object has none."""
+    out = []
+    for span in raw_spans:
+        attrs = span.get("attrs") if isinstance(span, dict) else None
+        if isinstance(attrs, dict) and attrs.get("flow") is not None:
+            out.append((span, span.get("name"), attrs["flow"]))
+    return out
+
+
+def interval_open_spans(rec: dict) -> list:
+    """An interval's `open_spans`: per thread, the spans still open at its end (open_at_end reads them;
+    views.OpenSpans reads one), as written; [] where none."""
+    return rec.get("open_spans") or []
+
+
+def entry_bytes(entry: dict) -> float | None:
+    """A span entry's `bytes`: the bytes its ended spans declared (spans with bytes= only), bytes; None where
+    absent."""
+    return entry.get("bytes")
+
+
+def p50_p95_seconds(parts: list) -> tuple[list, list]:
+    """([(`p50_seconds`, weight)], [(`p95_seconds`, weight)]) of (clock block, weight) pairs (SpanSums.stats'
+    shape): the median and 95th percentile of each block's ended whole spans, seconds, each None where absent."""
+    return [(st.get("p50_seconds"), n) for st, n in parts], [(st.get("p95_seconds"), n) for st, n in parts]
+
+
+def entry_floor(entry: dict) -> tuple:
+    """A byte-moving span entry's (`floor`, `floor_bytes_per_s`): the floor of its copy's path (host_staged,
+    pinned_d2h, pinned_h2d, device_copy, host_copy) and that floor, bytes/s; each None where absent."""
+    return entry.get("floor"), entry.get("floor_bytes_per_s")
+
+
+def entry_count(entry: dict) -> int:
+    """A span entry's `count`: its spans collected complete in the window; 0 where absent (entry_counts gives it
+    as written, beside gpu_count and gpu_unresolved)."""
+    return entry.get("count") or 0
+
+
+def window_step(window: dict) -> int | None:
+    """An interval's (or tick window's) `step`: the step at its close; None before the first set_step."""
+    return window.get("step")
+
+
+def window_warmup(window: dict) -> bool:
+    """An interval's (or tick window's) `warmup` mark: it began before warmup_steps were done."""
+    return bool(window.get("warmup"))
+
+
+def profiler_share(rec: dict) -> float | None:
+    """An interval's `profiler_share`: the profiler's and exporters' threads' CPU over its duration_seconds (a
+    fraction); None where not measured (tick windows carry none)."""
+    return rec.get("profiler_share")
+
+
+def steps_advanced(rec: dict) -> int | None:
+    """An interval's `step_rate.steps`: how far set_step advanced the step in it (its close's minus its start's);
+    None where absent or the step went back."""
+    return (rec.get("step_rate") or {}).get("steps")
+
+
+def gauge_mean(rec: dict, name: str) -> float | None:
+    """Gauge `name`'s `gauges.<name>.mean` in an interval (the mean of the values set in it: queue_depth, ...);
+    None where the interval has none."""
+    return ((rec.get("gauges") or {}).get(name) or {}).get("mean")
+
+
+def gpu_activity_percents(gpu: dict) -> tuple:
+    """An NVML GPU entry's (`util_percent_mean`, `sm_active_percent_mean`, `tensor_active_percent_mean`,
+    `dram_active_percent_mean`): NVML's busy and GPM's SM, tensor-pipe and DRAM activity over the interval,
+    percent; each None where absent (GPM: pre-Hopper, or not measured)."""
+    get = gpu.get
+    return (get("util_percent_mean"), get("sm_active_percent_mean"), get("tensor_active_percent_mean"),
+            get("dram_active_percent_mean"))
+
+
 # ---- windows: one definition per quantity (docs/REPORT.md, "Windows") --------------------------------
 
 def span_clock(entries) -> str:
@@ -98,6 +342,54 @@ def self_seconds(entry: dict, on: str) -> float:
     timed = entry.get("gpu_count")   # clock_seconds and gpu_scale inline
     return ((stats.get("total_seconds") or 0.0) if own is None else own) * \
         ((entry.get("count") or 0) / timed if timed else 1.0)
+
+
+class SpanSums:
+    """One pass over a span's interval entries on clock `on` (span_clock), each figure summed in entry order as
+    clock_seconds, self_seconds, whole_seconds and gpu_scale define it, inline (a week-long log has a million
+    entries). Seconds: `total` and `self_total` on `on`, `cpu` (the split CPU totals), `gpu_window` (the scaled GPU
+    totals), `gpu_sum` (the GPU totals unscaled), `whole` (CPU mean x count: a CPU-clock span's whole spans).
+    Counts: `count` (spans), `timed` (entries with GPU times), `timed_spans` (their spans with GPU times). Per entry
+    on `on`: `stats` (its cpu or gpu block, how many spans it is over), `buckets` (that block's `buckets`, None
+    where absent) and `longest_seconds` (its `max_seconds`, 0.0 where none ended); `lags`: the entries whose
+    `gpu_lag` placed samples (`n`)."""
+
+    def __init__(self, entries: list, on: str):
+        self.stats, self.lags, self.buckets, self.longest_seconds = [], [], [], []
+        self.total = self.self_total = self.cpu = self.gpu_window = self.whole = self.gpu_sum = 0.0
+        self.count = self.timed_spans = self.timed = 0
+        stats, buckets, longest, gpu_clock = self.stats, self.buckets, self.longest_seconds, on == "gpu"
+        for e in entries:
+            count, cpu, gpu = e.get("count") or 0, e.get("cpu") or {}, e.get("gpu")
+            self.count += count
+            self.cpu += cpu.get("total_seconds") or 0.0
+            if (e.get("gpu_lag") or {}).get("n"):
+                self.lags.append(e)
+            if gpu:
+                timed = e.get("gpu_count")
+                scale = count / timed if timed else 1.0
+                total = gpu.get("total_seconds") or 0.0
+                self.timed += 1
+                self.timed_spans += e.get("gpu_count", count)
+                self.gpu_window += total * scale
+            if gpu_clock:
+                if gpu:
+                    stats.append((gpu, timed or count))
+                    buckets.append(gpu.get("buckets"))
+                    longest.append(gpu.get("max_seconds") or 0.0)
+                    own = gpu.get("self_seconds")
+                    self.total += total * scale
+                    self.self_total += (total if own is None else own) * scale
+                    self.gpu_sum += total
+                continue
+            stats.append((cpu, count))
+            buckets.append(cpu.get("buckets"))
+            longest.append(cpu.get("max_seconds") or 0.0)
+            own, total = cpu.get("self_seconds"), cpu.get("total_seconds") or 0.0
+            self.total += total
+            self.self_total += total if own is None else own * 1.0
+            mean = cpu.get("mean_seconds")   # whole_seconds: no entry of a CPU-clock span has GPU times
+            self.whole += mean * count if mean is not None else 0.0
 
 
 def phase_seconds(intervals: list, phase_spans) -> dict:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import statistics
 
+from profiler import views
 from profiler.report.analysis import rank_table
 from profiler.report.runs import Run, counter_total, gpu_key
 from profiler.report.runs import gpus as nvml_gpus
+from profiler.windows import allocator_bytes, gpu_peak_bytes, measured_memory, span_entries
 
 HEADROOM_SHARE = 0.05
 LOOP_ONLY = "a loop of its own: the split and the batch margin are for dflash-train's target and drafter ranks"
@@ -45,7 +47,7 @@ def role_capacity(ranks: list) -> dict:
 
 def _rank_device(log) -> tuple[str | None, str | None]:
     """(kind, GPU key) of one rank from its run_start's `device` ("cuda:1", "cpu"), else its NVML entries' GPU."""
-    device = str((log.run_starts[-1].get("device") or "") if log.run_starts else "")
+    device = (views.run_start(log.run_starts[-1]).device or "") if log.run_starts else ""
     kind = device.split(":")[0] or None
     if kind == "cuda":
         return "cuda", f"{log.hostname or '?'}:{device.partition(':')[2] or '?'}"
@@ -84,7 +86,7 @@ def run_topology(run: Run) -> dict:
     refused = ("this run is on the CPU" if device == "cpu" else "the records do not say the run had GPUs"
                if device is None else "; ".join(f"{h['ranks']} ranks on {h['gpus']} GPU(s) of host {h['host']}"
                                                  for h in short) or None)
-    host_copies = any("d2h_copy" in (rec.get("spans") or {}) for log in run.by_role().get("target", [])
+    host_copies = any("d2h_copy" in span_entries(rec) for log in run.by_role().get("target", [])
                       for rec in log.intervals)
     flag = run.config.get("transfer")
     roles = run.by_role()
@@ -144,17 +146,20 @@ def _rank_memory(log) -> dict | None:
     allocated); None without NVML and allocator stats."""
     gpu = used_peak = total = alloc_floor = alloc_peak = None
     for rec in log.intervals:
-        mem = rec.get("memory") or {}
-        if not mem.get("available"):
+        measured = measured_memory(rec)
+        if measured is None:
             continue
-        for g in mem.get("gpus") or []:
-            if g.get("used_bytes_peak") is not None and g.get("total_bytes"):
-                used_peak, total = max(used_peak or 0, g["used_bytes_peak"]), g["total_bytes"]
+        for g in measured[0]:
+            used, gpu_total = gpu_peak_bytes(g)
+            if used is not None and gpu_total:
+                used_peak, total = max(used_peak or 0, used), gpu_total
                 gpu = gpu_key(log, g)
-        a = mem.get("allocator") or {}
-        peak = a.get("peak_reserved_bytes") or a.get("peak_allocated_bytes")
-        if a.get("available") and a.get("allocated_bytes") is not None and peak is not None:
-            alloc_floor = a["allocated_bytes"] if alloc_floor is None else min(alloc_floor, a["allocated_bytes"])
+        alloc = allocator_bytes(measured[1])   # (allocated, peak reserved, peak allocated), or None: not read
+        if alloc is None:
+            continue
+        allocated, peak = alloc[0], alloc[1] or alloc[2]
+        if allocated is not None and peak is not None:
+            alloc_floor = allocated if alloc_floor is None else min(alloc_floor, allocated)
             alloc_peak = max(alloc_peak or 0, peak)
     if used_peak is None or alloc_peak is None:
         return None

@@ -1,13 +1,20 @@
 """The report's analyses of one run (a `report.runs.Run`), JSON-able: span_ranking, role_shares and verdict
 (which side bounds the pipeline), bandwidth (against the floors), rank_table (per rank, the straggler).
+
+Records are read through the run log's schema (docs/RUNLOG.md): profiler.views where a few are read (a rank's
+run_start or run_end, an interval with open spans), profiler.windows' dict-speed accessors in the loops over every
+interval, span entry and GPU.
 """
 from __future__ import annotations
 
 import statistics
 from itertools import repeat
 
-from profiler.windows import (clock_seconds, gpu_bound, open_at_end, phase_seconds, span_clock,
-                              steady_throughput, summed_mfu, whole_seconds)
+from profiler import views
+from profiler.windows import (SpanSums, clock_block, clock_seconds, duration_seconds, entry_bytes, entry_counts,
+                              entry_floor, gauge_mean, gpu_activity_percents, gpu_bound, interval_open_spans,
+                              p50_p95_seconds, phase_seconds, profiler_share, span_clock, span_entries, steady_throughput,
+                              steps_advanced, summed_mfu, whole_seconds, window_step, window_warmup)
 from profiler.span_kinds import COLLECTIVE, SpanKinds
 from profiler.report.kernels import capture_busy
 from profiler.report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
@@ -58,28 +65,33 @@ def _clamp(estimate: float | None, pairs: list) -> float | None:
     return min(max(estimate, min(values)), max(values))
 
 
-def _clock_stats(e: dict, on: str) -> tuple[dict, int]:
-    """(stats, how many spans they are over) of a span entry on clock `on`."""
-    if on == "gpu":
-        return e["gpu"], e.get("gpu_count") or e.get("count") or 0
-    return e.get("cpu") or {}, e.get("count") or 0
+def _clock_parts(entries, on: str) -> list:
+    """(clock block, how many spans its figures are over: gpu_count, else count, on the GPU) of each span entry
+    timed on clock `on` (windows.SpanSums.stats' shape)."""
+    parts = []
+    for e in entries:
+        block = clock_block(e, on)
+        if block:
+            count, timed, _ = entry_counts(e)
+            parts.append((block, (timed or count or 0) if on == "gpu" else count or 0))
+    return parts
 
 
-def _quantiles(on: str, measured: list, ends: list | None, bounds: list | None, max_seconds: float) -> tuple:
-    """(p50, p95, from) of a role's whole spans on clock `on` (`measured`: _clock_stats of its interval entries on
-    that clock). The parts are its ranks' run_end entries when every
+def _quantiles(on: str, measured: SpanSums, ends: list | None, bounds: list | None, max_seconds: float) -> tuple:
+    """(p50, p95, from) of a role's whole spans on clock `on` (`measured`: the windows.SpanSums of its interval
+    entries on that clock). The parts are its ranks' run_end entries when every
     segment closed with one holding percentiles (exact over its segment), else its intervals'. One part: its own
     percentiles, exact, as the console's end-of-run table shows them. Several: the intervals' summed histogram
     buckets interpolated, clamped to the range of the parts' own percentiles (a mixture's quantile lies in it);
     logs without buckets take the count-weighted quantile of the parts' percentiles."""
-    parts = [_clock_stats(e, on) for e in ends or () if e.get(on)]
-    if not parts or any(st.get("p95_seconds") is None for st, _ in parts):   # run_ends of older logs
-        parts = measured
+    parts = _clock_parts(ends or (), on)
+    p50s, p95s = p50_p95_seconds(parts)
+    if not parts or any(p95 is None for p95, _ in p95s):   # run_ends of older logs
+        parts = measured.stats
+        p50s, p95s = p50_p95_seconds(parts)
     if len(parts) == 1:
-        return parts[0][0].get("p50_seconds"), parts[0][0].get("p95_seconds"), "exact"
-    p50s = [(st.get("p50_seconds"), w) for st, w in parts]
-    p95s = [(st.get("p95_seconds"), w) for st, w in parts]
-    buckets = [st.get("buckets") for st, _ in measured]
+        return p50s[0][0], p95s[0][0], "exact"
+    buckets = measured.buckets
     summed = _column_sums(buckets) if bounds and buckets and all(
         type(b) is list and len(b) == len(bounds) + 1 for b in buckets) else None
     if summed is not None:
@@ -100,45 +112,6 @@ def _column_sums(rows: list) -> list | None:
     return counts.sum(axis=0).tolist() if counts.dtype.kind in "biuf" else None
 
 
-class _SpanSums:
-    """One pass over a span's interval entries on clock `on` (windows.span_clock): what _span_row reports, each
-    summed in entry order as windows.clock_seconds, self_seconds, whole_seconds and gpu_scale define it, inline (a
-    week-long log has a million entries)."""
-
-    def __init__(self, entries: list, on: str):
-        self.stats, self.lags = [], []   # _clock_stats of the entries on `on`; the entries with gpu_lag samples
-        self.total = self.self_total = self.cpu = self.gpu_window = self.whole = self.gpu_sum = 0.0
-        self.count = self.timed_spans = self.timed = 0
-        stats, gpu_clock = self.stats, on == "gpu"
-        for e in entries:
-            count, cpu, gpu = e.get("count") or 0, e.get("cpu") or {}, e.get("gpu")
-            self.count += count
-            self.cpu += cpu.get("total_seconds") or 0.0
-            if (e.get("gpu_lag") or {}).get("n"):
-                self.lags.append(e)
-            if gpu:
-                timed = e.get("gpu_count")
-                scale = count / timed if timed else 1.0
-                total = gpu.get("total_seconds") or 0.0
-                self.timed += 1
-                self.timed_spans += e.get("gpu_count", count)
-                self.gpu_window += total * scale
-            if gpu_clock:
-                if gpu:
-                    stats.append((gpu, timed or count))
-                    own = gpu.get("self_seconds")
-                    self.total += total * scale
-                    self.self_total += (total if own is None else own) * scale
-                    self.gpu_sum += total
-                continue
-            stats.append((cpu, count))
-            own, total = cpu.get("self_seconds"), cpu.get("total_seconds") or 0.0
-            self.total += total
-            self.self_total += total if own is None else own * 1.0
-            mean = cpu.get("mean_seconds")   # whole_seconds: no entry of a CPU-clock span has GPU times
-            self.whole += mean * count if mean is not None else 0.0
-
-
 def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | None, busy: tuple = (None, None),
               wait: bool = False) -> dict:
     """One ranked span from its entries in every interval of the role's ranks (and their run_ends'); `busy`:
@@ -146,13 +119,13 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
     `wait`: whether the role waits on the other side in it (the run's span table)."""
     entries = a["entries"]
     on = span_clock(entries)
-    sums = _SpanSums(entries, on)
+    sums = SpanSums(entries, on)
     n = sum(w for _, w in sums.stats)
     # the longest of the intervals' and of the run_ends' (a segment's whole figures hold the spans of intervals the
     # log could not take, a full disk's): the p95 read from the run_ends never passes it
-    max_seconds = max([0.0] + [st.get("max_seconds") or 0.0 for st, _ in sums.stats]
-                      + [(e.get(on) or {}).get("max_seconds") or 0.0 for e in a["ends"] or ()])
-    p50, p95, source = _quantiles(on, sums.stats, a["ends"], bounds, max_seconds)
+    max_seconds = max([0.0] + sums.longest_seconds
+                      + [views.SpanEntry.of(e).clock(on).max_seconds or 0.0 for e in a["ends"] or ()])
+    p50, p95, source = _quantiles(on, sums, a["ends"], bounds, max_seconds)
     timed = sums.timed > 0
     return {"role": role, "span": name, "count": sums.count, "on": on,
             "total_seconds": sums.total, "self_seconds": sums.self_total, "cpu_seconds": sums.cpu,
@@ -167,7 +140,8 @@ def _span_row(role: str, name: str, a: dict, role_wall: float, bounds: list | No
 
 def _add_open(agg: dict, role: str, log, rec: dict) -> None:
     """Note the spans open when an interval closed: how many ends, the longest (where), open at the log's end."""
-    for name, opened in open_at_end(rec.get("open_spans")).items():
+    interval = views.interval(rec)
+    for name, opened in interval.open_at_end.items():
         a = agg.get((role, name))
         if a is None:   # a log written before open spans held time in the interval
             continue
@@ -175,7 +149,7 @@ def _add_open(agg: dict, role: str, log, rec: dict) -> None:
         a["open_intervals"] += 1
         if a["open_max_seconds"] is None or age_s > a["open_max_seconds"]:
             a["open_max_seconds"] = age_s
-            a["open_where"] = {"rank": log.rank, "interval": rec.get("index"), "thread": thread}
+            a["open_where"] = {"rank": log.rank, "interval": interval.index, "thread": thread}
         if rec is log.intervals[-1]:
             a["open_at_end"] = True
 
@@ -191,7 +165,7 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
         closed = all(log.run_ends and len(log.run_ends) == len(log.run_starts) for log in logs)
         for log in logs:
             for rec in log.intervals:
-                for name, entry in (rec.get("spans") or {}).items():
+                for name, entry in span_entries(rec).items():
                     acc = agg.get((role, name))
                     if acc is None:
                         acc = agg[(role, name)] = {"entries": [], "ranks": set(), "open_intervals": 0,
@@ -199,9 +173,9 @@ def span_ranking(run: Run, top: int | None = None) -> dict:
                                                    "open_at_end": False, "ends": [] if closed else None}
                     acc["entries"].append(entry)
                     acc["ranks"].add(log.rank)
-                if rec.get("open_spans"):
+                if interval_open_spans(rec):
                     _add_open(agg, role, log, rec)
-        for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in (end.get("spans") or {}).items()):
+        for name, e in ((n, e) for log in logs for end in log.run_ends for n, e in span_entries(end).items()):
             if closed and (role, name) in agg:
                 agg[(role, name)]["ends"].append(e)
     sm, captured, kinds = sm_active_by_role(run), capture_busy(run), span_kinds(run)
@@ -216,8 +190,8 @@ def sm_active_by_role(run: Run) -> dict:
     table's window: the whole run)."""
     out = {}
     for role, logs in run.by_role().items():
-        values = [g["sm_active_percent_mean"] for log in logs for rec in log.intervals for g in gpus(rec)
-                  if g.get("sm_active_percent_mean") is not None]
+        values = [sm for log in logs for rec in log.intervals for g in gpus(rec)
+                  if (sm := gpu_activity_percents(g)[1]) is not None]
         if values:
             out[role] = statistics.fmean(values)
     return out
@@ -230,7 +204,7 @@ def _span_seconds(intervals: list, names, on: str | None = None) -> float:
     (windows.span_clock)."""
     total = 0.0
     for name in names:
-        entries = [r["spans"][name] for r in intervals if name in (r.get("spans") or {})]
+        entries = [spans[name] for spans in map(span_entries, intervals) if name in spans]
         clock = on or span_clock(entries)   # once per name: per entry it made the report quadratic in the intervals
         total += sum(map(clock_seconds, entries, repeat(clock)), 0.0)
     return total
@@ -267,6 +241,8 @@ GPU_BUSY_PERCENT = 90.0
 LAUNCH_BOUND_SM_PERCENT = 50.0
 LAUNCH_BOUND_TENSOR_PERCENT = 20.0
 GPM_FIELDS = ("util_percent_mean", "sm_active_percent_mean", "tensor_active_percent_mean", "dram_active_percent_mean")
+"""The GPU fields gpu_activity averages: windows.gpu_activity_percents' in its order, named as the log and the
+report's output name them."""
 
 
 def gpu_activity(run: Run) -> dict:
@@ -276,12 +252,12 @@ def gpu_activity(run: Run) -> dict:
     out = {}
     for role, logs in run.by_role().items():
         w = interval_window(logs)   # NVML and GPM are sampled per interval only
-        rows = [g for rec in w.intervals for g in gpus(rec)
-                if g.get("tensor_active_percent_mean") is not None and g.get("util_percent_mean") is not None]
+        rows = [p for rec in w.intervals for g in gpus(rec)
+                if (p := gpu_activity_percents(g))[2] is not None and p[0] is not None]   # tensor, NVML busy
         if not rows:
             continue
-        means = {f: statistics.fmean(g[f] for g in rows) if all(g.get(f) is not None for g in rows) else None
-                 for f in GPM_FIELDS}
+        means = {f: statistics.fmean(p[i] for p in rows) if all(p[i] is not None for p in rows) else None
+                 for i, f in enumerate(GPM_FIELDS)}
         sm, tensor = means["sm_active_percent_mean"], means["tensor_active_percent_mean"]
         launch = (means["util_percent_mean"] >= GPU_BUSY_PERCENT and tensor < LAUNCH_BOUND_TENSOR_PERCENT
                   and (sm is None or sm < LAUNCH_BOUND_SM_PERCENT))
@@ -324,8 +300,7 @@ def _pipeline_verdict(run: Run) -> dict:
     wt = (shares.get("target") or {}).get("wait_share")
     wd = (shares.get("drafter") or {}).get("wait_share")
     drafters = interval_window(run.by_role().get("drafter", []))   # gauges: interval records only
-    depths = [g["mean"] for r in drafters.intervals
-              if (g := (r.get("gauges") or {}).get("queue_depth")) and g.get("mean") is not None]
+    depths = [m for r in drafters.intervals if (m := gauge_mean(r, "queue_depth")) is not None]
     out = {"verdict": None, "applies": True, "roles": shares,
            "queue_depth_mean": statistics.fmean(depths) if depths else None, "evidence": []}
     if wt is None or wd is None:
@@ -364,9 +339,11 @@ def _bandwidth_row(role: str, name: str, pairs: list) -> dict:
     that moved the bytes; the floor is the last one named."""
     floor = floor_bps = None
     for e, floors in pairs:
-        floor = e.get("floor") or floor
-        floor_bps = e.get("floor_bytes_per_s") or floors.get(floor) or floor_bps
-    moved_bytes, seconds = sum(e["bytes"] for e, _ in pairs), sum((whole_seconds(e) for e, _ in pairs), 0.0)
+        named, named_bps = entry_floor(e)
+        floor = named or floor
+        floor_bps = named_bps or floors.get(floor) or floor_bps
+    moved_bytes = sum(entry_bytes(e) for e, _ in pairs)
+    seconds = sum((whole_seconds(e) for e, _ in pairs), 0.0)
     achieved = moved_bytes / seconds if seconds > 0 else None
     at_floor = moved_bytes / floor_bps if floor_bps else None
     return {"role": role, "span": name, "bytes": moved_bytes, "seconds": seconds, "bandwidth_bytes_per_s": achieved,
@@ -380,10 +357,10 @@ def bandwidth(run: Run) -> list:
     ratio, and the seconds it would have taken at the floor. Sorted by the seconds lost to the floor."""
     moved: dict = {}
     for log in run.ranks.values():
-        floors = next((s.get("floors") or {} for s in log.run_starts if s.get("floors")), {})
+        floors = next((f for f in (views.run_start(s).floors for s in log.run_starts) if f), {})
         for rec in log.intervals:
-            for name, e in (rec.get("spans") or {}).items():
-                if e.get("bytes"):
+            for name, e in span_entries(rec).items():
+                if entry_bytes(e):
                     moved.setdefault((log.role, name), []).append((e, floors))
     rows = [_bandwidth_row(role, name, pairs) for (role, name), pairs in moved.items()]
     rows.sort(key=lambda r: -(r["seconds_over_floor"] or 0.0))
@@ -415,8 +392,9 @@ def _rank_row(log, kinds: SpanKinds) -> dict:
             "wait_share": wait, "collective_share": collective,
             "busy_share": None if wait is None else 1.0 - wait, "work_share": work,
             "capacity_tokens_per_s": window_rate / work if window_rate and work and not w.fallback else None,
-            "steps": max((r.get("step") or 0 for r in log.intervals), default=None),
-            "status": log.run_ends[-1].get("status") if log.run_ends else "no run_end", "bad_lines": log.bad_lines,
+            "steps": max((window_step(r) or 0 for r in log.intervals), default=None),
+            "status": views.run_end(log.run_ends[-1]).status if log.run_ends else "no run_end",
+            "bad_lines": log.bad_lines,
             "span_seconds_per_token": _span_seconds_per_token(w.intervals, counter_total(w.intervals, "tokens")),
             **_profiler_row(log)}
 
@@ -441,16 +419,17 @@ def _tokens_window(meter: dict | None, loop_rate: float | None, label: str, wall
 
 def _profiler_share(intervals: list) -> float | None:
     """The profiler's threads' CPU over wall time across `intervals` (duration-weighted), or None without it."""
-    measured = [r for r in intervals if r.get("profiler_share") is not None]
+    measured = [r for r in intervals if profiler_share(r) is not None]
     wall = wall_seconds(measured)
-    return sum(r["profiler_share"] * r["duration_seconds"] for r in measured) / wall if wall > 0 else None
+    return sum(profiler_share(r) * duration_seconds(r) for r in measured) / wall if wall > 0 else None
 
 
 def _trailing_idle(intervals: list) -> list:
     """The rank's last intervals in which no span finished (a stall, unless the run ended there)."""
     idle = []
     for rec in reversed(intervals):
-        if any((e.get("count") or 0) for e in (rec.get("spans") or {}).values()) or rec.get("final"):
+        interval = views.interval(rec)
+        if any(e.count for e in interval.spans.values()) or interval.final:
             break
         idle.append(rec)
     return idle
@@ -462,7 +441,7 @@ def _span_seconds_per_token(intervals: list, tokens: float) -> dict:
         return {}
     by_name: dict = {}
     for r in intervals:
-        for n, e in (r.get("spans") or {}).items():
+        for n, e in span_entries(r).items():
             by_name.setdefault(n, []).append(e)
     return {n: (0.0 + sum(map(clock_seconds, entries, repeat(span_clock(entries))), 0.0)) / tokens
             for n, entries in by_name.items()}
@@ -544,7 +523,7 @@ def steady_state(run: Run) -> dict:
 
 def _peaks(log) -> dict:
     """The rank's compute peaks (its last run_start's), MFU's denominators."""
-    return (log.run_starts[-1].get("compute_peaks") or {}) if log.run_starts else {}
+    return views.run_start(log.run_starts[-1]).compute_peaks if log.run_starts else {}
 
 
 def _role_peaks(logs: list) -> dict:
@@ -553,7 +532,7 @@ def _role_peaks(logs: list) -> dict:
     for log in logs:
         for name, p in _peaks(log).items():
             if isinstance(p, dict):
-                out.setdefault(name, p.get("what"))
+                out.setdefault(name, views.ComputePeak.of(p).what)
     return out
 
 
@@ -562,7 +541,7 @@ def _warmup(logs: list) -> dict:
     every rank wrote ticks (as fine as the steady windows beside them), else their intervals."""
     ticks = all(log.tick_windows for log in logs)
     windows = [r for log in logs for r in (log.tick_windows if ticks else log.intervals)]
-    return {"warmup_seconds": wall_seconds([r for r in windows if r.get("warmup")]),
+    return {"warmup_seconds": wall_seconds([r for r in windows if window_warmup(r)]),
             "warmup_from": "tick windows" if ticks else "intervals"}
 
 
@@ -577,9 +556,9 @@ def interval_rates(logs: list) -> dict:
         wall = wall_seconds(mine)
         if wall > 0:
             tokens.append(counter_total(mine, "tokens") / wall)
-            counted = [r for r in mine if (r.get("step_rate") or {}).get("steps") is not None]
+            counted = [r for r in mine if steps_advanced(r) is not None]
             if counted and wall_seconds(counted) > 0:
-                steps.append(sum(r["step_rate"]["steps"] for r in counted) / wall_seconds(counted))
+                steps.append(sum(steps_advanced(r) for r in counted) / wall_seconds(counted))
     return {"window": w.label, "seconds": wall_seconds(w.intervals), "ranks": len(logs),
             "tokens_per_s": sum(tokens) if any(tokens) else None,
             "steps_per_s": statistics.fmean(steps) if steps else None}

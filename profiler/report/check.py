@@ -33,18 +33,20 @@ import multiprocessing
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
-from operator import itemgetter
 from pathlib import Path
 
+from profiler import views
 from profiler.trace_events import MAX_EVENTS, backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
 from profiler.span_kinds import PHASE, of_run_start
-from profiler.windows import clock_seconds, is_steady, past_warm_up, span_clock, steady_throughput
+from profiler.windows import clock_fields, clock_seconds, counter_per_second, counter_total, duration_seconds, \
+    entry_counts, entry_fields, is_steady, most_threads, past_warm_up, span_clock, span_entries, span_names, \
+    steady_throughput, summed_clock_seconds, summed_counts, threads_of, wall_seconds, window_index, window_warmup
 from profiler.report import format_compare, format_hotspots, hotspots_of
 from profiler.report.background import Background, _start_method, cores
 from profiler.report.compare import compare as compare_runs
-from profiler.report.runs import _INTERVAL_LINE, RankLog, Run, _per_rank, _rank_log, _rank_logs, counter_total, \
-    empty_logs_line, load_run, paused_gc, rank_paths, rank_phase_spans, read_ranks, wall_seconds
+from profiler.report.runs import _INTERVAL_LINE, RankLog, Run, _per_rank, _rank_log, _rank_logs, empty_logs_line, \
+    load_run, paused_gc, rank_paths, rank_phase_spans, read_ranks
 from profiler.report.trace import flow_trace
 
 SHARE_SLACK = 1e-6       # shares and self-time sums: rounding of nanoseconds to seconds
@@ -355,31 +357,34 @@ def _log_name(log) -> str:
 def _check_interval(res: CheckResult, where: str, rec: dict, by_name: dict) -> None:
     """The shares, order and self-time invariants of one interval (the loop the check spends most in: each
     invariant counted and tested inline, where it is named only when one breaks); each span entry is added to its
-    span's in `by_name`."""
-    duration = rec.get("duration_seconds") or 0.0
+    span's in `by_name`. Fields are read by profiler.windows' accessors at dict speed, the interval's index through
+    its view where a broken invariant names it."""
+    duration = duration_seconds(rec)
     per_thread: dict = {}
     unowned, counted = False, 0
-    for name, e in (rec.get("spans") or {}).items():
+    for name, e in span_entries(rec).items():
         entries = by_name.get(name)
         if entries is None:
             by_name[name] = [e]
         else:
             entries.append(e)
-        threads = e.get("threads") or []
-        checked = _entry_checked(e)
+        count, timed, unresolved, threads, share, cpu, gpu, lag = entry_fields(e)
+        cpu = clock_fields(cpu) if cpu else None
+        checked = _entry_checked(count, timed, unresolved, cpu, clock_fields(gpu) if gpu else None)
         faults = _NO_FAULTS
         if checked is None:   # something may be broken: the full pass names it
             checked, faults = _entry_faults(e)
         counted += checked + 1
-        share, most = e.get("share"), len(threads) or 1
+        threads = threads or ()
+        most = len(threads) or 1
         if not (share is None or share <= most + SHARE_SLACK + 1e-9 * abs(most)):   # _le, inline
-            res.fail("shares", f"{where} interval {rec.get('index')} span {name}",
+            res.fail("shares", f"{where} interval {views.interval(rec).index} span {name}",
                      f"share {_fmt(share)} over {most} thread(s)")
         for invariant, clock, message in faults:
-            res.fail(invariant, f"{where} interval {rec.get('index')} span {name}{clock}", message)
-        if e.get("gpu_lag"):
-            _check_gpu_lag(res, f"{where} interval {rec.get('index')} span {name}", e)
-        own = (e.get("cpu") or {}).get("self_seconds")
+            res.fail(invariant, f"{where} interval {views.interval(rec).index} span {name}{clock}", message)
+        if lag:
+            _check_gpu_lag(res, f"{where} interval {views.interval(rec).index} span {name}", e)
+        own = cpu[6] if cpu else None   # the CPU block's self_seconds (clock_fields)
         if own is None:
             unowned = True
         elif len(threads) == 1:
@@ -389,30 +394,33 @@ def _check_interval(res: CheckResult, where: str, rec: dict, by_name: dict) -> N
         res.note(f"{where}: intervals without cpu.self_seconds (written before self time): "
                  "per-thread self-time sums not checked")
     for thread, own in per_thread.items():
-        res.expect(_le(own, duration, SHARE_SLACK), "shares", f"{where} interval {rec.get('index')} thread {thread}",
-                   lambda: f"self CPU time of its spans {_fmt(own)} s > the interval's {_fmt(duration)} s")
+        res.checked += 1   # res.expect inline: the interval named only where it breaks
+        if not _le(own, duration, SHARE_SLACK):
+            res.fail("shares", f"{where} interval {views.interval(rec).index} thread {thread}",
+                     f"self CPU time of its spans {_fmt(own)} s > the interval's {_fmt(duration)} s")
 
 
 def _check_gpu_lag(res: CheckResult, here: str, e: dict) -> None:
     """The `gpu` invariants of one interval span entry with a `gpu_lag` (module doc)."""
-    lag = e.get("gpu_lag")
-    if not lag:
+    entry = views.SpanEntry.of(e)
+    lag = entry.gpu_lag
+    if lag is None:
         return
-    placed, unplaced, timed = lag.get("n") or 0, lag.get("unplaced") or 0, e.get("gpu_count") or 0
+    placed, unplaced, timed = lag.n, lag.unplaced, entry.gpu_count or 0
     res.expect(placed + unplaced == timed, "gpu", here,
                lambda: f"gpu_lag placed {placed} + unplaced {unplaced} spans != gpu_count {timed}")
-    cpu, gpu = e.get("cpu") or {}, e.get("gpu") or {}
-    if not (placed and lag.get("launch_bound") == placed == timed == e.get("count")) or cpu.get("mean_seconds") is None:
+    host_mean_s = entry.cpu.mean_seconds
+    if not (placed and lag.launch_bound == placed == timed == entry.count) or host_mean_s is None:
         return
-    host_s = cpu["mean_seconds"] * placed
-    bound_s = host_s / (1 - HOST_PACED_SHARE) + placed * (lag.get("tolerance_s") or 0.0)
-    res.expect(_le(gpu.get("total_seconds"), bound_s, 1e-6), "gpu", here,
-               lambda: f"launch-bound, yet its GPU window {_fmt(gpu.get('total_seconds'))} s exceeds its CPU time "
+    host_s = host_mean_s * placed
+    bound_s = host_s / (1 - HOST_PACED_SHARE) + placed * (lag.tolerance_s or 0.0)
+    gpu_s = entry.gpu.total_seconds if entry.gpu else None
+    res.expect(_le(gpu_s, bound_s, 1e-6), "gpu", here,
+               lambda: f"launch-bound, yet its GPU window {_fmt(gpu_s)} s exceeds its CPU time "
                        f"{_fmt(host_s)} s / {1 - HOST_PACED_SHARE:g} + the tolerance")
 
 
-COUNT_KEYS = ("count", "gpu_count", "gpu_unresolved")
-_CLOCKS = (("cpu", " cpu"), ("gpu", " gpu"))
+COUNT_KEYS = ("count", "gpu_count", "gpu_unresolved")   # entry_fields' first three, named in messages
 _NO_FAULTS = ()
 
 
@@ -424,32 +432,28 @@ def _check_entry_stats(res: CheckResult, here: str, e: dict) -> None:
         res.fail(invariant, here + clock, message)
 
 
-_ORDERED = itemgetter("p50_seconds", "p95_seconds", "p99_seconds", "max_seconds", "mean_seconds")
-
-
-def _entry_checked(e: dict) -> int | None:
+def _entry_checked(count, timed, unresolved, cpu: tuple | None, gpu: tuple | None) -> int | None:
     """_entry_faults(e)'s count where every invariant of the entry holds with no tolerance needed (and each block has
     all four order statistics and its mean); None where one may break, for _entry_faults to name it. Strictly in
-    order implies in order within _le's slack, so the count is the same."""
+    order implies in order within _le's slack, so the count is the same. Given the entry's count, gpu_count and
+    gpu_unresolved and its cpu and gpu blocks' clock_fields (None where it has no such block), as _check_interval
+    read them."""
     checked = 0
-    for key in COUNT_KEYS:
-        n = e.get(key)
+    for n in (count, timed, unresolved):
         if n is not None:
             if not n >= 0:
                 return None
             checked += 1
-    for clock in ("cpu", "gpu"):
-        stats = e.get(clock)
-        if not stats:
+    for stats in (cpu, gpu):
+        if stats is None:
             continue
+        p50, p95, p99, top, mean, total, own, buckets = stats
         try:
-            p50, p95, p99, top, mean = _ORDERED(stats)
             if not (p50 <= p95 <= p99 <= top and mean <= top):
                 return None
-        except (KeyError, TypeError):   # a statistic missing or null
+        except TypeError:   # a statistic missing or null
             return None
         checked += 4
-        buckets = stats.get("buckets")
         if buckets is not None:
             if type(buckets) is not list:
                 return None
@@ -459,9 +463,7 @@ def _entry_checked(e: dict) -> int | None:
                 if buckets and not (min(buckets) >= 0 and (summed := sum(buckets)) == summed):
                     return None
             checked += 1
-        own = stats.get("self_seconds")
         if own is not None:
-            total = stats.get("total_seconds")
             if not (own >= 0 and (total is None or own <= total)):
                 return None
             checked += 1
@@ -473,40 +475,37 @@ def _entry_faults(e: dict) -> tuple[int, list | tuple]:
     _check_entry_stats: counts non-negative; per clock p50 <= p95 <= p99 <= max and mean <= max (_check_order),
     no negative bucket, 0 <= self <= total. Tested inline: it runs for every entry of every interval."""
     checked, faults = 0, _NO_FAULTS
-    for key in COUNT_KEYS:
-        n = e.get(key)
+    *counts, _threads, _share, cpu, gpu, _lag = entry_fields(e)
+    for key, n in zip(COUNT_KEYS, counts):
         if n is not None:
             checked += 1
             if not n >= 0:
                 faults = [*faults, ("order", "", f"{key} {n} < 0")]
-    for clock, at in _CLOCKS:
-        stats = e.get(clock)
-        if not stats:
+    for block, at in ((cpu, " cpu"), (gpu, " gpu")):
+        if not block:
             continue
-        chain = [(k, v) for k in STAT_KEYS if (v := stats.get(k)) is not None]
+        *ordered, mean, total, own, buckets = clock_fields(block)
+        chain = [(k, v) for k, v in zip(STAT_KEYS, ordered) if v is not None]
         checked += max(1, len(chain))   # each neighbouring pair, and mean <= max
         for (ka, a), (kb, b) in zip(chain, chain[1:]):
             if not a <= b + 1e-9 * abs(b):   # _le(a, b) of two numbers, inline
                 faults = [*faults, ("order", at, f"{ka} {_fmt(a)} > {kb} {_fmt(b)}")]
-        mean, top = stats.get("mean_seconds"), stats.get("max_seconds")
+        top = ordered[-1]
         if not _le(mean, top):
             faults = [*faults, ("order", at, f"mean_seconds {_fmt(mean)} > max_seconds {_fmt(top)}")]
-        buckets = stats.get("buckets")
         if buckets is not None:
             checked += 1
             if buckets and not (min(buckets) >= 0 and (summed := sum(buckets)) == summed):   # NaN sums to NaN
                 faults = [*faults, ("order", at, "a negative bucket count")]
-        own = stats.get("self_seconds")
         if own is not None:
             checked += 1
-            total = stats.get("total_seconds")
             if not (own >= 0 and _le(own, total, 1e-9)):
                 faults = [*faults, ("once", at, f"self {_fmt(own)} s not within 0..total {_fmt(total)} s")]
     return checked, faults
 
 
 def _check_order(res: CheckResult, here: str, stats: dict) -> None:
-    """p50 <= p95 <= p99 <= max and mean <= max, over the keys the block has."""
+    """p50 <= p95 <= p99 <= max and mean <= max, over the keys a hotspots row has (the report's own output)."""
     chain = [(k, stats[k]) for k in STAT_KEYS if stats.get(k) is not None]
     for (ka, a), (kb, b) in zip(chain, chain[1:]):
         res.expect(_le(a, b), "order", here, lambda: f"{ka} {_fmt(a)} > {kb} {_fmt(b)}")
@@ -521,15 +520,15 @@ def _segments(log) -> list:
     index 0; its run_end is the first written at or after its last interval and before the next segment."""
     groups: list = []
     for rec in log.intervals:
-        if rec.get("index") == 0 or not groups:
+        if window_index(rec) == 0 or not groups:
             groups.append([])
         groups[-1].append(rec)
     out = []
     for k, intervals in enumerate(groups):
-        lo = intervals[-1].get("time_unix") or 0.0
-        hi = groups[k + 1][0].get("time_unix") if k + 1 < len(groups) else None
-        end = next((e for e in log.run_ends if (e.get("time_unix") or 0.0) >= lo
-                    and (hi is None or (e.get("time_unix") or 0.0) < hi)), None)
+        lo = views.interval(intervals[-1]).time_unix or 0.0
+        hi = views.interval(groups[k + 1][0]).time_unix if k + 1 < len(groups) else None
+        end = next((e for e in log.run_ends if (at := views.run_end(e).time_unix or 0.0) >= lo
+                    and (hi is None or at < hi)), None)
         start = log.run_starts[k] if k < len(log.run_starts) else None
         out.append((start, intervals, end))
     return out
@@ -542,41 +541,44 @@ def _check_segment(res: CheckResult, where: str, start, intervals: list, end, by
     if end is None:
         res.note(f"{where}: no run_end (the rank stopped without one): its totals not checked")
         return
-    if end.get("run_log"):   # the disk filled: the run_end covers records the log could not take
-        res.note(f"{where}: the run log lost {end['run_log'].get('dropped_records')} record(s) to "
-                 f"{end['run_log'].get('error')}: its run_end's totals not checked against its intervals")
+    ended = views.run_end(end)
+    if ended.run_log is not None:   # the disk filled: the run_end covers records the log could not take
+        res.note(f"{where}: the run log lost {ended.run_log.dropped_records} record(s) to "
+                 f"{ended.run_log.error}: its run_end's totals not checked against its intervals")
         return
-    res.expect(end.get("intervals") in (None, len(intervals)), "agree", f"{where} run_end",
-               lambda: f"says {end.get('intervals')} intervals, the log holds {len(intervals)}")
-    for name, e in (end.get("spans") or {}).items():
+    res.expect(ended.intervals in (None, len(intervals)), "agree", f"{where} run_end",
+               lambda: f"says {ended.intervals} intervals, the log holds {len(intervals)}")
+    for name, e in span_entries(end).items():   # entries as written: a count not written is None here, not 0
         here = f"{where} run_end span {name}"
         _check_entry_stats(res, here, e)
         entries = by_name.get(name, [])
-        count = sum(x.get("count") or 0 for x in entries)
-        res.expect(e.get("count") == count, "agree", here,
-                   lambda: f"count {e.get('count')} != its intervals' {count}")
-        total = (e.get("cpu") or {}).get("total_seconds") or 0.0
-        summed = sum((x.get("cpu") or {}).get("total_seconds") or 0.0 for x in entries)
+        count = summed_counts(entries)
+        said = entry_counts(e)[0]
+        res.expect(said == count, "agree", here, lambda: f"count {said} != its intervals' {count}")
+        total = clock_seconds(e, "cpu")
+        summed = summed_clock_seconds(entries, "cpu")
         res.expect(abs(total - summed) <= TOTAL_REL * abs(summed) + TOTAL_ABS_SECONDS, "agree", here,
                    lambda: f"cpu.total_seconds {_fmt(total)} != its intervals' {_fmt(summed)}")
-    for name, c in (end.get("counters") or {}).items():
-        summed = sum(((r.get("counters") or {}).get(name) or {}).get("total") or 0 for r in intervals)
-        total = c.get("total") or 0
+    for name, c in ended.counters.items():
+        summed = counter_total(intervals, name)
+        total = c.total or 0
         res.expect(abs(total - summed) <= 1e-9 * max(abs(total), 1.0), "agree", f"{where} run_end counter {name}",
                    lambda: f"total {_fmt(total)} != its intervals' {_fmt(summed)}")
 
 
 def _check_phases_tagged(res: CheckResult, where: str, start: dict, intervals: list, by_name: dict) -> None:
     """A segment with warm-up steps marks its first interval warm-up; every phase span that shows is listed."""
-    if "warmup_steps" not in start:
+    begun = views.run_start(start)
+    if not begun.marks_warmup:
         res.note(f"{where}: run_start without warmup_steps (written before warm-up marks): not checked")
-    elif (start.get("warmup_steps") or 0) > 0 and intervals:
-        res.expect(bool(intervals[0].get("warmup")), "phases", f"{where} interval {intervals[0].get('index')}",
-                   lambda: f"not marked warmup, though run_start gives warmup_steps {start['warmup_steps']}")
-    if "phase_spans" not in start:
+    elif (begun.warmup_steps or 0) > 0 and intervals:
+        first = intervals[0]
+        res.expect(window_warmup(first), "phases", f"{where} interval {window_index(first)}",
+                   lambda: f"not marked warmup, though run_start gives warmup_steps {begun.warmup_steps}")
+    if not begun.lists_phases:
         res.note(f"{where}: run_start without phase_spans (written before phases were listed): not checked")
         return
-    listed = set(start.get("phase_spans") or ())
+    listed = set(begun.phase_spans)
     phases = of_run_start(start).names(PHASE)   # the run's phase spans: each that shows must be listed
     seen = {n for n in by_name if n in phases}
     for name in sorted(seen - listed):
@@ -597,8 +599,8 @@ def _check_once(res: CheckResult, where: str, log, named: list) -> None:
             by_name.setdefault(name, []).extend(entries)
     for name, entries in by_name.items():
         on = span_clock(entries)
-        total = sum((clock_seconds(e, on) for e in entries), 0.0)
-        threads = max(1, len({t for e in entries for t in e.get("threads") or ()}))
+        total = summed_clock_seconds(entries, on)
+        threads = max(1, len(threads_of(entries)))
         res.expect(_le(total, wall * threads, SHARE_SLACK * max(1, len(entries))), "once", f"{where} span {name}",
                    lambda: f"{_fmt(total)} s on the {on} clock over the run > {threads} thread(s) x its "
                            f"wall {_fmt(wall)} s")
@@ -617,12 +619,13 @@ def _read_throughput(res: CheckResult, run: Run, log) -> dict | None:
 
 
 def _throughput_events(log) -> list:
-    return [e for e in log.events if e.get("kind") == "throughput"]
+    """The rank's `throughput` events, as written (profiler.windows.steady_throughput reads them)."""
+    return [e for e in log.events if isinstance(views.event(e), views.Throughput)]
 
 
 def _marks_phases(log) -> bool:
     """Whether the rank's log was written with warm-up marks, phase lists and throughput events (6042c1f)."""
-    return any("warmup_steps" in s for s in log.run_starts)
+    return any(s.marks_warmup for s in map(views.run_start, log.run_starts))
 
 
 def _rank_rate(log, file: dict | None) -> float | None:
@@ -630,7 +633,9 @@ def _rank_rate(log, file: dict | None) -> float | None:
     events = _throughput_events(log)
     if len(events) > 1:
         return steady_throughput(events)["steady_tokens_per_s"]
-    return (file or (events[-1] if events else {})).get("steady_tokens_per_s")
+    if file:   # the throughput file (a JSON file of its own, not a run-log record)
+        return file.get("steady_tokens_per_s")
+    return views.event(events[-1]).steady_tokens_per_s if events else None
 
 
 def _check_throughput(res: CheckResult, log, got: dict | None, want: float | None, report: dict) -> None:
@@ -645,7 +650,7 @@ def _check_throughput(res: CheckResult, log, got: dict | None, want: float | Non
         res.expect(got is not None and bool(events), "agree", name, lambda: "the throughput file is missing"
                    if got is None else f"no throughput event in {_log_name(log)}")
     if got is not None and events:
-        last = events[-1].get("steady_tokens_per_s")
+        last = views.event(events[-1]).steady_tokens_per_s
         res.expect(got.get("steady_tokens_per_s") == last, "agree", name,
                    lambda: f"steady_tokens_per_s {_fmt(got.get('steady_tokens_per_s'))} != its last throughput "
                            f"event's {_fmt(last)} ({_log_name(log)})")
@@ -674,14 +679,16 @@ def _check_past_warmup(res: CheckResult, log, events: list) -> None:
         if end is None or start is None:
             begin_step, after_unix = None, None
             continue
-        warm, step = start.get("warmup_steps"), end.get("step") or 0
-        if warm is not None and begin_step is not None and end.get("status") == "ok" and step > begin_step + warm:
-            mine = [e for e in events if (after_unix is None or e.get("time_unix", 0.0) > after_unix)
-                    and e.get("time_unix", 0.0) <= end.get("time_unix", 0.0)]
+        done = views.run_end(end)
+        warm, step = views.run_start(start).warmup_steps, done.step or 0
+        if warm is not None and begin_step is not None and done.status == "ok" and step > begin_step + warm:
+            ended = done.time_unix or 0.0
+            mine = [e for e in map(views.event, events) if (after_unix is None or (e.time_unix or 0.0) > after_unix)
+                    and (e.time_unix or 0.0) <= ended]
             res.expect(bool(mine), "phases", f"{_log_name(log)} segment {k}",
                        lambda: f"ran to step {step}, past {warm} warm-up steps from step {begin_step}, "
                                "and wrote no throughput event")
-        begin_step, after_unix = step + 1, end.get("time_unix")
+        begin_step, after_unix = step + 1, done.time_unix
 
 
 # ---- the report: its rows and its per-role steady rates ---------------------------------------------
@@ -711,11 +718,9 @@ def _most_threads(run: Run) -> dict:
     """{(role, span): the most threads one of its interval entries names}, where that is more than one."""
     most: dict = {}
     for log in run.ranks.values():
-        for rec in log.intervals:
-            for name, e in (rec.get("spans") or {}).items():
-                n = len(e.get("threads") or ())
-                if n > 1 and n > most.get((log.role, name), 1):
-                    most[log.role, name] = n
+        for name, n in most_threads(log.intervals).items():
+            if n > 1 and n > most.get((log.role, name), 1):
+                most[log.role, name] = n
     return most
 
 
@@ -724,13 +729,16 @@ def _check_row_against_run_end(res: CheckResult, here: str, row: dict, logs: lis
     the console's end-of-run table prints them."""
     if len(logs) != 1 or len(logs[0].run_ends) != 1 or len(logs[0].run_starts) != 1:
         return
-    if logs[0].run_ends[0].get("run_log"):   # its log lost records to a full disk: the run_end covers more
+    end = views.run_end(logs[0].run_ends[0])
+    if end.run_log is not None:   # its log lost records to a full disk: the run_end covers more
         return
-    stats = (((logs[0].run_ends[0].get("spans") or {}).get(row["span"]) or {}).get(row["on"])) or {}
-    for key in ("p50_seconds", "p95_seconds", "max_seconds"):
-        if stats.get(key) is not None:
-            res.expect(math.isclose(row[key] or 0.0, stats[key], rel_tol=1e-9, abs_tol=1e-12), "agree", here,
-                       lambda: f"{key} {_fmt(row[key])} != its run_end's {_fmt(stats[key])}")
+    entry = end.spans.entry(row["span"])
+    stats = views.ClockStats.of(entry.gpu if row["on"] == "gpu" else entry.cpu if row["on"] == "cpu" else None)
+    for key in ("p50_seconds", "p95_seconds", "max_seconds"):   # ClockStats fields, named as the log names them
+        said = getattr(stats, key)
+        if said is not None:
+            res.expect(math.isclose(row[key] or 0.0, said, rel_tol=1e-9, abs_tol=1e-12), "agree", here,
+                       lambda: f"{key} {_fmt(row[key])} != its run_end's {_fmt(said)}")
 
 
 def _check_role_rates(res: CheckResult, run: Run, rates: dict, report: dict) -> None:
@@ -940,8 +948,7 @@ def _check_compare(res: CheckResult, run_a: Run, run_b: Run) -> None:
             res.expect(label.startswith(want), "compare", f"compare {role} {side.upper()}",
                        lambda: f"read over {label!r}, but both runs' windows alike are {want}...")
             rate = table["tokens_per_s"].get(role)
-            timed = sum(1 for w in windows if ((w.get("counters") or {}).get("tokens") or {}).get("per_second")
-                        is not None)
+            timed = sum(1 for w in windows if counter_per_second(w, "tokens") is not None)
             res.expect(rate is None or rate[side]["intervals"] == timed, "compare", f"compare {role} {side.upper()}",
                        lambda: f"tokens/s n = {rate[side]['intervals']}, but {timed} of its windows have a rate")
         res.expect(f"{role}: A over {table['role_windows'][role]['a']}; B over {table['role_windows'][role]['b']}"
@@ -969,8 +976,7 @@ def _span_names(run: Run) -> set:
     names: dict = {}
     for log in run.ranks.values():
         mine = names.setdefault(log.role, set())
-        for rec in log.intervals:
-            mine.update(rec.get("spans") or ())
+        mine.update(span_names(log.intervals))
     return {(role, name) for role, mine in names.items() for name in mine}
 
 
@@ -998,8 +1004,8 @@ def _check_flows(res: CheckResult, run: Run) -> None:
         f"{len(backward)} flow(s) point backwards in time, e.g. batch {backward[0][0]}: received at "
         f"{(backward[0][2] - backward[0][1]) / 1e6:+.3f} s from its send"))
     stopped = [log.rank for log in run.ranks.values()
-               if any(e.get("kind") in ("stop", "signal") for e in log.events)
-               or any(end.get("status") not in (None, "ok") for end in log.run_ends)
+               if any(views.event(e).kind in ("stop", "signal") for e in log.events)
+               or any(views.run_end(end).status not in (None, "ok") for end in log.run_ends)
                or len(log.run_ends) < len(log.run_starts)]
     if stopped:   # a stop drops the batches in flight: their sends have no receive, by design
         res.note(f"flows: rank(s) {', '.join(map(str, stopped))} stopped early (a signal, a stop or a failure): "

@@ -13,7 +13,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from profiler.windows import per_call_seconds
+from profiler.windows import counter_per_second, entry_count, gpu_peak_bytes, per_call_seconds, span_entries
 from profiler.report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2
@@ -107,18 +107,18 @@ def _samples(run: Run, kinds: dict, memory_steady: bool) -> dict:
             walls[role] += wall_seconds(per_rank[log.rank])
             names: set = set()
             for rec in log.intervals:
-                names.update(rec.get("spans") or ())
+                names.update(span_entries(rec))
             out["present"] |= {(role, n) for n in names}
             _sample_spans(per_rank[log.rank], role, spans, counts)
             for rec in per_rank[log.rank]:
-                rate = ((rec.get("counters") or {}).get("tokens") or {}).get("per_second")
+                rate = counter_per_second(rec, "tokens")
                 if rate is not None:
                     out["rates"].setdefault(role, []).append(rate * len(logs))
             memory = steady_window(log, ticks=False).intervals if memory_steady else log.intervals
             for rec in memory:   # NVML: interval records only
                 for g in gpus(rec):
-                    if g.get("used_bytes_peak") is not None:
-                        out["memory"].setdefault(gpu_key(log, g), []).append(g["used_bytes_peak"])
+                    if (peak := gpu_peak_bytes(g)[0]) is not None:
+                        out["memory"].setdefault(gpu_key(log, g), []).append(peak)
     out["spans"], out["calls"] = dict(spans), dict(counts)
     out["calls_per_s"] = {k: sum(n) / walls[k[0]] for k, n in counts.items() if walls.get(k[0])}
     out["window"] = "; ".join(f"{role}: {label}" for role, label in out["windows"].items())
@@ -133,11 +133,11 @@ def _sample_spans(windows: list, role: str, spans: defaultdict, counts: defaultd
     """Each window's mean seconds per call (windows.per_call_seconds) and call count of every span it timed,
     appended to spans[role, name] and counts[role, name]."""
     for rec in windows:
-        for name, e in (rec.get("spans") or {}).items():
+        for name, e in span_entries(rec).items():
             seconds = per_call_seconds(e)
             if seconds is not None:
                 spans[role, name].append(seconds)
-                counts[role, name].append(e["count"])
+                counts[role, name].append(entry_count(e))
 
 
 def _span_rows(a: dict, b: dict, waits: set) -> list:

@@ -16,7 +16,8 @@ def _first_nonfinite(run: Run) -> dict | None:
     if not found:
         return None
     step, rank, e = min(found, key=lambda f: (f[0], f[1]))
-    return {"step": step, "rank": rank, "span": e.raw.get("span"), "tensor": e.raw.get("tensor")}
+    finding = views.Nonfinite.of(e)
+    return {"step": step, "rank": rank, "span": finding.span, "tensor": finding.tensor}
 
 
 def _thin(points: list, n: int) -> list:

@@ -13,12 +13,15 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from profiler.trace_events import MAX_EVENTS, num, slice_cost
+from profiler.trace_events import MAX_EVENTS, slice_cost
 from profiler import records as rl
 from profiler import views
 from profiler.span_kinds import SpanKinds, of_run_starts
 from profiler.report.background import Background, cores
-from profiler.windows import is_steady, past_warm_up, tick_windows
+from profiler.windows import detail_spans, duration_seconds, gpu_index, is_steady, past_warm_up, tick_windows, \
+    window_final, window_index
+# the report's modules take these accessors from here: an interval's NVML GPUs, windows' wall seconds, a counter's total
+from profiler.windows import counter_total, measured_gpus as gpus, wall_seconds  # noqa: F401
 
 
 class ReportError(ValueError):
@@ -46,7 +49,7 @@ class RankLog:
 
     @property
     def config(self) -> dict:
-        return (self.run_starts[-1].get("config") or {}) if self.run_starts else {}
+        return views.run_start(self.run_starts[-1]).config if self.run_starts else {}
 
     @cached_property
     def steady_intervals(self) -> Window:
@@ -96,8 +99,8 @@ class Run:
         return next((log.config for log in self.ranks.values() if log.config), {})
 
     def histogram_bounds_seconds(self) -> list | None:
-        return next((s["histogram_buckets_seconds"] for log in self.ranks.values() for s in log.run_starts
-                     if s.get("histogram_buckets_seconds")), None)
+        return next((bounds for log in self.ranks.values() for s in map(views.run_start, log.run_starts)
+                     if (bounds := s.histogram_buckets_seconds)), None)
 
 
 _KIND_LISTS = {rl.RUN_START: "run_starts", rl.INTERVAL: "intervals", rl.EVENT: "events",
@@ -123,15 +126,15 @@ class DetailWindows:
         self.profiler_dropped = 0   # the profiler's own `dropped` count, over every record read
 
     def add(self, rec: dict) -> None:
-        spans = rec.get("spans") or []
-        self.profiler_dropped += int(num(rec.get("dropped")) or 0)
+        spans = detail_spans(rec)
+        self.profiler_dropped += views.detail_window(rec).dropped
         self.records.append(rec)
         self._costs.append(sum(slice_cost(s) for s in spans))
         self._used += self._costs[-1]
         # the oldest goes once the newer ones fill the bound without it (newest_within would never reach it)
         while len(self.records) > 1 and self._used - self._costs[0] >= self.max_events:
             self._used -= self._costs.popleft()
-            self.evicted_spans += len(self.records.popleft().get("spans") or [])
+            self.evicted_spans += len(detail_spans(self.records.popleft()))
 
 
 def _why_bad(raw: bytes) -> tuple[dict | None, str | None]:
@@ -277,7 +280,7 @@ def _newest_back(fd: int, candidates: list, max_events: int, bad: BadLines) -> l
             if kept and used >= max_events:
                 return kept[::-1]
             kept.append(rec)
-            used += sum(map(slice_cost, rec.get("spans") or []))
+            used += sum(map(slice_cost, detail_spans(rec)))
         end -= len(chunk)
     return kept[::-1]
 
@@ -295,7 +298,7 @@ def _rank_log(rank: int, path: Path, spans_events: int | None, skip: tuple = (),
         windows = DetailWindows(spans_events) if spans_events is not None else None
         recs, bad = _read_for_report(path, windows, skip)
         spans = (list(windows.records), windows.evicted_spans, windows.profiler_dropped) if windows else ([], 0, 0)
-    role = next((r.get("role") for r in recs if r.get("role")), None) or "unknown"
+    role = next((role for role in (views.Record.of(r).role for r in recs) if role), None) or "unknown"
     log = RankLog(rank=rank, role=role, hostname=None, bad_lines=bad.count, bad_examples=bad.examples)
     for rec in recs:
         name = _KIND_LISTS.get(rec.get("type"))
@@ -305,7 +308,7 @@ def _rank_log(rank: int, path: Path, spans_events: int | None, skip: tuple = (),
         log.spans, log.spans_evicted, log.spans_profiler_dropped = spans
     for start in log.run_starts:
         rl.check_schema(start, where=str(path))
-        log.hostname = log.hostname or start.get("hostname")
+        log.hostname = log.hostname or views.run_start(start).hostname
     return log
 
 
@@ -454,8 +457,9 @@ def line_counts(logs: dict, max_events: int = MAX_EVENTS, with_intervals: bool =
 
 
 def _did_work(rec: dict) -> bool:
-    tokens = ((rec.get("counters") or {}).get("tokens") or {}).get("total")
-    return bool(tokens) if tokens is not None else bool(rec.get("spans"))
+    window = views.interval(rec)
+    tokens = window.counters.entry("tokens").total
+    return bool(tokens) if tokens is not None else bool(window.spans)
 
 
 PHASED_WORDS = "each over a tenth in phases: compile, evaluation or checkpoints"
@@ -495,7 +499,7 @@ class Window:
 
     def _tick_label(self, n: int) -> str:
         """"steady windows (14 x 5 s)": how many windows, and their typical (median) length."""
-        durations = [r.get("duration_seconds") or 0.0 for r in self.intervals]
+        durations = [duration_seconds(r) for r in self.intervals]
         each = f" x {statistics.median(durations):.2g} s" if durations and self.source == "ticks" else \
             ": tick windows and intervals"
         if not self.fallback:
@@ -511,7 +515,7 @@ class Window:
 
 def rank_phase_spans(log: RankLog) -> tuple:
     """The span names the rank's profiler called phases (its run_start `phase_spans`)."""
-    return tuple(next((s["phase_spans"] for s in log.run_starts if s.get("phase_spans")), ()))
+    return tuple(next((names for s in map(views.run_start, log.run_starts) if (names := s.phase_spans)), ()))
 
 
 def steady_window(log: RankLog, ticks: bool = True) -> Window:
@@ -535,7 +539,7 @@ def _steady_ticks(log: RankLog) -> Window:
 
 def _steady_intervals(log: RankLog) -> Window:
     """steady_window(log, ticks=False) (RankLog.steady_intervals, worked out once)."""
-    marked = any("warmup_steps" in s for s in log.run_starts)
+    marked = any(s.marks_warmup for s in map(views.run_start, log.run_starts))
     phases = rank_phase_spans(log)
     steady, starting = [], True
     for rec in log.intervals:
@@ -543,11 +547,11 @@ def _steady_intervals(log: RankLog) -> Window:
             if is_steady(rec, phases):
                 steady.append(rec)
             continue
-        if rec.get("index") == 0:
+        if window_index(rec) == 0:
             starting = True
         if starting:
             starting = not _did_work(rec)
-        elif not rec.get("final"):
+        elif not window_final(rec):
             steady.append(rec)
     if steady or not log.intervals:
         return Window(steady, len(steady))
@@ -588,20 +592,7 @@ def span_kinds(run) -> SpanKinds:
     return of_run_starts(s for log in run.ranks.values() for s in log.run_starts)
 
 
-def gpus(rec: dict) -> list:
-    """The interval's NVML per-GPU entries; none when its memory was not measured."""
-    mem = rec.get("memory") or {}
-    return (mem.get("gpus") or []) if mem.get("available") else []
-
-
 def gpu_key(log: RankLog, gpu: dict) -> str:
     """"host:index": a GPU named across ranks (ranks on one host may share it)."""
-    return f"{log.hostname or '?'}:{gpu.get('index')}"
+    return f"{log.hostname or '?'}:{gpu_index(gpu)}"
 
-
-def wall_seconds(intervals: list) -> float:
-    return sum(r.get("duration_seconds") or 0.0 for r in intervals)
-
-
-def counter_total(intervals: list, name: str) -> float:
-    return sum(((r.get("counters") or {}).get(name) or {}).get("total") or 0.0 for r in intervals)

@@ -128,7 +128,7 @@ def _sampled(run: Run, roles: set, running_only: bool, out: dict) -> tuple[int, 
             ss = rec.stack_samples
             if ss.samples is None:
                 continue
-            if "frames" not in ss.raw:   # written before whole stacks were recorded: hot frames only
+            if not ss.whole_stacks:   # written before whole stacks were recorded: hot frames only
                 older += 1
                 continue
             intervals, dumps, failed = intervals + 1, dumps + ss.samples, failed + (ss.failed or 0)

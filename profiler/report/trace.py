@@ -8,6 +8,7 @@ from profiler.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matc
     prepare, proc_info, write_trace
 from profiler.report.background import Background, cores
 from profiler.report.runs import Run, line_counts, load_run, paused_gc, rank_paths, span_kinds
+from profiler.windows import detail_spans, flow_halves
 
 
 def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:
@@ -37,22 +38,16 @@ def _add_evicted(run: Run, procs: list) -> None:
         p["evicted"] += run.ranks[p["rank"]].spans_evicted   # and those let go while the log was read
 
 
-def _carries_flow(entry, flow_spans: FlowSpans) -> bool:
-    """Whether a raw span is a flow half as prepare() reads one (a span of the run's flow ends tagged `flow`)."""
-    attrs = entry.get("attrs") if isinstance(entry, dict) else None
-    return (isinstance(attrs, dict) and attrs.get("flow") is not None
-            and str(entry.get("name") or "span") in flow_spans.start | flow_spans.end)
-
-
 def _flow_prepared(run: Run, max_events: int) -> tuple[list, list]:
     """(procs, prepare() of each drawn detail window cut to its flow halves): merged_trace's windows (the newest
     within each rank's share, chosen over all their spans), holding only what build_trace joins flows from."""
     budget, flow_spans = max(1, max_events // len(run.ranks)), FlowSpans.of(span_kinds(run).flows())
+    ends = flow_spans.start | flow_spans.end
     procs, prepared = [], []
     for rank, log in run.ranks.items():
         procs.append(proc_info(rank, log.run_starts[-1] if log.run_starts else {"role": log.role}))
-        prepared += [prepare(rank, {**r, "spans": [e for e in r.get("spans") or () if _carries_flow(e, flow_spans)]},
-                             flow_spans)
+        prepared += [prepare(rank, {**r, "spans": [e for e, name, _ in flow_halves(detail_spans(r))
+                                                   if str(name or "span") in ends]}, flow_spans)
                      for r in newest_within(log.spans, budget)[0]]
     return procs, prepared
 
