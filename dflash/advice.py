@@ -13,6 +13,7 @@ from dflash import pipeline
 from dflash.config import _ENV, SECTIONS, TrainConfig
 from profiler.report.analysis import WAIT_BOUND_SHARE
 from profiler.report.findings import LAUNCH_FIXES, RULES, Advice, finding, straggler
+from profiler.report.memory_forecast import largest_of
 
 SPLIT_GAIN = 0.10              # a better split must predict at least this much more throughput
 
@@ -165,15 +166,15 @@ class PipelineAdvice(Advice):
         return super().copy(report, span)
 
     def _margin(self, report: dict, otherwise: str) -> tuple[str, list]:
-        """Lower the tokens per batch to the memory margin where the trainer takes it (at least max_length); else
-        `otherwise`."""
-        margin = report["memory_margin"].get("max_tokens_per_batch")
+        """Lower the tokens per batch to the memory forecast's largest (or the margin's) where the trainer takes it
+        (at least max_length); else `otherwise`."""
+        margin, what = _largest_batch(report)
         max_length = report["config"].get(KEYS["data.max_length"]) or 1
         now = report["config"].get(KEYS["data.tokens_per_batch"])
         if margin and margin >= max_length and (now is None or margin < now):
-            return f"lower {TOKENS} to {margin} (the memory margin)", [TOKENS, str(margin)]
+            return f"lower {TOKENS} to {margin} (the {what})", [TOKENS, str(margin)]
         if margin is not None and margin < max_length:
-            return (f"{otherwise}: the memory margin ({margin} tokens) is under the run's max_length ({max_length}), "
+            return (f"{otherwise}: the {what} ({margin} tokens) is under the run's max_length ({max_length}), "
                     "the least tokens per batch the trainer takes", [])
         return otherwise, []
 
@@ -184,10 +185,10 @@ class PipelineAdvice(Advice):
         return self._margin(report, "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
     def larger_batch(self, report: dict) -> tuple[str, list]:
-        margin = report["memory_margin"].get("max_tokens_per_batch")
+        margin, what = _largest_batch(report)
         now = report["config"].get(KEYS["data.tokens_per_batch"])
         if margin and now and margin > now:
-            return (f"{LAUNCH_FIXES}; or a larger batch: raise {TOKENS} to {margin} (the memory margin)",
+            return (f"{LAUNCH_FIXES}; or a larger batch: raise {TOKENS} to {margin} (the {what})",
                     [TOKENS, str(margin)])
         return f"{LAUNCH_FIXES}; or a larger batch ({TOKENS}) where memory allows", []
 
@@ -222,3 +223,12 @@ class PipelineAdvice(Advice):
 
 ADVICE = PipelineAdvice()
 """What dflash-report and the end of a run pass to report.hotspots."""
+
+
+def _largest_batch(report: dict) -> tuple:
+    """(the largest tokens per batch that fits, what says so): the memory forecast's where it has one (each step's
+    allocator peak), else the memory margin's (whole-run peaks), else (None, "memory margin")."""
+    largest = largest_of(report.get("memory_forecast") or {}, KEYS["data.tokens_per_batch"])
+    if largest is not None:
+        return largest, "memory forecast"
+    return report["memory_margin"].get("max_tokens_per_batch"), "memory margin"

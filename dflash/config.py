@@ -195,6 +195,10 @@ class ProfileConfig:
     console line when one drifts toward overflow (profiler/numerics.py). --no-numerics: none taken."""
     numerics_every: int = _f(1, ge=1)
     """Take the numerics statistics at every this many steps."""
+    plan_memory: bool = False
+    """Plan the memory and exit: train 30 steps (no evaluation) on a CUDA device, then print the memory forecast
+    (the largest --tokens-per-batch and --num-anchors that keep a twentieth of every GPU free, from those steps'
+    allocator peaks) and the settings it recommends, instead of the run's summary."""
 
     def profiler_config(self, **rest) -> ProfilerConfig:
         """This section as the profiler's settings; `rest`: the ProfilerConfig fields the trainer sets from its
@@ -525,13 +529,29 @@ def default_text(value) -> str:
     return format(value, "g") if isinstance(value, float) else str(value)
 
 
+PLAN_STEPS = 30
+"""Steps a --plan-memory run trains: past the warm-up and the first tens of steps in which memory still grows as
+packed shapes vary (a shorter probe misleads)."""
+
+
+def planned(cfg: TrainConfig) -> TrainConfig:
+    """Under --plan-memory: PLAN_STEPS steps and no evaluation (ConfigError with --resume: a plan is a run of its
+    own); the config as it is otherwise."""
+    if not cfg.profile.plan_memory:
+        return cfg
+    if cfg.reliability.resume:
+        raise ConfigError("--plan-memory: not with --resume (a plan trains a run of its own from the start)")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_steps=PLAN_STEPS),
+                               data=dataclasses.replace(cfg.data, eval_prompts=0))
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TrainConfig:
     """The run's config. With --resume --run-dir D: D/config.json's settings under the file, env and flags given
-    now; a change the checkpoint cannot take is refused (ConfigError naming the field)."""
+    now; a change the checkpoint cannot take is refused (ConfigError naming the field). --plan-memory: `planned`."""
     file_values, lines = load_config_file(args.config) if getattr(args, "config", None) else ({}, {})
     flags = {key: getattr(args, key, None) for key in _SPECS}
     name = str(getattr(args, "config", "config file"))
-    cfg = resolve_config(file_values, env, flags, file_name=name, file_lines=lines)
+    cfg = planned(resolve_config(file_values, env, flags, file_name=name, file_lines=lines))
     if not cfg.reliability.resume or cfg.run_dir is None:
         return cfg
     saved = saved_settings(Path(cfg.run_dir))

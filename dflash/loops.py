@@ -226,6 +226,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     flops = target_forward_flops(target.config, batch.attention_mask.sum(1), target.layer_ids)   # a CPU mask
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
+    profiler.memory_sizes(target_tokens=int(batch.input_ids.numel()))   # padded rows x longest: what the target held
     profiler.count("model_flops", flops)
     return batch.num_tokens, flops
 
@@ -379,6 +380,7 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
+    profiler.memory_sizes(drafter_tokens=n_tokens, block_rows=out.num_anchors * model.block_size)
     profiler.count("model_flops", out.model_flops)
     # The loss as trained on (nan@drafter.fwd_bwd included); lr: the next step's, as the interval's metric says.
     lr = state.scheduler.get_last_lr()[0]

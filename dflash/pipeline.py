@@ -124,3 +124,21 @@ def span_table() -> dict:
     """The table as plain data for the profiler (ProfilerConfig.span_table, run_start `span_table`, docs/RUNLOG.md):
     {span: {"role", "kind"[, "flow"]}}."""
     return {s.name: {"role": s.role, "kind": s.kind, **({"flow": s.flow} if s.flow else {})} for s in SPANS}
+
+
+MEMORY_SIZES = {
+    "target_tokens": {"role": "target", "flag": "--tokens-per-batch", "exponent": 1,
+                      "what": "the target's padded batch: rows x the longest row, tokens"},
+    "drafter_tokens": {"role": "drafter", "flag": "--tokens-per-batch", "exponent": 1,
+                       "what": "the drafter's context: the packed batch's tokens"},
+    "block_rows": {"role": "drafter", "flag": "--num-anchors", "exponent": 1,
+                   "what": "the drafter's draft blocks' rows: anchors x block size"},
+}
+"""The sizes the loops name per step (`profiler.memory_sizes`, dflash/loops.py) and the flag that scales each: the
+memory forecast's "largest --tokens-per-batch / --num-anchors that fits" (ProfilerConfig.memory_sizes, run_start
+`memory_sizes`). Flex attention's memory grows linearly with the tokens (no score matrix), so every exponent is 1."""
+
+
+def memory_sizes() -> dict:
+    """MEMORY_SIZES as plain data for the profiler (ProfilerConfig.memory_sizes)."""
+    return {name: dict(entry) for name, entry in MEMORY_SIZES.items()}

@@ -28,6 +28,8 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
     """Raise ConfigError for the first problem found; `world` ranks, `local_world` on this host, `gpus`
     the GPUs the run uses (0: a CPU run; None: ask torch, which a CPU run's launcher never imports)."""
     gpus = torch_gpus(cfg) if gpus is None else gpus
+    if cfg.profile.plan_memory and gpus == 0:
+        raise ConfigError(_PLAN_CPU)
     _check_faults(cfg, world, gpus)
     _check_devices(cfg, world, local_world, gpus)
     _check_metrics_ports(cfg, local_world)
@@ -38,6 +40,8 @@ def check(cfg: TrainConfig, world: int, local_world: int, gpus: int | None = Non
         _check_data(cfg, tokenizer)
 
 
+_PLAN_CPU = ("--plan-memory: needs a CUDA device (the forecast reads the allocator's per-step peaks); this run "
+             "has none")
 _NO_RUN = "--resume: no run in {path} (no profile/ and no checkpoint); drop --resume to start one there"
 
 
@@ -45,6 +49,8 @@ def check_early(cfg: TrainConfig) -> None:
     """The checks that need neither torch nor the device count (paths, directories, caches): the launcher runs
     them before it starts a rank or imports torch, so a mistake in them is answered in a fraction of a second.
     check() runs them too."""
+    if cfg.profile.plan_memory and cfg.parallel.device == "cpu":
+        raise ConfigError(_PLAN_CPU)
     _check_sd_dir(cfg)
     check_cache_dir(resolve_cache_dir(cfg.model.compile_cache_dir))
     if cfg.model.target_model is None and cfg.data.builtin_cache:

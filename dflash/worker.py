@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import dflash
 import profiler
-from dflash import builtin, checkpoint, compile_cache, evaluate, loops, pipeline, preflight, startup, telemetry
+from dflash import (builtin, checkpoint, compile_cache, evaluate, loops, memory_watch, pipeline, preflight, startup,
+                    telemetry)
 from dflash.cli_output import quiet_on_closed_pipe, whole_lines
 from dflash.final import print_final
 from dflash.stopping import StopFlag, ignore_further_signals, stop_line
@@ -143,7 +144,7 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
     prof = _make_profiler(cfg, topo, rank, role, device, run_dir, run_id, tele)
     step = 0
     with contextlib.closing(tele):   # file_sd withdrawn after the barrier: every rank's last records scraped
-        with prof, _forensics(stop, rank):
+        with prof, _forensics(stop, rank), contextlib.closing(_memory_watch(cfg, rank, device, run_dir)):
             timeline.mark("profiler")
             ctx.first_step = startup.FirstStep(timeline, lambda fields: _startup_event(fields, rank))
             for kind, fields in _PENDING_EVENTS:
@@ -163,9 +164,21 @@ def _run_rank(cfg: TrainConfig, topo: Topology, rank: int, device: torch.device,
         stop.finish()   # the run log is closed: what is left (the barrier, rank 0's summary) takes moments
         _said_if_disk_full(prof)
         dist.barrier(group=ctrl)  # every rank's run_end is written before rank 0 reads them
+    if rank == 0 and cfg.profile.plan_memory and not stop():
+        lines, code = memory_watch.plan_lines(run_dir)
+        print("\n".join(lines), flush=True)
+        return code
     if rank == 0:
         _say_the_end(run_dir, stop, step, timeline, _run_view(cfg, run_dir, run_id))
     return 0
+
+
+def _memory_watch(cfg: TrainConfig, rank: int, device: torch.device, run_dir: Path):
+    """Rank 0's memory forecast while the run trains (dflash/memory_watch.py), on a CUDA device with the profiler
+    on; a no-op elsewhere."""
+    if rank != 0 or device.type != "cuda" or not cfg.profile.enabled:
+        return memory_watch.NullWatch()
+    return memory_watch.MemoryForecastWatch(run_dir, cfg.profile.interval_s).start()
 
 
 def _run_view(cfg: TrainConfig, run_dir: Path, run_id: str):
@@ -214,7 +227,7 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     config = cfg.profiler_config(detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                                  warmup_steps=loops.warmup_steps(cfg, role), phase_spans=pipeline.phase_spans(),
                                  numerics_quiet_steps=loops.numerics_quiet_steps(cfg, role),
-                                 span_table=pipeline.span_table())
+                                 span_table=pipeline.span_table(), memory_sizes=pipeline.memory_sizes())
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,

@@ -212,6 +212,24 @@ FAMILIES = {f.key: f for f in (
        "Largest share, over the last interval's sampled steps, of the stage's values within 2^8 of the dtype's "
        "largest value (bound=\"overflow\") or nonzero below its smallest normal one (bound=\"underflow\").",
        "span", "tensor", "bound", otel=Otel("dflash.numerics.out_of_range", "1")),
+    _f("memory_forecast_largest", "memory_forecast_largest", None, "gauge",
+       "The largest value of the setting (setting: its flag, --tokens-per-batch or --num-anchors; in its own "
+       "unit) that keeps 5% of every GPU free, by the run's last memory_forecast event (rank 0 of a CUDA run, "
+       "dflash/memory_watch.py); absent where the run's value is not a number.", "setting",
+       otel=Otel("dflash.memory.forecast.largest", "1")),
+    _f("memory_forecast_scale", "memory_forecast_scale", "ratio", "gauge",
+       "The setting's largest value that keeps 5% of every GPU free over the run's current value, by the last "
+       "memory_forecast event (1024: not limited by memory; below 1: the current value does not fit).", "setting",
+       otel=Otel("dflash.memory.forecast.scale", "1")),
+    _f("memory_forecast_need", "memory_forecast_need", "bytes", "gauge",
+       "What the ranks on the GPU that limits the setting need at its current value, by the last memory_forecast "
+       "event (limiting_gpu: that GPU as host:index, not an NVML index).", "setting", "limiting_gpu",
+       otel=Otel("dflash.memory.forecast.need", "By")),
+    _f("memory_forecast_limit", "memory_forecast_limit", "bytes", "gauge",
+       "What the GPU that limits the setting has for its ranks, 5% of it kept free and the memory outside their "
+       "allocators left out, by the last memory_forecast event (limiting_gpu: host:index).", "setting",
+       "limiting_gpu",
+       otel=Otel("dflash.memory.forecast.limit", "By")),
     _f("events", "events", None, "counter", "Run-log events by kind (non-finite, oom, crash, signal, ...).",
        "kind", otel=Otel("dflash.events", "{event}")),
     _f("heartbeat", "heartbeat_timestamp", "seconds", "gauge", "Unix time of the rank's last record.",
@@ -292,6 +310,10 @@ NUMERICS_FIELDS = (("numerics_absmax", "absmax_max"), ("numerics_rms", "rms_last
                    ("numerics_growth", "growth_per_step"), ("numerics_headroom", "headroom_binades"))
 # (bound label, field of a numerics.stages[] entry) of dflash_numerics_out_of_range_ratio.
 NUMERICS_BOUNDS = (("overflow", "near_overflow_fraction_max"), ("underflow", "underflow_fraction_max"))
+# (family key, field of a memory_forecast event's settings[] entry, a views.ForecastSetting): its gauges, each
+# labelled by the entry's flag (`setting`) and, where the family has a `gpu` label, its limiting GPU.
+MEMORY_FORECAST_FIELDS = (("memory_forecast_largest", "largest"), ("memory_forecast_scale", "scale"),
+                          ("memory_forecast_need", "need_bytes_at_current"), ("memory_forecast_limit", "limit_bytes"))
 # (family key, field of an interval record) for the rank's gauges read as they are.
 INTERVAL_GAUGES = (("step", "step"), ("profiler_cpu", "profiler_share"))
 # (family key, field of an interval's memory.gpus[] entry) for the per-GPU gauges read as they are.

@@ -239,6 +239,25 @@ _BELOW_OVERVIEW = (("Step breakdown", (
               "and out-of-memory errors, per rate window.", "short",
               (Query(f"increase({sel('alloc_retries')}[{RATE}])", f"{GPU} retries"),
                Query(f"increase({sel('alloc_ooms')}[{RATE}])", f"{GPU} OOMs")), width=12, bars=True),
+)), ("Memory forecast", (
+        Panel("Memory forecast: largest setting that fits",
+              "Per setting (--tokens-per-batch, --num-anchors), the largest value that keeps 5% of every GPU free, "
+              "and the run's value, by the last memory_forecast event (rank 0 of a CUDA run, once every rank is "
+              "past its warm-up; dflash-report hotspots gives the same forecast with its basis).", "short",
+              (Query(sel("memory_forecast_largest"), "{{setting}} largest"),
+               Query(f"{sel('memory_forecast_largest')} / ({sel('memory_forecast_scale')} > 0)",
+                     "{{setting}} now")), width=10),
+        Panel("Memory forecast: scale to the largest",
+              "The largest value of each setting that fits over the run's value (1024: not limited by memory). "
+              "Red below 1.05: the DFlashMemoryHeadroomLow alert (docs/RUNBOOK.md).", "none",
+              (Query(f"min by (setting) ({sel('memory_forecast_scale')})", "{{setting}}"),), width=4,
+              kind="stat", base_color="red", thresholds=((1.05, "yellow"), (1.25, "green"))),
+        Panel("Memory forecast: need and limit on the limiting GPU",
+              "What the ranks on the GPU that limits each setting need at the run's value (their fitted steps, a "
+              "binding warm-up peak included), against what that GPU has for them (5% kept free, memory outside "
+              "their allocators left out); gpu is host:index.", "bytes",
+              (Query(sel("memory_forecast_need"), "{{setting}} need on {{limiting_gpu}}"),
+               Query(sel("memory_forecast_limit"), "{{setting}} limit on {{limiting_gpu}}")), width=10),
 )), ("GPU", (
         Panel("GPU utilisation", "Share of time the GPU was busy (NVML), interval mean.", "percentunit",
               (Query(sel("gpu_utilization"), GPU),), max=1.0),

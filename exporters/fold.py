@@ -10,7 +10,8 @@ holds the detail window, not metrics: it only moves the heartbeat, as every reco
 - `stamp_unix` is the instant a value describes where a record says so (a tick's time, the end of the interval
   of a span's exact p95): Prometheus exposes it as the sample's timestamp.
 - A sample whose value is None ends its series: a p95 older than P95_KEPT_S, the run_end of a rank that starts
-  another segment, build information a new run_start replaces.
+  another segment, build information a new run_start replaces, a memory forecast's series that the next
+  forecast (or a new segment) no longer gives.
 - Wait shares are the shares of the spans in which the record's role waits for the other side: the run_start's
   `span_table` (entries of kind "wait"), else profiler.span_kinds.FALLBACK (logs written without a span table).
 """
@@ -19,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS, FAMILIES, INTERVAL_GAUGES,
-                                NUMERICS_BOUNDS, NUMERICS_FIELDS, THROTTLE_REASONS, Family, counter_family,
-                                gauge_family, gpu_about, gpu_gauges, gpu_labels, train_metric_family,
-                                train_metric_value)
+                                MEMORY_FORECAST_FIELDS, NUMERICS_BOUNDS, NUMERICS_FIELDS, THROTTLE_REASONS, Family,
+                                counter_family, gauge_family, gpu_about, gpu_gauges, gpu_labels,
+                                train_metric_family, train_metric_value)
 from profiler import span_kinds, views, windows
 
 P95_KEPT_S = 300.0
@@ -82,6 +83,7 @@ class Fold:
         self._ended: tuple | None = None    # labels of the run_end series, while there is one
         self._info: tuple | None = None     # labels of the build_info series
         self._peaks: dict = {}              # the segment's compute peaks (run_start), MFU's denominators
+        self._forecast: tuple = ()          # (family key, labels) of each series the last memory forecast gave
 
     def opening(self, now_unix: float) -> list[Sample]:
         """The series every sink serves before any record, at 0: intervals, events of every EVENT_KINDS, and the
@@ -107,6 +109,7 @@ class Fold:
     def _run_start(self, rec: views.RunStart) -> list[Sample]:
         """A segment begins: its histogram bounds, wait spans and role; a run_end before it is withdrawn."""
         out = [Sample(FAMILIES["run_end"], None, self._ended)] if self._ended is not None else []
+        out += self._forecast_ends(())   # a forecast of the settings an earlier segment ran with
         self._ended = None
         self._profiled_base_s, self._segment_start_s = self._profiled_s, rec.t_s
         self._bounds = tuple(float(b) for b in rec.histogram_buckets_seconds or ())
@@ -128,6 +131,28 @@ class Fold:
 
     def _event(self, rec: views.Event) -> list[Sample]:
         return [self._add("events", 1, str(rec.kind))]
+
+    def _memory_forecast(self, rec: views.MemoryForecast) -> list[Sample]:
+        """The event's count, and each setting's forecast gauges (MEMORY_FORECAST_FIELDS) labelled by its flag
+        and, on the need and limit, its limiting GPU; a figure the setting lacks (no largest where the run's value
+        is not a number) is left out, and a series the last forecast gave that this one does not (a figure gone,
+        another GPU limiting) ends."""
+        out = self._event(rec)
+        given = []
+        for s in rec.settings:
+            named = {"setting": str(s.flag), "limiting_gpu": str(s.gpu or "unknown")}
+            for key, field in MEMORY_FORECAST_FIELDS:
+                if (value := getattr(s, field)) is not None:
+                    labels = tuple(named[label] for label in FAMILIES[key].labels)
+                    given.append(Sample(FAMILIES[key], float(value), labels))
+        return out + self._forecast_ends(given) + given
+
+    def _forecast_ends(self, given) -> list[Sample]:
+        """End each series of the last memory forecast that `given` (its successor's samples) does not have."""
+        kept = dict.fromkeys((s.family.key, s.labels) for s in given)
+        ended = [Sample(FAMILIES[key], None, labels) for key, labels in self._forecast if (key, labels) not in kept]
+        self._forecast = tuple(kept)
+        return ended
 
     # ---- tick: run totals, stamped with the tick's time -----------------------------------------------
     def _tick(self, rec: views.Tick) -> list[Sample]:
@@ -173,8 +198,9 @@ class Fold:
         against each (windows.mfu)."""
         if flops is None or flops.per_second is None:
             return []
-        out = [Sample(FAMILIES["peak_flops"], float(p["flops_per_s"]), (name,)) for name, p in self._peaks.items()
-               if name in windows.mfu(1.0, {name: p})]
+        peaks = {name: views.ComputePeak.of(p).flops_per_s for name, p in self._peaks.items()
+                 if name in windows.mfu(1.0, {name: p})}
+        out = [Sample(FAMILIES["peak_flops"], float(peak), (name,)) for name, peak in peaks.items() if peak is not None]
         return out + [Sample(FAMILIES["mfu"], ratio, (name,)) for name, ratio in
                       windows.mfu(float(flops.per_second), self._peaks).items()]
 
@@ -282,4 +308,4 @@ def _memory(memory) -> list[Sample]:
 
 
 _BY_TYPE = {views.RunStart: Fold._run_start, views.Interval: Fold._interval, views.Tick: Fold._tick,
-            views.Event: Fold._event, views.RunEnd: Fold._run_end}
+            views.MemoryForecast: Fold._memory_forecast, views.Event: Fold._event, views.RunEnd: Fold._run_end}

@@ -28,6 +28,7 @@ RUN_LABELS = "job, run, instance, rank, role"   # what identifies a rank's serie
 SEVERITIES = ("critical", "warning", "info")
 # Thresholds (dimensionless; the time ones live in the rules below, in seconds, so they scale).
 HEADROOM_LOW_RATIO = 0.05
+FORECAST_SCALE_LOW_RATIO = 1.05
 STARVED_RATIO = 0.9
 THROUGHPUT_DROP_RATIO = 0.5
 PROFILER_CPU_RATIO = 0.05
@@ -235,6 +236,12 @@ def _health_alerts(d: Scale, waits: dict) -> list[Alert]:
               "A GPU's memory headroom is predicted to run out within the hour.",
               "The memory low point of GPU {{ $labels.gpu }} ({{ $labels.UUID }}) of " + RANK + " has been "
               "falling for 15 minutes at a rate that reaches zero within the hour."),
+        Alert("DFlashMemoryHeadroomLow",
+              f'{name("memory_forecast_scale")}{{{JOB}}} < {FORECAST_SCALE_LOW_RATIO}', 300, "warning",
+              "The memory forecast puts a training setting within 5% of the largest that fits.",
+              "The memory forecast written by " + RANK + " puts the largest {{ $labels.setting }} that keeps 5% "
+              "of every GPU free at {{ $value | humanize }} times the run's value, for 5 minutes: a step heavier "
+              "than those it was fitted to, or an autotune, can raise an OOM."),
         Alert("DFlashDrafterStarved", _waits("drafter", "target", d), 120, "warning",
               "A drafter waits for its targets nearly all the time.",
               RANK_FIRST + f" waited on {_waited_on('drafter', waits)} for {{{{ $value | humanizePercentage }}}} "

@@ -173,6 +173,15 @@ def check_numerics(span_name: str, tensors: dict, step=None, **fields) -> None:
         p.check_numerics(span_name, tensors, step, **fields)
 
 
+def memory_sizes(**sizes) -> None:
+    """The sizes this step's memory depends on (named non-negative numbers: `memory_sizes(tokens=4096)`), kept with
+    the step's allocator peak on a CUDA device (profiler/memory_steps.py): the history the report's memory forecast
+    is fitted to. ProfilerConfig.memory_sizes says which setting scales each. No-op with no active profiler."""
+    p = _active
+    if p is not None:
+        p.memory_sizes(sizes)
+
+
 def numerics_due(step=None) -> bool:
     """Whether `check_numerics()` samples this step (default: the current one): a caller that must prepare a tensor for
     it (a copy of the weights for the update ratio) does so only then. False with no active profiler."""

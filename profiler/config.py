@@ -96,6 +96,12 @@ class ProfilerConfig:
     {"role": the role that enters it, "kind": "work", "wait", "phase" or "collective", "flow": "start" or "end"
     where a trace joins it to its counterpart with an arrow (optional)}}. Reports, traces and live sinks read the
     run's waits, collectives and flows from it (profiler/span_kinds.py). None: no span has a kind of its own."""
+    memory_sizes: dict | None = None
+    """What each size a loop names with `profiler.memory_sizes()` is, as plain data written into run_start
+    (docs/RUNLOG.md `memory_sizes`): {size name: {"role": the role whose steps name it, "flag": the setting that
+    scales it (a command-line flag), "exponent": how a step's memory grows with it (1 linear, 2 quadratic),
+    "what": one line}}. The memory forecast (profiler/report/memory_forecast.py) says "the largest FLAG that
+    fits" from it. None: sizes without settings (the forecast speaks of the sizes themselves)."""
     nvtx: bool = False
     """On CUDA, every span is also an NVTX range for the whole run (Nsight Systems, `ncu --nvtx`)."""
     capture_at_step: int | None = None
@@ -185,5 +191,8 @@ class ProfilerDeps:
     capture_session: Callable[[Any], Any] | None = None
     """CaptureRequest -> the session a capture records with (begin, step, stop, ranges); None: torch.profiler
     (profiler/kineto.py's KinetoSession)."""
+    step_peaks: Any = None
+    """The per-step allocator peaks (profiler/memory_steps.py: sizes, on_step, take); None: StepPeaks on a CUDA
+    device, none elsewhere."""
     nvtx_module: Any = None
     """The NVTX module `nvtx=True` pushes ranges with (range_push, range_pop); None: torch.cuda.nvtx, on CUDA only."""

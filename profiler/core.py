@@ -22,6 +22,7 @@ from profiler.forensics import Forensics, install_autotune_spans, make_memory_hi
 from profiler.gpu_lag import NullGpuLag
 from profiler.intervals import IntervalAggregator
 from profiler.memory import make_memory_sampler, memory_state
+from profiler.memory_steps import NullStepPeaks, make_step_peaks
 from profiler.nonfinite import NonfiniteMonitor, make_readback
 from profiler.numerics import NumericsDetector, drift_line
 from profiler.records import SCHEMA_VERSION
@@ -65,6 +66,7 @@ class Profiler:
         self.stack_sampler = self.deps.stack_sampler or NullStackSampler()
         self.marks = StepMarks()
         self.captures = NullCaptures()   # Captures once started (profiler/capture.py)
+        self.step_peaks = NullStepPeaks()   # StepPeaks once started on a CUDA device (profiler/memory_steps.py)
         self.step, self._first_step, self._step_changed = 0, None, False
         self._interval_start_step = None   # the step when the current interval began (None: before set_step)
         self._drift_said: set = set()      # spans whose numerics drift the console was told of
@@ -108,6 +110,7 @@ class Profiler:
         self.hub.start()
         self._cleanups.append(lambda: self.hub.close(cfg.export_timeout_s))
         self.sampler = self._started_with(deps.memory_sampler or make_memory_sampler(self.device))
+        self.step_peaks = deps.step_peaks or make_step_peaks(self.device, self.is_cuda)
         self.collector, self.captures = self._make_collector()
         self._write(self._run_start_record())
         self._start_forensics()
@@ -143,7 +146,8 @@ class Profiler:
                                      recorder.native_ids, functools.partial(recorder.open_spans, ids=True), pending)
         aggregator = IntervalAggregator(self.floors, floor_for_span, self.is_cuda, self.event_pool, capture_spans,
                                         gpu_lag=self._gpu_lag(), pending=pending)
-        sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True)},
+        sections = (lambda d: {"memory": memory_state(self.sampler, self.device, interval=True,
+                                                      step_peaks=self.step_peaks)},
                     threads_section(recorder.native_ids), lambda d: {"exporters": self.hub.stats()}, self.numerics.section,
                     self._stack_samples, self._steps_section)
         collector = Collector(recorder, aggregator, self.nonfinite, interval_s=self.interval_s,
@@ -309,6 +313,7 @@ class Profiler:
         elif self.step != self._first_step:
             self._step_changed = True   # arms the hang watchdog: the first step's build is behind us
         self.marks.mark(time.perf_counter_ns(), self.step)
+        self.step_peaks.on_step(self.step)   # the step that ended gets its allocator peak (host counters, no sync)
         self.captures.on_step(self.step)   # a capture starts, moves on or stops here, at the step boundary
 
     def in_detail(self) -> bool:
@@ -345,7 +350,7 @@ class Profiler:
                 "detail_steps": self.cfg.detail_steps,
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
-                "span_table": dict(self.cfg.span_table or {}),
+                "span_table": dict(self.cfg.span_table or {}), "memory_sizes": dict(self.cfg.memory_sizes or {}),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "compute_peaks": self.compute_peaks,
                 "interval_s": self.interval_s,
                 "config": self.run_config}
@@ -398,6 +403,10 @@ class Profiler:
         step = self.step if step is None else step
         if self.cfg.numerics and step % self.cfg.numerics_every == 0:
             self.nonfinite.check_stats(span_name, step, tensors, **meta)
+
+    def memory_sizes(self, sizes: dict) -> None:
+        """The current step's sizes, kept with its allocator peak (profiler/memory_steps.py)."""
+        self.step_peaks.sizes(sizes)
 
     def numerics_due(self, step=None) -> bool:
         """Whether `step` (default: the current one) is a sampled step of the numerics statistics."""

@@ -401,12 +401,20 @@ def allocator_summary(device, reset_peak: bool = True) -> dict:
         return {"available": False, "reason": reason}
 
 
-def memory_state(sampler, device, interval: bool) -> dict:
+def memory_state(sampler, device, interval: bool, step_peaks=None) -> dict:
     """The `memory` block: the sampler's interval aggregates and the allocator's stats, peaks reset (`interval`),
-    else its latest sample and the stats as they stand (a snapshot). A failing part says why instead."""
+    else its latest sample and the stats as they stand (a snapshot). A failing part says why instead. With
+    `step_peaks` (profiler/memory_steps.py StepPeaks, which resets the peaks at every step boundary) an interval's
+    allocator peaks are the maxima of its steps and of the step still running, and its `steps` part the step rows."""
     try:
         memory = dict(sampler.interval_summary(reset=True) if interval else sampler.latest())
     except Exception as exc:   # noqa: BLE001
         memory = {"available": False, "reason": f"memory sampler failed: {type(exc).__name__}: {exc}"}
-    memory["allocator"] = allocator_summary(device, reset_peak=interval)   # says why, never raises
+    taken = step_peaks.take() if interval and step_peaks is not None else None
+    memory["allocator"] = allocator = allocator_summary(device, reset_peak=interval and taken is None)   # never raises
+    if taken is not None:
+        memory["steps"], (steps_allocated, steps_reserved) = taken
+        if allocator.get("available"):
+            allocator["peak_allocated_bytes"] = max(allocator["peak_allocated_bytes"] or 0, steps_allocated)
+            allocator["peak_reserved_bytes"] = max(allocator["peak_reserved_bytes"] or 0, steps_reserved)
     return memory

@@ -7,8 +7,10 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+from profiler import views
 from profiler.report import compare as _compare
 from profiler.report.advice import memory_margin, split
+from profiler.report.memory_forecast import memory_forecast, supersede
 from profiler.report.analysis import bandwidth, rank_table, span_ranking, steady_state, verdict
 from profiler.report.findings import GENERIC, Advice, findings
 from profiler.report.flight_recorder import transfer_rings
@@ -31,17 +33,18 @@ def hotspots_of(run: Run, top: int | None = None, n_gpus: int | None = None, adv
     findings drawn from them, their next experiments said by `advice` (a trainer's: dflash/advice.py)."""
     ranks = rank_table(run)
     steady = steady_state(run)
-    starts = [s for log in run.ranks.values() for s in log.run_starts]
+    starts = [views.run_start(s) for log in run.ranks.values() for s in log.run_starts]
     report = dict(
         report_schema=REPORT_SCHEMA, run_dir=run.run_dir,
-        run_id=next((s["run_id"] for s in starts if s.get("run_id")), None),
-        log_schema=max((s.get("schema", 0) for s in starts), default=None),
+        run_id=next((s.run_id for s in starts if s.run_id), None),
+        log_schema=max((s.schema or 0 for s in starts), default=None),
         segments=max((len(log.run_starts) for log in run.ranks.values()), default=0), pipeline=run.pipeline,
         empty_logs=run.empty_logs, config=run.config, steady_tokens_per_s=steady["steady_tokens_per_s"], steady=steady,
         spans=span_ranking(run, top), verdict=verdict(run), bandwidth=bandwidth(run),
         memory=headroom(run), events=events(run), numerics=numerics(run), transfer_rings=transfer_rings(run),
         hot_frames=hot_frames(run),
-        ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_margin=memory_margin(run), findings=[])
+        ranks=ranks, split=split(run, n_gpus, ranks["ranks"]), memory_forecast=memory_forecast(run), findings=[])
+    report["memory_margin"] = supersede(memory_margin(run), report["memory_forecast"])
     report["findings"] = findings(report, advice)
     return report
 

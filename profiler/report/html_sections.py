@@ -168,6 +168,22 @@ def margin(rep: dict) -> str:
                     "per GPU, whole run"))
 
 
+def forecast(rep: dict) -> str:
+    """The memory forecast (profiler/report/memory_forecast.py): per setting the largest that fits, or why none."""
+    fc = rep.get("memory_forecast") or {}
+    if fc.get("reason") or not fc.get("settings"):
+        return para(fc.get("reason") or "no setting scales the sizes of the steps")
+    rows = [[st["flag"], _g(st["current"], ",.0f"),
+             "not limited" if st["scale"] is not None and st["scale"] >= 1024 else _g(st["largest"], ",.0f"),
+             st["limited_by"]["gpu"], _g(st["need_bytes_at_current"] / GIB, ".1f"), _g(st["limit_bytes"] / GIB, ".1f"),
+             ", ".join(f"rank {t['rank']} step {t['step']}" for t in st["transient"]) or "-"] for st in fc["settings"]]
+    steps = sum(r["steps"] for r in fc["ranks"])
+    return (para(f"the largest setting that keeps {_pct(fc['headroom_share'])} of every GPU free, from {steps} steps' "
+                 f"allocator peaks past warm-up ({len(fc['ranks'])} rank(s))")
+            + table(["setting", "now", "largest", "limiting gpu", "need now GiB", "usable GiB", "binding warm-up peak"],
+                    rows, "per setting, steps past warm-up"))
+
+
 def events(rep: dict) -> str:
     ev = rep["events"]
     if not ev["kinds"]:
@@ -268,6 +284,7 @@ def body_sections(rep: dict, figs: list, table_ab: dict | None, link: dict) -> l
            ("findings", "Findings and next steps", findings(rep)), ("spans", "Spans", spans(rep)),
            ("plots", "Over time", plots(figs)), ("bandwidth", "Bandwidth", bandwidth(rep)),
            ("memory", "Memory and headroom", memory(rep)), ("margin", "Memory margin", margin(rep)),
+           ("forecast", "Memory forecast", forecast(rep)),
            ("events", "Events", events(rep)), ("ranks", "Ranks", ranks(rep)), ("split", "GPU split", split(rep))]
     if table_ab:
         out.append(("compare", "Compare (A/B)", compare(table_ab)))

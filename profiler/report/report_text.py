@@ -4,6 +4,7 @@ statistic its sample count (docs/REPORT.md, "What is measured over what")."""
 from __future__ import annotations
 
 from profiler.report.numerics import format_numerics
+from profiler.report.memory_forecast import MAX_SCALE
 from profiler.report.runs import empty_logs_line
 from profiler.windows import compute_clause
 
@@ -303,6 +304,31 @@ def _margin(rep: dict) -> list:
             f"{g['total_bytes'] / GIB:.1f} GiB; per-batch bytes assumed {m['growth']}"]
 
 
+def _forecast(rep: dict) -> list:
+    """The memory forecast (profiler/report/memory_forecast.py): per setting the largest that fits, or why none."""
+    fc = rep.get("memory_forecast") or {}
+    if fc.get("reason") or not fc.get("settings"):
+        return [f"Memory forecast: {fc.get('reason') or 'no setting scales the sizes of the steps'}"] if fc else []
+    steps = sum(r["steps"] for r in fc["ranks"])
+    lines = [f"Memory forecast ({_pct(fc['headroom_share'])} of every GPU kept free; from {steps} steps' allocator "
+             f"peaks past warm-up, {len(fc['ranks'])} rank(s))"]
+    for st in fc["settings"]:
+        lim = st["limited_by"]
+        where = (f"the steps need {st['need_bytes_at_current'] / GIB:.1f} of {st['limit_bytes'] / GIB:.1f} GiB usable "
+                 f"on gpu {lim['gpu']}, rank {', '.join(map(str, lim['ranks']))}")
+        if st["largest"] is None:
+            head = f"x{st['scale']:.3g} the run's sizes"
+        elif st["scale"] >= MAX_SCALE:
+            head = f"not limited by memory within {MAX_SCALE:.0f}x {st['current']}"
+        else:
+            head = f"up to {st['largest']:,}"
+        lines.append(f"  {st['flag']} {head} (now {st['current']}; {where})")
+        for t in st["transient"]:
+            lines.append(f"    binding: rank {t['rank']}'s warm-up step {t['step']} peaked {t['peak_bytes'] / GIB:.1f} "
+                         f"GiB (compilation, autotune), above its steady steps: the forecast scales it")
+    return lines
+
+
 def _findings(rep: dict) -> list:
     if not rep["findings"]:
         return ["Findings: none"]
@@ -356,7 +382,7 @@ def format_hotspots(rep: dict) -> str:
         head.append(f"  {empty_logs_line(rep['empty_logs'])}")
     sections = [head, _steady(rep), _verdict(rep), _spans(rep), _bandwidth(rep), _memory(rep), _events(rep),
                 format_numerics(rep),
-                _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _findings(rep)]
+                _rings(rep), _frames(rep), _ranks(rep), _split(rep), _margin(rep), _forecast(rep), _findings(rep)]
     return "\n\n".join("\n".join(s) for s in sections if s)
 
 

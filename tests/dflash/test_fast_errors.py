@@ -43,12 +43,15 @@ def cases(tmp: Path) -> dict:
             "a prometheus-sd-dir that is a file": ["--prometheus-sd-dir", str(tmp / "a-file")],
             "a mistyped flag": ["--profile-interv", "60"],
             "a negative step count": ["--max-steps", "-3"],
-            "a config file that does not exist": ["--config", str(tmp / "missing.yaml")]}
+            "a config file that does not exist": ["--config", str(tmp / "missing.yaml")],
+            "a memory plan on the CPU": ["--plan-memory", "--device", "cpu"],
+            "a memory plan resumed": ["--plan-memory", "--resume", "--run-dir", str(tmp / "held")]}
 
 
 NAMES = ["resume without a run dir", "resume of an empty directory", "resume of a directory that does not exist",
          "a run dir that already holds a run", "a run dir that is a file", "a prometheus-sd-dir that is a file",
-         "a mistyped flag", "a negative step count", "a config file that does not exist"]
+         "a mistyped flag", "a negative step count", "a config file that does not exist", "a memory plan on the CPU",
+         "a memory plan resumed"]
 
 
 @pytest.mark.parametrize("name", NAMES)

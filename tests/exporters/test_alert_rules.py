@@ -17,6 +17,7 @@ GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 RUN = {"job": "dflash", "run": "r1", "instance": "127.0.0.1:9465", "rank": "1", "role": "target", "host": "h1"}
 DRAFTER = {**RUN, "instance": "127.0.0.1:9464", "rank": "0", "role": "drafter"}
 GPU = {"gpu": "0", "UUID": "GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12"}
+FORECAST = {"setting": "--tokens-per-batch"}   # a memory forecast's setting (rank 0 writes the forecast)
 BUILD = {"version": "0.1.0", "schema": "1", "torch_version": "2.13.0", "python_version": "3.11", "device_name": "cpu"}
 RANK_LABELS = ("job", "run", "instance", "rank", "role")   # what the per-rank event alerts keep
 
@@ -97,6 +98,15 @@ CASES = {
         "The memory low point of GPU 0 (GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12) of rank 1 (target) of run r1 has "
         "been falling for 15 minutes at a rate that reaches zero within the hour.",
         [series("dflash_gpu_memory_headroom_min_bytes", {**RUN, **GPU}, "1000000000x60")]),   # low, but flat
+    "DFlashMemoryHeadroomLow": (   # rank 0's forecast: 1.5x fits, then a forecast within 2% of the largest
+        [series("dflash_memory_forecast_scale_ratio", {**DRAFTER, **FORECAST}, "1.5 1.5 1.02x10"),
+         series("dflash_memory_forecast_scale_ratio", {**DRAFTER, "setting": "--num-anchors"}, "1024x12")], 7,
+        {**DRAFTER, **FORECAST},
+        "The memory forecast written by rank 0 (drafter) of run r1 puts the largest --tokens-per-batch that keeps 5% "
+        "of every GPU free at 1.02 times the run's value, for 5 minutes: a step heavier than those it was fitted "
+        "to, or an autotune, can raise an OOM.",
+        [series("dflash_memory_forecast_scale_ratio", {**DRAFTER, **FORECAST}, "1.5 1.5 1.06x10"),   # 6% to spare
+         series("dflash_memory_forecast_scale_ratio", {**DRAFTER, "setting": "--num-anchors"}, "1024x12")]),
     "DFlashDrafterStarved": (   # waits 0.5 s/s for 10 minutes, then 0.95: over 90% of the window from 19m
         wait(DRAFTER, "drafter.recv", "0+30x10 357+57x29"), 21, only(DRAFTER, ("job", "run", "rank", "role")),
         "Rank 0 (drafter) of run r1 waited on drafter.recv for 95% of the last 10 minutes: its targets (or the "

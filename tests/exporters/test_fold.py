@@ -136,6 +136,55 @@ def test_nonfinite_scalars_are_nan_and_every_throttle_reason_is_a_series():
     assert values(no_nvml, "alloc_reserved") == {("0", ""): 9.0}
 
 
+def forecast_event(gpu: str = "h1:0", largest: int | None = 12288, **tokens) -> dict:
+    """A `memory_forecast` event (docs/RUNLOG.md): --tokens-per-batch limited by `gpu`, --num-anchors not limited by
+    memory and without a largest (the run's value not a number)."""
+    return {"type": "event", "kind": "memory_forecast", "time_unix": T0 + 30, "headroom_share": 0.05, "steps": 40,
+            "reason": None, "settings": [
+                {"flag": "--tokens-per-batch", "current": 8192, "largest": largest, "scale": 1.5,
+                 "need_bytes_at_current": 6e10, "limit_bytes": 9e10, "gpu": gpu, "ranks": [0, 1],
+                 "transient_steps": [], **tokens},
+                {"flag": "--num-anchors", "current": None, "largest": None, "scale": 1024.0,
+                 "need_bytes_at_current": 6e10, "limit_bytes": 9e10, "gpu": "h1:0", "ranks": [0, 1],
+                 "transient_steps": [3]}]}
+
+
+def test_a_memory_forecast_gives_each_settings_gauges_and_ends_those_the_next_one_does_not():
+    """Per setting its largest (none where the event has none), its scale and the limiting GPU's need and limit,
+    beside the event's count; a later forecast limited by another GPU, or without a largest, ends the series it no
+    longer gives, and so does a new segment (its settings may differ)."""
+    fold = Fold()
+    fold(run_start())
+    got = fold(forecast_event())
+    assert values(got, "events") == {("memory_forecast",): 1.0}
+    assert values(got, "memory_forecast_largest") == {("--tokens-per-batch",): 12288.0}
+    assert values(got, "memory_forecast_scale") == {("--tokens-per-batch",): 1.5, ("--num-anchors",): 1024.0}
+    assert values(got, "memory_forecast_need") == {("--tokens-per-batch", "h1:0"): 6e10,
+                                                   ("--num-anchors", "h1:0"): 6e10}
+    assert values(got, "memory_forecast_limit") == {("--tokens-per-batch", "h1:0"): 9e10,
+                                                    ("--num-anchors", "h1:0"): 9e10}
+    assert {s.family.name for s in got} >= {"dflash_memory_forecast_largest", "dflash_memory_forecast_scale_ratio",
+                                            "dflash_memory_forecast_need_bytes", "dflash_memory_forecast_limit_bytes"}
+    got = fold(forecast_event(gpu="h1:1", largest=None, scale=1.02, need_bytes_at_current=8.8e10))
+    assert values(got, "events") == {("memory_forecast",): 2.0}
+    assert values(got, "memory_forecast_largest") == {("--tokens-per-batch",): None}   # ended, not repeated
+    assert values(got, "memory_forecast_scale") == {("--tokens-per-batch",): 1.02, ("--num-anchors",): 1024.0}
+    assert values(got, "memory_forecast_need") == {("--tokens-per-batch", "h1:0"): None,
+                                                   ("--tokens-per-batch", "h1:1"): 8.8e10,
+                                                   ("--num-anchors", "h1:0"): 6e10}
+    assert [s.labels for s in got if s.value is None] == [   # the ends come before the new figures
+        ("--tokens-per-batch",), ("--tokens-per-batch", "h1:0"), ("--tokens-per-batch", "h1:0")]
+    ended = fold(run_start(t_s=100.0))
+    assert {(s.family.key, s.labels) for s in ended if s.value is None} == {
+        (key, labels) for key, labels in (("memory_forecast_scale", ("--tokens-per-batch",)),
+                                          ("memory_forecast_scale", ("--num-anchors",)),
+                                          ("memory_forecast_need", ("--tokens-per-batch", "h1:1")),
+                                          ("memory_forecast_need", ("--num-anchors", "h1:0")),
+                                          ("memory_forecast_limit", ("--tokens-per-batch", "h1:1")),
+                                          ("memory_forecast_limit", ("--num-anchors", "h1:0")))}
+    assert not [s for s in fold(forecast_event(largest=None)) if s.value is None]   # nothing left to end
+
+
 # ---- both sinks, one stream -----------------------------------------------------------------------------------
 UUID = "GPU-8c4d2a5e-1b6f-4f2e-9a1d-3e5b7c9d0f12"
 
@@ -184,7 +233,7 @@ def stream() -> list:
              "histogram_buckets_seconds": list(HISTOGRAM_BUCKETS_SECONDS),
              "compute_peaks": {"datasheet": {"flops_per_s": 989.4e12, "what": "datasheet dense bf16 (H100/H200 SXM)"},
                                "measured": {"flops_per_s": 5e14, "what": "bf16 8192x8192x8192 matmul"}}},
-            interval_, tick, {**head, "type": "event", "kind": "nonfinite"},
+            interval_, tick, {**head, "type": "event", "kind": "nonfinite"}, {**head, **forecast_event()},
             {**head, "type": "run_end", "status": "ok", "time_unix": T0 + 61}]
 
 

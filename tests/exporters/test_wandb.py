@@ -29,8 +29,8 @@ WANDB_KEYS = ("_step", "_runtime", "_timestamp", STEP_KEY)
 def _drafter_records() -> list:
     """test_fold's stream (every folded family, at step 10), then two more ticks and intervals (steps 18, 20,
     28, 30; the last one's loss non-finite) and the run's end."""
-    start, interval, tick, event, end = stream()
-    out = [start, interval, tick, event]
+    start, interval, tick, *events, end = stream()
+    out = [start, interval, tick, *events]
     for k in (1, 2):
         t = copy.deepcopy(tick)
         t.update(time_unix=T0 + 60 * k + 50, step=10 * k + 8,

@@ -37,9 +37,10 @@ SMALL = ["--builtin-conversations", "48", "--eval-prompts", "2", "--eval-new-tok
          "--tokens-per-batch", "1024", "--max-length", "128", "--device", DEVICE]
 CATALOG_SPANS = {"target.fetch", "target.fwd", "target.pack_hidden", "transfer.wait_slot", "transfer.send",
                  "drafter.recv", "drafter.fwd_bwd", "drafter.optim"}
-# Families that only exist with a GPU (NVML and the CUDA allocator): on CPU their panels are exempt;
-# with DFLASH_E2E_DEVICE=cuda (the H200 run in bench/RESULTS.md) they must return data too.
-GPU_FAMILIES = {f.name for f in FAMILIES.values() if "gpu" in f.labels} if DEVICE == "cpu" else set()
+# Families that only exist with a GPU (NVML and the CUDA allocator; the memory forecast rank 0 writes on CUDA): on
+# CPU their panels are exempt; with DFLASH_E2E_DEVICE=cuda (the H200 run in bench/RESULTS.md) they must return data too.
+GPU_FAMILIES = {f.name for f in FAMILIES.values() if "gpu" in f.labels or f.key.startswith("memory_forecast")
+                } if DEVICE == "cpu" else set()
 RATE_INTERVAL = "20s"
 SCRAPED_S = 12.0   # seconds of both ranks scraped training, at least
 

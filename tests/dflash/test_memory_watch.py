@@ -1,0 +1,68 @@
+"""Rank 0's memory forecast while the run trains (dflash/memory_watch.py, issue #50): the report's own figure over
+the logs so far, said once on the console when it first has a basis and written as a `memory_forecast` event each
+time it is worked out; a failing forecast is one line and never fails the run."""
+from __future__ import annotations
+
+import io
+import time
+
+import profiler
+from dflash.memory_watch import MemoryForecastWatch, event_fields
+from profiler.report import load_run
+from profiler.report.memory_forecast import memory_forecast
+from tests.profiler.build import make_profiler
+from tests.report.test_memory_forecast import write_run
+
+
+def _events(run_dir, kind):
+    recs, _ = profiler.read_records(run_dir / "profile" / "rank0.jsonl")
+    return [r for r in recs if r.get("type") == "event" and r.get("kind") == kind]
+
+
+def _wait_for(cond, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_the_forecast_is_said_once_and_written_as_events(tmp_path):
+    logs = write_run(tmp_path / "logs")   # a finished GPU-shaped run's logs, as the watch would read them
+    err = io.StringIO()
+    with make_profiler(tmp_path / "prof", control=False, measure_floors=False, background=False,
+                       interval_s=3600.0, floors={}):
+        watch = MemoryForecastWatch(logs, interval_s=0.05, err=err).start()
+        try:
+            assert _wait_for(lambda: len(_events(tmp_path / "prof", "memory_forecast")) >= 2)
+        finally:
+            watch.close()
+    want = event_fields(memory_forecast(load_run(logs)))
+    got = _events(tmp_path / "prof", "memory_forecast")[0]
+    assert got["settings"] == want["settings"] and got["steps"] == 60
+    said = err.getvalue().splitlines()
+    tokens = next(s for s in want["settings"] if s["flag"] == "--tokens-per-batch")
+    assert len(said) == 2   # one line per setting, once
+    assert any(f"--tokens-per-batch up to {tokens['largest']:,} fit (now 4096;" in line for line in said)
+
+
+def test_a_failing_forecast_is_one_line(tmp_path):
+    err = io.StringIO()
+    watch = MemoryForecastWatch(tmp_path, interval_s=0.01, err=err,
+                                forecast=lambda run_dir: 1 / 0).start()
+    assert _wait_for(lambda: "not available" in err.getvalue())
+    watch.close()
+    assert err.getvalue() == "dflash-train: memory forecast: not available (ZeroDivisionError: division by zero)\n"
+
+
+def test_the_memory_plan_recommends_the_forecasts_largest_rounded_down(tmp_path):
+    from dflash.memory_watch import plan_lines
+    logs = write_run(tmp_path / "logs")
+    lines, code = plan_lines(logs)
+    settings = {s["flag"]: s for s in memory_forecast(load_run(logs))["settings"]}
+    tokens, anchors = settings["--tokens-per-batch"]["largest"], settings["--num-anchors"]["largest"]
+    assert code == 0 and lines[0].startswith("memory plan (60 steps past warm-up; 5% of every GPU kept free):")
+    assert lines[-1] == (f"recommended, each alone (the other at the planned value): --num-anchors {anchors // 8 * 8}; "
+                         f"--tokens-per-batch {tokens // 256 * 256}")
+    lines, code = plan_lines(write_run(tmp_path / "cpu", cuda=False))
+    assert code == 1 and lines == ["memory plan: no forecast: no per-step allocator peaks: a CPU run, or a log "
+                                   "written before them"]
