@@ -83,7 +83,7 @@ class MemoryForecastWatch:
 def _forecast(run_dir) -> dict:
     from profiler.report import load_run
     from profiler.report.memory_forecast import memory_forecast
-    return memory_forecast(load_run(run_dir))
+    return memory_forecast(load_run(run_dir, second_core=False))   # never a child process from a training rank
 
 
 ROUND_TO = {"--tokens-per-batch": 256, "--num-anchors": 8}
