@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     run_dir = Path(tempfile.mkdtemp(prefix="bench_capture_", dir=os.environ.get("OUT") or None))
     times = run(args, device, run_dir)["times_s"]
-    from profiler.records import read_records
+    from profiler.schema.records import read_records
     from profiler.report.kernels import kernels
     event = next(r for r in read_records(run_dir / "profile" / "rank0.jsonl")[0] if r.get("kind") == "capture")
     t0 = time.perf_counter()

@@ -54,7 +54,7 @@ def train(run_dir: Path, args: list, env: dict | None = None, wait: bool = True,
 def records(run_dir: Path, rank: int = 0, rtype: str | None = None, kind: str | None = None) -> list[dict]:
     """Rank `rank`'s run-log records of type `rtype` (and event `kind`), every one when None; [] before the
     log exists."""
-    from profiler.records import read_records   # standard library only
+    from profiler.schema.records import read_records   # standard library only
 
     log = Path(run_dir) / "profile" / f"rank{rank}.jsonl"
     recs = read_records(log)[0] if log.is_file() else []

@@ -10,7 +10,7 @@ import time
 from dflash import handoff
 from dflash.cli_output import Parser, quiet_on_closed_pipe, whole_lines
 from dflash.config import ConfigError, add_config_flags, config_from_args
-from profiler.records import printable
+from profiler.schema.records import printable
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from profiler.records import printable
+from profiler.schema.records import printable
 
 
 class EscapingStream:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import profiler
 from dflash.cli_output import command_for
-from profiler.records import printable, rank_logs
+from profiler.schema.records import printable, rank_logs
 
 TOP_FINDINGS = 3
 """Findings shown at the end of a run; `dflash-report hotspots` shows them all."""

@@ -2,7 +2,7 @@
 joins a flow arrow, which role a rank stuck in it waits on, which DFLASH_FAULT kinds can fire there, and the
 topology it needs to be entered at all. Everything else that names spans by kind reads this table: the loops'
 fault points (dflash/preflight.py), the profiler's phases and the run_start `span_table` (dflash/worker.py), which
-the report, the traces and the live sinks read back (profiler/span_kinds.py), `dflash-profile snapshot`'s waits
+the report, the traces and the live sinks read back (profiler/schema/span_kinds.py), `dflash-profile snapshot`'s waits
 (dflash/profile_cli.py) and the dashboard and rule files (dflash/grafana.py).
 
 A new span is one row here plus its `profiler.span(...)` call. Standard library only.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from profiler.faults import KINDS as FAULT_KINDS
-from profiler.span_kinds import COLLECTIVE, END, PHASE, START, WAIT, WORK
+from profiler.schema.span_kinds import COLLECTIVE, END, PHASE, START, WAIT, WORK
 
 TARGET, DRAFTER = "target", "drafter"
 ENTRY_FAULTS = tuple(k for k in FAULT_KINDS if k not in ("nan", "drift"))

@@ -1,5 +1,5 @@
-"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.snapshot, profiler.capture_client and
-profiler.top (no torch here).
+"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.clients.snapshot, profiler.clients.capture_client and
+profiler.clients.top (no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
     dflash-profile capture --pid PID | --run-dir DIR [--steps K] [--at-step N] [--memory] [--no-wait]
@@ -14,7 +14,7 @@ capture: every rank records steps N..N+K-1 into RUN_DIR/kineto/rank{R}-step{N}.j
 no rank can be armed (not a dflash rank, the run ended, bad --steps, a rank past --at-step), 1 when a rank
 armed but wrote no trace. memory: each GPU rank's allocator snapshot under RUN_DIR/forensics/; exit 2 when no
 rank could save one (a CPU run).
-top: a live view of every rank (profiler.top), refreshed every --interval s; --once prints one plain frame; exit 2
+top: a live view of every rank (profiler.clients.top), refreshed every --interval s; --once prints one plain frame; exit 2
 (one line) for a bad --interval or --window, a pid that is no rank of ours, a run without a live rank.
 """
 from __future__ import annotations
@@ -26,10 +26,12 @@ import sys
 from dflash import pipeline
 from dflash.cli_output import Parser, cli_output, exit_status
 
-from profiler import capture_client, top, views
+from profiler.clients import capture_client, top
+
+from profiler.schema import views
 from profiler.capture import MAX_STEPS
-from profiler.capture_client import CaptureError
-from profiler.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
+from profiler.clients.capture_client import CaptureError
+from profiler.clients.snapshot import (format_process, format_run, keep_snapshot, snapshot_process,
                                snapshot_run)
 from profiler.stacks import FAILED, StackError
 

@@ -7,9 +7,9 @@ import shlex
 import sys
 from collections import Counter, defaultdict
 
-from profiler import views
-from profiler.records import printable
-from profiler.windows import STEADY_PHASE_SHARE_MAX, compute_clause, mfu, summed_mfu
+from profiler.schema import views
+from profiler.schema.records import printable
+from profiler.schema.windows import STEADY_PHASE_SHARE_MAX, compute_clause, mfu, summed_mfu
 
 GIB = 1024 ** 3
 
@@ -124,7 +124,7 @@ def _sm_active_percent(memory) -> float | None:
 
 
 def _gpu_cells(entry, sm_active_percent) -> str:
-    """A span row's GPU class and busy estimate in this interval (profiler.windows.gpu_bound), "-" where unknown."""
+    """A span row's GPU class and busy estimate in this interval (profiler.schema.windows.gpu_bound), "-" where unknown."""
     g = entry.gpu_bound(sm_active_percent=sm_active_percent)
     if g is None:
         return f"{'-':<13} {'-':>5}"
@@ -134,7 +134,7 @@ def _gpu_cells(entry, sm_active_percent) -> str:
 
 def _not_steady_tag(rec, phase_spans) -> str:
     """"  (warm-up)", "  (phases 8.2 s: drafter.eval 8.2 s; not steady)" when the phases took more than
-    STEADY_PHASE_SHARE_MAX of the interval (profiler.windows.is_steady's test), else ""."""
+    STEADY_PHASE_SHARE_MAX of the interval (profiler.schema.windows.is_steady's test), else ""."""
     if rec.warmup:
         return "  (warm-up)"
     if rec.phase_share(phase_spans) <= STEADY_PHASE_SHARE_MAX:

@@ -13,7 +13,7 @@ holds the detail window, not metrics: it only moves the heartbeat, as every reco
   another segment, build information a new run_start replaces, a memory forecast's series that the next
   forecast (or a new segment) no longer gives.
 - Wait shares are the shares of the spans in which the record's role waits for the other side: the run_start's
-  `span_table` (entries of kind "wait"), else profiler.span_kinds.FALLBACK (logs written without a span table).
+  `span_table` (entries of kind "wait"), else profiler.schema.span_kinds.FALLBACK (logs written without a span table).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from exporters.catalog import (ALLOCATOR_COUNTERS, ALLOCATOR_GAUGES, EVENT_KINDS
                                 MEMORY_FORECAST_FIELDS, NUMERICS_BOUNDS, NUMERICS_FIELDS, THROTTLE_REASONS, Family,
                                 counter_family, gauge_family, gpu_about, gpu_gauges, gpu_labels,
                                 train_metric_family, train_metric_value)
-from profiler import span_kinds, views, windows
+from profiler.schema import span_kinds, views, windows
 
 P95_KEPT_S = 300.0
 """How long a span's exact p95 outlives the interval it describes: Prometheus' default lookback (an instant query

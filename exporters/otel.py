@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from exporters.catalog import FAMILIES, Family
 from exporters.fold import Buckets, Fold, Sample
 from exporters.fold import clock_count as _clock_count  # noqa: F401 - tests/report reads the histogram count here
-from profiler import views
+from profiler.schema import views
 from profiler.stats import HISTOGRAM_BUCKETS_SECONDS
 
 log = logging.getLogger("exporters")

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from exporters.fold import Buckets, Fold, Sample
-from profiler import views
+from profiler.schema import views
 
 NOT_SCALARS = ("heartbeat", "run_end", "build_info")
 """Families whose value is a time or a label set, not a figure to plot over steps."""

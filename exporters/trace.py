@@ -1,4 +1,4 @@
-"""The live per-rank Perfetto/Chrome trace: RUN_DIR/trace/rank{R}.json (trace layout: profiler.trace_events)."""
+"""The live per-rank Perfetto/Chrome trace: RUN_DIR/trace/rank{R}.json (trace layout: profiler.schema.trace_events)."""
 from __future__ import annotations
 
 import logging
@@ -7,10 +7,10 @@ import threading
 import time
 from pathlib import Path
 
-from profiler import views
+from profiler.schema import views
 from profiler.runlog import is_disk_full
-from profiler.span_kinds import of_run_start
-from profiler.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, prepare, proc_info,
+from profiler.schema.span_kinds import of_run_start
+from profiler.schema.trace_events import (MAX_EVENTS, FlowSpans, build_trace, json_safe, newest_within, prepare, proc_info,
                                    write_trace)
 
 logger = logging.getLogger("exporters")

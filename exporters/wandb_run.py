@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 from exporters.fold import Buckets, Fold, Sample
 from exporters.tensorboard import NOT_SCALARS, tag
-from profiler import views
+from profiler.schema import views
 
 PACKAGE = "wandb"
 """The library the sink needs (pip install wandb, or the package's `wandb` extra)."""

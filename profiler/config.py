@@ -84,18 +84,18 @@ class ProfilerConfig:
     warmup_steps: int | None = None
     """Steps from the segment's first `set_step` that are warm-up: an interval that began before they were done
     (the loop's own start-up before its first `set_step` included) is marked `warmup` and left out of
-    steady-state figures (profiler/windows.py). None, the default, is AUTO_WARMUP_STEPS, which fits any loop: its
+    steady-state figures (profiler/schema/windows.py). None, the default, is AUTO_WARMUP_STEPS, which fits any loop: its
     start-up (a Trainer's data loader and model placement) and its first steps (a first call's compile, lazy
     initialisation, the allocator's growth) are warm-up, and its steady state starts with the first interval
     that began after them. 0: no warm-up at all."""
     phase_spans: tuple = ()
     """Span names whose time is a phase, not steady work (compilation, evaluation, checkpoints): steady-state
-    seconds leave their self time out, and reports show it beside (profiler/windows.py)."""
+    seconds leave their self time out, and reports show it beside (profiler/schema/windows.py)."""
     span_table: dict | None = None
     """What each span's time is, as plain data written into run_start (docs/RUNLOG.md `span_table`): {span name:
     {"role": the role that enters it, "kind": "work", "wait", "phase" or "collective", "flow": "start" or "end"
     where a trace joins it to its counterpart with an arrow (optional)}}. Reports, traces and live sinks read the
-    run's waits, collectives and flows from it (profiler/span_kinds.py). None: no span has a kind of its own."""
+    run's waits, collectives and flows from it (profiler/schema/span_kinds.py). None: no span has a kind of its own."""
     memory_sizes: dict | None = None
     """What each size a loop names with `profiler.memory_sizes()` is, as plain data written into run_start
     (docs/RUNLOG.md `memory_sizes`): {size name: {"role": the role whose steps name it, "flag": the setting that

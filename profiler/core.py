@@ -25,7 +25,7 @@ from profiler.memory import make_memory_sampler, memory_state
 from profiler.memory_steps import NullStepPeaks, make_step_peaks
 from profiler.nonfinite import NonfiniteMonitor, make_readback
 from profiler.numerics import NumericsDetector, drift_line
-from profiler.records import SCHEMA_VERSION
+from profiler.schema.records import SCHEMA_VERSION
 from profiler.runlog import RunLog, host_fields
 from profiler.spans import SpanRecorder, check_name
 from profiler.stacks import NullStackSampler

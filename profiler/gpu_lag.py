@@ -32,6 +32,8 @@ import bisect
 import time
 from collections import deque
 
+from profiler.schema.gpu_classes import CLASS_SHARE_MIN, GPU, LAUNCH, MIXED, class_of  # noqa: F401
+
 LAUNCH_SLACK_S = 50e-6
 """A launch latency (~5-10 us on H100/H200) plus a small last kernel: a GPU that ends this soon after the host
 kept pace with it."""
@@ -40,14 +42,11 @@ HOST_PACED_SHARE = 0.2
 kernel of a few ms, or a time slice of another process sharing the GPU, on a window of tens of ms)."""
 GPU_BOUND_TAIL_SHARE = 0.5
 """A span whose GPU work runs on after the host's end for at least this share of its window is GPU-bound."""
-CLASS_SHARE_MIN = 2 / 3
-"""A span name is called launch- or GPU-bound in a window when at least this share of its samples is."""
 ANCHOR_CALL_MAX_NS = 200_000
 """An anchor whose record call took longer (the host thread was descheduled) is dropped: its host time is unsure."""
 ANCHOR_BEFORE_NS = 1_000_000
 """A span is placed against the latest anchor recorded at least this long before its begin (a positive gap)."""
 KEEP_ANCHORS = 512
-LAUNCH, GPU, MIXED = "launch-bound", "GPU-bound", "mixed"
 
 
 class NullGpuLag:
@@ -146,18 +145,6 @@ def lag_entry(samples: list, tol_s: float, unplaced: int = 0) -> dict:
             "start_lag_p50_s": _median([s for s, _, _ in samples]),
             "end_lag_p50_s": _median([e for _, e, _ in samples]),
             "window_seconds": window_s, "tail_seconds": tail_s, "tolerance_s": tol_s, "unplaced": unplaced}
-
-
-def class_of(launch_bound: int, gpu_bound: int, n: int) -> str | None:
-    """A span name's class over a window from its sample counts: launch- or GPU-bound when at least
-    CLASS_SHARE_MIN of its samples are, mixed otherwise; None without samples."""
-    if n <= 0:
-        return None
-    if launch_bound >= CLASS_SHARE_MIN * n:
-        return LAUNCH
-    if gpu_bound >= CLASS_SHARE_MIN * n:
-        return GPU
-    return MIXED
 
 
 def _median(values: list):

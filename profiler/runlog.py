@@ -15,7 +15,7 @@ import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from profiler.records import RUN_END, RUN_START, read_records  # noqa: F401 - the reader lives beside the writer
+from profiler.schema.records import RUN_END, RUN_START, read_records  # noqa: F401 - the reader lives beside the writer
 
 RESERVE_BYTES = 128 * 1024
 """Space the log keeps allocated past its end (topped up once half of it is used): when a top-up finds the disk

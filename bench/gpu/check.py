@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 import profiler  # noqa: E402
 from profiler import report    # noqa: E402
-from profiler.windows import is_steady  # noqa: E402
+from profiler.schema.windows import is_steady  # noqa: E402
 
 LAUNCH_BUSY_MAX, GPU_BUSY_MIN = 0.30, 0.70   # the grade: Kineto busy under this is launch-bound, above that is not
 TOKENS_RE = re.compile(r'^dflash_tokens_total\{([^}]*)\} ([0-9.e+]+)$', re.M)

@@ -27,7 +27,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "bench" / "gpu")]
 from check import train  # noqa: E402
 from profiler import read_records, report  # noqa: E402
 from profiler.floors import peak_flops_per_s  # noqa: E402
-from profiler.windows import clock_seconds, is_steady  # noqa: E402
+from profiler.schema.windows import clock_seconds, is_steady  # noqa: E402
 
 TOLERANCE = 0.03
 SHAPE_ARGS = ["--max-length", "3072", "--tokens-per-batch", "6144", "--num-anchors", "512", "--block-size", "16",

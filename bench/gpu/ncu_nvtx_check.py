@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from profiler.records import read_records  # noqa: E402
+from profiler.schema.records import read_records  # noqa: E402
 from profiler.report.kernels import kernels  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from profiler import records, views  # noqa: E402
+from profiler.schema import records, views  # noqa: E402
 
 FLAGS = {"tokens-per-batch": "--tokens-per-batch", "max-length": "--max-length", "num-anchors": "--num-anchors"}
 BASE = {"--max-length": "2048", "--tokens-per-batch": "4096", "--num-anchors": "256"}   # check.py's GPU-bound run

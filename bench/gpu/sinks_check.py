@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]
 
 from profiler import read_records  # noqa: E402
-from profiler.windows import mfu  # noqa: E402
+from profiler.schema.windows import mfu  # noqa: E402
 
 TAGS = {"interval/tokens_rate": lambda r, peaks: r["counters"]["tokens"]["per_second"],
         "interval/model_flops_rate": lambda r, peaks: r["counters"]["model_flops"]["per_second"],

@@ -13,10 +13,10 @@ import json
 import time
 from pathlib import Path
 
-from profiler import views
+from profiler.schema import views
 from profiler.capture import MAX_STEPS
 from profiler.control import default_discovery_dir, discover, pid_alive, query
-from profiler.snapshot import live_ranks
+from profiler.clients.snapshot import live_ranks
 
 ROUND_TO = 10
 MIN_AHEAD = 2

@@ -15,9 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from profiler import views
+from profiler.schema import views
 from profiler.control import default_discovery_dir, discover, discover_all, pid_alive, query
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from profiler.stacks import NO_SUCH_PID, PySpy, StackError, read_threads
 from profiler.threadcpu import is_profiler_thread
 

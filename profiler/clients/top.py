@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from profiler import views, windows
-from profiler.capture_client import CaptureError, ranks_of
+from profiler.schema import views, windows
+from profiler.clients.capture_client import CaptureError, ranks_of
 from profiler.control import default_discovery_dir, pid_alive, query
-from profiler.records import parse_line, printable
-from profiler.snapshot import interval_p95_seconds, judge_span, live_ranks, rate_text
+from profiler.schema.records import parse_line, printable
+from profiler.clients.snapshot import interval_p95_seconds, judge_span, live_ranks, rate_text
 
 DEFAULT_INTERVAL_S = 2.0
 INTERVAL_RANGE_S = (0.2, 3600.0)
@@ -236,7 +236,7 @@ class Poller:
 # ---- the frame: a pure function of the views -------------------------------------------------------------------
 
 def clean(text) -> str:
-    """Text from a rank or its log on one line: control characters escaped (profiler.records.printable), newlines
+    """Text from a rank or its log on one line: control characters escaped (profiler.schema.records.printable), newlines
     and tabs too."""
     return printable(str(text)).replace("\n", "\\n").replace("\t", " ")
 
@@ -256,7 +256,7 @@ def _s(seconds: float) -> str:
 
 
 def rank_window(view: RankView) -> dict | None:
-    """The interval-shaped window (profiler.windows.tick_windows) from the first tick kept to the newest; None before
+    """The interval-shaped window (profiler.schema.windows.tick_windows) from the first tick kept to the newest; None before
     two ticks of one segment."""
     if len(view.ticks) < 2:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from profiler import views
+from profiler.schema import views
 from profiler.report import compare as _compare
 from profiler.report.advice import memory_margin, split
 from profiler.report.memory_forecast import memory_forecast, supersede

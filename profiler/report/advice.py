@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import statistics
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.analysis import rank_table
 from profiler.report.runs import Run, counter_total, gpu_key
 from profiler.report.runs import gpus as nvml_gpus
-from profiler.windows import allocator_bytes, gpu_peak_bytes, measured_memory, span_entries
+from profiler.schema.windows import allocator_bytes, gpu_peak_bytes, measured_memory, span_entries
 
 HEADROOM_SHARE = 0.05
 LOOP_ONLY = "a loop of its own: the split and the batch margin are for dflash-train's target and drafter ranks"

@@ -1,8 +1,8 @@
 """The report's analyses of one run (a `report.runs.Run`), JSON-able: span_ranking, role_shares and verdict
 (which side bounds the pipeline), bandwidth (against the floors), rank_table (per rank, the straggler).
 
-Records are read through the run log's schema (docs/RUNLOG.md): profiler.views where a few are read (a rank's
-run_start or run_end, an interval with open spans), profiler.windows' dict-speed accessors in the loops over every
+Records are read through the run log's schema (docs/RUNLOG.md): profiler.schema.views where a few are read (a rank's
+run_start or run_end, an interval with open spans), profiler.schema.windows' dict-speed accessors in the loops over every
 interval, span entry and GPU.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import statistics
 from itertools import repeat
 
-from profiler import views
-from profiler.windows import (SpanSums, clock_block, clock_seconds, duration_seconds, entry_bytes, entry_counts,
+from profiler.schema import views
+from profiler.schema.windows import (SpanSums, clock_block, clock_seconds, duration_seconds, entry_bytes, entry_counts,
                               entry_floor, gauge_mean, gpu_activity_percents, gpu_bound, interval_open_spans,
                               p50_p95_seconds, phase_seconds, profiler_share, span_clock, span_entries, steady_throughput,
                               steps_advanced, summed_mfu, whole_seconds, window_step, window_warmup)
-from profiler.span_kinds import COLLECTIVE, SpanKinds
+from profiler.schema.span_kinds import COLLECTIVE, SpanKinds
 from profiler.report.kernels import capture_busy
 from profiler.report.runs import PIPELINE_ROLES, Run, counter_total, gpus, interval_window, merged_window, phase_spans, \
     span_kinds, steady_window, wall_seconds

@@ -10,7 +10,7 @@ once       a span's time over the run fits in its threads' wall time; self <= to
 phases     warm-up intervals marked, phase spans (the run_start span_table's) listed in phase_spans, a throughput event
            once warm-up is past
 windows    a figure named steady is read over steady windows (tick windows where the run wrote ticks, else
-           intervals; neither warm-up nor final, at most a tenth in phases: profiler.windows.is_steady), and the
+           intervals; neither warm-up nor final, at most a tenth in phases: profiler.schema.windows.is_steady), and the
            text names each window, followed by its own length; with none steady, its label says so, and never
            beside a steady state with ticks; no window label beside another window's figure (each rank row's
            tokens/s, busy share and capacity named by the window each was read over)
@@ -22,7 +22,7 @@ gpu        every GPU-timed span of an interval is placed on the host timeline or
            an entry whose spans were all launch-bound has a GPU window within its CPU time / (1 - HOST_PACED_SHARE)
            plus the tolerance per span: the window of a launch-bound span is host time
 
-Standard library only (the report's loader, profiler.windows and the trace builder), like the report.
+Standard library only (the report's loader, profiler.schema.windows and the trace builder), like the report.
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
 from pathlib import Path
 
-from profiler import views
-from profiler.trace_events import MAX_EVENTS, backward_flows
+from profiler.schema import views
+from profiler.schema.trace_events import MAX_EVENTS, backward_flows
 from profiler.gpu_lag import HOST_PACED_SHARE
-from profiler.span_kinds import PHASE, of_run_start
-from profiler.windows import clock_fields, clock_seconds, counter_per_second, counter_total, duration_seconds, \
+from profiler.schema.span_kinds import PHASE, of_run_start
+from profiler.schema.windows import clock_fields, clock_seconds, counter_per_second, counter_total, duration_seconds, \
     entry_counts, entry_fields, is_steady, most_threads, past_warm_up, span_clock, span_entries, span_names, \
     steady_throughput, summed_clock_seconds, summed_counts, threads_of, wall_seconds, window_index, window_warmup
 from profiler.report import format_compare, format_hotspots, hotspots_of
@@ -357,7 +357,7 @@ def _log_name(log) -> str:
 def _check_interval(res: CheckResult, where: str, rec: dict, by_name: dict) -> None:
     """The shares, order and self-time invariants of one interval (the loop the check spends most in: each
     invariant counted and tested inline, where it is named only when one breaks); each span entry is added to its
-    span's in `by_name`. Fields are read by profiler.windows' accessors at dict speed, the interval's index through
+    span's in `by_name`. Fields are read by profiler.schema.windows' accessors at dict speed, the interval's index through
     its view where a broken invariant names it."""
     duration = duration_seconds(rec)
     per_thread: dict = {}
@@ -619,7 +619,7 @@ def _read_throughput(res: CheckResult, run: Run, log) -> dict | None:
 
 
 def _throughput_events(log) -> list:
-    """The rank's `throughput` events, as written (profiler.windows.steady_throughput reads them)."""
+    """The rank's `throughput` events, as written (profiler.schema.windows.steady_throughput reads them)."""
     return [e for e in log.events if isinstance(views.event(e), views.Throughput)]
 
 
@@ -767,7 +767,7 @@ def _check_role_rates(res: CheckResult, run: Run, rates: dict, report: dict) -> 
 
 def _check_windows(res: CheckResult, run: Run, report: dict, rates: dict, text: list) -> None:
     """Each rank's row and each role's verdict name the window their figures were read over: its steady
-    intervals (profiler.windows.is_steady over the marks and phase spans, not the report's code), or, with
+    intervals (profiler.schema.windows.is_steady over the marks and phase spans, not the report's code), or, with
     none, a label saying none is steady; the text's verdict line and rank rows show those labels, and each row's
     tokens/s is the rank's throughput file's."""
     rows = {r["rank"]: r for r in report["ranks"]["ranks"]}
@@ -827,7 +827,7 @@ def _expect_steady_beside_steady(res: CheckResult, role: str, logs: list, label:
 
 
 def _windows_of(log) -> list:
-    """What a rank's figures are read over: its tick windows (profiler.windows.tick_windows) where it wrote ticks
+    """What a rank's figures are read over: its tick windows (profiler.schema.windows.tick_windows) where it wrote ticks
     finer than its intervals, else its intervals."""
     return _fine_ticks(log) or log.intervals
 

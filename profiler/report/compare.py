@@ -13,7 +13,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from profiler.windows import counter_per_second, entry_count, gpu_peak_bytes, per_call_seconds, span_entries
+from profiler.schema.windows import counter_per_second, entry_count, gpu_peak_bytes, per_call_seconds, span_entries
 from profiler.report.runs import Run, gpu_key, gpus, merged_window, span_kinds, steady_window, wall_seconds
 
 MIN_SAMPLES = 2

@@ -85,7 +85,7 @@ class Advice:
 
 
 def _launch_bound_spans(report: dict) -> set:
-    """{(role, span)} the spans table calls launch-bound (profiler.windows.gpu_bound): their time is launches."""
+    """{(role, span)} the spans table calls launch-bound (profiler.schema.windows.gpu_bound): their time is launches."""
     return {(r["role"], r["span"]) for r in report["spans"]["rows"]
             if (r.get("gpu_bound") or {}).get("class") == "launch-bound"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.runs import Run
 
 

@@ -8,7 +8,7 @@ import re
 
 from profiler.report.html_svg import esc
 from profiler.report.report_text import _g, _ms, _pct, rank_windows
-from profiler.windows import compute_clause
+from profiler.schema.windows import compute_clause
 
 GIB = 1024 ** 3
 

@@ -1,7 +1,7 @@
 """The plots of `dflash-report html` (profiler/report/html.py), from a loaded run: span self time stacked per role,
 tokens/s, loss and tau (the series `--plot` draws: profiler/report/plot.py's `timeline`), GPU memory headroom, the
 allocator's memory per rank, and the NVML/GPM counters per GPU (read from the interval records through
-profiler/views.py). A series longer than a plot's share of points is downsampled: consecutive windows in buckets
+profiler/schema/views.py). A series longer than a plot's share of points is downsampled: consecutive windows in buckets
 of k, each bucket one point (the mean, or the lowest headroom and the highest memory in use), and every plot says
 its window, its sample count and the bucketing. Standard library only.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.html_svg import Line, frame_for, line_chart, stacked_chart
 from profiler.report.plot import TRAIN_METRICS, _top_spans, start_unix
 from profiler.report.runs import Run, gpu_key

@@ -13,8 +13,8 @@ import re
 import zlib
 from pathlib import Path
 
-from profiler import views
-from profiler.records import MAX_NESTING, too_deep
+from profiler.schema import views
+from profiler.schema.records import MAX_NESTING, too_deep
 from profiler.report.kineto_trace import OUTSIDE, Capture, copy_rows, gpu_breakdown, host_breakdown, kineto_windows
 from profiler.report.runs import ReportError, load_run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from profiler import views
+from profiler.schema import views
 from profiler.threadcpu import is_profiler_thread
 from profiler.report.runs import Run, gpu_key, steady_window, wall_seconds
 

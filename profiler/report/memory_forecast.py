@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.runs import Run, gpu_key
 
 HEADROOM_SHARE = 0.05

@@ -3,7 +3,7 @@ non-finite value, the numerics_drift warnings, and how many steps each came befo
 value (its first `nonfinite` event)."""
 from __future__ import annotations
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.runs import Run
 
 TREND_SHOWN = 10   # trend points a stage's line shows (thinned evenly, its first and last kept)

@@ -10,7 +10,7 @@ exactly, so a child is never stacked on its parent and a stack stays within the 
 """
 from __future__ import annotations
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.runs import Run, gpu_key
 
 TOP_SPANS = 7   # per role; the rest are drawn as "other"

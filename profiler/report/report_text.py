@@ -6,7 +6,7 @@ from __future__ import annotations
 from profiler.report.numerics import format_numerics
 from profiler.report.memory_forecast import MAX_SCALE
 from profiler.report.runs import empty_logs_line
-from profiler.windows import compute_clause
+from profiler.schema.windows import compute_clause
 
 GIB = 1024 ** 3
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from profiler.trace_events import MAX_EVENTS, slice_cost
-from profiler import records as rl
-from profiler import views
-from profiler.span_kinds import SpanKinds, of_run_starts
+from profiler.schema.trace_events import MAX_EVENTS, slice_cost
+from profiler.schema import records as rl
+from profiler.schema import views
+from profiler.schema.span_kinds import SpanKinds, of_run_starts
 from profiler.report.background import Background, cores
-from profiler.windows import detail_spans, duration_seconds, gpu_index, is_steady, past_warm_up, tick_windows, \
+from profiler.schema.windows import detail_spans, duration_seconds, gpu_index, is_steady, past_warm_up, tick_windows, \
     window_final, window_index
 # the report's modules take these accessors from here: an interval's NVML GPUs, windows' wall seconds, a counter's total
-from profiler.windows import counter_total, measured_gpus as gpus, wall_seconds  # noqa: F401
+from profiler.schema.windows import counter_total, measured_gpus as gpus, wall_seconds  # noqa: F401
 
 
 class ReportError(ValueError):
@@ -39,7 +39,7 @@ class RankLog:
     events: list = field(default_factory=list)
     snapshots: list = field(default_factory=list)
     run_ends: list = field(default_factory=list)
-    ticks: list = field(default_factory=list)     # cumulative `tick` records: profiler.windows.tick_windows
+    ticks: list = field(default_factory=list)     # cumulative `tick` records: profiler.schema.windows.tick_windows
     spans: list = field(default_factory=list)     # detail windows: read for traces only (load_run's with_spans)
     spans_evicted: int | None = 0            # spans of older detail windows let go while loading (DetailWindows);
     spans_profiler_dropped: int | None = 0   # the profiler's `dropped` count over every detail window of the log;
@@ -63,7 +63,7 @@ class RankLog:
 
     @cached_property
     def tick_windows(self) -> list:
-        """The windows between the rank's consecutive ticks (profiler.windows.tick_windows), read once, where
+        """The windows between the rank's consecutive ticks (profiler.schema.windows.tick_windows), read once, where
         they are finer than its intervals (more of them); none where ticks came only at the closes (tick_s at or
         above interval_s): the intervals, with their whole spans, say the same then."""
         windows = tick_windows(self.ticks)
@@ -114,7 +114,7 @@ _SPANS_LINE = b'{"type": "' + rl.SPANS.encode() + b'"'
 
 class DetailWindows:
     """A rank's newest detail-window `spans` records whose slices fit in `max_events` (all a trace draws of it:
-    profiler.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
+    profiler.schema.trace_events.newest_within), kept while the log streams by; older ones are only counted, so a
     week's detail windows cost the report its trace's size, not the log's."""
 
     def __init__(self, max_events: int):
@@ -469,7 +469,7 @@ state's own window (dflash/throughput.py) is these steps with the phases' time l
 
 @dataclass(frozen=True)
 class Window:
-    """The windows a figure is read over (interval records, or the tick windows of profiler.windows.tick_windows
+    """The windows a figure is read over (interval records, or the tick windows of profiler.schema.windows.tick_windows
     where the run wrote ticks: `source`), and the words every surface names it with. A rank with no steady window
     (a short run: all warm-up, phases or final) is read over all of its windows, and its label says so."""
     intervals: list
@@ -520,7 +520,7 @@ def rank_phase_spans(log: RankLog) -> tuple:
 
 def steady_window(log: RankLog, ticks: bool = True) -> Window:
     """The rank's steady windows: where it wrote ticks (and `ticks`), its steady tick windows; else its steady
-    intervals. Steady is profiler.windows.is_steady (past warm-up, not the last, under a tenth in compile,
+    intervals. Steady is profiler.schema.windows.is_steady (past warm-up, not the last, under a tenth in compile,
     evaluation or checkpoint phases); in logs written before warm-up marks (no run_start `warmup_steps`), each
     segment's start up to the first interval that did work is left out. All of them, labelled so, when that
     leaves none. Figures that need an interval's own fields (memory, gauges) pass ticks=False."""
@@ -588,7 +588,7 @@ def phase_spans(run) -> tuple:
 
 def span_kinds(run) -> SpanKinds:
     """What each span of the run is: its waits, collectives, phases and flows (run_start `span_table`, read by
-    profiler/span_kinds.py)."""
+    profiler/schema/span_kinds.py)."""
     return of_run_starts(s for log in run.ranks.values() for s in log.run_starts)
 
 

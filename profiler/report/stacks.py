@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from profiler import views
+from profiler.schema import views
 from profiler.report.runs import ReportError, Run, load_run
 from profiler.threadcpu import is_profiler_thread
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profiler.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matched, json_safe, newest_within, \
+from profiler.schema.trace_events import MAX_EVENTS, FlowSpans, build_trace, flows_matched, json_safe, newest_within, \
     prepare, proc_info, write_trace
 from profiler.report.background import Background, cores
 from profiler.report.runs import Run, line_counts, load_run, paused_gc, rank_paths, span_kinds
-from profiler.windows import detail_spans, flow_halves
+from profiler.schema.windows import detail_spans, flow_halves
 
 
 def merged_trace(run: Run, max_events: int = MAX_EVENTS) -> tuple[list, dict, list]:

@@ -28,14 +28,14 @@ GPU_START_UNKNOWN = "unknown; aligned to CPU start"
 
 
 class FlowSpans(NamedTuple):
-    """The spans a trace joins with flow arrows (a run's span table: profiler/span_kinds.py): each span of `start`
+    """The spans a trace joins with flow arrows (a run's span table: profiler/schema/span_kinds.py): each span of `start`
     tagged `flow` to the span of `end` with the same tag."""
     start: frozenset = frozenset()
     end: frozenset = frozenset()
 
     @classmethod
     def of(cls, flows: dict) -> "FlowSpans":
-        """From {span: "start" or "end"} (profiler.span_kinds.SpanKinds.flows())."""
+        """From {span: "start" or "end"} (profiler.schema.span_kinds.SpanKinds.flows())."""
         return cls(frozenset(n for n, end in flows.items() if end == "start"),
                    frozenset(n for n, end in flows.items() if end == "end"))
 

@@ -1,5 +1,5 @@
 """Typed read views of the run log's records (docs/RUNLOG.md), and `parse`, the one check that a record can be read
-as documented. Standard library only; imports only profiler.records and profiler.windows.
+as documented. Standard library only; imports only profiler.schema.records and profiler.schema.windows.
 
 A view wraps the parsed dict (`__slots__`, nothing copied) and reads each field through a property named as the
 log names it (units in the name where the log's key has one). A field whose value is not of its documented type
@@ -11,14 +11,14 @@ Make a view with the kind's `of` (`Interval.of(rec)`; the module functions `inte
 are the same), which hands a view back unchanged, so code that wraps at its entry works whether it is given dicts
 or views; `view(rec)` picks the class by the record's `type` (and an event's by its `kind`). `parse(rec)` makes the
 view after `problem(rec)`, raising BadRecord with the reason for a record that cannot be read as documented: a
-reader counts that record as one bad line. The schema version is `profiler.records.check_schema`'s.
+reader counts that record as one bad line. The schema version is `profiler.schema.records.check_schema`'s.
 """
 from __future__ import annotations
 
 from types import MappingProxyType
 
-from profiler import windows
-from profiler.records import EVENT, INTERVAL, RUN_END, RUN_START, SNAPSHOT, SPANS, TICK
+from profiler.schema import windows
+from profiler.schema.records import EVENT, INTERVAL, RUN_END, RUN_START, SNAPSHOT, SPANS, TICK
 
 _NUM = (int, float)
 _EMPTY = MappingProxyType({})
@@ -154,7 +154,7 @@ class View:
 
     @property
     def raw(self):
-        """The object this view reads, whole: for handing it on (to a JSON dump, a writer, a profiler.windows
+        """The object this view reads, whole: for handing it on (to a JSON dump, a writer, a profiler.schema.windows
         accessor), never for reading a field."""
         return {} if self._d is _EMPTY else self._d
 
@@ -276,7 +276,7 @@ class SpanEntry(View):
     gpu_lag = _maybe("gpu_lag", GpuLag, "CUDA only: where the resolved spans lay on the host timeline.")
 
     def basis(self) -> tuple:
-        """(ClockStats, "gpu" | "cpu"): the block the span's times are read from (profiler.windows.basis)."""
+        """(ClockStats, "gpu" | "cpu"): the block the span's times are read from (profiler.schema.windows.basis)."""
         stats, on = windows.basis(self._d)
         return ClockStats(stats if isinstance(stats, dict) else _EMPTY), on
 
@@ -288,7 +288,7 @@ class SpanEntry(View):
 
     @property
     def gpu_scale(self) -> float:
-        """count / gpu_count: what scales the GPU total to all the entry's spans (profiler.windows.gpu_scale)."""
+        """count / gpu_count: what scales the GPU total to all the entry's spans (profiler.schema.windows.gpu_scale)."""
         return windows.gpu_scale(self._d)
 
     @property
@@ -298,7 +298,7 @@ class SpanEntry(View):
 
     @property
     def whole_seconds(self) -> float:
-        """The summed whole durations of the entry's spans, seconds (profiler.windows.whole_seconds)."""
+        """The summed whole durations of the entry's spans, seconds (profiler.schema.windows.whole_seconds)."""
         return windows.whole_seconds(self._d)
 
     def clock_seconds(self, on: str) -> float:
@@ -306,11 +306,11 @@ class SpanEntry(View):
         return windows.clock_seconds(self._d, on)
 
     def self_seconds(self, on: str) -> float:
-        """The entry's self (exclusive) time on clock `on`, seconds (profiler.windows.self_seconds)."""
+        """The entry's self (exclusive) time on clock `on`, seconds (profiler.schema.windows.self_seconds)."""
         return windows.self_seconds(self._d, on)
 
     def gpu_bound(self, capture_busy_share: float | None = None, sm_active_percent: float | None = None):
-        """This entry's launch-/GPU-bound class and busy estimate (profiler.windows.gpu_bound), None unplaced."""
+        """This entry's launch-/GPU-bound class and busy estimate (profiler.schema.windows.gpu_bound), None unplaced."""
         return windows.gpu_bound([self._d], capture_busy_share, sm_active_percent)
 
 
@@ -568,7 +568,7 @@ class MemorySize(View):
 class RunStart(Record):
     """`run_start`: once per segment, when the profiler starts."""
     __slots__ = ()
-    schema = _int("schema", "Record-format version (profiler.records.check_schema reads it).")
+    schema = _int("schema", "Record-format version (profiler.schema.records.check_schema reads it).")
     run_id = _str("run_id", "The run's unique id, stable across resumed segments.")
     clock = _part("clock", Clock, "The anchor that turns span times into wall-clock times.")
     t_s = _num("t_s", "The interval clock when the segment began (its ticks' origin), seconds.")
@@ -592,7 +592,7 @@ class RunStart(Record):
     phase_spans = _list("phase_spans", "Span names whose time is a phase (compile, eval, checkpoint), not steady "
                                        "work.")
     span_table = _map("span_table", "{span name: {role, kind, ...}}: what each of the loop's spans is (work, wait, "
-                                     "phase, collective, a flow's end); profiler.span_kinds reads it.")
+                                     "phase, collective, a flow's end); profiler.schema.span_kinds reads it.")
     memory_sizes = _map("memory_sizes", "{size name: {role, flag, exponent, what}}: the sizes the loop names per "
                                          "step and the setting that scales each (ProfilerConfig.memory_sizes; "
                                          "MemorySize reads one).")
@@ -612,13 +612,13 @@ class RunStart(Record):
 
 class Interval(Record):
     """`interval`: one per interval_s per rank, a last one `final`. Also reads a tick window
-    (profiler.windows.tick_windows), whose shape is an interval's."""
+    (profiler.schema.windows.tick_windows), whose shape is an interval's."""
     __slots__ = ()
     index = _int("index", "Interval number from 0 in the segment (a tick window: the earlier tick's).")
     step = _int("step", "The step at its close (None before the first set_step).")
     warmup = _flag("warmup", "The interval began before warmup_steps were done.")
     final = _flag("final", "The run's last interval.")
-    source = _str("source", "\"ticks\" for a tick window (profiler.windows.tick_windows); absent on intervals.")
+    source = _str("source", "\"ticks\" for a tick window (profiler.schema.windows.tick_windows); absent on intervals.")
     step_rate = _part("step_rate", StepRate, "How far set_step advanced the step.")
     start_s = _num("start_s", "Its start on the interval clock (monotonic), seconds.")
     end_s = _num("end_s", "Its end on the interval clock, seconds.")
@@ -645,19 +645,19 @@ class Interval(Record):
 
     @property
     def open_at_end(self) -> dict:
-        """{span name: [(thread, open_seconds), ...]}, longest first (profiler.windows.open_at_end)."""
+        """{span name: [(thread, open_seconds), ...]}, longest first (profiler.schema.windows.open_at_end)."""
         return windows.open_at_end(self._d.get("open_spans"))
 
     def phase_seconds(self, phase_spans) -> dict:
-        """{phase span: its self CPU seconds in the interval} (profiler.windows.phase_seconds)."""
+        """{phase span: its self CPU seconds in the interval} (profiler.schema.windows.phase_seconds)."""
         return windows.phase_seconds([self._d], phase_spans)
 
     def phase_share(self, phase_spans) -> float:
-        """The share of the interval's wall its phases took (profiler.windows.phase_share)."""
+        """The share of the interval's wall its phases took (profiler.schema.windows.phase_share)."""
         return windows.phase_share(self._d, phase_spans)
 
     def is_steady(self, phase_spans) -> bool:
-        """Steady work: past warm-up, not final, at most a tenth in phases (profiler.windows.is_steady)."""
+        """Steady work: past warm-up, not final, at most a tenth in phases (profiler.schema.windows.is_steady)."""
         return windows.is_steady(self._d, phase_spans)
 
 
@@ -682,7 +682,7 @@ class TickMetric(View):
 
 
 class Tick(Record):
-    """`tick`: cumulative totals between intervals (profiler.windows.tick_windows turns pairs into windows)."""
+    """`tick`: cumulative totals between intervals (profiler.schema.windows.tick_windows turns pairs into windows)."""
     __slots__ = ()
     index = _int("index", "0, 1, 2 ... per segment.")
     t_s = _num("t_s", "The interval clock at the instant, seconds.")

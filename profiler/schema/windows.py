@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from profiler.gpu_lag import class_of
+from profiler.schema.gpu_classes import class_of
 
 
 def basis(entry: dict) -> tuple[dict, str]:
@@ -69,7 +69,7 @@ def open_at_end(open_spans: list | None) -> dict:
 
 
 # ---- record fields at dict speed: what readers take per interval, per span entry and per GPU in their loops,
-# where a profiler.views view (the same fields, typed) costs several times a dict read. Each reads the log's key as
+# where a profiler.schema.views view (the same fields, typed) costs several times a dict read. Each reads the log's key as
 # written (docs/RUNLOG.md): a value is not type-checked here; views.problem did that where a reader computes with it.
 
 def window_index(window: dict) -> int | None:

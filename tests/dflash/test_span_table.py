@@ -13,7 +13,7 @@ from profiler import report
 from dflash import pipeline
 from exporters import rules
 from profiler.faults import check_injection_points, parse_faults
-from profiler.span_kinds import FALLBACK, of_run_start
+from profiler.schema.span_kinds import FALLBACK, of_run_start
 from tests.profiler.build import make_profiler
 
 

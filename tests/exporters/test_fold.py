@@ -31,7 +31,7 @@ def values(samples, key: str) -> dict:
 
 def test_wait_spans_are_the_run_starts_span_table_of_kind_wait_for_the_records_role():
     """A loop's own pipeline names its wait spans in run_start's span_table; a log without one falls back to
-    profiler.span_kinds.FALLBACK (the trainer's transfer.wait_slot and drafter.recv)."""
+    profiler.schema.span_kinds.FALLBACK (the trainer's transfer.wait_slot and drafter.recv)."""
     fold = Fold()
     table = {"loop.wait": {"role": "trainer", "kind": "wait"}, "loop.step": {"role": "trainer", "kind": "work"},
              "feeder.wait": {"role": "feeder", "kind": "wait"}}

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from exporters.trace import TraceExporter
-from profiler.trace_events import GPU_START_UNKNOWN, backward_flows, trace_pid
+from profiler.schema.trace_events import GPU_START_UNKNOWN, backward_flows, trace_pid
 from dflash import report_cli
 from profiler.report.trace import merge_traces
 

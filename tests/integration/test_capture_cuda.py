@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 import profiler  # noqa: E402
 from dflash import report_cli  # noqa: E402
 from profiler.config import ProfilerConfig  # noqa: E402
-from profiler.records import read_records  # noqa: E402
-from profiler.snapshot import live_ranks  # noqa: E402
+from profiler.schema.records import read_records  # noqa: E402
+from profiler.clients.snapshot import live_ranks  # noqa: E402
 from profiler.report.kernels import kernels  # noqa: E402
 from tests.hta_reader import provider, trace_analysis  # noqa: E402
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dflash import profile_cli, report_cli
-from profiler.records import read_records
-from profiler.snapshot import live_ranks
+from profiler.schema.records import read_records
+from profiler.clients.snapshot import live_ranks
 from tests.hta_reader import provider, trace_analysis
 
 pytestmark = pytest.mark.slow

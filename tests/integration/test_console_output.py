@@ -16,7 +16,7 @@ import pytest
 
 from profiler import report
 from dflash.advice import ADVICE
-from profiler.records import read_records
+from profiler.schema.records import read_records
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

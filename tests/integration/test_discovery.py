@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from tests.conftest import free_port_pair
 
 pytestmark = pytest.mark.slow

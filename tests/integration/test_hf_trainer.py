@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflash import report_cli
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from tests.report.test_loop_report import assert_no_pipeline_noise
 
 pytest.importorskip("accelerate", reason="the Hugging Face Trainer needs accelerate (pip install accelerate)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.records import read_records
+from profiler.schema.records import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--builtin-conversations", "48", "--eval-prompts", "0", "--tokens-per-batch", "1024",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler import views
+from profiler.schema import views
 from profiler.runlog import read_records
 
 REPO = Path(__file__).resolve().parents[2]

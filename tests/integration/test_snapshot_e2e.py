@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from profiler.records import read_records
-from profiler.snapshot import live_ranks, snapshot_run
+from profiler.schema.records import read_records
+from profiler.clients.snapshot import live_ranks, snapshot_run
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.records import read_records
+from profiler.schema.records import read_records
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.snapshot import live_ranks
+from profiler.clients.snapshot import live_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import profiler
 from profiler.capture import MAX_STEPS, CaptureSchedule
 from profiler.config import ProfilerConfig
 from profiler.control import query
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from profiler.spans import CpuSpan
 from tests.profiler.build import make_profiler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_the_client_rounds_up_reads_whole_lines_and_words_its_answers(tmp_path):
-    from profiler.capture_client import LogTail, format_capture, format_memory, roundup
+    from profiler.clients.capture_client import LogTail, format_capture, format_memory, roundup
 
     assert roundup(7) == 10 and roundup(8) == 10 and roundup(9) == 20 and roundup(41, 5) == 45
     log = tmp_path / "rank0.jsonl"

@@ -11,7 +11,7 @@ import pytest
 import profiler
 from profiler import api
 from profiler.detail import MAX_RANGES, DetailWindow, StepMarks
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from profiler.spans import SpanRecord
 from tests.profiler.build import make_profiler
 

@@ -6,7 +6,7 @@ from profiler.cuda_timing import EventPool
 from profiler.gpu_lag import GPU, LAUNCH, LAUNCH_SLACK_S, MIXED, GpuLag, lag_entry, sample_class
 from profiler.intervals import IntervalAggregator
 from profiler.spans import SpanRecord
-from profiler.windows import gpu_bound
+from profiler.schema.windows import gpu_bound
 
 US, MS = 1_000, 1_000_000          # ns
 GPU_OFFSET_NS = 987_654_321_000    # the GPU clock's zero is not the host's

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import profiler
-from profiler.windows import gpu_bound
+from profiler.schema.windows import gpu_bound
 from tests.profiler.build import make_profiler
 
 pytestmark = [pytest.mark.cuda,

@@ -1,5 +1,5 @@
 """Model FLOP/s and MFU, one definition for every surface: the meter's steady window (dflash/throughput.py), the
-role's MFU over its ranks' summed peaks (profiler/windows.py), and the console's and report's one wording."""
+role's MFU over its ranks' summed peaks (profiler/schema/windows.py), and the console's and report's one wording."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 
 from dflash.throughput import ThroughputMeter
 from exporters.console import format_steady
-from profiler.windows import compute_clause, mfu, steady_throughput, summed_mfu
+from profiler.schema.windows import compute_clause, mfu, steady_throughput, summed_mfu
 
 H100 = {"datasheet": {"flops_per_s": 989.4e12, "what": "datasheet dense bf16 (H100/H200 SXM)"},
         "measured": {"flops_per_s": 700e12, "what": "bf16 8192x8192x8192 matmul, best of 5 at the rank's start"}}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import profiler
-from profiler import numerics, views
+from profiler import numerics
+from profiler.schema import views
 from profiler.faults import FaultPlan, check_injection_points, parse_faults
 from profiler.nonfinite import NonfiniteMonitor, tensor_stats, update_ratio
 from profiler.numerics import NumericsDetector, drift_line

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from profiler.control import ControlServer
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from profiler.runlog import RunLog
-from profiler.snapshot import (NO_LIVE_RANK, SnapshotError, format_process, format_run, keep_snapshot,
+from profiler.clients.snapshot import (NO_LIVE_RANK, SnapshotError, format_process, format_run, keep_snapshot,
                                snapshot_process, snapshot_run)
 from profiler.stacks import (NO_SUCH_PID, NOT_PERMITTED, NOT_PYTHON, PYSPY_MISSING, NullStackSampler, PySpy,
                              StackError, StackSampler, make_stack_sampler)

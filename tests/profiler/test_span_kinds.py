@@ -1,8 +1,8 @@
-"""profiler/span_kinds.py, the one reader of a run_start's `span_table`: rows as docs/RUNLOG.md writes them, a
+"""profiler/schema/span_kinds.py, the one reader of a run_start's `span_table`: rows as docs/RUNLOG.md writes them, a
 flow said as a kind, what a reader does not know read as work, and FALLBACK for a log written before the table."""
 from __future__ import annotations
 
-from profiler.span_kinds import FALLBACK, SpanKind, of_run_start, of_run_starts
+from profiler.schema.span_kinds import FALLBACK, SpanKind, of_run_start, of_run_starts
 
 
 def test_rows_read_as_written():

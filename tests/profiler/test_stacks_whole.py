@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
-from profiler import views
+from profiler.schema import views
 from profiler.stacks import MAX_STACK_DEPTH, OUTER_FRAMES, STACKS_PER_THREAD, StackSampler, whole_stack
 from tests.profiler.test_snapshot import pyspy_thread
 from tests.profiler.test_views import read_all

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from dflash import pipeline, profile_cli
-from profiler import top
+from profiler.clients import top
 from profiler.control import ControlServer
-from profiler.top import FrameSettings, Poller, RankView, build_frame, keep_ticks, last_run_end
+from profiler.clients.top import FrameSettings, Poller, RankView, build_frame, keep_ticks, last_run_end
 
 REPO = Path(__file__).resolve().parents[2]
 WAITS = pipeline.wait_spans()
@@ -298,6 +298,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, error):
 
 
 def test_top_imports_no_torch():
-    code = "import sys, profiler.top, dflash.profile_cli\nassert 'torch' not in sys.modules\n"
+    code = "import sys, profiler.clients.top, dflash.profile_cli\nassert 'torch' not in sys.modules\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from profiler.records import read_records
+from profiler.schema.records import read_records
 from tests.profiler.build import make_profiler
 
 try:

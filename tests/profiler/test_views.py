@@ -1,4 +1,4 @@
-"""profiler.views: a typed view of every record kind as docs/RUNLOG.md shows it, the one check (`problem`/`parse`)
+"""profiler.schema.views: a typed view of every record kind as docs/RUNLOG.md shows it, the one check (`problem`/`parse`)
 that makes a record with a missing or wrong-typed field one bad line with its reason, and views over every record
 of a real run reading every field."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from profiler import views, windows
-from profiler.records import read_records, rank_logs
+from profiler.schema import views, windows
+from profiler.schema.records import read_records, rank_logs
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
-"""profiler.windows.tick_windows: the cumulative `tick` records (docs/RUNLOG.md) as interval-shaped windows that
+"""profiler.schema.windows.tick_windows: the cumulative `tick` records (docs/RUNLOG.md) as interval-shaped windows that
 every accessor reads unchanged: changes between consecutive ticks of one segment, warm-up and final marks,
 no window across a resume or between two ticks of one instant."""
 from __future__ import annotations
 
 import pytest
 
-from profiler.windows import basis_seconds, clock_seconds, is_steady, phase_share, self_seconds, span_clock, \
+from profiler.schema.windows import basis_seconds, clock_seconds, is_steady, phase_share, self_seconds, span_clock, \
     tick_windows
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import profiler.report.check as check_mod
 from dflash import report_cli
-from profiler.span_kinds import FALLBACK, PHASE
+from profiler.schema.span_kinds import FALLBACK, PHASE
 from profiler.report.check import check, check_run
 from profiler.report.plot import timeline
 from profiler.report.runs import load_run

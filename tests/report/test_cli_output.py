@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash import report_cli
-from profiler.records import printable
+from profiler.schema.records import printable
 from tests.report.test_check import clean, write
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from profiler import report
-from profiler import records as rl
+from profiler.schema import records as rl
 from profiler.report.check import check
 from profiler.report.runs import load_run
 from profiler.report.trace import merge_traces

@@ -112,7 +112,7 @@ def test_forecast_finds_the_laws_largest_setting(tmp_path, flag):
 
 
 def outside_of(run) -> float:
-    from profiler import views
+    from profiler.schema import views
     last = {log.rank: views.interval(log.intervals[-1]).memory for log in run.ranks.values()}
     used = max(m.gpus[0].used_bytes_last for m in last.values())
     return max(0.0, used - sum(m.allocator.reserved_bytes for m in last.values()))

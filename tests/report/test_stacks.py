@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dflash import report_cli
-from profiler import views
-from profiler.records import read_records
+from profiler.schema import views
+from profiler.schema.records import read_records
 from profiler.report.check import check, check_run
 from profiler.report.stacks import IDLE, MISSING, NO_FRAMES, OTHER, frame_object
 from tests.profiler.test_views import read_all
