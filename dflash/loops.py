@@ -226,7 +226,8 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     flops = target_forward_flops(target.config, batch.attention_mask.sum(1), target.layer_ids)   # a CPU mask
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
-    profiler.memory_sizes(target_tokens=int(batch.input_ids.numel()))   # padded rows x longest: what the target held
+    rows, longest = batch.input_ids.shape   # padded rows x longest: what the target held (sizes of a CPU tensor)
+    profiler.memory_sizes(target_tokens=rows * longest, target_attention_cells=rows * longest * longest)
     profiler.count("model_flops", flops)
     return batch.num_tokens, flops
 

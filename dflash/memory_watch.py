@@ -22,6 +22,7 @@ def event_fields(fc: dict) -> dict:
     return {"headroom_share": fc["headroom_share"], "reason": fc["reason"],
             "steps": sum(r["steps"] for r in fc["ranks"]),
             "settings": [{"flag": s["flag"], "current": s["current"], "largest": s["largest"], "scale": s["scale"],
+                          "capped_by": s.get("capped_by"),
                           "need_bytes_at_current": s["need_bytes_at_current"], "limit_bytes": s["limit_bytes"],
                           "gpu": s["limited_by"]["gpu"], "ranks": s["limited_by"]["ranks"],
                           "transient_steps": [t["step"] for t in s["transient"]]} for s in fc["settings"]]}
@@ -31,14 +32,25 @@ def console_lines(fields: dict) -> list:
     """What rank 0 says when the forecast first has a basis: one line per setting."""
     lines = []
     for s in fields["settings"]:
-        fits = ("not limited by memory" if s["largest"] is None or s["scale"] >= 1024
-                else f"up to {s['largest']:,} fit")
+        fits = fits_text(s)
         binding = f"; a warm-up transient binds (step {s['transient_steps'][0]})" if s["transient_steps"] else ""
         lines.append(f"dflash-train: memory forecast: {s['flag']} {fits} (now {s['current']}; "
                      f"{s['need_bytes_at_current'] / 2 ** 30:.1f} of {s['limit_bytes'] / 2 ** 30:.1f} GiB usable on "
                      f"gpu {s['gpu']}, {fields['steps']} steps past warm-up{binding}; dflash-report hotspots shows the "
                      f"basis)")
     return lines
+
+
+def fits_text(s: dict) -> str:
+    """What fits of one setting, in words: capped by another setting, not limited, or up to a value."""
+    cap = s.get("capped_by")
+    if cap:
+        alone = (f"memory alone allows {cap['memory_largest']:,}" if cap["memory_largest"] is not None
+                 else "memory does not limit it")
+        return f"up to {s['largest']:,} fit (capped by {cap['flag']} {cap['value']:,}; {alone})"
+    if s["largest"] is None or s["scale"] >= 1024:
+        return "not limited by memory"
+    return f"up to {s['largest']:,} fit"
 
 
 class MemoryForecastWatch:
@@ -80,13 +92,28 @@ class MemoryForecastWatch:
                 wait_s *= 2
 
 
-def _forecast(run_dir) -> dict:
+def _forecast(run_dir, second_core: bool = False) -> dict:
+    """The report's forecast over the run's logs so far; a training rank reads them in its own process
+    (second_core=False: never a child process from a rank with CUDA and threads)."""
     from profiler.report import load_run
     from profiler.report.memory_forecast import memory_forecast
-    return memory_forecast(load_run(run_dir, second_core=False))   # never a child process from a training rank
+    return memory_forecast(load_run(run_dir, second_core=second_core))
 
 
-ROUND_TO = {"--tokens-per-batch": 256, "--num-anchors": 8}
+def live_fields(run_dir, forecast=None) -> dict:
+    """`dflash-profile memory`'s forecast from another process: the `memory_forecast` event's fields over the
+    run's logs so far (the figure hotspots gives for them), its `reason` saying why where there is no basis."""
+    return event_fields((forecast or _forecast)(run_dir, second_core=True))
+
+
+def live_lines(fields: dict) -> list:
+    """The forecast as `dflash-profile memory` prints it under the ranks' snapshots."""
+    if fields["reason"] is not None or not fields["settings"]:
+        return [f"memory forecast: none yet: {fields['reason'] or 'no setting scales the sizes of the steps'}"]
+    return [line.replace("dflash-train: ", "") for line in console_lines(fields)]
+
+
+ROUND_TO = {"--tokens-per-batch": 256, "--max-length": 64, "--num-anchors": 8}
 """A recommended setting is the forecast's largest rounded down to a multiple of this."""
 
 
@@ -99,12 +126,12 @@ def plan_lines(run_dir, forecast=None) -> tuple[list, int]:
     fields = event_fields(fc)
     flags = []
     for s in fields["settings"]:
-        if s["largest"] is not None and s["scale"] < 1024:
+        if s["largest"] is not None and (s["scale"] < 1024 or s.get("capped_by")):
             step = ROUND_TO.get(s["flag"], 1)
             flags.append(f"{s['flag']} {max(step, s['largest'] // step * step)}")
     head = f"memory plan ({fields['steps']} steps past warm-up; {fc['headroom_share']:.0%} of every GPU kept free):"
     body = [line.replace("dflash-train: memory forecast: ", "  ") for line in console_lines(fields)]
-    advice = (f"recommended, each alone (the other at the planned value): {'; '.join(flags)}" if flags
+    advice = (f"recommended, each alone (the others at their planned values): {'; '.join(flags)}" if flags
               else "recommended: no change (no setting is limited by memory)")
     return [head, *body, advice], 0
 

@@ -127,18 +127,33 @@ def span_table() -> dict:
 
 
 MEMORY_SIZES = {
-    "target_tokens": {"role": "target", "flag": "--tokens-per-batch", "exponent": 1,
+    "target_tokens": {"role": "target", "scales": {"--tokens-per-batch": 1},
                       "what": "the target's padded batch: rows x the longest row, tokens"},
-    "drafter_tokens": {"role": "drafter", "flag": "--tokens-per-batch", "exponent": 1,
+    "target_attention_cells": {"role": "target", "scales": {"--tokens-per-batch": 1, "--max-length": 1},
+                               "what": "the target's attention score cells per head: rows x the longest row squared"},
+    "drafter_tokens": {"role": "drafter", "scales": {"--tokens-per-batch": 1},
                        "what": "the drafter's context: the packed batch's tokens"},
-    "block_rows": {"role": "drafter", "flag": "--num-anchors", "exponent": 1,
+    "block_rows": {"role": "drafter", "scales": {"--num-anchors": 1, "--tokens-per-batch": 1},
                    "what": "the drafter's draft blocks' rows: anchors x block size"},
 }
-"""The sizes the loops name per step (`profiler.memory_sizes`, dflash/loops.py) and the flag that scales each: the
-memory forecast's "largest --tokens-per-batch / --num-anchors that fits" (ProfilerConfig.memory_sizes, run_start
-`memory_sizes`). Flex attention's memory grows linearly with the tokens (no score matrix), so every exponent is 1."""
+"""The sizes the loops name per step (`profiler.memory_sizes`, dflash/loops.py) and how each grows with the settings
+that scale it: the memory forecast's "largest --tokens-per-batch / --max-length / --num-anchors that fits"
+(ProfilerConfig.memory_sizes, run_start `memory_sizes`). A batch holds at most --tokens-per-batch padded tokens
+(rows x longest), so at a fixed batch a longer --max-length means fewer, longer rows: the target's score cells
+(rows x longest^2 = tokens x longest, what an attention that keeps its scores holds; a flash kernel's fit gives them
+~0 bytes) grow linearly with it, its tokens do not. More tokens a batch means more documents, so more anchors
+(--num-anchors is per document): the draft blocks' rows grow with both. Flex attention's memory grows linearly with
+the tokens (no score matrix), so every exponent is 1."""
+MEMORY_CAPS = {"--max-length": "--tokens-per-batch"}
+"""A setting no forecast may take past another's value: a row longer than a batch does not fit in one
+(dflash/config.py refuses --max-length above --tokens-per-batch)."""
 
 
 def memory_sizes() -> dict:
     """MEMORY_SIZES as plain data for the profiler (ProfilerConfig.memory_sizes)."""
-    return {name: dict(entry) for name, entry in MEMORY_SIZES.items()}
+    return {name: dict(entry, scales=dict(entry["scales"])) for name, entry in MEMORY_SIZES.items()}
+
+
+def memory_caps() -> dict:
+    """MEMORY_CAPS as plain data for the profiler (ProfilerConfig.memory_caps)."""
+    return dict(MEMORY_CAPS)

@@ -1,5 +1,5 @@
-"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.clients.snapshot, profiler.clients.capture_client and
-profiler.clients.top (no torch here).
+"""`dflash-profile`: parse, run, print, keep. The logic lives in profiler.clients (snapshot, capture_client, top) and,
+for the memory forecast, dflash.memory_watch (no torch here).
 
     dflash-profile snapshot --pid PID | --run-dir DIR [--native] [--json] [--out FILE]
     dflash-profile capture --pid PID | --run-dir DIR [--steps K] [--at-step N] [--memory] [--no-wait]
@@ -12,10 +12,11 @@ Exit 0 on success; 2 with a one-line reason when nothing could be snapshotted (n
 not permitted, py-spy missing, not a Python process, no live rank); 1 when py-spy failed otherwise.
 capture: every rank records steps N..N+K-1 into RUN_DIR/kineto/rank{R}-step{N}.json.gz; exit 2 (one line) when
 no rank can be armed (not a dflash rank, the run ended, bad --steps, a rank past --at-step), 1 when a rank
-armed but wrote no trace. memory: each GPU rank's allocator snapshot under RUN_DIR/forensics/; exit 2 when no
-rank could save one (a CPU run).
-top: a live view of every rank (profiler.clients.top), refreshed every --interval s; --once prints one plain frame; exit 2
-(one line) for a bad --interval or --window, a pid that is no rank of ours, a run without a live rank.
+armed but wrote no trace. memory: each GPU rank's allocator snapshot under RUN_DIR/forensics/, then the memory
+forecast from the run's logs so far (the largest --tokens-per-batch, --max-length, --num-anchors that fit, or why
+there is none yet); exit 2 when no rank could save a snapshot (a CPU run).
+top: a live view of every rank (profiler.clients.top), refreshed every --interval s; --once prints one plain
+frame; exit 2 (one line) for a bad --interval or --window, a pid that is no rank of ours, a run without a live rank.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import argparse
 import json
 import sys
 
-from dflash import pipeline
+from dflash import memory_watch, pipeline
 from dflash.cli_output import Parser, cli_output, exit_status
 
 from profiler.clients import capture_client, top
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for every rank's trace (default 600)")
     mem = sub.add_parser("memory", help="each GPU rank's CUDA allocator snapshot, for pytorch.org/memory_viz",
                          description="Each GPU rank saves torch.cuda.memory._snapshot() under RUN_DIR/forensics/ "
-                                     "(with the allocation history under --memory-history N).")
+                                     "(with the allocation history under --memory-history N); then the memory "
+                                     "forecast from the run's logs so far.")
     _add_target(mem)
     live = sub.add_parser("top", help="a live view of every rank: step, rates, open spans, GPU, the bound stage",
                           description="Every rank's step, tokens/s over its own recent ticks, open spans with their "
@@ -123,8 +125,10 @@ def capture(args) -> tuple[dict, int]:
 
 def memory(args) -> tuple[dict, int]:
     """Every rank's allocator snapshot; exit 2 when none could be saved (CPU ranks say why)."""
-    replies = capture_client.memory(capture_client.ranks_of(args.pid, args.run_dir))
-    return {"ranks": replies}, 0 if any(r.get("ok") for r in replies) else 2
+    records = capture_client.ranks_of(args.pid, args.run_dir)
+    replies = capture_client.memory(records)
+    forecast = memory_watch.live_fields(args.run_dir or records[0]["run_dir"])
+    return {"ranks": replies, "forecast": forecast}, 0 if any(r.get("ok") for r in replies) else 2
 
 
 def main(argv: list[str] | None = None, runner=None) -> int:
@@ -153,7 +157,8 @@ def _top(args) -> int:
 def _drill(args) -> int:
     """capture / memory: a one-line error and exit 2 before anything is armed or saved."""
     command, formatter = ((capture, lambda r: capture_client.format_capture(r)) if args.command == "capture" else
-                          (memory, lambda r: capture_client.format_memory(r["ranks"])))
+                          (memory, lambda r: "\n".join([capture_client.format_memory(r["ranks"]),
+                                                         *memory_watch.live_lines(r["forecast"])])))
     try:
         result, code = command(args)
     except CaptureError as exc:

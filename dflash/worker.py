@@ -227,7 +227,8 @@ def _make_profiler(cfg: TrainConfig, topo: Topology, rank: int, role: str, devic
     config = cfg.profiler_config(detail_follows=role == "drafter",   # a drafter keeps the batches its targets keep
                                  warmup_steps=loops.warmup_steps(cfg, role), phase_spans=pipeline.phase_spans(),
                                  numerics_quiet_steps=loops.numerics_quiet_steps(cfg, role),
-                                 span_table=pipeline.span_table(), memory_sizes=pipeline.memory_sizes())
+                                 span_table=pipeline.span_table(), memory_sizes=pipeline.memory_sizes(),
+                                 memory_caps=pipeline.memory_caps())
     deps = ProfilerDeps(stack_sampler=make_stack_sampler(os.getpid(), cfg.profile.stack_samples_per_interval,
                                                          cfg.profile.interval_s))
     return profiler.Profiler(run_dir=run_dir, rank=rank, world_size=topo.world_size, role=role, device=device,

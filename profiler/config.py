@@ -98,10 +98,13 @@ class ProfilerConfig:
     run's waits, collectives and flows from it (profiler/schema/span_kinds.py). None: no span has a kind of its own."""
     memory_sizes: dict | None = None
     """What each size a loop names with `profiler.memory_sizes()` is, as plain data written into run_start
-    (docs/RUNLOG.md `memory_sizes`): {size name: {"role": the role whose steps name it, "flag": the setting that
-    scales it (a command-line flag), "exponent": how a step's memory grows with it (1 linear, 2 quadratic),
-    "what": one line}}. The memory forecast (profiler/report/memory_forecast.py) says "the largest FLAG that
-    fits" from it. None: sizes without settings (the forecast speaks of the sizes themselves)."""
+    (docs/RUNLOG.md `memory_sizes`): {size name: {"role": the role whose steps name it, "scales": {setting (a
+    command-line flag): how the size grows with it, 1 linear, 2 quadratic}, "what": one line}}. The memory forecast
+    (profiler/report/memory_forecast.py) says "the largest FLAG that fits" per setting from it. None: sizes without
+    settings (no forecast)."""
+    memory_caps: dict | None = None
+    """{setting: another setting whose value it may not pass} written into run_start (docs/RUNLOG.md
+    `memory_caps`): the forecast's largest value of the first is at most the run's value of the second. None: none."""
     nvtx: bool = False
     """On CUDA, every span is also an NVTX range for the whole run (Nsight Systems, `ncu --nvtx`)."""
     capture_at_step: int | None = None

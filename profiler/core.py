@@ -351,6 +351,7 @@ class Profiler:
                 "detail_follows": self.cfg.detail_follows, "world_size": self.world_size,
                 "warmup_steps": self.cfg.warmup_steps, "phase_spans": list(self.cfg.phase_spans),
                 "span_table": dict(self.cfg.span_table or {}), "memory_sizes": dict(self.cfg.memory_sizes or {}),
+                "memory_caps": dict(self.cfg.memory_caps or {}),
                 **host_fields(self.device, self.is_cuda), "floors": self.floors, "compute_peaks": self.compute_peaks,
                 "interval_s": self.interval_s,
                 "config": self.run_config}

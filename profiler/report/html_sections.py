@@ -174,7 +174,8 @@ def forecast(rep: dict) -> str:
     if fc.get("reason") or not fc.get("settings"):
         return para(fc.get("reason") or "no setting scales the sizes of the steps")
     rows = [[st["flag"], _g(st["current"], ",.0f"),
-             "not limited" if st["scale"] is not None and st["scale"] >= 1024 else _g(st["largest"], ",.0f"),
+             (f"{st['largest']:,} (capped by {st['capped_by']['flag']})" if st.get("capped_by") else
+              "not limited" if st["scale"] is not None and st["scale"] >= 1024 else _g(st["largest"], ",.0f")),
              st["limited_by"]["gpu"], _g(st["need_bytes_at_current"] / GIB, ".1f"), _g(st["limit_bytes"] / GIB, ".1f"),
              ", ".join(f"rank {t['rank']} step {t['step']}" for t in st["transient"]) or "-"] for st in fc["settings"]]
     steps = sum(r["steps"] for r in fc["ranks"])

@@ -54,8 +54,10 @@ def memory_forecast(run: Run) -> dict:
     if not gpus:
         out["reason"] = "no GPU's total memory was measured (NVML)"
         return out
-    for flag in sorted({size.flag for size in map(views.MemorySize.of, sizes.values()) if size.flag}):
-        out["settings"].append(_setting(run, flag, sizes, models, gpus))
+    caps = next((views.run_start(s).memory_caps for log in run.ranks.values() for s in reversed(log.run_starts)
+                 if views.run_start(s).memory_caps), {})
+    for flag in sorted({flag for size in map(views.MemorySize.of, sizes.values()) for flag in size.scales}):
+        out["settings"].append(_setting(run, flag, sizes, models, gpus, caps.get(flag)))
     return out
 
 
@@ -123,8 +125,9 @@ def need_fn(model: dict, flag: str, sizes: dict) -> tuple:
     """(need(s), basis, binding): the rank's bytes at the setting `flag` scaled by s (its steady model, the
     transient where above it), the model's basis in words, and whether the warm-up's transient binds."""
     described = {n: views.MemorySize.of(e) for n, e in sizes.items()}
-    scaled = {n for n, size in described.items() if size.flag == flag and size.role in (None, model["role"])}
-    exponent = max([float(described[n].exponent or 1) for n in scaled] or [1.0])
+    scaled = {n for n, size in described.items()
+              if size.exponent(flag) is not None and size.role in (None, model["role"])}
+    exponent = max([described[n].exponent(flag) for n in scaled] or [1.0])
     rows, fixed = model["rows"], model["fixed_bytes"]
     named = {n for r, _ in rows for n in r}
     if not rows or not (named & scaled):
@@ -152,8 +155,9 @@ def need_fn(model: dict, flag: str, sizes: dict) -> tuple:
     return steady, basis, False
 
 
-def _setting(run: Run, flag: str, sizes: dict, models: list, gpus: dict) -> dict:
-    """One setting's forecast: the largest value keeping the headroom on every GPU."""
+def _setting(run: Run, flag: str, sizes: dict, models: list, gpus: dict, cap_flag: str | None) -> dict:
+    """One setting's forecast: the largest value keeping the headroom on every GPU, at most the run's value of
+    `cap_flag` where one caps it (`capped_by` then says so)."""
     key = flag.lstrip("-").replace("-", "_")
     current = run.config.get(key)
     needs = {m["rank"]: need_fn(m, flag, sizes) for m in models}
@@ -167,8 +171,12 @@ def _setting(run: Run, flag: str, sizes: dict, models: list, gpus: dict) -> dict
     scale, limit, at_run = best
     transient = [{"rank": m["rank"], "step": m["warm_peak"][0], "peak_bytes": m["warm_peak"][1]}
                  for m in models if needs[m["rank"]][2] and m["rank"] in limited["ranks"]]
-    return {"flag": flag, "current": current, "scale": scale,
-            "largest": int(current * scale) if isinstance(current, (int, float)) and scale is not None else None,
+    largest = int(current * scale) if isinstance(current, (int, float)) and scale is not None else None
+    cap = run.config.get(cap_flag.lstrip("-").replace("-", "_")) if cap_flag else None
+    capped = isinstance(cap, (int, float)) and largest is not None and largest >= cap
+    return {"flag": flag, "current": current, "scale": scale, "largest": int(cap) if capped else largest,
+            "capped_by": {"flag": cap_flag, "value": int(cap), "memory_largest": None if scale >= MAX_SCALE
+                          else largest} if capped else None,
             "need_bytes_at_current": at_run, "limit_bytes": limit, "limited_by": limited, "transient": transient,
             "basis": {str(m["rank"]): needs[m["rank"]][1] for m in models}}
 

@@ -316,8 +316,13 @@ def _forecast(rep: dict) -> list:
         lim = st["limited_by"]
         where = (f"the steps need {st['need_bytes_at_current'] / GIB:.1f} of {st['limit_bytes'] / GIB:.1f} GiB usable "
                  f"on gpu {lim['gpu']}, rank {', '.join(map(str, lim['ranks']))}")
+        cap = st.get("capped_by")
         if st["largest"] is None:
             head = f"x{st['scale']:.3g} the run's sizes"
+        elif cap:
+            alone = (f"memory alone allows {cap['memory_largest']:,}" if cap["memory_largest"] is not None
+                     else f"not limited by memory within {MAX_SCALE:.0f}x {st['current']}")
+            head = f"up to {st['largest']:,}, capped by {cap['flag']} {cap['value']:,} ({alone})"
         elif st["scale"] >= MAX_SCALE:
             head = f"not limited by memory within {MAX_SCALE:.0f}x {st['current']}"
         else:

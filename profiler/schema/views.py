@@ -556,13 +556,18 @@ class ComputePeak(View):
 
 
 class MemorySize(View):
-    """One of run_start's `memory_sizes`: a size the loop names per step (profiler.memory_sizes) and the setting that
-    scales it, what the memory forecast (profiler/report/memory_forecast.py) scales a step's peak by."""
+    """One of run_start's `memory_sizes`: a size the loop names per step (profiler.memory_sizes) and the settings that
+    scale it, what the memory forecast (profiler/report/memory_forecast.py) scales a step's peak by."""
     __slots__ = ()
     role = _str("role", "The role whose steps name it (None: any role's).")
-    flag = _str("flag", "The setting that scales it, a command-line flag (--tokens-per-batch, --num-anchors).")
-    exponent = _num("exponent", "How a step's memory grows with it: 1 linear, 2 quadratic.")
+    scales = _map("scales", "{setting (a command-line flag: --tokens-per-batch, --max-length, --num-anchors): how a "
+                            "step's memory grows with it, 1 linear, 2 quadratic}.")
     what = _str("what", "What it is, one line.")
+
+    def exponent(self, flag: str) -> float | None:
+        """How the size grows with the setting `flag` (None: it does not scale with it)."""
+        v = self.scales.get(flag)
+        return float(v) if _number(v) else None
 
 
 class RunStart(Record):
@@ -593,9 +598,11 @@ class RunStart(Record):
                                        "work.")
     span_table = _map("span_table", "{span name: {role, kind, ...}}: what each of the loop's spans is (work, wait, "
                                      "phase, collective, a flow's end); profiler.schema.span_kinds reads it.")
-    memory_sizes = _map("memory_sizes", "{size name: {role, flag, exponent, what}}: the sizes the loop names per "
-                                         "step and the setting that scales each (ProfilerConfig.memory_sizes; "
-                                         "MemorySize reads one).")
+    memory_sizes = _map("memory_sizes", "{size name: {role, scales, what}}: the sizes the loop names per step and "
+                                         "the settings that scale each (ProfilerConfig.memory_sizes; MemorySize "
+                                         "reads one).")
+    memory_caps = _map("memory_caps", "{setting: the setting whose value the forecast's largest of it may not "
+                                       "pass} (ProfilerConfig.memory_caps).")
     config = _map("config", "The training config (any JSON).")
     gpu_steps_per_s = _num("gpu_steps_per_s", "Logs before 2026-12-04: GPU-timed steps per second (> 0: sampled).")
 
@@ -880,6 +887,8 @@ class ForecastSetting(View):
     gpu = _str("gpu", "The limiting GPU (host:index).")
     ranks = _list("ranks", "The ranks on it.")
     transient_steps = _list("transient_steps", "Warm-up steps whose peak binds the forecast.")
+    capped_by = _map("capped_by", "{flag, value, memory_largest} where another setting caps largest (run_start "
+                                  "memory_caps); {} where none does.")
 
 
 class MemoryForecast(Event):

@@ -61,8 +61,33 @@ def test_the_memory_plan_recommends_the_forecasts_largest_rounded_down(tmp_path)
     settings = {s["flag"]: s for s in memory_forecast(load_run(logs))["settings"]}
     tokens, anchors = settings["--tokens-per-batch"]["largest"], settings["--num-anchors"]["largest"]
     assert code == 0 and lines[0].startswith("memory plan (60 steps past warm-up; 5% of every GPU kept free):")
-    assert lines[-1] == (f"recommended, each alone (the other at the planned value): --num-anchors {anchors // 8 * 8}; "
+    assert lines[-1] == (f"recommended, each alone (the others at their planned values): --num-anchors {anchors // 8 * 8}; "
                          f"--tokens-per-batch {tokens // 256 * 256}")
     lines, code = plan_lines(write_run(tmp_path / "cpu", cuda=False))
     assert code == 1 and lines == ["memory plan: no forecast: no per-step allocator peaks: a CPU run, or a log "
                                    "written before them"]
+
+
+def test_a_setting_capped_by_another_says_so_and_is_recommended_at_the_cap(tmp_path):
+    from dflash.memory_watch import plan_lines
+    from tests.report.test_memory_forecast import CELLS, SIZES
+    logs = write_run(tmp_path / "logs", sizes={**SIZES, **CELLS}, caps={"--max-length": "--tokens-per-batch"})
+    lines, code = plan_lines(logs)
+    assert code == 0
+    line = next(line for line in lines if line.startswith("  --max-length "))
+    assert line.startswith("  --max-length up to 4,096 fit (capped by --tokens-per-batch 4,096; memory does not "
+                           "limit it) (now 512;"), line
+    assert "--max-length 4096" in lines[-1]
+
+
+def test_dflash_profile_memory_says_the_reports_forecast_from_the_logs_so_far(tmp_path):
+    from dflash.memory_watch import live_fields, live_lines
+    logs = write_run(tmp_path / "logs")
+    fields = live_fields(logs)
+    assert fields == event_fields(memory_forecast(load_run(logs)))
+    tokens = next(s for s in fields["settings"] if s["flag"] == "--tokens-per-batch")
+    assert live_lines(fields)[-1].startswith(f"memory forecast: --tokens-per-batch up to {tokens['largest']:,} fit "
+                                            "(now 4096;")
+    short = live_fields(write_run(tmp_path / "short", steps=14, interval_steps=7))
+    assert live_lines(short) == ["memory forecast: none yet: too few steps past warm-up to forecast from: rank 0 "
+                                 "has 7 (at least 8)"]

@@ -14,41 +14,45 @@ from profiler.report.memory_forecast import HEADROOM_SHARE, memory_forecast, nnl
 GIB = 2 ** 30
 TOTAL = 80 * GIB
 OUTSIDE = 2 * GIB            # NVML used beyond the ranks' reserved bytes (contexts)
-SIZES = {"target_tokens": {"role": "target", "flag": "--tokens-per-batch", "exponent": 1, "what": "t"},
-         "drafter_tokens": {"role": "drafter", "flag": "--tokens-per-batch", "exponent": 1, "what": "d"},
-         "block_rows": {"role": "drafter", "flag": "--num-anchors", "exponent": 1, "what": "b"}}
-LAW = {"target": (10 * GIB, {"target_tokens": 3 * 2 ** 20}),
+SIZES = {"target_tokens": {"role": "target", "scales": {"--tokens-per-batch": 1}, "what": "t"},
+         "drafter_tokens": {"role": "drafter", "scales": {"--tokens-per-batch": 1}, "what": "d"},
+         "block_rows": {"role": "drafter", "scales": {"--num-anchors": 1}, "what": "b"}}
+CELLS = {"target_attention_cells": {"role": "target", "scales": {"--tokens-per-batch": 1, "--max-length": 1},
+                                    "what": "c"}}
+LAW = {"target": (10 * GIB, {"target_tokens": 3 * 2 ** 20, "target_attention_cells": 0}),
        "drafter": (5 * GIB, {"drafter_tokens": 1 * 2 ** 20, "block_rows": 2 * 2 ** 20})}
 """role -> (fixed bytes, {size: bytes per unit})."""
-CONFIG = {"tokens_per_batch": 4096, "num_anchors": 64}
+CONFIG = {"tokens_per_batch": 4096, "num_anchors": 64, "max_length": 512}
 
 
 def step_sizes(role: str, rng: random.Random) -> dict:
     fill = rng.uniform(0.6, 1.0)   # short data fills a batch less
     if role == "target":
-        return {"target_tokens": int(4096 * fill)}
+        longest = rng.randint(128, 512)   # rows x longest <= the batch's tokens
+        rows = int(4096 * fill) // longest
+        return {"target_tokens": rows * longest, "target_attention_cells": rows * longest * longest}
     docs = rng.randint(1, 4)
     return {"drafter_tokens": int(4096 * fill), "block_rows": int(docs * rng.uniform(0.5, 1.0) * 64 * 16 / 4)}
 
 
-def peak(role: str, sizes: dict) -> float:
-    fixed, per = LAW[role]
+def peak(role: str, sizes: dict, law=LAW) -> float:
+    fixed, per = law[role]
     return fixed + sum(per[n] * v for n, v in sizes.items())
 
 
-def write_run(run_dir, steps=40, warm_peak=None, sizes=SIZES, cuda=True, interval_steps=10):
+def write_run(run_dir, steps=40, warm_peak=None, sizes=SIZES, cuda=True, interval_steps=10, caps=None, law=LAW):
     """Two ranks sharing GPU 0 (drafter rank 0, target rank 1); `warm_peak`: {role: bytes} at warm-up step 1."""
     (run_dir / "profile").mkdir(parents=True)
     for rank, role in ((0, "drafter"), (1, "target")):
         rng = random.Random(rank)
         recs = [{"type": "run_start", "schema": 1, "time_unix": 1.0, "rank": rank, "role": role, "run_id": "r",
-                 "hostname": "h", "memory_sizes": sizes, "config": CONFIG, "warmup_steps": interval_steps,
+                 "hostname": "h", "memory_sizes": sizes, "memory_caps": caps or {}, "config": CONFIG, "warmup_steps": interval_steps,
                  "phase_spans": [], "histogram_buckets_seconds": [], "interval_s": 60.0}]
         for k in range(steps // interval_steps):
             rows = []
             for step in range(k * interval_steps, (k + 1) * interval_steps):
-                s = step_sizes(role, rng)
-                p = peak(role, s) if not (warm_peak and k == 0 and step == 1) else warm_peak[role]
+                s = {n: v for n, v in step_sizes(role, rng).items() if n in sizes or not sizes}
+                p = peak(role, s, law) if not (warm_peak and k == 0 and step == 1) else warm_peak[role]
                 rows.append({"step": step, "peak_allocated_bytes": p, "peak_reserved_bytes": p * 1.3,
                              "allocated_bytes": LAW[role][0], "sizes": s})
             reserved = max(r["peak_reserved_bytes"] for r in rows)
@@ -67,15 +71,17 @@ def write_run(run_dir, steps=40, warm_peak=None, sizes=SIZES, cuda=True, interva
     return run_dir
 
 
-def law_need(flag: str):
+def law_need(flag: str, sizes=SIZES, law=LAW):
     """need(x): both ranks' bytes by the law at the setting scaled by x (each rank's worst step past warm-up)."""
     run_rng = {role: random.Random(rank) for rank, role in ((0, "drafter"), (1, "target"))}
     worst = {}
     for role, rng in run_rng.items():
-        rows = [step_sizes(role, rng) for _ in range(40)][10:]   # past the warm-up interval
-        fixed, per = LAW[role]
-        scaled = [sum(per[n] * v for n, v in s.items() if SIZES[n]["flag"] == flag) for s in rows]
-        rest = [sum(per[n] * v for n, v in s.items() if SIZES[n]["flag"] != flag) for s in rows]
+        rows = [{n: v for n, v in step_sizes(role, rng).items() if n in sizes}
+                for _ in range(40)][10:]   # past the warm-up interval
+        fixed, per = law[role]
+        scaled = [sum(per[n] * v for n, v in s.items() if n in sizes and flag in sizes[n]["scales"]) for s in rows]
+        rest = [sum(per[n] * v for n, v in s.items() if not (n in sizes and flag in sizes[n]["scales"]))
+                for s in rows]
         worst[role] = (fixed, list(zip(scaled, rest)))
 
     def need(x):
@@ -109,6 +115,34 @@ def test_forecast_finds_the_laws_largest_setting(tmp_path, flag):
     assert setting["largest"] <= lo * current * 1.001   # never above the law
     assert limit == pytest.approx((1 - HEADROOM_SHARE) * TOTAL - outside_of(run))
     assert setting["transient"] == []
+
+
+def _bisect(need, limit: float) -> float:
+    lo, hi = 0.0, 1024.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    return lo
+
+
+def test_max_length_scales_the_targets_score_cells_only_and_is_capped_by_the_batch(tmp_path):
+    """At a fixed batch a longer --max-length means fewer, longer rows: an attention that keeps its scores grows
+    with it (rows x longest^2 = tokens x longest), its tokens do not; a flash kernel's (no bytes per cell) is not
+    limited by memory and stops at --tokens-per-batch, a row as long as a batch."""
+    sizes = {**SIZES, **CELLS}
+    eager = {**LAW, "target": (10 * GIB, {"target_tokens": 3 * 2 ** 20, "target_attention_cells": 2 ** 11})}
+    caps = {"--max-length": "--tokens-per-batch"}
+    fc = memory_forecast(load_run(write_run(tmp_path / "eager", sizes=sizes, law=eager, caps=caps)))
+    setting = next(s for s in fc["settings"] if s["flag"] == "--max-length")
+    want = _bisect(law_need("--max-length", sizes, eager), setting["limit_bytes"]) * CONFIG["max_length"]
+    assert setting["largest"] == pytest.approx(want, rel=0.01) and setting["largest"] <= want * 1.001
+    assert setting["capped_by"] is None and 512 < setting["largest"] < 4096
+    flash = memory_forecast(load_run(write_run(tmp_path / "flash", sizes=sizes, caps=caps)))
+    setting = next(s for s in flash["settings"] if s["flag"] == "--max-length")
+    assert setting["largest"] == CONFIG["tokens_per_batch"]
+    assert setting["capped_by"] == {"flag": "--tokens-per-batch", "value": 4096, "memory_largest": None}
+    tokens = next(s for s in flash["settings"] if s["flag"] == "--tokens-per-batch")
+    assert tokens["capped_by"] is None   # the cells scale with the batch too: its forecast still counts them
 
 
 def outside_of(run) -> float:
