@@ -213,8 +213,8 @@ FAMILIES = {f.key: f for f in (
        "largest value (bound=\"overflow\") or nonzero below its smallest normal one (bound=\"underflow\").",
        "span", "tensor", "bound", otel=Otel("dflash.numerics.out_of_range", "1")),
     _f("memory_forecast_largest", "memory_forecast_largest", None, "gauge",
-       "The largest value of the setting (setting: its flag, --tokens-per-batch or --num-anchors; in its own "
-       "unit) that keeps 5% of every GPU free, by the run's last memory_forecast event (rank 0 of a CUDA run, "
+       "The largest value of the setting (setting: its flag, --tokens-per-batch, --max-length or --num-anchors; in "
+       "its own unit) that keeps 5% of every GPU free, by the run's last memory_forecast event (rank 0 of a CUDA run, "
        "dflash/memory_watch.py); absent where the run's value is not a number.", "setting",
        otel=Otel("dflash.memory.forecast.largest", "1")),
     _f("memory_forecast_scale", "memory_forecast_scale", "ratio", "gauge",

@@ -241,8 +241,8 @@ _BELOW_OVERVIEW = (("Step breakdown", (
                Query(f"increase({sel('alloc_ooms')}[{RATE}])", f"{GPU} OOMs")), width=12, bars=True),
 )), ("Memory forecast", (
         Panel("Memory forecast: largest setting that fits",
-              "Per setting (--tokens-per-batch, --num-anchors), the largest value that keeps 5% of every GPU free, "
-              "and the run's value, by the last memory_forecast event (rank 0 of a CUDA run, once every rank is "
+              "Per setting (--tokens-per-batch, --max-length, --num-anchors), the largest value that keeps 5% of "
+              "every GPU free, and the run's value, by the last memory_forecast event (rank 0 of a CUDA run, once every rank is "
               "past its warm-up; dflash-report hotspots gives the same forecast with its basis).", "short",
               (Query(sel("memory_forecast_largest"), "{{setting}} largest"),
                Query(f"{sel('memory_forecast_largest')} / ({sel('memory_forecast_scale')} > 0)",
