@@ -87,9 +87,12 @@ def rank_model(log) -> dict | None:
         return None
     fixed = statistics.median(r.allocated_bytes for r in steady) if steady else 0.0
     gpu = _rank_gpu(log)
+    worst = max(steady, key=lambda r: r.peak_allocated_bytes, default=None)
+    ratio = (worst.peak_reserved_bytes / worst.peak_allocated_bytes
+             if worst is not None and worst.peak_reserved_bytes and worst.peak_allocated_bytes else None)
     return {"rank": log.rank, "role": log.role, "steps": len(steady), "fixed_bytes": fixed,
             "rows": [(dict(r.sizes), max(0.0, r.peak_allocated_bytes - fixed)) for r in steady],
-            "warm_peak": warm, **gpu}
+            "warm_peak": warm, "reserved_ratio": ratio, **gpu}
 
 
 def _rank_gpu(log) -> dict:
@@ -233,7 +236,8 @@ def _public(m: dict) -> dict:
     """A rank's model as the JSON shows it (no per-step rows)."""
     return {"rank": m["rank"], "role": m["role"], "gpu": m["gpu"], "steps": m["steps"], "fixed_bytes": m["fixed_bytes"],
             "worst_step_bytes": max([m["fixed_bytes"] + own for _, own in m["rows"]], default=None),
-            "warmup_peak": {"step": m["warm_peak"][0], "bytes": m["warm_peak"][1]} if m["warm_peak"] else None}
+            "warmup_peak": {"step": m["warm_peak"][0], "bytes": m["warm_peak"][1]} if m["warm_peak"] else None,
+            "reserved_over_allocated_at_worst": m["reserved_ratio"]}
 
 
 def largest_of(forecast: dict, config_key: str):

@@ -176,3 +176,8 @@ def test_hotspots_says_the_forecast_in_its_json_and_text(tmp_path):
     text = format_hotspots(rep)
     assert f"--tokens-per-batch up to {tokens['largest']:,} (now 4096;" in text
     assert "from 60 steps' allocator peaks past warm-up, 2 rank(s)" in text
+
+
+def test_each_rank_says_its_reserved_over_allocated_at_the_worst_step(tmp_path):
+    fc = memory_forecast(load_run(write_run(tmp_path / "run")))
+    assert [r["reserved_over_allocated_at_worst"] for r in fc["ranks"]] == [pytest.approx(1.3)] * 2
