@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import profiler
 from dflash import checkpoint, startup, transfer
+from dflash.attention import resolve_backend
 from dflash.config import TrainConfig
 from dflash.data import TokenBatcher
 from dflash.flops import target_forward_flops
@@ -226,8 +227,7 @@ def target_step(ctx: WorkerContext, target: TargetCapture, batches, sender: tran
     flops = target_forward_flops(target.config, batch.attention_mask.sum(1), target.layer_ids)   # a CPU mask
     profiler.count("tokens", batch.num_tokens)
     profiler.count("samples", int(batch.input_ids.shape[0]))
-    rows, longest = batch.input_ids.shape   # padded rows x longest: what the target held (sizes of a CPU tensor)
-    profiler.memory_sizes(target_tokens=rows * longest, target_attention_cells=rows * longest * longest)
+    profiler.memory_sizes(**target_sizes(*batch.input_ids.shape))   # a shape: no sync
     profiler.count("model_flops", flops)
     return batch.num_tokens, flops
 
@@ -340,6 +340,21 @@ def _end_transfers(*steps: Callable[[], object]) -> None:
             step()
 
 
+def target_sizes(rows: int, longest: int) -> dict:
+    """The target step's sizes for the memory forecast (dflash/pipeline.py MEMORY_SIZES): its padded batch, rows x
+    longest tokens, and the score cells an attention keeping its scores holds, rows x longest^2."""
+    return {"target_tokens": rows * longest, "target_attention_cells": rows * longest * longest}
+
+
+def drafter_sizes(n_tokens: int, block_rows: int, backend: str) -> dict:
+    """The drafter step's sizes (MEMORY_SIZES): its context tokens and draft blocks' rows, and under dense attention
+    the [block rows, context + block rows] cells of its mask and each head's scores."""
+    sizes = {"drafter_tokens": n_tokens, "block_rows": block_rows}
+    if backend == "dense":
+        sizes["drafter_score_cells"] = block_rows * (n_tokens + block_rows)
+    return sizes
+
+
 def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message) -> tuple:
     cfg, model = ctx.cfg, state.model
     with profiler.span("drafter.unpack"):
@@ -381,7 +396,8 @@ def drafter_step(ctx: WorkerContext, state: DrafterState, msg: transfer.Message)
     state.consumed[msg.src] = state.consumed.get(msg.src, 0) + 1
     profiler.count("tokens", n_tokens)
     profiler.count("steps", 1)
-    profiler.memory_sizes(drafter_tokens=n_tokens, block_rows=out.num_anchors * model.block_size)
+    profiler.memory_sizes(**drafter_sizes(n_tokens, out.num_anchors * model.block_size,
+                                          resolve_backend(model.config.attn_backend, ctx.device)))
     profiler.count("model_flops", out.model_flops)
     # The loss as trained on (nan@drafter.fwd_bwd included); lr: the next step's, as the interval's metric says.
     lr = state.scheduler.get_last_lr()[0]

@@ -135,6 +135,9 @@ MEMORY_SIZES = {
                        "what": "the drafter's context: the packed batch's tokens"},
     "block_rows": {"role": "drafter", "scales": {"--num-anchors": 1, "--tokens-per-batch": 1},
                    "what": "the drafter's draft blocks' rows: anchors x block size"},
+    "drafter_score_cells": {"role": "drafter", "scales": {"--tokens-per-batch": 2, "--num-anchors": 2},
+                            "what": "dense attention only: the block rows x (context + block rows) cells of its "
+                                    "mask and each head's scores"},
 }
 """The sizes the loops name per step (`profiler.memory_sizes`, dflash/loops.py) and how each grows with the settings
 that scale it: the memory forecast's "largest --tokens-per-batch / --max-length / --num-anchors that fits"
@@ -143,7 +146,9 @@ that scale it: the memory forecast's "largest --tokens-per-batch / --max-length 
 (rows x longest^2 = tokens x longest, what an attention that keeps its scores holds; a flash kernel's fit gives them
 ~0 bytes) grow linearly with it, its tokens do not. More tokens a batch means more documents, so more anchors
 (--num-anchors is per document): the draft blocks' rows grow with both. Flex attention's memory grows linearly with
-the tokens (no score matrix), so every exponent is 1."""
+the tokens (no score matrix); dense attention holds a [block rows, context + block rows] mask and scores, named
+as drafter_score_cells only under it: both of its factors grow with the batch (power 2), and with the anchors its
+block part does (power 2, an upper bound on the context part's linear growth)."""
 MEMORY_CAPS = {"--max-length": "--tokens-per-batch"}
 """A setting no forecast may take past another's value: a row longer than a batch does not fit in one
 (dflash/config.py refuses --max-length above --tokens-per-batch)."""

@@ -128,34 +128,41 @@ def need_fn(model: dict, flag: str, sizes: dict) -> tuple:
     """(need(s), basis, binding): the rank's bytes at the setting `flag` scaled by s (its steady model, the
     transient where above it), the model's basis in words, and whether the warm-up's transient binds."""
     described = {n: views.MemorySize.of(e) for n, e in sizes.items()}
-    scaled = {n for n, size in described.items()
-              if size.exponent(flag) is not None and size.role in (None, model["role"])}
-    exponent = max([described[n].exponent(flag) for n in scaled] or [1.0])
+    exps = {n: size.exponent(flag) for n, size in described.items()
+            if size.exponent(flag) is not None and size.role in (None, model["role"])}
     rows, fixed = model["rows"], model["fixed_bytes"]
     named = {n for r, _ in rows for n in r}
-    if not rows or not (named & scaled):
+    if not rows or not (named & set(exps)):
         worst = max([fixed + own for _, own in rows] or [model["warm_peak"][1]])
         return (lambda s: worst), "does not scale with it", False
-    if named <= scaled:
-        worst = max(own for _, own in rows)
+    if named <= set(exps) and len({exps[n] for n in named}) == 1:
+        worst, exponent = max(own for _, own in rows), exps[next(iter(named))]
         steady = lambda s: fixed + worst * s ** exponent   # noqa: E731
-        basis = "every size it names scales with it"
+        basis = "every size it names scales with it" + (f" (as its power {exponent:g})" if exponent != 1 else "")
     else:
-        names = sorted(named)
-        coef = nnls([[r.get(n, 0.0) for n in names] for r, _ in rows], [own for _, own in rows])
-        fit = [sum(c * r.get(n, 0.0) for c, n in zip(coef, names)) for r, _ in rows]
-        slack = max(0.0, max(own - f for (_, own), f in zip(rows, fit)))
-        split = [(sum(c * r.get(n, 0.0) for c, n in zip(coef, names) if n in scaled),
-                  sum(c * r.get(n, 0.0) for c, n in zip(coef, names) if n not in scaled)) for r, _ in rows]
-        steady = lambda s: fixed + slack + max(a * s ** exponent + b for a, b in split)   # noqa: E731
-        basis = "its own bytes split between its sizes by a least-squares fit (" + ", ".join(
-            f"{n} {c:.4g} B each" for n, c in zip(names, coef)) + ")"
+        steady, basis = _fitted(rows, fixed, exps)
     warm = model["warm_peak"]
     at_run = steady(1.0)
     if warm is not None and warm[1] > at_run:
         ratio = warm[1] / at_run
         return (lambda s: steady(s) * ratio), basis + f"; the warm-up's step {warm[0]} peak is {ratio:.2f}x it", True
     return steady, basis, False
+
+
+def _fitted(rows: list, fixed: float, exps: dict) -> tuple:
+    """(steady(s), basis): a step's own bytes split between its sizes by a non-negative least-squares fit through
+    the origin, each size's part scaled by s to its own power (1 where the setting does not scale it: s^0), the
+    worst step's residual above the fit added back, the worst step at s taken."""
+    names = sorted({n for r, _ in rows for n in r})
+    coef = nnls([[r.get(n, 0.0) for n in names] for r, _ in rows], [own for _, own in rows])
+    fit = [sum(c * r.get(n, 0.0) for c, n in zip(coef, names)) for r, _ in rows]
+    slack = max(0.0, max(own - f for (_, own), f in zip(rows, fit)))
+    power = [exps.get(n, 0.0) for n in names]
+    terms = [[c * r.get(n, 0.0) for c, n in zip(coef, names)] for r, _ in rows]
+    steady = lambda s: fixed + slack + max(sum(t * s ** e for t, e in zip(row, power)) for row in terms)   # noqa: E731
+    basis = "its own bytes split between its sizes by a least-squares fit (" + ", ".join(
+        f"{n} {c:.4g} B each" + (f", as s^{exps[n]:g}" if n in exps else "") for n, c in zip(names, coef)) + ")"
+    return steady, basis
 
 
 def _setting(run: Run, flag: str, sizes: dict, models: list, gpus: dict, cap_flag: str | None) -> dict:

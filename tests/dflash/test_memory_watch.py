@@ -91,3 +91,20 @@ def test_dflash_profile_memory_says_the_reports_forecast_from_the_logs_so_far(tm
     short = live_fields(write_run(tmp_path / "short", steps=14, interval_steps=7))
     assert live_lines(short) == ["memory forecast: none yet: too few steps past warm-up to forecast from: rank 0 "
                                  "has 7 (at least 8)"]
+
+
+def test_the_loops_name_only_sizes_the_table_describes_for_their_role():
+    """Each size a loop names is a MEMORY_SIZES entry of its role (a size the table lacks would be fitted but never
+    scaled); dense attention adds the drafter's score cells, flex does not."""
+    from dflash import pipeline
+    from dflash.loops import drafter_sizes, target_sizes
+    named = {"target": target_sizes(3, 512),
+             "drafter": drafter_sizes(4096, 1024, "dense"), "drafter-flex": drafter_sizes(4096, 1024, "flex")}
+    for who, sizes in named.items():
+        role = who.split("-")[0]
+        assert all(pipeline.MEMORY_SIZES[n]["role"] == role for n in sizes), (who, sizes)
+    assert named["target"] == {"target_tokens": 1536, "target_attention_cells": 3 * 512 * 512}
+    assert named["drafter"]["drafter_score_cells"] == 1024 * (4096 + 1024)
+    assert "drafter_score_cells" not in named["drafter-flex"]
+    described = {n for e in (target_sizes(1, 1), drafter_sizes(1, 1, "dense")) for n in e}
+    assert described == set(pipeline.MEMORY_SIZES)   # and every entry is named by some loop

@@ -32,12 +32,13 @@ def step_sizes(role: str, rng: random.Random) -> dict:
         rows = int(4096 * fill) // longest
         return {"target_tokens": rows * longest, "target_attention_cells": rows * longest * longest}
     docs = rng.randint(1, 4)
-    return {"drafter_tokens": int(4096 * fill), "block_rows": int(docs * rng.uniform(0.5, 1.0) * 64 * 16 / 4)}
+    tokens, rows = int(4096 * fill), int(docs * rng.uniform(0.5, 1.0) * 64 * 16 / 4)
+    return {"drafter_tokens": tokens, "block_rows": rows, "drafter_score_cells": rows * (tokens + rows)}
 
 
 def peak(role: str, sizes: dict, law=LAW) -> float:
     fixed, per = law[role]
-    return fixed + sum(per[n] * v for n, v in sizes.items())
+    return fixed + sum(per.get(n, 0) * v for n, v in sizes.items())
 
 
 def write_run(run_dir, steps=40, warm_peak=None, sizes=SIZES, cuda=True, interval_steps=10, caps=None, law=LAW):
@@ -79,13 +80,11 @@ def law_need(flag: str, sizes=SIZES, law=LAW):
         rows = [{n: v for n, v in step_sizes(role, rng).items() if n in sizes}
                 for _ in range(40)][10:]   # past the warm-up interval
         fixed, per = law[role]
-        scaled = [sum(per[n] * v for n, v in s.items() if n in sizes and flag in sizes[n]["scales"]) for s in rows]
-        rest = [sum(per[n] * v for n, v in s.items() if not (n in sizes and flag in sizes[n]["scales"]))
-                for s in rows]
-        worst[role] = (fixed, list(zip(scaled, rest)))
+        power = lambda n: sizes[n]["scales"].get(flag, 0) if n in sizes else 0   # noqa: E731
+        worst[role] = (fixed, [[(per[n] * v, power(n)) for n, v in s.items()] for s in rows])
 
     def need(x):
-        return sum(f + max(a * x + b for a, b in pairs) for f, pairs in worst.values())
+        return sum(f + max(sum(t * x ** e for t, e in row) for row in steps) for f, steps in worst.values())
     return need
 
 
@@ -143,6 +142,28 @@ def test_max_length_scales_the_targets_score_cells_only_and_is_capped_by_the_bat
     assert setting["capped_by"] == {"flag": "--tokens-per-batch", "value": 4096, "memory_largest": None}
     tokens = next(s for s in flash["settings"] if s["flag"] == "--tokens-per-batch")
     assert tokens["capped_by"] is None   # the cells scale with the batch too: its forecast still counts them
+
+
+@pytest.mark.parametrize("flag", ["--tokens-per-batch", "--num-anchors"])
+def test_dense_attentions_score_cells_grow_as_their_own_power(tmp_path, flag):
+    """Under dense attention the drafter names its [block rows, context + block rows] cells, which grow as the
+    square of the batch: the fit scales each size's part by its own power, so the forecast is the law's, and the
+    square makes it smaller than a law without the cells (flex) would allow."""
+    cells = {"drafter_score_cells": {"role": "drafter", "scales": {"--tokens-per-batch": 2, "--num-anchors": 2},
+                                     "what": "s"}}
+    sizes = {**SIZES, "block_rows": {"role": "drafter", "scales": {"--num-anchors": 1, "--tokens-per-batch": 1},
+                                     "what": "b"}, **cells}
+    dense = {**LAW, "drafter": (5 * GIB, {"drafter_tokens": 2 ** 20, "block_rows": 2 ** 20,
+                                          "drafter_score_cells": 2 ** 9})}
+    fc = memory_forecast(load_run(write_run(tmp_path / "dense", sizes=sizes, law=dense)))
+    setting = next(s for s in fc["settings"] if s["flag"] == flag)
+    current = CONFIG[flag.lstrip("-").replace("-", "_")]
+    want = _bisect(law_need(flag, sizes, dense), setting["limit_bytes"]) * current
+    assert setting["largest"] == pytest.approx(want, rel=0.01) and setting["largest"] <= want * 1.001
+    assert "drafter_score_cells" in setting["basis"]["0"] and "as s^2" in setting["basis"]["0"]
+    linear = {**dense, "drafter": (5 * GIB, {**dense["drafter"][1], "drafter_score_cells": 0})}
+    flat = memory_forecast(load_run(write_run(tmp_path / "linear", sizes=sizes, law=linear)))
+    assert setting["largest"] < next(s for s in flat["settings"] if s["flag"] == flag)["largest"]
 
 
 def outside_of(run) -> float:
