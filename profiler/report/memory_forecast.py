@@ -1,14 +1,16 @@
 """The memory forecast (docs/REPORT.md `memory_forecast`): per setting that scales a step's sizes (run_start
-`memory_sizes`: dflash-train's --tokens-per-batch and --num-anchors), the largest value that keeps HEADROOM_SHARE
-of every GPU free, from the run's own per-step allocator peaks (interval `memory.steps`, profiler/memory_steps.py).
+`memory_sizes`: dflash-train's --tokens-per-batch, --max-length and --num-anchors), the largest value that keeps
+HEADROOM_SHARE of every GPU free, from the run's own per-step allocator peaks (interval `memory.steps`,
+profiler/memory_steps.py), at most the run's value of the setting run_start `memory_caps` names for it.
 
 Per rank, from the steps past warm-up that named their sizes:
 - fixed bytes: the median of what stayed allocated once a step ended (weights, optimizer state, staged batches);
 - a step's own bytes: its peak allocated minus the fixed bytes. Where all of a rank's sizes scale with the
-  setting, the worst step's own bytes scale with it: need(s) = fixed + max over steps of own * s^exponent, s the
-  setting over its value in the run. Where only some do, a non-negative least-squares fit through the origin
-  splits a step's own bytes between its sizes, and the worst step's residual above the fit is added back (the
-  forecast bounds every step seen); a rank none of whose sizes scale keeps its worst step's peak;
+  setting as one power, the worst step's own bytes scale with it: need(s) = fixed + max over steps of own *
+  s^exponent, s the setting over its value in the run. Otherwise a non-negative least-squares fit through the
+  origin splits a step's own bytes between its sizes, each part scaled by s to its size's own power (s^0 for a
+  size the setting does not scale), and the worst step's residual above the fit is added back (the forecast
+  bounds every step seen); a rank none of whose sizes scale keeps its worst step's peak;
 - the transient: the highest peak of a warm-up step (compilation, autotune: the seeds' OOM), which scales with
   the step's as its ratio to the steady need at the run's setting when it is above it, and is named as binding.
 Per GPU (ranks on one GPU add): the limit is (1 - HEADROOM_SHARE) of its NVML total less what is used outside the
