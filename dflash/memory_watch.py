@@ -103,11 +103,17 @@ def _forecast(run_dir, second_core: bool = False) -> dict:
 def live_fields(run_dir, forecast=None) -> dict:
     """`dflash-profile memory`'s forecast from another process: the `memory_forecast` event's fields over the
     run's logs so far (the figure hotspots gives for them), its `reason` saying why where there is no basis."""
-    return event_fields((forecast or _forecast)(run_dir, second_core=True))
+    try:
+        return {**event_fields((forecast or _forecast)(run_dir, second_core=True)), "error": None}
+    except Exception as e:   # noqa: BLE001 - the snapshots are saved by now: a failing forecast is one line
+        return {"headroom_share": None, "reason": None, "steps": 0, "settings": [],
+                "error": f"{type(e).__name__}: {e}"}
 
 
 def live_lines(fields: dict) -> list:
     """The forecast as `dflash-profile memory` prints it under the ranks' snapshots."""
+    if fields.get("error"):
+        return [f"memory forecast: not available ({fields['error']})"]
     if fields["reason"] is not None or not fields["settings"]:
         return [f"memory forecast: none yet: {fields['reason'] or 'no setting scales the sizes of the steps'}"]
     return [line.replace("dflash-train: ", "") for line in console_lines(fields)]

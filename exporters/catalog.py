@@ -214,7 +214,8 @@ FAMILIES = {f.key: f for f in (
        "span", "tensor", "bound", otel=Otel("dflash.numerics.out_of_range", "1")),
     _f("memory_forecast_largest", "memory_forecast_largest", None, "gauge",
        "The largest value of the setting (setting: its flag, --tokens-per-batch, --max-length or --num-anchors; in "
-       "its own unit) that keeps 5% of every GPU free, by the run's last memory_forecast event (rank 0 of a CUDA run, "
+       "its own unit) that keeps 5% of every GPU free, at most the value of a setting that caps it (--max-length: "
+       "--tokens-per-batch), by the run's last memory_forecast event (rank 0 of a CUDA run, "
        "dflash/memory_watch.py); absent where the run's value is not a number.", "setting",
        otel=Otel("dflash.memory.forecast.largest", "1")),
     _f("memory_forecast_scale", "memory_forecast_scale", "ratio", "gauge",

@@ -84,7 +84,7 @@ def test_dflash_profile_memory_says_the_reports_forecast_from_the_logs_so_far(tm
     from dflash.memory_watch import live_fields, live_lines
     logs = write_run(tmp_path / "logs")
     fields = live_fields(logs)
-    assert fields == event_fields(memory_forecast(load_run(logs)))
+    assert fields == {**event_fields(memory_forecast(load_run(logs))), "error": None}
     tokens = next(s for s in fields["settings"] if s["flag"] == "--tokens-per-batch")
     assert live_lines(fields)[-1].startswith(f"memory forecast: --tokens-per-batch up to {tokens['largest']:,} fit "
                                             "(now 4096;")
@@ -108,3 +108,9 @@ def test_the_loops_name_only_sizes_the_table_describes_for_their_role():
     assert "drafter_score_cells" not in named["drafter-flex"]
     described = {n for e in (target_sizes(1, 1), drafter_sizes(1, 1, "dense")) for n in e}
     assert described == set(pipeline.MEMORY_SIZES)   # and every entry is named by some loop
+
+
+def test_a_failing_live_forecast_is_one_line_after_the_saved_snapshots(tmp_path):
+    from dflash.memory_watch import live_fields, live_lines
+    broken = live_fields(tmp_path, forecast=lambda run_dir, second_core: 1 / 0)
+    assert live_lines(broken) == ["memory forecast: not available (ZeroDivisionError: division by zero)"]
