@@ -4,11 +4,12 @@ target, every other setting its default, --device cuda); the table gives, per ru
 event (step, stage, rule, projected steps to overflow), the first `nonfinite` event's step and the lead between.
 
     python3 bench/gpu/numerics_check.py [--out DIR] [--healthy 3] [--device cuda|cpu] [--lr 3000,1e5] [--only WORDS]
-                                        [--seed0 0] [--parallel N]
+                                        [--seed0 0] [--parallel N] [--default-settings]
 
 Cases: drift@target.pack_hidden:step=20,factor=4 at --profile-interval 2 and at the default 60;
 drift@drafter.fwd_bwd:step=20,factor=4; --lr DIVERGING_LR; --healthy seeds with no fault. `--device cpu` runs the
-same on the CPU (small settings: a check of this script). Exits 1 when a faulty run has no warning on its stage
+same on the CPU (small settings: a check of this script; `--default-settings` keeps the default run's settings
+there too, for the issue's healthy default runs on the CPU). Exits 1 when a faulty run has no warning on its stage
 LEAD_STEPS before its first non-finite value, or a healthy run warns.
 """
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed0", type=int, default=0, help="the first healthy seed (default: %(default)s)")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (default: %(default)s; a run's steps are "
                    "what is judged, not its speed)")
+    p.add_argument("--default-settings", action="store_true", help="on the CPU, the default run's settings rather "
+                   "than the small ones")
     args = p.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="numerics_check_", dir=os.environ.get("OUT") or None))
     root.mkdir(parents=True, exist_ok=True)
@@ -78,20 +81,19 @@ def main(argv=None) -> int:
             if not words or any(w in c[0] for w in words)]
     failed, running = 0, []
     for i, case in enumerate(todo):
-        running.append(start(root, args.device, *case))
+        running.append(start(root, args.device, *case, small=args.device == "cpu" and not args.default_settings))
         while running and (len(running) >= args.parallel or i == len(todo) - 1):
             failed += finish(running.pop(0))
     print(f"{failed} failed; runs under {root}")
     return 1 if failed else 0
 
 
-def start(root: Path, device: str, name: str, extra: list, fault: str, stage) -> tuple:
-    """One case's dflash-train started: (name, stage, run dir, process, start time)."""
+def start(root: Path, device: str, name: str, extra: list, fault: str, stage, small: bool = False) -> tuple:
+    """One case's dflash-train started: (name, stage, run dir, process, start time); `small`: CPU_SMALL's settings."""
     run = root / name.replace(" ", "_")
-    small = CPU_SMALL if device == "cpu" else []
     log = open(root / f"{run.name}.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--device", device,
-                             "--metrics-port", "0", *small, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                             "--metrics-port", "0", *(CPU_SMALL if small else []), *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, DFLASH_FAULT=fault))
     log.close()
     return name, stage, run, proc, time.monotonic()
