@@ -43,13 +43,14 @@ def cases(healthy: int, lrs: list, seed0: int = 0) -> list:
     return out + [(f"healthy seed {s}", ["--seed", str(s)], "", None) for s in range(seed0, seed0 + healthy)]
 
 
-def judge(run: Path, stage: str | None) -> tuple[bool, str]:
-    """(ok, the row's text) of one finished run."""
+def judge(run: Path, stage: str | None, rc: int = 0) -> tuple[bool, str]:
+    """(ok, the row's text) of one finished run; a healthy run must also have exited 0 (a run that died before
+    its steps is not quiet, it is not a run)."""
     warned = sorted(events(run, "numerics_drift"), key=lambda e: e.step)
     bad = sorted(e.step for e in events(run, "nonfinite"))
     first_bad = bad[0] if bad else None
     if stage is None:
-        return not warned, f"{len(warned)} warning(s), first non-finite {first_bad}"
+        return not warned and rc == 0, f"{len(warned)} warning(s), first non-finite {first_bad}"
     named = [e for e in warned if not stage or e.span == stage]
     if not named or first_bad is None:
         return False, f"warnings {[(e.step, e.span, e.tensor) for e in warned]}, first non-finite {first_bad}"
@@ -103,7 +104,7 @@ def finish(case: tuple) -> int:
     """Wait for one started case, print its row; 1 if it failed."""
     name, stage, run, proc, t0 = case
     rc = proc.wait()
-    ok, text = judge(run, stage)
+    ok, text = judge(run, stage, rc)
     print(f"{'ok  ' if ok else 'FAIL'} {name:<26} rc {rc} {time.monotonic() - t0:6.1f} s  {text}", flush=True)
     return 0 if ok else 1
 
