@@ -94,8 +94,8 @@ def start(root: Path, device: str, name: str, extra: list, fault: str, stage, sm
     run = root / name.replace(" ", "_")
     log = open(root / f"{run.name}.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", "--run-dir", str(run), "--device", device,
-                             "--metrics-port", "0", *(CPU_SMALL if small else []), *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, DFLASH_FAULT=fault))
+                             "--metrics-port", "0", *(CPU_SMALL if small else []), *extra],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, DFLASH_FAULT=fault))
     log.close()
     return name, stage, run, proc, time.monotonic()
 
